@@ -1,0 +1,61 @@
+"""Decoder-only language models: config, parameters, forward paths and HF checkpoints.
+
+from jaxrl_llm import models
+cfg, params = models.load_hf(path, mesh=None, dtype="float32")
+logits = models.logits(cfg, params, input_ids, attention_mask)  # [B, T, V] float32
+models.save_hf(cfg, params, out_dir, tokenizer_dir=None)
+"""
+
+from jaxrl_llm.models.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    UnsupportedModelError,
+)
+from jaxrl_llm.models.hf_io import CheckpointError, load_hf, save_hf
+from jaxrl_llm.models.params import (
+    ParamSpec,
+    count_params,
+    init_params,
+    param_shardings,
+    param_specs,
+)
+from jaxrl_llm.models.partitioning import DEFAULT_RULES, logical_to_sharding, logical_to_spec
+from jaxrl_llm.models.transformer import (
+    KVCache,
+    decode_step,
+    default_positions,
+    extend,
+    forward,
+    init_cache,
+    logits,
+    prefill,
+    project,
+    unembed_matrix,
+)
+
+__all__ = [
+    "DEFAULT_RULES",
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointError",
+    "KVCache",
+    "ModelConfig",
+    "ParamSpec",
+    "UnsupportedModelError",
+    "count_params",
+    "decode_step",
+    "default_positions",
+    "extend",
+    "forward",
+    "init_cache",
+    "init_params",
+    "load_hf",
+    "logical_to_sharding",
+    "logical_to_spec",
+    "logits",
+    "param_shardings",
+    "param_specs",
+    "prefill",
+    "project",
+    "save_hf",
+    "unembed_matrix",
+]

@@ -1,0 +1,238 @@
+"""ModelConfig: the decoder's hyperparameters, read from a Hugging Face `config.json`.
+
+One config class covers every supported architecture; the differences between them are a
+handful of flags (qkv bias, q/k RMSNorm, tied embeddings, RoPE scaling). Anything the
+decoder does not implement (sliding-window attention, MoE, other activations, other RoPE
+variants) is refused here with one line naming the option, so a checkpoint never loads
+into a model that silently computes something else.
+
+Reads both the transformers 4.x layout (`rope_theta` + `rope_scaling`) and the 5.x layout
+(`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for an architecture or option the decoder does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of the decoder. Frozen and hashable: it is a static jit argument.
+
+    `rope_scaling` is a sorted tuple of (key, value) pairs so the config stays hashable;
+    `hf_config` keeps the original `config.json` text so `save_hf` writes it back intact.
+    """
+
+    architecture: str  # HF class name, e.g. "Qwen3ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (always), Llama/Qwen3 with attention_bias
+    o_bias: bool = False  # Llama/Qwen3 with attention_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    initializer_range: float = 0.02
+    # Runtime knobs (not part of the HF config).
+    remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
+    hf_config: str = dataclasses.field(default="", compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
+        scaling = dict(self.rope_scaling or ())
+        if scaling.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope type {scaling['rope_type']!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @property
+    def model_type(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameter count, as `sum(p.size for p in params)` would give."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
+        attn += d if self.o_bias else 0
+        attn += 2 * h if self.qk_norm else 0
+        layer = attn + 3 * d * f + 2 * d
+        n = self.num_layers * layer + d
+        if include_embeddings:
+            n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        elif not self.tie_word_embeddings:
+            n += self.vocab_size * d  # the output projection is a matmul, count it
+        return n
+
+    # ----------------------------------------------------------------- HF conversion
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike, **runtime) -> ModelConfig:
+        """Reads `<path>/config.json`."""
+        config_path = os.path.join(os.fspath(path), "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"{config_path}: no config.json in the model directory")
+        with open(config_path, encoding="utf-8") as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+        return cls.from_hf_dict(d, source=config_path, **runtime)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config.json", **runtime) -> ModelConfig:
+        """Builds the config from a HF config dict, refusing what the decoder lacks."""
+        arch = _architecture(d, source)
+        _refuse_unsupported(d, arch, source)
+        try:
+            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+            rope_theta, scaling = _rope(d)
+            return cls(
+                architecture=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+                o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                initializer_range=float(d.get("initializer_range", 0.02)),
+                hf_config=json.dumps(d, sort_keys=True),
+                **runtime,
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: required key {e.args[0]!r} is missing") from None
+
+    def to_hf_dict(self) -> dict:
+        """The HF config dict: the original one when loaded from HF, else built from fields."""
+        if self.hf_config:
+            return json.loads(self.hf_config)
+        d = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+        }
+        if self.architecture != "Qwen2ForCausalLM":
+            d["attention_bias"] = self.o_bias
+        elif self.o_bias or not self.qkv_bias:
+            raise ValueError("Qwen2 has qkv bias and no output bias; cannot express this config")
+        if self.architecture == "MistralForCausalLM":
+            d["sliding_window"] = None
+        return d
+
+
+def _architecture(d: dict, source: str) -> str:
+    archs = d.get("architectures") or []
+    if not archs and d.get("model_type") in _MODEL_TYPE_TO_ARCH:
+        archs = [_MODEL_TYPE_TO_ARCH[d["model_type"]]]
+    if len(archs) != 1:
+        raise UnsupportedModelError(
+            f"{source}: architectures={archs!r}; expected exactly one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: architecture {archs[0]!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return archs[0]
+
+
+def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
+    """One clear line for each option the decoder would otherwise silently ignore."""
+
+    def refuse(what: str):
+        raise UnsupportedModelError(f"{source}: {what} is not supported ({arch})")
+
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):
+        refuse(f"hidden_act={d['hidden_act']!r} (only silu)")
+    if d.get("mlp_bias"):
+        refuse("mlp_bias=true")
+    if any(k in d for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        refuse("mixture-of-experts")
+    if d.get("pretraining_tp", 1) not in (1, None):
+        refuse(f"pretraining_tp={d['pretraining_tp']}")
+    window = d.get("sliding_window")
+    uses_window = d.get("use_sliding_window", arch == "MistralForCausalLM")
+    if uses_window and window is not None:
+        if int(window) < int(d.get("max_position_embeddings", 0)):
+            refuse(f"sliding-window attention (sliding_window={window})")
+    layer_types = set(d.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        refuse(f"layer_types={sorted(layer_types)} (only full_attention)")
+    if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+        refuse(f"partial_rotary_factor={d['partial_rotary_factor']}")
+
+
+def _rope(d: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(theta, scaling) from either `rope_parameters` (5.x) or `rope_scaling` (4.x)."""
+    params = dict(d.get("rope_parameters") or {})
+    scaling = dict(d.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    merged = {**scaling, **params}
+    if "type" in merged and "rope_type" not in merged:  # 4.x spelling
+        merged["rope_type"] = merged.pop("type")
+    merged.pop("type", None)
+    merged.setdefault("rope_type", "default")
+    if merged["rope_type"] == "default" and len(merged) == 1:
+        return theta, None
+    return theta, tuple(sorted(merged.items()))

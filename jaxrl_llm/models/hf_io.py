@@ -1,0 +1,270 @@
+"""Hugging Face checkpoints in and out: `load_hf` and `save_hf`.
+
+Loading reads each tensor straight into its target sharding with
+`jax.make_array_from_callback`: every device shard is cut from the memory-mapped file,
+converted to the requested dtype and copied to its device, so no host ever holds a full
+copy of the model (each process reads only its own devices' shards). Stacked layer
+parameters [L, ...] are assembled from the L per-layer HF tensors the same way.
+
+Every tensor the decoder expects must be present with the expected shape, and every
+tensor in the checkpoint must be used: the only exceptions are RoPE `inv_freq` buffers
+(recomputed from the config) and `lm_head.weight` when the embeddings are tied (HF ties
+it to the embedding as well).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxrl_llm.models import partitioning
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.params import param_specs, unflatten
+from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model its config.json describes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """How one parameter of ours relates to HF tensors.
+
+    `name` is the HF name (with `{i}` for the layer index of stacked parameters);
+    `to_ours` turns the HF array into our layout (views only: it runs on memory maps);
+    `to_hf` is its inverse.
+    """
+
+    name: str
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.name
+
+
+def _identity(x):
+    return x
+
+
+def _mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
+    D, H = cfg.hidden_size, cfg.head_dim
+    N, K = cfg.num_heads, cfg.num_kv_heads
+
+    def in_heads(n):  # HF [n*H, D] <-> ours [D, n, H]
+        return Mapping("", lambda w: w.T.reshape(D, n, H), lambda w: w.reshape(D, n * H).T)
+
+    def bias(n):  # HF [n*H] <-> ours [n, H]
+        return Mapping("", lambda b: b.reshape(n, H), lambda b: b.reshape(n * H))
+
+    transpose = Mapping("", lambda w: w.T, lambda w: w.T)
+    same = Mapping("", _identity, _identity)
+    out_heads = Mapping("", lambda w: w.T.reshape(N, H, D), lambda w: w.reshape(N * H, D).T)
+    layer = "model.layers.{i}."
+    table = {
+        ("embed",): ("model.embed_tokens.weight", same),
+        ("final_norm",): ("model.norm.weight", same),
+        ("lm_head",): ("lm_head.weight", transpose),
+        ("layers", "attn_norm"): (layer + "input_layernorm.weight", same),
+        ("layers", "q"): (layer + "self_attn.q_proj.weight", in_heads(N)),
+        ("layers", "k"): (layer + "self_attn.k_proj.weight", in_heads(K)),
+        ("layers", "v"): (layer + "self_attn.v_proj.weight", in_heads(K)),
+        ("layers", "o"): (layer + "self_attn.o_proj.weight", out_heads),
+        ("layers", "q_bias"): (layer + "self_attn.q_proj.bias", bias(N)),
+        ("layers", "k_bias"): (layer + "self_attn.k_proj.bias", bias(K)),
+        ("layers", "v_bias"): (layer + "self_attn.v_proj.bias", bias(K)),
+        ("layers", "o_bias"): (layer + "self_attn.o_proj.bias", same),
+        ("layers", "q_norm"): (layer + "self_attn.q_norm.weight", same),
+        ("layers", "k_norm"): (layer + "self_attn.k_norm.weight", same),
+        ("layers", "mlp_norm"): (layer + "post_attention_layernorm.weight", same),
+        ("layers", "gate"): (layer + "mlp.gate_proj.weight", transpose),
+        ("layers", "up"): (layer + "mlp.up_proj.weight", transpose),
+        ("layers", "down"): (layer + "mlp.down_proj.weight", transpose),
+    }
+    specs = param_specs(cfg)
+    return {path: dataclasses.replace(table[path][1], name=table[path][0]) for path in specs}
+
+
+def _hf_shape(m: Mapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+    per_layer = our_shape[1:] if m.stacked else our_shape
+    return m.to_hf(np.empty(per_layer, np.int8)).shape
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or (
+        cfg.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+def _validate(cfg: ModelConfig, ckpt: Checkpoint, path: str) -> None:
+    """Every expected tensor present with its shape, and nothing left over."""
+    specs, expected = param_specs(cfg), {}
+    for p, m in _mappings(cfg).items():
+        hf_shape = _hf_shape(m, specs[p].shape)
+        layers = range(cfg.num_layers) if m.stacked else [None]
+        for i in layers:
+            expected[m.name.format(i=i)] = hf_shape
+    for name, shape in expected.items():
+        if name not in ckpt:
+            raise CheckpointError(f"{path}: tensor {name!r} is missing from the checkpoint")
+        got = ckpt.tensors[name].shape
+        if got != shape:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
+                f"from config.json"
+            )
+    extra = sorted(n for n in ckpt.names() if n not in expected and not _ignorable(n, cfg))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(
+            f"{path}: unexpected tensor {extra[0]!r}{more}: the {cfg.architecture} decoder "
+            f"has no parameter for it"
+        )
+
+
+def load_hf(path, mesh=None, dtype="float32", rules=None, **runtime):
+    """Loads a local HF model directory -> (ModelConfig, params).
+
+    Args:
+      path: directory with config.json and *.safetensors (single, several, or index json).
+      mesh: a `jax.sharding.Mesh` with axes ('data', 'fsdp', 'tensor'); None = one device.
+      dtype: parameter dtype ("float32", "bfloat16", ...); files may be fp32/fp16/bf16.
+      rules: logical-axis rules (default `partitioning.DEFAULT_RULES`).
+      runtime: ModelConfig runtime fields, e.g. remat="full".
+    """
+    path = os.fspath(path)
+    cfg = ModelConfig.from_hf_dir(path, **runtime)
+    ckpt = Checkpoint(path)
+    _validate(cfg, ckpt, path)
+    dtype = np.dtype(jnp.dtype(dtype))
+    specs, flat = param_specs(cfg), {}
+    for p, m in _mappings(cfg).items():
+        spec = specs[p]
+        sharding = partitioning.logical_to_sharding(spec.axes, spec.shape, mesh, rules)
+        flat[p] = jax.make_array_from_callback(
+            spec.shape, sharding, _shard_reader(ckpt, m, spec.shape, dtype)
+        )
+    return cfg, unflatten(flat)
+
+
+def _shard_reader(ckpt: Checkpoint, m: Mapping, shape, dtype):
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        if not m.stacked:
+            return np.asarray(m.to_ours(ckpt.get(m.name))[index], dtype=dtype)
+        layers = range(*index[0].indices(shape[0]))
+        return np.stack(
+            [
+                np.asarray(m.to_ours(ckpt.get(m.name.format(i=i)))[index[1:]], dtype=dtype)
+                for i in layers
+            ]
+        )
+
+    return read
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_hf(
+    cfg: ModelConfig,
+    params,
+    out_dir,
+    tokenizer_dir=None,
+    dtype=None,
+    max_shard_bytes: int = 2 << 30,
+) -> None:
+    """Writes params as a HF model directory that `transformers` loads.
+
+    Tensors are gathered one at a time (all processes take part; process 0 writes).
+    Files larger than `max_shard_bytes` are split, with a `model.safetensors.index.json`.
+    `dtype` defaults to the params' dtype. `tokenizer_dir`: tokenizer files to copy along.
+    """
+    out_dir = os.fspath(out_dir)
+    write = jax.process_index() == 0
+    specs, maps = param_specs(cfg), _mappings(cfg)
+    names = []  # (hf name, our path, layer or None, nbytes)
+    for p, m in maps.items():
+        leaf = params[p[0]] if len(p) == 1 else params[p[0]][p[1]]
+        itemsize = np.dtype(dtype or leaf.dtype).itemsize
+        per = int(np.prod(specs[p].shape[1:] if m.stacked else specs[p].shape)) * itemsize
+        for i in range(cfg.num_layers) if m.stacked else [None]:
+            names.append((m.name.format(i=i) if m.stacked else m.name, p, i, per))
+    shards, size = [[]], 0
+    for entry in sorted(names):
+        if shards[-1] and size + entry[3] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[3]
+    if write:
+        os.makedirs(out_dir, exist_ok=True)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
+    weight_map = {}
+    for fn, shard in zip(files, shards, strict=True):
+        tensors = {}
+        for name, p, i, _ in shard:
+            leaf = params[p[0]] if len(p) == 1 else params[p[0]][p[1]]
+            x = _to_host(leaf if i is None else leaf[i])
+            tensors[name] = np.ascontiguousarray(maps[p].to_hf(x).astype(dtype or x.dtype))
+            weight_map[name] = fn
+        if write:
+            write_file(os.path.join(out_dir, fn), tensors)
+    if not write:
+        return
+    if len(shards) > 1:
+        total = sum(e[3] for e in names)
+        with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    _write_config(cfg, out_dir, np.dtype(dtype or params["embed"].dtype))
+    if tokenizer_dir is not None:
+        _copy_tokenizer(os.fspath(tokenizer_dir), out_dir)
+
+
+def _write_config(cfg: ModelConfig, out_dir: str, dtype: np.dtype) -> None:
+    d = cfg.to_hf_dict()
+    d["architectures"] = [cfg.architecture]
+    d["dtype"] = d["torch_dtype"] = {"bfloat16": "bfloat16", "float16": "float16"}.get(
+        dtype.name, "float32"
+    )
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(d, f, indent=2, sort_keys=True)
+
+
+def _copy_tokenizer(src: str, out_dir: str) -> None:
+    found = [fn for fn in TOKENIZER_FILES if os.path.isfile(os.path.join(src, fn))]
+    if not any(fn.startswith("tokenizer") or fn == "vocab.json" for fn in found):
+        raise FileNotFoundError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}...)")
+    for fn in found:
+        shutil.copy2(os.path.join(src, fn), os.path.join(out_dir, fn))
+    logging.info("copied tokenizer files %s from %s", found, src)

@@ -1,0 +1,337 @@
+"""Decoder-only transformer (Llama 3 / Mistral / Qwen2 / Qwen3) in Flax NNX.
+
+The modules only declare parameters (with logical axis names) and the math of one layer.
+Everything outside uses the functional form: `params` is a plain nested dict of arrays
+(`{'embed', 'layers': {...}, 'final_norm', 'lm_head'?}`), and `forward` / `extend`
+merge it into the module inside the traced function, so the sampler, the reference model
+and the update step all read the same arrays without copies.
+
+Layer parameters are stacked on a leading `layers` axis and the layers are run by one
+`jax.lax.scan`, so compile time does not grow with depth; `cfg.remat` selects the
+activation checkpointing policy of the scanned layer.
+
+Two paths share the layer code:
+- `forward`: a full sequence, with a padding mask (left or right), position ids and
+  optional segment ids for packed sequences.
+- `extend`: T new tokens appended to a preallocated KV cache (`KVCache`). Prefill is
+  `extend` of the prompt into an empty cache; decoding is `extend` of one token per row.
+
+Position ids default to the number of real tokens before each token, so a left-padded
+row gets the same positions as its unpadded self (as in HF `generate`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from jaxrl_llm.models.config import ModelConfig
+
+Params = dict
+
+
+# ------------------------------------------------------------------------------ modules
+def _normal(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype), axes=axes)
+
+
+def _const(value: float, shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, value, dtype), axes=axes)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * y.astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading `layers` axis.
+
+    `__call__` computes ONE layer and must be given one layer's slice of the parameters
+    (the scan in `Transformer` does that by merging a sliced state).
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        normal = functools.partial(_normal, rngs, std=cfg.initializer_range, dtype=dtype)
+        self.attn_norm = _const(1.0, (L, D), ("layers", "norm"), dtype)
+        self.q = normal((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
+        self.k = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.o = normal((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.q_bias = _const(0.0, (L, N, H), ("layers", "q_heads", "head_dim"), dtype)
+            self.k_bias = _const(0.0, (L, K, H), ("layers", "kv_heads", "head_dim"), dtype)
+            self.v_bias = _const(0.0, (L, K, H), ("layers", "kv_heads", "head_dim"), dtype)
+        if cfg.o_bias:
+            self.o_bias = _const(0.0, (L, D), ("layers", "norm"), dtype)
+        if cfg.qk_norm:
+            self.q_norm = _const(1.0, (L, H), ("layers", "head_dim"), dtype)
+            self.k_norm = _const(1.0, (L, H), ("layers", "head_dim"), dtype)
+        self.mlp_norm = _const(1.0, (L, D), ("layers", "norm"), dtype)
+        self.gate = normal((L, D, F), ("layers", "embed", "mlp"))
+        self.up = normal((L, D, F), ("layers", "embed", "mlp"))
+        self.down = normal((L, F, D), ("layers", "mlp", "embed"))
+        self.cfg = cfg
+
+    def __call__(self, x, positions, mask, kv=None, index=None):
+        """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool.
+
+        kv: this layer's cache (k, v), each [B,S,K,H]; the new keys/values are written at
+        slots index..index+T-1 and attention runs over all S slots. Without kv, S = T.
+        Returns (x [B,T,D], updated (k, v) or None).
+        """
+        cfg = self.cfg
+        h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dnh->btnh", h, self.q[...])
+        k = jnp.einsum("btd,dkh->btkh", h, self.k[...])
+        v = jnp.einsum("btd,dkh->btkh", h, self.v[...])
+        if cfg.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+        inv_freq = rope_frequencies(cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if kv is not None:
+            k_cache, v_cache = kv
+            start = (0, index, 0, 0)
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+            kv = (k, v)
+        a = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        x = x + jnp.einsum("btnh,nhd->btd", a, self.o[...])
+        if cfg.o_bias:
+            x = x + self.o_bias[...]
+        h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+        gate = jnp.einsum("btd,df->btf", h, self.gate[...])
+        up = jnp.einsum("btd,df->btf", h, self.up[...])
+        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...])
+        return x, kv
+
+
+class Transformer(nnx.Module):
+    """Embedding, scanned layers, final norm and (untied) output projection."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed = _normal(rngs, (V, D), ("vocab", "embed"), cfg.initializer_range, dtype)
+        self.layers = Block(cfg, rngs, dtype)
+        self.final_norm = _const(1.0, (D,), ("norm",), dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _normal(rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype)
+        self.cfg = cfg
+
+    def __call__(self, tokens, positions, mask, cache=None, index=None):
+        """tokens [B,T] -> final-normed hidden states [B,T,D] (and the new cache k, v)."""
+        cfg = self.cfg
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x, xs):
+            layer_state, kv = xs
+            return nnx.merge(graphdef, layer_state)(x, positions, mask, kv, index)
+
+        layer = _remat(layer, cfg.remat)
+        x, kv = jax.lax.scan(layer, x, (stacked, cache))
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    policies = {
+        "full": None,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    }
+    return jax.checkpoint(fn, policy=policies[policy], prevent_cse=False)
+
+
+# ------------------------------------------------------------------------ rope, attention
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2], float32, with `linear` / `llama3` scaling."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding, HF `rotate_half` layout. x [B,T,N,H], positions [B,T]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(q, k, v, mask) -> jax.Array:
+    """GQA attention. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool -> [B,T,N,H]."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=q.shape[-1] ** -0.5)
+
+
+# --------------------------------------------------------------------------- kv cache
+@struct.dataclass
+class KVCache:
+    """Preallocated keys/values of every layer, written in place by `extend`.
+
+    All rows advance together: `index` is the next slot for every row; a row's padding
+    slots stay `valid=False` and are never attended to.
+    """
+
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    valid: jax.Array  # [B, S] bool: the slot holds a real token
+    pos: jax.Array  # [B] int32: position id of each row's next token
+    index: jax.Array  # [] int32: next slot to write
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        valid=jnp.zeros((batch, max_len), bool),
+        pos=jnp.zeros((batch,), jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+# ------------------------------------------------------------------------ functional API
+@functools.lru_cache(maxsize=32)
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
+    """(graphdef, abstract state) of the model; no arrays are allocated."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), dtype)))
+
+
+def _model(cfg: ModelConfig, params: Params) -> Transformer:
+    return nnx.merge(abstract_model(cfg)[0], params)
+
+
+def default_positions(attention_mask: jax.Array, segment_ids: jax.Array | None = None):
+    """Position ids [B,T]: real tokens before this one (within its segment, if given)."""
+    mask = attention_mask.astype(jnp.int32)
+    if segment_ids is None:
+        return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+    new_segment = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
+    )
+    running = jnp.cumsum(mask, axis=-1)
+    start = jax.lax.cummax(jnp.where(new_segment, running - mask, 0), axis=1)
+    return jnp.maximum(running - start - 1, 0)
+
+
+def forward(
+    cfg: ModelConfig, params: Params, tokens, attention_mask=None, positions=None, segment_ids=None
+) -> jax.Array:
+    """Full-sequence forward: tokens [B,T] -> final-normed hidden states [B,T,D]."""
+    B, T = tokens.shape
+    if attention_mask is None:
+        attention_mask = jnp.ones((B, T), bool)
+    attention_mask = attention_mask.astype(bool)
+    if positions is None:
+        positions = default_positions(attention_mask, segment_ids)
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    mask = causal[None] & attention_mask[:, None, :]
+    if segment_ids is not None:
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask |= jnp.eye(T, dtype=bool)[None]  # a padding query attends to itself: no empty rows
+    hidden, _ = _model(cfg, params)(tokens, positions, mask)
+    return hidden
+
+
+def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
+    """The output projection W [D, V] (the transposed embedding when tied)."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def project(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V]."""
+    w = unembed_matrix(cfg, params)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def logits(
+    cfg: ModelConfig,
+    params: Params,
+    input_ids,
+    attention_mask=None,
+    positions=None,
+    segment_ids=None,
+) -> jax.Array:
+    """Float32 logits [B,T,V] for a (left- or right-) padded batch. Jitted."""
+    hidden = forward(cfg, params, input_ids, attention_mask, positions, segment_ids)
+    return project(cfg, params, hidden)
+
+
+def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache):
+    """Appends tokens [B,T] (attention_mask [B,T]) to the cache.
+
+    Returns (hidden [B,T,D], new cache). Slots index..index+T-1 are written; a token
+    attends to the cache's valid slots up to and including its own.
+    """
+    B, T = tokens.shape
+    attention_mask = attention_mask.astype(bool)
+    S = cache.max_len
+    new = jax.lax.dynamic_update_slice(jnp.zeros((B, S), bool), attention_mask, (0, cache.index))
+    valid = cache.valid | new
+    positions = cache.pos[:, None] + default_positions(attention_mask)
+    slots = jnp.arange(S)
+    query_slot = cache.index + jnp.arange(T)
+    mask = valid[:, None, :] & (slots[None, None, :] <= query_slot[None, :, None])
+    mask |= slots[None, None, :] == query_slot[None, :, None]
+    hidden, (k, v) = _model(cfg, params)(tokens, positions, mask, (cache.k, cache.v), cache.index)
+    new_cache = KVCache(
+        k=k,
+        v=v,
+        valid=valid,
+        pos=cache.pos + attention_mask.sum(-1, dtype=jnp.int32),
+        index=cache.index + T,
+    )
+    return hidden, new_cache
+
+
+def prefill(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache):
+    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V], cache)."""
+    hidden, cache = extend(cfg, params, tokens, attention_mask, cache)
+    T = tokens.shape[1]
+    # Last real token: the highest index with mask=1 (works for left and right padding).
+    last = T - 1 - jnp.argmax(attention_mask[:, ::-1].astype(bool), axis=-1)
+    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return project(cfg, params, last_hidden), cache
+
+
+def decode_step(cfg: ModelConfig, params: Params, tokens, cache: KVCache):
+    """One new token per row, tokens [B] -> (logits [B,V], cache)."""
+    hidden, cache = extend(
+        cfg, params, tokens[:, None], jnp.ones_like(tokens[:, None], bool), cache
+    )
+    return project(cfg, params, hidden[:, 0]), cache

@@ -1,0 +1,97 @@
+"""The device mesh `('data', 'fsdp', 'tensor')` and helpers to put a batch on it.
+
+Axis types: every mesh axis is `AxisType.Auto`. Since JAX 0.7, `jax.make_mesh` defaults to
+`Explicit` axes, under which each op's output sharding must follow from its inputs without
+ambiguity: an FSDP matmul whose contracting dimension is sharded differently on its two
+operands raises `ShardingTypeError` instead of all-gathering the weight. The decoder is
+written for the classic compiler-propagated (GSPMD) model: parameters and batch carry
+shardings, XLA inserts the collectives. So the axis types are chosen here, on purpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def mesh_shape(
+    sizes: Mapping[str, int], num_devices: int, key_prefix: str = "mesh"
+) -> tuple[int, ...]:
+    """Resolves `{'data': 1, 'fsdp': -1, 'tensor': 1}` (-1 = the rest) to a full shape."""
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"{key_prefix}: unknown mesh axis {sorted(unknown)}; axes: {MESH_AXES}")
+    shape = [int(sizes.get(a, 1)) for a in MESH_AXES]
+    free = [a for a, s in zip(MESH_AXES, shape, strict=True) if s == -1]
+    for a, s in zip(MESH_AXES, shape, strict=True):
+        if s == 0 or s < -1:
+            raise ValueError(f"{key_prefix}.{a}={s}: a mesh axis size is positive or -1")
+    if len(free) > 1:
+        raise ValueError(f"{key_prefix}: only one axis may be -1, got {free}")
+    fixed = int(np.prod([s for s in shape if s != -1]))
+    if free:
+        if num_devices % fixed:
+            raise ValueError(
+                f"{key_prefix}.{free[0]}=-1: {num_devices} devices are not divisible by the "
+                f"other axes' product {fixed}"
+            )
+        shape[MESH_AXES.index(free[0])] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(
+            f"{key_prefix}: data x fsdp x tensor = {fixed} but there are {num_devices} devices"
+        )
+    return tuple(shape)
+
+
+def make_mesh(
+    sizes: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """Mesh over `devices` (default: all) with the given axis sizes (default: all fsdp)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(sizes or {"fsdp": -1}, len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Leading (batch) dimension over data+fsdp, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def batch_size_multiple(mesh: Mesh | None) -> int:
+    """The global batch must be a multiple of this."""
+    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def shard_batch(tree, mesh: Mesh | None):
+    """Puts host arrays (global batch, same on every process) on the mesh, batch-sharded."""
+    if mesh is None:
+        return jax.device_put(tree)
+    multiple = batch_size_multiple(mesh)
+
+    def put(x):
+        x = np.asarray(x)
+        if x.shape[0] % multiple:
+            raise ValueError(
+                f"batch size {x.shape[0]} is not divisible by data x fsdp = {multiple}"
+            )
+        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+
+    return jax.tree.map(put, tree)
+
+
+def shard_local_batch(tree, mesh: Mesh):
+    """Builds global arrays from each process's own rows (multi-host input pipelines)."""
+
+    def put(x):
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
+
+    return jax.tree.map(put, tree)

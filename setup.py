@@ -1,0 +1,39 @@
+"""jaxrl_llm: reinforcement learning for language models in JAX.
+
+Install for development (CPU):   pip install -e ".[test]"
+On a GPU host:                   pip install -e ".[cuda]"
+On a TPU VM:                     pip install -e ".[tpu]"
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="jaxrl_llm",
+    version="0.1.0",
+    description="End-to-end RL (GRPO / PPO) trainer for language models in JAX",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["jaxrl_llm", "jaxrl_llm.*"]),
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.11",
+        "optax",
+        "orbax-checkpoint",
+        "transformers>=4.51",  # Qwen3 config / modelling classes
+        "tensorflow-datasets",
+        "array-record",  # tfds random-access data sources without TensorFlow
+        "ml-collections",
+        "safetensors",
+        "numpy",
+        "tqdm",
+        "math-verify",  # LaTeX answer equivalence for the `math` verifier
+    ],
+    extras_require={
+        # torch is pinned to the CPU build used for the reference comparisons.
+        "test": ["pytest", "torch==2.13.0", "ruff"],
+        "tpu": ["jax[tpu]"],
+        "cuda": ["jax[cuda12]"],
+        "wandb": ["wandb"],
+    },
+)

@@ -1,0 +1,92 @@
+"""Tiny random Hugging Face (PyTorch) models: the independent reference for the decoder."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 96
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+ARCHS = {
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
+    ),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": None},
+    ),
+}
+
+
+def hf_config(arch: str, **overrides):
+    config_cls, _, extra = ARCHS[arch]
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
+    kw.update(extra)
+    kw.update(overrides)
+    return config_cls(**kw)
+
+
+def hf_model(arch: str, seed: int = 0, **overrides):
+    """A tiny model whose every tensor (norms and biases too) is random and O(1)-scaled,
+    so that a mapping mistake anywhere changes the logits."""
+    torch.manual_seed(seed)
+    _, model_cls, _ = ARCHS[arch]
+    model = model_cls(hf_config(arch, **overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / np.sqrt(p.shape[-1]))
+    return model
+
+
+def padded_batch(seed: int = 0, batch: int = 4, length: int = 12):
+    """ids [B,T] and a mask mixing left padding, right padding and no padding."""
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(0, VOCAB, (batch, length))
+    mask = np.ones((batch, length), bool)
+    mask[1, :5] = False  # left-padded
+    mask[2, length - 3 :] = False  # right-padded
+    if batch > 3:
+        mask[3, :2] = False
+    return ids, mask
+
+
+def hf_logits(model, ids, mask, positions=None) -> np.ndarray:
+    """Reference logits; positions default to real tokens before each token (as generate)."""
+    if positions is None:
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
+            attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
+            position_ids=torch.tensor(np.asarray(positions), dtype=torch.long),
+        )
+    return out.logits.float().numpy()

@@ -1,0 +1,204 @@
+"""The decoder against Hugging Face PyTorch models: logits, sharding, KV cache, round trips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from hf_reference import VOCAB, hf_logits, hf_model, padded_batch
+
+from jaxrl_llm import models, parallel
+
+ATOL = 1e-4
+
+
+def max_diff(a, b, mask):
+    return float(np.abs(np.asarray(a) - np.asarray(b))[np.asarray(mask, bool)].max())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{(arch, sharded): (torch model, directory)}, built lazily and shared."""
+    cache = {}
+
+    def get(arch, sharded=False, **overrides):
+        key = (arch, sharded, tuple(sorted(overrides.items())))
+        if key not in cache:
+            model = hf_model(arch, **overrides)
+            d = tmp_path_factory.mktemp(f"{arch}_{'sharded' if sharded else 'single'}")
+            model.save_pretrained(d, max_shard_size="40KB" if sharded else "10GB")
+            cache[key] = (model, d)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["single_file", "index_json"])
+def test_logits_match_transformers(saved, arch, sharded):
+    model, d = saved(arch, sharded)
+    if sharded:
+        assert (d / "model.safetensors.index.json").exists()
+    cfg, params = models.load_hf(d)
+    assert cfg.architecture == type(model).__name__
+    ids, mask = padded_batch()
+    diff = max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask)
+    assert diff <= ATOL, diff
+
+
+def test_tied_embeddings(saved):
+    model, d = saved("qwen3", tie_word_embeddings=True)
+    cfg, params = models.load_hf(d)
+    assert cfg.tie_word_embeddings and "lm_head" not in params
+    ids, mask = padded_batch(seed=1)
+    diff = max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask)
+    assert diff <= ATOL, diff
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_sharded_params_on_2x4_mesh(saved, arch):
+    model, d = saved(arch)
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    cfg, params = models.load_hf(d, mesh=mesh)
+    # The weights really are split: q over fsdp (embed) and tensor (heads).
+    q = params["layers"]["q"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    assert q.addressable_shards[0].data.shape == (2, 32, 1, q.shape[3])
+    ids, mask = padded_batch(seed=2, batch=4)
+    ids_d, mask_d = parallel.shard_batch((ids, mask), mesh)
+    assert ids_d.sharding.spec[0] == ("data", "fsdp")
+    out = models.logits(cfg, params, ids_d, mask_d)
+    diff = max_diff(out, hf_logits(model, ids, mask), mask)
+    assert diff <= ATOL, diff
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_cached_decode_equals_full_forward(saved, padding):
+    _, d = saved("qwen3")
+    cfg, params = models.load_hf(d)
+    B, P, steps = 3, 7, 5
+    rng = np.random.RandomState(3)
+    prompt = rng.randint(0, VOCAB, (B, P))
+    pmask = np.ones((B, P), bool)
+    if padding == "left":
+        pmask[1, :3], pmask[2, :6] = False, False
+    else:
+        pmask[1, 4:], pmask[2, 1:] = False, False
+    new = rng.randint(0, VOCAB, (B, steps))
+    full_ids = np.concatenate([prompt, new], 1)
+    full_mask = np.concatenate([pmask, np.ones((B, steps), bool)], 1)
+    ref = np.asarray(models.logits(cfg, params, full_ids, full_mask))
+
+    prefill = jax.jit(models.prefill, static_argnums=0)
+    step = jax.jit(models.decode_step, static_argnums=0)
+    cache = models.init_cache(cfg, B, P + steps + 2)
+    last_logits, cache = prefill(cfg, params, prompt, pmask, cache)
+    last = np.array([np.nonzero(m)[0].max() for m in pmask])
+    assert np.abs(np.asarray(last_logits) - ref[np.arange(B), last]).max() <= ATOL
+    for t in range(steps):
+        step_logits, cache = step(cfg, params, jnp.asarray(new[:, t]), cache)
+        diff = np.abs(np.asarray(step_logits) - ref[:, P + t]).max()
+        assert diff <= ATOL, (t, diff)
+    assert int(cache.index) == P + steps
+    np.testing.assert_array_equal(cache.pos, pmask.sum(1) + steps)
+
+
+def test_packed_segments_equal_separate_sequences(saved):
+    _, d = saved("llama")
+    cfg, params = models.load_hf(d)
+    rng = np.random.RandomState(4)
+    a, b = rng.randint(0, VOCAB, (1, 5)), rng.randint(0, VOCAB, (1, 6))
+    packed = np.concatenate([a, b, np.zeros((1, 2), int)], 1)
+    segments = np.array([[1] * 5 + [2] * 6 + [0] * 2])
+    out = np.asarray(models.logits(cfg, params, packed, segments > 0, segment_ids=segments))
+    ref_a = np.asarray(models.logits(cfg, params, a, np.ones_like(a, bool)))
+    ref_b = np.asarray(models.logits(cfg, params, b, np.ones_like(b, bool)))
+    assert np.abs(out[:, :5] - ref_a).max() <= ATOL
+    assert np.abs(out[:, 5:11] - ref_b).max() <= ATOL
+
+
+@pytest.mark.parametrize("torch_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_files(tmp_path, torch_dtype):
+    model = hf_model("qwen2", seed=5).to(torch_dtype)
+    model.save_pretrained(tmp_path)
+    cfg, params = models.load_hf(tmp_path, dtype="float32")
+    assert params["embed"].dtype == jnp.float32
+    ids, mask = padded_batch(seed=5)
+    # The same half-precision weights in an fp32 model (HF recomputes its RoPE buffers).
+    ref_model = type(model).from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ref = hf_logits(ref_model, ids, mask)
+    assert max_diff(models.logits(cfg, params, ids, mask), ref, mask) <= ATOL
+    _, params16 = models.load_hf(tmp_path, dtype="bfloat16")
+    assert params16["layers"]["q"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", False), ("qwen3", True)])
+def test_save_hf_round_trip(saved, tmp_path, arch, tie):
+    model, d = saved(arch, tie_word_embeddings=tie)
+    cfg, params = models.load_hf(d)
+    models.save_hf(cfg, params, tmp_path / "out", max_shard_bytes=60_000)
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    reloaded = type(model).from_pretrained(tmp_path / "out").eval()
+    ids, mask = padded_batch(seed=6)
+    assert max_diff(hf_logits(reloaded, ids, mask), hf_logits(model, ids, mask), mask) <= 1e-5
+    # And back into jaxrl_llm.
+    cfg2, params2 = models.load_hf(tmp_path / "out")
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_save_hf_from_scratch_config_and_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers import models as tok_models
+
+    cfg = models.ModelConfig(
+        "Qwen3ForCausalLM",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        tie_word_embeddings=True,
+    )
+    params = models.init_params(cfg, seed=1)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(tok_models.WordLevel(vocab, unk_token="t0"))
+    )
+    tok.save_pretrained(tmp_path / "tok")
+    models.save_hf(cfg, params, tmp_path / "out", tokenizer_dir=tmp_path / "tok", dtype="bfloat16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert model.dtype == torch.bfloat16
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").vocab_size == VOCAB
+    ids, mask = padded_batch(seed=7)
+    bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+    ours = models.logits(cfg, bf16_params, ids, mask)
+    assert max_diff(ours, hf_logits(model.float(), ids, mask), mask) <= ATOL
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_policies_same_gradients(saved, remat):
+    _, d = saved("qwen2")
+    cfg, params = models.load_hf(d)
+    ids, mask = padded_batch(seed=8)
+
+    def loss(cfg, p):
+        return jnp.mean(models.forward(cfg, p, ids, mask) ** 2)
+
+    g_ref = jax.grad(lambda p: loss(cfg, p))(params)
+    g = jax.grad(lambda p: loss(cfg.replace(remat=remat), p))(params)
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_param_count_matches_transformers(saved):
+    for arch, tie in [("llama", False), ("qwen2", False), ("qwen3", True)]:
+        model, d = saved(arch, tie_word_embeddings=tie)
+        cfg, params = models.load_hf(d)
+        n_torch = sum(p.numel() for p in model.parameters())
+        assert models.count_params(params) == cfg.num_params() == n_torch
