@@ -1,0 +1,389 @@
+"""A long-lived process pool that scores completions with verifiers, outside the trainer.
+
+Why not `multiprocessing.Pool` / `ProcessPoolExecutor`: neither can stop one hung task (a
+catastrophic regex, an endless sympy simplification) without stopping everything, and the
+executor breaks for good when a worker dies. Here each worker is a plain subprocess on two
+pipes; the parent watches a deadline per (sample, verifier) item, kills a worker that passes
+it, replaces dead workers, and puts the rest of their batch back in the queue.
+
+Items go out in small chunks (fewer round trips for fast verifiers like `gsm8k`); a worker
+reports each item as it finishes, which starts the clock for the next one, so the timeout
+stays per item. Results are written by item index, so order always matches the input.
+Workers are started with `python -c` rather than `multiprocessing`'s spawn, so they do not
+re-import the trainer's `__main__` (and JAX with it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from jaxrl_llm.verifiers import worker as wire
+from jaxrl_llm.verifiers.registry import parse_specs
+
+_BOOTSTRAP = (
+    "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+    "from jaxrl_llm.verifiers.worker import main; main()"
+)
+_MAX_MESSAGES = 8
+_MAX_START_FAILURES = 3
+
+
+@dataclasses.dataclass
+class ScoreDetails:
+    """Everything `score` learned besides the summed reward.
+
+    Attributes:
+      per_verifier: label -> [N] float64 raw (unweighted) scores; 0 where the call failed.
+      weights: label -> weight used in the sum.
+      errors: label -> calls that raised, returned a non-finite value, or killed the worker.
+      timeouts: label -> calls that ran past `timeout_s`.
+      messages: the first few failures, `"<label> sample <i>: <error>"`, for the logs.
+    """
+
+    per_verifier: dict[str, np.ndarray]
+    weights: dict[str, float]
+    errors: dict[str, int]
+    timeouts: dict[str, int]
+    messages: list[str]
+
+    def metrics(self) -> dict[str, float]:
+        """Flat metrics: `reward/<label>` (mean raw score), `verifier/errors`,
+        `verifier/timeouts`."""
+        out = {f"reward/{label}": float(np.mean(v)) for label, v in self.per_verifier.items()}
+        out["verifier/errors"] = float(sum(self.errors.values()))
+        out["verifier/timeouts"] = float(sum(self.timeouts.values()))
+        return out
+
+
+class _Worker:
+    """One worker subprocess and what the parent knows about it."""
+
+    def __init__(self, soft_timeout_s: float):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), repr(soft_timeout_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # killpg reaches anything the verifier started
+        )
+        self.key = None  # which spec list is loaded
+        self.loading_since = None
+        self.busy: collections.deque = collections.deque()  # item ids, in run order
+        self.since = 0.0  # when the item at busy[0] started
+        self.done = 0
+
+    @property
+    def fd(self) -> int:
+        return self.proc.stdout.fileno()
+
+    @property
+    def idle(self) -> bool:
+        return not self.busy and self.loading_since is None
+
+    def send(self, message) -> bool:
+        try:
+            wire.send(self.proc.stdin.fileno(), message)
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def exit_info_within(self, timeout_s: float) -> str:
+        code = self.proc.wait(timeout_s)
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def _shutdown(workers: list) -> None:
+    for w in workers:
+        if w is not None and w.proc.poll() is None:
+            w.send(("exit",))
+    deadline = time.monotonic() + 1.0
+    for w in workers:
+        if w is not None:
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+    workers[:] = [None] * len(workers)
+
+
+class _Batch:
+    """Bookkeeping of one `score` call: [N, K] values and statuses, the item queue."""
+
+    def __init__(self, specs, completions, examples):
+        self.specs, self.completions, self.examples = specs, completions, examples
+        self.k = len(specs)
+        self.values = np.zeros((len(completions), self.k))
+        self.status = np.full((len(completions), self.k), -1, np.int8)
+        self.queue = collections.deque(range(len(completions) * self.k))
+        self.messages: list[str] = []
+        self.remaining = len(completions) * self.k
+
+    def record(self, item: int, value: float, status: int, message: str) -> None:
+        sample, k = divmod(item, self.k)
+        self.values[sample, k] = value if status == wire.OK else 0.0
+        self.status[sample, k] = status
+        self.remaining -= 1
+        if status != wire.OK and len(self.messages) < _MAX_MESSAGES:
+            self.messages.append(f"{self.specs[k].label} sample {sample}: {message}")
+
+    def chunk(self, size: int):
+        items = [self.queue.popleft() for _ in range(min(size, len(self.queue)))]
+        runs = [(item, item // self.k, item % self.k) for item in items]
+        samples = {s: (self.completions[s], self.examples[s]) for _, s, _ in runs}
+        return items, ("run", runs, samples)
+
+    def details(self) -> tuple[np.ndarray, ScoreDetails]:
+        labels = [s.label for s in self.specs]
+        weights = np.array([s.weight for s in self.specs])
+
+        def count(code):
+            return {name: int(np.sum(self.status[:, k] == code)) for k, name in enumerate(labels)}
+
+        return self.values @ weights, ScoreDetails(
+            per_verifier={name: self.values[:, k].copy() for k, name in enumerate(labels)},
+            weights=dict(zip(labels, weights.tolist(), strict=True)),
+            errors=count(wire.ERROR),
+            timeouts=count(wire.TIMEOUT),
+            messages=self.messages,
+        )
+
+
+def _check_inputs(completions, examples, num_tokens) -> list[dict]:
+    if len(completions) != len(examples):
+        raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
+    for i, (text, example) in enumerate(zip(completions, examples, strict=True)):
+        if not isinstance(text, str):
+            raise TypeError(f"completions[{i}] is {type(text).__name__}, expected str")
+        if not isinstance(example, Mapping):
+            raise TypeError(f"examples[{i}] is {type(example).__name__}, expected a dict")
+    if num_tokens is None:
+        return list(examples)
+    if len(num_tokens) != len(completions):
+        raise ValueError(f"{len(num_tokens)} num_tokens for {len(completions)} completions")
+    return [{**ex, "num_tokens": int(n)} for ex, n in zip(examples, num_tokens, strict=True)]
+
+
+class VerifierPool:
+    """Scores batches of completions in worker processes; create once, reuse every step.
+
+    Example:
+      >>> with VerifierPool(workers=2, timeout_s=5.0) as pool:
+      ...     rewards, details = pool.score([("gsm8k", 1.0)], ["... #### 4"], [{"answer": "4"}])
+
+    Args:
+      workers: worker processes (default: CPU count).
+      timeout_s: wall-clock limit per (sample, verifier) call; past it the worker is
+        killed and replaced and the call scores 0 (`verifier/timeouts`).
+      recycle_after: replace a worker after this many calls, bounding slow leaks (sympy's
+        caches grow without limit).
+      start_timeout_s: how long a new worker may take to import the verifiers.
+    """
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        timeout_s: float = 10.0,
+        recycle_after: int = 20_000,
+        start_timeout_s: float = 120.0,
+    ):
+        workers = workers or os.cpu_count() or 1
+        if workers < 1 or not timeout_s > 0 or recycle_after < 1:
+            raise ValueError(
+                f"need workers >= 1, timeout_s > 0, recycle_after >= 1; got "
+                f"{workers=}, {timeout_s=}, {recycle_after=}"
+            )
+        self.timeout_s, self.recycle_after, self.start_timeout_s = (
+            timeout_s,
+            recycle_after,
+            start_timeout_s,
+        )
+        self.restarts = 0  # workers replaced after a crash or timeout, over the pool's life
+        self._workers: list[_Worker | None] = [None] * workers
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+
+    def __enter__(self) -> VerifierPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops the workers; idempotent. Also runs at garbage collection and exit."""
+        self._finalizer()
+
+    def score(
+        self,
+        specs,
+        completions: Sequence[str],
+        examples: Sequence[Mapping],
+        num_tokens: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, ScoreDetails]:
+        """Sum of weighted verifier scores per completion.
+
+        Args:
+          specs: reward terms, anything `parse_specs` accepts.
+          completions: [N] decoded texts.
+          examples: [N] dataset rows (repeat a prompt's row for each of its G samples).
+          num_tokens: [N] completion lengths in tokens, given to verifiers as
+            `example["num_tokens"]` (the `overlong` penalty needs it).
+
+        Returns:
+          rewards: [N] float64, sum_k weight_k * score_k; a failed call contributes 0.
+          details: `ScoreDetails` (per-verifier scores, error and timeout counts).
+        """
+        if not self._finalizer.alive:
+            raise RuntimeError("VerifierPool.score called after close()")
+        specs = parse_specs(specs)
+        batch = _Batch(specs, list(completions), _check_inputs(completions, examples, num_tokens))
+        wire_specs = [(s.name, s.options) for s in specs]
+        with self._lock:
+            try:
+                self._run(batch, json.dumps(wire_specs, sort_keys=True, default=repr), wire_specs)
+            except BaseException:
+                self._kill_active()  # their results would belong to this aborted batch
+                raise
+        return batch.details()
+
+    def _run(self, batch: _Batch, key: str, wire_specs) -> None:
+        start_failures = 0
+        while batch.remaining:
+            self._dispatch(batch, key, wire_specs)
+            active = {w.fd: w for w in self._workers if w is not None and not w.idle}
+            poller = select.poll()
+            for fd in active:
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(1000 * self._wait_s(active.values())):
+                start_failures += self._receive(active[fd], batch, key)
+                if start_failures > _MAX_START_FAILURES:
+                    raise RuntimeError(
+                        "verifier workers keep dying while starting; see their stderr above"
+                    )
+            self._enforce_deadlines(batch)
+
+    def _dispatch(self, batch: _Batch, key: str, wire_specs) -> None:
+        per_worker = max(1, len(batch.queue) // (4 * len(self._workers)))
+        for i, w in enumerate(self._workers):
+            if w is not None and w.idle and w.done >= self.recycle_after:
+                _shutdown([w])
+                w = self._workers[i] = None
+            if w is None:
+                w = self._workers[i] = _Worker(0.9 * self.timeout_s)
+            if not w.idle:
+                continue
+            if w.key != key:
+                w.loading_since = time.monotonic()
+                if not w.send(("specs", key, wire_specs)):
+                    self._retire(w, batch)
+            elif batch.queue:
+                items, message = batch.chunk(min(per_worker, 32))
+                w.busy.extend(items)
+                w.since = time.monotonic()
+                if not w.send(message):
+                    self._retire(w, batch)  # died while idle: its items never ran
+
+    def _retire(self, w: _Worker, batch: _Batch, status: int | None = None, why: str = ""):
+        """Kills `w`; its current item gets `status` (None: requeued like the rest)."""
+        items = list(w.busy)
+        w.busy.clear()
+        if items and status is not None:
+            batch.record(items.pop(0), 0.0, status, why)
+        batch.queue.extendleft(reversed(items))
+        w.kill()
+        self._workers[self._workers.index(w)] = None
+        self.restarts += 1
+
+    def _receive(self, w: _Worker, batch: _Batch, key: str) -> int:
+        """Handles one message from `w`; returns 1 if it died while starting, else 0."""
+        try:
+            message = wire.receive(w.fd)
+        except (EOFError, OSError):
+            try:
+                why = f"worker died ({w.exit_info_within(1.0)})"
+            except subprocess.TimeoutExpired:
+                why = "worker closed its result pipe"
+            starting = w.loading_since is not None
+            self._retire(w, batch, wire.ERROR, why)
+            return int(starting)
+        if message[0] == "ready" and message[1] == key:
+            w.key, w.loading_since = key, None
+        elif message[0] == "spec_error":
+            raise ValueError(f"a verifier failed to load in a worker: {message[2]}")
+        elif message[0] == "result":
+            _, item, value, status, text = message
+            if not w.busy or w.busy[0] != item:
+                raise RuntimeError(f"verifier worker protocol error: result for item {item}")
+            w.busy.popleft()
+            batch.record(item, value, status, text)
+            w.done += 1
+            w.since = time.monotonic()
+        return 0
+
+    def _wait_s(self, active) -> float:
+        """Seconds until the nearest deadline among `active` workers (at most 1)."""
+        now, wait = time.monotonic(), 1.0
+        for w in active:
+            if w.loading_since is not None:
+                wait = min(wait, w.loading_since + self.start_timeout_s - now)
+            else:
+                wait = min(wait, w.since + self.timeout_s - now)
+        return max(wait, 0.0)
+
+    def _enforce_deadlines(self, batch: _Batch) -> None:
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w is None:
+                continue
+            if w.busy and now > w.since + self.timeout_s:
+                why = f"no result within {self.timeout_s:g} s (worker killed)"
+                self._retire(w, batch, wire.TIMEOUT, why)
+            elif w.loading_since is not None and now > w.loading_since + self.start_timeout_s:
+                raise RuntimeError(
+                    f"a verifier worker did not import the verifiers within "
+                    f"{self.start_timeout_s:g} s (VerifierPool start_timeout_s)"
+                )
+
+    def _kill_active(self) -> None:
+        for i, w in enumerate(self._workers):
+            if w is not None and not w.idle:
+                w.kill()
+                self._workers[i] = None
+
+
+def score(
+    specs,
+    completions: Sequence[str],
+    examples: Sequence[Mapping],
+    workers: int = 2,
+    timeout_s: float = 5.0,
+    num_tokens: Sequence[int] | None = None,
+) -> tuple[np.ndarray, ScoreDetails]:
+    """One-off scoring with a temporary `VerifierPool` (see `VerifierPool.score`).
+
+    A training loop should keep one `VerifierPool` open instead: starting workers and
+    importing the verifiers costs about a second.
+    """
+    with VerifierPool(workers=workers, timeout_s=timeout_s) as pool:
+        return pool.score(specs, completions, examples, num_tokens=num_tokens)
