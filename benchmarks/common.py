@@ -1,0 +1,109 @@
+"""Shared benchmark helpers: model presets, a measured matmul peak, timing, memory."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import models
+
+PRESETS = {
+    # ~25M Qwen3-like: the sampler / GRPO-step benchmarks.
+    "25m": dict(
+        vocab_size=32768,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_layers=8,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+    ),
+    # ~100M Qwen3-like (tied embeddings, q/k norm, GQA 12/4).
+    "100m": dict(
+        vocab_size=32768,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+    ),
+    # Qwen2.5-0.5B shapes, with Qwen3's q/k norm.
+    "0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+    ),
+}
+
+
+def preset_config(name: str) -> models.ModelConfig:
+    return models.ModelConfig(
+        "Qwen3ForCausalLM",
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        **PRESETS[name],
+    )
+
+
+def block(x):
+    jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+    return x
+
+
+def time_fn(fn, *args, repeats: int = 3) -> tuple[float, float]:
+    """(compile + first run seconds, median seconds of `repeats` further runs)."""
+    t0 = time.perf_counter()
+    block(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, float(np.median(times))
+
+
+def matmul_peak(dtype="float32", n: int = 2048, repeats: int = 5) -> float:
+    """Measured dense matmul FLOP/s of the default device at this dtype (the MFU denominator)."""
+    dtype = jnp.dtype(dtype)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    f = jax.jit(lambda a, b: (a @ b) @ b)  # two matmuls per call amortise dispatch
+    _, t = time_fn(f, a, b, repeats=repeats)
+    return 2 * 2 * n**3 / t
+
+
+def peak_memory() -> str:
+    """Device peak memory when the backend reports it, else this process's peak RSS."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB device peak"
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return f"{rss_kib / 2**20:.2f} GiB host peak RSS"
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()}"
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+
+    def line(vals):
+        return "| " + " | ".join(str(v).ljust(w) for v, w in zip(vals, widths, strict=True)) + " |"
+
+    out = [line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line([r.get(c, "") for c in columns]) for r in rows]
+    return "\n".join(out)
