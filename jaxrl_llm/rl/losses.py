@@ -1,0 +1,305 @@
+"""Per-token policy, KL, entropy and value losses, and their aggregation over a batch.
+
+Every objective J is maximised; every function here returns the quantity to MINIMISE. Shapes:
+N rows, T completion tokens; mask [N, T] is the loss mask (1 = trained token). With
+rho = pi_theta / pi_old per token (notation of ../../shared/ALGORITHMS.md):
+
+- PPO clip (Schulman et al. 2017), clip-higher (Yu et al. 2025, "DAPO"):
+  L = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A).
+- Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"): for
+  A < 0, J = max(min(rho A, clip(rho) A), c A) with c > 1, i.e. L = min(L_ppo, -c A): the
+  loss of a token with a huge ratio and a negative advantage is capped at -c A.
+- GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): s_i = exp((1/|o_i|)
+  sum_t m log rho), used in the PPO clip in place of rho. The GSPO-token form
+  s_{i,t} = sg(s_i) pi_theta / sg(pi_theta) equals s_i in value, and its gradient is that of
+  the sequence-level objective (s_i A_i grad log s_i) spread over the tokens.
+- CISPO (MiniMax 2025, "MiniMax-M1"): J = sg(clip(rho, 1 - eps_low, 1 + eps_high)) A log pi.
+- Truncated IS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
+  RL Training"): each token's policy term times sg(min(pi_old / pi_sampler, C)).
+- KL to the reference (Schulman 2020, "Approximating KL Divergence"), x = log pi_ref -
+  log pi_theta: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - 1 - x.
+- Entropy bonus: -c_H H_t.
+- Clipped value loss (PPO2 baselines): 1/2 max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2).
+
+Aggregation of a per-token loss L over the batch (`aggregation_parts` gives numerator and
+denominator; the loss is their ratio):
+  token-mean               sum_{i,t} m L / sum_{i,t} m
+  seq-mean-token-mean      sum_i (sum_t m L / sum_t m) / #rows with a valid token
+  seq-mean-token-sum       sum_{i,t} m L / #rows with a valid token
+  seq-mean-token-sum-norm  sum_{i,t} m L / (N L_max)          (Dr. GRPO)
+
+Where the code departs from the papers:
+- CISPO's value is computed as -sg(w) A pi / sg(pi) = -w A rather than -w A log pi: the
+  gradient is identical, and the logged loss is then comparable to PPO's surrogate.
+- Log-ratios are set to 0 at masked positions before `exp`, so padding with arbitrary
+  log-probs never overflows; masked tokens and fully masked rows contribute exactly zero
+  value and gradient, and every denominator is guarded.
+- The seq-mean modes count only rows with at least one valid token (a fully masked row
+  does not dilute the mean); Dr. GRPO's N counts every row, as its constant should.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from jaxrl_llm.rl.algos import AlgoConfig
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+_sg = jax.lax.stop_gradient
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of x over mask (any shape, same as x); 0 when the mask is empty."""
+    valid = mask.astype(bool)
+    return jnp.sum(jnp.where(valid, x, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, estimator: str):
+    """Per-token KL(pi_theta || pi_ref) estimate. [N, T] each -> [N, T], 0 where masked."""
+    diff = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
+    x = jnp.where(mask.astype(bool), diff, 0.0)
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * jnp.square(x)
+    if estimator == "k3":
+        return jnp.expm1(x) - x
+    raise ValueError(f"estimator={estimator!r}: expected one of {KL_ESTIMATORS}")
+
+
+def log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
+    """Token log rho = log pi_theta - log pi_old. [N, T] -> [N, T], 0 where masked."""
+    diff = logp.astype(jnp.float32) - old_logp.astype(jnp.float32)
+    return jnp.where(mask.astype(bool), diff, 0.0)
+
+
+def sequence_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
+    """GSPO-token log s_{i,t} = sg(log s_i) + log pi - sg(log pi). [N, T] -> [N, T].
+
+    log s_i = sum_t m log rho / sum_t m; 0 where masked (and for fully masked rows).
+    """
+    valid = mask.astype(bool)
+    lr = log_ratio(logp, old_logp, mask)
+    count = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)
+    log_s = jnp.sum(lr, axis=-1, keepdims=True) / count
+    token = _sg(log_s) + (logp - _sg(logp)).astype(jnp.float32)
+    return jnp.where(valid, token, 0.0)
+
+
+def ppo_clip_loss(ratio, advantages, eps_low: float, eps_high: float, dual_clip=None):
+    """-min(rho A, clip(rho) A), with dual clip min(., -c A) for A < 0. [N, T] -> [N, T]."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = jnp.where(advantages < 0, jnp.minimum(loss, -dual_clip * advantages), loss)
+    return loss
+
+
+def cispo_loss(logp, ratio, advantages, eps_low: float, eps_high: float):
+    """-sg(clip(rho)) A grad-carrying 1 (pi / sg(pi)). [N, T] -> [N, T]."""
+    weight = _sg(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    return -weight * advantages * jnp.exp(logp - _sg(logp)).astype(jnp.float32)
+
+
+def tis_weight(old_logp, sampler_logp, mask, cap: float) -> jax.Array:
+    """sg(min(pi_old / pi_sampler, C)). [N, T] -> [N, T], 1 where masked."""
+    return _sg(jnp.minimum(jnp.exp(log_ratio(old_logp, sampler_logp, mask)), cap))
+
+
+def value_loss(values, old_values, returns, mask, clip=None) -> jax.Array:
+    """1/2 max((V - R)^2, (clip(V, V_old +- clip) - R)^2). [N, T] -> [N, T], 0 where masked."""
+    v = values.astype(jnp.float32)
+    r = returns.astype(jnp.float32)
+    loss = jnp.square(v - r)
+    if clip is not None:
+        v_old = old_values.astype(jnp.float32)
+        v_clipped = v_old + jnp.clip(v - v_old, -clip, clip)
+        loss = jnp.maximum(loss, jnp.square(v_clipped - r))
+    return jnp.where(mask.astype(bool), 0.5 * loss, 0.0)
+
+
+def loss_denominator(mask: jax.Array, mode: str, max_len: int | None = None) -> jax.Array:
+    """The denominator of `mode` for this mask [N, T] (scalar float32, no parameters used)."""
+    valid = mask.astype(bool)
+    if mode == "token-mean":
+        return jnp.sum(valid).astype(jnp.float32)
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return jnp.sum(jnp.any(valid, axis=-1)).astype(jnp.float32)
+    if mode == "seq-mean-token-sum-norm":
+        return jnp.float32(mask.shape[0] * (max_len or mask.shape[-1]))
+    raise ValueError(f"mode={mode!r}: expected one of {AGGREGATIONS}")
+
+
+def aggregation_parts(loss, mask, mode: str, max_len: int | None = None):
+    """(numerator, denominator) of the aggregated loss. loss, mask [N, T] -> two scalars.
+
+    Both are sums over rows, so for a batch split into micro-batches by rows the full-batch
+    loss is sum(numerators) / sum(denominators). max_len: L_max of seq-mean-token-sum-norm
+    (default T).
+    """
+    valid = mask.astype(bool)
+    per_row = jnp.sum(jnp.where(valid, loss, 0.0), axis=-1)
+    if mode == "seq-mean-token-mean":
+        per_row = per_row / jnp.maximum(jnp.sum(valid, axis=-1), 1)
+    return jnp.sum(per_row), loss_denominator(mask, mode, max_len)
+
+
+def aggregate(loss, mask, mode: str, max_len=None, denominator=None) -> jax.Array:
+    """Aggregated scalar loss. With `denominator` (a global one), numerator / denominator."""
+    num, den = aggregation_parts(loss, mask, mode, max_len)
+    den = den if denominator is None else denominator
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def _extremes(x, valid):
+    """(min, max) of x over valid; (1, 1) when nothing is valid."""
+    any_valid = jnp.any(valid)
+    lo = jnp.min(jnp.where(valid, x, jnp.inf))
+    hi = jnp.max(jnp.where(valid, x, -jnp.inf))
+    return jnp.where(any_valid, lo, 1.0), jnp.where(any_valid, hi, 1.0)
+
+
+def _policy_metrics(cfg, logp, old_logp, ratio, adv, mask) -> dict:
+    """Diagnostics of the policy term, all stop-gradient scalars (means over valid tokens)."""
+    valid = mask.astype(bool)
+    ratio, adv = _sg(ratio), _sg(adv)
+    low, high = ratio < 1.0 - cfg.eps_low, ratio > 1.0 + cfg.eps_high
+    if cfg.policy_loss != "cispo":
+        low, high = low & (adv < 0), high & (adv > 0)
+    x = _sg(log_ratio(old_logp, logp, mask))
+    r_min, r_max = _extremes(ratio, valid)
+    a_min, a_max = _extremes(adv, valid)
+    a_mean = masked_mean(adv, valid)
+    metrics = {
+        "policy/clipfrac_low": masked_mean(low, valid),
+        "policy/clipfrac_high": masked_mean(high, valid),
+        "policy/approx_kl": masked_mean(jnp.expm1(x) - x, valid),
+        "policy/ratio_mean": masked_mean(ratio, valid),
+        "policy/ratio_min": r_min,
+        "policy/ratio_max": r_max,
+        "adv/mean": a_mean,
+        "adv/std": jnp.sqrt(masked_mean(jnp.square(adv - a_mean), valid)),
+        "adv/min": a_min,
+        "adv/max": a_max,
+    }
+    if cfg.dual_clip is not None and cfg.policy_loss != "cispo":
+        metrics["policy/clipfrac_dual"] = masked_mean((adv < 0) & (ratio > cfg.dual_clip), valid)
+    return metrics
+
+
+def policy_objective(
+    cfg: AlgoConfig,
+    logp: jax.Array,
+    old_logp: jax.Array | None,
+    sampler_logp: jax.Array | None,
+    ref_logp: jax.Array | None,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    entropy: jax.Array | None = None,
+    *,
+    denominator: jax.Array | None = None,
+) -> tuple[jax.Array, dict]:
+    """The policy loss of one (micro-)batch: ratio, clip variant, TIS, KL, entropy, aggregation.
+
+    logp [N, T] (current policy, differentiable); old_logp [N, T] (pi_old; None = on-policy,
+    sg(logp)); sampler_logp [N, T] (None = no TIS); ref_logp [N, T] (needed iff the KL is in
+    the loss: beta > 0 and not kl_in_reward); advantages [N, T] or [N]; loss_mask [N, T];
+    entropy [N, T] (differentiable; None = no bonus). Returns (loss, metrics).
+
+    Micro-batching: pass `denominator = loss_denominator(full_mask, cfg.loss_agg,
+    cfg.max_completion_len)` computed on the FULL batch; each micro-batch's loss is then its
+    numerator / that denominator, so losses and gradients summed over micro-batches equal
+    the full-batch ones. The `loss/*` metrics add up the same way; the others are means over
+    the micro-batch's valid tokens (average them; min / max for ratio_min / ratio_max).
+    """
+    valid = loss_mask.astype(bool)
+    old_logp = _sg(logp) if old_logp is None else old_logp
+    adv = _sg(advantages.astype(jnp.float32))
+    adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, logp.shape)
+    if cfg.policy_loss == "gspo":
+        ratio = jnp.exp(sequence_log_ratio(logp, old_logp, valid))
+    else:
+        ratio = jnp.exp(log_ratio(logp, old_logp, valid))
+    if cfg.policy_loss == "cispo":
+        pg = cispo_loss(logp, ratio, adv, cfg.eps_low, cfg.eps_high)
+    else:
+        pg = ppo_clip_loss(ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+    metrics = _policy_metrics(cfg, logp, old_logp, ratio, adv, valid)
+    if sampler_logp is not None:
+        gap = jnp.abs(log_ratio(old_logp, sampler_logp, valid))
+        metrics["rollout/logprob_gap"] = masked_mean(_sg(gap), valid)
+        if cfg.tis_cap is not None:
+            w = tis_weight(old_logp, sampler_logp, valid, cfg.tis_cap)
+            pg = pg * w
+            metrics["rollout/tis_weight_mean"] = masked_mean(w, valid)
+            metrics["rollout/tis_capped_frac"] = masked_mean(w >= cfg.tis_cap, valid)
+    agg = functools.partial(
+        aggregate,
+        mask=valid,
+        mode=cfg.loss_agg,
+        max_len=cfg.max_completion_len,
+        denominator=denominator,
+    )
+    total = metrics["loss/policy"] = agg(pg)
+    if ref_logp is not None:
+        kl_tokens = kl_penalty(logp, ref_logp, valid, cfg.kl_estimator)
+        metrics["policy/kl_ref"] = masked_mean(_sg(kl_tokens), valid)
+    if cfg.beta > 0 and not cfg.kl_in_reward:
+        if ref_logp is None:
+            raise ValueError("algo.beta > 0 with the KL in the loss needs ref_logp")
+        kl = metrics["loss/kl"] = agg(kl_tokens)
+        total = total + cfg.beta * kl
+    if entropy is not None:
+        ent = metrics["loss/entropy"] = agg(entropy.astype(jnp.float32))
+        metrics["policy/entropy"] = masked_mean(_sg(entropy), valid)
+        if cfg.entropy_coef:
+            total = total - cfg.entropy_coef * ent
+    metrics["loss/total"] = total
+    return total, jax.tree.map(_sg, metrics)
+
+
+def value_objective(
+    cfg: AlgoConfig,
+    values: jax.Array,
+    old_values: jax.Array,
+    returns: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    denominator: jax.Array | None = None,
+) -> tuple[jax.Array, dict]:
+    """PPO's clipped value loss, aggregated with `cfg.loss_agg`. [N, T] each -> (loss, metrics).
+
+    `denominator` plays the same micro-batch role as in `policy_objective`.
+    """
+    valid = loss_mask.astype(bool)
+    per_token = value_loss(values, old_values, returns, valid, cfg.value_clip)
+    loss = aggregate(per_token, valid, cfg.loss_agg, cfg.max_completion_len, denominator)
+    v, r = _sg(values.astype(jnp.float32)), _sg(returns.astype(jnp.float32))
+    r_var = masked_mean(jnp.square(r - masked_mean(r, valid)), valid)
+    err = r - v
+    err_var = masked_mean(jnp.square(err - masked_mean(err, valid)), valid)
+    metrics = {
+        "loss/value": _sg(loss),
+        "value/mean": masked_mean(v, valid),
+        "value/explained_variance": jnp.where(r_var > 0, 1.0 - err_var / r_var, 0.0),
+    }
+    if cfg.value_clip is not None:
+        v_old = _sg(old_values.astype(jnp.float32))
+        v_clipped = v_old + jnp.clip(v - v_old, -cfg.value_clip, cfg.value_clip)
+        clip_won = jnp.square(v_clipped - r) > jnp.square(v - r)
+        metrics["value/clipfrac"] = masked_mean(clip_won, valid)
+    return loss, metrics
