@@ -48,7 +48,7 @@ def python_tests(
     setup_key: str = "test_setup",
     partial: bool = False,
     cpu_s: int = 2,
-    wall_s: float = 5.0,
+    wall_s: float = 4.0,
     memory_mb: int = 512,
 ) -> float:
     """Fraction of the row's tests the completion's code passes in the sandbox (see module).
@@ -59,8 +59,8 @@ def python_tests(
       tests_key: field with the tests; setup_key: optional field with setup code.
       partial: reward passed/total instead of all-or-nothing.
       cpu_s, wall_s, memory_mb: sandbox limits for the whole run (code + all tests). The
-        pool's `timeout_s` must exceed `wall_s` plus start-up, or slow runs count as
-        verifier timeouts instead of failed code.
+        pool's `timeout_s` must exceed `wall_s` (the pool checks), with room for the
+        interpreter's start-up, or slow runs count as verifier timeouts, not failed code.
     """
     tests, setup = row_tests(example, tests_key, setup_key)
     limits = Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import json
 import os
 import select
@@ -31,7 +32,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxrl_llm.verifiers import worker as wire
-from jaxrl_llm.verifiers.registry import parse_specs
+from jaxrl_llm.verifiers.registry import parse_specs, resolve
 
 _BOOTSTRAP = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
@@ -257,6 +258,7 @@ class VerifierPool:
         if not self._finalizer.alive:
             raise RuntimeError("VerifierPool.score called after close()")
         specs = parse_specs(specs)
+        self._check_wall_limits(specs)
         batch = _Batch(specs, list(completions), _check_inputs(completions, examples, num_tokens))
         wire_specs = [(s.name, s.options) for s in specs]
         with self._lock:
@@ -266,6 +268,19 @@ class VerifierPool:
                 self._kill_active()  # their results would belong to this aborted batch
                 raise
         return batch.details()
+
+    def _check_wall_limits(self, specs) -> None:
+        """A sandbox wall limit above the pool's timeout would turn slow code into
+        verifier timeouts; refuse the combination up front."""
+        for spec in specs:
+            wall = spec.options.get("wall_s")
+            if wall is None and spec.name == "python_tests":
+                wall = inspect.signature(resolve(spec.name)).parameters["wall_s"].default
+            if wall is not None and wall >= self.timeout_s:
+                raise ValueError(
+                    f"rewards.{spec.label}.options.wall_s={wall} must be below the verifier "
+                    f"pool's timeout_s={self.timeout_s} (leave ~1 s for interpreter start-up)"
+                )
 
     def _run(self, batch: _Batch, key: str, wire_specs) -> None:
         start_failures = 0

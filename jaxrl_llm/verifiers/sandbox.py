@@ -248,7 +248,8 @@ def _warn_once_if_weak(isolation: dict) -> None:
     if isolation and not isolation["namespaces"] and not _warned:
         _warned = True
         logging.warning(
-            "sandbox: Linux namespaces unavailable (not root, or refused by the container); "
+            "sandbox: Linux namespaces not in use (disabled, not root, or refused by the "
+            "container); "
             "model-written code runs with rlimits%s but WITH network access and without "
             "pid/mount isolation",
             " as your own user" if isolation["uid"] == os.geteuid() else " as an unprivileged user",
