@@ -1,0 +1,258 @@
+"""The rollout sampler: one jitted program per (prompt bucket, batch, settings).
+
+    prefill B prompts once -> broadcast each prompt's KV cache to its G rows
+    -> lax.while_loop of single-token decode steps until every row has stopped
+       (a stop id) or max_new_tokens
+
+Everything stays on device; the loop never syncs with the host. Prompts are left-padded to
+a bucket length (powers of two from 16) so a training run compiles a bounded number of
+programs. The parameters are read in whatever sharding they have (the training
+sharding); the batch, the KV cache and the outputs are sharded over ('data', 'fsdp').
+Randomness: the key is fold_in(PRNGKey(seed), call index), with the call index given by
+the caller (the trainer passes its step, so a resumed run draws the same samples) or
+counted per seed by this module.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxrl_llm import models
+from jaxrl_llm.models.partitioning import logical_to_sharding
+from jaxrl_llm.parallel import mesh as mesh_lib
+from jaxrl_llm.sampling.sampling import sample_tokens
+
+FINISH_STOP, FINISH_LENGTH = 1, 2
+MIN_BUCKET = 16
+_call_counters: dict[int, itertools.count] = collections.defaultdict(itertools.count)
+TRACES = collections.Counter()  # compiled programs, by prompt bucket: for tests and logs
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Static settings of one generate program (hashable: a jit static argument)."""
+
+    max_new_tokens: int
+    num_samples: int = 1  # G: rows per prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    stop_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+
+@struct.dataclass
+class SampleOutput:
+    """Rollouts, N = B * G rows, prompt-major (the G rows of a prompt are consecutive)."""
+
+    tokens: jax.Array  # [N, T] int32 completion ids, pad_id after the end
+    mask: jax.Array  # [N, T] bool: generated tokens (the stop token included)
+    logprobs: jax.Array  # [N, T] float32 log softmax(logits / temperature)[token]; 0 off-mask
+    lengths: jax.Array  # [N] int32
+    finish: jax.Array  # [N] int32: FINISH_STOP or FINISH_LENGTH
+    prompt_tokens: jax.Array  # [N, P] int32, left-padded
+    prompt_mask: jax.Array  # [N, P] bool
+
+
+@struct.dataclass
+class _Loop:
+    t: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    finish: jax.Array
+    done: jax.Array
+    last: jax.Array
+    cache: models.KVCache
+
+
+def bucket_length(n: int) -> int:
+    """Prompt length rounded up to the next power of two (at least MIN_BUCKET)."""
+    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
+    if mesh is None:
+        return cache
+    kv_axes = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    kv = logical_to_sharding(kv_axes, cache.k.shape, mesh)
+    rows = logical_to_sharding(("batch", "cache_seq"), cache.valid.shape, mesh)
+    wsc = jax.lax.with_sharding_constraint
+    return cache.replace(
+        k=wsc(cache.k, kv),
+        v=wsc(cache.v, kv),
+        valid=wsc(cache.valid, rows),
+        pos=wsc(cache.pos, logical_to_sharding(("batch",), cache.pos.shape, mesh)),
+    )
+
+
+def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_samples: int, max_len: int, mesh=None):
+    """Prefills B prompts once and repeats each cache row G times.
+
+    Returns (last-token logits [B*G, V], cache with B*G rows of length max_len).
+    """
+    B = prompt_ids.shape[0]
+    cache = models.init_cache(cfg, B, max_len, params["embed"].dtype)
+    logits, cache = models.prefill(
+        cfg, params, prompt_ids, prompt_mask, _constrain_cache(cache, mesh)
+    )
+    G = num_samples
+    rep = lambda x, axis: jnp.repeat(x, G, axis=axis)  # noqa: E731
+    cache = cache.replace(
+        k=rep(cache.k, 1), v=rep(cache.v, 1), valid=rep(cache.valid, 0), pos=rep(cache.pos, 0)
+    )
+    return rep(logits, 0), _constrain_cache(cache, mesh)
+
+
+def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, key, mesh):
+    TRACES[prompt_ids.shape] += 1
+    T, G = sp.max_new_tokens, sp.num_samples
+    logits, cache = prefill_groups(
+        cfg, params, prompt_ids, prompt_mask, G, prompt_ids.shape[1] + T, mesh
+    )
+    N = logits.shape[0]
+    stop_ids = jnp.asarray(sp.stop_ids or (-1,), jnp.int32)
+    sample = lambda k, lg: sample_tokens(k, lg, sp.temperature, sp.top_k, sp.top_p)  # noqa: E731
+
+    first, first_lp = sample(jax.random.fold_in(key, 0), logits)
+    stopped = jnp.isin(first, stop_ids)
+    state = _Loop(
+        t=jnp.int32(1),
+        tokens=jnp.full((N, T), sp.pad_id, jnp.int32).at[:, 0].set(first),
+        logprobs=jnp.zeros((N, T), jnp.float32).at[:, 0].set(first_lp),
+        lengths=jnp.ones((N,), jnp.int32),
+        finish=jnp.where(stopped, FINISH_STOP, 0).astype(jnp.int32),
+        done=stopped,
+        last=first,
+        cache=cache,
+    )
+
+    def cond(s: _Loop):
+        return (s.t < T) & ~jnp.all(s.done)
+
+    def body(s: _Loop):
+        logits, cache = models.decode_step(cfg, params, s.last, s.cache)
+        tok, lp = sample(jax.random.fold_in(key, s.t), logits)
+        tok = jnp.where(s.done, sp.pad_id, tok)
+        lp = jnp.where(s.done, 0.0, lp)
+        new_stop = ~s.done & jnp.isin(tok, stop_ids)
+        return _Loop(
+            t=s.t + 1,
+            tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.t)),
+            logprobs=jax.lax.dynamic_update_slice(s.logprobs, lp[:, None], (0, s.t)),
+            lengths=s.lengths + (~s.done).astype(jnp.int32),
+            finish=jnp.where(new_stop, FINISH_STOP, s.finish),
+            done=s.done | new_stop,
+            last=tok,
+            cache=_constrain_cache(cache, mesh),
+        )
+
+    s = jax.lax.while_loop(cond, body, state)
+    mask = jnp.arange(T)[None, :] < s.lengths[:, None]
+    return SampleOutput(
+        tokens=jnp.where(mask, s.tokens, sp.pad_id),
+        mask=mask,
+        logprobs=jnp.where(mask, s.logprobs, 0.0),
+        lengths=s.lengths,
+        finish=jnp.where(s.finish == 0, FINISH_LENGTH, s.finish),
+        prompt_tokens=jnp.repeat(prompt_ids, G, axis=0),
+        prompt_mask=jnp.repeat(prompt_mask, G, axis=0),
+    )
+
+
+_generate_jit = jax.jit(_generate, static_argnums=(0, 1, 6))
+
+
+def pad_prompts(prompts, pad_id: int, batch_multiple: int = 1, vocab_size: int | None = None):
+    """Left-pads token-id lists to their bucket -> (ids [B', P], mask [B', P]) on the host.
+
+    B' rounds B up to a multiple of `batch_multiple` with fully padded dummy rows.
+    """
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise ValueError("prompts: expected a non-empty list of token-id lists")
+    lengths = []
+    for i, p in enumerate(prompts):
+        arr = np.asarray(p)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompts[{i}]: expected a non-empty list of token ids")
+        if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
+            raise ValueError(f"prompts[{i}]: token id outside [0, {vocab_size})")
+        lengths.append(arr.size)
+    P = bucket_length(max(lengths))
+    B = -(-len(prompts) // batch_multiple) * batch_multiple
+    ids = np.full((B, P), pad_id, np.int32)
+    mask = np.zeros((B, P), bool)
+    for i, p in enumerate(prompts):
+        ids[i, P - lengths[i] :] = p
+        mask[i, P - lengths[i] :] = True
+    return ids, mask
+
+
+def generate(
+    cfg,
+    params,
+    prompts,
+    max_new_tokens: int,
+    num_samples: int = 1,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_ids=(),
+    seed: int = 0,
+    mesh=None,
+    *,
+    step: int | None = None,
+    pad_id: int = 0,
+) -> SampleOutput:
+    """Samples `num_samples` completions per prompt. See `SampleOutput` for the result.
+
+    prompts: list of token-id lists. temperature 0 = greedy. step: the call index the
+    random key is derived from (default: a per-seed counter of calls).
+    """
+    sp = SamplingParams(
+        int(max_new_tokens),
+        int(num_samples),
+        float(temperature),
+        int(top_k),
+        float(top_p),
+        tuple(int(s) for s in stop_ids),
+        int(pad_id),
+    )
+    _validate(cfg, sp)
+    ids, mask = pad_prompts(prompts, sp.pad_id, mesh_lib.batch_size_multiple(mesh), cfg.vocab_size)
+    if ids.shape[1] + sp.max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt bucket {ids.shape[1]} + max_new_tokens {sp.max_new_tokens} exceeds the "
+            f"model's max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    index = next(_call_counters[seed]) if step is None else step
+    key = jax.random.fold_in(jax.random.key(seed), index)
+    ids, mask = mesh_lib.shard_batch((ids, mask), mesh)
+    out = _generate_jit(cfg, sp, params, ids, mask, key, mesh)
+    n = len(prompts) * sp.num_samples
+    if out.tokens.shape[0] != n:  # dummy rows that made the batch divisible by the mesh
+        out = jax.tree.map(lambda x: x[:n], out)
+    return out
+
+
+def _validate(cfg, sp: SamplingParams) -> None:
+    if sp.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={sp.max_new_tokens}: must be >= 1")
+    if sp.num_samples < 1:
+        raise ValueError(f"num_samples={sp.num_samples}: must be >= 1")
+    if sp.temperature < 0:
+        raise ValueError(f"temperature={sp.temperature}: must be >= 0 (0 = greedy)")
+    if sp.top_k < 0:
+        raise ValueError(f"top_k={sp.top_k}: must be >= 0 (0 = off)")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise ValueError(f"top_p={sp.top_p}: must be in (0, 1]")
+    for s in sp.stop_ids:
+        if not 0 <= s < cfg.vocab_size:
+            raise ValueError(f"stop_ids: {s} is outside the vocabulary [0, {cfg.vocab_size})")

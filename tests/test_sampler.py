@@ -1,0 +1,268 @@
+"""The rollout sampler against HF `generate`, teacher-forced log-probs and numpy references."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_reference import VOCAB, hf_model
+
+from jaxrl_llm import models, parallel, sampling
+
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42, 43, 44]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            model = hf_model(arch, seed=11)
+            d = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(d)
+            cache[arch] = (model, *models.load_hf(d))
+        return cache[arch]
+
+    return get
+
+
+def hf_greedy(model, prompts, max_new):
+    P = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), P), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :], mask[i, P - len(p) :] = torch.tensor(p), 1
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, P:].numpy()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_equals_hf_generate(tiny, arch):
+    model, cfg, params = tiny(arch)
+    out = sampling.generate(cfg, params, PROMPTS, max_new_tokens=12, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), hf_greedy(model, PROMPTS, 12))
+    assert np.all(np.asarray(out.finish) == sampling.FINISH_LENGTH)
+    assert np.all(np.asarray(out.lengths) == 12)
+
+
+def teacher_forced_logprobs(cfg, params, out, temperature):
+    ids = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    mask = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
+    logits = models.logits(cfg, params, ids, mask)
+    P = out.prompt_tokens.shape[1]
+    logp = jax.nn.log_softmax(logits[:, P - 1 : -1] / temperature, axis=-1)
+    return np.take_along_axis(np.asarray(logp), np.asarray(out.tokens)[..., None], -1)[..., 0]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (7, 0.9)])
+def test_logprobs_equal_teacher_forced(tiny, top_k, top_p):
+    _, cfg, params = tiny("qwen3")
+    out = sampling.generate(
+        cfg,
+        params,
+        PROMPTS,
+        max_new_tokens=10,
+        num_samples=3,
+        temperature=0.7,
+        top_k=top_k,
+        top_p=top_p,
+        seed=1,
+    )
+    ref = teacher_forced_logprobs(cfg, params, out, 0.7)
+    mask = np.asarray(out.mask)
+    assert np.abs(np.asarray(out.logprobs) - ref)[mask].max() <= 1e-4
+    assert np.all(np.asarray(out.logprobs)[~mask] == 0)
+
+
+def numpy_top_k(logits, k):
+    out = logits.copy()
+    for row in out:
+        kth = np.sort(row)[::-1][k - 1]
+        row[row < kth] = -np.inf
+    return out
+
+
+def numpy_top_p(logits, p):
+    out = logits.copy()
+    for row in out:
+        order = np.argsort(-row, kind="stable")
+        probs = np.exp(row[order] - row[order].max())
+        probs /= probs.sum()
+        kept, mass = [], 0.0
+        for idx, pr in zip(order, probs, strict=True):
+            if mass >= p:
+                break
+            kept.append(idx)
+            mass += pr
+        threshold = row[kept].min()
+        row[row < threshold] = -np.inf
+    return out
+
+
+def test_top_k_top_p_masks_match_numpy():
+    rng = np.random.RandomState(0)
+    logits = rng.randn(6, 20).astype(np.float32)
+    logits[0, :4] = 3.0  # ties at the top
+    for k in (1, 3, 5, 19):
+        np.testing.assert_array_equal(
+            np.asarray(sampling.top_k_mask(jnp.asarray(logits), k)), numpy_top_k(logits, k)
+        )
+    for p in (0.05, 0.5, 0.9, 0.999):
+        np.testing.assert_array_equal(
+            np.asarray(sampling.top_p_mask(jnp.asarray(logits), p)), numpy_top_p(logits, p)
+        )
+
+
+def chi2_critical(df, z=3.09):
+    """Wilson-Hilferty approximation of the chi-square quantile (z=3.09: 0.999)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8)]
+)
+def test_sampled_frequencies_match_softmax(temperature, top_k, top_p):
+    logits = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0], np.float32)
+    n = 40000
+    tokens, _ = jax.jit(sampling.sample_tokens, static_argnums=(2, 3, 4))(
+        jax.random.key(42), jnp.tile(logits, (n, 1)), temperature, top_k, top_p
+    )
+    counts = np.bincount(np.asarray(tokens), minlength=len(logits))
+
+    def expected(logits):
+        z = logits / temperature
+        if top_k:
+            z = numpy_top_k(z[None], top_k)[0]
+        if top_p < 1:
+            z = numpy_top_p(z[None], top_p)[0]
+        probs = np.exp(z - z.max())
+        return probs / probs.sum()
+
+    def chi2(probs):
+        support = probs > 0
+        assert counts[~support].sum() == 0, "sampled a filtered-out token"
+        e = n * probs[support]
+        return ((counts[support] - e) ** 2 / e).sum(), support.sum() - 1
+
+    stat, df = chi2(expected(logits))
+    assert stat < chi2_critical(df), (stat, df)
+    # The same test rejects a wrong distribution (temperature ignored).
+    wrong = np.exp(logits - logits.max())
+    wrong[expected(logits) == 0] = 0
+    if temperature != 1.0:
+        wrong_stat, _ = chi2(wrong / wrong.sum())
+        assert wrong_stat > chi2_critical(df), wrong_stat
+
+
+def test_group_rows_share_one_prefill(tiny):
+    _, cfg, params = tiny("qwen2")
+    ids, mask = sampling.pad_prompts(PROMPTS[:2], 0)
+    logits, cache = jax.jit(sampling.prefill_groups, static_argnums=(0, 4, 5))(
+        cfg, params, ids, mask, 3, 40
+    )
+    single_logits, single = models.prefill(
+        cfg, params, ids[1:2], mask[1:2], models.init_cache(cfg, 1, 40)
+    )
+    for g in range(3):
+        row = 3 + g  # prompt 1's rows
+        np.testing.assert_allclose(cache.k[:, row], single.k[:, 0], atol=1e-5)
+        np.testing.assert_array_equal(cache.valid[row], single.valid[0])
+        np.testing.assert_allclose(logits[row], single_logits[0], atol=1e-5)
+    np.testing.assert_array_equal(cache.k[:, 0], cache.k[:, 2])
+
+
+def test_group_sampling_greedy_identical_sampled_differ(tiny):
+    _, cfg, params = tiny("qwen3")
+    greedy = sampling.generate(cfg, params, PROMPTS[:2], 8, num_samples=4, temperature=0.0)
+    toks = np.asarray(greedy.tokens).reshape(2, 4, 8)
+    assert np.all(toks == toks[:, :1])
+    sampled = sampling.generate(cfg, params, PROMPTS[:2], 8, num_samples=4, temperature=1.0, seed=3)
+    toks = np.asarray(sampled.tokens).reshape(2, 4, 8)
+    assert all(len({tuple(r) for r in group}) > 1 for group in toks)
+
+
+def test_sharded_equals_unsharded(tiny):
+    _, cfg, params = tiny("qwen3")
+    kw = dict(max_new_tokens=8, num_samples=2, temperature=1.0, seed=5, step=0)
+    ref = sampling.generate(cfg, params, PROMPTS, **kw)
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded_params = jax.device_put(params, models.param_shardings(cfg, mesh))
+    out = sampling.generate(cfg, sharded_params, PROMPTS, mesh=mesh, **kw)
+    assert out.tokens.sharding.spec[0] == ("data", "fsdp")
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-4)
+    # 3 prompts do not divide the 4-way batch: padded with dummy rows, then dropped.
+    odd = sampling.generate(cfg, sharded_params, PROMPTS[:3], mesh=mesh, **kw)
+    np.testing.assert_array_equal(np.asarray(odd.tokens), np.asarray(ref.tokens)[:6])
+
+
+def test_stop_ids_end_rows(tiny):
+    _, cfg, params = tiny("llama")
+    free = np.asarray(sampling.generate(cfg, params, PROMPTS, 10, temperature=0.0).tokens)
+    stop = int(free[0, 3])
+    out = sampling.generate(
+        cfg, params, PROMPTS, 10, temperature=0.0, stop_ids=(stop, 95), pad_id=0
+    )
+    tokens, lengths, finish = (np.asarray(x) for x in (out.tokens, out.lengths, out.finish))
+    for i, row in enumerate(free):
+        hits = np.nonzero(np.isin(row, [stop, 95]))[0]
+        n = hits[0] + 1 if hits.size else 10
+        assert lengths[i] == n
+        assert finish[i] == (sampling.FINISH_STOP if hits.size else sampling.FINISH_LENGTH)
+        np.testing.assert_array_equal(tokens[i, :n], row[:n])
+        assert np.all(tokens[i, n:] == 0) and not np.asarray(out.mask)[i, n:].any()
+    assert lengths[0] <= 4
+
+
+def test_same_bucket_does_not_recompile(tiny):
+    _, cfg, params = tiny("qwen2")
+    sampling.sampler.TRACES.clear()
+    sampling.generate(cfg, params, [[1, 2, 3], [4, 5]], 4, seed=0)
+    sampling.generate(cfg, params, [[1] * 14, [4, 5, 6, 7]], 4, seed=1)
+    sampling.generate(cfg, params, [[9] * 16, [3]], 4, seed=0, step=7)
+    assert dict(sampling.sampler.TRACES) == {(2, 16): 1}
+    sampling.generate(cfg, params, [[1] * 17, [4]], 4)  # next bucket: one more program
+    assert dict(sampling.sampler.TRACES) == {(2, 16): 1, (2, 32): 1}
+
+
+def test_key_from_seed_and_step(tiny):
+    _, cfg, params = tiny("qwen2")
+    run = lambda **kw: np.asarray(  # noqa: E731
+        sampling.generate(cfg, params, PROMPTS, 8, num_samples=2, **kw).tokens
+    )
+    np.testing.assert_array_equal(run(seed=0, step=3), run(seed=0, step=3))
+    assert not np.array_equal(run(seed=0, step=3), run(seed=0, step=4))
+    assert not np.array_equal(run(seed=0, step=3), run(seed=1, step=3))
+    # Without a step, successive calls draw fresh samples.
+    assert not np.array_equal(run(seed=9), run(seed=9))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(prompts=[]), r"non-empty list of token-id lists"),
+        (dict(prompts=[[1], []]), r"prompts\[1\]: expected a non-empty list"),
+        (dict(prompts=[[1, VOCAB]]), rf"prompts\[0\]: token id outside \[0, {VOCAB}\)"),
+        (dict(max_new_tokens=0), r"max_new_tokens=0"),
+        (dict(top_p=0.0), r"top_p=0.0"),
+        (dict(temperature=-1.0), r"temperature=-1.0"),
+        (dict(stop_ids=(VOCAB,)), r"stop_ids: 96 is outside"),
+        (dict(max_new_tokens=250), r"exceeds the model's max_position_embeddings 256"),
+    ],
+)
+def test_bad_arguments(tiny, kwargs, message):
+    _, cfg, params = tiny("qwen2")
+    args = dict(prompts=PROMPTS, max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=message):
+        sampling.generate(cfg, params, **args)
