@@ -374,3 +374,52 @@ def test_jitted_step_math_needs_no_host_transfers():
         with jax.transfer_guard("disallow"):
             grad, metrics = step(d, rewards)
         assert np.all(np.isfinite(np.asarray(grad))), name
+
+
+@pytest.mark.parametrize(
+    "axis_type,name", [("Explicit", "grpo"), ("Explicit", "ppo"), ("Auto", "grpo")]
+)
+def test_step_math_on_an_8_device_mesh_equals_one_device(axis_type, name):
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from jaxrl_llm.rl.advantages import compute_advantages
+    from jaxrl_llm.rl.algos import preset
+    from jaxrl_llm.rl.logprobs import token_logprobs
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs the 8 fake CPU devices of conftest.py")
+    rng = np.random.default_rng(18)
+    n, t, dim, vocab = 16, 6, 8, 32
+    data = dict(
+        rewards=rng.integers(0, 2, n).astype(np.float32),  # groups of 4 straddle 2 devices
+        mask=(rng.random((n, t)) > 0.3).astype(np.float32),
+        hidden=rng.normal(size=(n, t, dim)).astype(np.float32),
+        targets=rng.integers(0, vocab, (n, t)),
+        old=rng.normal(-3, 0.3, (n, t)).astype(np.float32),
+    )
+    unembed = (rng.normal(size=(dim, vocab)) * 0.3).astype(np.float32)
+    cfg = preset(name, group_size=4, entropy_coef=0.01, beta=0.02)
+
+    def step(d, unembed):
+        adv = compute_advantages(
+            cfg, d["rewards"], d["mask"], old_logp=d["old"], ref_logp=d["old"], values=d["old"]
+        ).advantages
+        den = L.loss_denominator(d["mask"], cfg.loss_agg)
+
+        def loss(hidden, unembed):
+            logp, ent = token_logprobs(hidden, unembed, d["targets"], chunk_size=4)
+            args = (d["old"], d["old"], d["old"], adv, d["mask"], ent)
+            return L.policy_objective(cfg, logp, *args, denominator=den)[0]
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(d["hidden"], unembed)
+
+    expected = jax.jit(step)(data, unembed)
+    axes = ("data", "fsdp", "tensor")
+    mesh = jax.make_mesh((2, 2, 2), axes, axis_types=(getattr(AxisType, axis_type),) * 3)
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    with jax.set_mesh(mesh):
+        sharded = {k: jax.device_put(v, rows) for k, v in data.items()}
+        vocab_parallel = jax.device_put(unembed, NamedSharding(mesh, PartitionSpec(None, "tensor")))
+        got = jax.jit(step)(sharded, vocab_parallel)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxrl_llm.rl.losses import kl_penalty
 
@@ -46,12 +47,24 @@ ADVANTAGE_KINDS = ("grpo", "rloo", "reinforce_pp", "gae")
 STD_SCALES = ("group", "batch", "none")
 
 
+def _replicated(x: jax.Array) -> jax.Array:
+    """x itself, or replicated when an explicit mesh axis shards it.
+
+    A group may straddle devices, and explicit sharding refuses a reshape that splits a
+    sharded axis; sequence-level rewards are only N floats, so gathering them is free.
+    """
+    spec = getattr(jax.typeof(x).sharding, "spec", None)
+    if spec is None or all(s is None for s in spec):
+        return x
+    return jax.sharding.reshard(x, PartitionSpec())
+
+
 def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
     """[N] -> [B, G] in float32; N must be a multiple of G >= 2 (static shapes)."""
     n = rewards.shape[0]
     if group_size < 2 or n % group_size:
         raise ValueError(f"group_size={group_size}: need >= 2 and dividing N={n}")
-    return rewards.astype(jnp.float32).reshape(n // group_size, group_size)
+    return _replicated(rewards.astype(jnp.float32)).reshape(n // group_size, group_size)
 
 
 def _safe_std(x: jax.Array, axis=None, where=None, keepdims: bool = False) -> jax.Array:
@@ -147,7 +160,7 @@ def discounted_returns(rewards: jax.Array, mask: jax.Array, gamma: float = 1.0) 
         g = r + gamma * carry
         return jnp.where(v, g, carry), jnp.where(v, g, 0.0)
 
-    init = jnp.zeros(rewards.shape[:1], jnp.float32)
+    init = jnp.zeros_like(rewards[:, 0], jnp.float32)  # zeros_like keeps the rows' sharding
     _, out = jax.lax.scan(step, init, (rewards.astype(jnp.float32).T, valid), reverse=True)
     return out.T
 
@@ -170,7 +183,7 @@ def gae(
         carry = (jnp.where(ok, v, next_v), jnp.where(ok, a, next_a))
         return carry, jnp.where(ok, a, 0.0)
 
-    zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
+    zeros = jnp.zeros_like(rewards[:, 0], jnp.float32)
     xs = (rewards.astype(jnp.float32).T, v_all, valid)
     _, adv = jax.lax.scan(step, (zeros, zeros), xs, reverse=True)
     adv = adv.T

@@ -26,7 +26,10 @@ def _chunk_logprobs(h, w, targets, temperature: float):
     logits = jnp.einsum("ncd,dv->ncv", h, w, preferred_element_type=jnp.float32)
     logits = logits / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # A one-hot contraction rather than a gather: it stays valid (and fused) when the
+    # vocabulary axis is sharded over an explicit mesh axis.
+    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+    target_logit = jnp.sum(logits * is_target.astype(logits.dtype), axis=-1)
     probs = jnp.exp(logits - lse[..., None])
     entropy = lse - jnp.sum(probs * logits, axis=-1)
     return target_logit - lse, entropy
