@@ -201,6 +201,21 @@ def _policy_metrics(cfg, logp, old_logp, ratio, adv, mask) -> dict:
     return metrics
 
 
+def policy_term(cfg: AlgoConfig, logp, old_logp, advantages, mask):
+    """Per-token policy loss of `cfg.policy_loss` (before TIS and aggregation).
+
+    logp, old_logp, advantages, mask [N, T] -> (loss [N, T], ratio [N, T]); the ratio is
+    rho, or s_i on every token of row i for GSPO.
+    """
+    if cfg.policy_loss == "gspo":
+        ratio = jnp.exp(sequence_log_ratio(logp, old_logp, mask))
+    else:
+        ratio = jnp.exp(log_ratio(logp, old_logp, mask))
+    if cfg.policy_loss == "cispo":
+        return cispo_loss(logp, ratio, advantages, cfg.eps_low, cfg.eps_high), ratio
+    return ppo_clip_loss(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip), ratio
+
+
 def policy_objective(
     cfg: AlgoConfig,
     logp: jax.Array,
@@ -230,14 +245,7 @@ def policy_objective(
     old_logp = _sg(logp) if old_logp is None else old_logp
     adv = _sg(advantages.astype(jnp.float32))
     adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, logp.shape)
-    if cfg.policy_loss == "gspo":
-        ratio = jnp.exp(sequence_log_ratio(logp, old_logp, valid))
-    else:
-        ratio = jnp.exp(log_ratio(logp, old_logp, valid))
-    if cfg.policy_loss == "cispo":
-        pg = cispo_loss(logp, ratio, adv, cfg.eps_low, cfg.eps_high)
-    else:
-        pg = ppo_clip_loss(ratio, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
+    pg, ratio = policy_term(cfg, logp, old_logp, adv, valid)
     metrics = _policy_metrics(cfg, logp, old_logp, ratio, adv, valid)
     if sampler_logp is not None:
         gap = jnp.abs(log_ratio(old_logp, sampler_logp, valid))
