@@ -2,7 +2,8 @@
 
 What one `run_python` call does (details in `sandbox_runner.py`):
 
-- a fresh interpreter (`python -I`: no user site, no PYTHON* variables) in a fresh temp
+- a fresh interpreter (`python -I -S`: no PYTHON* variables, no user site, no .pth files;
+  site-packages stay importable) in a fresh temp
   dir, deleted afterwards, with a minimal environment (PATH, HOME, LANG; nothing inherited,
   so no tokens or keys leak);
 - limits: CPU seconds, address space, file size, process count, open files, no core files;
@@ -30,13 +31,14 @@ import secrets
 import select
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-_RUNNER = Path(__file__).with_name("sandbox_runner.py")
+_RUNNER_SOURCE = Path(__file__).with_name("sandbox_runner.py").read_text()
 _MAX_REPORT_BYTES = 1 << 16  # results are a few lines; more is the code spamming the pipe
 _GRACE_S = 2.0  # interpreter start-up on a loaded host, on top of the wall limit
 
@@ -203,6 +205,8 @@ def run_python(
         "gid": gid,
         "namespaces": limits.namespaces,
         "parent_pid": os.getpid(),
+        # `-S` halves start-up (no .pth processing); the code still sees site-packages.
+        "site_dirs": [d for d in site.getsitepackages() if os.path.isdir(d)],
     }
     workdir = tempfile.mkdtemp(prefix="jaxrl_llm_sandbox_")
     proc = None
@@ -211,7 +215,7 @@ def run_python(
         if uid is not None:
             os.chown(workdir, uid, gid)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _RUNNER.read_text()],
+            [sys.executable, "-I", "-S", "-c", _RUNNER_SOURCE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
 """The program the sandbox runs: set up isolation, drop privileges, run code and its tests.
 
-Never imported. `sandbox.run_python` executes this file's source with `python -I -c`, so the
+Never imported. `sandbox.run_python` executes this file's source with `python -I -S -c`, so the
 package need not be importable inside the sandbox and no directory of ours lands on the
 sandboxed interpreter's `sys.path`. Only the standard library is used.
 
@@ -209,6 +209,7 @@ def init(job, isolated):
 
 def main():
     job = json.loads(sys.stdin.buffer.read())
+    sys.path.extend(path for path in job["site_dirs"] if path not in sys.path)
     die_with_parent()
     if os.getppid() != job["parent_pid"]:  # the parent died before prctl took hold
         os._exit(1)
