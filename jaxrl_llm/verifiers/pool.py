@@ -21,9 +21,7 @@ import inspect
 import json
 import os
 import select
-import signal
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -34,10 +32,6 @@ import numpy as np
 from jaxrl_llm.verifiers import worker as wire
 from jaxrl_llm.verifiers.registry import parse_specs, resolve
 
-_BOOTSTRAP = (
-    "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-    "from jaxrl_llm.verifiers.worker import main; main()"
-)
 _MAX_MESSAGES = 8
 _MAX_START_FAILURES = 3
 
@@ -67,66 +61,6 @@ class ScoreDetails:
         out["verifier/errors"] = float(sum(self.errors.values()))
         out["verifier/timeouts"] = float(sum(self.timeouts.values()))
         return out
-
-
-class _Worker:
-    """One worker subprocess and what the parent knows about it."""
-
-    def __init__(self, soft_timeout_s: float):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), repr(soft_timeout_s)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            start_new_session=True,  # killpg reaches anything the verifier started
-        )
-        self.key = None  # which spec list is loaded
-        self.loading_since = None
-        self.busy: collections.deque = collections.deque()  # item ids, in run order
-        self.since = 0.0  # when the item at busy[0] started
-        self.done = 0
-
-    @property
-    def fd(self) -> int:
-        return self.proc.stdout.fileno()
-
-    @property
-    def idle(self) -> bool:
-        return not self.busy and self.loading_since is None
-
-    def send(self, message) -> bool:
-        try:
-            wire.send(self.proc.stdin.fileno(), message)
-            return True
-        except (BrokenPipeError, OSError):
-            return False
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
-
-    def exit_info_within(self, timeout_s: float) -> str:
-        code = self.proc.wait(timeout_s)
-        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-
-
-def _shutdown(workers: list) -> None:
-    for w in workers:
-        if w is not None and w.proc.poll() is None:
-            w.send(("exit",))
-    deadline = time.monotonic() + 1.0
-    for w in workers:
-        if w is not None:
-            try:
-                w.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            w.kill()
-    workers[:] = [None] * len(workers)
 
 
 class _Batch:
@@ -221,9 +155,9 @@ class VerifierPool:
             start_timeout_s,
         )
         self.restarts = 0  # workers replaced after a crash or timeout, over the pool's life
-        self._workers: list[_Worker | None] = [None] * workers
+        self._workers: list[wire.WorkerProcess | None] = [None] * workers
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._finalizer = weakref.finalize(self, wire.shutdown, self._workers)
 
     def __enter__(self) -> VerifierPool:
         return self
@@ -302,10 +236,10 @@ class VerifierPool:
         per_worker = max(1, len(batch.queue) // (4 * len(self._workers)))
         for i, w in enumerate(self._workers):
             if w is not None and w.idle and w.done >= self.recycle_after:
-                _shutdown([w])
+                wire.shutdown([w])
                 w = self._workers[i] = None
             if w is None:
-                w = self._workers[i] = _Worker(0.9 * self.timeout_s)
+                w = self._workers[i] = wire.WorkerProcess(0.9 * self.timeout_s)
             if not w.idle:
                 continue
             if w.key != key:
@@ -319,7 +253,9 @@ class VerifierPool:
                 if not w.send(message):
                     self._retire(w, batch)  # died while idle: its items never ran
 
-    def _retire(self, w: _Worker, batch: _Batch, status: int | None = None, why: str = ""):
+    def _retire(
+        self, w: wire.WorkerProcess, batch: _Batch, status: int | None = None, why: str = ""
+    ):
         """Kills `w`; its current item gets `status` (None: requeued like the rest)."""
         items = list(w.busy)
         w.busy.clear()
@@ -330,7 +266,7 @@ class VerifierPool:
         self._workers[self._workers.index(w)] = None
         self.restarts += 1
 
-    def _receive(self, w: _Worker, batch: _Batch, key: str) -> int:
+    def _receive(self, w: wire.WorkerProcess, batch: _Batch, key: str) -> int:
         """Handles one message from `w`; returns 1 if it died while starting, else 0."""
         try:
             message = wire.receive(w.fd)

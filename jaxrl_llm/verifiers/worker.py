@@ -1,5 +1,7 @@
-"""The pool's worker process: receives verifier specs and batches of samples over pipes,
-returns one result per (sample, verifier) as soon as it has it.
+"""The pool's worker process: its main loop, and the parent's handle on it (`WorkerProcess`).
+
+A worker receives verifier specs and batches of samples over pipes and returns one result
+per (sample, verifier) as soon as it has it.
 
 Wire format: 8-byte little-endian length, then a pickle. Messages in:
 
@@ -17,13 +19,17 @@ Python verifier a little earlier, so the common case costs no process restart.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import json
 import math
 import os
 import pickle
 import signal
 import struct
+import subprocess
 import sys
+import time
 
 OK, ERROR, TIMEOUT = 0, 1, 2
 _HEADER = struct.Struct("<Q")
@@ -121,3 +127,69 @@ def main() -> None:
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
     serve(in_fd, out_fd, float(sys.argv[2]))
+
+
+_BOOTSTRAP = (
+    "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+    "from jaxrl_llm.verifiers.worker import main; main()"
+)
+
+
+class WorkerProcess:
+    """The parent's handle on one worker subprocess, and what it knows about it."""
+
+    def __init__(self, soft_timeout_s: float):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), repr(soft_timeout_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # killpg reaches anything the verifier started
+        )
+        self.key = None  # which spec list is loaded
+        self.loading_since = None
+        self.busy: collections.deque = collections.deque()  # item ids, in run order
+        self.since = 0.0  # when the item at busy[0] started
+        self.done = 0
+
+    @property
+    def fd(self) -> int:
+        return self.proc.stdout.fileno()
+
+    @property
+    def idle(self) -> bool:
+        return not self.busy and self.loading_since is None
+
+    def send(self, message) -> bool:
+        try:
+            send(self.proc.stdin.fileno(), message)
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def exit_info_within(self, timeout_s: float) -> str:
+        code = self.proc.wait(timeout_s)
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def shutdown(workers: list) -> None:
+    for w in workers:
+        if w is not None and w.proc.poll() is None:
+            w.send(("exit",))
+    deadline = time.monotonic() + 1.0
+    for w in workers:
+        if w is not None:
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+    workers[:] = [None] * len(workers)
