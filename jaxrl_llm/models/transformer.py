@@ -81,12 +81,13 @@ class Block(nnx.Module):
         self.down = normal((L, F, D), ("layers", "mlp", "embed"))
         self.cfg = cfg
 
-    def __call__(self, x, positions, mask, kv=None, index=None):
+    def __call__(self, x, positions, mask, kv=None, index=None, layer=None):
         """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool.
 
-        kv: this layer's cache (k, v), each [B,S,K,H]; the new keys/values are written at
-        slots index..index+T-1 and attention runs over all S slots. Without kv, S = T.
-        Returns (x [B,T,D], updated (k, v) or None).
+        kv: the whole cache (k, v), each [L,B,S,K,H], carried through the layer scan so
+        that it is updated in place: this layer's new keys/values are written at
+        [layer, :, index:index+T] and attention runs over the layer's S slots. Without
+        kv, S = T. Returns (x [B,T,D], the updated (k, v) or None).
         """
         cfg = self.cfg
         h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
@@ -101,11 +102,12 @@ class Block(nnx.Module):
         inv_freq = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         if kv is not None:
-            k_cache, v_cache = kv
-            start = (0, index, 0, 0)
-            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
-            kv = (k, v)
+            start = (layer, 0, index, 0, 0)
+            kv = tuple(
+                jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
+                for c, new in zip(kv, (k, v), strict=True)
+            )
+            k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
         a = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         x = x + jnp.einsum("btnh,nhd->btd", a, self.o[...])
         if cfg.o_bias:
@@ -135,12 +137,13 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)
         graphdef, stacked = nnx.split(self.layers)
 
-        def layer(x, xs):
-            layer_state, kv = xs
-            return nnx.merge(graphdef, layer_state)(x, positions, mask, kv, index)
+        def layer(carry, xs):
+            x, kv = carry
+            layer_state, i = xs
+            return nnx.merge(graphdef, layer_state)(x, positions, mask, kv, index, i), None
 
         layer = _remat(layer, cfg.remat)
-        x, kv = jax.lax.scan(layer, x, (stacked, cache))
+        (x, kv), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
 
 
