@@ -1,0 +1,208 @@
+"""MetricWriter files, resume, TensorBoard (read back by TensorBoard itself), W&B, plots."""
+
+import json
+import math
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import metrics
+from jaxrl_llm.metrics import MetricWriter, Progress, plot_metrics, read_metrics
+
+
+def _strict_lines(path):
+    """Each line parsed by a JSON parser that refuses NaN/Infinity, as jq or JS would."""
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    with open(path) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def test_records_are_strict_json_with_step_first(tmp_path):
+    with MetricWriter(tmp_path, tensorboard=False) as w:
+        w.write(
+            1,
+            {
+                "reward/mean": np.float32(0.25),
+                "reward/std": jnp.float32(0.1),
+                "loss/total": jnp.array(float("nan")),
+                "loss/grad_norm": float("inf"),
+                "rollout/tokens": jnp.int32(1200),
+                "eval/name": "gsm8k",
+            },
+        )
+        w.write_samples(1, [{"prompt": "1+1=", "completion": "2", "reward": np.float64(1.0)}])
+    [record] = _strict_lines(tmp_path / "metrics.jsonl")
+    assert list(record) == [
+        "step",
+        "reward/mean",
+        "reward/std",
+        "loss/total",
+        "loss/grad_norm",
+        "rollout/tokens",
+        "eval/name",
+    ]
+    assert record["step"] == 1 and record["reward/mean"] == 0.25
+    assert record["reward/std"] == 0.1  # not 0.10000000149011612: float32's own precision
+    assert record["loss/total"] is None and record["loss/grad_norm"] is None
+    assert record["rollout/tokens"] == 1200 and isinstance(record["rollout/tokens"], int)
+    [back] = read_metrics(tmp_path / "metrics.jsonl")
+    assert math.isnan(back["loss/total"]) and back["eval/name"] == "gsm8k"
+    assert _strict_lines(tmp_path / "samples.jsonl") == [
+        {"step": 1, "prompt": "1+1=", "completion": "2", "reward": 1.0}
+    ]
+
+
+def test_bad_values_are_refused_by_name(tmp_path):
+    with MetricWriter(tmp_path, tensorboard=False) as w:
+        with pytest.raises(ValueError, match="'loss/vec'.*shape \\(3,\\)"):
+            w.write(1, {"loss/vec": np.ones(3)})
+        with pytest.raises(ValueError, match="'step' is reserved"):
+            w.write(1, {"step": 3})
+
+
+def _write_steps(tmp_path, steps, scale, resume_step):
+    with MetricWriter(tmp_path, resume_step=resume_step) as w:
+        for s in steps:
+            w.write(s, {"reward/mean": scale * s})
+            w.write_samples(s, [{"prompt": "p", "completion": f"c{s}", "reward": 0.0}])
+
+
+def test_resume_drops_the_steps_that_are_done_again(tmp_path):
+    _write_steps(tmp_path, range(1, 6), 1.0, resume_step=None)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "reward/me')  # killed mid-line
+    _write_steps(tmp_path, [4, 5], 10.0, resume_step=3)  # resumed from the step-3 checkpoint
+    got = [(r["step"], r["reward/mean"]) for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert got == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    samples = [(r["step"], r["completion"]) for r in read_metrics(tmp_path / "samples.jsonl")]
+    assert samples == [(1, "c1"), (2, "c2"), (3, "c3"), (4, "c4"), (5, "c5")]
+
+    # The reader the TensorBoard server uses hides the first attempt's steps 4-5 the same way.
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+    from tensorboard.util import tensor_util
+
+    acc = plugin_event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    scalars = [
+        (e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+        for e in acc.Tensors("reward/mean")
+    ]
+    assert scalars == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    text = tensor_util.make_ndarray(acc.Tensors("samples")[-1].tensor_proto).item().decode()
+    assert text.splitlines()[0] == "| prompt | completion | reward |" and "| p | c5 | 0.0 |" in text
+
+    _write_steps(tmp_path, [1], 7.0, resume_step=None)  # no checkpoint: a new run
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+    acc = plugin_event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [
+        (e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+        for e in acc.Tensors("reward/mean")
+    ] == [(1, 7.0)]
+
+
+def test_only_process_zero_writes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with MetricWriter(tmp_path / "run") as w:
+        w.write(1, {"reward/mean": 1.0})
+        w.write_samples(1, [{"prompt": "p"}])
+    assert not (tmp_path / "run").exists()
+    bar = Progress(10)
+    bar.update(3, reward=0.5)
+    bar.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_missing_packages_warn_once_and_carry_on(tmp_path, monkeypatch, caplog):
+    for name in (
+        "wandb",
+        "tensorboard.compat.proto",
+        "tensorboard.summary.writer.event_file_writer",
+    ):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    with MetricWriter(tmp_path, tensorboard=True, wandb=True) as w:
+        w.write(1, {"reward/mean": 1.0})
+        w.write(2, {"reward/mean": 2.0})
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2
+    assert any("`tensorboard` package is not installed" in m for m in warnings)
+    assert any("`wandb` package is not installed" in m for m in warnings)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def _fake_wandb(calls):
+    run = types.SimpleNamespace(
+        log=lambda data, step: calls.append(("log", step, data)),
+        finish=lambda: calls.append(("finish",)),
+    )
+
+    def init(**kw):
+        calls.append(("init", kw))
+        return run
+
+    ids = iter(["id-a", "id-b"])
+    return types.SimpleNamespace(
+        init=init,
+        Table=lambda columns, data: ("table", columns, data),
+        util=types.SimpleNamespace(generate_id=lambda: next(ids)),
+    )
+
+
+def test_wandb_logs_and_resumes_the_same_run(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", _fake_wandb(calls))
+    config = {"algo": {"beta": 0.0}}
+    for resume_step in (None, 3):
+        with MetricWriter(
+            tmp_path, config, tensorboard=False, wandb=True, resume_step=resume_step, run_name="r"
+        ) as w:
+            w.write(4, {"reward/mean": 0.5, "eval/name": "x"})
+            w.write_samples(4, [{"prompt": "p", "completion": "c", "reward": 1.0}])
+    inits = [c[1] for c in calls if c[0] == "init"]
+    assert [i["id"] for i in inits] == ["id-a", "id-a"]  # the resumed run appends
+    assert (
+        inits[0]["project"] == "jaxrl_llm"
+        and inits[0]["config"] == config
+        and inits[0]["name"] == "r"
+    )
+    logs = [c for c in calls if c[0] == "log"]
+    assert logs[0] == ("log", 4, {"reward/mean": 0.5})  # strings stay out of W&B charts
+    assert logs[1] == (
+        "log",
+        4,
+        {"samples": ("table", ["completion", "prompt", "reward"], [["c", "p", 1.0]])},
+    )
+    assert calls.count(("finish",)) == 2
+
+
+def test_progress_bar_shows_step_and_values(capsys):
+    bar = Progress(10, initial_step=2)
+    bar.update(3, reward=0.123456, step_s=np.float32(1.5))
+    bar.close()
+    err = capsys.readouterr().err
+    assert "3/10" in err and "reward=0.1235" in err and "step_s=1.5" in err
+
+
+def test_plot_writes_a_png_of_the_curves(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    with MetricWriter(tmp_path, tensorboard=False) as w:
+        for s in range(1, 6):
+            w.write(s, {"reward/mean": s / 5})
+            if s % 2 == 0:
+                w.write(s, {"eval/pass@1": s / 10})
+    out = tmp_path / "curve.png"
+    metrics.main(["plot", f"--metrics={path}", f"--out={out}"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "reward/mean, eval/pass@1" in capsys.readouterr().out
+    with pytest.raises(
+        ValueError, match=r"none of \['loss/x'\] found; keys: \['eval/pass@1', 'reward/mean'\]"
+    ):
+        plot_metrics(path, out, keys=["loss/x"])
