@@ -1,0 +1,148 @@
+"""A run's trained policy -> a Hugging Face model directory that `transformers` loads.
+
+    python -m jaxrl_llm.export --workdir=DIR --out=HF_DIR [--step=N] [--dtype=bfloat16]
+
+What it reads from the run directory DIR (the trainer writes all of it):
+  DIR/checkpoints/<step>/   orbax checkpoints; only `state.params` is read, so neither the
+                            optimizer nor the algorithm needs to be known here
+  DIR/hf_config.json        the policy's HF config (else `model.path`/config.json)
+  DIR/config.json           the run config: `model.tokenizer` or `model.path` gives the
+                            tokenizer files (and generation_config.json) to copy along
+
+The params are read straight into a mesh over all local devices (FSDP-sharded), then
+written tensor by tensor, so no step needs the whole model in one device's memory. The
+checkpoint need not come from the same topology: one host can export a pod's run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import jax
+
+from jaxrl_llm import models, parallel
+from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.models.params import unflatten
+
+CHECKPOINT_DIR = "checkpoints"
+RUN_CONFIG = "config.json"
+HF_CONFIG = "hf_config.json"
+
+
+def export(workdir, out, step: int | None = None, dtype: str | None = None, mesh=None) -> int:
+    """Writes the policy of checkpoint `step` (default: latest) to `out`; returns the step.
+
+    `dtype` ("bfloat16", "float32", ...) defaults to the checkpoint's dtype. `mesh`
+    defaults to all devices on the fsdp axis.
+    """
+    workdir = os.fspath(workdir)
+    run_config = _read_json(os.path.join(workdir, RUN_CONFIG))
+    model = run_config.get("model") or {}
+    cfg = model_config(workdir, run_config)
+    with Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), read_only=True) as ckpt:
+        step = ckpt.latest_step() if step is None else int(step)
+        if step is None:
+            raise FileNotFoundError(f"{ckpt.directory}: no checkpoint to export")
+        params = restore_params(ckpt, cfg, step, mesh)
+    tokenizer = model.get("tokenizer") or model.get("path")
+    tokenizer_dir = tokenizer if tokenizer and os.path.isdir(tokenizer) else None
+    models.save_hf(cfg, params, out, tokenizer_dir=tokenizer_dir, dtype=dtype)
+    if jax.process_index() == 0:
+        _copy_extras(model.get("path"), tokenizer, tokenizer_dir, os.fspath(out))
+    logging.info("exported step %d of %s to %s", step, workdir, out)
+    return step
+
+
+def model_config(workdir: str, run_config: dict) -> models.ModelConfig:
+    """The policy's ModelConfig: DIR/hf_config.json, else the starting model's config."""
+    path = os.path.join(workdir, HF_CONFIG)
+    if os.path.isfile(path):
+        return models.ModelConfig.from_hf_dict(_read_json(path), source=path)
+    model_path = (run_config.get("model") or {}).get("path")
+    if not model_path:
+        raise FileNotFoundError(f"{workdir}: no {HF_CONFIG} and no model.path in {RUN_CONFIG}")
+    return models.ModelConfig.from_hf_dir(model_path)
+
+
+def restore_params(ckpt: Checkpointer, cfg: models.ModelConfig, step: int, mesh=None) -> dict:
+    """`state.params` of a checkpoint, checked against `cfg`, sharded over `mesh`."""
+    saved = ckpt.abstract_state(step)
+    if not isinstance(saved, dict) or "params" not in saved:
+        raise ValueError(f"{ckpt.directory}/{step}: the saved state has no `params` entry")
+    saved = _flat(saved["params"])
+    expected = models.param_specs(cfg)
+    for path, spec in expected.items():
+        name = "params." + ".".join(path)
+        if path not in saved:
+            raise ValueError(f"{ckpt.directory}/{step}: {name} is missing ({cfg.architecture})")
+        if tuple(saved[path].shape) != spec.shape:
+            raise ValueError(
+                f"{ckpt.directory}/{step}: {name} has shape {list(saved[path].shape)}, the "
+                f"model config says {list(spec.shape)}"
+            )
+    unexpected = sorted(".".join(p) for p in saved if p not in expected)
+    if unexpected:
+        raise ValueError(f"{ckpt.directory}/{step}: params.{unexpected[0]} is not a parameter")
+    shardings = _flat(models.param_shardings(cfg, mesh or parallel.make_mesh()))
+    target = unflatten(
+        {p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[p]) for p, s in saved.items()}
+    )
+    state, _ = ckpt.restore(step, target={"params": target}, partial=True)
+    return state["params"]
+
+
+def _flat(tree) -> dict[tuple[str, ...], object]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {tuple(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in leaves}
+
+
+def _copy_extras(model_path, tokenizer, tokenizer_dir, out: str) -> None:
+    """Tokenizer from the hub cache when it is not a directory; generation_config.json."""
+    if tokenizer and tokenizer_dir is None:
+        import transformers
+
+        transformers.AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+    generation = os.path.join(model_path or "", "generation_config.json")
+    if model_path and os.path.isfile(generation):
+        if not os.path.exists(os.path.join(out, "generation_config.json")):
+            shutil.copy2(generation, out)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: not found (is this a jaxrl_llm run directory?)")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main(argv) -> None:
+    from absl import app, flags
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    step = export(f.workdir, f.out, step=f.step, dtype=f.dtype)
+    print(f"exported step {step} of {f.workdir} to {f.out}")
+
+
+def _define_flags() -> None:
+    # Defined only when run as a program, so importing this module adds no global flags
+    # (the trainer defines its own --workdir).
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "run directory (holds checkpoints/ and config.json)")
+    flags.DEFINE_string("out", None, "output Hugging Face model directory")
+    flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
+    flags.DEFINE_string("dtype", None, "weight dtype, e.g. bfloat16 (default: as saved)")
+    flags.mark_flags_as_required(["workdir", "out"])
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    logging.getLogger().setLevel(logging.INFO)
+    app.run(main)
