@@ -226,8 +226,8 @@ class PreemptionFlag:
         flags = multihost_utils.process_allgather(np.int32(self.requested))
         return bool(np.any(flags))
 
-    def uninstall(self) -> None:
-        """Puts back the SIGTERM handler that was there before."""
+    def restore(self) -> None:
+        """Puts back the SIGTERM handler that was there before (at the end of training)."""
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
             self._installed = False

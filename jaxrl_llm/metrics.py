@@ -214,10 +214,10 @@ def _open_tensorboard(workdir: str, resume_step: int | None, config):
     first = 0 if resume_step is None else resume_step + 1
     start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
     tb.add_event(event_pb2.Event(wall_time=time.time(), step=first, session_log=start))
-    if config is not None and resume_step is None:
+    if config is not None:
         text = "```\n" + json.dumps(_jsonable(dict(config)), indent=2, default=str) + "\n```"
         tb.add_event(
-            event_pb2.Event(wall_time=time.time(), step=0, summary=text_pb("config", text))
+            event_pb2.Event(wall_time=time.time(), step=first, summary=text_pb("config", text))
         )
     return tb
 
@@ -313,6 +313,11 @@ class Progress:
         }
         self._bar.set_postfix(shown, refresh=False)
         self._bar.update(int(step) - self._bar.n)
+
+    def write(self, text: str) -> None:
+        """Prints a line above the bar (process 0 only) without breaking it."""
+        if not self._bar.disable:
+            self._bar.write(text, file=sys.stderr)
 
     def close(self) -> None:
         self._bar.close()

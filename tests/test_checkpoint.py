@@ -193,5 +193,5 @@ def test_sigterm_sets_the_flag_instead_of_killing():
         os.kill(os.getpid(), signal.SIGTERM)
         assert flag.requested and flag.stop_at(3)
     finally:
-        flag.uninstall()
+        flag.restore()
     assert signal.getsignal(signal.SIGTERM) is before

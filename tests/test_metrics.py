@@ -116,6 +116,7 @@ def test_only_process_zero_writes(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "run").exists()
     bar = Progress(10)
     bar.update(3, reward=0.5)
+    bar.write("not shown")
     bar.close()
     assert capsys.readouterr().err == ""
 
@@ -186,9 +187,11 @@ def test_wandb_logs_and_resumes_the_same_run(tmp_path, monkeypatch):
 def test_progress_bar_shows_step_and_values(capsys):
     bar = Progress(10, initial_step=2)
     bar.update(3, reward=0.123456, step_s=np.float32(1.5))
+    bar.write("[step 3] sample")
     bar.close()
     err = capsys.readouterr().err
     assert "3/10" in err and "reward=0.1235" in err and "step_s=1.5" in err
+    assert "[step 3] sample\n" in err
 
 
 def test_plot_writes_a_png_of_the_curves(tmp_path, capsys):
