@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import models
+from jaxrl_llm.perf import matmul_peak  # noqa: F401  (re-exported for the scripts)
 
 PRESETS = {
     # ~25M Qwen3-like: the sampler / GRPO-step benchmarks.
@@ -72,16 +73,6 @@ def time_fn(fn, *args, repeats: int = 3) -> tuple[float, float]:
         block(fn(*args))
         times.append(time.perf_counter() - t0)
     return first, float(np.median(times))
-
-
-def matmul_peak(dtype="float32", n: int = 2048, repeats: int = 5) -> float:
-    """Measured dense matmul FLOP/s of the default device at this dtype (the MFU denominator)."""
-    dtype = jnp.dtype(dtype)
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    f = jax.jit(lambda a, b: (a @ b) @ b)  # two matmuls per call amortise dispatch
-    _, t = time_fn(f, a, b, repeats=repeats)
-    return 2 * 2 * n**3 / t
 
 
 def peak_memory() -> str:

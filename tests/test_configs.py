@@ -1,0 +1,147 @@
+"""Every config file loads and validates; bad configs stop with one line naming the key."""
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_llm import models, run_config
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
+CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny model with a long context, standing in for the configs' real models."""
+    cfg = models.ModelConfig(
+        "Qwen3ForCausalLM",
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        qk_norm=True,
+        max_position_embeddings=8192,
+    )
+    d = tmp_path_factory.mktemp("tiny")
+    models.save_hf(cfg, models.init_params(cfg), d)
+    return str(d)
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def keys(d, prefix=""):
+    out = set()
+    for k, v in d.items():
+        out.add(prefix + k)
+        if isinstance(v, dict) and k not in ("rewards", "fields"):
+            out |= keys(v, prefix + k + ".")
+    return out
+
+
+def test_config_files_exist():
+    names = {os.path.basename(p) for p in CONFIG_FILES}
+    assert {
+        "quickstart.py",
+        "gsm8k_grpo_qwen2p5_0p5b.py",
+        "gsm8k_ppo_qwen2p5_0p5b.py",
+        "countdown_dapo_qwen3_1p7b.py",
+        "math_grpo_llama3_8b_tpu.py",
+    } <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_every_config_loads_and_validates(path, tiny_model_dir):
+    config = load(path)
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    assert "jaxrl_llm.train" not in source.split('"""', 2)[-1], "configs never import the trainer"
+    assert keys(config.to_dict()) <= keys(run_config.base_config().to_dict()), "unknown keys"
+    doc = source.split('"""')[1]
+    assert "python -m jaxrl_llm." in doc and "Expected" in doc, "docstring: command + result"
+    if config.model.path not in run_config.BUILTIN_MODELS:
+        config.model.path = tiny_model_dir
+    run_config.validate(config, num_devices=8)
+
+
+@pytest.fixture
+def base(tiny_model_dir):
+    c = run_config.base_config()
+    c.model.path = tiny_model_dir
+    c.data.name = "arithmetic/digits_1"
+    c.data.max_prompt_len = 64
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2  # data x fsdp = 4 on 8 devices
+    return c
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda c: setattr(c.rollout, "batch_size", 6),
+            r"rollout\.batch_size=6 is not divisible by mesh data x fsdp = 4",
+        ),
+        (
+            lambda c: setattr(c.rollout, "num_generations", 1),
+            r"rollout\.num_generations=1: >= 2 for group estimators",
+        ),
+        (
+            lambda c: setattr(c.rollout, "max_new_tokens", 8190),
+            r"rollout\.max_new_tokens=8190 exceeds the model's max_position_embeddings 8192",
+        ),
+        (
+            lambda c: setattr(c.model, "path", "/nonexistent/model"),
+            r"model\.path='/nonexistent/model': no config\.json",
+        ),
+        (lambda c: setattr(c.algo, "name", "trpo"), r"algo\.name='trpo': unknown preset"),
+        (lambda c: setattr(c.algo, "eps_low", 1.5), r"algo\.eps_low=1\.5"),
+        (lambda c: setattr(c, "rewards", {"gsm9k": 1.0}), r"rewards"),
+        (lambda c: setattr(c.mesh, "tensor", 3), r"mesh: data x fsdp x tensor = 12"),
+        (
+            lambda c: setattr(c.optim, "micro_batches", 3),
+            r"optim\.micro_batches=3 does not divide the 64 rows",
+        ),
+        (lambda c: setattr(c.eval, "correct_reward", "nope"), r"eval\.correct_reward='nope'"),
+        (lambda c: setattr(c.rollout, "temperature", 0.0), r"rollout\.temperature=0\.0"),
+    ],
+)
+def test_validation_errors_name_the_key(base, change, message):
+    run_config.validate(base, num_devices=8)  # the unchanged base is valid
+    change(base)
+    with pytest.raises(ValueError, match=message):
+        run_config.validate(base, num_devices=8)
+
+
+def test_command_line_rejects_unknown_key_and_wrong_type(tmp_path):
+    """The real entry point: one line naming the key, before anything compiles."""
+    quickstart = os.path.join(CONFIG_DIR, "quickstart.py")
+    for override, expected in [
+        ("--config.algo.betta=0.1", "betta"),
+        ("--config.rollout.batch_size=many", "batch_size"),
+    ]:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jaxrl_llm.train",
+                f"--config={quickstart}",
+                f"--workdir={tmp_path}",
+                override,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode != 0
+        assert expected in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
