@@ -6,7 +6,6 @@ import resource
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import models
