@@ -27,13 +27,15 @@ setup(
         "safetensors",
         "numpy",
         "tqdm",
+        "tensorboard",  # event-file writer for TensorBoard logging (no TensorFlow needed)
         "math-verify",  # LaTeX answer equivalence for the `math` verifier
     ],
     extras_require={
         # torch is pinned to the CPU build used for the reference comparisons.
-        "test": ["pytest", "torch==2.13.0", "ruff"],
+        "test": ["pytest", "torch==2.13.0", "ruff", "matplotlib"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "wandb": ["wandb"],
+        "plot": ["matplotlib"],
     },
 )

@@ -118,7 +118,7 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def resolve_model_path(path: str, key: str = "model.path") -> str:
+def resolve_model_path(path: str, key: str = "model.path", need_config: bool = True) -> str:
     """A model dir, a built-in name, or a hub name -> an existing directory with config.json.
 
     A hub name (`org/name`, not an existing local path) is downloaded once into the HF
@@ -134,7 +134,9 @@ def resolve_model_path(path: str, key: str = "model.path") -> str:
         from huggingface_hub import snapshot_download
 
         path = snapshot_download(path, allow_patterns=_HUB_FILES)
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if not need_config and not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r}: not a directory")
+    if need_config and not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{key}={path!r}: no config.json there (an HF model directory)")
     return path
 
@@ -175,9 +177,10 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
 
     num_devices = jax.device_count() if num_devices is None else num_devices
     path = resolve_model_path(config.model.path)
-    for key in ("tokenizer", "ref_path"):
-        if config.model[key]:
-            resolve_model_path(config.model[key], f"model.{key}")
+    if config.model.ref_path:
+        resolve_model_path(config.model.ref_path, "model.ref_path")
+    if config.model.tokenizer:
+        resolve_model_path(config.model.tokenizer, "model.tokenizer", need_config=False)
     _check(
         config.model.dtype in ("float32", "bfloat16", "float16"),
         f"model.dtype={config.model.dtype!r}: expected float32, bfloat16 or float16",

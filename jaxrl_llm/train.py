@@ -74,7 +74,9 @@ class Run:
         self.model_cfg, params = models.load_hf(
             self.model_path, self.mesh, c.model.dtype, remat=c.model.remat
         )
-        self.tokenizer = _tokenizer(c.model.tokenizer or self.model_path)
+        self.tokenizer_path = run_config.resolve_model_path(
+            c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False)
+        self.tokenizer = _tokenizer(self.tokenizer_path)
         self.ref_params = None
         if self.algo.needs_ref:
             ref_path = run_config.resolve_model_path(
@@ -256,7 +258,9 @@ def _write_run_files(run: Run) -> None:
         return
     os.makedirs(run.workdir, exist_ok=True)
     cfg = run.config.to_dict()
-    cfg["model"]["path"] = run.model_path
+    # Absolute paths: export and evaluation read them from any directory later.
+    cfg["model"]["path"] = os.path.abspath(run.model_path)
+    cfg["model"]["tokenizer"] = os.path.abspath(run.tokenizer_path)
     with open(os.path.join(run.workdir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, sort_keys=True, default=str)
     with open(os.path.join(run.workdir, "hf_config.json"), "w", encoding="utf-8") as f:
@@ -350,7 +354,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 last |= ev
             progress.update(done, reward=host["reward/mean"], step_s=host["perf/step_s"])
             extra = {"step": done, "data": run.data_iter.state()}
-            if stop.requested:
+            if stop.stop_at(done):
                 ckpt.save(done, run.state, extra, force=True)
                 logging.warning("SIGTERM: saved step %d in %s, exiting", done, ckpt.directory)
                 break
