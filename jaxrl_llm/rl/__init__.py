@@ -82,3 +82,27 @@ __all__ = [
     "value_objective",
     "whiten",
 ]
+
+# The update step (update.py), its optimizer (optim.py), the PPO critic (critic.py) and
+# the rollout batch (batch.py); `from jaxrl_llm.rl import update as U` gives all of them.
+from jaxrl_llm.rl import batch, critic, optim, update  # noqa: E402
+from jaxrl_llm.rl.batch import Batch, batch_from_rollout, make_logprob_fn  # noqa: E402
+from jaxrl_llm.rl.critic import init_critic  # noqa: E402
+from jaxrl_llm.rl.optim import Optimizer, make_optimizer  # noqa: E402
+from jaxrl_llm.rl.update import TrainState, init_train_state, make_update_fn  # noqa: E402
+
+__all__ += [
+    "Batch",
+    "Optimizer",
+    "TrainState",
+    "batch",
+    "batch_from_rollout",
+    "critic",
+    "init_critic",
+    "init_train_state",
+    "make_logprob_fn",
+    "make_optimizer",
+    "make_update_fn",
+    "optim",
+    "update",
+]

@@ -1,0 +1,130 @@
+"""The rollout batch the update step consumes, and teacher-forced log-probs of it.
+
+A batch row is a left-padded prompt [P] followed by a right-padded completion [T]. The
+model reads their concatenation; the hidden state at sequence position P - 1 + t predicts
+completion token t (`completion_hidden`), so log pi(o_t | q, o_<t) and the critic's
+V(s_t) use the same shift. Log-probs are taken at the sampling temperature, in chunks
+over T (`rl.token_logprobs`), so [N, T, V] logits never exist at once.
+
+Row slices: `split_rows(tree, k)` cuts N rows into k slices BY STRIDE (slice j holds rows
+j, j + k, ...), so that when rows are sharded over ('data', 'fsdp') every slice keeps an
+even share of each device's rows; `map_rows` runs a function over the slices in
+sequence, bounding the memory of a no-gradient forward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm import models
+from jaxrl_llm.rl.logprobs import token_logprobs
+
+
+@struct.dataclass
+class Batch:
+    """One rollout batch, N rows prompt-major (the G samples of a prompt consecutive)."""
+
+    prompt_tokens: jax.Array  # [N, P] int32, left-padded
+    prompt_mask: jax.Array  # [N, P] bool
+    tokens: jax.Array  # [N, T] int32 completions, right-padded
+    mask: jax.Array  # [N, T] bool: attended completion tokens
+    loss_mask: jax.Array  # [N, T] bool: trained tokens (a subset of mask)
+    sampler_logprobs: jax.Array  # [N, T] float32, at the sampling temperature
+    rewards: jax.Array  # [N] or [N, K] float32
+    ref_logprobs: jax.Array | None = None  # [N, T] float32; needed iff beta > 0
+
+
+def _rows_like(x, like: jax.Array) -> jax.Array:
+    """Host [N, ...] -> float32 device array sharded over rows like `like`."""
+    if isinstance(x, jax.Array):
+        return x.astype(jnp.float32)
+    x = np.asarray(x, np.float32)
+    sharding = like.sharding
+    if isinstance(sharding, NamedSharding):
+        spec = (sharding.spec[0] if sharding.spec else None,) + (None,) * (x.ndim - 1)
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    return jax.device_put(x, sharding)
+
+
+def batch_from_rollout(out, rewards, ref_logprobs=None, loss_mask=None) -> Batch:
+    """Batch from a `sampling.SampleOutput`; host rewards [N] / [N, K] are put on device
+    (an explicit transfer, allowed under transfer_guard) sharded like the rows."""
+    return Batch(
+        prompt_tokens=out.prompt_tokens,
+        prompt_mask=out.prompt_mask,
+        tokens=out.tokens,
+        mask=out.mask,
+        loss_mask=out.mask if loss_mask is None else loss_mask,
+        sampler_logprobs=out.logprobs,
+        rewards=_rows_like(rewards, out.lengths),
+        ref_logprobs=ref_logprobs,
+    )
+
+
+def completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask) -> jax.Array:
+    """Teacher-forced hidden states that predict each completion token.
+
+    prompt_tokens, prompt_mask [N, P] (left-padded); tokens, mask [N, T] (right-padded) ->
+    hidden [N, T, D]: row t is the final-normed state at sequence position P - 1 + t, i.e.
+    after reading the prompt and tokens[:, :t].
+    """
+    ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    attention = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+    hidden = models.forward(model_cfg, params, ids, attention)
+    p = prompt_tokens.shape[1]
+    return hidden[:, p - 1 : -1]
+
+
+def sequence_logprobs(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *,
+                      temperature: float = 1.0, chunk_size: int = 128):  # fmt: skip
+    """Teacher-forced log pi(token) and entropy of each completion token.
+
+    [N, P], [N, P], [N, T], [N, T] -> (logp [N, T], entropy [N, T]) float32, 0 off-mask.
+    Chunked over T (never [N, T, V]); differentiable w.r.t. params.
+    """
+    hidden = completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask)
+    w = models.unembed_matrix(model_cfg, params)
+    logp, ent = token_logprobs(hidden, w, tokens, temperature=temperature, chunk_size=chunk_size)
+    valid = mask.astype(bool)
+    return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
+
+
+def split_rows(tree, k: int):
+    """[N, ...] -> [k, N / k, ...]; slice j holds rows j, j + k, j + 2k, ..."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), tree)
+
+
+def merge_rows(tree):
+    """Inverse of `_split`."""
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def map_rows(fn, rows, k: int):
+    """fn over k row slices in sequence (bounded memory), results back in row order."""
+    if k == 1:
+        return fn(rows)
+    return merge_rows(jax.lax.map(fn, split_rows(rows, k)))
+
+
+def make_logprob_fn(model_cfg, temperature: float = 1.0, chunk_size: int = 128,
+                    micro_batches: int = 1):  # fmt: skip
+    """Jitted (params, prompt_tokens, prompt_mask, tokens, mask) -> logp [N, T] (no grad).
+
+    For the reference model and old-policy recomputes; micro_batches bounds the memory of
+    the forward (N must be a multiple of it).
+    """
+
+    def fn(params, prompt_tokens, prompt_mask, tokens, mask):
+        def one(r):
+            return sequence_logprobs(
+                model_cfg, params, *r, temperature=temperature, chunk_size=chunk_size
+            )[0]
+
+        rows = (prompt_tokens, prompt_mask, tokens, mask)
+        return jax.lax.stop_gradient(map_rows(one, rows, micro_batches))
+
+    return jax.jit(fn)

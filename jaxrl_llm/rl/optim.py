@@ -1,0 +1,115 @@
+"""The optimizer of the update step: AdamW with global-norm clipping and a learning-rate schedule.
+
+    opt = make_optimizer(learning_rate=1e-6, warmup_steps=10, total_steps=1000,
+                         schedule="cosine", weight_decay=0.01, max_grad_norm=1.0)
+
+AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization") after clipping
+the gradient to a global norm (Pascanu et al. 2013):
+
+    g <- g * min(1, c / ||g||);   m, v <- Adam moments of g;
+    theta <- theta - lr_s * (m_hat / (sqrt(v_hat) + eps) + wd * theta)
+
+Where this departs from `optax.adamw`:
+- The learning rate is indexed by the TRAINER step s (one call of the update function),
+  not by the optimizer's own update count. One trainer step may take several optimizer
+  steps (mini-batches x num_iterations); they all use lr_s, as verl steps its scheduler
+  once per training step. So `warmup_steps` and `total_steps` are in trainer steps
+  whatever the mini-batch settings, and the logged `optim/lr` is exact. `tx` therefore
+  yields the unscaled AdamW direction and the update step multiplies it by -lr_s.
+- Weight decay skips norm scales and biases (any parameter whose name contains "norm" or
+  "bias"), as HF Trainer and most LM recipes do; decaying RMSNorm scales towards 0 would
+  shrink the residual stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """An optax transformation giving the unscaled AdamW direction, and the lr schedule.
+
+    tx: clip -> Adam -> decoupled weight decay (no learning rate; see the module doc).
+    schedule: trainer step [] int -> learning rate [] float32.
+    """
+
+    tx: optax.GradientTransformation
+    schedule: Callable[[jax.Array], jax.Array]
+
+    def init(self, params) -> optax.OptState:
+        return self.tx.init(params)
+
+    def step(self, grads, opt_state, params, lr):
+        """One optimizer step -> (new params, new opt_state). lr: [] float32."""
+        direction, opt_state = self.tx.update(grads, opt_state, params)
+        updates = jax.tree.map(lambda d: -lr * d, direction)
+        return optax.apply_updates(params, updates), opt_state
+
+
+def make_schedule(
+    learning_rate: float, warmup_steps: int, total_steps: int, schedule: str
+) -> Callable[[jax.Array], jax.Array]:
+    """Linear warmup from 0 over `warmup_steps`, then constant / cosine / linear decay to 0
+    at `total_steps` (all in trainer steps)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if warmup_steps < 0 or total_steps < 1:
+        raise ValueError(
+            f"optim.warmup_steps={warmup_steps}, total_steps={total_steps}: need >= 0 and >= 1"
+        )
+    if schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1)
+        )
+    if schedule == "linear":
+        decay = optax.linear_schedule(learning_rate, 0.0, max(total_steps - warmup_steps, 1))
+    else:
+        decay = optax.constant_schedule(learning_rate)
+    if warmup_steps == 0:
+        return decay
+    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
+    return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def decay_mask(params):
+    """True for the leaves weight decay applies to: not norm scales, not biases."""
+
+    def keep(path, _):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        return "norm" not in name and "bias" not in name
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(
+    learning_rate: float = 1e-6,
+    warmup_steps: int = 0,
+    total_steps: int = 1000,
+    schedule: str = "constant",
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    max_grad_norm: float | None = 1.0,
+) -> Optimizer:
+    """AdamW + clip_by_global_norm(max_grad_norm) (None or 0 = no clipping) + schedule."""
+    if learning_rate < 0 or weight_decay < 0:
+        raise ValueError(
+            f"optim.learning_rate={learning_rate}, weight_decay={weight_decay}: must be >= 0"
+        )
+    parts = []
+    if max_grad_norm:
+        parts.append(optax.clip_by_global_norm(max_grad_norm))
+    parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
+    sched = make_schedule(learning_rate, warmup_steps, total_steps, schedule)
+    return Optimizer(tx=optax.chain(*parts), schedule=lambda s: jnp.asarray(sched(s), jnp.float32))

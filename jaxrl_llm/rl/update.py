@@ -1,0 +1,442 @@
+"""The jitted GRPO / PPO update step: rollout batch in, new parameters and metrics out.
+
+    opt = make_optimizer(learning_rate=1e-6, max_grad_norm=1.0)
+    state = init_train_state(params, opt)
+    update = make_update_fn(model_cfg, algo_cfg, opt, micro_batches=4)
+    state, metrics = update(state, batch_from_rollout(sample_output, rewards, ref_logprobs))
+
+One call of `update` (one TRAINER step; `state.step` counts these) does, on device:
+
+1. old_logp: on-policy (num_iterations == 1 and mini_batches == 1) the ratio is exactly 1
+   (pi_old = sg(pi_theta), no extra forward). Otherwise, and whenever the KL is folded into
+   the reward (beta > 0, kl_in_reward), pi_old is recomputed once with the params the call
+   starts from, without gradient. PPO: the critic's rollout-time values V_old likewise.
+2. Advantages on the whole batch (`rl.compute_advantages`).
+3. num_iterations passes (mu in GRPO); each pass permutes the rows with a key derived from
+   state.step (PureJaxRL style: permutation, then reshape) and takes `mini_batches`
+   optimizer steps. A step sums the gradients of `micro_batches` row slices (`lax.scan`),
+   each divided by the aggregation denominator of the whole mini-batch
+   (`rl.loss_denominator`), so the sum is exactly the mini-batch gradient.
+4. Non-finite loss or gradient: with skip_nonfinite the step is dropped (params and
+   optimizer state unchanged); either way `optim/nonfinite` = 1.
+5. PPO: for state.step < critic_warmup_steps only the critic moves; the policy params and
+   optimizer state are selected unchanged (bit-identical).
+
+Optimizer steps per call = num_iterations * mini_batches; the learning rate is
+opt.schedule(state.step) for all of them (see optim.py).
+
+Rows are split into mini- / micro-batches by stride (slice j holds rows j, j + k, ...), so
+each slice keeps an even share of every device's rows when the batch is sharded over
+('data', 'fsdp').
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm import models
+from jaxrl_llm.rl import critic as critic_lib
+from jaxrl_llm.rl.advantages import compute_advantages
+from jaxrl_llm.rl.algos import AlgoConfig
+from jaxrl_llm.rl.batch import (
+    Batch,
+    batch_from_rollout,
+    make_logprob_fn,
+    map_rows,
+    sequence_logprobs,
+    split_rows,
+)
+from jaxrl_llm.rl.losses import loss_denominator, masked_mean, policy_objective, value_objective
+from jaxrl_llm.rl.optim import Optimizer, make_optimizer
+
+__all__ = [
+    "Batch",
+    "TrainState",
+    "UpdateFn",
+    "batch_from_rollout",
+    "init_train_state",
+    "make_logprob_fn",
+    "make_optimizer",
+    "make_update_fn",
+    "sequence_logprobs",
+]
+
+_sg = jax.lax.stop_gradient
+TRACES = collections.Counter()  # compiled update programs, by (preset, [N, T]): tests, logs
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the update changes. step counts update calls (trainer steps)."""
+
+    step: jax.Array  # [] int32
+    params: Any
+    opt_state: Any
+    critic_params: Any = None  # PPO only
+    critic_opt_state: Any = None
+
+
+@struct.dataclass
+class _Rows:
+    """Per-row training data after step 1-2 of the module doc (None = not needed)."""
+
+    prompt_tokens: jax.Array
+    prompt_mask: jax.Array
+    tokens: jax.Array
+    mask: jax.Array
+    loss_mask: jax.Array
+    sampler_logp: jax.Array
+    advantages: jax.Array  # [N, T]
+    old_logp: jax.Array | None
+    ref_logp: jax.Array | None
+    returns: jax.Array | None
+    old_values: jax.Array | None
+
+
+@struct.dataclass
+class _Carry:
+    params: Any
+    opt_state: Any
+    critic_params: Any
+    critic_opt_state: Any
+
+
+# --------------------------------------------------------------------------- construction
+def _commit_like(tree, params):
+    """Commits tree's leaves (optimizer counts, the step) where the params live: replicated
+    on their mesh, or on their device. Uncommitted or differently placed inputs would make
+    the second update call compile again."""
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    if mesh is not None:
+        target = NamedSharding(mesh, PartitionSpec())
+    elif shardings and shardings[0] is not None:
+        target = jax.sharding.SingleDeviceSharding(next(iter(shardings[0].device_set)))
+    else:
+        return tree
+
+    keep = lambda x: isinstance(x.sharding, NamedSharding)  # noqa: E731 (always committed)
+    return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, target), tree)
+
+
+def init_train_state(
+    params, opt: Optimizer, critic_params=None, critic_optimizer: Optimizer | None = None
+) -> TrainState:
+    """Fresh optimizer states (sharded like the params). The state OWNS these arrays: the
+    update donates them, so keep no other reference (copy the reference model's params)."""
+    critic_opt_state = None
+    if critic_params is not None:
+        if critic_optimizer is None:
+            raise ValueError("init_train_state: critic_params given without critic_optimizer")
+        critic_opt_state = _commit_like(critic_optimizer.init(critic_params), critic_params)
+    return TrainState(
+        step=_commit_like(jnp.zeros((), jnp.int32), params),
+        params=params,
+        opt_state=_commit_like(opt.init(params), params),
+        critic_params=critic_params,
+        critic_opt_state=critic_opt_state,
+    )
+
+
+# ------------------------------------------------------------------------------- metrics
+def _reduce(metrics: dict, sum_losses: bool) -> dict:
+    """Stacked per-slice metrics [k] -> scalars: extremes by min / max, nonfinite by max,
+    loss/* summed (micro-batches of one step) or averaged (steps), the rest averaged."""
+
+    def one(name, x):
+        if name.endswith(("_min", "/min")):
+            return jnp.min(x)
+        if name.endswith(("_max", "/max", "nonfinite")):
+            return jnp.max(x)
+        if sum_losses and name.startswith("loss/"):
+            return jnp.sum(x)
+        return jnp.mean(x)
+
+    return {name: one(name, x) for name, x in metrics.items()}
+
+
+def _batch_metrics(adv, mask, returns, old_values) -> dict:
+    """Exact full-batch statistics: advantages; PPO's rollout-time values (CleanRL-style
+    explained variance 1 - Var(R - V) / Var(R))."""
+    valid = mask.astype(bool)
+    mean = masked_mean(adv, valid)
+    some = jnp.any(valid)
+    out = {
+        "adv/mean": mean,
+        "adv/std": jnp.sqrt(masked_mean(jnp.square(adv - mean), valid)),
+        "adv/min": jnp.where(some, jnp.min(jnp.where(valid, adv, jnp.inf)), 0.0),
+        "adv/max": jnp.where(some, jnp.max(jnp.where(valid, adv, -jnp.inf)), 0.0),
+    }
+    if old_values is not None:
+        var = lambda x: masked_mean(jnp.square(x - masked_mean(x, valid)), valid)  # noqa: E731
+        r_var = var(returns)
+        out["value/mean"] = masked_mean(old_values, valid)
+        out["value/explained_variance"] = jnp.where(
+            r_var > 0, 1.0 - var(returns - old_values) / r_var, 0.0
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- update step
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """The static settings of one compiled update function."""
+
+    model_cfg: models.ModelConfig
+    algo: AlgoConfig
+    opt: Optimizer
+    critic_opt: Optimizer | None
+    micro_batches: int
+    mini_batches: int
+    temperature: float
+    chunk_size: int
+    skip_nonfinite: bool
+
+    @property
+    def on_policy(self) -> bool:
+        return self.algo.num_iterations == 1 and self.mini_batches == 1
+
+    @property
+    def needs_old_logp(self) -> bool:
+        return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
+
+
+def _policy_loss(s: _Setup, params, r: _Rows, den):
+    """-J of one micro-batch (divided by the mini-batch denominator) and its metrics."""
+    logp, entropy = sequence_logprobs(
+        s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask,
+        temperature=s.temperature, chunk_size=s.chunk_size,
+    )  # fmt: skip
+    if not s.algo.entropy_coef:  # the bonus is off: its gradient need not be traced
+        entropy = _sg(entropy)
+    old = None if s.on_policy else r.old_logp
+    return policy_objective(
+        s.algo, logp, old, r.sampler_logp, r.ref_logp, r.advantages, r.loss_mask, entropy,
+        denominator=den,
+    )  # fmt: skip
+
+
+def _value_loss(s: _Setup, critic_params, r: _Rows, den):
+    v = critic_lib.values(s.model_cfg, critic_params, r.prompt_tokens, r.prompt_mask,
+                          r.tokens, r.mask)  # fmt: skip
+    loss, metrics = value_objective(s.algo, v, r.old_values, r.returns, r.loss_mask,
+                                    denominator=den)  # fmt: skip
+    # Full-batch rollout-time statistics replace these (see _batch_metrics).
+    metrics.pop("value/mean"), metrics.pop("value/explained_variance")
+    return loss, metrics
+
+
+def _zeros_f32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def _add(acc, grads):
+    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+
+
+def _gradients(s: _Setup, carry: _Carry, rows: _Rows):
+    """Summed float32 gradients of one mini-batch over its micro-batches, and metrics."""
+    den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.algo.max_completion_len)
+    use_critic = carry.critic_params is not None
+
+    def micro(acc, r):
+        pgrad = jax.value_and_grad(functools.partial(_policy_loss, s), has_aux=True)
+        (_, metrics), g = pgrad(carry.params, r, den)
+        acc = dict(acc, policy=_add(acc["policy"], g))
+        if use_critic:
+            vgrad = jax.value_and_grad(functools.partial(_value_loss, s), has_aux=True)
+            (_, vmetrics), cg = vgrad(carry.critic_params, r, den)
+            acc["critic"] = _add(acc["critic"], cg)
+            metrics = {**metrics, **vmetrics}
+        return acc, metrics
+
+    acc = {"policy": _zeros_f32(carry.params)}
+    if use_critic:
+        acc["critic"] = _zeros_f32(carry.critic_params)
+    acc, metrics = jax.lax.scan(micro, acc, split_rows(rows, s.micro_batches))
+    return acc, _reduce(metrics, sum_losses=True)
+
+
+def _select(pred, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def _optimizer_step(s: _Setup, step, policy_on, carry: _Carry, rows: _Rows):
+    """One optimizer step on one mini-batch -> (new carry, metrics)."""
+    grads, metrics = _gradients(s, carry, rows)
+    norm = optax.tree.norm(grads["policy"])
+    finite = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(norm)
+    metrics["optim/grad_norm"] = norm
+    if "critic" in grads:
+        c_norm = optax.tree.norm(grads["critic"])
+        finite &= jnp.isfinite(metrics["loss/value"]) & jnp.isfinite(c_norm)
+        metrics["optim/critic_grad_norm"] = c_norm
+    metrics["optim/nonfinite"] = 1.0 - finite.astype(jnp.float32)
+    apply = finite | (not s.skip_nonfinite)
+    params, opt_state = s.opt.step(
+        grads["policy"], carry.opt_state, carry.params, s.opt.schedule(step)
+    )
+    keep_old = (carry.params, carry.opt_state)
+    params, opt_state = _select(apply & policy_on, (params, opt_state), keep_old)
+    new = carry.replace(params=params, opt_state=opt_state)
+    if "critic" in grads:
+        c_params, c_state = s.critic_opt.step(
+            grads["critic"], carry.critic_opt_state, carry.critic_params,
+            s.critic_opt.schedule(step),
+        )  # fmt: skip
+        c_old = (carry.critic_params, carry.critic_opt_state)
+        c_params, c_state = _select(apply, (c_params, c_state), c_old)
+        new = new.replace(critic_params=c_params, critic_opt_state=c_state)
+    return new, metrics
+
+
+def _old_logp(s: _Setup, params, rows):
+    return sequence_logprobs(
+        s.model_cfg, params, *rows, temperature=s.temperature, chunk_size=s.chunk_size
+    )[0]
+
+
+def _prepare(s: _Setup, state: TrainState, batch: Batch) -> _Rows:
+    """Steps 1-2 of the module doc: pi_old, V_old (no gradient) and the advantages."""
+    k = s.micro_batches * s.mini_batches  # the forward of one micro-batch at a time
+    inputs = (batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
+    old_logp = old_values = None
+    if s.needs_old_logp:
+        old_logp = _sg(map_rows(functools.partial(_old_logp, s, state.params), inputs, k))
+    if s.algo.uses_critic:
+        values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
+        old_values = _sg(map_rows(lambda r: values(*r), inputs, k))
+    adv = compute_advantages(
+        s.algo, batch.rewards, batch.loss_mask, old_logp=old_logp,
+        ref_logp=batch.ref_logprobs, values=old_values,
+    )  # fmt: skip
+    return _Rows(
+        *inputs,
+        loss_mask=batch.loss_mask,
+        sampler_logp=batch.sampler_logprobs,
+        advantages=adv.advantages,
+        old_logp=old_logp,
+        ref_logp=batch.ref_logprobs,
+        returns=adv.returns,
+        old_values=old_values,
+    )
+
+
+def _check(s: _Setup, state: TrainState, batch: Batch) -> None:
+    """Shape and configuration errors, raised while tracing, naming what is wrong."""
+    n = batch.tokens.shape[0]
+    k = s.micro_batches * s.mini_batches
+    if n % k:
+        raise ValueError(f"batch of {n} rows is not divisible by mini_batches x micro_batches={k}")
+    if s.algo.needs_ref and batch.ref_logprobs is None:
+        raise ValueError(f"algo.beta={s.algo.beta} > 0 needs batch.ref_logprobs")
+    if s.algo.uses_critic and state.critic_params is None:
+        raise ValueError("algo.advantage='gae' needs a critic: init_train_state(critic_params=)")
+
+
+def _update(s: _Setup, state: TrainState, batch: Batch):
+    """state, batch -> (new state, metrics). See the module doc."""
+    TRACES[s.algo.name, batch.tokens.shape] += 1
+    _check(s, state, batch)
+    rows = _prepare(s, state, batch)
+    policy_on = state.step >= (s.algo.critic_warmup_steps if s.algo.uses_critic else 0)
+    key = jax.random.fold_in(jax.random.key(0), state.step)
+    n = batch.tokens.shape[0]
+
+    def one_pass(carry, i):
+        r = rows
+        if s.mini_batches > 1:  # a fresh split into mini-batches on every pass
+            perm = jax.random.permutation(jax.random.fold_in(key, i), n)
+            r = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), rows)
+        step = functools.partial(_optimizer_step, s, state.step, policy_on)
+        return jax.lax.scan(step, carry, split_rows(r, s.mini_batches))
+
+    carry = _Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state)
+    carry, metrics = jax.lax.scan(one_pass, carry, jnp.arange(s.algo.num_iterations))
+    metrics = _reduce(metrics, sum_losses=False)
+    metrics.update(_batch_metrics(rows.advantages, rows.loss_mask, rows.returns, rows.old_values))
+    metrics["optim/lr"] = s.opt.schedule(state.step)
+    new_state = TrainState(
+        step=state.step + 1,
+        params=carry.params,
+        opt_state=carry.opt_state,
+        critic_params=carry.critic_params,
+        critic_opt_state=carry.critic_opt_state,
+    )
+    return new_state, metrics
+
+
+def make_update_fn(
+    model_cfg: models.ModelConfig,
+    algo_cfg: AlgoConfig,
+    opt: Optimizer,
+    micro_batches: int = 1,
+    mini_batches: int = 1,
+    temperature: float = 1.0,
+    chunk_size: int = 128,
+    critic_optimizer: Optimizer | None = None,
+    skip_nonfinite: bool = False,
+) -> UpdateFn:
+    """The jitted `update(state, batch) -> (state, metrics)`; state is donated.
+
+    micro_batches: gradient-accumulation slices per optimizer step (memory knob; the
+    result does not depend on it). mini_batches: optimizer steps per pass over the batch.
+    temperature: the sampling temperature (log-probs must match the sampler's).
+    critic_optimizer: required when algo_cfg uses a critic (PPO).
+    """
+    if micro_batches < 1 or mini_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches}, mini_batches={mini_batches}: >= 1")
+    if algo_cfg.uses_critic and critic_optimizer is None:
+        raise ValueError(f"algo.advantage={algo_cfg.advantage!r} needs critic_optimizer")
+    setup = _Setup(
+        model_cfg, algo_cfg, opt, critic_optimizer if algo_cfg.uses_critic else None,
+        int(micro_batches), int(mini_batches), float(temperature), int(chunk_size),
+        bool(skip_nonfinite),
+    )  # fmt: skip
+    return UpdateFn(setup)
+
+
+class UpdateFn:
+    """`update(state, batch) -> (state, metrics)`, jitted with the state donated.
+
+    The new state is pinned to the shardings the state came in with: left to itself, the
+    compiler may shard an output differently (e.g. a replicated norm scale over 'fsdp'),
+    which would make the next call and the sampler compile again for the new layout. One
+    jitted program is kept per input layout; `TRACES` counts compilations.
+    """
+
+    def __init__(self, setup: _Setup):
+        self._setup = setup
+        self._jitted: dict = {}
+
+    def _for(self, state: TrainState):
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
+        if key not in self._jitted:
+            first = jax.tree.leaves(shardings)[0]
+            if isinstance(first, NamedSharding):
+                scalars = NamedSharding(first.mesh, PartitionSpec())
+            else:
+                scalars = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
+            self._jitted[key] = jax.jit(
+                functools.partial(_update, self._setup),
+                donate_argnums=0,
+                out_shardings=(shardings, scalars),
+            )
+        return self._jitted[key]
+
+    def __call__(self, state: TrainState, batch: Batch):
+        return self._for(state)(state, batch)
+
+    def lower(self, state: TrainState, batch: Batch):
+        """`jax.jit(...).lower` of the program for this state's layout (AOT, memory)."""
+        return self._for(state).lower(state, batch)
