@@ -1,0 +1,74 @@
+"""Learning direction end to end: sampler + update must learn to emit one target token.
+
+A tiny random model (vocabulary 16, so a random first token hits the target ~6% of the
+time) is trained with reward 1 iff the FIRST generated token is TARGET. If any sign in the
+advantages, ratio, clipping, KL, value or optimizer path were flipped, the mean reward
+would stay near chance or fall; it must instead rise above 0.9 within a few dozen steps.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import models, rl, sampling
+from jaxrl_llm.rl import critic
+from jaxrl_llm.rl import update as U
+
+VOCAB, TARGET, G = 16, 11, 8
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+CFG = models.ModelConfig(
+    "Qwen3ForCausalLM",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qk_norm=True,
+)
+
+
+def first_token_reward(out) -> np.ndarray:
+    """Host-side verifier: 1.0 iff the first completion token is TARGET."""
+    return (np.asarray(out.tokens)[:, 0] == TARGET).astype(np.float32)
+
+
+def train(algo, steps: int, learning_rate: float) -> list[float]:
+    """Mean reward of each step's rollouts (sampled before that step's update)."""
+    params = models.init_params(CFG, seed=0)
+    ref_params = jax.tree.map(jnp.copy, params)  # the state owns (and donates) `params`
+    opt = U.make_optimizer(learning_rate=learning_rate, max_grad_norm=1.0)
+    critic_params = critic.init_critic(CFG, params) if algo.uses_critic else None
+    critic_opt = opt if algo.uses_critic else None
+    state = U.init_train_state(params, opt, critic_params, critic_opt)
+    update = U.make_update_fn(CFG, algo, opt, critic_optimizer=critic_opt)
+    ref_fn = U.make_logprob_fn(CFG)
+    curve = []
+    for step in range(steps):
+        out = sampling.generate(
+            CFG, state.params, PROMPTS, max_new_tokens=3, num_samples=G, seed=0, step=step
+        )
+        rewards = first_token_reward(out)
+        curve.append(float(rewards.mean()))
+        ref = ref_fn(ref_params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+        state, metrics = update(state, U.batch_from_rollout(out, rewards, ref))
+        assert float(metrics["optim/nonfinite"]) == 0.0
+    return curve
+
+
+def check_learned(curve):
+    chance = np.mean(curve[:2])
+    assert chance < 0.25, curve  # starts near 1 / 16
+    assert np.mean(curve[-3:]) > 0.9, curve
+
+
+def test_grpo_learns_target_token():
+    # Group advantages, PPO clip, k3 KL to the reference in the loss.
+    check_learned(train(rl.preset("grpo", group_size=G), steps=25, learning_rate=1e-2))
+
+
+def test_ppo_learns_target_token():
+    # Critic + GAE + k1 KL in the reward; 2 critic-only warmup steps first.
+    algo = rl.preset("ppo", group_size=G, critic_warmup_steps=2)
+    check_learned(train(algo, steps=25, learning_rate=1e-2))

@@ -1,0 +1,255 @@
+"""The jitted update step: log-probs, micro-/mini-batching, sharding, guards, NaN, PPO critic.
+
+References are independent of the code under test: a float64 numpy log-softmax over full
+logits, the sampler's own log-probs, the same update without micro-batching or without
+sharding, and a plain full-sequence forward for the critic's values.
+
+Parameter comparisons use Adam with eps = 1: its step is then a smooth function of the
+gradient. With eps = 1e-8 a gradient of ~1e-9 (rounding noise) gets a full-size step of
+either sign, and two correct computations could differ by the learning rate.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import models, parallel, rl, sampling
+from jaxrl_llm.rl import critic
+from jaxrl_llm.rl import update as U
+
+TEMPERATURE, G = 0.7, 4
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]  # N = 16 rows
+CFG = models.ModelConfig(
+    "Qwen3ForCausalLM",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qk_norm=True,
+)
+SMOOTH_ADAM = U.make_optimizer(learning_rate=0.3, eps=1.0, max_grad_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return models.init_params(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def rollout(params):
+    return sampling.generate(
+        CFG, params, PROMPTS, max_new_tokens=6, num_samples=G, temperature=TEMPERATURE, seed=3
+    )
+
+
+@pytest.fixture(scope="module")
+def host_batch(rollout):
+    """Numpy batch with ragged lengths, tool tokens, a row with no trained token, groups of
+    equal rewards (advantage 0) and a reference policy a little off the sampler's."""
+    lengths = np.array([6, 3, 1, 6, 2, 6, 5, 6, 4, 6, 6, 1, 6, 3, 6, 2])
+    mask = np.arange(6)[None, :] < lengths[:, None]  # as if the rows had stopped there
+    loss_mask = mask.copy()
+    loss_mask[3, 1:3] = False  # attended, not trained (tool output)
+    loss_mask[9] = False
+    rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0.5, 1, 0, 0.2], np.float32)
+    logprobs = np.where(mask, np.asarray(rollout.logprobs), 0.0).astype(np.float32)
+    noise = np.random.default_rng(0).normal(0, 0.1, mask.shape)
+    return U.Batch(
+        prompt_tokens=np.asarray(rollout.prompt_tokens),
+        prompt_mask=np.asarray(rollout.prompt_mask),
+        tokens=np.where(mask, np.asarray(rollout.tokens), 0).astype(np.int32),
+        mask=mask,
+        loss_mask=loss_mask,
+        sampler_logprobs=logprobs,
+        rewards=rewards,
+        ref_logprobs=np.where(mask, logprobs + noise, 0.0).astype(np.float32),
+    )
+
+
+def on_device(host_batch, mesh=None, **replace):
+    return parallel.shard_batch(host_batch.replace(**replace), mesh)
+
+
+def fresh_state(params, opt=SMOOTH_ADAM, mesh=None):
+    """A train state owning a copy of params (the update donates it)."""
+    if mesh is not None:
+        params = jax.device_put(params, models.param_shardings(CFG, mesh))
+    return U.init_train_state(jax.tree.map(jnp.copy, params), opt)
+
+
+@functools.cache
+def update_fn(preset, micro=1, mini=1, iterations=1, skip=False, opt=SMOOTH_ADAM):
+    """One jitted function per setting, shared by the tests (compiles are the cost)."""
+    algo = rl.preset(preset, group_size=G, num_iterations=iterations)
+    return U.make_update_fn(
+        CFG, algo, opt, micro_batches=micro, mini_batches=mini, temperature=TEMPERATURE,
+        chunk_size=4, skip_nonfinite=skip,
+    )  # fmt: skip
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def max_diff(a, b) -> float:
+    return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.abs(x - y).max()), a, b)))
+
+
+# ----------------------------------------------------------------------------- logprobs
+def numpy_logprobs(params, batch, temperature):
+    """log softmax(logits / tau)[token] in float64 from the full [N, P + T, V] logits."""
+    ids = np.concatenate([batch.prompt_tokens, batch.tokens], 1)
+    mask = np.concatenate([batch.prompt_mask, batch.mask], 1)
+    logits = np.asarray(models.logits(CFG, params, ids, mask), np.float64) / temperature
+    p = batch.prompt_tokens.shape[1]
+    z = logits[:, p - 1 : -1]
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    return np.take_along_axis(z, batch.tokens[..., None], -1)[..., 0] - lse
+
+
+def test_logprob_fn_matches_numpy_and_sampler(params, host_batch):
+    b = host_batch
+    fn = U.make_logprob_fn(CFG, temperature=TEMPERATURE, chunk_size=4)
+    logp = np.asarray(fn(params, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask))
+    assert logp.shape == b.tokens.shape
+    np.testing.assert_allclose(logp[b.mask], numpy_logprobs(params, b, TEMPERATURE)[b.mask],
+                               atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(logp[b.mask], b.sampler_logprobs[b.mask], atol=1e-4)
+    assert np.all(logp[~b.mask] == 0)
+
+
+# -------------------------------------------------------------------- micro-batch, guard
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo"])  # seq-mean-token-mean / -sum-norm
+def test_micro_batches_equal_one_big_batch(params, host_batch, preset):
+    batch = on_device(host_batch)
+    big, _ = update_fn(preset, micro=1, skip=True)(fresh_state(params), batch)
+    state = fresh_state(params)
+    # The first call compiles; under the guard, so neither compiling nor running may copy
+    # between host and device implicitly.
+    with jax.transfer_guard("disallow"):
+        small, metrics = update_fn(preset, micro=4, skip=True)(state, batch)
+        nonfinite = metrics["optim/nonfinite"]
+    assert float(nonfinite) == 0.0
+    moved = max_diff(host(small.params), host(params))
+    assert moved > 1e-3  # the comparison below is not vacuous
+    assert max_diff(host(small.params), host(big.params)) <= 1e-5
+    assert max_diff(host(small.opt_state), host(big.opt_state)) <= 1e-5
+    assert int(small.step) == 1
+
+
+def test_second_call_does_not_recompile(params, host_batch):
+    fn = update_fn("grpo", micro=4, skip=True)
+    state, _ = fn(fresh_state(params), on_device(host_batch))
+    before = sum(U.TRACES.values())
+    state, _ = fn(state, on_device(host_batch))
+    assert sum(U.TRACES.values()) == before and int(state.step) == 2
+
+
+# ------------------------------------------------------------- mini-batches and sharding
+@pytest.fixture(scope="module")
+def multi_pass(params, host_batch):
+    """2 passes x 2 mini-batches x 2 micro-batches, single device."""
+    fn = update_fn("grpo", micro=2, mini=2, iterations=2)
+    return fn(fresh_state(params), on_device(host_batch))
+
+
+def test_mini_batches_and_iterations_move_the_ratio(multi_pass):
+    _, m = multi_pass
+    # Later optimizer steps see a policy that has moved away from pi_old.
+    assert float(m["policy/ratio_min"]) < 0.99 and float(m["policy/ratio_max"]) > 1.01
+    assert float(m["policy/approx_kl"]) > 0
+    assert float(m["policy/clipfrac_low"]) + float(m["policy/clipfrac_high"]) > 0
+    assert float(m["optim/nonfinite"]) == 0.0
+
+
+def test_sharded_update_equals_single_device(params, host_batch, multi_pass):
+    single, m_single = multi_pass
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    fn = update_fn("grpo", micro=2, mini=2, iterations=2)
+    state = fresh_state(params, mesh=mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state.params)
+    sharded, m_sharded = fn(state, on_device(host_batch, mesh))
+    traces = sum(U.TRACES.values())
+    assert max_diff(host(sharded.params), host(single.params)) <= 1e-5
+    assert max_diff(host(sharded.opt_state), host(single.opt_state)) <= 1e-5
+    for name in ("loss/total", "policy/ratio_max", "optim/grad_norm", "adv/std"):
+        np.testing.assert_allclose(float(m_sharded[name]), float(m_single[name]), rtol=1e-5)
+    # Params come back with the shardings they went in with: no resharding, no recompile.
+    assert jax.tree.map(lambda x: x.sharding, sharded.params) == shardings
+    fn(sharded, on_device(host_batch, mesh))
+    assert sum(U.TRACES.values()) == traces
+
+
+# ---------------------------------------------------------------------------- NaN / inf
+def test_skip_nonfinite_leaves_state_unchanged(params, host_batch):
+    fn = update_fn("grpo", micro=4, skip=True)
+    for bad in (
+        dict(rewards=np.where(np.arange(16) == 2, np.nan, host_batch.rewards)),
+        dict(sampler_logprobs=np.where(host_batch.mask, np.nan, host_batch.sampler_logprobs)),
+    ):
+        state = fresh_state(params)
+        before = host((state.params, state.opt_state))
+        new, metrics = fn(state, on_device(host_batch, **bad))
+        assert float(metrics["optim/nonfinite"]) == 1.0
+        after = host((new.params, new.opt_state))
+        assert jax.tree.all(jax.tree.map(np.array_equal, after, before))
+        assert int(new.step) == 1  # the trainer step still counts
+
+
+def test_nonfinite_without_skip_is_reported(params, host_batch):
+    rewards = np.where(np.arange(16) == 2, np.nan, host_batch.rewards)
+    new, metrics = update_fn("dr_grpo", micro=1)(
+        fresh_state(params), on_device(host_batch, rewards=rewards)
+    )
+    assert float(metrics["optim/nonfinite"]) == 1.0
+    assert not np.isfinite(np.asarray(new.params["embed"])).all()  # applied anyway
+
+
+# --------------------------------------------------------------------------------- PPO
+def test_critic_values_are_the_shifted_trunk_states(params, host_batch):
+    b = host_batch
+    cp = critic.init_critic(CFG, params)
+    assert "lm_head" not in cp["trunk"] and float(jnp.abs(cp["value_head"]["kernel"]).max()) == 0
+    rng = np.random.default_rng(1)
+    cp["value_head"] = {"kernel": jnp.asarray(rng.normal(size=32), jnp.float32),
+                        "bias": jnp.float32(0.5)}  # fmt: skip
+    v = np.asarray(jax.jit(critic.values, static_argnums=0)(
+        CFG, cp, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask))  # fmt: skip
+    assert v.shape == b.tokens.shape
+    # Naive: one full forward of the policy trunk, the state at position P - 1 + t.
+    ids = np.concatenate([b.prompt_tokens, b.tokens], 1)
+    mask = np.concatenate([b.prompt_mask, b.mask], 1)
+    hidden = np.asarray(jax.jit(models.forward, static_argnums=0)(CFG, params, ids, mask))
+    p = b.prompt_tokens.shape[1]
+    ref = np.stack([hidden[:, p - 1 + t] for t in range(b.tokens.shape[1])], 1)
+    ref = ref @ np.asarray(cp["value_head"]["kernel"]) + 0.5
+    np.testing.assert_allclose(v[b.mask], ref[b.mask], atol=1e-5)
+    # V(s_0) is the value of the prompt alone: the completion cannot leak into it.
+    hidden_prompt = np.asarray(models.forward(CFG, params, b.prompt_tokens, b.prompt_mask))
+    np.testing.assert_allclose(v[:, 0], hidden_prompt[:, -1] @ cp["value_head"]["kernel"] + 0.5,
+                               atol=1e-5)  # fmt: skip
+
+
+def test_ppo_critic_warmup_freezes_the_policy(params, host_batch):
+    algo = rl.preset("ppo", group_size=G, critic_warmup_steps=1)
+    fn = U.make_update_fn(CFG, algo, SMOOTH_ADAM, micro_batches=2, temperature=TEMPERATURE,
+                          chunk_size=4, critic_optimizer=SMOOTH_ADAM)  # fmt: skip
+    own = jax.tree.map(jnp.copy, params)
+    state = U.init_train_state(own, SMOOTH_ADAM, critic.init_critic(CFG, own), SMOOTH_ADAM)
+    policy0, critic0 = host((state.params, state.opt_state)), host(state.critic_params)
+    batch = on_device(host_batch)
+    state, m = fn(state, batch)  # step 0 < warmup: critic only
+    assert jax.tree.all(jax.tree.map(np.array_equal, host((state.params, state.opt_state)),
+                                     policy0))  # fmt: skip
+    assert max_diff(host(state.critic_params), critic0) > 1e-3
+    assert float(m["optim/nonfinite"]) == 0 and np.isfinite(float(m["loss/value"]))
+    assert float(m["value/mean"]) == 0.0  # rollout-time values of the zero head
+    state, m = fn(state, batch)  # step 1: both move
+    assert max_diff(host(state.params), policy0[0]) > 1e-3
+    assert np.isfinite(float(m["value/explained_variance"]))
