@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Helpers shared by the launch scripts (sourced, never run). Bash 3.2+ (macOS) and 5.x.
+# Helpers shared by the launch scripts (sourced, never run). Tested with bash 5.2; no
+# mapfile, namerefs or ${x,,}, so that macOS's bash 3.2 has a chance (untested there).
 #
 # Every command that touches a cluster goes through `run`: with DRY_RUN=1 it is printed,
 # shell-quoted so that the output can be pasted back into a shell, and not run.
