@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import sampling
 from jaxrl_llm.verifiers.fmt import overlong_penalty
@@ -188,25 +189,35 @@ def _fill_dynamic(
     return merged, rounds, sample_s, score_s
 
 
+@jax.jit
+def _select_rows(outs: list[sampling.SampleOutput], index: jax.Array) -> sampling.SampleOutput:
+    """Concatenates SampleOutputs (left-padding shorter prompt buckets, padding masked)
+    and keeps the rows in `index`; jitted, so no constant is transferred implicitly."""
+    P = max(o.prompt_tokens.shape[1] for o in outs)
+
+    def widen(x):
+        return jnp.pad(x, ((0, 0), (P - x.shape[1], 0)))  # 0 / False: masked padding
+
+    outs = [
+        o.replace(prompt_tokens=widen(o.prompt_tokens), prompt_mask=widen(o.prompt_mask))
+        for o in outs
+    ]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs)[index], *outs)
+
+
 def _merge(parts: list[Rollouts], G: int, B: int) -> Rollouts:
     """The first B mixed-reward groups over all parts, then dropped groups if needed."""
     rewards = np.concatenate([p.rewards for p in parts])
     mixed = ~degenerate(rewards, G)
     groups = np.concatenate([np.nonzero(mixed)[0], np.nonzero(~mixed)[0]])[:B]
     rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
-    P = max(p.out.prompt_tokens.shape[1] for p in parts)
-
-    def widen(x, pad):  # left-pad prompts of a shorter bucket; padding stays masked
-        return jnp.pad(x, ((0, 0), (P - x.shape[1], 0)), constant_values=pad)
-
-    outs = [
-        p.out.replace(
-            prompt_tokens=widen(p.out.prompt_tokens, 0), prompt_mask=widen(p.out.prompt_mask, False)
-        )
-        for p in parts
-    ]
-    index = jax.device_put(rows)  # explicit host->device transfer of the selection
-    out = jax.tree.map(lambda *xs: jnp.concatenate(xs)[index], *outs)
+    # Explicit host->device transfer of the selection, replicated on the rollouts' mesh.
+    like = parts[0].out.tokens.sharding
+    replicated = (
+        NamedSharding(like.mesh, PartitionSpec()) if isinstance(like, NamedSharding) else like
+    )
+    index = jax.device_put(rows, replicated)
+    out = _select_rows([p.out for p in parts], index)
     pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
     flat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
     metrics = {

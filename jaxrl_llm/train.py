@@ -75,7 +75,8 @@ class Run:
             self.model_path, self.mesh, c.model.dtype, remat=c.model.remat
         )
         self.tokenizer_path = run_config.resolve_model_path(
-            c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False)
+            c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False
+        )
         self.tokenizer = _tokenizer(self.tokenizer_path)
         self.ref_params = None
         if self.algo.needs_ref:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
 from jaxrl_llm.models.partitioning import logical_to_sharding
@@ -111,8 +113,11 @@ def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_samples: int, max_l
     return rep(logits, 0), _constrain_cache(cache, mesh)
 
 
-def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, key, mesh):
+def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, seed_index, mesh):
     TRACES[prompt_ids.shape] += 1
+    # The key is derived on device from (seed, call index): building it on the host would
+    # be an implicit transfer, an error under jax.transfer_guard("disallow").
+    key = jax.random.fold_in(jax.random.key(seed_index[0]), seed_index[1])
     T, G = sp.max_new_tokens, sp.num_samples
     logits, cache = prefill_groups(
         cfg, params, prompt_ids, prompt_mask, G, prompt_ids.shape[1] + T, mesh
@@ -233,9 +238,11 @@ def generate(
             f"model's max_position_embeddings {cfg.max_position_embeddings}"
         )
     index = next(_call_counters[seed]) if step is None else step
-    key = jax.random.fold_in(jax.random.key(seed), index)
-    ids, mask = mesh_lib.shard_batch((ids, mask), mesh)
-    out = _generate_jit(cfg, sp, params, ids, mask, key, mesh)
+    seed_index = np.array([seed, index], np.uint32)
+    ids, mask, seed_index = mesh_lib.shard_batch((ids, mask), mesh) + (
+        jax.device_put(seed_index, None if mesh is None else NamedSharding(mesh, P())),
+    )
+    out = _generate_jit(cfg, sp, params, ids, mask, seed_index, mesh)
     n = len(prompts) * sp.num_samples
     if out.tokens.shape[0] != n:  # dummy rows that made the batch divisible by the mesh
         out = jax.tree.map(lambda x: x[:n], out)

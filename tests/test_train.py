@@ -1,0 +1,153 @@
+"""The trainer end to end on a tiny model: every algorithm, exact resume, SIGTERM, export."""
+
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxrl_llm import checkpoint, export, models, run_config, train
+from jaxrl_llm.metrics import read_metrics
+
+TOKENIZER = os.path.join(os.path.dirname(train.__file__), "assets", "arithmetic_tokenizer")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    cfg = models.ModelConfig(
+        "Qwen3ForCausalLM",
+        vocab_size=33,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    d = tmp_path_factory.mktemp("tiny_model")
+    models.save_hf(cfg, models.init_params(cfg, seed=0), d, tokenizer_dir=TOKENIZER)
+    return str(d)
+
+
+def tiny_config(model_dir, **algo):
+    c = run_config.base_config()
+    c.model.path = model_dir
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2  # sharded on the 8 fake devices
+    c.data.name = "arithmetic/digits_1"
+    c.data.max_prompt_len = 48
+    c.data.template = "{question}="
+    c.data.chat_template = "never"
+    c.rollout.batch_size = 4
+    c.rollout.num_generations = 4
+    c.rollout.max_new_tokens = 6
+    c.optim.learning_rate = 1e-3
+    c.rewards = {"gsm8k": 1.0}
+    c.train.num_steps = 2
+    c.train.print_samples_every = 0
+    c.train.verifier_workers = 1
+    c.logging.tensorboard = False
+    c.checkpoint.every = 0
+    for k, v in algo.items():
+        c.algo[k] = v
+    return c
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"])
+def test_every_algorithm_runs_two_steps(model_dir, tmp_path, name):
+    c = tiny_config(model_dir, name=name)
+    if name == "ppo":
+        c.rollout.num_generations = 1
+        c.rollout.batch_size = 8
+    last = train.train(c, str(tmp_path))
+    logged = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in logged] == [1, 2]
+    assert np.isfinite(last["loss/total"]) and "perf/step_s" in last
+    assert last["optim/nonfinite"] == 0.0
+    if name == "dapo":
+        assert "rollout/degenerate_frac" in last
+    if name == "ppo":
+        assert "loss/value" in last
+
+
+def test_sigterm_and_resume_equal_a_straight_run(model_dir, tmp_path, monkeypatch):
+    c = tiny_config(model_dir)  # grpo with a reference model: beta 0.04
+    c.train.num_steps = 6
+    c.checkpoint.every = 0  # only the SIGTERM and final saves
+    straight = tmp_path / "straight"
+    train.train(c, str(straight))
+
+    resumed = tmp_path / "resumed"
+    original_step = train.Run.step
+
+    def step_then_sigterm(self, step):
+        out = original_step(self, step)
+        if step == 2:  # the third step: SIGTERM arrives while it runs
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(train.Run, "step", step_then_sigterm)
+    train.train(c, str(resumed))
+    with checkpoint.Checkpointer(str(resumed / "checkpoints"), read_only=True) as ck:
+        assert ck.all_steps() == [3]  # saved on SIGTERM, then exited
+    monkeypatch.setattr(train.Run, "step", original_step)
+    train.train(c, str(resumed))  # the same command again: resumes at 3
+
+    a, b = (read_metrics(d / "metrics.jsonl") for d in (straight, resumed))
+    assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]  # no duplicates across the resume
+    for ma, mb in zip(a, b, strict=True):
+        for k in ma:
+            if not k.startswith("perf/"):
+                np.testing.assert_allclose(mb[k], ma[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    sa, sb = (
+        checkpoint.Checkpointer(str(d / "checkpoints"), read_only=True).restore(6)[0]
+        for d in (straight, resumed)
+    )
+    for x, y in zip(jax.tree.leaves(sa["params"]), jax.tree.leaves(sb["params"]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+def test_export_after_training_loads_in_transformers(model_dir, tmp_path):
+    c = tiny_config(model_dir)
+    workdir = tmp_path / "run"
+    train.train(c, str(workdir))
+    export.export(str(workdir), str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    cfg, params = models.load_hf(tmp_path / "hf")
+    state, _ = checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True).restore()
+    trained = state["params"]
+    for x, y in zip(jax.tree.leaves(trained), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ids = np.array([[5, 6, 14, 7, 18]])
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(models.logits(cfg, params, ids))
+    assert np.abs(ours - ref).max() <= 1e-4
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").eos_token == "<eos>"
+    with open(workdir / "config.json") as f:
+        assert os.path.isabs(json.load(f)["model"]["path"])
+
+
+def test_nonfinite_update_stops_naming_the_step(model_dir, tmp_path, monkeypatch):
+    c = tiny_config(model_dir)
+    from jaxrl_llm import rollout
+
+    original = rollout.score
+
+    def nan_rewards(*args, **kwargs):
+        ro = original(*args, **kwargs)
+        ro.rewards[:] = np.nan
+        return ro
+
+    monkeypatch.setattr(rollout, "score", nan_rewards)
+    with pytest.raises(train.NonFiniteError, match=r"step 0: non-finite loss or gradient"):
+        train.train(c, str(tmp_path / "stop"))
+    c.train.skip_nonfinite = True
+    last = train.train(c, str(tmp_path / "skip"))
+    assert last["optim/nonfinite"] == 1.0
