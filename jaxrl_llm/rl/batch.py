@@ -79,8 +79,9 @@ def completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mas
     return hidden[:, p - 1 : -1]
 
 
-def sequence_logprobs(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *,
-                      temperature: float = 1.0, chunk_size: int = 128):  # fmt: skip
+def sequence_logprobs(
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, temperature=1.0, chunk_size=128
+):
     """Teacher-forced log pi(token) and entropy of each completion token.
 
     [N, P], [N, P], [N, T], [N, T] -> (logp [N, T], entropy [N, T]) float32, 0 off-mask.
@@ -99,7 +100,7 @@ def split_rows(tree, k: int):
 
 
 def merge_rows(tree):
-    """Inverse of `_split`."""
+    """Inverse of `split_rows`."""
     return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
 
 
@@ -110,8 +111,9 @@ def map_rows(fn, rows, k: int):
     return merge_rows(jax.lax.map(fn, split_rows(rows, k)))
 
 
-def make_logprob_fn(model_cfg, temperature: float = 1.0, chunk_size: int = 128,
-                    micro_batches: int = 1):  # fmt: skip
+def make_logprob_fn(
+    model_cfg, temperature: float = 1.0, chunk_size: int = 128, micro_batches: int = 1
+):
     """Jitted (params, prompt_tokens, prompt_mask, tokens, mask) -> logp [N, T] (no grad).
 
     For the reference model and old-policy recomputes; micro_batches bounds the memory of

@@ -47,9 +47,13 @@ def init_critic(model_cfg: models.ModelConfig, policy_params, seed: int = 0):
         "kernel": jnp.zeros(norm.shape, jnp.float32),
         "bias": jnp.zeros((), jnp.float32),
     }
+    # Committed next to the trunk (replicated on its mesh): an uncommitted input would make
+    # the update compile a second time once its outputs come back committed.
     sharding = getattr(norm, "sharding", None)
-    if isinstance(sharding, NamedSharding):  # replicate the tiny head on the same mesh
+    if isinstance(sharding, NamedSharding):
         head = jax.device_put(head, NamedSharding(sharding.mesh, PartitionSpec()))
+    elif sharding is not None:
+        head = jax.device_put(head, next(iter(sharding.device_set)))
     return {"trunk": trunk, "value_head": head}
 
 

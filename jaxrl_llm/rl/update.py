@@ -137,10 +137,11 @@ def init_train_state(
     if critic_params is not None:
         if critic_optimizer is None:
             raise ValueError("init_train_state: critic_params given without critic_optimizer")
+        critic_params = _commit_like(critic_params, critic_params)
         critic_opt_state = _commit_like(critic_optimizer.init(critic_params), critic_params)
     return TrainState(
         step=_commit_like(jnp.zeros((), jnp.int32), params),
-        params=params,
+        params=_commit_like(params, params),
         opt_state=_commit_like(opt.init(params), params),
         critic_params=critic_params,
         critic_opt_state=critic_opt_state,
