@@ -101,6 +101,49 @@ def max_diff(a, b) -> float:
     return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.abs(x - y).max()), a, b)))
 
 
+# ---------------------------------------------------------------------------- optimizer
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_schedule_matches_formula(schedule):
+    lr, warmup, total = 0.1, 4, 20
+    opt = U.make_optimizer(learning_rate=lr, warmup_steps=warmup, total_steps=total,
+                           schedule=schedule)  # fmt: skip
+    for s in (0, 2, 4, 9, 20):
+        frac = (s - warmup) / (total - warmup)
+        expected = {
+            "constant": lr,
+            "cosine": lr * 0.5 * (1 + np.cos(np.pi * frac)),
+            "linear": lr * (1 - frac),
+        }[schedule] if s >= warmup else lr * s / warmup  # fmt: skip
+        np.testing.assert_allclose(float(opt.schedule(jnp.int32(s))), expected, rtol=1e-6)
+
+
+def test_optimizer_step_matches_numpy_adamw():
+    rng = np.random.default_rng(0)
+    p = {"w": rng.normal(size=(3, 4)), "final_norm": rng.normal(size=4)}
+    p = jax.tree.map(lambda x: x.astype(np.float32), p)
+    grads = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), p)
+             for _ in range(2)]  # fmt: skip
+    wd, b1, b2, eps, clip, lr = 0.1, 0.9, 0.99, 1e-6, 1.0, 0.05
+    opt = U.make_optimizer(learning_rate=lr, weight_decay=wd, b1=b1, b2=b2, eps=eps,
+                           max_grad_norm=clip)  # fmt: skip
+    params, state = p, opt.init(p)
+    ref = {k: v.astype(np.float64) for k, v in p.items()}
+    m = {k: 0.0 for k in p}
+    v = {k: 0.0 for k in p}
+    for t, g in enumerate(grads, start=1):
+        params, state = opt.step(g, state, params, jnp.float32(lr))
+        norm = np.sqrt(sum(np.sum(np.square(x.astype(np.float64))) for x in g.values()))
+        for k in p:
+            gk = g[k] * min(1.0, clip / norm)
+            m[k] = b1 * m[k] + (1 - b1) * gk
+            v[k] = b2 * v[k] + (1 - b2) * gk**2
+            u = (m[k] / (1 - b1**t)) / (np.sqrt(v[k] / (1 - b2**t)) + eps)
+            decay = 0.0 if "norm" in k else wd  # norm scales are not decayed
+            ref[k] = ref[k] - lr * (u + decay * ref[k])
+    for k in p:
+        np.testing.assert_allclose(np.asarray(params[k]), ref[k], rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- logprobs
 def numpy_logprobs(params, batch, temperature):
     """log softmax(logits / tau)[token] in float64 from the full [N, P + T, V] logits."""
@@ -250,6 +293,8 @@ def test_ppo_critic_warmup_freezes_the_policy(params, host_batch):
     assert max_diff(host(state.critic_params), critic0) > 1e-3
     assert float(m["optim/nonfinite"]) == 0 and np.isfinite(float(m["loss/value"]))
     assert float(m["value/mean"]) == 0.0  # rollout-time values of the zero head
+    traces = sum(U.TRACES.values())
     state, m = fn(state, batch)  # step 1: both move
+    assert sum(U.TRACES.values()) == traces  # the critic's layout is stable too
     assert max_diff(host(state.params), policy0[0]) > 1e-3
     assert np.isfinite(float(m["value/explained_variance"]))
