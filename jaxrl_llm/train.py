@@ -121,7 +121,7 @@ class Run:
         opt = U.make_optimizer(
             learning_rate=o.learning_rate,
             warmup_steps=o.warmup_steps,
-            total_steps=c.train.num_steps * o.mini_batches * self.algo.num_iterations,
+            total_steps=c.train.num_steps,  # the schedule counts trainer steps (update calls)
             schedule=o.schedule,
             weight_decay=o.weight_decay,
             b1=o.b1,
