@@ -55,6 +55,22 @@ def _stop_ids(tokenizer, stop_tokens) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def _optimizer(c, learning_rate: float):
+    """AdamW from the optim.* keys; the schedule counts trainer steps (update calls)."""
+    o = c.optim
+    return U.make_optimizer(
+        learning_rate=learning_rate,
+        warmup_steps=o.warmup_steps,
+        total_steps=c.train.num_steps,
+        schedule=o.schedule,
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        max_grad_norm=o.max_grad_norm,
+    )
+
+
 class Run:
     """Everything a training run holds: built from the config, then stepped by `train`."""
 
@@ -118,31 +134,11 @@ class Run:
         )
         # ------------------------------------------------------ Model & optimizer state
         o = c.optim
-        opt = U.make_optimizer(
-            learning_rate=o.learning_rate,
-            warmup_steps=o.warmup_steps,
-            total_steps=c.train.num_steps,  # the schedule counts trainer steps (update calls)
-            schedule=o.schedule,
-            weight_decay=o.weight_decay,
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            max_grad_norm=o.max_grad_norm,
-        )
+        opt = _optimizer(c, o.learning_rate)
         critic_params = critic_opt = None
         if self.algo.uses_critic:
             critic_params = critic_lib.init_critic(self.model_cfg, params, seed=c.train.seed)
-            critic_opt = U.make_optimizer(
-                learning_rate=o.critic_learning_rate,
-                warmup_steps=o.warmup_steps,
-                total_steps=c.train.num_steps,
-                schedule=o.schedule,
-                weight_decay=o.weight_decay,
-                b1=o.b1,
-                b2=o.b2,
-                eps=o.eps,
-                max_grad_norm=o.max_grad_norm,
-            )
+            critic_opt = _optimizer(c, o.critic_learning_rate)
         self.state = U.init_train_state(
             params, opt, critic_params=critic_params, critic_optimizer=critic_opt
         )
