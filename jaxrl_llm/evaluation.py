@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxrl_llm import rollout
@@ -19,11 +20,13 @@ EVAL_KEY_OFFSET = 1 << 30  # eval draws use a key stream disjoint from training'
 
 
 def fixed_batches(data_iter, num_prompts: int) -> list:
-    """The first ceil(num_prompts / batch) batches of an (unshuffled) iterator, kept."""
+    """The first ceil(num_prompts / batch) batches of an (unshuffled) iterator, kept.
+
+    With several processes each holds its share of every batch: the count is global."""
     batches, seen = [], 0
     for batch in data_iter:
         batches.append(batch)
-        seen += len(batch.examples)
+        seen += len(batch.examples) * jax.process_count()
         if seen >= num_prompts:
             break
     if not batches:
@@ -35,24 +38,43 @@ def _scores(details, label: str) -> np.ndarray:
     return np.asarray(details.per_verifier[label], np.float64)
 
 
-def evaluate(model_cfg, params, batches, pool, specs, tokenizer, settings, *, correct_label,
-             pass_k: int, temperature: float, mesh=None, step: int = 0) -> dict[str, float]:
+def evaluate(
+    model_cfg,
+    params,
+    batches,
+    pool,
+    specs,
+    tokenizer,
+    settings,
+    *,
+    correct_label,
+    pass_k: int,
+    temperature: float,
+    mesh=None,
+    step: int = 0,
+) -> dict[str, float]:
     """Metrics `eval/*` over the fixed evaluation batches."""
     greedy = dataclasses.replace(settings, num_generations=1, temperature=0.0)
     sampled = dataclasses.replace(settings, num_generations=pass_k, temperature=temperature)
     correct1, correct_k, lengths, per_label = [], [], [], {}
     for i, batch in enumerate(batches):
         out = rollout.generate(model_cfg, params, batch, greedy, step=i, mesh=mesh)
-        texts, n, _ = rollout.decode(tokenizer, out)
+        texts, n, _ = rollout.decode(tokenizer, out, mesh)
         _, details = pool.score(specs, texts, batch.examples, num_tokens=n.tolist())
         correct1.append(_scores(details, correct_label) > 0.5)
         lengths.append(n)
         for label in details.per_verifier:
             per_label.setdefault(label, []).append(_scores(details, label))
         if pass_k > 1:
-            out = rollout.generate(model_cfg, params, batch, sampled, mesh=mesh,
-                                   step=EVAL_KEY_OFFSET + step * len(batches) + i)
-            texts, n, _ = rollout.decode(tokenizer, out)
+            out = rollout.generate(
+                model_cfg,
+                params,
+                batch,
+                sampled,
+                mesh=mesh,
+                step=EVAL_KEY_OFFSET + step * len(batches) + i,
+            )
+            texts, n, _ = rollout.decode(tokenizer, out, mesh)
             examples = [ex for ex in batch.examples for _ in range(pass_k)]
             _, details = pool.score(specs, texts, examples, num_tokens=n.tolist())
             hit = _scores(details, correct_label) > 0.5

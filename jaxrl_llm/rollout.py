@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm import sampling
+from jaxrl_llm import parallel, sampling
 from jaxrl_llm.verifiers.fmt import overlong_penalty
 
 
@@ -75,19 +75,20 @@ def generate(model_cfg, params, batch, s: RolloutSettings, step: int, mesh=None,
     return sampling.generate(model_cfg, params, prompts, **kw)
 
 
-def decode(tokenizer, out: sampling.SampleOutput):
-    """Completion ids -> (texts, lengths [N], finish [N]); the one device->host transfer."""
-    tokens, lengths, finish = jax.device_get((out.tokens, out.lengths, out.finish))
+def decode(tokenizer, out: sampling.SampleOutput, mesh=None):
+    """This process's completion ids -> (texts, lengths, finish); the one device->host
+    transfer of a step."""
+    tokens, lengths, finish = parallel.local_rows((out.tokens, out.lengths, out.finish), mesh)
     texts = tokenizer.batch_decode(
         [row[:n] for row, n in zip(tokens, lengths, strict=True)], skip_special_tokens=True
     )
     return texts, np.asarray(lengths), np.asarray(finish)
 
 
-def score(pool, specs, out, tokenizer, batch, s: RolloutSettings):
-    """Decodes and scores one SampleOutput -> Rollouts (without timings)."""
+def score(pool, specs, out, tokenizer, batch, s: RolloutSettings, mesh=None):
+    """Decodes and scores this process's rows of one SampleOutput -> Rollouts."""
     G = s.num_generations
-    texts, lengths, finish = decode(tokenizer, out)
+    texts, lengths, finish = decode(tokenizer, out, mesh)
     examples = [ex for ex in batch.examples for _ in range(G)]
     rewards, details = pool.score(specs, texts, examples, num_tokens=lengths.tolist())
     metrics = details.metrics()
@@ -149,7 +150,7 @@ def collect(
     jax.block_until_ready(out.tokens)
     sample_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ro = score(pool, specs, out, tokenizer, batch, s)
+    ro = score(pool, specs, out, tokenizer, batch, s, mesh)
     score_s = time.perf_counter() - t0
     if dynamic_rounds is not None:
         ro, rounds, sample_extra, score_extra = _fill_dynamic(
@@ -170,7 +171,9 @@ def _fill_dynamic(
     B = len(ro.rewards) // G
     parts, sample_s, score_s, rounds = [ro], 0.0, 0.0, 0
     kept = int((~degenerate(ro.rewards, G)).sum())
-    while kept < B and rounds < max_rounds:
+    # Every process samples in every round (the sampler is collective): continue while
+    # any process is short of mixed-reward groups.
+    while parallel.host_max(int(kept < B)) and rounds < max_rounds:
         rounds += 1
         t0 = time.perf_counter()
         batch = next(data_iter)
@@ -178,13 +181,13 @@ def _fill_dynamic(
         jax.block_until_ready(out.tokens)
         sample_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        parts.append(score(pool, specs, out, tokenizer, batch, s))
+        parts.append(score(pool, specs, out, tokenizer, batch, s, mesh))
         score_s += time.perf_counter() - t0
         kept += int((~degenerate(parts[-1].rewards, G)).sum())
     if rounds == 0:
         ro.metrics["rollout/degenerate_frac"] = 1.0 - kept / B
         return ro, 0, 0.0, 0.0
-    merged = _merge(parts, G, B)
+    merged = _merge(parts, G, B, mesh)
     merged.metrics["rollout/degenerate_frac"] = 1.0 - min(kept, B) / B
     return merged, rounds, sample_s, score_s
 
@@ -205,18 +208,30 @@ def _select_rows(outs: list[sampling.SampleOutput], index: jax.Array) -> samplin
     return jax.tree.map(lambda *xs: jnp.concatenate(xs)[index], *outs)
 
 
-def _merge(parts: list[Rollouts], G: int, B: int) -> Rollouts:
+def _global_rows(rows: np.ndarray, parts: list[Rollouts], mesh) -> np.ndarray:
+    """This process's selected rows (indices into its parts, concatenated) -> indices into
+    the concatenation of the global outputs, gathered from every process in order."""
+    if mesh is None or jax.process_count() == 1:
+        return rows
+    from jax.experimental import multihost_utils
+
+    n_local, n_global = len(parts[0].rewards), parts[0].out.tokens.shape[0]
+    table = np.asarray(multihost_utils.process_allgather(rows))  # [processes, selected]
+    part, i = np.divmod(table, n_local)
+    offset = np.arange(table.shape[0])[:, None] * n_local
+    return (part * n_global + offset + i).reshape(-1)
+
+
+def _merge(parts: list[Rollouts], G: int, B: int, mesh=None) -> Rollouts:
     """The first B mixed-reward groups over all parts, then dropped groups if needed."""
     rewards = np.concatenate([p.rewards for p in parts])
     mixed = ~degenerate(rewards, G)
     groups = np.concatenate([np.nonzero(mixed)[0], np.nonzero(~mixed)[0]])[:B]
     rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
-    # Explicit host->device transfer of the selection, replicated on the rollouts' mesh.
-    like = parts[0].out.tokens.sharding
-    replicated = (
-        NamedSharding(like.mesh, PartitionSpec()) if isinstance(like, NamedSharding) else like
+    index = jax.device_put(
+        _global_rows(rows, parts, mesh),
+        parts[0].out.tokens.sharding if mesh is None else NamedSharding(mesh, PartitionSpec()),
     )
-    index = jax.device_put(rows, replicated)
     out = _select_rows([p.out for p in parts], index)
     pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
     flat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731

@@ -75,16 +75,12 @@ class Run:
     """Everything a training run holds: built from the config, then stepped by `train`."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-        run_config.validate(config)
+        run_config.validate(config, process_count=jax.process_count())
         self.config, self.workdir = config, workdir
         self.algo = run_config.algo_config(config)
         c = config
         # --------------------------------------------------------------------- Mesh
         self.mesh = parallel.make_mesh(dict(c.mesh))
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                f"the trainer runs in one process; jax.process_count()={jax.process_count()}"
-            )
         # ------------------------------------------------------------ Model & tokenizer
         self.model_path = run_config.resolve_model_path(c.model.path)
         self.model_cfg, params = models.load_hf(
@@ -118,14 +114,15 @@ class Run:
         )
         # -------------------------------------------------------------------- Input
         B = c.rollout.batch_size
-        self.data_iter = data.make_iterator(c.data, self.tokenizer, B)
+        hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+        self.data_iter = data.make_iterator(c.data, self.tokenizer, B, **hosts)
         self.eval_batches = []
         if c.eval.every > 0:
             eval_data = ml_collections.ConfigDict(c.data.to_dict())
             eval_data.split, eval_data.shuffle, eval_data.num_epochs = c.eval.split, False, 1
             eval_data.path = c.eval.path or c.data.path
             self.eval_batches = evaluation.fixed_batches(
-                data.make_iterator(eval_data, self.tokenizer, B), c.eval.num_prompts
+                data.make_iterator(eval_data, self.tokenizer, B, **hosts), c.eval.num_prompts
             )
         self.specs = verifiers.parse_specs(c.rewards)
         self.correct_label = c.eval.correct_reward or self.specs[0].label
@@ -196,7 +193,7 @@ class Run:
             t0 = time.perf_counter()
             ref = jax.block_until_ready(ro.aux)
             ref_s = time.perf_counter() - t0
-            rewards = jax.device_put(ro.rewards, parallel.batch_sharding(self.mesh, 1))
+            rewards = parallel.shard_local_batch(ro.rewards, self.mesh)  # [N], global
             batch = U.batch_from_rollout(ro.out, rewards, ref_logprobs=ref)
             t0 = time.perf_counter()
             self.state, self.last_update_metrics = self.update(self.state, batch)
@@ -204,14 +201,9 @@ class Run:
             update_s = time.perf_counter() - t0
         self.last_rollouts = ro
         step_s = time.perf_counter() - t_start
-        return (
-            self._perf(ro, step_s, ref_s, update_s)
-            | ro.metrics
-            | {
-                "reward/mean": float(ro.rewards.mean()),
-                "reward/std": float(ro.rewards.std()),
-            }
-        )
+        host = self._perf(ro, step_s, ref_s, update_s) | ro.metrics
+        host |= {"reward/mean": float(ro.rewards.mean()), "reward/std": float(ro.rewards.std())}
+        return parallel.host_mean(host)  # each process saw only its own rows
 
     def _perf(self, ro, step_s, ref_s, update_s) -> dict:
         rows, P = ro.out.tokens.shape[0], ro.out.prompt_tokens.shape[1]
@@ -347,6 +339,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     mesh=run.mesh,
                     step=done,
                 )
+                ev = parallel.host_mean(ev)
                 writer.write(done, ev)
                 last |= ev
             progress.update(done, reward=host["reward/mean"], step_s=host["perf/step_s"])
@@ -382,10 +375,33 @@ def _abstract(state):
     )
 
 
+def initialize_distributed() -> None:
+    """`jax.distributed.initialize()` when the launch environment asks for it.
+
+    JAXRL_DISTRIBUTED=1 (set by launch/*.sh): JAX detects the cluster itself on TPU VM
+    pods, GKE TPU slices and SLURM. JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES /
+    JAXRL_PROCESS_ID give it explicitly (e.g. several processes on one machine). CPU
+    collectives go through gloo (needed for multi-process CPU runs; other backends
+    ignore it).
+    """
+    if os.environ.get("JAXRL_DISTRIBUTED") != "1":
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    explicit = {}
+    if "JAXRL_COORDINATOR" in os.environ:
+        explicit = dict(
+            coordinator_address=os.environ["JAXRL_COORDINATOR"],
+            num_processes=int(os.environ["JAXRL_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAXRL_PROCESS_ID"]),
+        )
+    jax.distributed.initialize(**explicit)
+
+
 def main(argv):
     del argv
     from absl import flags
 
+    initialize_distributed()
     train(flags.FLAGS.config, flags.FLAGS.workdir)
 
 

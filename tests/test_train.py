@@ -9,54 +9,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_run import make_model_dir, tiny_config
 
-from jaxrl_llm import checkpoint, export, models, run_config, train
+from jaxrl_llm import checkpoint, export, models, train
 from jaxrl_llm.metrics import read_metrics
-
-TOKENIZER = os.path.join(os.path.dirname(train.__file__), "assets", "arithmetic_tokenizer")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    cfg = models.ModelConfig(
-        "Qwen3ForCausalLM",
-        vocab_size=33,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-    )
-    d = tmp_path_factory.mktemp("tiny_model")
-    models.save_hf(cfg, models.init_params(cfg, seed=0), d, tokenizer_dir=TOKENIZER)
-    return str(d)
-
-
-def tiny_config(model_dir, **algo):
-    c = run_config.base_config()
-    c.model.path = model_dir
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2  # sharded on the 8 fake devices
-    c.data.name = "arithmetic/digits_1"
-    c.data.max_prompt_len = 48
-    c.data.template = "{question}="
-    c.data.chat_template = "never"
-    c.rollout.batch_size = 4
-    c.rollout.num_generations = 4
-    c.rollout.max_new_tokens = 6
-    c.optim.learning_rate = 1e-3
-    c.rewards = {"gsm8k": 1.0}
-    c.train.num_steps = 2
-    c.train.print_samples_every = 0
-    c.train.verifier_workers = 1
-    c.logging.tensorboard = False
-    c.checkpoint.every = 0
-    for k, v in algo.items():
-        c.algo[k] = v
-    return c
+    return make_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"])

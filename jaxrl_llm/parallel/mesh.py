@@ -88,10 +88,58 @@ def shard_batch(tree, mesh: Mesh | None):
 
 
 def shard_local_batch(tree, mesh: Mesh):
-    """Builds global arrays from each process's own rows (multi-host input pipelines)."""
+    """Builds global arrays from each process's own rows (multi-host input pipelines).
+
+    This is an explicit transfer point: with several processes JAX builds the array
+    through a per-shard callback, which `jax.transfer_guard("disallow")` would otherwise
+    take for an implicit transfer.
+    """
 
     def put(x):
         x = np.asarray(x)
         return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
 
-    return jax.tree.map(put, tree)
+    with jax.transfer_guard("allow"):
+        return jax.tree.map(put, tree)
+
+
+def local_rows(tree, mesh: Mesh | None):
+    """Host numpy copies of this process's rows of batch-sharded global arrays.
+
+    With one process these are the whole arrays. With several, each process gets back
+    exactly the rows it contributed through `shard_local_batch` (the same layout).
+    """
+    if mesh is None or jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        spec = PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1)))
+        return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))
+
+    return jax.tree.map(get, tree)
+
+
+def host_max(value: int) -> int:
+    """The maximum of an int over all processes (the value itself with one process)."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
+def host_mean(values: dict[str, float]) -> dict[str, float]:
+    """Per-process host metrics averaged over processes (`*_max` keys: the maximum)."""
+    if jax.process_count() == 1 or not values:
+        return values
+    from jax.experimental import multihost_utils
+
+    keys = sorted(values)
+    table = np.asarray(
+        multihost_utils.process_allgather(np.array([values[k] for k in keys], np.float64))
+    )
+    return {
+        k: float(table[:, i].max() if k.endswith("_max") else table[:, i].mean())
+        for i, k in enumerate(keys)
+    }

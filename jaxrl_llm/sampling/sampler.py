@@ -175,10 +175,17 @@ def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, seed_ind
 _generate_jit = jax.jit(_generate, static_argnums=(0, 1, 6))
 
 
-def pad_prompts(prompts, pad_id: int, batch_multiple: int = 1, vocab_size: int | None = None):
+def pad_prompts(
+    prompts,
+    pad_id: int,
+    batch_multiple: int = 1,
+    vocab_size: int | None = None,
+    bucket: int | None = None,
+):
     """Left-pads token-id lists to their bucket -> (ids [B', P], mask [B', P]) on the host.
 
-    B' rounds B up to a multiple of `batch_multiple` with fully padded dummy rows.
+    B' rounds B up to a multiple of `batch_multiple` with fully padded dummy rows; `bucket`
+    forces P (several processes agree on one).
     """
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts: expected a non-empty list of token-id lists")
@@ -190,7 +197,7 @@ def pad_prompts(prompts, pad_id: int, batch_multiple: int = 1, vocab_size: int |
         if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
             raise ValueError(f"prompts[{i}]: token id outside [0, {vocab_size})")
         lengths.append(arr.size)
-    P = bucket_length(max(lengths))
+    P = bucket or bucket_length(max(lengths))
     B = -(-len(prompts) // batch_multiple) * batch_multiple
     ids = np.full((B, P), pad_id, np.int32)
     mask = np.zeros((B, P), bool)
@@ -219,7 +226,9 @@ def generate(
     """Samples `num_samples` completions per prompt. See `SampleOutput` for the result.
 
     prompts: list of token-id lists. temperature 0 = greedy. step: the call index the
-    random key is derived from (default: a per-seed counter of calls).
+    random key is derived from (default: a per-seed counter of calls). With several JAX
+    processes, each passes its own share of the prompts (the same count on every process)
+    and gets the global output; `parallel.local_rows` fetches its own rows.
     """
     sp = SamplingParams(
         int(max_new_tokens),
@@ -231,7 +240,16 @@ def generate(
         int(pad_id),
     )
     _validate(cfg, sp)
-    ids, mask = pad_prompts(prompts, sp.pad_id, mesh_lib.batch_size_multiple(mesh), cfg.vocab_size)
+    multi = mesh is not None and jax.process_count() > 1
+    # Several processes: `prompts` are this process's share; all must agree on the bucket.
+    bucket = mesh_lib.host_max(bucket_length(max(map(len, prompts)))) if multi else None
+    ids, mask = pad_prompts(
+        prompts,
+        sp.pad_id,
+        1 if multi else mesh_lib.batch_size_multiple(mesh),
+        cfg.vocab_size,
+        bucket=bucket,
+    )
     if ids.shape[1] + sp.max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt bucket {ids.shape[1]} + max_new_tokens {sp.max_new_tokens} exceeds the "
@@ -239,12 +257,15 @@ def generate(
         )
     index = next(_call_counters[seed]) if step is None else step
     seed_index = np.array([seed, index], np.uint32)
-    ids, mask, seed_index = mesh_lib.shard_batch((ids, mask), mesh) + (
+    put = mesh_lib.shard_local_batch if multi else mesh_lib.shard_batch
+    ids, mask, seed_index = put((ids, mask), mesh) + (
         jax.device_put(seed_index, None if mesh is None else NamedSharding(mesh, P())),
     )
     out = _generate_jit(cfg, sp, params, ids, mask, seed_index, mesh)
     n = len(prompts) * sp.num_samples
-    if out.tokens.shape[0] != n:  # dummy rows that made the batch divisible by the mesh
+    if (
+        not multi and out.tokens.shape[0] != n
+    ):  # dummy rows that made the batch divisible by the mesh
         out = jax.tree.map(lambda x: x[:n], out)
     return out
 

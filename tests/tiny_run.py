@@ -1,0 +1,65 @@
+"""A tiny model directory and a tiny trainer config, shared by the trainer tests (and by
+the multi-process test's child processes, which import this file by path)."""
+
+import os
+
+from jaxrl_llm import models, run_config
+
+TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
+
+
+def make_model_dir(path: str) -> str:
+    """A random tiny Qwen3 (vocab = the arithmetic tokenizer's 33 tokens) saved as HF."""
+    cfg = models.ModelConfig(
+        "Qwen3ForCausalLM",
+        vocab_size=33,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    models.save_hf(cfg, models.init_params(cfg, seed=0), path, tokenizer_dir=TOKENIZER)
+    return path
+
+
+def tiny_config(model_dir: str, **algo):
+    """2 GRPO steps of 4 prompts x 4 samples, sharded over 8 devices (fsdp 4 x tensor 2)."""
+    c = run_config.base_config()
+    c.model.path = model_dir
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2
+    c.data.name = "arithmetic/digits_1"
+    c.data.max_prompt_len = 48
+    c.data.template = "{question}="
+    c.data.chat_template = "never"
+    c.rollout.batch_size = 4
+    c.rollout.num_generations = 4
+    c.rollout.max_new_tokens = 6
+    c.optim.learning_rate = 1e-3
+    c.rewards = {"gsm8k": 1.0}
+    c.train.num_steps = 2
+    c.train.print_samples_every = 0
+    c.train.verifier_workers = 1
+    c.logging.tensorboard = False
+    c.checkpoint.every = 0
+    for k, v in algo.items():
+        c.algo[k] = v
+    return c
+
+
+def signal_config(model_dir: str):
+    """`tiny_config` with a reward the random model earns ~30% of the time (completions
+    that start with a digit), so groups are mixed and updates follow real gradients;
+    with all-zero rewards Adam would turn float noise into learning-rate-sized steps."""
+    c = tiny_config(model_dir)
+    c.rewards = {"format": {"weight": 1.0, "options": {"pattern": "[0-9].*"}}}
+    return c
+
+
+def get_config():
+    """For `--config=tests/tiny_run.py` (child processes): the model dir from the env."""
+    return signal_config(os.environ["TINY_MODEL_DIR"])
