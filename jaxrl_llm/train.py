@@ -19,11 +19,13 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 
 import jax
 import ml_collections
 import numpy as np
+from absl import logging as absl_logging
 
 from jaxrl_llm import data, evaluation, models, parallel, perf, rollout, run_config, verifiers
 from jaxrl_llm.rl import critic as critic_lib
@@ -297,7 +299,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         run.state, extra = ckpt.restore(latest, target=_abstract(run.state))
         run.data_iter.restore(extra["data"])
         start = int(extra["step"])
-        logging.info("resumed from %s at step %d", ckpt.directory, start)
+        print(f"resumed from {ckpt.directory} at step {start}", file=sys.stderr, flush=True)
     _write_run_files(run)
     writer = metrics.MetricWriter(
         workdir,
@@ -401,6 +403,8 @@ def main(argv):
     del argv
     from absl import flags
 
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
+        absl_logging.set_verbosity(absl_logging.WARNING)
     initialize_distributed()
     train(flags.FLAGS.config, flags.FLAGS.workdir)
 
@@ -412,5 +416,4 @@ if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "configs/<experiment>.py", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics); reruns resume")
     flags.mark_flags_as_required(["config", "workdir"])
-    logging.getLogger().setLevel(logging.INFO)
     app.run(main)
