@@ -15,6 +15,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["jaxrl_llm", "jaxrl_llm.*"]),
+    # The quickstart model and its tokenizer ship inside the package (~0.6 MB).
+    package_data={"jaxrl_llm": ["assets/quickstart_model/*", "assets/arithmetic_tokenizer/*"]},
     install_requires=[
         "jax>=0.7",
         "flax>=0.11",
