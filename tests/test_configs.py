@@ -149,4 +149,5 @@ def test_command_line_rejects_unknown_key_and_wrong_type(tmp_path):
             timeout=120,
         )
         assert proc.returncode != 0
-        assert expected in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if "FATAL" in line]
+        assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
