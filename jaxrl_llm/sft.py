@@ -206,7 +206,7 @@ def train_step(cfg, tx, schedule, chunk_size: int, state: TrainState, batch: SFT
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss/nll": loss,
-        "optim/grad_norm": optax.global_norm(grads),
+        "optim/grad_norm": optax.tree.norm(grads),
         "optim/lr": schedule(state.step),
         "data/completion_tokens": count,
     }
