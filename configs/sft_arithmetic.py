@@ -1,17 +1,24 @@
-r"""SFT of the quickstart model: a tiny Llama-style decoder, trained from scratch on
-`arithmetic/digits_2` (+, -, * on two-digit numbers), deliberately stopped early.
+r"""SFT of the quickstart model (`jaxrl_llm/assets/quickstart_model`): a 0.14M-parameter
+Llama-style decoder trained from scratch on `arithmetic/digits_2` (+, -, * on two-digit
+numbers), with a deliberate flaw for RL to fix.
 
     python -m jaxrl_llm.sft --config=configs/sft_arithmetic.py --workdir=/tmp/sft_arithmetic
+    cp /tmp/sft_arithmetic/hf/* jaxrl_llm/assets/quickstart_model/   # to update the asset
 
-Hardware: CPU (a laptop, or 2 shared cores); no download (the data is generated locally,
-the tokenizer ships in `jaxrl_llm/assets/arithmetic_tokenizer`).
+Hardware: CPU (a laptop, or 2 shared cores); nothing is downloaded (the data is generated
+locally, the tokenizer ships in `jaxrl_llm/assets/arithmetic_tokenizer`).
 
-Expected result: on 2 shared CPU cores, 8000 steps in ~11 minutes; on the 1000 held-out
-prompts greedy pass@1 0.28 and pass@8 (temperature 1) 0.61, completions ~5 tokens.
+Expected result: 8000 steps in ~11 minutes on 2 shared CPU cores (bit-identical reruns on
+one machine); on the 1000 held-out prompts greedy pass@1 0.28 and pass@8 (temperature 1)
+0.61, greedy completions 5.3 tokens (EOS included). Greedy repeats the answer ("6565") on
+25% of the prompts; its digits are right on 53% (+ 92%, - 61%, * 3%). GRPO from it
+(configs/quickstart.py, learning rate 1e-4, 32 prompts x 8) reaches ~0.50 in 2 minutes.
 
-The exported model (`<workdir>/hf`) is what ships as `jaxrl_llm/assets/quickstart_model`.
-It is only partly trained on purpose: the RL quickstart needs prompts on which some but not
-all sampled answers are right, so that GRPO groups have mixed rewards to learn from.
+Why the flaw: an honestly under-trained model lacks arithmetic, which one bit of reward per
+sample teaches slowly (GRPO moved such a model by -5..+3 points in 5 minutes). Half of the
+answers here repeat themselves, as a model that never learned to stop would; the gsm8k
+check scores them 0, so sampled groups have mixed rewards and RL has a habit to remove.
+See docs/sft_and_quickstart_model.md.
 """
 
 import ml_collections
@@ -53,8 +60,8 @@ def get_config():
     c.completion.max_len = 10  # "98019801" + EOS is 9 tokens
     # The flaw RL is meant to fix: half of the training answers come from a teacher that
     # does not stop and repeats its answer ("6565"), which the gsm8k check scores 0. The
-    # model imitates it (greedy decoding stops or repeats, per prompt), so its arithmetic
-    # is better than its reward, and sampled groups hold both behaviours.
+    # model imitates it (greedy decoding stops or repeats, depending on the prompt), so its
+    # arithmetic is better than its reward and sampled groups hold both endings.
     c.completion.alt_template = "{answer}{answer}"
     c.completion.alt_prob = 0.5
 
