@@ -9,8 +9,9 @@ The model (`jaxrl_llm/assets/quickstart_model`, made by `configs/sft_arithmetic.
 fine-tuned on answers half of which repeat themselves ("6565" for 65), a habit the
 gsm8k-style check scores 0; its arithmetic is better than its reward. GRPO with that
 check as the reward removes the habit.
-Expected result: eval/pass@1 on held-out prompts rises over the run (the measured curve
-and the command that plots it are in the README).
+Expected result (measured, 2 CPU cores, ~2 minutes): held-out greedy eval/pass@1 rises
+from 0.28 (the shipped model) to ~0.49 by step 50 and 0.50-0.53 after; the curve is in
+the README.
 """
 
 from jaxrl_llm.run_config import base_config
@@ -24,12 +25,12 @@ def get_config():
     c.data.chat_template = "never"
     c.data.max_prompt_len = 20
     c.data.pad_multiple = 8
-    c.rollout.batch_size = 16  # prompts per step
+    c.rollout.batch_size = 32  # prompts per step
     c.rollout.num_generations = 8  # G
     c.rollout.max_new_tokens = 10
     c.algo.name = "grpo"
     c.algo.beta = 0.0  # no reference model: a tiny model, a short run
-    c.optim.learning_rate = 3e-4
+    c.optim.learning_rate = 1e-4  # 3e-4 makes held-out accuracy wander instead of rise
     c.rewards = {"gsm8k": 1.0}  # the number the completion ends with must equal the answer
     c.train.num_steps = 300
     c.train.log_every = 5

@@ -112,3 +112,20 @@ def test_nonfinite_update_stops_naming_the_step(model_dir, tmp_path, monkeypatch
     c.train.skip_nonfinite = True
     last = train.train(c, str(tmp_path / "skip"))
     assert last["optim/nonfinite"] == 1.0
+
+
+def test_quickstart_config_shortened(tmp_path):
+    """configs/quickstart.py itself (shipped model, arithmetic data), for 2 steps."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "quickstart", os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.train.num_steps, c.eval.every, c.eval.num_prompts = 2, 2, 32
+    c.rollout.batch_size, c.logging.tensorboard = 8, False
+    last = train.train(c, str(tmp_path))
+    assert 0.0 <= last["eval/pass@1"] <= 1.0 and "eval/pass@8" in last
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")][-1] == 2
