@@ -416,4 +416,13 @@ if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "configs/<experiment>.py", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics); reruns resume")
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
+    try:
+        app.run(main)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        if flags.FLAGS.is_parsed():
+            raise  # a failure of the run itself, not of the command line
+        # ml_collections reports an unknown --config key as an exception while absl parses
+        # the flags: turn it into the one line it means.
+        text = str(err).replace("\\n", " ").replace("\\", "").replace("'", "")
+        message = " ".join(text.split())
+        sys.exit(f"error: bad --config override: {message}")
