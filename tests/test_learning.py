@@ -9,6 +9,7 @@ would stay near chance or fall; it must instead rise above 0.9 within a few doze
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tiny_run import tiny_model_config
 
 from jaxrl_llm import models, rl, sampling
 from jaxrl_llm.rl import critic
@@ -16,17 +17,7 @@ from jaxrl_llm.rl import update as U
 
 VOCAB, TARGET, G = 16, 11, 8
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-CFG = models.ModelConfig(
-    "Qwen3ForCausalLM",
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-)
+CFG = tiny_model_config(vocab_size=VOCAB)
 
 
 def first_token_reward(out) -> np.ndarray:

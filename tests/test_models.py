@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 from hf_reference import VOCAB, hf_logits, hf_model, padded_batch
+from tiny_run import tiny_model_config
 
 from jaxrl_llm import models, parallel
 
@@ -153,18 +154,7 @@ def test_save_hf_from_scratch_config_and_tokenizer(tmp_path):
     from tokenizers import Tokenizer
     from tokenizers import models as tok_models
 
-    cfg = models.ModelConfig(
-        "Qwen3ForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qk_norm=True,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_model_config(vocab_size=VOCAB, intermediate_size=48, tie_word_embeddings=True)
     params = models.init_params(cfg, seed=1)
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = transformers.PreTrainedTokenizerFast(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_run import tiny_model_config
 
 from jaxrl_llm import models, parallel, rl, sampling
 from jaxrl_llm.rl import critic
@@ -22,17 +23,7 @@ from jaxrl_llm.rl import update as U
 
 TEMPERATURE, G = 0.7, 4
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]  # N = 16 rows
-CFG = models.ModelConfig(
-    "Qwen3ForCausalLM",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-)
+CFG = tiny_model_config()
 SMOOTH_ADAM = U.make_optimizer(learning_rate=0.3, eps=1.0, max_grad_norm=1.0)
 
 

@@ -8,11 +8,11 @@ from jaxrl_llm import models, run_config
 TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
 
 
-def make_model_dir(path: str) -> str:
-    """A random tiny Qwen3 (vocab = the arithmetic tokenizer's 33 tokens) saved as HF."""
-    cfg = models.ModelConfig(
-        "Qwen3ForCausalLM",
-        vocab_size=33,
+def tiny_model_config(**overrides) -> models.ModelConfig:
+    """The tests' tiny random Qwen3 (2 layers, hidden 32, GQA 4/2 heads, QK-norm, vocab 64);
+    `overrides` replace any `models.ModelConfig` field."""
+    fields = dict(
+        vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
         num_layers=2,
@@ -20,9 +20,13 @@ def make_model_dir(path: str) -> str:
         num_kv_heads=2,
         head_dim=8,
         qk_norm=True,
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
     )
+    return models.ModelConfig("Qwen3ForCausalLM", **(fields | overrides))
+
+
+def make_model_dir(path: str) -> str:
+    """A random tiny Qwen3 (vocab = the arithmetic tokenizer's 33 tokens) saved as HF."""
+    cfg = tiny_model_config(vocab_size=33, tie_word_embeddings=True, max_position_embeddings=256)
     models.save_hf(cfg, models.init_params(cfg, seed=0), path, tokenizer_dir=TOKENIZER)
     return path
 
