@@ -34,7 +34,16 @@ setup(
     ],
     extras_require={
         # torch is pinned to the CPU build used for the reference comparisons.
-        "test": ["pytest", "torch==2.13.0", "ruff", "matplotlib"],
+        # nbformat / nbclient / ipykernel execute notebooks/quickstart.ipynb in the tests.
+        "test": [
+            "pytest",
+            "torch==2.13.0",
+            "ruff",
+            "matplotlib",
+            "nbformat",
+            "nbclient",
+            "ipykernel",
+        ],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "wandb": ["wandb"],
