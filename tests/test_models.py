@@ -192,3 +192,26 @@ def test_param_count_matches_transformers(saved):
         cfg, params = models.load_hf(d)
         n_torch = sum(p.numel() for p in model.parameters())
         assert models.count_params(params) == cfg.num_params() == n_torch
+
+
+@pytest.mark.parametrize("contract", [1, 2])
+def test_dense_values_and_gradients_equal_einsum(contract):
+    """`transformer.dense` (a matmul with a hand-written backward) against autodiff of
+    the einsum it replaces."""
+    from jaxrl_llm.models.transformer import dense
+
+    rng = np.random.default_rng(contract)
+    x = rng.normal(size=(3, 5, 4, 6)).astype(np.float32)
+    w = rng.normal(size=(4, 6, 7) if contract == 2 else (6, 7, 2)).astype(np.float32)
+    spec = "btnh,nhd->btd" if contract == 2 else "btnh,hdk->btndk"
+    g = rng.normal(size=jnp.einsum(spec, x, w).shape).astype(np.float32)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f(x, w) * g)
+
+    want = jax.grad(loss(lambda x, w: jnp.einsum(spec, x, w)), argnums=(0, 1))(x, w)
+    got = jax.grad(loss(lambda x, w: dense(x, w, contract)), argnums=(0, 1))(x, w)
+    want_y = jnp.einsum(spec, x, w)
+    np.testing.assert_allclose(dense(x, w, contract), want_y, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -50,6 +50,43 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale * y.astype(x.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """Contracts the last `contract` axes of x with the first ones of w, as one 2-D matmul.
+
+    x [..., K1..Kc], w [K1..Kc, N1..] -> [..., N1..]. The same math as the einsum, with
+    the backward written out as the two matmuls it is (dx = g W^T, dW = x^T g over the
+    flattened tokens). Left to autodiff of a batched einsum, XLA:CPU transposes the wide
+    [tokens, F] cotangent of every MLP matmul in a strided loop before the weight-gradient
+    matmul, which made the layer backward ~1.5x slower than its matmuls (see
+    benchmarks/RESULTS.md, "GRPO step"); other backends are unaffected either way.
+    """
+    return _dense_2d(x, w, contract)[0]
+
+
+def _dense_2d(x, w, contract):
+    k = int(np.prod(w.shape[:contract]))
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    y = (x2 @ w2).reshape(*x.shape[: x.ndim - contract], *w.shape[contract:])
+    return y, x2, w2
+
+
+def _dense_fwd(x, w, contract):
+    y, x2, w2 = _dense_2d(x, w, contract)
+    return y, (x2, w2, x.shape, w.shape)
+
+
+def _dense_bwd(contract, res, g):
+    x2, w2, x_shape, w_shape = res
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    dx = jnp.einsum("mn,kn->mk", g2, w2).reshape(x_shape)
+    dw = jnp.einsum("mk,mn->kn", x2, g2).reshape(w_shape)
+    return dx, dw
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
 class Block(nnx.Module):
     """All decoder layers' parameters, stacked on a leading `layers` axis.
 
@@ -91,9 +128,7 @@ class Block(nnx.Module):
         """
         cfg = self.cfg
         h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dnh->btnh", h, self.q[...])
-        k = jnp.einsum("btd,dkh->btkh", h, self.k[...])
-        v = jnp.einsum("btd,dkh->btkh", h, self.v[...])
+        q, k, v = dense(h, self.q[...]), dense(h, self.k[...]), dense(h, self.v[...])
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -109,13 +144,12 @@ class Block(nnx.Module):
             )
             k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
         a = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-        x = x + jnp.einsum("btnh,nhd->btd", a, self.o[...])
+        x = x + dense(a, self.o[...], 2)
         if cfg.o_bias:
             x = x + self.o_bias[...]
         h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-        gate = jnp.einsum("btd,df->btf", h, self.gate[...])
-        up = jnp.einsum("btd,df->btf", h, self.up[...])
-        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down[...])
+        gate, up = dense(h, self.gate[...]), dense(h, self.up[...])
+        x = x + dense(jax.nn.silu(gate) * up, self.down[...])
         return x, kv
 
 
