@@ -74,14 +74,24 @@ def inverse_cdf_sample(key: jax.Array, logits: jax.Array) -> jax.Array:
     can never select a zero-probability block or token (both are clamped to the last one
     with mass)."""
     blocks = jnp.exp(_blocks(logits) - jnp.max(logits, axis=-1)[:, None, None])
-    mass = blocks.sum(-1)  # [N, nb]
+    return _sample_blocks(key, blocks, blocks.sum(-1))
+
+
+def _sample_blocks(key: jax.Array, blocks: jax.Array, mass: jax.Array) -> jax.Array:
+    """The inverse-CDF draw from unnormalised weights blocks [N, nb, BLOCK] (mass: their
+    block sums [N, nb])."""
     cdf = jnp.cumsum(mass, axis=-1)
-    u = jax.random.uniform(key, (logits.shape[0], 1), jnp.float32) * cdf[:, -1:]
+    u = jax.random.uniform(key, (blocks.shape[0], 1), jnp.float32) * cdf[:, -1:]
     b = jnp.minimum(jnp.sum(cdf <= u, axis=-1), _last_true(mass > 0))
     u_in = u[:, 0] - jnp.take_along_axis(cdf - mass, b[:, None], axis=1)[:, 0]
     within = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [N, BLOCK]
     j = jnp.sum(jnp.cumsum(within, axis=-1) <= u_in[:, None], axis=-1)
     return b * BLOCK + jnp.minimum(j, _last_true(within > 0))
+
+
+def _token_logprob(logits: jax.Array, tokens: jax.Array, lse: jax.Array) -> jax.Array:
+    """log softmax(logits)[token] without the [N, V] log-softmax: one gather, one subtract."""
+    return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
 
 
 def sample_tokens(
@@ -94,16 +104,26 @@ def sample_tokens(
     """logits [N, V] float32 -> (tokens [N] int32, logprobs [N] float32).
 
     temperature == 0 means greedy. `temperature`, `top_k`, `top_p` are Python numbers
-    (static under jit).
+    (static under jit). Without top-k / top-p, one exp pass over [N, V] serves both the
+    draw and the log-prob's normaliser.
     """
     logits = logits.astype(jnp.float32)
     if temperature == 0.0:
         tokens = greedy_tokens(logits)
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        return tokens.astype(jnp.int32), _token_logprob(logits, tokens, _logsumexp(logits))
+    scaled = logits / temperature
+    m = jnp.max(scaled, axis=-1)
+    blocks = jnp.exp(_blocks(scaled) - m[:, None, None])  # padding: exp(-inf) = 0
+    mass = blocks.sum(-1)
+    lse = m + jnp.log(mass.sum(-1))
+    if 0 < top_k < logits.shape[-1] or top_p < 1.0:
+        tokens = inverse_cdf_sample(key, top_p_mask(top_k_mask(scaled, top_k), top_p))
     else:
-        scaled = logits / temperature
-        logp = jax.nn.log_softmax(scaled, axis=-1)
-        filtered = top_p_mask(top_k_mask(scaled, top_k), top_p)
-        tokens = inverse_cdf_sample(key, filtered)
+        tokens = _sample_blocks(key, blocks, mass)
     tokens = tokens.astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, _token_logprob(scaled, tokens, lse)
+
+
+def _logsumexp(x: jax.Array) -> jax.Array:
+    m = jnp.max(x, axis=-1)
+    return m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
