@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, matmul_peak, peak_memory, preset_config, table, time_fn  # noqa: E402
 
-from jaxrl_llm import models  # noqa: E402
+from jaxrl_llm import models, perf  # noqa: E402
 
 
 def loss_fn(cfg, params, ids):
@@ -76,7 +76,9 @@ def main():
     args = ap.parse_args()
 
     cfg = preset_config(args.preset)
-    n_matmul = cfg.num_params(include_embeddings=False)
+    # Decoder-layer matmuls + the output projection (tied or not): what a token's forward
+    # multiplies by; norms and the embedding lookup are not matmuls.
+    n_matmul = perf.layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size
     tokens = args.batch * args.seq
     attn_flops = 4 * cfg.num_layers * args.batch * args.seq**2 * cfg.num_heads * cfg.head_dim / 2
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (args.batch, args.seq))

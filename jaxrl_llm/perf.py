@@ -2,8 +2,9 @@
 
 MFU everywhere in jaxrl_llm = model FLOPs / seconds / `matmul_peak()`, where model FLOPs
 count the matmuls of the parameters (2 per parameter per token forward, 6 forward +
-backward) and the peak is measured in the same process, so the ratio says how close a
-step is to what this device's matmul unit can do, not to a datasheet number.
+backward), the attention scores and values, and the unembedding only at the positions
+whose log-probs are used; the peak is measured in the same process, so the ratio says how
+close a step is to what this device's matmul unit can do, not to a datasheet number.
 """
 
 from __future__ import annotations
@@ -31,32 +32,53 @@ def matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> floa
     return 2 * 2 * n**3 / float(np.median(times))
 
 
-def matmul_params(model_cfg) -> int:
-    """Parameters that take part in matmuls (all but the embedding lookup)."""
-    return model_cfg.num_params(include_embeddings=False)
+def layer_matmul_params(model_cfg) -> int:
+    """Parameters of the decoder layers that take part in matmuls (no norms, no biases)."""
+    c = model_cfg
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    return c.num_layers * (attn + 3 * c.hidden_size * c.intermediate_size)
+
+
+def forward_flops(model_cfg, positions: float, context: float, unembedded: float) -> float:
+    """Model FLOPs of a forward over `positions` tokens whose mean attention context is
+    `context` keys, with the output projection applied at `unembedded` of them.
+
+    Matmuls of the parameters (2 per parameter per token) + attention scores and values
+    (4 * heads * head_dim per key per layer) + the unembedding (2 * vocab * hidden per
+    projected token). The embedding lookup is not a matmul and is not counted.
+    """
+    c = model_cfg
+    attn = 4 * c.num_layers * c.num_heads * c.head_dim * context
+    per_token = 2 * layer_matmul_params(c) + attn
+    return positions * per_token + unembedded * 2 * c.vocab_size * c.hidden_size
 
 
 def step_flops(
     model_cfg,
     *,
     rows: int,
-    prompt_len: int,
-    new_tokens: int,
     prompts: int,
+    prompt_len: float,
+    new_tokens: float,
     reference: bool,
-    update_passes: int,
-    old_logp_pass: bool,
+    update_forwards: int,
 ) -> dict[str, float]:
-    """Model FLOPs of one RL step, by phase.
+    """Model FLOPs of one RL step, by phase: the least math the step needs.
 
-    sample: prefill of each prompt once + `new_tokens` decode steps over every row;
-    reference: a forward over prompt + completion; update: forward + backward per pass
-    (+ one forward when old-policy log-probs are recomputed).
+    prompt_len / new_tokens: mean real (unpadded) tokens per prompt / completion, so the
+    floor does not count padding. sample: one prefill per prompt (groups share it; one
+    projected position) + a decode forward per generated token after the first; a
+    sequence forward (reference, old policy, update) runs over prompt + completion minus
+    its last token and projects only the completion positions; the update costs
+    `update_forwards` of those (`UpdateFn.forward_passes`: 3 per forward + backward pass,
+    +1 when old-policy log-probs are recomputed).
     """
-    per_token = 2 * matmul_params(model_cfg)
-    seq = prompt_len + new_tokens
+    P, T = float(prompt_len), float(new_tokens)
+    prefill = prompts * forward_flops(model_cfg, P, (P + 1) / 2, 1)
+    decode = rows * forward_flops(model_cfg, max(T - 1, 0), P + T / 2, max(T - 1, 0))
+    seq = rows * forward_flops(model_cfg, P + T - 1, (P + T) / 2, T)
     return {
-        "sample": per_token * (prompts * prompt_len + rows * new_tokens),
-        "reference": per_token * rows * seq if reference else 0.0,
-        "update": per_token * rows * seq * (3 * update_passes + int(old_logp_pass)),
+        "sample": prefill + decode,
+        "reference": seq if reference else 0.0,
+        "update": seq * update_forwards,
     }

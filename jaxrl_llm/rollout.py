@@ -34,6 +34,7 @@ class Rollouts:
     prompts: list[str]
     examples: list[dict]
     lengths: np.ndarray  # [N]
+    prompt_lengths: np.ndarray  # [N] real (unpadded) prompt tokens
     sample_s: float = 0.0
     score_s: float = 0.0
     aux: object = None  # what `on_sampled` returned (e.g. reference log-probs in flight)
@@ -111,6 +112,7 @@ def score(pool, specs, out, tokenizer, batch, s: RolloutSettings, mesh=None):
         prompts=[p for p in batch.prompts for _ in range(G)],
         examples=examples,
         lengths=lengths,
+        prompt_lengths=np.repeat(np.asarray(batch.prompt_mask).sum(axis=1), G),
     )
 
 
@@ -246,4 +248,5 @@ def _merge(parts: list[Rollouts], G: int, B: int, mesh=None) -> Rollouts:
         prompts=pick(flat("prompts")),
         examples=pick(flat("examples")),
         lengths=np.concatenate([p.lengths for p in parts])[rows],
+        prompt_lengths=np.concatenate([p.prompt_lengths for p in parts])[rows],
     )

@@ -155,7 +155,12 @@ class Run:
             skip_nonfinite=c.train.skip_nonfinite,
         )
         self.ref_fn = (
-            U.make_logprob_fn(self.model_cfg, temperature=temp, chunk_size=c.train.logprob_chunk)
+            U.make_logprob_fn(
+                self.model_cfg,
+                temperature=temp,
+                chunk_size=c.train.logprob_chunk,
+                micro_batches=o.micro_batches * o.mini_batches,  # the update's row slices
+            )
             if self.algo.needs_ref
             else None
         )
@@ -213,12 +218,11 @@ class Run:
         flops = perf.step_flops(
             self.model_cfg,
             rows=rows,
-            prompt_len=P,
-            new_tokens=int(ro.lengths.max()),
             prompts=rows // self.settings.num_generations,
+            prompt_len=float(ro.prompt_lengths.mean()),
+            new_tokens=float(ro.lengths.mean()),
             reference=self.ref_fn is not None,
-            update_passes=self.algo.num_iterations,
-            old_logp_pass=self.algo.num_iterations > 1 or self.config.optim.mini_batches > 1,
+            update_forwards=self.update.forward_passes,
         )
         return {
             "perf/step_s": step_s,

@@ -438,6 +438,14 @@ class UpdateFn:
     def __call__(self, state: TrainState, batch: Batch):
         return self._for(state)(state, batch)
 
+    @property
+    def forward_passes(self) -> int:
+        """Sequence forwards per call, counting a forward + backward as 3: the model-FLOP
+        multiplier of the update over one forward of the batch. The policy's only: PPO's
+        critic passes are not counted, so its MFU reads low."""
+        s = self._setup
+        return 3 * s.algo.num_iterations + int(s.needs_old_logp)
+
     def lower(self, state: TrainState, batch: Batch):
         """`jax.jit(...).lower` of the program for this state's layout (AOT, memory)."""
         return self._for(state).lower(state, batch)
