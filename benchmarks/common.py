@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import subprocess
 import time
 
 import jax
@@ -81,6 +82,11 @@ def peak_memory() -> str:
         return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB device peak"
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return f"{rss_kib / 2**20:.2f} GiB host peak RSS"
+
+
+def uptime() -> str:
+    """The load average says whether other jobs shared the cores during the run."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def device_name() -> str:

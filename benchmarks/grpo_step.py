@@ -26,24 +26,18 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, matmul_peak, peak_memory, preset_config, table  # noqa: E402
+from common import device_name, matmul_peak, peak_memory, preset_config, table, uptime  # noqa: E402
 
 from jaxrl_llm import models, perf, run_config  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
-
-
-def uptime() -> str:
-    """The load average says whether other jobs shared the cores during the run."""
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def make_config(args, model_dir: str):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -34,15 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import block, device_name, matmul_peak, peak_memory, preset_config, table  # noqa: E402
+from common import block, device_name, matmul_peak, peak_memory, preset_config, table, uptime  # noqa: E402
 
 from jaxrl_llm import models, rl  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
-
-
-def uptime() -> str:
-    """The load average says whether other jobs shared the cores during the run."""
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def forward_flops(cfg, n: int, prompt_len: int, completion_len: int) -> float:
