@@ -23,13 +23,16 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, matmul_peak, peak_memory, preset_config, table, time_fn  # noqa: E402
 
-from jaxrl_llm import models, perf  # noqa: E402
+from jaxrl_llm import models, perf, rl  # noqa: E402
 
 
 def loss_fn(cfg, params, ids):
-    logits = models.logits.__wrapped__(cfg, params, ids[:, :-1])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+    """Mean next-token NLL through the trainer's own log-prob path: the decoder, then
+    `rl.token_logprobs` (chunked over the sequence, hand-written backward)."""
+    hidden = models.forward(cfg, params, ids[:, :-1])
+    w = models.unembed_matrix(cfg, params)
+    logp, _ = rl.token_logprobs(hidden, w, ids[:, 1:], chunk_size=128)
+    return -jnp.mean(logp)
 
 
 def bench_jax(cfg, ids, dtype, repeats):
