@@ -233,7 +233,17 @@ def test_same_bucket_does_not_recompile(tiny):
     sampling.generate(cfg, params, [[9] * 16, [3]], 4, seed=0, step=7)
     assert dict(sampling.sampler.TRACES) == {(2, 16): 1}
     sampling.generate(cfg, params, [[1] * 17, [4]], 4)  # next bucket: one more program
-    assert dict(sampling.sampler.TRACES) == {(2, 16): 1, (2, 32): 1}
+    assert dict(sampling.sampler.TRACES) == {(2, 16): 1, (2, 24): 1}
+    sampling.generate(cfg, params, [[1] * 24, [4]], 4)
+    assert dict(sampling.sampler.TRACES) == {(2, 16): 1, (2, 24): 1}
+
+
+def test_bucket_lengths():
+    buckets = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    for n in range(1, 513):
+        b = sampling.bucket_length(n)
+        assert b == min(x for x in buckets if x >= n), n
+        assert b == 16 or b < 1.5 * n, n  # padding under 50% of the prompt
 
 
 def test_key_from_seed_and_step(tiny):

@@ -5,8 +5,8 @@
        (a stop id) or max_new_tokens
 
 Everything stays on device; the loop never syncs with the host. Prompts are left-padded to
-a bucket length (powers of two from 16) so a training run compiles a bounded number of
-programs. The parameters are read in whatever sharding they have (the training
+a bucket length (16, 24, 32, 48, 64, ...: `bucket_length`) so a training run compiles a
+bounded number of programs. The parameters are read in whatever sharding they have (the training
 sharding); the batch, the KV cache and the outputs are sharded over ('data', 'fsdp').
 Randomness: the key is fold_in(PRNGKey(seed), call index), with the call index given by
 the caller (the trainer passes its step, so a resumed run draws the same samples) or
@@ -76,8 +76,17 @@ class _Loop:
 
 
 def bucket_length(n: int) -> int:
-    """Prompt length rounded up to the next power of two (at least MIN_BUCKET)."""
-    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+    """Prompt length rounded up to the next bucket: 16, 24, 32, 48, 64, 96, 128, ... (powers
+    of two and 1.5x powers of two, at least MIN_BUCKET).
+
+    Padding is at most 50% of a prompt instead of 100% with powers of two alone, for twice
+    as many possible programs (still logarithmic in the longest prompt). The padding is
+    paid again by the reference forward and the update, which read the padded prompt.
+    """
+    n = max(n, 1)
+    power = 1 << (n - 1).bit_length()  # smallest power of two >= n
+    three_halves = 3 * power // 4  # 1.5x the power of two below
+    return max(MIN_BUCKET, three_halves if n <= three_halves and power >= 4 else power)
 
 
 def _constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
