@@ -9,7 +9,7 @@ The model (`jaxrl_llm/assets/quickstart_model`, made by `configs/sft_arithmetic.
 fine-tuned on answers half of which repeat themselves ("6565" for 65), a habit the
 gsm8k-style check scores 0; its arithmetic is better than its reward. GRPO with that
 check as the reward removes the habit.
-Expected result (measured, 2 CPU cores, ~2 minutes): held-out greedy eval/pass@1 rises
+Expected result (measured, 2 CPU cores, ~1.5 minutes): held-out greedy eval/pass@1 rises
 from 0.28 (the shipped model) to ~0.49 by step 50 and 0.50-0.53 after; the curve is in
 the README.
 """
