@@ -92,7 +92,8 @@ def test_bfloat16_inputs_compute_in_float32():
 def test_no_remat_gives_same_gradients():
     h, w, y = _inputs(3)
     a, b = np.ones(y.shape), np.full(y.shape, 0.5)
-    with_remat = _weighted(functools.partial(token_logprobs, chunk_size=2), a, b)(h, w, y)
+    with_remat = _weighted(functools.partial(token_logprobs, chunk_size=2, remat=True), a, b)
+    with_remat = with_remat(h, w, y)
     without = _weighted(functools.partial(token_logprobs, chunk_size=2, remat=False), a, b)
     for x, z in zip(with_remat, without(h, w, y), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(z), rtol=1e-6, atol=1e-7)
@@ -119,9 +120,29 @@ def test_chunked_backward_never_holds_full_logits():
 
     logits_bytes = n * t * v * 4  # 32 MiB; one chunk's logits are 2 MiB
     full = _temp_bytes(grads(functools.partial(full_logits, temperature=1.0)), h, w, y)
-    chunked = _temp_bytes(grads(functools.partial(token_logprobs, chunk_size=16)), h, w, y)
+    remat = functools.partial(token_logprobs, chunk_size=16, remat=True)
+    chunked = _temp_bytes(grads(remat), h, w, y)
     no_remat = functools.partial(token_logprobs, chunk_size=16, remat=False)
     assert full >= logits_bytes
     assert chunked < logits_bytes / 3 and chunked * 10 < full, (chunked, full)
     # Without remat the backward keeps every chunk's residuals: the whole point of remat.
     assert _temp_bytes(grads(no_remat), h, w, y) >= logits_bytes
+
+
+def test_default_keeps_small_logits_and_recomputes_large_ones():
+    """remat=None: keep [N, T, V] logits for the backward only while they are small."""
+    from jaxrl_llm.rl import logprobs
+
+    d, v = 8, 4096
+    w = jax.ShapeDtypeStruct((d, v), jnp.float32)
+
+    def temp(n, t):
+        h = jax.ShapeDtypeStruct((n, t, d), jnp.float32)
+        y = jax.ShapeDtypeStruct((n, t), jnp.int32)
+        f = functools.partial(token_logprobs, chunk_size=4)
+        return _temp_bytes(jax.grad(lambda h, w, y: jnp.sum(f(h, w, y)[0])), h, w, y)
+
+    small = 2 * 16 * v * 4  # 0.5 MiB of logits: kept
+    assert small <= logprobs.SAVE_LOGITS_BYTES and temp(2, 16) >= small
+    big_n = logprobs.SAVE_LOGITS_BYTES // (16 * v * 4) + 1  # just over the limit: recomputed
+    assert temp(big_n, 16) < 0.75 * big_n * 16 * v * 4  # kept, they would all be there

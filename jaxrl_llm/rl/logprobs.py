@@ -26,6 +26,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+SAVE_LOGITS_BYTES = 512 * 2**20  # remat=None: keep the logits for the backward up to this
+
 
 def _logits(h, w, temperature: float):
     """h [N, C, D], w [D, V] -> z = h W / tau, [N, C, V] float32 (one 2-D matmul)."""
@@ -88,7 +90,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 128,
-    remat: bool = True,
+    remat: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked log pi(target) and entropy per position.
 
@@ -97,14 +99,19 @@ def token_logprobs(
     (lm_head, or the embedding transposed when tied), targets [N, T] int ->
     (logp [N, T], entropy [N, T]) float32.
     Differentiable w.r.t. hidden and unembed. chunk_size: positions per chunk (the peak
-    holds [N, chunk_size, V] float32); remat: recompute each chunk in the backward pass
-    (turn off only when memory is plentiful and the recompute matters).
+    holds [N, chunk_size, V] float32); remat: recompute each chunk's logits in the
+    backward pass instead of keeping them. None (default) keeps them when all of them,
+    [N, T, V] float32, fit in `SAVE_LOGITS_BYTES` (a small micro-batch: the recompute is a
+    whole extra unembedding matmul) and recomputes otherwise (long completions, large
+    vocabularies: memory decides).
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: must be >= 1")
     n, t, d = hidden.shape
+    if remat is None:
+        remat = n * t * unembed.shape[-1] * 4 > SAVE_LOGITS_BYTES
     dtype = jnp.promote_types(hidden.dtype, unembed.dtype)
     hidden, unembed = hidden.astype(dtype), unembed.astype(dtype)
     c = min(chunk_size, t)
