@@ -35,16 +35,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import block, device_name, matmul_peak, peak_memory, preset_config, table, uptime  # noqa: E402
 
-from jaxrl_llm import models, rl  # noqa: E402
+from jaxrl_llm import models, perf, rl  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
-
-
-def forward_flops(cfg, n: int, prompt_len: int, completion_len: int) -> float:
-    d, h = cfg.hidden_size, cfg.head_dim
-    s = prompt_len + completion_len
-    per_layer = d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * d * cfg.intermediate_size
-    layers = cfg.num_layers * (2 * s * per_layer + 4 * s * s * cfg.num_heads * h)
-    return n * (layers + completion_len * 2 * d * cfg.vocab_size)
 
 
 def random_batch(cfg, n: int, prompt_len: int, completion_len: int) -> U.Batch:
@@ -151,7 +143,9 @@ def main():
         # Best of several: other jobs on shared cores only ever make the peak look lower.
         peak = max(matmul_peak(args.dtype) for _ in range(3))
         tokens = args.seqs * (args.prompt_len + args.completion_len)
-        flops = 4 * forward_flops(cfg, args.seqs, args.prompt_len, args.completion_len)
+        # Full S x S attention, as the update computes it (not the causal half).
+        seq = args.prompt_len + args.completion_len
+        flops = 4 * args.seqs * perf.forward_flops(cfg, seq, seq, args.completion_len)
         row = {
             "preset": f"{args.preset} ({models.count_params(models.init_params(cfg)) / 1e6:.0f}M)",
             "batch": f"{args.seqs} x {args.prompt_len}+{args.completion_len}",
