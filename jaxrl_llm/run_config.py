@@ -51,6 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.ref_path = ""  # reference model dir; "" = the initial policy
     c.model.dtype = "float32"  # parameter dtype: float32 | bfloat16
     c.model.remat = "none"  # none | full | dots | dots_no_batch
+    c.model.scan_layers = True  # False: unroll the layers in the update / reference forward
 
     c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
 

@@ -61,6 +61,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.initializer_range = 0.02  # std of the random init of every weight matrix
     c.model.dtype = "float32"  # parameter dtype
     c.model.remat = "none"  # activation checkpointing: none | full | dots | dots_no_batch
+    c.model.scan_layers = True  # False: unroll the layer loop of the training forward
     c.tokenizer = ""  # HF tokenizer dir; "" = model.path
     c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
     c.data = data.default_config()  # the RL trainer's data section: same prompts
@@ -257,9 +258,10 @@ def init_model(config, tokenizer, mesh):
     """(ModelConfig, params): loaded from model.path, or new and random."""
     m = config.model
     if m.path:
-        return models.load_hf(m.path, mesh=mesh, dtype=m.dtype, remat=m.remat)
+        runtime = dict(remat=m.remat, scan_layers=bool(m.scan_layers))
+        return models.load_hf(m.path, mesh=mesh, dtype=m.dtype, **runtime)
     try:
-        cfg = new_model_config(m, tokenizer).replace(remat=m.remat)
+        cfg = new_model_config(m, tokenizer).replace(remat=m.remat, scan_layers=bool(m.scan_layers))
     except ValueError as err:
         raise ConfigError(f"model: {err}") from None
     return cfg, models.init_params(cfg, config.train.seed, mesh, m.dtype)

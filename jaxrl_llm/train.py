@@ -86,7 +86,11 @@ class Run:
         # ------------------------------------------------------------ Model & tokenizer
         self.model_path = run_config.resolve_model_path(c.model.path)
         self.model_cfg, params = models.load_hf(
-            self.model_path, self.mesh, c.model.dtype, remat=c.model.remat
+            self.model_path,
+            self.mesh,
+            c.model.dtype,
+            remat=c.model.remat,
+            scan_layers=bool(c.model.scan_layers),
         )
         self.tokenizer_path = run_config.resolve_model_path(
             c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False

@@ -171,8 +171,11 @@ def test_save_hf_from_scratch_config_and_tokenizer(tmp_path):
     assert max_diff(ours, hf_logits(model.float(), ids, mask), mask) <= ATOL
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
-def test_remat_policies_same_gradients(saved, remat):
+@pytest.mark.parametrize(
+    "runtime", [dict(remat="full"), dict(remat="dots"), dict(scan_layers=False)], ids=str
+)
+def test_runtime_knobs_same_values_and_gradients(saved, runtime):
+    """remat policies and the unrolled layer loop change the schedule, not the math."""
     _, d = saved("qwen2")
     cfg, params = models.load_hf(d)
     ids, mask = padded_batch(seed=8)
@@ -180,8 +183,13 @@ def test_remat_policies_same_gradients(saved, remat):
     def loss(cfg, p):
         return jnp.mean(models.forward(cfg, p, ids, mask) ** 2)
 
+    other = cfg.replace(**runtime)
+    if "scan_layers" in runtime:  # the layer scan is unrolled in full
+        jaxpr = jax.make_jaxpr(loss, static_argnums=0)(other, params)
+        assert f"unroll={cfg.num_layers}" in str(jaxpr)
+    np.testing.assert_allclose(loss(other, params), loss(cfg, params), rtol=1e-6)
     g_ref = jax.grad(lambda p: loss(cfg, p))(params)
-    g = jax.grad(lambda p: loss(cfg.replace(remat=remat), p))(params)
+    g = jax.grad(lambda p: loss(other, p))(params)
     for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 

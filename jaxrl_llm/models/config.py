@@ -59,6 +59,10 @@ class ModelConfig:
     initializer_range: float = 0.02
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
+    # False: the teacher-forced forward (update, reference) unrolls the layer loop instead
+    # of scanning it. Faster (no stacked per-layer residuals to zero-fill and copy into),
+    # compile time grows with depth. Prefill and decode always scan.
+    scan_layers: bool = True
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):

@@ -8,7 +8,11 @@ and the update step all read the same arrays without copies.
 
 Layer parameters are stacked on a leading `layers` axis and the layers are run by one
 `jax.lax.scan`, so compile time does not grow with depth; `cfg.remat` selects the
-activation checkpointing policy of the scanned layer.
+activation checkpointing policy of the scanned layer. `cfg.scan_layers=False` unrolls that
+scan in the teacher-forced forward: the backward then reads each layer's residuals where
+they were computed instead of from [L, ...] stacks that the scan zero-fills and copies
+into (the update step ran 5% faster on CPU). Prefill and decode always scan: unrolled, the
+decode step was slower.
 
 Two paths share the layer code:
 - `forward`: a full sequence, with a padding mask (left or right), position ids and
@@ -177,7 +181,9 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, layer_state)(x, positions, mask, kv, index, i), None
 
         layer = _remat(layer, cfg.remat)
-        (x, kv), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
+        unroll = cfg.num_layers if cache is None and not cfg.scan_layers else 1
+        xs = (stacked, jnp.arange(cfg.num_layers))
+        (x, kv), _ = jax.lax.scan(layer, (x, cache), xs, unroll=unroll)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
 
 
