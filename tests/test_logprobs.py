@@ -89,7 +89,12 @@ def test_bfloat16_inputs_compute_in_float32():
     assert np.all(np.isfinite(np.asarray(gw, np.float32)))
 
 
-def test_no_remat_gives_same_gradients():
+@pytest.mark.parametrize("unroll_chunks", [16, 0], ids=["straight_line_chunks", "lax_map"])
+def test_no_remat_gives_same_gradients(monkeypatch, unroll_chunks):
+    """Kept logits (chunks as straight-line code, or stacked by lax.map) == recomputed."""
+    from jaxrl_llm.rl import logprobs
+
+    monkeypatch.setattr(logprobs, "UNROLL_CHUNKS", unroll_chunks)
     h, w, y = _inputs(3)
     a, b = np.ones(y.shape), np.full(y.shape, 0.5)
     with_remat = _weighted(functools.partial(token_logprobs, chunk_size=2, remat=True), a, b)

@@ -5,7 +5,9 @@ With logits z = h W / tau (tau = the sampling temperature):
 
 The [N, T, V] logits are never held at once: T is cut into chunks of C positions, a
 `lax.map` walks the chunks, and (remat=True) the backward pass recomputes one chunk's
-[N, C, V] logits instead of storing them all. Peak memory is O(N C V) instead of
+[N, C, V] logits instead of storing them all. When the logits are kept (small [N, T, V])
+and there are at most `UNROLL_CHUNKS` chunks, the chunks are straight-line code instead of
+a `lax.map`, so each kept chunk stays in its own buffer. Peak memory is O(N C V) instead of
 O(N T V); with vocabularies of ~150k this is what makes long completions fit. Each chunk
 has a hand-written backward (`_chunk_bwd`): the logits' cotangent
 g_logp (onehot - p) - g_H p (z - sum p z) is one fused pass over [N, C, V] followed by the
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 SAVE_LOGITS_BYTES = 512 * 2**20  # remat=None: keep the logits for the backward up to this
+UNROLL_CHUNKS = 16  # logits kept: up to this many chunks run as straight-line code
 
 
 def _logits(h, w, temperature: float):
@@ -42,12 +45,21 @@ def _stats(z, targets):
     e = jnp.exp(z - m)
     total = jnp.sum(e, axis=-1)
     lse = m[..., 0] + jnp.log(total)
-    # A one-hot contraction rather than a gather: it stays valid (and fused) when the
-    # vocabulary axis is sharded over an explicit mesh axis.
-    is_target = jnp.arange(z.shape[-1]) == targets[..., None]
-    target_z = jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
     mean_z = jnp.sum(e * z, axis=-1) / total
-    return target_z - lse, lse - mean_z, lse
+    return _target_logits(z, targets) - lse, lse - mean_z, lse
+
+
+def _target_logits(z, targets):
+    """z[..., targets]. A gather reads N * C logits; the one-hot select-and-sum it replaces
+    was two more passes over [N, C, V] on CPU (the select is materialized before the
+    reduction). Where the vocabulary axis is sharded over an explicit mesh axis the gather
+    has no sharding rule, so there the one-hot form stays (a local sum, then an all-reduce).
+    """
+    spec = getattr(jax.typeof(z).sharding, "spec", ())
+    if len(spec) == z.ndim and spec[-1] is not None:
+        is_target = jnp.arange(z.shape[-1]) == targets[..., None]
+        return jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
+    return jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -126,7 +138,14 @@ def token_logprobs(
     def one_chunk(xs):
         return _chunk_logprobs(xs[0], unembed, xs[1], temperature, not remat)
 
-    logp, entropy = jax.lax.map(one_chunk, (h_chunks, t_chunks))
+    if not remat and n_chunks <= UNROLL_CHUNKS:
+        # Straight-line chunks: each keeps its own logits buffer for the backward. Under
+        # lax.map the kept logits are stacked into one [n_chunks, N, C, V] array, which XLA
+        # zero-fills and then copies every chunk into (two extra passes over the logits).
+        outs = [one_chunk((h_chunks[i], t_chunks[i])) for i in range(n_chunks)]
+        logp, entropy = (jnp.stack(x) for x in zip(*outs, strict=True))
+    else:
+        logp, entropy = jax.lax.map(one_chunk, (h_chunks, t_chunks))
 
     def unchunk(x):
         return x.swapaxes(0, 1).reshape(n, n_chunks * c)[:, :t]
