@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import models
-from jaxrl_llm.perf import matmul_peak  # noqa: F401  (re-exported for the scripts)
+from jaxrl_llm.perf import matmul_peak, measure_matmul_peak  # noqa: F401  (re-exported)
 
 PRESETS = {
     # ~25M Qwen3-like: the sampler / GRPO-step benchmarks.

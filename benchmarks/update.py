@@ -33,7 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import block, device_name, matmul_peak, peak_memory, preset_config, table, uptime  # noqa: E402
+from common import (  # noqa: E402
+    block,
+    device_name,
+    measure_matmul_peak,
+    peak_memory,
+    preset_config,
+    table,
+    uptime,
+)
 
 from jaxrl_llm import models, perf, rl  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
@@ -141,7 +149,7 @@ def main():
         cfg = preset_config(args.preset)
         r = bench_step(cfg, args)
         # Best of several: other jobs on shared cores only ever make the peak look lower.
-        peak = max(matmul_peak(args.dtype) for _ in range(3))
+        peak = max(measure_matmul_peak(args.dtype) for _ in range(3))
         tokens = args.seqs * (args.prompt_len + args.completion_len)
         # Full S x S attention, as the update computes it (not the causal half).
         seq = args.prompt_len + args.completion_len
