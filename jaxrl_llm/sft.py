@@ -257,11 +257,11 @@ def new_model_config(model, tokenizer) -> models.ModelConfig:
 def init_model(config, tokenizer, mesh):
     """(ModelConfig, params): loaded from model.path, or new and random."""
     m = config.model
+    runtime = dict(remat=m.remat, scan_layers=bool(m.scan_layers))
     if m.path:
-        runtime = dict(remat=m.remat, scan_layers=bool(m.scan_layers))
         return models.load_hf(m.path, mesh=mesh, dtype=m.dtype, **runtime)
     try:
-        cfg = new_model_config(m, tokenizer).replace(remat=m.remat, scan_layers=bool(m.scan_layers))
+        cfg = new_model_config(m, tokenizer).replace(**runtime)
     except ValueError as err:
         raise ConfigError(f"model: {err}") from None
     return cfg, models.init_params(cfg, config.train.seed, mesh, m.dtype)
