@@ -125,9 +125,9 @@ class Block(nnx.Module):
     def __call__(self, x, positions, mask, kv=None, index=None, layer=None):
         """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool.
 
-        kv: the whole cache (k, v), each [L,B,S,K,H], carried through the layer scan so
+        kv: the whole cache (k, v), each [L,B,K,S,H], carried through the layer scan so
         that it is updated in place: this layer's new keys/values are written at
-        [layer, :, index:index+T] and attention runs over the layer's S slots. Without
+        [layer, :, :, index:index+T] and attention runs over the layer's S slots. Without
         kv, S = T. Returns (x [B,T,D], the updated (k, v) or None).
         """
         cfg = self.cfg
@@ -140,14 +140,19 @@ class Block(nnx.Module):
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         inv_freq = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if kv is not None:
-            start = (layer, 0, index, 0, 0)
-            kv = tuple(
-                jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
-                for c, new in zip(kv, (k, v), strict=True)
+        if kv is None:
+            a = attention(q, k, v, mask)
+        else:
+            # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache).
+            upd = lambda c, new, start: jax.lax.dynamic_update_slice(  # noqa: E731
+                c, new[None].astype(c.dtype), start
+            )
+            kv = (
+                upd(kv[0], k.transpose(0, 2, 3, 1), (layer, 0, 0, 0, index)),
+                upd(kv[1], v.transpose(0, 2, 1, 3), (layer, 0, 0, index, 0)),
             )
             k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
-        a = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+            a = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         x = x + dense(a, self.o[...], 2)
         if cfg.o_bias:
             x = x + self.o_bias[...]
@@ -245,15 +250,33 @@ def attention(q, k, v, mask) -> jax.Array:
     return _attention_vjp(q, k, v, mask)
 
 
-def _rows(q, k, v, mask):
-    """q [B,T,N,H] -> [B,K,G*T,H] (row = g * T + t); k, v -> [B,K,S,H]; mask -> [B,1,G*T,S]."""
+def cached_attention(q, kt, v, mask) -> jax.Array:
+    """`attention` (forward only) over one layer of the KV cache, in the cache's layout:
+    kt [B,K,H,S] (keys transposed), v [B,K,S,H]. Both matmuls then read the cache slice
+    as it is, each with its contraction on the operand's leading axis."""
     B, T, N, H = q.shape
-    K = k.shape[2]
+    qr, mr = _q_rows(q, kt.shape[1]), _mask_rows(mask, N // kt.shape[1])
+    return _unrows(_attention_rows(qr, kt, v, mr, "bkhs")[0], B, T, N, H)
+
+
+def _q_rows(q, K):
+    """q [B,T,N,H] -> [B,K,G*T,H] (row = g * T + t)."""
+    B, T, N, H = q.shape
     G = N // K
-    qr = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    return q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+
+
+def _mask_rows(mask, G):
+    """mask [B,T,S] -> [B,1,G*T,S]."""
+    B, T, S = mask.shape
+    return jnp.broadcast_to(mask[:, None, None], (B, 1, G, T, S)).reshape(B, 1, G * T, S)
+
+
+def _rows(q, k, v, mask):
+    """q -> [B,K,G*T,H]; k, v [B,S,K,H] -> [B,K,S,H]; mask -> [B,1,G*T,S]."""
+    K = k.shape[2]
     kr, vr = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    mr = jnp.broadcast_to(mask[:, None, None], (B, 1, G, T, mask.shape[-1]))
-    return qr, kr, vr, mr.reshape(B, 1, G * T, -1)
+    return _q_rows(q, K), kr, vr, _mask_rows(mask, q.shape[2] // K)
 
 
 def _unrows(o, B, T, N, H):
@@ -261,20 +284,26 @@ def _unrows(o, B, T, N, H):
     return o.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
-def _scores(qr, kr, mr, scale):
-    s = jnp.einsum("bkrh,bksh->bkrs", qr, kr, preferred_element_type=jnp.float32) * scale
-    return jnp.where(mr, s, -0.7 * jnp.finfo(jnp.float32).max)
+def _scores(qr, kr, mr, scale, k_layout="bksh"):
+    s = jnp.einsum(f"bkrh,{k_layout}->bkrs", qr, kr, preferred_element_type=jnp.float32)
+    return jnp.where(mr, s * scale, -0.7 * jnp.finfo(jnp.float32).max)
+
+
+def _attention_rows(qr, kr, vr, mr, k_layout="bksh"):
+    """Row-layout attention -> (o [B,K,R,H], row logsumexp [B,K,R,1])."""
+    s = _scores(qr, kr, mr, qr.shape[-1] ** -0.5, k_layout)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.exp(s - m)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    o = jnp.einsum("bkrs,bksh->bkrh", (e / total).astype(vr.dtype), vr)
+    return o, m + jnp.log(total)
 
 
 def _attention(q, k, v, mask):
     B, T, N, H = q.shape
     qr, kr, vr, mr = _rows(q, k, v, mask)
-    s = _scores(qr, kr, mr, H**-0.5)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    e = jnp.exp(s - m)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    o = jnp.einsum("bkrs,bksh->bkrh", (e / total).astype(v.dtype), vr)
-    return _unrows(o, B, T, N, H), (qr, kr, vr, mr, o, m + jnp.log(total))
+    o, lse = _attention_rows(qr, kr, vr, mr)
+    return _unrows(o, B, T, N, H), (qr, kr, vr, mr, o, lse)
 
 
 @jax.custom_vjp
@@ -312,24 +341,30 @@ class KVCache:
 
     All rows advance together: `index` is the next slot for every row; a row's padding
     slots stay `valid=False` and are never attended to.
+
+    Layout: per (row, kv head), keys are stored transposed ([H, S]) and values as [S, H],
+    so a decode step's score matmul ([G, H] x [H, S]) and value matmul ([G, S] x [S, H])
+    read the layer's slice as stored. Keys stored [S, H] (the score matmul contracting
+    both operands' minor axis) were ~5x slower per score matmul on XLA:CPU, and a
+    [B, S, K, H] layout cost a transposing copy of every layer's slice per token.
     """
 
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, H, S]: transposed, as the score matmul reads it
+    v: jax.Array  # [L, B, K, S, H]
     valid: jax.Array  # [B, S] bool: the slot holds a real token
     pos: jax.Array  # [B] int32: position id of each row's next token
     index: jax.Array  # [] int32: next slot to write
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.v.shape[3]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=jnp.zeros((L, batch, K, H, max_len), dtype),
+        v=jnp.zeros((L, batch, K, max_len, H), dtype),
         valid=jnp.zeros((batch, max_len), bool),
         pos=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32),

@@ -92,13 +92,13 @@ def bucket_length(n: int) -> int:
 def _constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
     if mesh is None:
         return cache
-    kv_axes = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
-    kv = logical_to_sharding(kv_axes, cache.k.shape, mesh)
+    k_axes = ("layers", "batch", "kv_heads", "head_dim", "cache_seq")
+    v_axes = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
     rows = logical_to_sharding(("batch", "cache_seq"), cache.valid.shape, mesh)
     wsc = jax.lax.with_sharding_constraint
     return cache.replace(
-        k=wsc(cache.k, kv),
-        v=wsc(cache.v, kv),
+        k=wsc(cache.k, logical_to_sharding(k_axes, cache.k.shape, mesh)),
+        v=wsc(cache.v, logical_to_sharding(v_axes, cache.v.shape, mesh)),
         valid=wsc(cache.valid, rows),
         pos=wsc(cache.pos, logical_to_sharding(("batch",), cache.pos.shape, mesh)),
     )
