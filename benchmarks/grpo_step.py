@@ -70,6 +70,7 @@ def make_config(args, model_dir: str):
     c.rollout.num_generations = args.generations
     c.rollout.max_new_tokens = args.new_tokens
     c.rollout.temperature = 1.0
+    c.rollout.bucket_steps = args.bucket_steps
     c.rewards = {"gsm8k": 1.0}
     c.optim.micro_batches = args.micro_batches
     c.train.num_steps = args.warmup + args.steps
@@ -97,6 +98,8 @@ def main():
     p.add_argument("--logprob-chunk", type=int, default=32)
     # model.scan_layers (trainer default true): unrolled, the update is ~5% faster here.
     p.add_argument("--scan-layers", type=_flag, default=False)
+    # rollout.bucket_steps (trainer default 2): 4 pads the 18-token prompts to 20, not 24.
+    p.add_argument("--bucket-steps", type=int, default=4, choices=(1, 2, 4, 8))
     # A fixed peak for the floor (e.g. 200 for these 2 cores' fast mode) instead of the best
     # one measured: runs on different days then share one floor.
     p.add_argument("--peak-gflops", type=float, default=0.0)
@@ -180,7 +183,7 @@ def main():
         f"prompt {med['prompt_len']:.1f} tokens (padded to {med['padded_len']:.0f}); "
         f"{med['new_tokens']:.0f} new tokens; beta {args.beta}; "
         f"micro-batches {args.micro_batches}, log-prob chunk {args.logprob_chunk}, "
-        f"scan_layers {args.scan_layers}; "
+        f"scan_layers {args.scan_layers}, bucket steps {args.bucket_steps}; "
         f"matmul peak {peak / 1e9:.1f} GFLOP/s{' (given)' if args.peak_gflops else ''}; "
         f"measured before the steps: {min(s['peak'] for s in steps) / 1e9:.1f}-"
         f"{max(s['peak'] for s in steps) / 1e9:.1f}"

@@ -51,6 +51,7 @@ class RolloutSettings:
     pad_id: int
     seed: int
     overlong_buffer: int = 0  # L_c in tokens; 0 = no overlong penalty
+    bucket_steps: int = 2  # prompt-length buckets per doubling (`sampling.bucket_length`)
 
 
 def generate(model_cfg, params, batch, s: RolloutSettings, step: int, mesh=None, **overrides):
@@ -68,6 +69,7 @@ def generate(model_cfg, params, batch, s: RolloutSettings, step: int, mesh=None,
             stop_ids=s.stop_ids,
             pad_id=s.pad_id,
             seed=s.seed,
+            bucket_steps=s.bucket_steps,
             mesh=mesh,
             step=step,
         )

@@ -65,6 +65,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0
     c.rollout.top_p = 1.0
     c.rollout.stop_tokens = ("<eos>",)  # token strings; "<eos>" = the tokenizer's EOS
+    # Prompts are left-padded to a bucket length, one compiled sampler / reference / update
+    # per bucket: bucket_steps lengths per doubling (1: 16, 32, 64 ...; 2: 16, 24, 32, 48
+    # ...; 4: 16, 20, 24, 28, 32, 40 ...; 8). More steps, less padding, more programs.
+    c.rollout.bucket_steps = 2
 
     c.algo = _algo_defaults()
 
@@ -174,7 +178,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
 
     from jaxrl_llm import models, parallel, verifiers
     from jaxrl_llm.models.config import REMAT_POLICIES
-    from jaxrl_llm.sampling import bucket_length
+    from jaxrl_llm.sampling import BUCKET_STEPS, bucket_length
 
     num_devices = jax.device_count() if num_devices is None else num_devices
     path = resolve_model_path(config.model.path)
@@ -210,16 +214,20 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
     _check(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples, use > 0")
     _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
     _check(r.top_k >= 0, f"rollout.top_k={r.top_k}: must be >= 0")
+    _check(
+        r.bucket_steps in BUCKET_STEPS,
+        f"rollout.bucket_steps={r.bucket_steps!r}: expected one of {BUCKET_STEPS}",
+    )
     try:
         algo = algo_config(config)
     except ValueError as e:
         raise ConfigError(str(e).replace("algo.group_size", "rollout.num_generations")) from None
     model_cfg = models.ModelConfig.from_hf_dir(path)
-    context = bucket_length(config.data.max_prompt_len) + r.max_new_tokens
+    bucket = bucket_length(config.data.max_prompt_len, r.bucket_steps)
     _check(
-        context <= model_cfg.max_position_embeddings,
+        bucket + r.max_new_tokens <= model_cfg.max_position_embeddings,
         f"data.max_prompt_len={config.data.max_prompt_len} (bucket "
-        f"{bucket_length(config.data.max_prompt_len)}) + rollout.max_new_tokens="
+        f"{bucket}) + rollout.max_new_tokens="
         f"{r.max_new_tokens} exceeds the model's max_position_embeddings "
         f"{model_cfg.max_position_embeddings}",
     )

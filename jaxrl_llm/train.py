@@ -110,6 +110,7 @@ class Run:
             top_k=c.rollout.top_k,
             top_p=c.rollout.top_p,
             stop_ids=_stop_ids(self.tokenizer, c.rollout.stop_tokens),
+            bucket_steps=c.rollout.bucket_steps,
             pad_id=pad,
             seed=c.train.seed,
             overlong_buffer=(

@@ -119,6 +119,19 @@ def base(tiny_model_dir):
         ),
         (lambda c: setattr(c.eval, "correct_reward", "nope"), r"eval\.correct_reward='nope'"),
         (lambda c: setattr(c.rollout, "temperature", 0.0), r"rollout\.temperature=0\.0"),
+        (
+            lambda c: setattr(c.rollout, "bucket_steps", 3),
+            r"rollout\.bucket_steps=3: expected one of \(1, 2, 4, 8\)",
+        ),
+        (
+            # 8190 fits max_position_embeddings 8192 only with the 64-token bucket.
+            lambda c: (
+                setattr(c.rollout, "bucket_steps", 4),
+                setattr(c.data, "max_prompt_len", 56),
+                setattr(c.rollout, "max_new_tokens", 8192 - 56 + 1),
+            ),
+            r"data\.max_prompt_len=56 \(bucket 56\) \+ rollout\.max_new_tokens=8137",
+        ),
     ],
 )
 def test_validation_errors_name_the_key(base, change, message):

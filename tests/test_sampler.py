@@ -1,6 +1,8 @@
 """The rollout sampler against HF `generate`, teacher-forced log-probs and numpy references."""
 
+import dataclasses
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ import pytest
 import torch
 from hf_reference import VOCAB, hf_model
 
-from jaxrl_llm import models, parallel, sampling
+from jaxrl_llm import models, parallel, rollout, sampling
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42, 43, 44]]
 
@@ -239,11 +241,36 @@ def test_same_bucket_does_not_recompile(tiny):
 
 
 def test_bucket_lengths():
-    buckets = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-    for n in range(1, 513):
-        b = sampling.bucket_length(n)
-        assert b == min(x for x in buckets if x >= n), n
-        assert b == 16 or b < 1.5 * n, n  # padding under 50% of the prompt
+    ladders = {
+        1: [16, 32, 64, 128, 256, 512],
+        2: [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512],
+        4: [16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256],
+        8: [16, 18, 20, 22, 24, 26, 28, 30, 32, 36, 40, 44, 48, 52, 56, 60, 64],
+    }
+    for steps, buckets in ladders.items():
+        for n in range(1, buckets[-1] + 1):
+            b = sampling.bucket_length(n, steps)
+            assert b == min(x for x in buckets if x >= n), (steps, n)
+            assert b == 16 or b < (1 + 1 / steps) * n, (steps, n)  # padding < 100% / steps
+    assert sampling.bucket_length(18) == 24  # the default: 2 steps
+    with pytest.raises(ValueError, match="bucket steps=3"):
+        sampling.bucket_length(18, 3)
+    ids, mask = sampling.pad_prompts([[1] * 18, [2] * 5], pad_id=0, bucket_steps=4)
+    assert ids.shape == (2, 20) and mask.sum(1).tolist() == [18, 5] and not mask[1, :15].any()
+
+
+def test_trainer_rollout_pads_to_its_bucket_steps(tiny):
+    _, cfg, params = tiny("qwen2")
+    lengths = np.array([18, 12])
+    batch = types.SimpleNamespace(  # a data batch: prompts left-padded to 32
+        prompt_ids=np.ones((2, 32), np.int32),
+        prompt_mask=np.arange(32)[None] >= 32 - lengths[:, None],
+    )
+    s = rollout.RolloutSettings(2, 1, 1.0, 0, 1.0, (), pad_id=0, seed=0)
+    for steps, width in [(2, 24), (4, 20), (8, 18)]:
+        out = rollout.generate(cfg, params, batch, dataclasses.replace(s, bucket_steps=steps), 0)
+        assert out.prompt_tokens.shape[1] == width, steps
+        np.testing.assert_array_equal(np.asarray(out.prompt_mask).sum(1), lengths)
 
 
 def test_key_from_seed_and_step(tiny):

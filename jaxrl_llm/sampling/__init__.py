@@ -7,6 +7,7 @@ out = sampling.generate(cfg, params, prompts, max_new_tokens=64, num_samples=8,
 """
 
 from jaxrl_llm.sampling.sampler import (
+    BUCKET_STEPS,
     FINISH_LENGTH,
     FINISH_STOP,
     SampleOutput,
@@ -19,6 +20,7 @@ from jaxrl_llm.sampling.sampler import (
 from jaxrl_llm.sampling.sampling import sample_tokens, top_k_mask, top_p_mask
 
 __all__ = [
+    "BUCKET_STEPS",
     "FINISH_LENGTH",
     "FINISH_STOP",
     "SampleOutput",

@@ -5,9 +5,10 @@
        (a stop id) or max_new_tokens
 
 Everything stays on device; the loop never syncs with the host. Prompts are left-padded to
-a bucket length (16, 24, 32, 48, 64, ...: `bucket_length`) so a training run compiles a
-bounded number of programs. The parameters are read in whatever sharding they have (the training
-sharding); the batch, the KV cache and the outputs are sharded over ('data', 'fsdp').
+a bucket length (16, 24, 32, 48, 64, ... by default: `bucket_length`) so a training run
+compiles a bounded number of programs. The parameters are read in whatever sharding they
+have (the training sharding); the batch, the KV cache and the outputs are sharded over
+('data', 'fsdp').
 Randomness: the key is fold_in(PRNGKey(seed), call index), with the call index given by
 the caller (the trainer passes its step, so a resumed run draws the same samples) or
 counted per seed by this module.
@@ -75,18 +76,27 @@ class _Loop:
     cache: models.KVCache
 
 
-def bucket_length(n: int) -> int:
-    """Prompt length rounded up to the next bucket: 16, 24, 32, 48, 64, 96, 128, ... (powers
-    of two and 1.5x powers of two, at least MIN_BUCKET).
+BUCKET_STEPS = (1, 2, 4, 8)
 
-    Padding is at most 50% of a prompt instead of 100% with powers of two alone, for twice
-    as many possible programs (still logarithmic in the longest prompt). The padding is
-    paid again by the reference forward and the update, which read the padded prompt.
+
+def bucket_length(n: int, steps: int = 2) -> int:
+    """Prompt length rounded up to the next bucket, at least MIN_BUCKET.
+
+    `steps` buckets per doubling: 1 = powers of two (16, 32, 64, ...); 2 (the default) adds
+    1.5x each power of two (16, 24, 32, 48, 64, ...); 4 adds 1.25x, 1.5x, 1.75x (16, 20,
+    24, 28, 32, 40, ...); 8 eighths. Padding is at most 100% / steps of the prompt, for
+    `steps` times as many possible programs (still logarithmic in the longest prompt). The
+    padding is paid again by the reference forward and the update, which read the padded
+    prompt; a run whose prompt lengths vary little can take more steps for less padding.
     """
+    if steps not in BUCKET_STEPS:
+        raise ValueError(f"bucket steps={steps!r}: expected one of {BUCKET_STEPS}")
     n = max(n, 1)
-    power = 1 << (n - 1).bit_length()  # smallest power of two >= n
-    three_halves = 3 * power // 4  # 1.5x the power of two below
-    return max(MIN_BUCKET, three_halves if n <= three_halves and power >= 4 else power)
+    if n <= MIN_BUCKET:
+        return MIN_BUCKET
+    lower = 1 << (n - 1).bit_length() - 1  # the largest power of two < n (>= MIN_BUCKET)
+    step = lower // steps
+    return lower + -(-(n - lower) // step) * step
 
 
 def _constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
@@ -190,11 +200,12 @@ def pad_prompts(
     batch_multiple: int = 1,
     vocab_size: int | None = None,
     bucket: int | None = None,
+    bucket_steps: int = 2,
 ):
     """Left-pads token-id lists to their bucket -> (ids [B', P], mask [B', P]) on the host.
 
-    B' rounds B up to a multiple of `batch_multiple` with fully padded dummy rows; `bucket`
-    forces P (several processes agree on one).
+    B' rounds B up to a multiple of `batch_multiple` with fully padded dummy rows; P is
+    `bucket_length(longest, bucket_steps)`, or `bucket` (several processes agree on one).
     """
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts: expected a non-empty list of token-id lists")
@@ -206,7 +217,7 @@ def pad_prompts(
         if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
             raise ValueError(f"prompts[{i}]: token id outside [0, {vocab_size})")
         lengths.append(arr.size)
-    P = bucket or bucket_length(max(lengths))
+    P = bucket or bucket_length(max(lengths), bucket_steps)
     B = -(-len(prompts) // batch_multiple) * batch_multiple
     ids = np.full((B, P), pad_id, np.int32)
     mask = np.zeros((B, P), bool)
@@ -231,11 +242,13 @@ def generate(
     *,
     step: int | None = None,
     pad_id: int = 0,
+    bucket_steps: int = 2,
 ) -> SampleOutput:
     """Samples `num_samples` completions per prompt. See `SampleOutput` for the result.
 
     prompts: list of token-id lists. temperature 0 = greedy. step: the call index the
-    random key is derived from (default: a per-seed counter of calls). With several JAX
+    random key is derived from (default: a per-seed counter of calls). bucket_steps: prompt
+    length buckets per doubling (`bucket_length`). With several JAX
     processes, each passes its own share of the prompts (the same count on every process)
     and gets the global output; `parallel.local_rows` fetches its own rows.
     """
@@ -251,13 +264,15 @@ def generate(
     _validate(cfg, sp)
     multi = mesh is not None and jax.process_count() > 1
     # Several processes: `prompts` are this process's share; all must agree on the bucket.
-    bucket = mesh_lib.host_max(bucket_length(max(map(len, prompts)))) if multi else None
+    longest = max(map(len, prompts))
+    bucket = mesh_lib.host_max(bucket_length(longest, bucket_steps)) if multi else None
     ids, mask = pad_prompts(
         prompts,
         sp.pad_id,
         1 if multi else mesh_lib.batch_size_multiple(mesh),
         cfg.vocab_size,
         bucket=bucket,
+        bucket_steps=bucket_steps,
     )
     if ids.shape[1] + sp.max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
