@@ -209,6 +209,35 @@ def test_sharded_equals_unsharded(tiny):
     np.testing.assert_array_equal(np.asarray(odd.tokens), np.asarray(ref.tokens)[:6])
 
 
+def test_unrolled_layers_per_layer_cache(tiny):
+    """scan_layers=False: one cache array per layer, layers unrolled in prefill and decode,
+    each layer's parameters sliced once before the decode loop. Same samples as the scan."""
+    model, cfg, params = tiny("qwen3")
+    unrolled = dataclasses.replace(cfg, scan_layers=False)
+    cache = models.init_cache(unrolled, 2, 40)
+    assert isinstance(cache.k, tuple) and len(cache.k) == cfg.num_layers
+    assert cache.k[0].shape == (2, cfg.num_kv_heads, cfg.head_dim, 40) and cache.max_len == 40
+    greedy = sampling.generate(unrolled, params, PROMPTS, max_new_tokens=12, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(greedy.tokens), hf_greedy(model, PROMPTS, 12))
+    kw = dict(max_new_tokens=8, num_samples=2, temperature=1.0, seed=5, step=0)
+    ref = sampling.generate(cfg, params, PROMPTS, **kw)
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded_params = jax.device_put(params, models.param_shardings(cfg, mesh))
+    for out in (
+        sampling.generate(unrolled, params, PROMPTS, **kw),
+        sampling.generate(unrolled, sharded_params, PROMPTS, mesh=mesh, **kw),
+    ):
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    # Group prefill repeats every layer's cache rows.
+    ids, mask = sampling.pad_prompts(PROMPTS[:2], 0)
+    _, grouped = sampling.prefill_groups(unrolled, params, ids, mask, 3, 40)
+    _, scanned = sampling.prefill_groups(cfg, params, ids, mask, 3, 40)
+    for layer in range(cfg.num_layers):
+        np.testing.assert_allclose(grouped.k[layer], scanned.k[layer], atol=1e-5)
+        np.testing.assert_allclose(grouped.v[layer], scanned.v[layer], atol=1e-5)
+
+
 def test_stop_ids_end_rows(tiny):
     _, cfg, params = tiny("llama")
     free = np.asarray(sampling.generate(cfg, params, PROMPTS, 10, temperature=0.0).tokens)

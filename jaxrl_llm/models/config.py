@@ -59,9 +59,10 @@ class ModelConfig:
     initializer_range: float = 0.02
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
-    # False: the teacher-forced forward (update, reference) unrolls the layer loop instead
-    # of scanning it. Faster (no stacked per-layer residuals to zero-fill and copy into),
-    # compile time grows with depth. Prefill and decode always scan.
+    # False: the layer loop is unrolled instead of scanned. Teacher-forced forward (update,
+    # reference): no stacked per-layer residuals to zero-fill and copy into. Sampling: one
+    # KV-cache array per layer, read in place instead of copied out of an [L, ...] array.
+    # Faster on CPU; compile time grows with depth.
     scan_layers: bool = True
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 

@@ -144,14 +144,23 @@ class Block(nnx.Module):
             a = attention(q, k, v, mask)
         else:
             # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache).
-            upd = lambda c, new, start: jax.lax.dynamic_update_slice(  # noqa: E731
-                c, new[None].astype(c.dtype), start
-            )
-            kv = (
-                upd(kv[0], k.transpose(0, 2, 3, 1), (layer, 0, 0, 0, index)),
-                upd(kv[1], v.transpose(0, 2, 1, 3), (layer, 0, 0, index, 0)),
-            )
-            k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
+            k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+            if layer is None:  # this layer's own cache arrays [B,K,H,S], [B,K,S,H]
+                kv = (
+                    jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, 0, 0, index)),
+                    jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, 0, index, 0)),
+                )
+                k, v = kv
+            else:  # all layers' [L,...]: this layer's slice
+                kv = (
+                    jax.lax.dynamic_update_slice(
+                        kv[0], k[None].astype(kv[0].dtype), (layer, 0, 0, 0, index)
+                    ),
+                    jax.lax.dynamic_update_slice(
+                        kv[1], v[None].astype(kv[1].dtype), (layer, 0, 0, index, 0)
+                    ),
+                )
+                k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
             a = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         x = x + dense(a, self.o[...], 2)
         if cfg.o_bias:
@@ -174,8 +183,12 @@ class Transformer(nnx.Module):
             self.lm_head = _normal(rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype)
         self.cfg = cfg
 
-    def __call__(self, tokens, positions, mask, cache=None, index=None):
-        """tokens [B,T] -> final-normed hidden states [B,T,D] (and the new cache k, v)."""
+    def __call__(self, tokens, positions, mask, cache=None, index=None, layers=None):
+        """tokens [B,T] -> final-normed hidden states [B,T,D] (and the new cache k, v).
+
+        layers: with a per-layer cache, each layer's parameters already sliced out of the
+        stacked ones (`layer_params`), e.g. once before a decode loop instead of per step.
+        """
         cfg = self.cfg
         x = jnp.take(self.embed[...], tokens, axis=0)
         graphdef, stacked = nnx.split(self.layers)
@@ -185,6 +198,15 @@ class Transformer(nnx.Module):
             layer_state, i = xs
             return nnx.merge(graphdef, layer_state)(x, positions, mask, kv, index, i), None
 
+        if cache is not None and isinstance(cache[0], tuple):  # one cache array per layer
+            kv = []
+            for i in range(cfg.num_layers):
+                state = jax.tree.map(lambda a, i=i: a[i], stacked) if layers is None else layers[i]
+                block = nnx.merge(graphdef, state)
+                x, layer_kv = block(x, positions, mask, (cache[0][i], cache[1][i]), index)
+                kv.append(layer_kv)
+            kv = tuple(tuple(c) for c in zip(*kv, strict=True))
+            return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
         layer = _remat(layer, cfg.remat)
         unroll = cfg.num_layers if cache is None and not cfg.scan_layers else 1
         xs = (stacked, jnp.arange(cfg.num_layers))
@@ -349,22 +371,29 @@ class KVCache:
     [B, S, K, H] layout cost a transposing copy of every layer's slice per token.
     """
 
-    k: jax.Array  # [L, B, K, H, S]: transposed, as the score matmul reads it
-    v: jax.Array  # [L, B, K, S, H]
+    k: jax.Array | tuple  # [L, B, K, H, S]: transposed, as the score matmul reads it
+    v: jax.Array | tuple  # [L, B, K, S, H]
     valid: jax.Array  # [B, S] bool: the slot holds a real token
     pos: jax.Array  # [B] int32: position id of each row's next token
     index: jax.Array  # [] int32: next slot to write
 
     @property
     def max_len(self) -> int:
-        return self.v.shape[3]
+        return jax.tree.leaves(self.v)[0].shape[-2]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache. With `cfg.scan_layers=False` k and v are tuples of L per-layer arrays
+    ([B, K, H, S] / [B, K, S, H]) and `extend` runs the layers unrolled: each layer's matmuls
+    then read its cache buffer in place instead of a copy of its slice of an [L, ...] array.
+    """
     L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    k, v = jnp.zeros((L, batch, K, H, max_len), dtype), jnp.zeros((L, batch, K, max_len, H), dtype)
+    if not cfg.scan_layers:
+        k, v = tuple(k), tuple(v)
     return KVCache(
-        k=jnp.zeros((L, batch, K, H, max_len), dtype),
-        v=jnp.zeros((L, batch, K, max_len, H), dtype),
+        k=k,
+        v=v,
         valid=jnp.zeros((batch, max_len), bool),
         pos=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
@@ -380,6 +409,12 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
 
 def _model(cfg: ModelConfig, params: Params) -> Transformer:
     return nnx.merge(abstract_model(cfg)[0], params)
+
+
+def layer_params(params: Params) -> tuple:
+    """Each layer's parameters, sliced out of the stacked [L, ...] ones (for `decode_step`)."""
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n))
 
 
 def default_positions(attention_mask: jax.Array, segment_ids: jax.Array | None = None):
@@ -439,11 +474,12 @@ def logits(
     return project(cfg, params, hidden)
 
 
-def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache):
+def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache, layers=None):
     """Appends tokens [B,T] (attention_mask [B,T]) to the cache.
 
     Returns (hidden [B,T,D], new cache). Slots index..index+T-1 are written; a token
-    attends to the cache's valid slots up to and including its own.
+    attends to the cache's valid slots up to and including its own. layers: optional
+    `layer_params(params)` for a per-layer cache (`init_cache`).
     """
     B, T = tokens.shape
     attention_mask = attention_mask.astype(bool)
@@ -455,7 +491,9 @@ def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCa
     query_slot = cache.index + jnp.arange(T)
     mask = valid[:, None, :] & (slots[None, None, :] <= query_slot[None, :, None])
     mask |= slots[None, None, :] == query_slot[None, :, None]
-    hidden, (k, v) = _model(cfg, params)(tokens, positions, mask, (cache.k, cache.v), cache.index)
+    hidden, (k, v) = _model(cfg, params)(
+        tokens, positions, mask, (cache.k, cache.v), cache.index, layers
+    )
     new_cache = KVCache(
         k=k,
         v=v,
@@ -476,9 +514,9 @@ def prefill(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVC
     return project(cfg, params, last_hidden), cache
 
 
-def decode_step(cfg: ModelConfig, params: Params, tokens, cache: KVCache):
-    """One new token per row, tokens [B] -> (logits [B,V], cache)."""
+def decode_step(cfg: ModelConfig, params: Params, tokens, cache: KVCache, layers=None):
+    """One new token per row, tokens [B] -> (logits [B,V], cache). layers: see `extend`."""
     hidden, cache = extend(
-        cfg, params, tokens[:, None], jnp.ones_like(tokens[:, None], bool), cache
+        cfg, params, tokens[:, None], jnp.ones_like(tokens[:, None], bool), cache, layers
     )
     return project(cfg, params, hidden[:, 0]), cache

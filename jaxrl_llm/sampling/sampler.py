@@ -106,9 +106,13 @@ def _constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
     v_axes = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
     rows = logical_to_sharding(("batch", "cache_seq"), cache.valid.shape, mesh)
     wsc = jax.lax.with_sharding_constraint
+
+    def constrain(c, axes):  # [L, ...] or per layer
+        return wsc(c, logical_to_sharding(axes[-c.ndim :], c.shape, mesh))
+
     return cache.replace(
-        k=wsc(cache.k, logical_to_sharding(k_axes, cache.k.shape, mesh)),
-        v=wsc(cache.v, logical_to_sharding(v_axes, cache.v.shape, mesh)),
+        k=jax.tree.map(lambda c: constrain(c, k_axes), cache.k),
+        v=jax.tree.map(lambda c: constrain(c, v_axes), cache.v),
         valid=wsc(cache.valid, rows),
         pos=wsc(cache.pos, logical_to_sharding(("batch",), cache.pos.shape, mesh)),
     )
@@ -127,7 +131,10 @@ def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_samples: int, max_l
     G = num_samples
     rep = lambda x, axis: jnp.repeat(x, G, axis=axis)  # noqa: E731
     cache = cache.replace(
-        k=rep(cache.k, 1), v=rep(cache.v, 1), valid=rep(cache.valid, 0), pos=rep(cache.pos, 0)
+        k=jax.tree.map(lambda c: rep(c, c.ndim - 4), cache.k),  # the batch axis
+        v=jax.tree.map(lambda c: rep(c, c.ndim - 4), cache.v),
+        valid=rep(cache.valid, 0),
+        pos=rep(cache.pos, 0),
     )
     return rep(logits, 0), _constrain_cache(cache, mesh)
 
@@ -161,8 +168,12 @@ def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, seed_ind
     def cond(s: _Loop):
         return (s.t < T) & ~jnp.all(s.done)
 
+    # A per-layer cache (scan_layers=False) runs the layers unrolled: their parameters are
+    # sliced once here, not in every decode step (XLA did not hoist those copies).
+    layers = None if cfg.scan_layers else models.layer_params(params)
+
     def body(s: _Loop):
-        logits, cache = models.decode_step(cfg, params, s.last, s.cache)
+        logits, cache = models.decode_step(cfg, params, s.last, s.cache, layers)
         tok, lp = sample(jax.random.fold_in(key, s.t), logits)
         tok = jnp.where(s.done, sp.pad_id, tok)
         lp = jnp.where(s.done, 0.0, lp)
@@ -264,8 +275,9 @@ def generate(
     _validate(cfg, sp)
     multi = mesh is not None and jax.process_count() > 1
     # Several processes: `prompts` are this process's share; all must agree on the bucket.
-    longest = max(map(len, prompts))
-    bucket = mesh_lib.host_max(bucket_length(longest, bucket_steps)) if multi else None
+    bucket = (
+        mesh_lib.host_max(bucket_length(max(map(len, prompts)), bucket_steps)) if multi else None
+    )
     ids, mask = pad_prompts(
         prompts,
         sp.pad_id,
