@@ -133,7 +133,8 @@ def main():
                 host["peak"] = peak
                 print(
                     f"step {i}{' (warmup)' if i < args.warmup else ''}: "
-                    f"{host['perf/step_s']:.2f} s, {faults} page faults",
+                    f"{host['perf/step_s']:.2f} s, {faults} page faults, "
+                    f"matmul peak before it {peak / 1e9:.0f} GFLOP/s",
                     flush=True,
                 )
                 if i >= args.warmup:
