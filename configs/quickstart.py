@@ -9,7 +9,7 @@ The model (`jaxrl_llm/assets/quickstart_model`, made by `configs/sft_arithmetic.
 fine-tuned on answers half of which repeat themselves ("6565" for 65), a habit the
 gsm8k-style check scores 0; its arithmetic is better than its reward. GRPO with that
 check as the reward removes the habit.
-Expected result (measured, 2 CPU cores, ~1.5 minutes): held-out greedy eval/pass@1 rises
+Expected result (measured, 2 CPU cores, ~1 minute): held-out greedy eval/pass@1 rises
 from 0.28 (the shipped model) to ~0.49 by step 50 and 0.50-0.53 after; the curve is in
 the README.
 """
@@ -25,6 +25,10 @@ def get_config():
     c.data.chat_template = "never"
     c.data.max_prompt_len = 20
     c.data.pad_multiple = 8
+    # Every prompt is 18 tokens: buckets of 4 per doubling pad them to 20 instead of 24,
+    # and the model's 2 layers compile quickly unrolled. ~30% faster steps, same result.
+    c.rollout.bucket_steps = 4
+    c.model.scan_layers = False
     c.rollout.batch_size = 32  # prompts per step
     c.rollout.num_generations = 8  # G
     c.rollout.max_new_tokens = 10

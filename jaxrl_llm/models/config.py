@@ -62,7 +62,8 @@ class ModelConfig:
     # False: the layer loop is unrolled instead of scanned. Teacher-forced forward (update,
     # reference): no stacked per-layer residuals to zero-fill and copy into. Sampling: one
     # KV-cache array per layer, read in place instead of copied out of an [L, ...] array.
-    # Faster on CPU; compile time grows with depth.
+    # Faster on CPU; compile time grows with depth, and sampling holds a second copy of
+    # the layer weights (sliced per layer once, before the decode loop).
     scan_layers: bool = True
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 

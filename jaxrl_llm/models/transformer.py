@@ -11,8 +11,10 @@ Layer parameters are stacked on a leading `layers` axis and the layers are run b
 activation checkpointing policy of the scanned layer. `cfg.scan_layers=False` unrolls that
 scan in the teacher-forced forward: the backward then reads each layer's residuals where
 they were computed instead of from [L, ...] stacks that the scan zero-fills and copies
-into (the update step ran 5% faster on CPU). Prefill and decode always scan: unrolled, the
-decode step was slower.
+into (the update step ran 5% faster on CPU). With a KV cache it also unrolls prefill and
+decode over a cache of one array per layer (`init_cache`), each layer's parameters
+optionally sliced once by the caller (`layer_params`): a scanned decode step copies its
+layer's cache slice and weights out of the [L, ...] arrays on every token.
 
 Two paths share the layer code:
 - `forward`: a full sequence, with a padding mask (left or right), position ids and
