@@ -127,10 +127,11 @@ class Block(nnx.Module):
     def __call__(self, x, positions, mask, kv=None, index=None, layer=None):
         """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool.
 
-        kv: the whole cache (k, v), each [L,B,K,S,H], carried through the layer scan so
-        that it is updated in place: this layer's new keys/values are written at
-        [layer, :, :, index:index+T] and attention runs over the layer's S slots. Without
-        kv, S = T. Returns (x [B,T,D], the updated (k, v) or None).
+        kv: the whole cache (k, v) ([L,B,K,H,S], [L,B,K,S,H]), carried through the layer
+        scan so that it is updated in place: this layer's new keys/values are written at
+        slots index..index+T of [layer] and attention runs over the layer's S slots. With
+        layer=None, kv is this layer's own cache arrays (unrolled layers). Without kv,
+        S = T. Returns (x [B,T,D], the updated (k, v) or None).
         """
         cfg = self.cfg
         h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
@@ -145,23 +146,21 @@ class Block(nnx.Module):
         if kv is None:
             a = attention(q, k, v, mask)
         else:
-            # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache).
-            k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
-            if layer is None:  # this layer's own cache arrays [B,K,H,S], [B,K,S,H]
-                kv = (
-                    jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, 0, 0, index)),
-                    jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, 0, index, 0)),
-                )
+            # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache): at
+            # [layer] of an [L, ...] cache (scanned layers), or into this layer's own arrays.
+            lead = () if layer is None else (layer,)
+
+            def write(c, new, start):
+                new = new if layer is None else new[None]
+                return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), lead + start)
+
+            kv = (
+                write(kv[0], k.transpose(0, 2, 3, 1), (0, 0, 0, index)),
+                write(kv[1], v.transpose(0, 2, 1, 3), (0, 0, index, 0)),
+            )
+            if layer is None:
                 k, v = kv
-            else:  # all layers' [L,...]: this layer's slice
-                kv = (
-                    jax.lax.dynamic_update_slice(
-                        kv[0], k[None].astype(kv[0].dtype), (layer, 0, 0, 0, index)
-                    ),
-                    jax.lax.dynamic_update_slice(
-                        kv[1], v[None].astype(kv[1].dtype), (layer, 0, 0, index, 0)
-                    ),
-                )
+            else:
                 k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
             a = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         x = x + dense(a, self.o[...], 2)
