@@ -51,7 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.ref_path = ""  # reference model dir; "" = the initial policy
     c.model.dtype = "float32"  # parameter dtype: float32 | bfloat16
     c.model.remat = "none"  # none | full | dots | dots_no_batch
-    c.model.scan_layers = True  # False: unroll the layers in the update / reference forward
+    # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
+    # grows with depth, sampling holds a second copy of the layer weights).
+    c.model.scan_layers = True
 
     c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
 
