@@ -78,6 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.learning_rate = 1e-6
     c.optim.schedule = "constant"  # constant | cosine | linear (after warmup)
     c.optim.warmup_steps = 0
+    c.optim.end_lr_ratio = 0.0  # cosine / linear decay to learning_rate * this
     c.optim.weight_decay = 0.0
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999
@@ -239,6 +240,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
         o.schedule in ("constant", "cosine", "linear"),
         f"optim.schedule={o.schedule!r}: expected constant, cosine or linear",
     )
+    _check(0 <= o.end_lr_ratio <= 1, f"optim.end_lr_ratio={o.end_lr_ratio}: must be in [0, 1]")
     _check(
         o.mini_batches >= 1 and rows % o.mini_batches == 0,
         f"optim.mini_batches={o.mini_batches} does not divide the {rows} rollouts per step",

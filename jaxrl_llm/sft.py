@@ -38,6 +38,8 @@ from flax import struct
 
 from jaxrl_llm import data, models, parallel, sft_data, sft_eval, verifiers
 from jaxrl_llm.rl.logprobs import token_logprobs
+from jaxrl_llm.rl.optim import Optimizer
+from jaxrl_llm.rl.optim import make_optimizer as make_rl_optimizer
 from jaxrl_llm.sft_data import SFTBatch
 
 # --------------------------------------------------------------------------------- config
@@ -142,6 +144,8 @@ def check_config(config) -> ml_collections.ConfigDict:
         (c.completion.alt_template or not c.completion.alt_prob, "completion.alt_template: empty"),
         (c.optim.learning_rate > 0, "optim.learning_rate: must be > 0"),
         (0 <= c.optim.warmup_steps < c.train.num_steps, "optim.warmup_steps: in [0, num_steps)"),
+        (0 <= c.optim.end_lr_ratio <= 1, "optim.end_lr_ratio: must be in [0, 1]"),
+        (c.optim.weight_decay >= 0, "optim.weight_decay: must be >= 0"),
         (c.eval.every >= 0 and c.eval.num_samples >= 0, "eval.every / num_samples: >= 0"),
         (c.eval.num_examples >= 1 and c.eval.batch_size >= 1, "eval.num_examples: >= 1"),
         (c.data.source != "jsonl" or c.eval.path, "eval.path: required when data.source=jsonl"),
@@ -182,33 +186,33 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def make_optimizer(optim, num_steps: int):
-    """AdamW with warmup + cosine decay; returns (optimizer, schedule)."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=optim.learning_rate,
+def make_optimizer(optim, num_steps: int) -> Optimizer:
+    """The RL update's AdamW (`rl.optim`: clipping, no decay of norm scales and biases)
+    with warmup then cosine decay to learning_rate * end_lr_ratio at num_steps."""
+    return make_rl_optimizer(
+        learning_rate=optim.learning_rate,
         warmup_steps=optim.warmup_steps,
-        decay_steps=num_steps,
-        end_value=optim.learning_rate * optim.end_lr_ratio,
+        total_steps=num_steps,
+        schedule="cosine",
+        weight_decay=optim.weight_decay,
+        b1=optim.b1,
+        b2=optim.b2,
+        eps=optim.eps,
+        max_grad_norm=optim.max_grad_norm,
+        end_lr_ratio=optim.end_lr_ratio,
     )
-    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
-    tx = optax.chain(
-        optax.clip_by_global_norm(optim.max_grad_norm),
-        optax.adamw(schedule, optim.b1, optim.b2, optim.eps, optim.weight_decay, mask=decay_mask),
-    )
-    return tx, schedule
 
 
-def train_step(cfg, tx, schedule, chunk_size: int, state: TrainState, batch: SFTBatch):
+def train_step(cfg, opt: Optimizer, chunk_size: int, state: TrainState, batch: SFTBatch):
     """One optimizer step -> (new state, metrics). Pure; jitted by `run`."""
     grad_fn = jax.value_and_grad(lambda p: sft_loss(cfg, p, batch, chunk_size), has_aux=True)
     (loss, count), grads = grad_fn(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    lr = opt.schedule(state.step)
+    params, opt_state = opt.step(grads, state.opt_state, state.params, lr)
     metrics = {
         "loss/nll": loss,
         "optim/grad_norm": optax.tree.norm(grads),
-        "optim/lr": schedule(state.step),
+        "optim/lr": lr,
         "data/completion_tokens": count,
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -296,9 +300,9 @@ def _evaluate(config, cfg, params, tokenizer, eval_set, pool, mesh, step: int) -
 
 def _state_and_step(config, cfg, params, mesh):
     """The initial TrainState on the mesh and the jitted update (state donated)."""
-    tx, schedule = make_optimizer(config.optim, config.train.num_steps)
+    opt = make_optimizer(config.optim, config.train.num_steps)
     state = TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(tx.init)(params)
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(opt.init)(params)
     )
     # Scalars (step, Adam's count) are placed on the mesh too: the step's outputs are, and
     # an input sharding that differs on the second call would compile the step again.
@@ -308,7 +312,7 @@ def _state_and_step(config, cfg, params, mesh):
         state,
     )
     step_fn = jax.jit(
-        lambda s, b: train_step(cfg, tx, schedule, config.train.logprob_chunk, s, b),
+        lambda s, b: train_step(cfg, opt, config.train.logprob_chunk, s, b),
         donate_argnums=0,
         out_shardings=(shardings, None),
     )

@@ -70,6 +70,7 @@ def _optimizer(c, learning_rate: float):
         b2=o.b2,
         eps=o.eps,
         max_grad_norm=o.max_grad_norm,
+        end_lr_ratio=o.end_lr_ratio,
     )
 
 

@@ -117,6 +117,7 @@ def base(tiny_model_dir):
             lambda c: setattr(c.optim, "micro_batches", 3),
             r"optim\.micro_batches=3 does not divide the 64 rows",
         ),
+        (lambda c: setattr(c.optim, "end_lr_ratio", -0.1), r"optim\.end_lr_ratio=-0\.1: must be"),
         (lambda c: setattr(c.eval, "correct_reward", "nope"), r"eval\.correct_reward='nope'"),
         (lambda c: setattr(c.rollout, "temperature", 0.0), r"rollout\.temperature=0\.0"),
         (

@@ -110,8 +110,24 @@ def test_config_errors_name_the_key(data_dir):
     with pytest.raises(sft.ConfigError, match=r"^train\.batch_size=12: not divisible"):
         sft.check_config(c)
     c = _tiny_config(data_dir)
+    c.optim.end_lr_ratio = 1.5
+    with pytest.raises(sft.ConfigError, match=r"^optim\.end_lr_ratio: must be in \[0, 1\]"):
+        sft.check_config(c)
+    c = _tiny_config(data_dir)
     with pytest.raises(TypeError, match=r"num_steps"):  # ConfigDict types its fields
         c.train.num_steps = "10"
+
+
+def test_optimizer_decays_matrices_not_stacked_norm_scales(data_dir):
+    """The stacked [L, D] norm scales are 2-D like a matrix: the decay mask goes by name."""
+    optim = _tiny_config(data_dir).optim
+    optim.learning_rate, optim.warmup_steps, optim.weight_decay = 0.1, 0, 0.5
+    opt = sft.make_optimizer(optim, num_steps=10)
+    params = {"layers": {"attn_norm": np.ones((2, 4), np.float32), "q": np.ones((2, 4, 3), np.float32)}}
+    grads = jax.tree.map(np.zeros_like, params)  # Adam's direction is 0: only decay moves
+    new, _ = opt.step(grads, opt.init(params), params, opt.schedule(0))
+    np.testing.assert_allclose(new["layers"]["attn_norm"], 1.0)
+    np.testing.assert_allclose(new["layers"]["q"], 1.0 - 0.1 * 0.5, rtol=1e-6)
 
 
 def test_shipped_tokenizer_is_character_level_and_rebuilds_identically(tmp_path):

@@ -94,16 +94,18 @@ def max_diff(a, b) -> float:
 
 # ---------------------------------------------------------------------------- optimizer
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
-def test_schedule_matches_formula(schedule):
+@pytest.mark.parametrize("end_ratio", [0.0, 0.1])
+def test_schedule_matches_formula(schedule, end_ratio):
     lr, warmup, total = 0.1, 4, 20
     opt = U.make_optimizer(learning_rate=lr, warmup_steps=warmup, total_steps=total,
-                           schedule=schedule)  # fmt: skip
+                           schedule=schedule, end_lr_ratio=end_ratio)  # fmt: skip
+    end = lr * end_ratio
     for s in (0, 2, 4, 9, 20):
         frac = (s - warmup) / (total - warmup)
         expected = {
             "constant": lr,
-            "cosine": lr * 0.5 * (1 + np.cos(np.pi * frac)),
-            "linear": lr * (1 - frac),
+            "cosine": end + (lr - end) * 0.5 * (1 + np.cos(np.pi * frac)),
+            "linear": lr - (lr - end) * frac,
         }[schedule] if s >= warmup else lr * s / warmup  # fmt: skip
         np.testing.assert_allclose(float(opt.schedule(jnp.int32(s))), expected, rtol=1e-6)
 

@@ -55,22 +55,29 @@ class Optimizer:
 
 
 def make_schedule(
-    learning_rate: float, warmup_steps: int, total_steps: int, schedule: str
+    learning_rate: float,
+    warmup_steps: int,
+    total_steps: int,
+    schedule: str,
+    end_lr_ratio: float = 0.0,
 ) -> Callable[[jax.Array], jax.Array]:
-    """Linear warmup from 0 over `warmup_steps`, then constant / cosine / linear decay to 0
-    at `total_steps` (all in trainer steps)."""
+    """Linear warmup from 0 over `warmup_steps`, then constant / cosine / linear decay to
+    `learning_rate * end_lr_ratio` at `total_steps` (all in trainer steps)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"optim.schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if warmup_steps < 0 or total_steps < 1:
         raise ValueError(
             f"optim.warmup_steps={warmup_steps}, total_steps={total_steps}: need >= 0 and >= 1"
         )
+    if not 0.0 <= end_lr_ratio <= 1.0:
+        raise ValueError(f"optim.end_lr_ratio={end_lr_ratio}: must be in [0, 1]")
+    end = learning_rate * end_lr_ratio
     if schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
-            0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1)
+            0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1), end
         )
     if schedule == "linear":
-        decay = optax.linear_schedule(learning_rate, 0.0, max(total_steps - warmup_steps, 1))
+        decay = optax.linear_schedule(learning_rate, end, max(total_steps - warmup_steps, 1))
     else:
         decay = optax.constant_schedule(learning_rate)
     if warmup_steps == 0:
@@ -99,8 +106,10 @@ def make_optimizer(
     b2: float = 0.999,
     eps: float = 1e-8,
     max_grad_norm: float | None = 1.0,
+    end_lr_ratio: float = 0.0,
 ) -> Optimizer:
-    """AdamW + clip_by_global_norm(max_grad_norm) (None or 0 = no clipping) + schedule."""
+    """AdamW + clip_by_global_norm(max_grad_norm) (None or 0 = no clipping) + schedule
+    (decaying to learning_rate * end_lr_ratio; the constant schedule ignores it)."""
     if learning_rate < 0 or weight_decay < 0:
         raise ValueError(
             f"optim.learning_rate={learning_rate}, weight_decay={weight_decay}: must be >= 0"
@@ -111,5 +120,5 @@ def make_optimizer(
     parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
-    sched = make_schedule(learning_rate, warmup_steps, total_steps, schedule)
+    sched = make_schedule(learning_rate, warmup_steps, total_steps, schedule, end_lr_ratio)
     return Optimizer(tx=optax.chain(*parts), schedule=lambda s: jnp.asarray(sched(s), jnp.float32))
