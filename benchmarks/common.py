@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import resource
 import subprocess
 import time
@@ -44,6 +45,13 @@ PRESETS = {
         head_dim=64,
     ),
 }
+
+
+def bool_flag(text: str) -> bool:
+    """argparse type for --flag=true / false."""
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
+    return text.lower() in ("true", "1")
 
 
 def preset_config(name: str) -> models.ModelConfig:

@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
+    bool_flag,
     device_name,
     measure_matmul_peak,
     peak_memory,
@@ -46,12 +47,6 @@ from jaxrl_llm import models, perf, run_config  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
-
-
-def _flag(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
-    return text.lower() in ("true", "1")
 
 
 def make_config(args, model_dir: str):
@@ -97,7 +92,7 @@ def main():
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--logprob-chunk", type=int, default=32)
     # model.scan_layers (trainer default true): unrolled, the update is ~5% faster here.
-    p.add_argument("--scan-layers", type=_flag, default=False)
+    p.add_argument("--scan-layers", type=bool_flag, default=False)
     # rollout.bucket_steps (trainer default 2): 4 pads the 18-token prompts to 20, not 24.
     p.add_argument("--bucket-steps", type=int, default=4, choices=(1, 2, 4, 8))
     # A fixed peak for the floor (e.g. 200 for these 2 cores' fast mode) instead of the best

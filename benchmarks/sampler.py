@@ -13,6 +13,7 @@ reported as a fraction of a measured device copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import block, device_name, peak_memory, preset_config, table  # noqa: E402
+from common import block, bool_flag, device_name, peak_memory, preset_config, table  # noqa: E402
 
 from jaxrl_llm import models, sampling  # noqa: E402
 
@@ -87,12 +88,17 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument(
+        "--scan-layers", type=bool_flag, default=False,
+        help="model.scan_layers (false: unrolled layers, one cache array per layer)",
+    )  # fmt: skip
     args = ap.parse_args()
 
-    cfg = preset_config(args.preset)
+    cfg = dataclasses.replace(preset_config(args.preset), scan_layers=args.scan_layers)
     print(
         f"device {device_name()}; {args.preset} ({cfg.num_params() / 1e6:.1f}M params); "
-        f"prompt {args.prompt}, {args.new} new tokens; {args.dtype}"
+        f"prompt {args.prompt}, {args.new} new tokens; {args.dtype}; "
+        f"scan_layers {args.scan_layers}"
     )
     params = models.init_params(cfg, seed=0, dtype=args.dtype)
     hf = None
