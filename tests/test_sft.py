@@ -123,7 +123,8 @@ def test_optimizer_decays_matrices_not_stacked_norm_scales(data_dir):
     optim = _tiny_config(data_dir).optim
     optim.learning_rate, optim.warmup_steps, optim.weight_decay = 0.1, 0, 0.5
     opt = sft.make_optimizer(optim, num_steps=10)
-    params = {"layers": {"attn_norm": np.ones((2, 4), np.float32), "q": np.ones((2, 4, 3), np.float32)}}
+    ones = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
+    params = {"layers": {"attn_norm": ones(2, 4), "q": ones(2, 4, 3)}}
     grads = jax.tree.map(np.zeros_like, params)  # Adam's direction is 0: only decay moves
     new, _ = opt.step(grads, opt.init(params), params, opt.schedule(0))
     np.testing.assert_allclose(new["layers"]["attn_norm"], 1.0)
