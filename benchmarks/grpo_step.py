@@ -43,7 +43,7 @@ from common import (  # noqa: E402
     uptime,
 )
 
-from jaxrl_llm import models, perf, run_config  # noqa: E402
+from jaxrl_llm import models, perf, run_config, sampling  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
@@ -66,6 +66,7 @@ def make_config(args, model_dir: str):
     c.rollout.max_new_tokens = args.new_tokens
     c.rollout.temperature = 1.0
     c.rollout.bucket_steps = args.bucket_steps
+    c.rollout.cache_segments = args.cache_segments
     c.rewards = {"gsm8k": 1.0}
     c.optim.micro_batches = args.micro_batches
     c.train.num_steps = args.warmup + args.steps
@@ -95,6 +96,8 @@ def main():
     p.add_argument("--scan-layers", type=bool_flag, default=False)
     # rollout.bucket_steps (trainer default 2): 4 pads the 18-token prompts to 20, not 24.
     p.add_argument("--bucket-steps", type=int, default=4, choices=(1, 2, 4, 8))
+    # rollout.cache_segments: decode loops over a growing KV cache (1 = one loop).
+    p.add_argument("--cache-segments", type=int, default=sampling.CACHE_SEGMENTS)
     # A fixed peak for the floor (e.g. 200 for these 2 cores' fast mode) instead of the best
     # one measured: runs on different days then share one floor.
     p.add_argument("--peak-gflops", type=float, default=0.0)
@@ -179,7 +182,8 @@ def main():
         f"prompt {med['prompt_len']:.1f} tokens (padded to {med['padded_len']:.0f}); "
         f"{med['new_tokens']:.0f} new tokens; beta {args.beta}; "
         f"micro-batches {args.micro_batches}, log-prob chunk {args.logprob_chunk}, "
-        f"scan_layers {args.scan_layers}, bucket steps {args.bucket_steps}; "
+        f"scan_layers {args.scan_layers}, bucket steps {args.bucket_steps}, "
+        f"cache segments {args.cache_segments}; "
         f"matmul peak {peak / 1e9:.1f} GFLOP/s{' (given)' if args.peak_gflops else ''}; "
         f"measured before the steps: {min(s['peak'] for s in steps) / 1e9:.1f}-"
         f"{max(s['peak'] for s in steps) / 1e9:.1f}"

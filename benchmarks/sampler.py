@@ -40,8 +40,8 @@ def copy_bandwidth(nbytes: int = 1 << 28) -> float:
     return 2 * nbytes * 5 / (time.perf_counter() - t0)
 
 
-def bench_ours(cfg, params, prompts, new, repeats):
-    kw = dict(max_new_tokens=new, temperature=1.0, seed=0)
+def bench_ours(cfg, params, prompts, new, repeats, cache_segments):
+    kw = dict(max_new_tokens=new, temperature=1.0, seed=0, cache_segments=cache_segments)
     t0 = time.perf_counter()
     block(sampling.generate(cfg, params, prompts, step=0, **kw).tokens)
     first = time.perf_counter() - t0
@@ -92,13 +92,17 @@ def main():
         "--scan-layers", type=bool_flag, default=False,
         help="model.scan_layers (false: unrolled layers, one cache array per layer)",
     )  # fmt: skip
+    ap.add_argument(
+        "--cache-segments", type=int, default=sampling.CACHE_SEGMENTS,
+        help="decode loops over a growing KV cache (rollout.cache_segments)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     cfg = dataclasses.replace(preset_config(args.preset), scan_layers=args.scan_layers)
     print(
         f"device {device_name()}; {args.preset} ({cfg.num_params() / 1e6:.1f}M params); "
         f"prompt {args.prompt}, {args.new} new tokens; {args.dtype}; "
-        f"scan_layers {args.scan_layers}"
+        f"scan_layers {args.scan_layers}; cache segments {args.cache_segments}"
     )
     params = models.init_params(cfg, seed=0, dtype=args.dtype)
     hf = None
@@ -118,7 +122,9 @@ def main():
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = np.random.RandomState(batch).randint(0, cfg.vocab_size, (batch, args.prompt))
-        first, t = bench_ours(cfg, params, prompts.tolist(), args.new, args.repeats)
+        first, t = bench_ours(
+            cfg, params, prompts.tolist(), args.new, args.repeats, args.cache_segments
+        )
         # Mean bytes a decode step reads: all weights + the average filled KV cache.
         step_bytes = weight_bytes + batch * kv_per_token * (args.prompt + args.new / 2)
         row = {

@@ -52,6 +52,7 @@ class RolloutSettings:
     seed: int
     overlong_buffer: int = 0  # L_c in tokens; 0 = no overlong penalty
     bucket_steps: int = 2  # prompt-length buckets per doubling (`sampling.bucket_length`)
+    cache_segments: int = sampling.CACHE_SEGMENTS  # decode loops over a growing KV cache
 
 
 def generate(model_cfg, params, batch, s: RolloutSettings, step: int, mesh=None, **overrides):
@@ -70,6 +71,7 @@ def generate(model_cfg, params, batch, s: RolloutSettings, step: int, mesh=None,
             pad_id=s.pad_id,
             seed=s.seed,
             bucket_steps=s.bucket_steps,
+            cache_segments=s.cache_segments,
             mesh=mesh,
             step=step,
         )

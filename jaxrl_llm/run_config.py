@@ -71,6 +71,11 @@ def base_config() -> ml_collections.ConfigDict:
     # per bucket: bucket_steps lengths per doubling (1: 16, 32, 64 ...; 2: 16, 24, 32, 48
     # ...; 4: 16, 20, 24, 28, 32, 40 ...; 8). More steps, less padding, more programs.
     c.rollout.bucket_steps = 2
+    # The decode loop runs in this many segments, each over a KV cache just long enough for
+    # its tokens (grown in between): a token's attention reads the filled slots plus at most
+    # a segment's worth, not the whole prompt + max_new_tokens cache, for that many compiled
+    # loop bodies (1 = one loop). Pays off most for long generations at large batch.
+    c.rollout.cache_segments = 4  # = sampling.CACHE_SEGMENTS
 
     c.algo = _algo_defaults()
 
@@ -220,6 +225,10 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
     _check(
         r.bucket_steps in BUCKET_STEPS,
         f"rollout.bucket_steps={r.bucket_steps!r}: expected one of {BUCKET_STEPS}",
+    )
+    _check(
+        isinstance(r.cache_segments, int) and r.cache_segments >= 1,
+        f"rollout.cache_segments={r.cache_segments!r}: must be an integer >= 1 (1 = one loop)",
     )
     try:
         algo = algo_config(config)

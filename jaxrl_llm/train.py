@@ -112,6 +112,7 @@ class Run:
             top_p=c.rollout.top_p,
             stop_ids=_stop_ids(self.tokenizer, c.rollout.stop_tokens),
             bucket_steps=c.rollout.bucket_steps,
+            cache_segments=c.rollout.cache_segments,
             pad_id=pad,
             seed=c.train.seed,
             overlong_buffer=(

@@ -125,6 +125,10 @@ def base(tiny_model_dir):
             r"rollout\.bucket_steps=3: expected one of \(1, 2, 4, 8\)",
         ),
         (
+            lambda c: setattr(c.rollout, "cache_segments", 0),
+            r"rollout\.cache_segments=0: must be an integer >= 1",
+        ),
+        (
             # 8190 fits max_position_embeddings 8192 only with the 64-token bucket.
             lambda c: (
                 setattr(c.rollout, "bucket_steps", 4),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_reference import VOCAB, hf_model
 
-from jaxrl_llm import models, parallel, rollout, sampling
+from jaxrl_llm import models, parallel, rollout, run_config, sampling
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42, 43, 44]]
 
@@ -238,6 +238,61 @@ def test_unrolled_layers_per_layer_cache(tiny):
         np.testing.assert_allclose(grouped.v[layer], scanned.v[layer], atol=1e-5)
 
 
+def test_cache_lengths():
+    assert sampling.cache_lengths(64, 128, 4) == (96, 128, 160, 192)
+    assert sampling.cache_lengths(20, 64, 4) == (40, 56, 72, 84)  # multiples of 8, then full
+    assert sampling.cache_lengths(16, 20, 1) == (36,)
+    assert sampling.cache_lengths(16, 3, 8) == (19,)  # rounded past the full length: one
+    assert sampling.cache_lengths(16, 1, 4) == (17,)  # no decode step
+    assert run_config.base_config().rollout.cache_segments == sampling.CACHE_SEGMENTS
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_cache_segments_same_samples(tiny, scan_layers):
+    """Decoding in segments over a growing cache gives the samples of one loop over the
+    full cache: greedy as HF generate, sampled tokens and log-probs as one segment (also
+    sharded, and with rows stopping early)."""
+    model, cfg, params = tiny("qwen3")
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
+    assert sampling.cache_lengths(16, 20, 3) == (24, 32, 36)  # PROMPTS' bucket is 16
+    greedy = sampling.generate(cfg, params, PROMPTS, 20, temperature=0.0, cache_segments=3)
+    np.testing.assert_array_equal(np.asarray(greedy.tokens), hf_greedy(model, PROMPTS, 20))
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded_params = jax.device_put(params, models.param_shardings(cfg, mesh))
+    for stop_ids in [(), tuple(range(0, VOCAB, 7))]:  # the second ends most rows early
+        kw = dict(max_new_tokens=20, num_samples=2, seed=5, step=0, stop_ids=stop_ids)
+        ref = sampling.generate(cfg, params, PROMPTS, **kw)
+        for out in (
+            sampling.generate(cfg, params, PROMPTS, cache_segments=3, **kw),
+            sampling.generate(cfg, sharded_params, PROMPTS, mesh=mesh, cache_segments=3, **kw),
+        ):
+            for field in ("tokens", "lengths", "finish"):
+                np.testing.assert_array_equal(getattr(out, field), getattr(ref, field))
+            np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
+        if stop_ids:
+            assert (np.asarray(ref.finish) == sampling.FINISH_STOP).sum() >= 4
+
+
+def test_grow_cache():
+    cfg = models.ModelConfig("Qwen3ForCausalLM", 32, 16, 32, 2, 2, 1, 8)
+    for c in (cfg, dataclasses.replace(cfg, scan_layers=False)):
+        cache = models.init_cache(c, 3, 5)
+        cache = cache.replace(
+            k=jax.tree.map(lambda a: a + 1, cache.k), valid=cache.valid.at[:, :2].set(True)
+        )
+        grown = models.grow_cache(cache, 9)
+        assert grown.max_len == 9 and grown.valid.shape == (3, 9)
+        assert not np.asarray(grown.valid)[:, 2:].any() and np.asarray(grown.valid)[:, :2].all()
+        for old, new in zip(jax.tree.leaves(cache.k), jax.tree.leaves(grown.k), strict=True):
+            assert new.shape[-1] == 9
+            np.testing.assert_array_equal(new[..., :5], old)
+            assert not np.asarray(new[..., 5:]).any()
+        for v in jax.tree.leaves(grown.v):
+            assert v.shape[-2:] == (9, 8)
+        with pytest.raises(ValueError, match="max_len 4 < the cache's 5 slots"):
+            models.grow_cache(cache, 4)
+
+
 def test_stop_ids_end_rows(tiny):
     _, cfg, params = tiny("llama")
     free = np.asarray(sampling.generate(cfg, params, PROMPTS, 10, temperature=0.0).tokens)
@@ -300,6 +355,9 @@ def test_trainer_rollout_pads_to_its_bucket_steps(tiny):
         out = rollout.generate(cfg, params, batch, dataclasses.replace(s, bucket_steps=steps), 0)
         assert out.prompt_tokens.shape[1] == width, steps
         np.testing.assert_array_equal(np.asarray(out.prompt_mask).sum(1), lengths)
+    # rollout.cache_segments reaches the sampler: a bad value is its error.
+    with pytest.raises(ValueError, match="cache_segments=0"):
+        rollout.generate(cfg, params, batch, dataclasses.replace(s, cache_segments=0), 0)
 
 
 def test_key_from_seed_and_step(tiny):
@@ -325,6 +383,7 @@ def test_key_from_seed_and_step(tiny):
         (dict(temperature=-1.0), r"temperature=-1.0"),
         (dict(stop_ids=(VOCAB,)), r"stop_ids: 96 is outside"),
         (dict(max_new_tokens=250), r"exceeds the model's max_position_embeddings 256"),
+        (dict(cache_segments=0), r"cache_segments=0: must be >= 1"),
     ],
 )
 def test_bad_arguments(tiny, kwargs, message):

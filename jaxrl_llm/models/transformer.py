@@ -401,6 +401,30 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     )
 
 
+def grow_cache(cache: KVCache, max_len: int) -> KVCache:
+    """The cache with room for `max_len` slots: empty (invalid) slots appended.
+
+    Attention reads every slot of the cache it is given, filled or not; a decode loop in
+    segments (`sampling`) starts with a short cache and grows it between segments, so each
+    token reads only about as many slots as are filled. One copy of the cache per call."""
+    pad = max_len - cache.max_len
+    if pad < 0:
+        raise ValueError(f"grow_cache: max_len {max_len} < the cache's {cache.max_len} slots")
+    if pad == 0:
+        return cache
+
+    def grow(c, axis):  # axis from the end: the slot axis of k [.., H, S] / v [.., S, H]
+        widths = [(0, 0)] * c.ndim
+        widths[c.ndim - axis] = (0, pad)
+        return jnp.pad(c, widths)
+
+    return cache.replace(
+        k=jax.tree.map(lambda c: grow(c, 1), cache.k),
+        v=jax.tree.map(lambda c: grow(c, 2), cache.v),
+        valid=grow(cache.valid, 1),
+    )
+
+
 # ------------------------------------------------------------------------ functional API
 @functools.lru_cache(maxsize=32)
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32):

@@ -8,11 +8,13 @@ out = sampling.generate(cfg, params, prompts, max_new_tokens=64, num_samples=8,
 
 from jaxrl_llm.sampling.sampler import (
     BUCKET_STEPS,
+    CACHE_SEGMENTS,
     FINISH_LENGTH,
     FINISH_STOP,
     SampleOutput,
     SamplingParams,
     bucket_length,
+    cache_lengths,
     generate,
     pad_prompts,
     prefill_groups,
@@ -21,11 +23,13 @@ from jaxrl_llm.sampling.sampling import sample_tokens, top_k_mask, top_p_mask
 
 __all__ = [
     "BUCKET_STEPS",
+    "CACHE_SEGMENTS",
     "FINISH_LENGTH",
     "FINISH_STOP",
     "SampleOutput",
     "SamplingParams",
     "bucket_length",
+    "cache_lengths",
     "generate",
     "pad_prompts",
     "prefill_groups",

@@ -2,7 +2,8 @@
 
     prefill B prompts once -> broadcast each prompt's KV cache to its G rows
     -> lax.while_loop of single-token decode steps until every row has stopped
-       (a stop id) or max_new_tokens
+       (a stop id) or max_new_tokens: one loop per cache segment, the cache grown
+       between them (`cache_lengths`)
 
 Everything stays on device; the loop never syncs with the host. Prompts are left-padded to
 a bucket length (16, 24, 32, 48, 64, ... by default: `bucket_length`) so a training run
@@ -36,6 +37,7 @@ FINISH_STOP, FINISH_LENGTH = 1, 2
 MIN_BUCKET = 16
 _call_counters: dict[int, itertools.count] = collections.defaultdict(itertools.count)
 TRACES = collections.Counter()  # compiled programs, by prompt bucket: for tests and logs
+CACHE_SEGMENTS = 4  # default decode segments (`cache_lengths`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     stop_ids: tuple[int, ...] = ()
     pad_id: int = 0
+    cache_segments: int = CACHE_SEGMENTS  # decode loops over a growing cache (`cache_lengths`)
 
 
 @struct.dataclass
@@ -99,6 +102,23 @@ def bucket_length(n: int, steps: int = 2) -> int:
     return lower + -(-(n - lower) // step) * step
 
 
+def cache_lengths(prompt_len: int, max_new_tokens: int, segments: int) -> tuple[int, ...]:
+    """KV cache length of each decode segment; the last is prompt_len + max_new_tokens.
+
+    A decode step's attention reads every slot of its cache, filled or not. With
+    `segments` > 1 the decode loop runs in that many parts, each over a cache just long
+    enough for its steps (lengths rounded up to a multiple of 8) and grown in between
+    (`models.grow_cache`, one copy of the cache): a token reads the filled slots plus at
+    most a segment's worth instead of the full length, for up to `segments` compiled loop
+    bodies instead of one. Prompt 64 + 128 new tokens at batch 128 (25M model, 2 CPU
+    cores): 4 segments decode ~9% faster than 1.
+    """
+    full = prompt_len + max_new_tokens
+    n = max(1, min(segments, max_new_tokens - 1))
+    ends = (prompt_len + -(-max_new_tokens * i // n) for i in range(1, n + 1))
+    return tuple(sorted({min(full, -(-e // 8) * 8) for e in ends}))
+
+
 def _constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
     if mesh is None:
         return cache
@@ -145,16 +165,15 @@ def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, seed_ind
     # be an implicit transfer, an error under jax.transfer_guard("disallow").
     key = jax.random.fold_in(jax.random.key(seed_index[0]), seed_index[1])
     T, G = sp.max_new_tokens, sp.num_samples
-    logits, cache = prefill_groups(
-        cfg, params, prompt_ids, prompt_mask, G, prompt_ids.shape[1] + T, mesh
-    )
+    lengths = cache_lengths(prompt_ids.shape[1], T, sp.cache_segments)
+    logits, cache = prefill_groups(cfg, params, prompt_ids, prompt_mask, G, lengths[0], mesh)
     N = logits.shape[0]
     stop_ids = jnp.asarray(sp.stop_ids or (-1,), jnp.int32)
     sample = lambda k, lg: sample_tokens(k, lg, sp.temperature, sp.top_k, sp.top_p)  # noqa: E731
 
     first, first_lp = sample(jax.random.fold_in(key, 0), logits)
     stopped = jnp.isin(first, stop_ids)
-    state = _Loop(
+    s = _Loop(
         t=jnp.int32(1),
         tokens=jnp.full((N, T), sp.pad_id, jnp.int32).at[:, 0].set(first),
         logprobs=jnp.zeros((N, T), jnp.float32).at[:, 0].set(first_lp),
@@ -164,9 +183,6 @@ def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, seed_ind
         last=first,
         cache=cache,
     )
-
-    def cond(s: _Loop):
-        return (s.t < T) & ~jnp.all(s.done)
 
     # A per-layer cache (scan_layers=False) runs the layers unrolled: their parameters are
     # sliced once here, not in every decode step (XLA did not hoist those copies).
@@ -189,7 +205,13 @@ def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, seed_ind
             cache=_constrain_cache(cache, mesh),
         )
 
-    s = jax.lax.while_loop(cond, body, state)
+    # One loop per cache segment: step t writes slot P + t - 1, so a cache of S slots
+    # serves the steps t <= S - P; then it grows to the next segment's length.
+    for i, S in enumerate(lengths):
+        if i:
+            s = s.replace(cache=_constrain_cache(models.grow_cache(s.cache, S), mesh))
+        end = min(T, S - prompt_ids.shape[1] + 1)
+        s = jax.lax.while_loop(lambda s, end=end: (s.t < end) & ~jnp.all(s.done), body, s)
     mask = jnp.arange(T)[None, :] < s.lengths[:, None]
     return SampleOutput(
         tokens=jnp.where(mask, s.tokens, sp.pad_id),
@@ -254,12 +276,14 @@ def generate(
     step: int | None = None,
     pad_id: int = 0,
     bucket_steps: int = 2,
+    cache_segments: int = CACHE_SEGMENTS,
 ) -> SampleOutput:
     """Samples `num_samples` completions per prompt. See `SampleOutput` for the result.
 
     prompts: list of token-id lists. temperature 0 = greedy. step: the call index the
     random key is derived from (default: a per-seed counter of calls). bucket_steps: prompt
-    length buckets per doubling (`bucket_length`). With several JAX
+    length buckets per doubling (`bucket_length`). cache_segments: decode loops over a
+    growing KV cache (`cache_lengths`). With several JAX
     processes, each passes its own share of the prompts (the same count on every process)
     and gets the global output; `parallel.local_rows` fetches its own rows.
     """
@@ -271,6 +295,7 @@ def generate(
         float(top_p),
         tuple(int(s) for s in stop_ids),
         int(pad_id),
+        int(cache_segments),
     )
     _validate(cfg, sp)
     multi = mesh is not None and jax.process_count() > 1
@@ -315,6 +340,8 @@ def _validate(cfg, sp: SamplingParams) -> None:
         raise ValueError(f"temperature={sp.temperature}: must be >= 0 (0 = greedy)")
     if sp.top_k < 0:
         raise ValueError(f"top_k={sp.top_k}: must be >= 0 (0 = off)")
+    if sp.cache_segments < 1:
+        raise ValueError(f"cache_segments={sp.cache_segments}: must be >= 1 (1 = one loop)")
     if not 0.0 < sp.top_p <= 1.0:
         raise ValueError(f"top_p={sp.top_p}: must be in (0, 1]")
     for s in sp.stop_ids:
