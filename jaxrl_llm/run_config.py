@@ -74,7 +74,8 @@ def base_config() -> ml_collections.ConfigDict:
     # The decode loop runs in this many segments, each over a KV cache just long enough for
     # its tokens (grown in between): a token's attention reads the filled slots plus at most
     # a segment's worth, not the whole prompt + max_new_tokens cache, for that many compiled
-    # loop bodies (1 = one loop). Pays off most for long generations at large batch.
+    # loop bodies (1 = one loop). Pays off most for long generations at large batch. While
+    # the cache grows the old and new one coexist: peak KV memory under 2x one full cache.
     c.rollout.cache_segments = 4  # = sampling.CACHE_SEGMENTS
 
     c.algo = _algo_defaults()
