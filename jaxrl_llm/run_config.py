@@ -49,7 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.path = "quickstart"  # HF model dir, or a built-in name (quickstart)
     c.model.tokenizer = ""  # tokenizer dir; "" = model.path
     c.model.ref_path = ""  # reference model dir; "" = the initial policy
-    c.model.dtype = "float32"  # parameter dtype: float32 | bfloat16
+    c.model.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
     c.model.remat = "none"  # none | full | dots | dots_no_batch
     # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
     # grows with depth, sampling holds a second copy of the layer weights).

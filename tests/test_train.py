@@ -37,6 +37,30 @@ def test_every_algorithm_runs_two_steps(model_dir, tmp_path, name):
         assert "loss/value" in last
 
 
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_bfloat16_model_trains_and_resumes(model_dir, tmp_path, name):
+    """model.dtype=bfloat16 (the GPU / TPU configs): bf16 parameters with a float32 master
+    copy and moments in the optimizer state (`rl.MasterWeights`), finite steps, and a
+    checkpoint that resumes."""
+    c = tiny_config(model_dir, name=name)
+    c.model.dtype = "bfloat16"
+    c.checkpoint.every = 1
+    if name == "ppo":
+        c.rollout.num_generations = 1
+        c.rollout.batch_size = 8
+    last = train.train(c, str(tmp_path))
+    assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0
+    with checkpoint.Checkpointer(str(tmp_path / "checkpoints"), read_only=True) as ck:
+        saved = ck.abstract_state()
+    assert {x.dtype for x in jax.tree.leaves(saved["params"])} == {np.dtype("bfloat16")}
+    opt_dtypes = {x.dtype for x in jax.tree.leaves(saved["opt_state"])}
+    assert np.dtype("bfloat16") not in opt_dtypes and np.dtype("float32") in opt_dtypes
+    c.train.num_steps = 3
+    resumed = train.train(c, str(tmp_path))  # restores step 2, runs step 3
+    assert np.isfinite(resumed["loss/total"]) and resumed["optim/nonfinite"] == 0.0
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_sigterm_and_resume_equal_a_straight_run(model_dir, tmp_path, monkeypatch):
     c = tiny_config(model_dir)  # grpo with a reference model: beta 0.04
     c.train.num_steps = 6

@@ -137,6 +137,37 @@ def test_optimizer_step_matches_numpy_adamw():
         np.testing.assert_allclose(np.asarray(params[k]), ref[k], rtol=1e-5, atol=1e-6)
 
 
+def test_bfloat16_params_update_through_float32_master():
+    """bf16 parameters: the optimizer keeps a float32 master copy; the moments and updates
+    are float32 and land on it, and the parameters are its rounding. Updates far below
+    bf16's rounding step (lr 1e-4 on weights ~1, ulp 2^-7) accumulate instead of
+    vanishing: the same trajectory as float32 parameters."""
+    rng = np.random.default_rng(1)
+    p32 = {
+        "w": (1 + 0.1 * rng.normal(size=(3, 4))).astype(np.float32),
+        "q_norm": np.ones(4, np.float32),
+    }
+    p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), p32)
+    opt = U.make_optimizer(learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0)
+    ref, ref_state = p32, opt.init(p32)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
+    state = opt.init(params)
+    assert isinstance(state, rl.MasterWeights) and not isinstance(ref_state, rl.MasterWeights)
+    step = jax.jit(opt.step)
+    for _ in range(60):
+        g = jax.tree.map(lambda x: jnp.asarray(0.5 + rng.random(x.shape), jnp.float32), p32)
+        ref, ref_state = step(g, ref_state, ref, jnp.float32(1e-4))
+        params, state = step(g, state, params, jnp.float32(1e-4))  # float32 grads, as summed
+    for k in p32:
+        assert params[k].dtype == jnp.bfloat16 and state.master[k].dtype == jnp.float32
+        np.testing.assert_array_equal(state.master[k], ref[k])
+        np.testing.assert_array_equal(params[k], state.master[k].astype(jnp.bfloat16))
+    for leaf in jax.tree.leaves(state.inner):
+        assert leaf.dtype in (jnp.float32, jnp.int32)
+    # ~60 x 1e-4 moved every weight by more than half a bf16 step: the parameters changed.
+    assert np.all(np.asarray(params["w"], np.float32) != np.asarray(p32["w"]))
+
+
 # ----------------------------------------------------------------------------- logprobs
 def numpy_logprobs(params, batch, temperature):
     """log softmax(logits / tau)[token] in float64 from the full [N, P + T, V] logits."""

@@ -88,7 +88,7 @@ __all__ = [
 from jaxrl_llm.rl import batch, critic, optim, update  # noqa: E402
 from jaxrl_llm.rl.batch import Batch, batch_from_rollout, make_logprob_fn  # noqa: E402
 from jaxrl_llm.rl.critic import init_critic  # noqa: E402
-from jaxrl_llm.rl.optim import Optimizer, make_optimizer  # noqa: E402
+from jaxrl_llm.rl.optim import MasterWeights, Optimizer, make_optimizer  # noqa: E402
 from jaxrl_llm.rl.update import TrainState, init_train_state, make_update_fn  # noqa: E402
 
 __all__ += [
@@ -101,6 +101,7 @@ __all__ += [
     "init_critic",
     "init_train_state",
     "make_logprob_fn",
+    "MasterWeights",
     "make_optimizer",
     "make_update_fn",
     "optim",
