@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import VOCAB, hf_model
+from tiny_run import tiny_model_config
 
 from jaxrl_llm import models, parallel, rollout, run_config, sampling
 
@@ -274,7 +275,7 @@ def test_cache_segments_same_samples(tiny, scan_layers):
 
 
 def test_grow_cache():
-    cfg = models.ModelConfig("Qwen3ForCausalLM", 32, 16, 32, 2, 2, 1, 8)
+    cfg = tiny_model_config()
     for c in (cfg, dataclasses.replace(cfg, scan_layers=False)):
         cache = models.init_cache(c, 3, 5)
         cache = cache.replace(
