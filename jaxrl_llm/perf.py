@@ -65,6 +65,7 @@ def step_flops(
     new_tokens: float,
     reference: bool,
     update_forwards: int,
+    reference_shares_prompts: bool = False,
 ) -> dict[str, float]:
     """Model FLOPs of one RL step, by phase: the least math the step needs.
 
@@ -74,14 +75,20 @@ def step_flops(
     sequence forward (reference, old policy, update) runs over prompt + completion minus
     its last token and projects only the completion positions; the update costs
     `update_forwards` of those (`UpdateFn.forward_passes`: 3 per forward + backward pass,
-    +1 when old-policy log-probs are recomputed).
+    +1 when old-policy log-probs are recomputed). reference_shares_prompts: the reference
+    forward reads each prompt once (`rl.batch.shared_prompt_logprobs`), then the
+    completions of every row against it.
     """
     P, T = float(prompt_len), float(new_tokens)
     prefill = prompts * forward_flops(model_cfg, P, (P + 1) / 2, 1)
     decode = rows * forward_flops(model_cfg, max(T - 1, 0), P + T / 2, max(T - 1, 0))
     seq = rows * forward_flops(model_cfg, P + T - 1, (P + T) / 2, T)
+    ref = seq
+    if reference_shares_prompts:
+        completions = rows * forward_flops(model_cfg, max(T - 1, 0), P + T / 2, T)
+        ref = prompts * forward_flops(model_cfg, P, (P + 1) / 2, 0) + completions
     return {
         "sample": prefill + decode,
-        "reference": seq if reference else 0.0,
+        "reference": ref if reference else 0.0,
         "update": seq * update_forwards,
     }

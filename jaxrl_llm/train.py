@@ -167,6 +167,7 @@ class Run:
                 temperature=temp,
                 chunk_size=c.train.logprob_chunk,
                 micro_batches=o.micro_batches * o.mini_batches,  # the update's row slices
+                group=c.rollout.num_generations,  # a group's samples share their prompt
             )
             if self.algo.needs_ref
             else None
@@ -230,6 +231,7 @@ class Run:
             new_tokens=float(ro.lengths.mean()),
             reference=self.ref_fn is not None,
             update_forwards=self.update.forward_passes,
+            reference_shares_prompts=self.settings.num_generations > 1,
         )
         return {
             "perf/step_s": step_s,

@@ -55,6 +55,17 @@ def test_step_flops_equal_a_walk_over_every_token():
         update_forwards=3,
     )  # fmt: skip
     assert no_ref["reference"] == 0.0
+    # A reference that reads each prompt once: the prompt per group (nothing projected),
+    # then every row's completion inputs against it (contexts P + 1 ...), T projected.
+    shared = perf.step_flops(
+        cfg, rows=rows, prompts=prompts, prompt_len=P, new_tokens=T, reference=True,
+        update_forwards=3, reference_shares_prompts=True,
+    )  # fmt: skip
+    expected = prompts * count_forward(cfg, range(1, P + 1), 0) + rows * count_forward(
+        cfg, range(P + 1, P + T), T
+    )
+    np.testing.assert_allclose(shared["reference"], expected, rtol=1e-12)
+    assert shared["update"] == got["update"] and shared["sample"] == got["sample"]
 
 
 def test_untied_and_tied_models_both_count_the_output_projection():

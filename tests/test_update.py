@@ -191,6 +191,41 @@ def test_logprob_fn_matches_numpy_and_sampler(params, host_batch):
     assert np.all(logp[~b.mask] == 0)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+def test_shared_prompt_logprobs_equal_the_full_forward(params, host_batch, scan_layers, sharded):
+    """Each prompt read once into a cache, the G rows' completions extended from it ==
+    every row's prompt + completion through the full forward (the path tested against
+    numpy above): ragged prompts (left padding) and completions, 2 row slices."""
+    cfg = tiny_model_config(scan_layers=scan_layers)
+    b = host_batch
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if sharded else None
+    p = params if mesh is None else jax.device_put(params, models.param_shardings(cfg, mesh))
+    d = on_device(b, mesh)
+    args = (p, d.prompt_tokens, d.prompt_mask, d.tokens, d.mask)
+    kw = dict(temperature=TEMPERATURE, chunk_size=4, micro_batches=2)
+    full_fn, shared_fn = U.make_logprob_fn(cfg, **kw), U.make_logprob_fn(cfg, **kw, group=G)
+    full, shared = np.asarray(full_fn(*args)), np.asarray(shared_fn(*args))
+    assert np.abs(full[b.mask]).min() > 0.1  # real log-probs, not zeros
+    np.testing.assert_allclose(shared[b.mask], full[b.mask], atol=1e-5)
+    assert np.all(shared[~b.mask] == 0)
+    # Only a group's first row's prompt is read: another prompt in row 1 changes the full
+    # forward's row 1 (so the comparison above can see prompts), not the shared one.
+    other = b.prompt_tokens.copy()
+    other[1] = (other[1] + 1) % cfg.vocab_size
+    args = (p, jnp.asarray(other), d.prompt_mask, d.tokens, d.mask)
+    assert np.abs(np.asarray(full_fn(*args))[1] - full[1])[b.mask[1]].max() > 1e-3
+    np.testing.assert_array_equal(np.asarray(shared_fn(*args)), shared)
+
+
+def test_shared_prompt_logprobs_need_whole_groups(params, host_batch):
+    b = host_batch
+    with pytest.raises(ValueError, match="16 rows are not groups of 3"):
+        rl.batch.shared_prompt_logprobs(
+            CFG, params, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask, group=3
+        )
+
+
 # -------------------------------------------------------------------- micro-batch, guard
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo"])  # seq-mean-token-mean / -sum-norm
 def test_micro_batches_equal_one_big_batch(params, host_batch, preset):

@@ -111,22 +111,87 @@ def map_rows(fn, rows, k: int):
     return merge_rows(jax.lax.map(fn, split_rows(rows, k)))
 
 
+def shared_prompt_logprobs(
+    model_cfg,
+    params,
+    prompt_tokens,
+    prompt_mask,
+    tokens,
+    mask,
+    *,
+    group: int,
+    micro_batches: int = 1,
+    temperature: float = 1.0,
+    chunk_size: int = 128,
+):
+    """`sequence_logprobs` (log-probs only, no gradient) reading each prompt once.
+
+    Rows come in groups of `group` consecutive rows with the same prompt (the G samples
+    of a GRPO group): the prompts are prefilled once into a KV cache ([N / group] rows),
+    and each row slice (`map_rows`) extends its rows' copies of that cache with the
+    completions. The layers then run over N / group prompts instead of N, e.g. 7/8 of
+    the prompt's share of a reference forward is saved with 8 samples per prompt. The
+    rows of a group must share prompt_tokens and prompt_mask; only the group's first
+    row's prompt is read.
+    """
+    n, p = prompt_tokens.shape
+    t = tokens.shape[1]
+    if group < 1 or n % group:
+        raise ValueError(f"shared_prompt_logprobs: {n} rows are not groups of {group}")
+    cache = models.init_cache(model_cfg, n // group, p + t - 1, params["embed"].dtype)
+    hidden, cache = models.extend(
+        model_cfg, params, prompt_tokens[::group], prompt_mask[::group], cache
+    )
+    last = hidden[:, -1]  # prompts are left-padded: the last column is the last real token
+    w = models.unembed_matrix(model_cfg, params)
+
+    def one(rows):
+        tok, msk, grp = rows
+
+        def take(x, axis):
+            return jnp.take(x, grp, axis=axis)
+
+        rows_cache = cache.replace(
+            k=jax.tree.map(lambda c: take(c, c.ndim - 4), cache.k),  # the batch axis
+            v=jax.tree.map(lambda c: take(c, c.ndim - 4), cache.v),
+            valid=take(cache.valid, 0),
+            pos=take(cache.pos, 0),
+        )
+        # The last completion token predicts nothing: extend with the first t - 1.
+        h, _ = models.extend(model_cfg, params, tok[:, :-1], msk[:, :-1], rows_cache)
+        h = jnp.concatenate([take(last, 0)[:, None], h], axis=1)
+        logp, _ = token_logprobs(h, w, tok, temperature=temperature, chunk_size=chunk_size)
+        return jnp.where(msk.astype(bool), logp, 0.0)
+
+    groups = jnp.arange(n, dtype=jnp.int32) // group
+    return map_rows(one, (tokens, mask, groups), micro_batches)
+
+
 def make_logprob_fn(
-    model_cfg, temperature: float = 1.0, chunk_size: int = 128, micro_batches: int = 1
+    model_cfg,
+    temperature: float = 1.0,
+    chunk_size: int = 128,
+    micro_batches: int = 1,
+    group: int = 1,
 ):
     """Jitted (params, prompt_tokens, prompt_mask, tokens, mask) -> logp [N, T] (no grad).
 
     For the reference model and old-policy recomputes; micro_batches bounds the memory of
-    the forward (N must be a multiple of it).
+    the forward (N must be a multiple of it). group > 1: every `group` consecutive rows
+    share their prompt, which is then read once (`shared_prompt_logprobs`).
     """
 
-    def fn(params, prompt_tokens, prompt_mask, tokens, mask):
-        def one(r):
-            return sequence_logprobs(
-                model_cfg, params, *r, temperature=temperature, chunk_size=chunk_size
-            )[0]
+    kw = dict(temperature=temperature, chunk_size=chunk_size)
 
+    def fn(params, prompt_tokens, prompt_mask, tokens, mask):
         rows = (prompt_tokens, prompt_mask, tokens, mask)
-        return jax.lax.stop_gradient(map_rows(one, rows, micro_batches))
+        if group > 1 and tokens.shape[1] > 1:
+            logp = shared_prompt_logprobs(
+                model_cfg, params, *rows, group=group, micro_batches=micro_batches, **kw
+            )
+        else:
+            one = lambda r: sequence_logprobs(model_cfg, params, *r, **kw)[0]  # noqa: E731
+            logp = map_rows(one, rows, micro_batches)
+        return jax.lax.stop_gradient(logp)
 
     return jax.jit(fn)
