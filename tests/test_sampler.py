@@ -294,6 +294,30 @@ def test_grow_cache():
             models.grow_cache(cache, 4)
 
 
+def test_cache_rows():
+    cfg = tiny_model_config()
+    row = np.arange(3).reshape(3, 1, 1, 1)  # each row's arrays hold its own index
+    for c in (cfg, dataclasses.replace(cfg, scan_layers=False)):
+        cache = models.init_cache(c, 3, 5)
+        cache = cache.replace(
+            k=jax.tree.map(lambda a: a + row, cache.k),
+            v=jax.tree.map(lambda a: a - row, cache.v),
+            valid=cache.valid.at[1, :2].set(True),
+            pos=jnp.asarray([4, 5, 6], jnp.int32),
+        )
+        picked = models.cache_rows(cache, jnp.asarray([2, 1, 1, 0]))
+        for k, v in zip(jax.tree.leaves(picked.k), jax.tree.leaves(picked.v), strict=True):
+            assert k.shape[-4] == 4
+            # every entry of row i is +-(its source row): min == max == that
+            for x, sign in ((np.asarray(k), 1), (np.asarray(v), -1)):
+                want = np.broadcast_to(sign * np.array([2, 1, 1, 0]), x.shape[:-3])
+                np.testing.assert_array_equal(x.max(axis=(-1, -2, -3)), want)
+                np.testing.assert_array_equal(x.min(axis=(-1, -2, -3)), want)
+        np.testing.assert_array_equal(picked.valid.sum(-1), [0, 2, 2, 0])
+        np.testing.assert_array_equal(picked.pos, [6, 5, 5, 4])
+        assert int(picked.index) == int(cache.index)
+
+
 def test_stop_ids_end_rows(tiny):
     _, cfg, params = tiny("llama")
     free = np.asarray(sampling.generate(cfg, params, PROMPTS, 10, temperature=0.0).tokens)

@@ -22,6 +22,7 @@ from jaxrl_llm.models.params import (
 from jaxrl_llm.models.partitioning import DEFAULT_RULES, logical_to_sharding, logical_to_spec
 from jaxrl_llm.models.transformer import (
     KVCache,
+    cache_rows,
     decode_step,
     default_positions,
     extend,
@@ -48,6 +49,7 @@ __all__ = [
     "default_positions",
     "extend",
     "forward",
+    "cache_rows",
     "grow_cache",
     "init_cache",
     "init_params",

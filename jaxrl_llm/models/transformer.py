@@ -401,6 +401,21 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     )
 
 
+def cache_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """The cache of rows `rows` [B'] (indices into its B rows; repeats allowed), e.g. one
+    prefilled prompt's cache for each of its G samples."""
+
+    def take(x, axis):
+        return jnp.take(x, rows, axis=axis)
+
+    return cache.replace(
+        k=jax.tree.map(lambda c: take(c, c.ndim - 4), cache.k),  # the batch axis
+        v=jax.tree.map(lambda c: take(c, c.ndim - 4), cache.v),
+        valid=take(cache.valid, 0),
+        pos=take(cache.pos, 0),
+    )
+
+
 def grow_cache(cache: KVCache, max_len: int) -> KVCache:
     """The cache with room for `max_len` slots: empty (invalid) slots appended.
 

@@ -147,19 +147,10 @@ def shared_prompt_logprobs(
 
     def one(rows):
         tok, msk, grp = rows
-
-        def take(x, axis):
-            return jnp.take(x, grp, axis=axis)
-
-        rows_cache = cache.replace(
-            k=jax.tree.map(lambda c: take(c, c.ndim - 4), cache.k),  # the batch axis
-            v=jax.tree.map(lambda c: take(c, c.ndim - 4), cache.v),
-            valid=take(cache.valid, 0),
-            pos=take(cache.pos, 0),
-        )
+        rows_cache = models.cache_rows(cache, grp)
         # The last completion token predicts nothing: extend with the first t - 1.
         h, _ = models.extend(model_cfg, params, tok[:, :-1], msk[:, :-1], rows_cache)
-        h = jnp.concatenate([take(last, 0)[:, None], h], axis=1)
+        h = jnp.concatenate([last[grp][:, None], h], axis=1)
         logp, _ = token_logprobs(h, w, tok, temperature=temperature, chunk_size=chunk_size)
         return jnp.where(msk.astype(bool), logp, 0.0)
 

@@ -150,14 +150,8 @@ def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_samples: int, max_l
         cfg, params, prompt_ids, prompt_mask, _constrain_cache(cache, mesh)
     )
     G = num_samples
-    rep = lambda x, axis: jnp.repeat(x, G, axis=axis)  # noqa: E731
-    cache = cache.replace(
-        k=jax.tree.map(lambda c: rep(c, c.ndim - 4), cache.k),  # the batch axis
-        v=jax.tree.map(lambda c: rep(c, c.ndim - 4), cache.v),
-        valid=rep(cache.valid, 0),
-        pos=rep(cache.pos, 0),
-    )
-    return rep(logits, 0), _constrain_cache(cache, mesh)
+    cache = models.cache_rows(cache, jnp.arange(B * G) // G)
+    return jnp.repeat(logits, G, axis=0), _constrain_cache(cache, mesh)
 
 
 def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, seed_index, mesh):
