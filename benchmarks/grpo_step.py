@@ -16,9 +16,9 @@ seconds per step and per phase (sample = prefill + decode + transfer of the ids;
 reference = the wait for its log-probs after scoring, i.e. what did not overlap; score =
 decode to text + verifiers; update = the GRPO step), tokens/s, peak memory, and the FLOP
 floor: model FLOPs of each phase (`jaxrl_llm.perf.step_flops`: real prompt and
-completion tokens only, attention included; the prefill and the reference forward read
-each prompt once per group, as they run) over the float32 / bfloat16 matmul peak
-measured before every step (the best of those; --peak-gflops fixes it instead).
+completion tokens only, attention included; the prefill, the reference forward and the
+update read each prompt once per group, as they run) over the float32 / bfloat16 matmul
+peak measured before every step (the best of those; --peak-gflops fixes it instead).
 ratio = seconds / floor seconds, per step, then the median; the whole step's ratio is the
 figure of merit (1.0 = nothing but the model's matmuls at peak costs time).
 """
@@ -152,6 +152,7 @@ def main():
             new_tokens=s["new_tokens"],
             reference=args.beta > 0,
             update_forwards=run.update.forward_passes,
+            update_shared_forwards=run.update.shared_prompt_passes,
             reference_shares_prompts=args.generations > 1,
         )
         flops["step"] = sum(flops.values())

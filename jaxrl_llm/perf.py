@@ -66,6 +66,7 @@ def step_flops(
     reference: bool,
     update_forwards: int,
     reference_shares_prompts: bool = False,
+    update_shared_forwards: int = 0,
 ) -> dict[str, float]:
     """Model FLOPs of one RL step, by phase: the least math the step needs.
 
@@ -77,18 +78,19 @@ def step_flops(
     `update_forwards` of those (`UpdateFn.forward_passes`: 3 per forward + backward pass,
     +1 when old-policy log-probs are recomputed). reference_shares_prompts: the reference
     forward reads each prompt once (`rl.batch.shared_prompt_logprobs`), then the
-    completions of every row against it.
+    completions of every row against it; update_shared_forwards: how many of the
+    update's forwards do the same (`UpdateFn.shared_prompt_passes`).
     """
     P, T = float(prompt_len), float(new_tokens)
     prefill = prompts * forward_flops(model_cfg, P, (P + 1) / 2, 1)
     decode = rows * forward_flops(model_cfg, max(T - 1, 0), P + T / 2, max(T - 1, 0))
     seq = rows * forward_flops(model_cfg, P + T - 1, (P + T) / 2, T)
-    ref = seq
-    if reference_shares_prompts:
-        completions = rows * forward_flops(model_cfg, max(T - 1, 0), P + T / 2, T)
-        ref = prompts * forward_flops(model_cfg, P, (P + 1) / 2, 0) + completions
+    completions = rows * forward_flops(model_cfg, max(T - 1, 0), P + T / 2, T)
+    shared = prompts * forward_flops(model_cfg, P, (P + 1) / 2, 0) + completions
+    ref = shared if reference_shares_prompts else seq
     return {
         "sample": prefill + decode,
         "reference": ref if reference else 0.0,
-        "update": seq * update_forwards,
+        "update": seq * (update_forwards - update_shared_forwards)
+        + shared * update_shared_forwards,
     }

@@ -160,6 +160,7 @@ class Run:
             chunk_size=c.train.logprob_chunk,
             critic_optimizer=critic_opt,
             skip_nonfinite=c.train.skip_nonfinite,
+            group=c.rollout.num_generations,  # a group's samples share their prompt
         )
         self.ref_fn = (
             U.make_logprob_fn(
@@ -231,6 +232,7 @@ class Run:
             new_tokens=float(ro.lengths.mean()),
             reference=self.ref_fn is not None,
             update_forwards=self.update.forward_passes,
+            update_shared_forwards=self.update.shared_prompt_passes,
             reference_shares_prompts=self.settings.num_generations > 1,
         )
         return {

@@ -194,6 +194,46 @@ def test_runtime_knobs_same_values_and_gradients(saved, runtime):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("runtime", [dict(), dict(remat="full"), dict(scan_layers=False)], ids=str)
+def test_forward_after_prefix_equals_the_full_forward(runtime):
+    """A prompt run alone, then its completion after the prompt's keys/values == the full
+    forward of the concatenation, values and gradients (through both calls): left-padded
+    prompts, right-padded completions, a row whose completion is all padding."""
+    cfg = tiny_model_config(**runtime)
+    params = models.init_params(cfg, seed=1)
+    rng = np.random.default_rng(2)
+    pt, ct = rng.integers(1, 64, (3, 5)), rng.integers(1, 64, (3, 6))
+    pm = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], bool)
+    cm = np.array([[1] * 6, [1, 1, 1, 0, 0, 0], [0] * 6], bool)
+    w_p, w_c = rng.normal(size=(3, 5, 32)), rng.normal(size=(3, 6, 32))
+    mp, mc = pm[..., None], cm[..., None]
+
+    def full(p):
+        h = models.forward(cfg, p, np.concatenate([pt, ct], 1), np.concatenate([pm, cm], 1))
+        return h[:, :5], h[:, 5:]
+
+    def split(p):
+        hp, kv = models.forward_after_prefix(cfg, p, pt, pm)
+        hc, own = models.forward_after_prefix(cfg, p, ct, cm, kv, pm)
+        assert own[0].shape == (cfg.num_layers, 3, 6, cfg.num_kv_heads, cfg.head_dim)
+        return hp, hc
+
+    (fp, fc), (sp, sc) = full(params), split(params)
+    assert max_diff(sp, fp, pm) <= 1e-5 and max_diff(sc, fc, cm) <= 1e-5
+
+    def loss(f):
+        def fn(p):
+            hp, hc = f(p)
+            return jnp.sum(jnp.where(mp, hp * w_p, 0)) + jnp.sum(jnp.where(mc, hc * w_c, 0))
+
+        return fn
+
+    g_full, g_split = jax.grad(loss(full))(params), jax.grad(loss(split))(params)
+    for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_split), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-4)
+    assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g_full)) > 1e-2
+
+
 def test_param_count_matches_transformers(saved):
     for arch, tie in [("llama", False), ("qwen2", False), ("qwen3", True)]:
         model, d = saved(arch, tie_word_embeddings=tie)

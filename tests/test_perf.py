@@ -66,6 +66,12 @@ def test_step_flops_equal_a_walk_over_every_token():
     )
     np.testing.assert_allclose(shared["reference"], expected, rtol=1e-12)
     assert shared["update"] == got["update"] and shared["sample"] == got["sample"]
+    # An update with 4 forwards (pi_old + forward and backward), 3 of them shared.
+    mixed = perf.step_flops(
+        cfg, rows=rows, prompts=prompts, prompt_len=P, new_tokens=T, reference=True,
+        update_forwards=4, update_shared_forwards=3,
+    )  # fmt: skip
+    np.testing.assert_allclose(mixed["update"], rows * seq + 3 * expected, rtol=1e-12)
 
 
 def test_untied_and_tied_models_both_count_the_output_projection():

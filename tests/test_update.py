@@ -75,12 +75,12 @@ def fresh_state(params, opt=SMOOTH_ADAM, mesh=None):
 
 
 @functools.cache
-def update_fn(preset, micro=1, mini=1, iterations=1, skip=False, opt=SMOOTH_ADAM):
+def update_fn(preset, micro=1, mini=1, iterations=1, skip=False, opt=SMOOTH_ADAM, group=1):
     """One jitted function per setting, shared by the tests (compiles are the cost)."""
     algo = rl.preset(preset, group_size=G, num_iterations=iterations)
     return U.make_update_fn(
         CFG, algo, opt, micro_batches=micro, mini_batches=mini, temperature=TEMPERATURE,
-        chunk_size=4, skip_nonfinite=skip,
+        chunk_size=4, skip_nonfinite=skip, group=group,
     )  # fmt: skip
 
 
@@ -224,6 +224,56 @@ def test_shared_prompt_logprobs_need_whole_groups(params, host_batch):
         rl.batch.shared_prompt_logprobs(
             CFG, params, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask, group=3
         )
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+def test_shared_prompt_update_equals_every_row_reading_its_prompt(params, host_batch, sharded):
+    """group=G: each prompt's forward + backward runs once, before the 4 micro-batches
+    (each holds one row of every group), its keys/values' cotangents summed over them ==
+    the update where every row reads its own prompt. beta > 0, ragged prompts and
+    completions, a row with no trained token."""
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if sharded else None
+    batch = on_device(host_batch, mesh)
+    per_row, m_row = update_fn("grpo", micro=4)(fresh_state(params, mesh=mesh), batch)
+    shared, m_shared = update_fn("grpo", micro=4, group=G)(fresh_state(params, mesh=mesh), batch)
+    assert max_diff(host(per_row.params), host(params)) > 1e-3  # not vacuous
+    assert max_diff(host(shared.params), host(per_row.params)) <= 1e-5
+    assert max_diff(host(shared.opt_state), host(per_row.opt_state)) <= 1e-5
+    for name in ("loss/total", "policy/entropy", "optim/grad_norm"):
+        np.testing.assert_allclose(float(m_shared[name]), float(m_row[name]), rtol=1e-5)
+    if sharded:
+        return
+    # Only a group's first row's prompt is read: another prompt in row 1 moves the
+    # per-row update (so the comparison above can see prompts), not the shared one.
+    prompts = host_batch.prompt_tokens.copy()
+    prompts[1] = (prompts[1] + 1) % CFG.vocab_size
+    other = on_device(host_batch, prompt_tokens=prompts)
+    moved, _ = update_fn("grpo", micro=4)(fresh_state(params), other)
+    assert max_diff(host(moved.params), host(per_row.params)) > 1e-4
+    same, _ = update_fn("grpo", micro=4, group=G)(fresh_state(params), other)
+    assert max_diff(host(same.params), host(shared.params)) == 0.0
+
+
+def test_shared_prompt_old_logprobs_with_mini_batches(params, host_batch, multi_pass):
+    """Mini-batches permute the rows, so the forward + backward reads every row's prompt;
+    the old policy's log-probs (a forward of the whole batch first) still share them."""
+    state, metrics = update_fn("grpo", micro=2, mini=2, iterations=2, group=G)(
+        fresh_state(params), on_device(host_batch)
+    )
+    single, m_single = multi_pass
+    assert max_diff(host(state.params), host(single.params)) <= 1e-5
+    np.testing.assert_allclose(
+        float(metrics["policy/ratio_max"]), float(m_single["policy/ratio_max"]), rtol=1e-5
+    )
+    fn = update_fn("grpo", micro=2, mini=2, iterations=2, group=G)
+    assert (fn.forward_passes, fn.shared_prompt_passes) == (7, 1)
+    fn = update_fn("grpo", micro=4, group=G)
+    assert (fn.forward_passes, fn.shared_prompt_passes) == (3, 3)
+
+
+def test_shared_prompt_update_needs_whole_groups(params, host_batch):
+    with pytest.raises(ValueError, match="16 rows are not groups of 3"):
+        update_fn("grpo", group=3)(fresh_state(params), on_device(host_batch))
 
 
 # -------------------------------------------------------------------- micro-batch, guard

@@ -16,9 +16,11 @@ decode over a cache of one array per layer (`init_cache`), each layer's paramete
 optionally sliced once by the caller (`layer_params`): a scanned decode step copies its
 layer's cache slice and weights out of the [L, ...] arrays on every token.
 
-Two paths share the layer code:
+Three paths share the layer code:
 - `forward`: a full sequence, with a padding mask (left or right), position ids and
   optional segment ids for packed sequences.
+- `forward_after_prefix`: a sequence after a prefix whose per-layer keys/values an
+  earlier call returned (a GRPO group's shared prompt); trains like `forward`.
 - `extend`: T new tokens appended to a preallocated KV cache (`KVCache`). Prefill is
   `extend` of the prompt into an empty cache; decoding is `extend` of one token per row.
 
@@ -124,8 +126,11 @@ class Block(nnx.Module):
         self.down = normal((L, F, D), ("layers", "mlp", "embed"))
         self.cfg = cfg
 
-    def __call__(self, x, positions, mask, kv=None, index=None, layer=None):
+    def __call__(self, x, positions, mask, kv=None, index=None, layer=None, prefix=None):
         """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool.
+
+        prefix: (k, v) [B,P,K,H] of P earlier tokens that x attends to before itself
+        (S = P + T, no cache); the layer then returns its own (k, v) [B,T,K,H].
 
         kv: the whole cache (k, v) ([L,B,K,H,S], [L,B,K,S,H]), carried through the layer
         scan so that it is updated in place: this layer's new keys/values are written at
@@ -143,7 +148,15 @@ class Block(nnx.Module):
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         inv_freq = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if kv is None:
+        if prefix is not None:
+            # Keys/values of earlier tokens ([B, P, K, H] each, e.g. a shared prompt's) come
+            # first; this layer's own (after RoPE) are returned for a later suffix.
+            own = (k, v)
+            k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
+            a = attention(q, k, v, mask)
+            kv = own
+        elif kv is None:
             a = attention(q, k, v, mask)
         else:
             # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache): at
@@ -212,6 +225,27 @@ class Transformer(nnx.Module):
         unroll = cfg.num_layers if cache is None and not cfg.scan_layers else 1
         xs = (stacked, jnp.arange(cfg.num_layers))
         (x, kv), _ = jax.lax.scan(layer, (x, cache), xs, unroll=unroll)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+
+    def with_prefix(self, tokens, positions, mask, prefix):
+        """tokens [B,T] after a prefix of P tokens whose per-layer keys/values are given ->
+        (final-normed hidden [B,T,D], this sequence's keys/values ([L,B,T,K,H] each)).
+
+        prefix: (k, v) [L,B,P,K,H] each (P may be 0), as this method returned them for the
+        earlier tokens; mask [B,T,P+T]. Scanned (or unrolled) like the full forward, with
+        its remat policy and its attention backward, so it trains as fast.
+        """
+        cfg = self.cfg
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x, xs):
+            layer_state, pk, pv = xs
+            return nnx.merge(graphdef, layer_state)(x, positions, mask, prefix=(pk, pv))
+
+        layer = _remat(layer, cfg.remat)
+        unroll = 1 if cfg.scan_layers else cfg.num_layers
+        x, kv = jax.lax.scan(layer, x, (stacked, *prefix), unroll=unroll)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
 
 
@@ -487,6 +521,36 @@ def forward(
     mask |= jnp.eye(T, dtype=bool)[None]  # a padding query attends to itself: no empty rows
     hidden, _ = _model(cfg, params)(tokens, positions, mask)
     return hidden
+
+
+def forward_after_prefix(
+    cfg: ModelConfig, params: Params, tokens, attention_mask, prefix=None, prefix_mask=None
+):
+    """`forward` of tokens that follow a prefix already run: (hidden [B,T,D], keys/values).
+
+    tokens, attention_mask [B,T]; prefix: the (k, v) [L,B,P,K,H] this function returned
+    for the prefix (None: no prefix), prefix_mask [B,P] its real tokens. The tokens'
+    positions continue after the prefix's real tokens and they attend to all of them, so
+    hidden equals `forward` of the concatenation [prefix, tokens] at the tokens'
+    positions. Returns the keys/values of `tokens` ([L,B,T,K,H] each) for a later suffix.
+    Differentiable w.r.t. params and prefix; e.g. a prompt run once for the G samples of
+    its GRPO group (`rl.batch.prefix_logprobs`).
+    """
+    B, T = tokens.shape
+    attention_mask = attention_mask.astype(bool)
+    if prefix is None:
+        L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        dtype = params["embed"].dtype
+        prefix = (jnp.zeros((L, B, 0, K, H), dtype), jnp.zeros((L, B, 0, K, H), dtype))
+        prefix_mask = jnp.zeros((B, 0), bool)
+    prefix_mask = prefix_mask.astype(bool)
+    before = prefix_mask.sum(-1, dtype=jnp.int32)[:, None]
+    positions = jnp.maximum(before + jnp.cumsum(attention_mask, -1, dtype=jnp.int32) - 1, 0)
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    own = (causal[None] & attention_mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
+    earlier = jnp.broadcast_to(prefix_mask[:, None, :], (B, T, prefix_mask.shape[1]))
+    mask = jnp.concatenate([earlier, own], axis=-1)
+    return _model(cfg, params).with_prefix(tokens, positions, mask, prefix)
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:

@@ -111,6 +111,45 @@ def map_rows(fn, rows, k: int):
     return merge_rows(jax.lax.map(fn, split_rows(rows, k)))
 
 
+def prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, group: int):
+    """Each group's prompt run once: the group's first row of every `group` consecutive
+    rows -> (keys/values ([L, N / group, P, K, H] each), hidden state of the prompt's last
+    position [N / group, D], which predicts the first completion token).
+    Differentiable w.r.t. params; the input of `prefix_logprobs`."""
+    hidden, kv = models.forward_after_prefix(
+        model_cfg, params, prompt_tokens[::group], prompt_mask[::group]
+    )
+    return kv, hidden[:, -1]  # prompts are left-padded: the last column is a real token
+
+
+def prefix_logprobs(
+    model_cfg, params, prefix, prompt_mask, tokens, mask, groups, *, temperature=1.0, chunk_size=128
+):
+    """`sequence_logprobs` of rows whose prompts were run by `prompt_prefix`.
+
+    prefix: `prompt_prefix`'s output; prompt_mask [N', P], tokens, mask [N', T] (T > 1)
+    for N' rows of any groups, groups [N'] int: each row's index into the prefix. The
+    completions read their group's keys/values; the last token, which predicts nothing,
+    is not fed. -> (logp [N', T], entropy [N', T]) float32, 0 off-mask. Differentiable
+    w.r.t. params and prefix (a prefix's cotangent sums over the rows of its group).
+    """
+    kv, last = prefix
+    kv_rows = jax.tree.map(lambda x: jnp.take(x, groups, axis=1), kv)
+    h, _ = models.forward_after_prefix(
+        model_cfg, params, tokens[:, :-1], mask[:, :-1], kv_rows, prompt_mask
+    )
+    h = jnp.concatenate([jnp.take(last, groups, axis=0)[:, None].astype(h.dtype), h], axis=1)
+    w = models.unembed_matrix(model_cfg, params)
+    logp, ent = token_logprobs(h, w, tokens, temperature=temperature, chunk_size=chunk_size)
+    valid = mask.astype(bool)
+    return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
+
+
+def check_groups(n: int, group: int, what: str) -> None:
+    if group < 1 or n % group:
+        raise ValueError(f"{what}: {n} rows are not groups of {group}")
+
+
 def shared_prompt_logprobs(
     model_cfg,
     params,
@@ -124,38 +163,25 @@ def shared_prompt_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 128,
 ):
-    """`sequence_logprobs` (log-probs only, no gradient) reading each prompt once.
+    """`sequence_logprobs` (log-probs only) reading each prompt once.
 
     Rows come in groups of `group` consecutive rows with the same prompt (the G samples
-    of a GRPO group): the prompts are prefilled once into a KV cache ([N / group] rows),
-    and each row slice (`map_rows`) extends its rows' copies of that cache with the
-    completions. The layers then run over N / group prompts instead of N, e.g. 7/8 of
-    the prompt's share of a reference forward is saved with 8 samples per prompt. The
-    rows of a group must share prompt_tokens and prompt_mask; only the group's first
-    row's prompt is read.
+    of a GRPO group): the prompts run once (`prompt_prefix`, N / group rows), and each row
+    slice (`map_rows`) runs its completions after its group's keys/values
+    (`prefix_logprobs`). The layers then run over N / group prompts instead of N, e.g.
+    7/8 of the prompt's share of a forward is saved with 8 samples per prompt. The rows
+    of a group must share prompt_tokens and prompt_mask; only the group's first row's
+    prompt is read. Needs T > 1.
     """
-    n, p = prompt_tokens.shape
-    t = tokens.shape[1]
-    if group < 1 or n % group:
-        raise ValueError(f"shared_prompt_logprobs: {n} rows are not groups of {group}")
-    cache = models.init_cache(model_cfg, n // group, p + t - 1, params["embed"].dtype)
-    hidden, cache = models.extend(
-        model_cfg, params, prompt_tokens[::group], prompt_mask[::group], cache
-    )
-    last = hidden[:, -1]  # prompts are left-padded: the last column is the last real token
-    w = models.unembed_matrix(model_cfg, params)
+    check_groups(prompt_tokens.shape[0], group, "shared_prompt_logprobs")
+    prefix = prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, group)
+    kw = dict(temperature=temperature, chunk_size=chunk_size)
 
     def one(rows):
-        tok, msk, grp = rows
-        rows_cache = models.cache_rows(cache, grp)
-        # The last completion token predicts nothing: extend with the first t - 1.
-        h, _ = models.extend(model_cfg, params, tok[:, :-1], msk[:, :-1], rows_cache)
-        h = jnp.concatenate([last[grp][:, None], h], axis=1)
-        logp, _ = token_logprobs(h, w, tok, temperature=temperature, chunk_size=chunk_size)
-        return jnp.where(msk.astype(bool), logp, 0.0)
+        return prefix_logprobs(model_cfg, params, prefix, *rows, **kw)[0]
 
-    groups = jnp.arange(n, dtype=jnp.int32) // group
-    return map_rows(one, (tokens, mask, groups), micro_batches)
+    groups = jnp.arange(tokens.shape[0], dtype=jnp.int32) // group
+    return map_rows(one, (prompt_mask, tokens, mask, groups), micro_batches)
 
 
 def make_logprob_fn(

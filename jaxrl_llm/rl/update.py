@@ -22,6 +22,12 @@ One call of `update` (one TRAINER step; `state.step` counts these) does, on devi
 5. PPO: for state.step < critic_warmup_steps only the critic moves; the policy params and
    optimizer state are selected unchanged (bit-identical).
 
+Shared prompts (make_update_fn(group=G), the G samples of a prompt consecutive): the
+pi_old recompute reads each prompt once, and with mini_batches == 1 so does the
+forward + backward: the prompts run once before the micro-batches, each micro-batch's
+completions attend to their group's keys/values, the keys/values' cotangents are summed
+over the micro-batches and one backward through the prompts follows.
+
 Optimizer steps per call = num_iterations * mini_batches; the learning rate is
 opt.schedule(state.step) for all of them (see optim.py).
 
@@ -50,9 +56,13 @@ from jaxrl_llm.rl.algos import AlgoConfig
 from jaxrl_llm.rl.batch import (
     Batch,
     batch_from_rollout,
+    check_groups,
     make_logprob_fn,
     map_rows,
+    prefix_logprobs,
+    prompt_prefix,
     sequence_logprobs,
+    shared_prompt_logprobs,
     split_rows,
 )
 from jaxrl_llm.rl.losses import loss_denominator, masked_mean, policy_objective, value_objective
@@ -100,6 +110,7 @@ class _Rows:
     ref_logp: jax.Array | None
     returns: jax.Array | None
     old_values: jax.Array | None
+    groups: jax.Array | None = None  # [N] int32: each row's prompt group (shared prompts)
 
 
 @struct.dataclass
@@ -201,6 +212,13 @@ class _Setup:
     temperature: float
     chunk_size: int
     skip_nonfinite: bool
+    group: int = 1
+
+    @property
+    def shares_prompts(self) -> bool:
+        """The policy's forward + backward reads each prompt once per group: G > 1 and the
+        rows are not permuted into mini-batches (which would split groups)."""
+        return self.group > 1 and self.mini_batches == 1
 
     @property
     def on_policy(self) -> bool:
@@ -211,12 +229,18 @@ class _Setup:
         return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
 
 
-def _policy_loss(s: _Setup, params, r: _Rows, den):
-    """-J of one micro-batch (divided by the mini-batch denominator) and its metrics."""
-    logp, entropy = sequence_logprobs(
-        s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask,
-        temperature=s.temperature, chunk_size=s.chunk_size,
-    )  # fmt: skip
+def _policy_loss(s: _Setup, params, r: _Rows, den, prefix=None):
+    """-J of one micro-batch (divided by the mini-batch denominator) and its metrics.
+    prefix: the groups' prompts already run (`prompt_prefix`), or None."""
+    kw = dict(temperature=s.temperature, chunk_size=s.chunk_size)
+    if prefix is None:
+        logp, entropy = sequence_logprobs(
+            s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask, **kw
+        )
+    else:
+        logp, entropy = prefix_logprobs(
+            s.model_cfg, params, prefix, r.prompt_mask, r.tokens, r.mask, r.groups, **kw
+        )
     if not s.algo.entropy_coef:  # the bonus is off: its gradient need not be traced
         entropy = _sg(entropy)
     old = None if s.on_policy else r.old_logp
@@ -245,13 +269,29 @@ def _add(acc, grads):
 
 
 def _gradients(s: _Setup, carry: _Carry, rows: _Rows):
-    """Summed float32 gradients of one mini-batch over its micro-batches, and metrics."""
+    """Summed float32 gradients of one mini-batch over its micro-batches, and metrics.
+
+    With shared prompts the prompts run once, before the micro-batches; each micro-batch
+    adds its rows' cotangent of the prompts' keys/values (and last hidden states), and
+    one backward through the prompts' forward after the last adds their gradient."""
     den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.algo.max_completion_len)
     use_critic = carry.critic_params is not None
+    prefix = None
+    if rows.groups is not None:
+        prefix, prefix_vjp = jax.vjp(
+            lambda p: prompt_prefix(s.model_cfg, p, rows.prompt_tokens, rows.prompt_mask, s.group),
+            carry.params,
+        )
 
     def micro(acc, r):
-        pgrad = jax.value_and_grad(functools.partial(_policy_loss, s), has_aux=True)
-        (_, metrics), g = pgrad(carry.params, r, den)
+        if prefix is None:
+            pgrad = jax.value_and_grad(functools.partial(_policy_loss, s), has_aux=True)
+            (_, metrics), g = pgrad(carry.params, r, den)
+        else:
+            loss = lambda p, pre: _policy_loss(s, p, r, den, pre)  # noqa: E731
+            pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+            (_, metrics), (g, g_prefix) = pgrad(carry.params, prefix)
+            acc = dict(acc, prefix=_add(acc["prefix"], g_prefix))
         acc = dict(acc, policy=_add(acc["policy"], g))
         if use_critic:
             vgrad = jax.value_and_grad(functools.partial(_value_loss, s), has_aux=True)
@@ -263,7 +303,12 @@ def _gradients(s: _Setup, carry: _Carry, rows: _Rows):
     acc = {"policy": _zeros_f32(carry.params)}
     if use_critic:
         acc["critic"] = _zeros_f32(carry.critic_params)
+    if prefix is not None:
+        acc["prefix"] = _zeros_f32(prefix)
     acc, metrics = jax.lax.scan(micro, acc, split_rows(rows, s.micro_batches))
+    if prefix is not None:
+        g_prefix = jax.tree.map(lambda g, x: g.astype(x.dtype), acc.pop("prefix"), prefix)
+        acc["policy"] = _add(acc["policy"], prefix_vjp(g_prefix)[0])
     return acc, _reduce(metrics, sum_losses=True)
 
 
@@ -311,7 +356,13 @@ def _prepare(s: _Setup, state: TrainState, batch: Batch) -> _Rows:
     k = s.micro_batches * s.mini_batches  # the forward of one micro-batch at a time
     inputs = (batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
     old_logp = old_values = None
-    if s.needs_old_logp:
+    grouped = s.group > 1 and batch.tokens.shape[1] > 1
+    if s.needs_old_logp and grouped:
+        old_logp = _sg(shared_prompt_logprobs(
+            s.model_cfg, state.params, *inputs, group=s.group, micro_batches=k,
+            temperature=s.temperature, chunk_size=s.chunk_size,
+        ))  # fmt: skip
+    elif s.needs_old_logp:
         old_logp = _sg(map_rows(functools.partial(_old_logp, s, state.params), inputs, k))
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
@@ -329,6 +380,11 @@ def _prepare(s: _Setup, state: TrainState, batch: Batch) -> _Rows:
         ref_logp=batch.ref_logprobs,
         returns=adv.returns,
         old_values=old_values,
+        groups=(
+            jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) // s.group
+            if grouped and s.shares_prompts
+            else None
+        ),
     )
 
 
@@ -338,6 +394,7 @@ def _check(s: _Setup, state: TrainState, batch: Batch) -> None:
     k = s.micro_batches * s.mini_batches
     if n % k:
         raise ValueError(f"batch of {n} rows is not divisible by mini_batches x micro_batches={k}")
+    check_groups(n, s.group, "update (group = rollout.num_generations)")
     if s.algo.needs_ref and batch.ref_logprobs is None:
         raise ValueError(f"algo.beta={s.algo.beta} > 0 needs batch.ref_logprobs")
     if s.algo.uses_critic and state.critic_params is None:
@@ -386,6 +443,7 @@ def make_update_fn(
     chunk_size: int = 128,
     critic_optimizer: Optimizer | None = None,
     skip_nonfinite: bool = False,
+    group: int = 1,
 ) -> UpdateFn:
     """The jitted `update(state, batch) -> (state, metrics)`; state is donated.
 
@@ -393,6 +451,11 @@ def make_update_fn(
     result does not depend on it). mini_batches: optimizer steps per pass over the batch.
     temperature: the sampling temperature (log-probs must match the sampler's).
     critic_optimizer: required when algo_cfg uses a critic (PPO).
+    group: every `group` consecutive rows share their prompt (GRPO's G samples; the
+    batch's rows are prompt-major). The prompts are then read once per group: in the
+    old-policy recompute, and in the forward + backward when mini_batches == 1
+    (`rl.batch.prompt_prefix` / `prefix_logprobs`). The result is the same as with
+    group=1 up to float rounding; only the group's first row's prompt is read.
     """
     if micro_batches < 1 or mini_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}, mini_batches={mini_batches}: >= 1")
@@ -401,8 +464,10 @@ def make_update_fn(
     setup = _Setup(
         model_cfg, algo_cfg, opt, critic_optimizer if algo_cfg.uses_critic else None,
         int(micro_batches), int(mini_batches), float(temperature), int(chunk_size),
-        bool(skip_nonfinite),
+        bool(skip_nonfinite), int(group),
     )  # fmt: skip
+    if setup.group < 1:
+        raise ValueError(f"group={group}: must be >= 1")
     return UpdateFn(setup)
 
 
@@ -445,6 +510,14 @@ class UpdateFn:
         critic passes are not counted, so its MFU reads low."""
         s = self._setup
         return 3 * s.algo.num_iterations + int(s.needs_old_logp)
+
+    @property
+    def shared_prompt_passes(self) -> int:
+        """How many of `forward_passes` read each prompt once per group (`group`)."""
+        s = self._setup
+        if s.group == 1:
+            return 0
+        return 3 * s.algo.num_iterations * s.shares_prompts + int(s.needs_old_logp)
 
     def lower(self, state: TrainState, batch: Batch):
         """`jax.jit(...).lower` of the program for this state's layout (AOT, memory)."""
