@@ -3,11 +3,15 @@
     python benchmarks/update.py                                  # ~100M, CPU, 8 x 512 tokens
     python benchmarks/update.py --seqs=64 --micro-batches=8      # the full 64 x 512 batch
     python benchmarks/update.py --memory-only                    # 150k-vocab memory table
+    python benchmarks/update.py --group=8 --prompt-len=384 --completion-len=128  # shared prompt
 
 One measured step = the reference model's forward (`make_logprob_fn`, GRPO's beta > 0)
 plus the jitted GRPO update (forward + backward + AdamW) on N sequences of
 --prompt-len + --completion-len tokens, the state threaded from call to call as in
 training. tokens/s counts every token of every sequence (prompt and completion).
+--group=G: every G sequences share their prompt (a GRPO group), which the reference and
+the update then read once (`make_update_fn(group=G)`, `make_logprob_fn(group=G)`);
+compare with --group=1 on the same batch shape.
 
 Model FLOPs (no remat recompute, full S x S attention as computed):
   forward F = N * L * (2 * S * P_layer + 4 * S^2 * n_heads * head_dim) + N * T * 2 * D * V
@@ -47,11 +51,12 @@ from jaxrl_llm import models, perf, rl  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
 
 
-def random_batch(cfg, n: int, prompt_len: int, completion_len: int) -> U.Batch:
+def random_batch(cfg, n: int, prompt_len: int, completion_len: int, group: int = 1) -> U.Batch:
     rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (n // group, prompt_len), dtype=np.int32)
     return jax.device_put(
         U.Batch(
-            prompt_tokens=rng.integers(0, cfg.vocab_size, (n, prompt_len), dtype=np.int32),
+            prompt_tokens=np.repeat(prompts, group, axis=0),
             prompt_mask=np.ones((n, prompt_len), bool),
             tokens=rng.integers(0, cfg.vocab_size, (n, completion_len), dtype=np.int32),
             mask=np.ones((n, completion_len), bool),
@@ -69,9 +74,10 @@ def setup(cfg, args, chunk_size: int):
     params = models.init_params(cfg, seed=0, dtype=args.dtype)
     ref_params = jax.tree.map(jnp.copy, params)
     update = U.make_update_fn(cfg, algo, opt, micro_batches=args.micro_batches,
-                              chunk_size=chunk_size)  # fmt: skip
-    ref_fn = U.make_logprob_fn(cfg, chunk_size=chunk_size, micro_batches=args.micro_batches)
-    batch = random_batch(cfg, args.seqs, args.prompt_len, args.completion_len)
+                              chunk_size=chunk_size, group=args.group)  # fmt: skip
+    ref_fn = U.make_logprob_fn(cfg, chunk_size=chunk_size, micro_batches=args.micro_batches,
+                               group=args.group)  # fmt: skip
+    batch = random_batch(cfg, args.seqs, args.prompt_len, args.completion_len, args.group)
     return update, ref_fn, U.init_train_state(params, opt), ref_params, batch
 
 
@@ -139,6 +145,7 @@ def main():
     p.add_argument("--completion-len", type=int, default=448)
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--chunk-size", type=int, default=128)
+    p.add_argument("--group", type=int, default=1, help="sequences per shared prompt")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--memory-only", action="store_true")
@@ -152,11 +159,15 @@ def main():
         peak = max(measure_matmul_peak(args.dtype) for _ in range(3))
         tokens = args.seqs * (args.prompt_len + args.completion_len)
         # Full S x S attention, as the update computes it (not the causal half).
-        seq = args.prompt_len + args.completion_len
-        flops = 4 * args.seqs * perf.forward_flops(cfg, seq, seq, args.completion_len)
+        P, T = args.prompt_len, args.completion_len
+        flops = 4 * args.seqs * perf.forward_flops(cfg, P + T, P + T, T)
+        if args.group > 1:  # each prompt once, then the completions after it
+            prompts = args.seqs // args.group * perf.forward_flops(cfg, P, P, 0)
+            flops = 4 * (prompts + args.seqs * perf.forward_flops(cfg, T - 1, P + T - 1, T))
         row = {
             "preset": f"{args.preset} ({models.count_params(models.init_params(cfg)) / 1e6:.0f}M)",
             "batch": f"{args.seqs} x {args.prompt_len}+{args.completion_len}",
+            "group": args.group,
             "micro": args.micro_batches,
             "compile+1st s": f"{r['first']:.1f}",
             "step s": f"{r['seconds']:.1f}",
