@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import subprocess
 import time
@@ -95,6 +96,18 @@ def peak_memory() -> str:
 def uptime() -> str:
     """The load average says whether other jobs shared the cores during the run."""
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def cpu_steal_s() -> float:
+    """Seconds of CPU time the hypervisor has taken from this VM since boot (all cores;
+    the `steal` column of /proc/stat), 0.0 where it is not reported. On shared cloud
+    cores it is what makes the same code's step times drift."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def device_name() -> str:

@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     bool_flag,
+    cpu_steal_s,
     device_name,
     measure_matmul_peak,
     peak_memory,
@@ -122,7 +123,9 @@ def main():
                 # GFLOP/s on the 2 development cores): one measurement may see either.
                 peak = measure_matmul_peak(args.dtype, repeats=3)
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                steal = cpu_steal_s()
                 host = run.step(i)
+                steal = cpu_steal_s() - steal
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 host["page_faults"] = float(faults)
                 ro = run.last_rollouts
@@ -133,6 +136,7 @@ def main():
                 print(
                     f"step {i}{' (warmup)' if i < args.warmup else ''}: "
                     f"{host['perf/step_s']:.2f} s, {faults} page faults, "
+                    f"{steal:.2f} s of CPU taken by the hypervisor, "
                     f"matmul peak before it {peak / 1e9:.0f} GFLOP/s",
                     flush=True,
                 )

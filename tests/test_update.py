@@ -194,7 +194,7 @@ def test_logprob_fn_matches_numpy_and_sampler(params, host_batch):
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
 def test_shared_prompt_logprobs_equal_the_full_forward(params, host_batch, scan_layers, sharded):
-    """Each prompt read once into a cache, the G rows' completions extended from it ==
+    """Each prompt run once, the G rows' completions run after its keys/values ==
     every row's prompt + completion through the full forward (the path tested against
     numpy above): ragged prompts (left padding) and completions, 2 row slices."""
     cfg = tiny_model_config(scan_layers=scan_layers)
