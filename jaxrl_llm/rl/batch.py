@@ -198,17 +198,28 @@ def make_logprob_fn(
     share their prompt, which is then read once (`shared_prompt_logprobs`).
     """
 
-    kw = dict(temperature=temperature, chunk_size=chunk_size)
+    kw = dict(group=group, micro_batches=micro_batches, temperature=temperature,
+              chunk_size=chunk_size)  # fmt: skip
 
     def fn(params, prompt_tokens, prompt_mask, tokens, mask):
-        rows = (prompt_tokens, prompt_mask, tokens, mask)
-        if group > 1 and tokens.shape[1] > 1:
-            logp = shared_prompt_logprobs(
-                model_cfg, params, *rows, group=group, micro_batches=micro_batches, **kw
-            )
-        else:
-            one = lambda r: sequence_logprobs(model_cfg, params, *r, **kw)[0]  # noqa: E731
-            logp = map_rows(one, rows, micro_batches)
-        return jax.lax.stop_gradient(logp)
+        return batch_logprobs(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, **kw)
 
     return jax.jit(fn)
+
+
+def batch_logprobs(
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, group, micro_batches,
+    temperature, chunk_size,
+):  # fmt: skip
+    """`make_logprob_fn`'s function, unjitted (the update's old-policy recompute):
+    log-probs [N, T] one row slice at a time, each prompt read once when group > 1."""
+    rows = (prompt_tokens, prompt_mask, tokens, mask)
+    kw = dict(temperature=temperature, chunk_size=chunk_size)
+    if group > 1 and tokens.shape[1] > 1:
+        logp = shared_prompt_logprobs(
+            model_cfg, params, *rows, group=group, micro_batches=micro_batches, **kw
+        )
+    else:
+        one = lambda r: sequence_logprobs(model_cfg, params, *r, **kw)[0]  # noqa: E731
+        logp = map_rows(one, rows, micro_batches)
+    return jax.lax.stop_gradient(logp)

@@ -56,13 +56,13 @@ from jaxrl_llm.rl.algos import AlgoConfig
 from jaxrl_llm.rl.batch import (
     Batch,
     batch_from_rollout,
+    batch_logprobs,
     check_groups,
     make_logprob_fn,
     map_rows,
     prefix_logprobs,
     prompt_prefix,
     sequence_logprobs,
-    shared_prompt_logprobs,
     split_rows,
 )
 from jaxrl_llm.rl.losses import loss_denominator, masked_mean, policy_objective, value_objective
@@ -345,25 +345,17 @@ def _optimizer_step(s: _Setup, step, policy_on, carry: _Carry, rows: _Rows):
     return new, metrics
 
 
-def _old_logp(s: _Setup, params, rows):
-    return sequence_logprobs(
-        s.model_cfg, params, *rows, temperature=s.temperature, chunk_size=s.chunk_size
-    )[0]
-
-
 def _prepare(s: _Setup, state: TrainState, batch: Batch) -> _Rows:
     """Steps 1-2 of the module doc: pi_old, V_old (no gradient) and the advantages."""
     k = s.micro_batches * s.mini_batches  # the forward of one micro-batch at a time
     inputs = (batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
     old_logp = old_values = None
     grouped = s.group > 1 and batch.tokens.shape[1] > 1
-    if s.needs_old_logp and grouped:
-        old_logp = _sg(shared_prompt_logprobs(
+    if s.needs_old_logp:
+        old_logp = batch_logprobs(
             s.model_cfg, state.params, *inputs, group=s.group, micro_batches=k,
             temperature=s.temperature, chunk_size=s.chunk_size,
-        ))  # fmt: skip
-    elif s.needs_old_logp:
-        old_logp = _sg(map_rows(functools.partial(_old_logp, s, state.params), inputs, k))
+        )  # fmt: skip
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
         old_values = _sg(map_rows(lambda r: values(*r), inputs, k))
