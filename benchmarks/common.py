@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm import models
+from jaxrl_llm import allocator, models
 from jaxrl_llm.perf import matmul_peak, measure_matmul_peak  # noqa: F401  (re-exported)
 
 PRESETS = {
@@ -112,7 +112,10 @@ def cpu_steal_s() -> float:
 
 def device_name() -> str:
     d = jax.devices()[0]
-    return f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()}"
+    name = f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()}"
+    if d.platform == "cpu":  # the host allocator matters there (jaxrl_llm/allocator.py)
+        name += f", host malloc: {'tcmalloc' if allocator.active() else 'system'}"
+    return name
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

@@ -45,7 +45,7 @@ from common import (  # noqa: E402
     uptime,
 )
 
-from jaxrl_llm import models, perf, run_config, sampling  # noqa: E402
+from jaxrl_llm import allocator, models, perf, run_config, sampling  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
@@ -207,4 +207,5 @@ def main():
 
 
 if __name__ == "__main__":
+    allocator.reexec_with_tcmalloc()  # as the trainer's command line does
     main()

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, matmul_peak, peak_memory, preset_config, table, time_fn  # noqa: E402
 
-from jaxrl_llm import models, perf, rl  # noqa: E402
+from jaxrl_llm import allocator, models, perf, rl  # noqa: E402
 
 
 def loss_fn(cfg, params, ids):
@@ -116,4 +116,5 @@ def main():
 
 
 if __name__ == "__main__":
+    allocator.reexec_with_tcmalloc()  # as the trainer's command line does
     main()

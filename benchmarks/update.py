@@ -47,7 +47,7 @@ from common import (  # noqa: E402
     uptime,
 )
 
-from jaxrl_llm import models, perf, rl  # noqa: E402
+from jaxrl_llm import allocator, models, perf, rl  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
 
 
@@ -186,4 +186,5 @@ def main():
 
 
 if __name__ == "__main__":
+    allocator.reexec_with_tcmalloc()  # as the trainer's command line does
     main()

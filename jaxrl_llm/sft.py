@@ -384,6 +384,9 @@ if __name__ == "__main__":
     from absl import app, flags
     from ml_collections import config_flags
 
+    from jaxrl_llm import allocator
+
+    allocator.reexec_with_tcmalloc()
     config_flags.DEFINE_config_file("config", None, "configs/sft_<task>.py", lock_config=True)
     flags.DEFINE_string("workdir", None, "output directory: metrics.jsonl and hf/")
     flags.mark_flags_as_required(["config", "workdir"])

@@ -421,6 +421,11 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         absl_logging.set_verbosity(absl_logging.WARNING)
     initialize_distributed()
+    if jax.default_backend() == "cpu" and jax.process_index() == 0:
+        from jaxrl_llm import allocator
+
+        if note := allocator.hint():
+            print(note, file=sys.stderr, flush=True)
     train(flags.FLAGS.config, flags.FLAGS.workdir)
 
 
@@ -428,6 +433,9 @@ if __name__ == "__main__":
     from absl import app, flags
     from ml_collections import config_flags
 
+    from jaxrl_llm import allocator
+
+    allocator.reexec_with_tcmalloc()
     config_flags.DEFINE_config_file("config", None, "configs/<experiment>.py", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics); reruns resume")
     flags.mark_flags_as_required(["config", "workdir"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tiny_run import make_model_dir, signal_config
 
-from jaxrl_llm import checkpoint, train
+from jaxrl_llm import allocator, checkpoint, train
 from jaxrl_llm.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +57,12 @@ def run_two_processes(model_dir, workdir, num_steps):
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out[-3000:]
+    # The command line re-ran itself with tcmalloc where it is installed; process 0 says
+    # so where it is not.
+    hint = "host allocator: system malloc"
+    expected = allocator.preload_environ({}) is None and allocator.hint() is not None
+    assert (hint in outputs[0]) == expected, outputs[0][-3000:]
+    assert hint not in outputs[1]
 
 
 def final_params(workdir, step):
