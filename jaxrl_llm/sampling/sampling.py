@@ -115,7 +115,9 @@ def sample_tokens(
     m = jnp.max(scaled, axis=-1)
     blocks = jnp.exp(_blocks(scaled) - m[:, None, None])  # padding: exp(-inf) = 0
     mass = blocks.sum(-1)
-    lse = m + jnp.log(mass.sum(-1))
+    # The barrier keeps XLA from rewriting mass.sum(-1) as a second reduction over all of
+    # [N, V] (reduce of a reduce -> one reduce): a whole extra pass over the logits.
+    lse = m + jnp.log(jax.lax.optimization_barrier(mass).sum(-1))
     if 0 < top_k < logits.shape[-1] or top_p < 1.0:
         tokens = inverse_cdf_sample(key, top_p_mask(top_k_mask(scaled, top_k), top_p))
     else:
