@@ -5,6 +5,8 @@ Loading reads each tensor straight into its target sharding with
 converted to the requested dtype and copied to its device, so no host ever holds a full
 copy of the model (each process reads only its own devices' shards). Stacked layer
 parameters [L, ...] are assembled from the L per-layer HF tensors the same way.
+`load_params` is that path for any tensor source that hands out arrays in the HF layout
+(`gguf_io` reads GGUF files through it).
 
 Every tensor the decoder expects must be present with the expected shape, and every
 tensor in the checkpoint must be used: the only exceptions are RoPE `inv_freq` buffers
@@ -46,7 +48,7 @@ TOKENIZER_FILES = (
 
 
 class CheckpointError(ValueError):
-    """A checkpoint does not match the model its config.json describes."""
+    """A checkpoint does not match the model its config describes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,7 @@ def _identity(x):
     return x
 
 
-def _mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
+def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
     D, H = cfg.hidden_size, cfg.head_dim
     N, K = cfg.num_heads, cfg.num_kv_heads
 
@@ -120,10 +122,10 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     )
 
 
-def _validate(cfg: ModelConfig, ckpt: Checkpoint, path: str) -> None:
+def _validate(cfg: ModelConfig, ckpt, maps, path: str, config_name: str) -> None:
     """Every expected tensor present with its shape, and nothing left over."""
     specs, expected = param_specs(cfg), {}
-    for p, m in _mappings(cfg).items():
+    for p, m in maps.items():
         hf_shape = _hf_shape(m, specs[p].shape)
         layers = range(cfg.num_layers) if m.stacked else [None]
         for i in layers:
@@ -135,7 +137,7 @@ def _validate(cfg: ModelConfig, ckpt: Checkpoint, path: str) -> None:
         if got != shape:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
-                f"from config.json"
+                f"from {config_name}"
             )
     extra = sorted(n for n in ckpt.names() if n not in expected and not _ignorable(n, cfg))
     if extra:
@@ -158,20 +160,42 @@ def load_hf(path, mesh=None, dtype="float32", rules=None, **runtime):
     """
     path = os.fspath(path)
     cfg = ModelConfig.from_hf_dir(path, **runtime)
-    ckpt = Checkpoint(path)
-    _validate(cfg, ckpt, path)
+    params = load_params(cfg, Checkpoint(path), mappings(cfg), path, mesh, dtype, rules)
+    return cfg, params
+
+
+def load_params(
+    cfg: ModelConfig,
+    ckpt,
+    maps,
+    source: str,
+    mesh=None,
+    dtype="float32",
+    rules=None,
+    config_name: str = "config.json",
+) -> dict:
+    """The params of `cfg`, each tensor read straight into its target sharding.
+
+    Args:
+      ckpt: the tensor source: `name in ckpt`, `ckpt.names()`, `ckpt.tensors[name].shape`
+        and `ckpt.get(name)` -> an array in the HF layout (a memory map, or any array the
+        shard reader may slice).
+      maps: {param path: Mapping} whose `name`s are the source's tensor names.
+      source: the file or directory named in errors; `config_name` where shapes come from.
+    """
+    _validate(cfg, ckpt, maps, source, config_name)
     dtype = np.dtype(jnp.dtype(dtype))
     specs, flat = param_specs(cfg), {}
-    for p, m in _mappings(cfg).items():
+    for p, m in maps.items():
         spec = specs[p]
         sharding = partitioning.logical_to_sharding(spec.axes, spec.shape, mesh, rules)
         flat[p] = jax.make_array_from_callback(
             spec.shape, sharding, _shard_reader(ckpt, m, spec.shape, dtype)
         )
-    return cfg, unflatten(flat)
+    return unflatten(flat)
 
 
-def _shard_reader(ckpt: Checkpoint, m: Mapping, shape, dtype):
+def _shard_reader(ckpt, m: Mapping, shape, dtype):
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if not m.stacked:
             return np.asarray(m.to_ours(ckpt.get(m.name))[index], dtype=dtype)
@@ -208,7 +232,7 @@ def save_hf(
     """
     out_dir = os.fspath(out_dir)
     write = jax.process_index() == 0
-    specs, maps = param_specs(cfg), _mappings(cfg)
+    specs, maps = param_specs(cfg), mappings(cfg)
     names = []  # (hf name, our path, layer or None, nbytes)
     for p, m in maps.items():
         leaf = params[p[0]] if len(p) == 1 else params[p[0]][p[1]]
