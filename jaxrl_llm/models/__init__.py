@@ -2,6 +2,8 @@
 
 from jaxrl_llm import models
 cfg, params = models.load_hf(path, mesh=None, dtype="float32")
+cfg, params = models.load_gguf(file, mesh=None, dtype="float32")   # llama.cpp's format
+tokenizer = models.load_gguf_tokenizer(file)
 logits = models.logits(cfg, params, input_ids, attention_mask)  # [B, T, V] float32
 models.save_hf(cfg, params, out_dir, tokenizer_dir=None)
 """
@@ -11,6 +13,7 @@ from jaxrl_llm.models.config import (
     ModelConfig,
     UnsupportedModelError,
 )
+from jaxrl_llm.models.gguf_io import load_gguf, load_gguf_tokenizer
 from jaxrl_llm.models.hf_io import CheckpointError, load_hf, save_hf
 from jaxrl_llm.models.params import (
     ParamSpec,
@@ -56,6 +59,8 @@ __all__ = [
     "init_cache",
     "init_params",
     "layer_params",
+    "load_gguf",
+    "load_gguf_tokenizer",
     "load_hf",
     "logical_to_sharding",
     "logical_to_spec",

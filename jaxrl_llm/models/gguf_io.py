@@ -1,0 +1,322 @@
+"""GGUF checkpoints (llama.cpp's one-file format) in: `load_gguf` and `load_gguf_tokenizer`.
+
+    cfg, params = models.load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", mesh=None)
+    tokenizer = models.load_gguf_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+A GGUF file holds the config (metadata such as `llama.block_count`), the tokenizer
+(`tokenizer.ggml.*`, `tokenizer.chat_template`) and the tensors under llama.cpp's names
+(`blk.3.attn_q.weight`), each stored as floats or as quantized blocks along its rows. It is
+read with the `gguf` package (numpy, memory-mapped; no torch):
+
+- Config: the metadata becomes an HF config dict and goes through
+  `ModelConfig.from_hf_dict`, so an option the decoder lacks is refused exactly as from a
+  config.json. Architectures: llama, qwen2, qwen3; any other is refused naming it.
+- Tensors: each is dequantized to float32 by `gguf.quants.dequantize` (types in
+  `SUPPORTED_TYPES`; a tensor of any other type is refused naming the type). llama.cpp
+  permutes the Q and K rows of Llama within each head (its rotary pairs are adjacent rows,
+  HF's are half a head apart); the permutation is undone, which gives the HF layout. From
+  there `hf_io.load_params` reads the tensors into their target sharding one by one, as
+  for safetensors. A quantized row is only readable whole, so each device shard is cut
+  from the dequantized tensor; the last `num_layers` dequantized tensors are kept, so a
+  tensor is dequantized once however many shards are cut from it (host memory: about one
+  stacked parameter in float32, never the whole model).
+- Tokenizer: vocabulary, merges, special tokens and chat template go through transformers'
+  own GGUF tokenizer conversion, giving the tokenizer that
+  `AutoTokenizer.from_pretrained(dir, gguf_file=name)` builds, without torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+
+import numpy as np
+
+from jaxrl_llm.models import hf_io
+from jaxrl_llm.models.config import ModelConfig, UnsupportedModelError
+from jaxrl_llm.models.hf_io import CheckpointError
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Architectures llama.cpp runs with rotary pairs in adjacent rows ("NORM" RoPE): their
+# converter permutes HF's Q and K rows, so the loader permutes them back.
+_PERMUTED_QK = ("llama",)
+# HF tensor-name pieces -> llama.cpp's, applied in order to `hf_io.mappings` names.
+_NAMES = (
+    ("model.embed_tokens.", "token_embd."),
+    ("model.norm.", "output_norm."),
+    ("lm_head.", "output."),
+    ("model.layers.{i}.", "blk.{i}."),
+    ("input_layernorm.", "attn_norm."),
+    ("self_attn.q_proj.", "attn_q."),
+    ("self_attn.k_proj.", "attn_k."),
+    ("self_attn.v_proj.", "attn_v."),
+    ("self_attn.o_proj.", "attn_output."),
+    ("self_attn.q_norm.", "attn_q_norm."),
+    ("self_attn.k_norm.", "attn_k_norm."),
+    ("post_attention_layernorm.", "ffn_norm."),
+    ("mlp.gate_proj.", "ffn_gate."),
+    ("mlp.up_proj.", "ffn_up."),
+    ("mlp.down_proj.", "ffn_down."),
+)
+_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]  # numpy / HF order (GGUF lists dimensions innermost first)
+    type_name: str  # GGML type, e.g. "Q4_K"
+
+
+@dataclasses.dataclass(frozen=True)
+class _File:
+    reader: object  # gguf.GGUFReader
+    meta: dict  # metadata key -> Python value
+    tensors: dict  # GGUF tensor name -> TensorInfo
+
+
+def _open(path: str) -> _File:
+    """The parsed file, cached per (path, mtime, size): config, weights and tokenizer each
+    read it, and parsing a 49k-token vocabulary takes seconds."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    stat = os.stat(path)
+    return _parse(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parse(path: str, mtime_ns: int, size: int) -> _File:
+    import gguf
+
+    del mtime_ns, size  # cache key only
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError) as err:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({err})") from None
+    meta = {key: field.contents() for key, field in reader.fields.items()}
+    tensors = {
+        t.name: TensorInfo(tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name)
+        for t in reader.tensors
+    }
+    return _File(reader, meta, tensors)
+
+
+def _f32(value) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999975e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def hf_config_dict(meta: dict, tensors: dict, source: str) -> dict:
+    """The HF config dict a GGUF file's metadata describes (the `config.json` of the model
+    transformers' GGUF loader builds). Options the decoder lacks are written under their HF
+    keys, so `ModelConfig.from_hf_dict` refuses them."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{source}: metadata key {arch}.{key} is missing")
+        if isinstance(value, list):  # per-layer values: the decoder needs them uniform
+            if len(set(value)) != 1:
+                raise UnsupportedModelError(f"{source}: {arch}.{key} varies by layer ({value})")
+            value = value[0]
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    tokens = meta.get("tokenizer.ggml.tokens") or ()
+    embedding = tensors.get("token_embd.weight")
+    d = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(get("vocab_size", len(tokens) or embedding and embedding.shape[0])),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
+    }
+    for name in ("bos_token", "eos_token", "pad_token"):  # for generation after export
+        key = f"tokenizer.ggml.{_SPECIAL_TOKENS[name]}"
+        if key in meta:
+            d[name + "_id"] = int(meta[key])
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        d["partial_rotary_factor"] = rope_dim / head_dim
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedModelError(
+            f"{source}: {arch}.attention.value_length differs from key_length ({head_dim})"
+        )
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        d["rope_scaling"] = {"rope_type": scaling, "factor": _f32(get("rope.scaling.factor"))}
+    if f"{arch}.expert_count" in meta:
+        d["num_experts"] = int(get("expert_count"))
+    if f"{arch}.attention.sliding_window" in meta:
+        d["use_sliding_window"] = True
+        d["sliding_window"] = int(get("attention.sliding_window"))
+    return d
+
+
+def gguf_config(path, **runtime) -> ModelConfig:
+    """The ModelConfig of a GGUF file, from its metadata alone (no tensor is read)."""
+    path = os.fspath(path)
+    f = _open(path)
+    return ModelConfig.from_hf_dict(hf_config_dict(f.meta, f.tensors, path), path, **runtime)
+
+
+def gguf_name(hf_name: str) -> str:
+    """`model.layers.{i}.self_attn.q_proj.weight` -> `blk.{i}.attn_q.weight`."""
+    for hf, ours in _NAMES:
+        hf_name = hf_name.replace(hf, ours)
+    return hf_name
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K permutation: rows [n, H/2, 2] (pairs adjacent) -> [n, 2, H/2].
+
+    w: [n*H, ...] (a weight [n*H, D] or a bias [n*H]); returns the same shape.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFTensors:
+    """A GGUF file's tensors under their GGUF names, each read as float32 in HF layout.
+
+    The tensor source `hf_io.load_params` reads from. `permuted_heads`: {name: heads} of
+    the tensors whose rows llama.cpp permuted; the last `cache_size` dequantized tensors
+    are kept."""
+
+    def __init__(self, path, permuted_heads: dict[str, int] | None = None, cache_size: int = 1):
+        path = os.fspath(path)
+        f = _open(path)
+        for name, info in f.tensors.items():
+            if info.type_name not in SUPPORTED_TYPES:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} is stored as {info.type_name}, which is not "
+                    f"supported; supported types: {', '.join(SUPPORTED_TYPES)}"
+                )
+        self.tensors: dict[str, TensorInfo] = f.tensors
+        self._data = {t.name: t for t in f.reader.tensors}
+        self._permuted = permuted_heads or {}
+        self._cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self._cache_size = max(cache_size, 1)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self):
+        return self.tensors.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 [rows, cols] (or [n]) in HF layout."""
+        if name in self._cache:
+            self._cache.move_to_end(name)
+            return self._cache[name]
+        import gguf
+
+        t = self._data[name]
+        x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        x = x.reshape(self.tensors[name].shape)
+        if name in self._permuted:
+            x = unpermute_rows(x, self._permuted[name])
+        self._cache[name] = x
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return x
+
+
+def _permuted_heads(cfg: ModelConfig) -> dict[str, int]:
+    """{GGUF name: heads} of the tensors llama.cpp stores with permuted rows."""
+    if cfg.model_type not in _PERMUTED_QK:
+        return {}
+    out = {}
+    for i in range(cfg.num_layers):
+        for part in ("weight", "bias"):
+            out[f"blk.{i}.attn_q.{part}"] = cfg.num_heads
+            out[f"blk.{i}.attn_k.{part}"] = cfg.num_kv_heads
+    return out
+
+
+def load_gguf(path, mesh=None, dtype="float32", rules=None, **runtime):
+    """Loads a GGUF file -> (ModelConfig, params), like `load_hf` for a model directory.
+
+    Args:
+      path: a `.gguf` file (one file; split GGUF files are not read).
+      mesh: a `jax.sharding.Mesh` with axes ('data', 'fsdp', 'tensor'); None = one device.
+      dtype: parameter dtype ("float32", "bfloat16", ...); tensors are dequantized to
+        float32 first.
+      rules: logical-axis rules (default `partitioning.DEFAULT_RULES`).
+      runtime: ModelConfig runtime fields, e.g. remat="full".
+    """
+    path = os.fspath(path)
+    cfg = gguf_config(path, **runtime)
+    tensors = GGUFTensors(path, _permuted_heads(cfg), cache_size=cfg.num_layers)
+    maps = {
+        p: dataclasses.replace(m, name=gguf_name(m.name)) for p, m in hf_io.mappings(cfg).items()
+    }
+    params = hf_io.load_params(
+        cfg, tensors, maps, path, mesh, dtype, rules, config_name="the GGUF metadata"
+    )
+    return cfg, params
+
+
+def load_gguf_tokenizer(path):
+    """The `transformers` tokenizer a GGUF file describes, chat template included."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError:
+        raise ImportError(
+            "building a tokenizer from a GGUF file needs transformers>=5 "
+            "(pip install -U transformers)"
+        ) from None
+    from transformers import PreTrainedTokenizerFast
+
+    path = os.fspath(path)
+    meta = _open(path).meta
+    groups = {  # "tokenizer": vocabulary and merges, "tokenizer_config": template, flags
+        group: {
+            name: meta[f"tokenizer.{k}"] for k, name in keys.items() if f"tokenizer.{k}" in meta
+        }
+        for group, keys in GGUF_TOKENIZER_MAPPING.items()
+    }
+    fields, config = groups["tokenizer"], groups["tokenizer_config"]
+    if "tokens" not in fields:
+        raise CheckpointError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens)")
+    if fields.get("tokenizer_type") == "llama":  # llama.cpp's default for sentencepiece
+        config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = fields["tokens"][token_id] if token_id is not None else None
+    try:
+        backend, extra = convert_gguf_tokenizer(meta["general.architecture"], fields)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
