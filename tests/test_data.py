@@ -3,7 +3,9 @@ and the iterator's determinism, resumption, sharding and bad-row handling."""
 
 import itertools
 import json
+import random
 import re
+import zlib
 from fractions import Fraction
 
 import numpy as np
@@ -63,6 +65,32 @@ def test_arithmetic_answers_are_right(data_dir):
     assert not {r["question"] for r in rows} & {r["question"] for r in test}
     again = _prepare(builders.Arithmetic, config, data_dir + "/again")
     assert rows == again  # same version, same rows
+
+
+def test_addition_configs_hold_out_additions_only(data_dir):
+    config = builders.ArithmeticConfig(name="a2", digits=2, ops=("+",), train_size=300)
+    rows = _prepare(builders.Arithmetic, config, data_dir)
+    test = _prepare(builders.Arithmetic, config, data_dir, "test")
+    for row in rows + test:
+        a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\?", row["question"]).groups())
+        assert 10 <= a <= 99 and 10 <= b <= 99 and int(row["answer"]) == a + b
+    assert not {r["question"] for r in rows} & {r["question"] for r in test}
+    names = [c.name for c in builders.Arithmetic.BUILDER_CONFIGS]
+    assert {"add_2", "add_3", "digits_2"} <= set(names)
+
+
+def test_digits_rows_are_those_of_the_original_recipe(data_dir):
+    """digits_N is unchanged by `ops`: rows as the original generator drew them (seed = crc32
+    of the config and split; two operands, then an operator out of + - *), redone here."""
+    config = builders.ArithmeticConfig(name="d2", digits=2, train_size=40, test_size=30)
+    test = _prepare(builders.Arithmetic, config, data_dir, "test")
+    rng = random.Random(zlib.crc32(repr(("arithmetic", 2, "test")).encode()))
+    expected = []
+    for _ in test:
+        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-*")
+        expected.append((f"What is {a} {op} {b}?", str({"+": a + b, "-": a - b, "*": a * b}[op])))
+    # TFDS stores the rows in its own shuffled order.
+    assert sorted((r["question"], r["answer"]) for r in test) == sorted(expected)
 
 
 def _reachable(numbers: list[int]) -> set[Fraction]:

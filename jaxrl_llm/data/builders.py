@@ -1,6 +1,7 @@
 """TFDS builders for synthetic verifiable tasks, generated locally from a fixed seed.
 
     arithmetic/digits_N   "What is 482 * 17?"  answer "8194"; +, -, * on N-digit operands
+    arithmetic/add_N      "What is 482 + 917?" answer "1399"; addition only (N = 2..6)
     countdown/numbers_N   N numbers in 1..100 and a target reachable with + - * / using each
                           number at most once (built from a random expression, so always
                           solvable); the building expression is kept as `solution`
@@ -33,11 +34,12 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     code_path = None
 
 
-def arithmetic_problem(rng: random.Random, digits: int) -> dict:
-    """One problem with two `digits`-digit operands (1-digit operands include 0)."""
+def arithmetic_problem(rng: random.Random, digits: int, ops: tuple[str, ...] = _OPS) -> dict:
+    """One problem with two `digits`-digit operands (1-digit operands include 0) and an
+    operator drawn from `ops`."""
     low = 0 if digits == 1 else 10 ** (digits - 1)
     a, b = rng.randint(low, 10**digits - 1), rng.randint(low, 10**digits - 1)
-    op = rng.choice(_OPS)
+    op = rng.choice(ops)
     value = a + b if op == "+" else a - b if op == "-" else a * b
     return {"question": f"What is {a} {op} {b}?", "answer": str(value), "digits": digits}
 
@@ -81,6 +83,7 @@ def _seed(*parts) -> int:
 @dataclasses.dataclass
 class ArithmeticConfig(tfds.core.BuilderConfig):
     digits: int = 2
+    ops: tuple[str, ...] = _OPS  # operators drawn from, uniformly
     train_size: int = 20_000
     test_size: int = 1_000
 
@@ -90,7 +93,11 @@ class Arithmetic(_LocalBuilder):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Initial release."}
-    BUILDER_CONFIGS = [ArithmeticConfig(name=f"digits_{d}", digits=d) for d in range(1, 7)]
+    BUILDER_CONFIGS = [ArithmeticConfig(name=f"digits_{d}", digits=d) for d in range(1, 7)] + [
+        # From 2 digits: 1-digit addition has only 100 problems, too few to hold some out.
+        ArithmeticConfig(name=f"add_{d}", digits=d, ops=("+",))
+        for d in range(2, 7)
+    ]
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = {"question": tfds.features.Text(), "answer": tfds.features.Text()}
@@ -110,10 +117,13 @@ class Arithmetic(_LocalBuilder):
     def _problems(self, split: str, size: int, exclude: set) -> Iterator[dict]:
         """`size` problems; train never repeats a test question (below 2 digits, the space
         of problems is small, so train itself may repeat)."""
-        rng = random.Random(_seed("arithmetic", self.builder_config.digits, split))
+        cfg = self.builder_config
+        # The digits_N seeds predate `ops`: they stay as they were, so their rows do too.
+        key = ("arithmetic", cfg.digits, split)
+        rng = random.Random(_seed(*key) if cfg.ops == _OPS else _seed(*key, cfg.ops))
         made = 0
         while made < size:
-            row = arithmetic_problem(rng, self.builder_config.digits)
+            row = arithmetic_problem(rng, cfg.digits, cfg.ops)
             if row["question"] not in exclude:
                 made += 1
                 yield row
