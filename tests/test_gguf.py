@@ -333,7 +333,8 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_path):
 @needs_smollm2
 def test_smollm2_config_runs_two_steps(tmp_path):
     """configs/smollm2_arithmetic_cpu.py through the command line, shrunk: 2 steps of 2
-    prompts x 2 samples, 4 new tokens, one CPU device."""
+    prompts x 2 samples, 4 new tokens, one CPU device, the layers scanned (one compiled
+    layer instead of 30) and no eval."""
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "smollm2_arithmetic_cpu.py")
     overrides = {
         "train.num_steps": 2,
@@ -341,7 +342,8 @@ def test_smollm2_config_runs_two_steps(tmp_path):
         "rollout.num_generations": 2,
         "rollout.max_new_tokens": 4,
         "optim.micro_batches": 1,
-        "eval.num_prompts": 2,
+        "model.scan_layers": True,
+        "eval.every": 0,
         "train.print_samples_every": 0,
         "logging.tensorboard": False,
     }
@@ -352,4 +354,4 @@ def test_smollm2_config_runs_two_steps(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1])
-    assert last["step"] == 2 and "eval/pass@1" in last
+    assert last["step"] == 2 and np.isfinite(last["loss/total"])
