@@ -54,11 +54,11 @@ def add_tensor(writer: gguf.GGUFWriter, name: str, x: np.ndarray, qtype: Q, seed
 
 
 def write_model(
-    model, path, arch: str, qtype: Q, arch_name: str | None = None, skip: str = ""
+    model, path, arch: str, qtype: Q, arch_name: str | None = None, skip: str = "", edit=None
 ) -> None:
     """A transformers model as a GGUF file: hyperparameters as metadata, weights as `qtype`
     (Q/K rows permuted for llama). `arch_name` overrides `general.architecture`; the HF
-    tensor `skip` is left out."""
+    tensor `skip` is left out; `edit(writer)` adds metadata."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch_name or arch)
@@ -76,6 +76,8 @@ def write_model(
         w.add_value_length(head_dim)
     else:
         w.add_rope_dimension_count(head_dim)
+    if edit is not None:
+        edit(w)
     names = gguf.get_tensor_name_map(ARCHS[arch], c.num_hidden_layers)
     for k, (name, t) in enumerate(model.state_dict().items()):
         if name == skip or (name == "lm_head.weight" and c.tie_word_embeddings):

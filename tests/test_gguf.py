@@ -229,6 +229,30 @@ def test_unsupported_architecture_names_it(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda w: w.add_sliding_window(16), r"sliding-window attention \(sliding_window=16\)"),
+        (lambda w: w.add_expert_count(8), r"mixture-of-experts"),
+        (lambda w: w.add_rope_dimension_count(8), r"partial_rotary_factor=0\.5"),
+        (
+            lambda w: (
+                w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+                w.add_rope_scaling_factor(4.0),
+            ),
+            r"rope type 'yarn' is not supported",
+        ),
+    ],
+    ids=["sliding_window", "experts", "partial_rotary", "yarn"],
+)
+def test_unsupported_options_are_refused(tmp_path, edit, message):
+    """Metadata for what the decoder lacks: one line, before any tensor is read."""
+    write_model(hf_model("qwen2"), tmp_path / "m.gguf", "qwen2", Q.F32, edit=edit)
+    with pytest.raises(models.UnsupportedModelError, match=message) as err:
+        gguf_io.gguf_config(tmp_path / "m.gguf")
+    one_line(err)
+
+
 def test_missing_tensor_names_it(tmp_path):
     """A file without one layer's tensor: the GGUF name is in the message."""
     path = tmp_path / "cut.gguf"

@@ -163,6 +163,12 @@ def hf_config_dict(meta: dict, tensors: dict, source: str) -> dict:
         key = f"tokenizer.ggml.{_SPECIAL_TOKENS[name]}"
         if key in meta:
             d[name + "_id"] = int(meta[key])
+    return d | _options(meta, arch, get, head_dim, source)
+
+
+def _options(meta: dict, arch: str, get, head_dim: int, source: str) -> dict:
+    """Partial rotary, RoPE scaling, experts, sliding windows: under their HF keys."""
+    d = {}
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         d["partial_rotary_factor"] = rope_dim / head_dim
