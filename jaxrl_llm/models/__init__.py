@@ -12,6 +12,7 @@ from jaxrl_llm.models.config import (
     UnsupportedModelError,
 )
 from jaxrl_llm.models.hf_io import CheckpointError, load_hf, save_hf
+from jaxrl_llm.models.kv_cache import KVCache, cache_rows, grow_cache, init_cache
 from jaxrl_llm.models.params import (
     ParamSpec,
     count_params,
@@ -21,15 +22,12 @@ from jaxrl_llm.models.params import (
 )
 from jaxrl_llm.models.partitioning import DEFAULT_RULES, logical_to_sharding, logical_to_spec
 from jaxrl_llm.models.transformer import (
-    KVCache,
-    cache_rows,
     decode_step,
     default_positions,
     extend,
     forward,
     forward_after_prefix,
-    grow_cache,
-    init_cache,
+    last_hidden,
     layer_params,
     logits,
     prefill,
@@ -55,6 +53,7 @@ __all__ = [
     "grow_cache",
     "init_cache",
     "init_params",
+    "last_hidden",
     "layer_params",
     "load_hf",
     "logical_to_sharding",
