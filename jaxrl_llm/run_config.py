@@ -1,10 +1,11 @@
-"""The run config: every knob of `python -m jaxrl_llm.train` with its default, and the
-checks that stop a bad config before anything compiles.
+"""The run config: every knob of `python -m jaxrl_llm.train` with its default, and what
+the trainer derives from it (the algorithm, the rollout spec, the model path).
 
 Experiment files in `configs/` start from `base_config()` and change what they need
 (big_vision style); any key can be overridden on the command line
 (`--config.algo.beta=0.0`). `algo.*` fields other than `name` are typed placeholders:
 left at None they take the preset's value (`rl.preset(algo.name)`), set they override it.
+`validate` (config_checks.py) stops a bad config before anything is loaded or compiled.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def _algo_defaults() -> ml_collections.ConfigDict:
     algo = ml_collections.ConfigDict()
     algo.name = "grpo"  # grpo | dr_grpo | dapo | gspo | rloo | reinforce_pp | ppo
     for field in dataclasses.fields(AlgoConfig):
-        if field.name in ("name", "group_size", "max_completion_len"):
-            continue  # set from rollout.num_generations / rollout.max_new_tokens
+        if field.name == "name":
+            continue
         default = field.default
         kind = _ALGO_TYPES.get(type(default), float)
         if field.name == "reward_weights":
@@ -112,6 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 0  # steps; 0 = never (the final step is always evaluated when > 0)
+    c.eval.at_start = True  # with eval.every > 0: also evaluate the initial policy (step 0)
     c.eval.split = "test"  # TFDS split of the held-out prompts
     c.eval.path = ""  # held-out JSONL file when data.source="jsonl"
     c.eval.num_prompts = 64
@@ -132,11 +134,13 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def resolve_model_path(path: str, key: str = "model.path", need_config: bool = True) -> str:
+def resolve_model_path(path: str, key: str = "model.path", need_config: bool = True,
+                       download: bool = True) -> str | None:  # fmt: skip
     """A model dir, a built-in name, or a hub name -> an existing directory with config.json.
 
     A hub name (`org/name`, not an existing local path) is downloaded once into the HF
-    cache (weights, config, tokenizer); nothing else is ever fetched at run time.
+    cache (weights, config, tokenizer) when `download`; otherwise None is returned for it
+    (validation never touches the network). Nothing else is ever fetched at run time.
     """
     path = BUILTIN_MODELS.get(path, path)
     if not path:
@@ -145,14 +149,27 @@ def resolve_model_path(path: str, key: str = "model.path", need_config: bool = T
             f"(org/name) or one of {list(BUILTIN_MODELS)}"
         )
     if not os.path.exists(path) and _HUB_NAME.fullmatch(path):
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(path, allow_patterns=_HUB_FILES)
+        if not download:
+            return None
+        path = _download(path, key)
     if not need_config and not os.path.isdir(path):
         raise ConfigError(f"{key}={path!r}: not a directory")
     if need_config and not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{key}={path!r}: no config.json there (an HF model directory)")
     return path
+
+
+def _download(name: str, key: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, allow_patterns=_HUB_FILES)
+    except Exception as err:  # no network, no such repo, gated: one line naming the key
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"{key}={name!r}: not a local directory and the hub download failed "
+            f"({type(err).__name__}: {reason}); give a local HF model directory"
+        ) from None
 
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -164,11 +181,38 @@ def algo_config(config):
     from jaxrl_llm import rl
 
     overrides = {k: v for k, v in config.algo.items() if k != "name" and v is not None}
-    return rl.preset(
-        config.algo.name,
-        group_size=config.rollout.num_generations,
-        max_completion_len=config.rollout.max_new_tokens,
-        **overrides,
+    return rl.preset(config.algo.name, **overrides)
+
+
+def stop_ids(tokenizer, stop_tokens) -> tuple[int, ...]:
+    """`rollout.stop_tokens` (token strings; "<eos>" = the tokenizer's EOS) -> token ids."""
+    ids = []
+    for tok in stop_tokens:
+        if tok == "<eos>":
+            if tokenizer.eos_token_id is None:
+                raise ConfigError("rollout.stop_tokens: the tokenizer has no EOS")
+            ids.append(tokenizer.eos_token_id)
+            continue
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if tid is None or tid == tokenizer.unk_token_id:
+            raise ConfigError(f"rollout.stop_tokens: {tok!r} is not a single token")
+        ids.append(int(tid))
+    return tuple(dict.fromkeys(ids))
+
+
+def rollout_spec(config, tokenizer):
+    """The run's `sampling.RolloutSpec`: one G, one temperature, one budget, for the
+    sampler, the reference log-probs and the update."""
+    from jaxrl_llm.sampling import RolloutSpec
+
+    r = config.rollout
+    return RolloutSpec(
+        num_generations=r.num_generations,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        stop_ids=stop_ids(tokenizer, r.stop_tokens),
     )
 
 
@@ -176,121 +220,9 @@ class ConfigError(ValueError):
     """A run config that cannot work; the message names the key."""
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def validate(config, num_devices: int | None = None, process_count: int = 1) -> None:
-    """Every cross-field check, before anything is compiled. Raises ConfigError naming the key."""
-    import jax
+    """Every check of a run config, before anything is loaded (no network, no model).
+    Raises ConfigError naming the key. See `config_checks`."""
+    from jaxrl_llm import config_checks
 
-    from jaxrl_llm import models, parallel, verifiers
-    from jaxrl_llm.models.config import REMAT_POLICIES
-    from jaxrl_llm.sampling import BUCKET_STEPS, bucket_length
-
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    path = resolve_model_path(config.model.path)
-    if config.model.ref_path:
-        resolve_model_path(config.model.ref_path, "model.ref_path")
-    if config.model.tokenizer:
-        resolve_model_path(config.model.tokenizer, "model.tokenizer", need_config=False)
-    _check(
-        config.model.dtype in ("float32", "bfloat16", "float16"),
-        f"model.dtype={config.model.dtype!r}: expected float32, bfloat16 or float16",
-    )
-    _check(
-        config.model.remat in REMAT_POLICIES,
-        f"model.remat={config.model.remat!r}: expected one of {REMAT_POLICIES}",
-    )
-    try:
-        mesh_shape = parallel.mesh_shape(dict(config.mesh), num_devices, key_prefix="mesh")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    r = config.rollout
-    _check(r.batch_size >= 1, f"rollout.batch_size={r.batch_size}: must be >= 1")
-    _check(r.num_generations >= 1, f"rollout.num_generations={r.num_generations}: must be >= 1")
-    rows, multiple = r.batch_size * r.num_generations, mesh_shape[0] * mesh_shape[1]
-    _check(
-        r.batch_size % multiple == 0,
-        f"rollout.batch_size={r.batch_size} is not divisible by mesh data x fsdp = {multiple}",
-    )
-    _check(
-        r.batch_size % process_count == 0,
-        f"rollout.batch_size={r.batch_size} is not divisible by {process_count} processes",
-    )
-    _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens}: must be >= 1")
-    _check(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples, use > 0")
-    _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
-    _check(r.top_k >= 0, f"rollout.top_k={r.top_k}: must be >= 0")
-    _check(
-        r.bucket_steps in BUCKET_STEPS,
-        f"rollout.bucket_steps={r.bucket_steps!r}: expected one of {BUCKET_STEPS}",
-    )
-    _check(
-        isinstance(r.cache_segments, int) and r.cache_segments >= 1,
-        f"rollout.cache_segments={r.cache_segments!r}: must be an integer >= 1 (1 = one loop)",
-    )
-    try:
-        algo = algo_config(config)
-    except ValueError as e:
-        raise ConfigError(str(e).replace("algo.group_size", "rollout.num_generations")) from None
-    model_cfg = models.ModelConfig.from_hf_dir(path)
-    bucket = bucket_length(config.data.max_prompt_len, r.bucket_steps)
-    _check(
-        bucket + r.max_new_tokens <= model_cfg.max_position_embeddings,
-        f"data.max_prompt_len={config.data.max_prompt_len} (bucket "
-        f"{bucket}) + rollout.max_new_tokens="
-        f"{r.max_new_tokens} exceeds the model's max_position_embeddings "
-        f"{model_cfg.max_position_embeddings}",
-    )
-    o = config.optim
-    _check(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate}: must be > 0")
-    _check(
-        o.schedule in ("constant", "cosine", "linear"),
-        f"optim.schedule={o.schedule!r}: expected constant, cosine or linear",
-    )
-    _check(0 <= o.end_lr_ratio <= 1, f"optim.end_lr_ratio={o.end_lr_ratio}: must be in [0, 1]")
-    _check(
-        o.mini_batches >= 1 and rows % o.mini_batches == 0,
-        f"optim.mini_batches={o.mini_batches} does not divide the {rows} rollouts per step",
-    )
-    per_mini = rows // max(o.mini_batches, 1)
-    _check(
-        o.micro_batches >= 1 and per_mini % o.micro_batches == 0,
-        f"optim.micro_batches={o.micro_batches} does not divide the {per_mini} rows per "
-        f"optimizer step",
-    )
-    try:
-        labels = [s.label for s in verifiers.parse_specs(config.rewards)]
-    except ValueError as e:
-        raise ConfigError(str(e) if str(e).startswith("rewards") else f"rewards: {e}") from None
-    _check(bool(labels), "rewards: at least one verifier is needed")
-    if algo.decouple_rewards or algo.reward_weights:
-        _check(
-            algo.reward_weights is None or len(algo.reward_weights) == len(labels),
-            f"algo.reward_weights has {len(algo.reward_weights or ())} entries for "
-            f"{len(labels)} rewards",
-        )
-    t = config.train
-    _check(t.num_steps >= 1, f"train.num_steps={t.num_steps}: must be >= 1")
-    _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be >= 1")
-    _check(t.logprob_chunk >= 1, f"train.logprob_chunk={t.logprob_chunk}: must be >= 1")
-    e = config.eval
-    _check(e.every >= 0, f"eval.every={e.every}: must be >= 0")
-    _check(e.pass_k >= 1, f"eval.pass_k={e.pass_k}: must be >= 1")
-    _check(
-        not (e.every and config.data.source == "jsonl" and not e.path),
-        "eval.path: required for evaluation when data.source='jsonl'",
-    )
-    _check(e.num_prompts >= 1, f"eval.num_prompts={e.num_prompts}: must be >= 1")
-    _check(
-        not e.correct_reward or e.correct_reward in labels,
-        f"eval.correct_reward={e.correct_reward!r}: not a reward label ({labels})",
-    )
-    _check(config.checkpoint.every >= 0, f"checkpoint.every={config.checkpoint.every}: >= 0")
-    _check(config.checkpoint.keep >= 1, f"checkpoint.keep={config.checkpoint.keep}: >= 1")
-    try:
-        data_config.check_config(config.data)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    config_checks.validate(config, num_devices, process_count)
