@@ -183,7 +183,7 @@ class VerifierPool:
           completions: [N] decoded texts.
           examples: [N] dataset rows (repeat a prompt's row for each of its G samples).
           num_tokens: [N] completion lengths in tokens, given to verifiers as
-            `example["num_tokens"]` (the `overlong` penalty needs it).
+            `example["num_tokens"]` (for verifiers that weigh length).
 
         Returns:
           rewards: [N] float64, sum_k weight_k * score_k; a failed call contributes 0.
