@@ -53,7 +53,8 @@ from jaxrl_llm.rl.losses import (
 )
 from jaxrl_llm.rl.optim import MasterWeights, Optimizer, make_optimizer, optimizer_from_config
 from jaxrl_llm.rl.shaping import degenerate_groups, overlong_penalty
-from jaxrl_llm.rl.update import TrainState, init_train_state, make_update_fn
+from jaxrl_llm.rl.state import TrainState, init_train_state
+from jaxrl_llm.rl.update import make_update_fn
 
 __all__ = [
     "ADVANTAGE_KINDS",

@@ -237,6 +237,18 @@ def policy_term(cfg: AlgoConfig, logp, old_logp, advantages, mask):
     return ppo_clip_loss(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip), ratio
 
 
+def _truncated_is(cfg: AlgoConfig, pg, old_logp, sampler_logp, valid, metrics: dict):
+    """pg times the truncated IS weight (when cfg.tis_cap); logs the sampler/trainer gap."""
+    gap = jnp.abs(log_ratio(old_logp, sampler_logp, valid))
+    metrics["rollout/logprob_gap"] = masked_mean(_sg(gap), valid)
+    if cfg.tis_cap is None:
+        return pg
+    w = tis_weight(old_logp, sampler_logp, valid, cfg.tis_cap)
+    metrics["rollout/tis_weight_mean"] = masked_mean(w, valid)
+    metrics["rollout/tis_capped_frac"] = masked_mean(w >= cfg.tis_cap, valid)
+    return pg * w
+
+
 def policy_objective(
     cfg: AlgoConfig,
     logp: jax.Array,
@@ -271,13 +283,7 @@ def policy_objective(
     pg, ratio = policy_term(cfg, logp, old_logp, adv, valid)
     metrics = _policy_metrics(cfg, logp, old_logp, ratio, adv, valid)
     if sampler_logp is not None:
-        gap = jnp.abs(log_ratio(old_logp, sampler_logp, valid))
-        metrics["rollout/logprob_gap"] = masked_mean(_sg(gap), valid)
-        if cfg.tis_cap is not None:
-            w = tis_weight(old_logp, sampler_logp, valid, cfg.tis_cap)
-            pg = pg * w
-            metrics["rollout/tis_weight_mean"] = masked_mean(w, valid)
-            metrics["rollout/tis_capped_frac"] = masked_mean(w >= cfg.tis_cap, valid)
+        pg = _truncated_is(cfg, pg, old_logp, sampler_logp, valid, metrics)
     agg = functools.partial(
         aggregate,
         mask=valid,

@@ -42,14 +42,11 @@ each slice keeps an even share of every device's rows when the batch is sharded 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import models
@@ -62,13 +59,13 @@ from jaxrl_llm.rl.batch import (
     check_groups,
     make_logprob_fn,
     map_rows,
-    prefix_logprobs,
-    prompt_prefix,
     sequence_logprobs,
     split_rows,
 )
-from jaxrl_llm.rl.losses import loss_denominator, masked_mean, policy_objective, value_objective
+from jaxrl_llm.rl.gradients import Carry, Rows, Setup, gradients, reduce_metrics
+from jaxrl_llm.rl.losses import masked_mean
 from jaxrl_llm.rl.optim import Optimizer, make_optimizer
+from jaxrl_llm.rl.state import TrainState, init_train_state
 from jaxrl_llm.sampling.spec import RolloutSpec
 
 __all__ = [
@@ -83,98 +80,6 @@ __all__ = [
 ]
 
 _sg = jax.lax.stop_gradient
-
-
-@struct.dataclass
-class TrainState:
-    """Everything the update changes. step counts update calls (trainer steps)."""
-
-    step: jax.Array  # [] int32
-    params: Any
-    opt_state: Any
-    critic_params: Any = None  # PPO only
-    critic_opt_state: Any = None
-
-
-@struct.dataclass
-class _Rows:
-    """Per-row training data after step 1-2 of the module doc (None = not needed)."""
-
-    prompt_tokens: jax.Array
-    prompt_mask: jax.Array
-    tokens: jax.Array
-    mask: jax.Array
-    loss_mask: jax.Array
-    behaviour_logp: jax.Array
-    advantages: jax.Array  # [N, T]
-    old_logp: jax.Array | None
-    ref_logp: jax.Array | None
-    returns: jax.Array | None
-    old_values: jax.Array | None
-    groups: jax.Array | None = None  # [N] int32: each row's prompt group (shared prompts)
-
-
-@struct.dataclass
-class _Carry:
-    params: Any
-    opt_state: Any
-    critic_params: Any
-    critic_opt_state: Any
-
-
-# --------------------------------------------------------------------------- construction
-def _commit_like(tree, params):
-    """Commits tree's leaves (optimizer counts, the step) where the params live: replicated
-    on their mesh, or on their device. Uncommitted or differently placed inputs would make
-    the second update call compile again."""
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
-    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-    if mesh is not None:
-        target = NamedSharding(mesh, PartitionSpec())
-    elif shardings and shardings[0] is not None:
-        target = jax.sharding.SingleDeviceSharding(next(iter(shardings[0].device_set)))
-    else:
-        return tree
-
-    keep = lambda x: isinstance(x.sharding, NamedSharding)  # noqa: E731 (always committed)
-    return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, target), tree)
-
-
-def init_train_state(
-    params, opt: Optimizer, critic_params=None, critic_optimizer: Optimizer | None = None
-) -> TrainState:
-    """Fresh optimizer states (sharded like the params). The state OWNS these arrays: the
-    update donates them, so keep no other reference (copy the reference model's params)."""
-    critic_opt_state = None
-    if critic_params is not None:
-        if critic_optimizer is None:
-            raise ValueError("init_train_state: critic_params given without critic_optimizer")
-        critic_params = _commit_like(critic_params, critic_params)
-        critic_opt_state = _commit_like(critic_optimizer.init(critic_params), critic_params)
-    return TrainState(
-        step=_commit_like(jnp.zeros((), jnp.int32), params),
-        params=_commit_like(params, params),
-        opt_state=_commit_like(opt.init(params), params),
-        critic_params=critic_params,
-        critic_opt_state=critic_opt_state,
-    )
-
-
-# ------------------------------------------------------------------------------- metrics
-def _reduce(metrics: dict, sum_losses: bool) -> dict:
-    """Stacked per-slice metrics [k] -> scalars: extremes by min / max, nonfinite by max,
-    loss/* summed (micro-batches of one step) or averaged (steps), the rest averaged."""
-
-    def one(name, x):
-        if name.endswith(("_min", "/min")):
-            return jnp.min(x)
-        if name.endswith(("_max", "/max", "nonfinite")):
-            return jnp.max(x)
-        if sum_losses and name.startswith("loss/"):
-            return jnp.sum(x)
-        return jnp.mean(x)
-
-    return {name: one(name, x) for name, x in metrics.items()}
 
 
 def _batch_metrics(adv, mask, returns, old_values) -> dict:
@@ -199,139 +104,13 @@ def _batch_metrics(adv, mask, returns, old_values) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- update step
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-    """The static settings of one compiled update function."""
-
-    model_cfg: models.ModelConfig
-    algo: AlgoConfig
-    opt: Optimizer
-    critic_opt: Optimizer | None
-    spec: RolloutSpec
-    micro_batches: int
-    mini_batches: int
-    chunk_size: int
-    skip_nonfinite: bool
-    seed: int
-    share_prompts: bool = True
-
-    @property
-    def num_generations(self) -> int:
-        return self.spec.num_generations
-
-    @property
-    def prompt_group(self) -> int:
-        """Rows per prompt read once in the no-gradient forwards (1 = every row its own)."""
-        return self.num_generations if self.share_prompts else 1
-
-    @property
-    def shares_prompts(self) -> bool:
-        """The policy's forward + backward reads each prompt once per group: G > 1 and the
-        rows are not permuted into mini-batches (which would split groups)."""
-        return self.prompt_group > 1 and self.mini_batches == 1
-
-    @property
-    def on_policy(self) -> bool:
-        return self.algo.num_iterations == 1 and self.mini_batches == 1
-
-    @property
-    def needs_old_logp(self) -> bool:
-        return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
-
-
-def _policy_loss(s: _Setup, params, r: _Rows, den, prefix=None):
-    """-J of one micro-batch (divided by the mini-batch denominator) and its metrics.
-    prefix: the groups' prompts already run (`prompt_prefix`), or None."""
-    kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size)
-    if prefix is None:
-        logp, entropy = sequence_logprobs(
-            s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask, **kw
-        )
-    else:
-        logp, entropy = prefix_logprobs(
-            s.model_cfg, params, prefix, r.prompt_mask, r.tokens, r.mask, r.groups, **kw
-        )
-    if not s.algo.entropy_coef:  # the bonus is off: its gradient need not be traced
-        entropy = _sg(entropy)
-    old = None if s.on_policy else r.old_logp
-    return policy_objective(
-        s.algo, logp, old, r.behaviour_logp, r.ref_logp, r.advantages, r.loss_mask, entropy,
-        denominator=den, max_len=s.spec.max_new_tokens,
-    )  # fmt: skip
-
-
-def _value_loss(s: _Setup, critic_params, r: _Rows, den):
-    v = critic_lib.values(s.model_cfg, critic_params, r.prompt_tokens, r.prompt_mask,
-                          r.tokens, r.mask)  # fmt: skip
-    loss, metrics = value_objective(s.algo, v, r.old_values, r.returns, r.loss_mask,
-                                    denominator=den, max_len=s.spec.max_new_tokens)  # fmt: skip
-    # Full-batch rollout-time statistics replace these (see _batch_metrics).
-    metrics.pop("value/mean"), metrics.pop("value/explained_variance")
-    return loss, metrics
-
-
-def _zeros_f32(tree):
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
-
-
-def _add(acc, grads):
-    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-
-
-def _gradients(s: _Setup, carry: _Carry, rows: _Rows):
-    """Summed float32 gradients of one mini-batch over its micro-batches, and metrics.
-
-    With shared prompts the prompts run once, before the micro-batches; each micro-batch
-    adds its rows' cotangent of the prompts' keys/values (and last hidden states), and
-    one backward through the prompts' forward after the last adds their gradient."""
-    den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.spec.max_new_tokens)
-    use_critic = carry.critic_params is not None
-    prefix = None
-    if rows.groups is not None:
-        prefix, prefix_vjp = jax.vjp(
-            lambda p: prompt_prefix(
-                s.model_cfg, p, rows.prompt_tokens, rows.prompt_mask, s.num_generations
-            ),
-            carry.params,
-        )
-
-    def micro(acc, r):
-        if prefix is None:
-            pgrad = jax.value_and_grad(functools.partial(_policy_loss, s), has_aux=True)
-            (_, metrics), g = pgrad(carry.params, r, den)
-        else:
-            loss = lambda p, pre: _policy_loss(s, p, r, den, pre)  # noqa: E731
-            pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-            (_, metrics), (g, g_prefix) = pgrad(carry.params, prefix)
-            acc = dict(acc, prefix=_add(acc["prefix"], g_prefix))
-        acc = dict(acc, policy=_add(acc["policy"], g))
-        if use_critic:
-            vgrad = jax.value_and_grad(functools.partial(_value_loss, s), has_aux=True)
-            (_, vmetrics), cg = vgrad(carry.critic_params, r, den)
-            acc["critic"] = _add(acc["critic"], cg)
-            metrics = {**metrics, **vmetrics}
-        return acc, metrics
-
-    acc = {"policy": _zeros_f32(carry.params)}
-    if use_critic:
-        acc["critic"] = _zeros_f32(carry.critic_params)
-    if prefix is not None:
-        acc["prefix"] = _zeros_f32(prefix)
-    acc, metrics = jax.lax.scan(micro, acc, split_rows(rows, s.micro_batches))
-    if prefix is not None:
-        g_prefix = jax.tree.map(lambda g, x: g.astype(x.dtype), acc.pop("prefix"), prefix)
-        acc["policy"] = _add(acc["policy"], prefix_vjp(g_prefix)[0])
-    return acc, _reduce(metrics, sum_losses=True)
-
-
 def _select(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
-def _optimizer_step(s: _Setup, step, policy_on, carry: _Carry, rows: _Rows):
+def _optimizer_step(s: Setup, step, policy_on, carry: Carry, rows: Rows):
     """One optimizer step on one mini-batch -> (new carry, metrics)."""
-    grads, metrics = _gradients(s, carry, rows)
+    grads, metrics = gradients(s, carry, rows)
     norm = optax.tree.norm(grads["policy"])
     finite = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(norm)
     metrics["optim/grad_norm"] = norm
@@ -358,7 +137,7 @@ def _optimizer_step(s: _Setup, step, policy_on, carry: _Carry, rows: _Rows):
     return new, metrics
 
 
-def _prepare(s: _Setup, state: TrainState, batch: RolloutBatch) -> _Rows:
+def _prepare(s: Setup, state: TrainState, batch: RolloutBatch) -> Rows:
     """Steps 1-2 of the module doc: pi_old, V_old (no gradient) and the advantages."""
     k = s.micro_batches * s.mini_batches  # the forward of one micro-batch at a time
     inputs = (batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
@@ -377,7 +156,7 @@ def _prepare(s: _Setup, state: TrainState, batch: RolloutBatch) -> _Rows:
         s.algo, batch.rewards, batch.loss_mask, G, old_logp=old_logp,
         ref_logp=batch.ref_logprobs, values=old_values,
     )  # fmt: skip
-    return _Rows(
+    return Rows(
         *inputs,
         loss_mask=batch.loss_mask,
         behaviour_logp=batch.behaviour_logprobs,
@@ -390,7 +169,7 @@ def _prepare(s: _Setup, state: TrainState, batch: RolloutBatch) -> _Rows:
     )
 
 
-def _check(s: _Setup, state: TrainState, batch: RolloutBatch) -> None:
+def _check(s: Setup, state: TrainState, batch: RolloutBatch) -> None:
     """Shape and configuration errors, raised while tracing, naming what is wrong."""
     n = batch.tokens.shape[0]
     k = s.micro_batches * s.mini_batches
@@ -408,7 +187,7 @@ def _check(s: _Setup, state: TrainState, batch: RolloutBatch) -> None:
         raise ValueError("algo.advantage='gae' needs a critic: init_train_state(critic_params=)")
 
 
-def _update(s: _Setup, state: TrainState, batch: RolloutBatch):
+def _update(s: Setup, state: TrainState, batch: RolloutBatch):
     """state, batch -> (new state, metrics). See the module doc."""
     _check(s, state, batch)
     rows = _prepare(s, state, batch)
@@ -424,9 +203,9 @@ def _update(s: _Setup, state: TrainState, batch: RolloutBatch):
         step = functools.partial(_optimizer_step, s, state.step, policy_on)
         return jax.lax.scan(step, carry, split_rows(r, s.mini_batches))
 
-    carry = _Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state)
+    carry = Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state)
     carry, metrics = jax.lax.scan(one_pass, carry, jnp.arange(s.algo.num_iterations))
-    metrics = _reduce(metrics, sum_losses=False)
+    metrics = reduce_metrics(metrics, sum_losses=False)
     metrics.update(_batch_metrics(rows.advantages, rows.loss_mask, rows.returns, rows.old_values))
     metrics["optim/lr"] = s.opt.schedule(state.step)
     new_state = TrainState(
@@ -472,7 +251,7 @@ def make_update_fn(
     if algo_cfg.uses_critic and critic_optimizer is None:
         raise ValueError(f"algo.advantage={algo_cfg.advantage!r} needs critic_optimizer")
     check_num_generations(algo_cfg, spec.num_generations)
-    setup = _Setup(
+    setup = Setup(
         model_cfg, algo_cfg, opt, critic_optimizer if algo_cfg.uses_critic else None, spec,
         int(micro_batches), int(mini_batches), int(chunk_size), bool(skip_nonfinite), int(seed),
         bool(share_prompts),
@@ -489,7 +268,7 @@ class UpdateFn:
     jitted program is kept per input layout; `traces` counts compilations by [N, T].
     """
 
-    def __init__(self, setup: _Setup):
+    def __init__(self, setup: Setup):
         self._setup = setup
         self._jitted: dict = {}
         self.traces: collections.Counter = collections.Counter()
