@@ -44,94 +44,109 @@ def _algo_defaults() -> ml_collections.ConfigDict:
 
 
 def base_config() -> ml_collections.ConfigDict:
+    """Every key of a run with its default, one section per concern (`config_checks` has
+    one checker per section)."""
     c = ml_collections.ConfigDict()
-
-    c.model = ml_collections.ConfigDict()
-    c.model.path = "quickstart"  # HF model dir, or a built-in name (quickstart)
-    c.model.tokenizer = ""  # tokenizer dir; "" = model.path
-    c.model.ref_path = ""  # reference model dir; "" = the initial policy
-    c.model.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
-    c.model.remat = "none"  # none | full | dots | dots_no_batch
-    # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
-    # grows with depth, sampling holds a second copy of the layer weights).
-    c.model.scan_layers = True
-
+    c.model = model_defaults()
     c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
-
     c.data = data_config.default_config()
-
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.batch_size = 8  # B: prompts per step (global, all hosts)
-    c.rollout.num_generations = 8  # G: completions per prompt
-    c.rollout.max_new_tokens = 64
-    c.rollout.temperature = 1.0
-    c.rollout.top_k = 0
-    c.rollout.top_p = 1.0
-    c.rollout.stop_tokens = ("<eos>",)  # token strings; "<eos>" = the tokenizer's EOS
-    # Prompts are left-padded to a bucket length, one compiled sampler / reference / update
-    # per bucket: bucket_steps lengths per doubling (1: 16, 32, 64 ...; 2: 16, 24, 32, 48
-    # ...; 4: 16, 20, 24, 28, 32, 40 ...; 8). More steps, less padding, more programs.
-    c.rollout.bucket_steps = 2
-    # The decode loop runs in this many segments, each over a KV cache just long enough for
-    # its tokens (grown in between): a token's attention reads the filled slots plus at most
-    # a segment's worth, not the whole prompt + max_new_tokens cache, for that many compiled
-    # loop bodies (1 = one loop). Pays off most for long generations at large batch. While
-    # the cache grows the old and new one coexist: peak KV memory under 2x one full cache.
-    c.rollout.cache_segments = 4  # = sampling.CACHE_SEGMENTS
-
+    c.rollout = rollout_defaults()
     c.algo = _algo_defaults()
-
-    c.optim = ml_collections.ConfigDict()
-    c.optim.learning_rate = 1e-6
-    c.optim.schedule = "constant"  # constant | cosine | linear (after warmup)
-    c.optim.warmup_steps = 0
-    c.optim.end_lr_ratio = 0.0  # cosine / linear decay to learning_rate * this
-    c.optim.weight_decay = 0.0
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.999
-    c.optim.eps = 1e-8
-    c.optim.max_grad_norm = 1.0
-    c.optim.micro_batches = 1  # gradient accumulation per optimizer step
-    c.optim.mini_batches = 1  # optimizer steps per pass over a rollout batch
-    c.optim.critic_learning_rate = 1e-5  # PPO
-
-    c.rewards = ml_collections.ConfigDict(
-        {"gsm8k": 1.0}
-    )  # label -> weight | {name, weight, options}
-
-    c.train = ml_collections.ConfigDict()
-    c.train.num_steps = 100
-    c.train.seed = 0
-    c.train.log_every = 1
-    c.train.print_samples_every = 10  # 0 = never
-    c.train.num_printed_samples = 2
-    c.train.skip_nonfinite = False  # False: a NaN/inf loss or gradient stops the run
-    c.train.logprob_chunk = 128  # sequence chunk of the chunked log-prob computation
-    c.train.verifier_workers = 0  # 0 = CPU count
-    c.train.verifier_timeout_s = 10.0
-    c.train.transfer_guard = True  # jax.transfer_guard("disallow") around the step body
-
-    c.eval = ml_collections.ConfigDict()
-    c.eval.every = 0  # steps; 0 = never (the final step is always evaluated when > 0)
-    c.eval.at_start = True  # with eval.every > 0: also evaluate the initial policy (step 0)
-    c.eval.split = "test"  # TFDS split of the held-out prompts
-    c.eval.path = ""  # held-out JSONL file when data.source="jsonl"
-    c.eval.num_prompts = 64
-    c.eval.pass_k = 8
-    c.eval.temperature = 1.0
-    c.eval.correct_reward = ""  # reward label that decides pass@k; "" = the first one
-
+    c.optim = optim_defaults()
+    # label -> weight | {name, weight, options}
+    c.rewards = ml_collections.ConfigDict({"gsm8k": 1.0})
+    c.train = train_defaults()
+    c.eval = eval_defaults()
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 50  # steps; 0 = only at the end and on SIGTERM
     c.checkpoint.keep = 3
     c.checkpoint.async_save = True
-
     c.logging = ml_collections.ConfigDict()
     c.logging.tensorboard = True
     c.logging.wandb = False
     c.logging.wandb_project = "jaxrl_llm"
     c.logging.run_name = ""
     return c
+
+
+def model_defaults() -> ml_collections.ConfigDict:
+    m = ml_collections.ConfigDict()
+    m.path = "quickstart"  # HF model dir, or a built-in name (quickstart)
+    m.tokenizer = ""  # tokenizer dir; "" = model.path
+    m.ref_path = ""  # reference model dir; "" = the initial policy
+    m.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
+    m.remat = "none"  # none | full | dots | dots_no_batch
+    # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
+    # grows with depth, sampling holds a second copy of the layer weights).
+    m.scan_layers = True
+    return m
+
+
+def rollout_defaults() -> ml_collections.ConfigDict:
+    r = ml_collections.ConfigDict()
+    r.batch_size = 8  # B: prompts per step (global, all hosts)
+    r.num_generations = 8  # G: completions per prompt
+    r.max_new_tokens = 64
+    r.temperature = 1.0
+    r.top_k = 0
+    r.top_p = 1.0
+    r.stop_tokens = ("<eos>",)  # token strings; "<eos>" = the tokenizer's EOS
+    # Prompts are left-padded to a bucket length, one compiled sampler / reference / update
+    # per bucket: bucket_steps lengths per doubling (1: 16, 32, 64 ...; 2: 16, 24, 32, 48
+    # ...; 4: 16, 20, 24, 28, 32, 40 ...; 8). More steps, less padding, more programs.
+    r.bucket_steps = 2
+    # The decode loop runs in this many segments, each over a KV cache just long enough for
+    # its tokens (grown in between): a token's attention reads the filled slots plus at most
+    # a segment's worth, not the whole prompt + max_new_tokens cache, for that many compiled
+    # loop bodies (1 = one loop). Pays off most for long generations at large batch. While
+    # the cache grows the old and new one coexist: peak KV memory under 2x one full cache.
+    r.cache_segments = 4  # = sampling.CACHE_SEGMENTS
+    return r
+
+
+def optim_defaults() -> ml_collections.ConfigDict:
+    o = ml_collections.ConfigDict()
+    o.learning_rate = 1e-6
+    o.schedule = "constant"  # constant | cosine | linear (after warmup)
+    o.warmup_steps = 0
+    o.end_lr_ratio = 0.0  # cosine / linear decay to learning_rate * this
+    o.weight_decay = 0.0
+    o.b1 = 0.9
+    o.b2 = 0.999
+    o.eps = 1e-8
+    o.max_grad_norm = 1.0
+    o.micro_batches = 1  # gradient accumulation per optimizer step
+    o.mini_batches = 1  # optimizer steps per pass over a rollout batch
+    o.critic_learning_rate = 1e-5  # PPO
+    return o
+
+
+def train_defaults() -> ml_collections.ConfigDict:
+    t = ml_collections.ConfigDict()
+    t.num_steps = 100
+    t.seed = 0
+    t.log_every = 1
+    t.print_samples_every = 10  # 0 = never
+    t.num_printed_samples = 2
+    t.skip_nonfinite = False  # False: a NaN/inf loss or gradient stops the run
+    t.logprob_chunk = 128  # sequence chunk of the chunked log-prob computation
+    t.verifier_workers = 0  # 0 = CPU count
+    t.verifier_timeout_s = 10.0
+    t.transfer_guard = True  # jax.transfer_guard("disallow") around the step body
+    return t
+
+
+def eval_defaults() -> ml_collections.ConfigDict:
+    e = ml_collections.ConfigDict()
+    e.every = 0  # steps; 0 = never (the final step is always evaluated when > 0)
+    e.at_start = True  # with eval.every > 0: also evaluate the initial policy (step 0)
+    e.split = "test"  # TFDS split of the held-out prompts
+    e.path = ""  # held-out JSONL file when data.source="jsonl"
+    e.num_prompts = 64
+    e.pass_k = 8
+    e.temperature = 1.0
+    e.correct_reward = ""  # reward label that decides pass@k; "" = the first one
+    return e
 
 
 def resolve_model_path(path: str, key: str = "model.path", need_config: bool = True,

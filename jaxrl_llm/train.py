@@ -61,10 +61,17 @@ class Run:
         run_config.validate(config, process_count=jax.process_count())
         self.config, self.workdir = config, workdir
         self.algo = run_config.algo_config(config)
-        c = config
-        # --------------------------------------------------------------------- Mesh
-        self.mesh = parallel.make_mesh(dict(c.mesh))
-        # ------------------------------------------------------------ Model & tokenizer
+        self.mesh = parallel.make_mesh(dict(config.mesh))
+        params = self._load_models()
+        self._build_rollout()
+        self._build_input()
+        self._build_programs(params)
+        self.peak = perf.matmul_peak(config.model.dtype)
+
+    # ----------------------------------------------------------------- Model & tokenizer
+    def _load_models(self):
+        """Policy (-> its params), tokenizer and, with beta > 0, the reference params."""
+        c = self.config
         self.model_path = run_config.resolve_model_path(c.model.path)
         runtime = dict(remat=c.model.remat, scan_layers=bool(c.model.scan_layers))
         self.model_cfg, params = models.load_hf(
@@ -81,7 +88,12 @@ class Run:
                 c.model.ref_path or self.model_path, "model.ref_path"
             )
             _, self.ref_params = models.load_hf(ref_path, self.mesh, c.model.dtype)
-        # ------------------------------------------------------------------ Rollout
+        return params
+
+    # ------------------------------------------------------------------------- Rollout
+    def _build_rollout(self) -> None:
+        """The rollout spec, the sampler and the host-side scorer (verifier pool)."""
+        c = self.config
         self.spec = run_config.rollout_spec(c, self.tokenizer)
         pad = data.prompts.pad_id(self.tokenizer)
         self.sampler = sampling.Sampler(
@@ -96,8 +108,11 @@ class Run:
             overlong_buffer=self._overlong_buffer(), mesh=self.mesh,
         )  # fmt: skip
         self.correct_label = c.eval.correct_reward or self.scorer.specs[0].label
-        # -------------------------------------------------------------------- Input
-        B = c.rollout.batch_size
+
+    # --------------------------------------------------------------------------- Input
+    def _build_input(self) -> None:
+        """This process's training prompts and the fixed held-out batches."""
+        c, B = self.config, self.config.rollout.batch_size
         hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
         self.data_iter = data.make_iterator(c.data, self.tokenizer, B, **hosts)
         self.eval_batches = []
@@ -108,8 +123,10 @@ class Run:
             self.eval_batches = evaluation.fixed_batches(
                 data.make_iterator(eval_data, self.tokenizer, B, **hosts), c.eval.num_prompts
             )
-        # ------------------------------------------------------ Model & optimizer state
-        o = c.optim
+
+    # ---------------------------------------------- State, update and reference programs
+    def _build_programs(self, params) -> None:
+        c, o = self.config, self.config.optim
         opt = rl.optimizer_from_config(o, c.train.num_steps)
         critic_params = critic_opt = None
         if self.algo.uses_critic:
@@ -118,7 +135,6 @@ class Run:
         self.state = rl.init_train_state(
             params, opt, critic_params=critic_params, critic_optimizer=critic_opt
         )
-        # ------------------------------------------------- Update and reference programs
         self.update = rl.make_update_fn(
             self.model_cfg, self.algo, opt, self.spec, micro_batches=o.micro_batches,
             mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk,
@@ -131,7 +147,6 @@ class Run:
                 self.model_cfg, self.spec, chunk_size=c.train.logprob_chunk,
                 micro_batches=o.micro_batches * o.mini_batches,
             )  # fmt: skip
-        self.peak = perf.matmul_peak(c.model.dtype)
 
     def _overlong_buffer(self) -> int:
         """DAPO's L_c in tokens (0: no overlong penalty)."""
