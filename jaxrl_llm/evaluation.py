@@ -42,6 +42,22 @@ def fixed_batches(data_iter, num_prompts: int) -> list:
     return batches
 
 
+def held_out_batches(config, tokenizer, batch_size: int) -> list:
+    """The fixed evaluation batches of a run config: the first `eval.num_prompts` prompts
+    of `eval.split` (or the JSONL file `eval.path`), unshuffled, one epoch, built like the
+    training prompts (`data`), this process's share of each batch."""
+    import ml_collections
+
+    from jaxrl_llm import data
+
+    eval_data = ml_collections.ConfigDict(config.data.to_dict())
+    eval_data.split, eval_data.shuffle, eval_data.num_epochs = config.eval.split, False, 1
+    eval_data.path = config.eval.path or config.data.path
+    hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    it = data.make_iterator(eval_data, tokenizer, batch_size, **hosts)
+    return fixed_batches(it, config.eval.num_prompts)
+
+
 def _scores(details, label: str) -> np.ndarray:
     return np.asarray(details.per_verifier[label], np.float64)
 

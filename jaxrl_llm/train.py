@@ -117,12 +117,7 @@ class Run:
         self.data_iter = data.make_iterator(c.data, self.tokenizer, B, **hosts)
         self.eval_batches = []
         if c.eval.every > 0:
-            eval_data = ml_collections.ConfigDict(c.data.to_dict())
-            eval_data.split, eval_data.shuffle, eval_data.num_epochs = c.eval.split, False, 1
-            eval_data.path = c.eval.path or c.data.path
-            self.eval_batches = evaluation.fixed_batches(
-                data.make_iterator(eval_data, self.tokenizer, B, **hosts), c.eval.num_prompts
-            )
+            self.eval_batches = evaluation.held_out_batches(c, self.tokenizer, B)
 
     # ---------------------------------------------- State, update and reference programs
     def _build_programs(self, params) -> None:

@@ -67,14 +67,14 @@ def test_every_config_loads_and_validates(path, tiny_model_dir):
     with open(path, encoding="utf-8") as f:
         source = f.read()
     assert "jaxrl_llm.train" not in source.split('"""', 2)[-1], "configs never import the trainer"
-    if "python -m jaxrl_llm.sft" in source.split('"""')[1]:  # a supervised warm-start config
+    doc = source.split('"""')[1]
+    assert "python -m jaxrl_llm." in doc and "Expected" in doc, "docstring: command + result"
+    if "python -m jaxrl_llm.sft" in doc:  # a supervised warm-start config
         from jaxrl_llm import sft
 
         sft.check_config(config)
         return
     assert keys(config.to_dict()) <= keys(run_config.base_config().to_dict()), "unknown keys"
-    doc = source.split('"""')[1]
-    assert "python -m jaxrl_llm." in doc and "Expected" in doc, "docstring: command + result"
     if config.model.path not in run_config.BUILTIN_MODELS:
         config.model.path = tiny_model_dir
     run_config.validate(config, num_devices=8)
