@@ -50,17 +50,20 @@ def train(algo, steps: int, learning_rate: float) -> list[float]:
 
 
 def check_learned(curve):
+    """Starts near chance (1 / 16) and ends above 0.9, averaged over the last 10 steps:
+    a step's mean over 24 samples moves by ~0.05 from one step to the next, so a shorter
+    window can fail a policy that has learned (or pass one that has not)."""
     chance = np.mean(curve[:2])
-    assert chance < 0.25, curve  # starts near 1 / 16
-    assert np.mean(curve[-3:]) > 0.9, curve
+    assert chance < 0.25, curve
+    assert np.mean(curve[-10:]) > 0.9, curve
 
 
 def test_grpo_learns_target_token():
     # Group advantages, PPO clip, k3 KL to the reference in the loss.
-    check_learned(train(rl.preset("grpo"), steps=25, learning_rate=1e-2))
+    check_learned(train(rl.preset("grpo"), steps=40, learning_rate=1e-2))
 
 
 def test_ppo_learns_target_token():
     # Critic + GAE + k1 KL in the reward; 2 critic-only warmup steps first.
     algo = rl.preset("ppo", critic_warmup_steps=2)
-    check_learned(train(algo, steps=25, learning_rate=1e-2))
+    check_learned(train(algo, steps=40, learning_rate=1e-2))

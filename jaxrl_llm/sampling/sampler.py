@@ -128,9 +128,10 @@ class Sampler:
     def append(self, params, state: D.DecodeState, token_ids, token_mask) -> D.DecodeState:
         """Extends each row's cache with token_ids [N, A] where token_mask [N, A] (each row's
         real tokens, e.g. a tool's output; not sampled: loss mask 0). The state is donated.
-        Host arrays are put on the mesh like the rows."""
+        Host arrays are put on the mesh like the rows; with several processes each gives
+        its own rows, as with the prompts."""
         token_ids, token_mask = np.asarray(token_ids), np.asarray(token_mask, bool)
-        n = state.tokens.shape[0]
+        n = state.tokens.shape[0] // (jax.process_count() if self._multi() else 1)  # own rows
         if token_ids.shape != token_mask.shape or token_ids.shape[0] != n:
             raise ValueError(
                 f"append: token_ids {token_ids.shape} and token_mask {token_mask.shape} "
