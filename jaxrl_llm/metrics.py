@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.errors import UserError, cli_main
+
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -176,14 +178,18 @@ def _jsonable(x):
 
 
 def _drop_after(path: str, step: int) -> None:
-    """Rewrites `path` without the records whose step is > `step` (and broken lines)."""
+    """Rewrites `path` without the records whose step is > `step` (and broken lines).
+
+    A line without its newline is broken even when it parses: a run killed between the
+    record and its newline would otherwise have the next record appended on the same line.
+    """
     if not os.path.exists(path):
         return
     kept, dropped = [], 0
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
-                keep = int(json.loads(line)["step"]) <= step
+                keep = line.endswith("\n") and int(json.loads(line)["step"]) <= step
             except (ValueError, KeyError, TypeError):
                 keep = False  # the half-written last line of a killed run
             kept += [line] if keep else []
@@ -331,8 +337,12 @@ def plot_metrics(
     title: str | None = None,
 ) -> list[str]:
     """Plots `keys` against step into one PNG; returns the keys that had data."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError(
+            "matplotlib", "not installed (plotting needs it)", 'pip install -e ".[plot]"'
+        ) from None
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
 
@@ -342,11 +352,12 @@ def plot_metrics(
         points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
         if points:
             series[key] = points
-        else:
-            logging.warning("%s: no values for %r", metrics_jsonl, key)
     if not series:
         present = sorted({k for r in records for k in r} - {"step"})
         raise ValueError(f"{metrics_jsonl}: none of {list(keys)} found; keys: {present}")
+    for key in keys:
+        if key not in series:
+            logging.warning("%s: no values for %r", metrics_jsonl, key)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for key, points in series.items():
         steps, values = zip(*points, strict=True)
@@ -377,4 +388,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli_main(main)

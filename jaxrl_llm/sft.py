@@ -37,6 +37,7 @@ import optax
 from flax import struct
 
 from jaxrl_llm import data, models, parallel, sft_data, sft_eval, verifiers
+from jaxrl_llm.errors import UserError
 from jaxrl_llm.rl.logprobs import token_logprobs
 from jaxrl_llm.rl.optim import Optimizer
 from jaxrl_llm.rl.optim import make_optimizer as make_rl_optimizer
@@ -103,7 +104,7 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config key that is unknown, of the wrong type, or inconsistent; names the key."""
 
 
