@@ -178,28 +178,30 @@ def _jsonable(x):
 
 
 def _drop_after(path: str, step: int) -> None:
-    """Rewrites `path` without the records whose step is > `step` (and broken lines).
+    """Rewrites `path` without the records whose step is > `step` and without broken lines.
 
-    A line without its newline is broken even when it parses: a run killed between the
-    record and its newline would otherwise have the next record appended on the same line.
+    A complete last record that lost only its newline (killed between the two) is kept
+    and given its newline; appending the next record to it would break both.
     """
     if not os.path.exists(path):
         return
-    kept, dropped = [], 0
+    kept, changed = [], 0
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
-                keep = line.endswith("\n") and int(json.loads(line)["step"]) <= step
+                keep = int(json.loads(line)["step"]) <= step
             except (ValueError, KeyError, TypeError):
                 keep = False  # the half-written last line of a killed run
+            if keep and not line.endswith("\n"):
+                line, changed = line + "\n", changed + 1
             kept += [line] if keep else []
-            dropped += not keep
-    if dropped:
+            changed += not keep
+    if changed:
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(tmp, path)
-        logging.info("%s: dropped %d records after step %d (resumed run)", path, dropped, step)
+        logging.info("%s: kept %d records up to step %d (resumed run)", path, len(kept), step)
 
 
 def _open_tensorboard(workdir: str, resume_step: int | None, config):
