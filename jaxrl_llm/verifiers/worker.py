@@ -12,9 +12,19 @@ Wire format: 8-byte little-endian length, then a pickle. Messages in:
                                              per item, in order
     ("exit",)
 
-status: 0 ok, 1 error (exception or non-finite value), 2 timeout. The parent owns the hard
-wall-clock timeout (it kills this process); here a CPU-time timer raises inside a runaway
-Python verifier a little earlier, so the common case costs no process restart.
+status: 0 ok, 1 error (an exception, a value that is not a finite number, the memory
+limit), 2 timeout (the pool's limit), 3 the verifier's own time limit ran out (it raised
+`VerifierTimeout`, e.g. the sandbox's wall_s: counted as a timeout, never as a broken
+verifier). The parent owns the hard wall-clock timeout (it kills this process); here a
+CPU-time timer raises inside a runaway Python verifier a little earlier, so the common
+case costs no process restart.
+
+Containment of user code: the worker is a child subreaper, and after each call it kills
+every process the call left behind (see `reaper`); a forked copy of the worker that
+returns from the verifier exits at once instead of answering on the worker's pipe. With
+`memory_mb`, the worker's address space is capped at what it holds once the verifiers are
+loaded plus `memory_mb`: an allocation beyond it raises MemoryError in the verifier (an
+error for that call), not the OOM killer.
 """
 
 from __future__ import annotations
@@ -23,15 +33,20 @@ import collections
 import ctypes
 import json
 import math
+import numbers
 import os
 import pickle
+import resource
 import signal
 import struct
 import subprocess
 import sys
 import time
 
-OK, ERROR, TIMEOUT = 0, 1, 2
+from jaxrl_llm.verifiers import reaper
+from jaxrl_llm.verifiers.registry import VerifierTimeout
+
+OK, ERROR, TIMEOUT, OWN_TIMEOUT = 0, 1, 2, 3
 _HEADER = struct.Struct("<Q")
 
 
@@ -68,21 +83,58 @@ def _on_timer(signum, frame):
     raise SoftTimeout()
 
 
-def _call(fn, completion: str, example: dict, soft_timeout_s: float):
+def _number(value) -> float | None:
+    """`value` as a float if it is a real number (bool, int, float, Fraction, a numpy or JAX
+    scalar); None for anything else, strings included: "0.75" is a bug, not a score."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if kind is not None and kind in "biuf" and getattr(value, "shape", None) == ():
+        return float(value)
+    return None
+
+
+def _call(fn, completion: str, example: dict, soft_timeout_s: float, memory_mb: int = 0):
     """(value, status, message) of one verifier call."""
+    pid = os.getpid()
     try:
         signal.setitimer(signal.ITIMER_VIRTUAL, soft_timeout_s)
         try:
-            value = float(fn(completion, example))
+            value = fn(completion, example)
         finally:
+            if os.getpid() != pid:  # a fork of this worker made by the verifier
+                os._exit(0)
             signal.setitimer(signal.ITIMER_VIRTUAL, 0)
     except SoftTimeout:  # also when the timer fires between the call and the disarm
         return 0.0, TIMEOUT, f"exceeded {soft_timeout_s:.3g} s of CPU"
-    except Exception as err:
+    except VerifierTimeout as err:
+        return 0.0, OWN_TIMEOUT, f"its own time limit: {err}"[:500]
+    except MemoryError:
+        limit = f" (the {memory_mb} MB verifier memory limit)" if memory_mb else ""
+        return 0.0, ERROR, f"MemoryError: out of memory{limit}"
+    except BaseException as err:  # SystemExit too: a verifier cannot stop the worker
         return 0.0, ERROR, f"{type(err).__name__}: {err}"[:500]
-    if not math.isfinite(value):
-        return 0.0, ERROR, f"returned {value}"
-    return value, OK, ""
+    number = _number(value)
+    if number is None:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return 0.0, ERROR, f"returned {type(value).__name__} {shown}, expected a number"
+    if not math.isfinite(number):
+        return 0.0, ERROR, f"returned {number}"
+    return number, OK, ""
+
+
+def _limit_memory(memory_mb: int) -> None:
+    """Caps the address space at what the worker maps now plus `memory_mb` (0: lifts the
+    cap). Soft limit only, so the sandbox below may still set its own."""
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = hard
+    if memory_mb > 0:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+        soft = mapped + memory_mb * (1 << 20)
+        soft = soft if hard == resource.RLIM_INFINITY else min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def _bind(specs):
@@ -91,19 +143,23 @@ def _bind(specs):
     return [get(name, **options) for name, options in specs]
 
 
-def serve(in_fd: int, out_fd: int, soft_timeout_s: float) -> None:
+def serve(in_fd: int, out_fd: int, soft_timeout_s: float, memory_mb: int = 0) -> None:
     fns, key = None, None
     signal.signal(signal.SIGVTALRM, _on_timer)
     while True:
         try:
             message = receive(in_fd)
         except EOFError:
-            return
+            message = ("exit",)
         if message[0] == "exit":
+            reaper.kill_children()
             return
         if message[0] == "specs":
             try:
+                if memory_mb:
+                    _limit_memory(0)  # loading verifiers is not theirs to pay for
                 fns, key = _bind(message[2]), message[1]
+                _limit_memory(memory_mb)
                 send(out_fd, ("ready", key))
             except Exception as err:
                 send(out_fd, ("spec_error", message[1], f"{type(err).__name__}: {err}"))
@@ -111,7 +167,10 @@ def serve(in_fd: int, out_fd: int, soft_timeout_s: float) -> None:
         _, items, samples = message
         for item, sample, k in items:
             completion, example = samples[sample]
-            send(out_fd, ("result", item, *_call(fns[k], completion, example, soft_timeout_s)))
+            result = _call(fns[k], completion, example, soft_timeout_s, memory_mb)
+            if reaper.has_children():  # what the call started must not outlive it
+                reaper.kill_children()
+            send(out_fd, ("result", item, *result))
 
 
 def main() -> None:
@@ -126,7 +185,8 @@ def main() -> None:
     os.dup2(null, 0)
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
-    serve(in_fd, out_fd, float(sys.argv[2]))
+    reaper.become_subreaper()
+    serve(in_fd, out_fd, float(sys.argv[2]), int(sys.argv[3]))
 
 
 _BOOTSTRAP = (
@@ -138,12 +198,13 @@ _BOOTSTRAP = (
 class WorkerProcess:
     """The parent's handle on one worker subprocess, and what it knows about it."""
 
-    def __init__(self, soft_timeout_s: float):
+    def __init__(self, soft_timeout_s: float, memory_mb: int = 0):
+        argv = [json.dumps(sys.path), repr(soft_timeout_s), str(int(memory_mb))]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), repr(soft_timeout_s)],
+            [sys.executable, "-c", _BOOTSTRAP, *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            start_new_session=True,  # killpg reaches anything the verifier started
+            start_new_session=True,  # Ctrl-C at the terminal is the trainer's to handle
         )
         self.key = None  # which spec list is loaded
         self.loading_since = None
@@ -167,10 +228,9 @@ class WorkerProcess:
             return False
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """Kills the worker and every process below it, `setsid` ones included."""
+        if self.proc.returncode is None:  # not reaped yet: the pid is still this worker's
+            reaper.kill_tree(self.proc.pid)
         self.proc.wait()
         self.proc.stdin.close()
         self.proc.stdout.close()
