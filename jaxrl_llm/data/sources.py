@@ -74,8 +74,15 @@ class JsonlSource:
         self._file.seek(int(self._offsets[index]))
         line = self._file.readline()
         try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BadRow(
+                f"{self.describe(index)}: not UTF-8 (byte 0x{line[err.start]:02x} at column "
+                f"{err.start + 1}); save the file as UTF-8"
+            ) from None
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as err:
             raise BadRow(f"{self.describe(index)}: invalid JSON ({err})") from None
         if not isinstance(row, dict):
             raise BadRow(
