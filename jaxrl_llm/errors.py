@@ -110,7 +110,12 @@ def format_error(err: BaseException) -> str:
         return "error: interrupted; work since the last checkpoint is lost"
     text = str(err)
     line = None
-    if isinstance(err, OSError):
+    if type(err).__module__.startswith("huggingface_hub"):
+        line = (
+            f"Hugging Face hub: {' '.join(text.split())[:300]}; check the network and the "
+            "model name, or give a local model directory"
+        )
+    elif isinstance(err, OSError):
         line = _os_error_line(err) or _config_file_line(text)
     elif isinstance(err, ModuleNotFoundError) and err.name:
         package = err.name.split(".")[0]

@@ -91,6 +91,17 @@ def test_library_failures_become_one_line():
     oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.0GiB\nmore")
     assert format_error(oom).startswith("error: device out of memory (RESOURCE_EXHAUSTED: Out of")
     assert "rollout.batch_size" in format_error(oom)
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = LocalEntryNotFoundError(
+        "Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while "
+        "trying to locate the files on the Hub."
+    )
+    assert format_error(offline) == (
+        "error: Hugging Face hub: Got: ConnectError: [Errno -2] Name or service not known An "
+        "error happened while trying to locate the files on the Hub.; check the network and "
+        "the model name, or give a local model directory"
+    )
     bug = KeyError("params")
     assert format_error(bug) == (
         "error: KeyError: 'params' (unexpected; rerun with --debug for the traceback)"

@@ -12,6 +12,7 @@ types; a bad row raises `BadRow` with the row and field in the message.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -134,14 +135,20 @@ class TfdsSource:
         self.name, self.split = name, split
         _register_catalog_dataset(name)
         local = name.split("/")[0] in LOCAL_BUILDERS
+        quiet = contextlib.nullcontext()
+        if local:
+            from jaxrl_llm.data.builders import quiet_preparation
+
+            quiet = quiet_preparation()
         try:
-            self._source = tfds.data_source(
-                name,
-                split=split,
-                data_dir=data_dir or None,
-                download=download or local,
-                builder_kwargs={"file_format": "array_record"},
-            )
+            with quiet:
+                self._source = tfds.data_source(
+                    name,
+                    split=split,
+                    data_dir=data_dir or None,
+                    download=download or local,
+                    builder_kwargs={"file_format": "array_record"},
+                )
         except tfds.core.registered.DatasetNotFoundError:
             raise ValueError(f"data.name: no TFDS dataset named {name!r}") from None
         except (AssertionError, FileNotFoundError, ValueError, KeyError) as err:
