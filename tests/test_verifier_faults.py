@@ -181,7 +181,8 @@ def test_always_failing_reward_warns_then_stops_the_run(pool):
 
 def test_error_budget_counts_only_failed_steps_in_a_row():
     def details(failed, n=10):
-        return verifiers.ScoreDetails({}, {}, {"v": failed}, {"v": 0}, [], {"v": failed}, n, "x")
+        first = "v sample 0: KeyError: 'answer'" if failed else None
+        return verifiers.ScoreDetails({}, {}, {"v": failed}, {"v": 0}, [], {"v": failed}, n, first)
 
     budget = ErrorBudget(max_error_rate=0.5, max_failed_steps=2)
     assert budget.check(details(5)) is None  # exactly the limit is tolerated
@@ -190,6 +191,12 @@ def test_error_budget_counts_only_failed_steps_in_a_row():
     assert budget.check(details(9)) is not None
     with pytest.raises(VerifierFailure):
         budget.check(details(9))
+    other_host = ErrorBudget()  # judged on rates averaged over hosts
+    line = other_host.check(details(0), step=4, rates={"v": 0.75})
+    assert line == (
+        "warning: step 4: rewards.v: 75% of calls on all hosts failed; first error: (on "
+        "another host); the run stops after 2 more such steps"
+    )
     never = ErrorBudget(max_error_rate=0.0, max_failed_steps=0)
     for _ in range(5):
         assert never.check(details(1)) is not None

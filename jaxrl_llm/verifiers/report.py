@@ -90,28 +90,30 @@ class ErrorBudget:
         self.max_error_rate, self.max_failed_steps = max_error_rate, max_failed_steps
         self.failed_in_a_row = 0
 
-    def check(self, details: ScoreDetails, step: int | None = None) -> str | None:
+    def check(
+        self, details: ScoreDetails, step: int | None = None, rates: dict | None = None
+    ) -> str | None:
         """Counts this step; returns a warning line when it failed, else None.
+
+        Args:
+          details: the step's `ScoreDetails` (this host's).
+          step: named in the warning.
+          rates: label -> error rate to judge instead of `details.error_rates()`. With
+            several hosts pass the rates averaged over all of them, so that every host
+            decides the same (a stop on one host alone would hang the others).
 
         Raises:
           VerifierFailure: the `max_failed_steps`-th failed step in a row.
         """
-        rates = details.error_rates()
+        local = rates is None
+        rates = details.error_rates() if local else rates
         over = {label: rate for label, rate in rates.items() if rate > self.max_error_rate}
         if not over:
             self.failed_in_a_row = 0
             return None
         self.failed_in_a_row += 1
         label = max(over, key=over.get)
-        what = (
-            f"{over[label]:.0%} of {details.num_samples} calls failed"
-            + (
-                f", then the breaker stopped calling it: {details.tripped[label]}"
-                if label in details.tripped
-                else ""
-            )
-            + f"; first error: {details.first_error}"
-        )
+        what = _describe(details, label, over[label], local)
         if self.max_failed_steps and self.failed_in_a_row >= self.max_failed_steps:
             raise VerifierFailure(
                 f"rewards.{label}",
@@ -120,9 +122,16 @@ class ErrorBudget:
                 "train.max_failed_steps set what is tolerated)",
             )
         where = f"step {step}: " if step is not None else ""
-        left = (
-            f"; the run stops after {self.max_failed_steps - self.failed_in_a_row} more such steps"
-            if self.max_failed_steps
-            else ""
-        )
-        return f"warning: {where}rewards.{label}: {what}{left}"
+        left = self.max_failed_steps - self.failed_in_a_row
+        until = f"; the run stops after {left} more such steps" if self.max_failed_steps else ""
+        return f"warning: {where}rewards.{label}: {what}{until}"
+
+
+def _describe(details: ScoreDetails, label: str, rate: float, local: bool) -> str:
+    calls = f"{details.num_samples} calls" if local else "calls on all hosts"
+    tripped = details.tripped.get(label)
+    return (
+        f"{rate:.0%} of {calls} failed"
+        + (f", then the breaker stopped calling it: {tripped}" if tripped else "")
+        + f"; first error: {details.first_error or '(on another host)'}"
+    )
