@@ -161,6 +161,28 @@ def test_a_timed_out_call_takes_its_setsid_processes_with_it(pool, rewards, tmp_
     assert not alive(int(pid_file.read_text()))
 
 
+_HELPER = """
+import subprocess
+SERVER = subprocess.Popen(["sleep", "300"])  # a long-lived helper, started at import
+
+def uses_helper(completion, example):
+    return float(SERVER.poll() is None)
+"""
+
+
+def test_helper_started_at_import_lives_as_long_as_its_worker(tmp_path):
+    path = tmp_path / "helper.py"
+    path.write_text(_HELPER)
+    with VerifierPool(workers=1, timeout_s=5.0) as pool:
+        for _ in range(2):
+            values, _ = pool.score([(f"{path}:uses_helper", 1.0)], ["a"] * 3, [{}] * 3)
+            assert values.tolist() == [1.0] * 3
+        (worker,) = [w.proc.pid for w in pool._workers if w is not None]
+        helpers = reaper.children(worker)
+        assert len(helpers) == 1 and alive(helpers[0])
+    assert not alive(helpers[0])  # gone with the pool
+
+
 def test_always_failing_reward_warns_then_stops_the_run(pool):
     budget = ErrorBudget(max_error_rate=0.5, max_failed_steps=3)
     rows = [{"question": "1 + 1"}] * 8  # the rows lack `answer`

@@ -98,23 +98,25 @@ def has_children() -> bool:
     return True
 
 
-def kill_children() -> int:
-    """SIGKILLs and reaps every process below this one; returns how many.
+def kill_children(keep: frozenset[int] = frozenset()) -> int:
+    """SIGKILLs and reaps every process below this one except the children in `keep`
+    (and what is below them); returns how many.
 
     Call it in a subreaper: the children of each killed generation become this process's
     children and are killed in the next round.
     """
     killed = 0
     for _ in range(_MAX_ROUNDS):
-        kids = children(os.getpid())
+        kids = [pid for pid in children(os.getpid()) if pid not in keep]
         if not kids:
             break
         _signal(kids, signal.SIGKILL)
         for pid in kids:
             _reap(pid)
         killed += len(kids)
-    while _reap():
-        pass
+    if not keep:
+        while _reap():
+            pass
     return killed
 
 

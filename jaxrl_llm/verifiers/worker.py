@@ -20,11 +20,14 @@ CPU-time timer raises inside a runaway Python verifier a little earlier, so the 
 case costs no process restart.
 
 Containment of user code: the worker is a child subreaper, and after each call it kills
-every process the call left behind (see `reaper`); a forked copy of the worker that
-returns from the verifier exits at once instead of answering on the worker's pipe. With
-`memory_mb`, the worker's address space is capped at what it holds once the verifiers are
-loaded plus `memory_mb`: an allocation beyond it raises MemoryError in the verifier (an
-error for that call), not the OOM killer.
+every process the call left behind (see `reaper`); processes a verifier module starts
+while it is imported (a long-lived helper such as a proof checker) are kept. A forked copy
+of the worker that returns from the verifier exits at once instead of answering on the
+worker's pipe. With `memory_mb`, the worker's address space is capped at what it holds
+once the verifiers are loaded plus `memory_mb`: an allocation beyond it raises MemoryError
+in the verifier (an error for that call), not the OOM killer. Capped workers run with
+MALLOC_ARENA_MAX=2, so that glibc's 64 MB per-thread arenas do not eat the headroom of
+a verifier that uses threads.
 """
 
 from __future__ import annotations
@@ -137,8 +140,11 @@ def _limit_memory(memory_mb: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = hard
     if memory_mb > 0:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            mapped = int(f.read().split()[0]) * resource.getpagesize()
+        try:
+            with open("/proc/self/statm", encoding="ascii") as f:
+                mapped = int(f.read().split()[0]) * resource.getpagesize()
+        except OSError:  # no /proc: no way to know the baseline, so no cap
+            return
         soft = mapped + memory_mb * (1 << 20)
         soft = soft if hard == resource.RLIM_INFINITY else min(soft, hard)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
@@ -158,7 +164,7 @@ def _bind(specs):
 
 
 def serve(in_fd: int, out_fd: int, soft_timeout_s: float, memory_mb: int = 0) -> None:
-    fns, key = None, None
+    fns, key, helpers = None, None, frozenset()
     signal.signal(signal.SIGVTALRM, _on_timer)
     while True:
         try:
@@ -173,6 +179,7 @@ def serve(in_fd: int, out_fd: int, soft_timeout_s: float, memory_mb: int = 0) ->
                 if memory_mb:
                     _limit_memory(0)  # loading verifiers is not theirs to pay for
                 fns, key = _bind(message[2]), message[1]
+                helpers = frozenset(reaper.children(os.getpid()))  # started at import
                 _limit_memory(memory_mb)
                 send(out_fd, ("ready", key))
             except Exception as err:
@@ -184,7 +191,7 @@ def serve(in_fd: int, out_fd: int, soft_timeout_s: float, memory_mb: int = 0) ->
             fn, contain = fns[k]
             result = _call(fn, completion, example, soft_timeout_s, memory_mb, contain)
             if contain and reaper.has_children():  # what the call started must not outlive it
-                reaper.kill_children()
+                reaper.kill_children(keep=helpers)
             send(out_fd, ("result", item, *result))
 
 
@@ -215,10 +222,14 @@ class WorkerProcess:
 
     def __init__(self, soft_timeout_s: float, memory_mb: int = 0):
         argv = [json.dumps(sys.path), repr(soft_timeout_s), str(int(memory_mb))]
+        env = {**os.environ}
+        if memory_mb:
+            env.setdefault("MALLOC_ARENA_MAX", "2")  # see the module docstring
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _BOOTSTRAP, *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env=env,
             start_new_session=True,  # Ctrl-C at the terminal is the trainer's to handle
         )
         self.key = None  # which spec list is loaded
