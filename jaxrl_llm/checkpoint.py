@@ -215,10 +215,11 @@ class Checkpointer:
                 raise
             steps = self._all_steps_or_none()
             last = "unknown" if steps is None else f"step {steps[-1]}" if steps else "none"
+            free = free_space(self.directory) or "free space unknown"
             self._failed = DiskFullError(
                 self.directory,
-                f"no space left on device while saving a checkpoint ({free_space(self.directory)}"
-                f"; the last complete checkpoint: {last})",
+                f"no space left on device while saving a checkpoint ({free}; the last "
+                f"complete checkpoint: {last})",
                 "free some space or point --workdir at a larger disk, then rerun to resume",
             )
             raise self._failed from None

@@ -10,7 +10,7 @@ Failures cost at most a bounded amount: a verifier whose calls keep killing thei
 or timing out (`breaker_after` in a row) is not called again for the rest of the batch;
 its remaining samples score 0, each counted as an error, and `ScoreDetails.tripped` says
 why. Workers cap their memory (`memory_mb`) and kill whatever processes a call leaves
-behind (see worker.py). `ErrorBudget` (budget.py) turns a batch's failures into the
+behind (see worker.py). `ErrorBudget` (report.py) turns a batch's failures into the
 trainer's warning or stop.
 
 Items go out in small chunks (fewer round trips for fast verifiers like `gsm8k`); a worker
