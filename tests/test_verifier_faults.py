@@ -30,7 +30,8 @@ def always_hang(completion, example):
 
 def returns(completion, example):
     values = {"str": "0.75", "none": None, "list": [1.0], "bool": True,
-              "np": np.float32(0.25), "fraction": fractions.Fraction(1, 4), "int": 2}
+              "np": np.float32(0.25), "fraction": fractions.Fraction(1, 4), "int": 2,
+              "huge": 10**400}
     return values[completion]
 
 def allocate(completion, example):
@@ -119,14 +120,15 @@ def test_hanging_reward_trips_the_breaker_instead_of_timing_out_every_sample(poo
 
 
 def test_non_numbers_are_errors_naming_the_verifier(pool, rewards):
-    names = ["str", "none", "list", "bool", "np", "fraction", "int"]
+    names = ["str", "none", "list", "bool", "np", "fraction", "int", "huge"]
     values, details = pool.score([(f"{rewards}:returns", 1.0)], names, [{}] * len(names))
-    assert values.tolist() == [0.0, 0.0, 0.0, 1.0, 0.25, 0.25, 2.0]
-    assert details.errors == {"returns": 3}
-    assert details.messages[:3] == [
+    assert values.tolist() == [0.0, 0.0, 0.0, 1.0, 0.25, 0.25, 2.0, 0.0]
+    assert details.errors == {"returns": 4}
+    assert sorted(details.messages) == [  # messages come in arrival order
         "returns sample 0: returned str '0.75', expected a number",
         "returns sample 1: returned NoneType None, expected a number",
         "returns sample 2: returned list [1.0], expected a number",
+        "returns sample 7: returned a int that is not usable (int too large to convert to float)",
     ]
 
 

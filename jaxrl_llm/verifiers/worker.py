@@ -39,6 +39,7 @@ import math
 import numbers
 import os
 import pickle
+import reprlib
 import resource
 import signal
 import struct
@@ -124,10 +125,12 @@ def _call(
         return 0.0, ERROR, f"MemoryError: out of memory{limit}"
     except BaseException as err:  # SystemExit too: a verifier cannot stop the worker
         return 0.0, ERROR, f"{type(err).__name__}: {err}"[:500]
-    number = _number(value)
+    try:
+        number = _number(value)
+        shown = "" if number is not None else reprlib.repr(value)
+    except Exception as err:  # float(10**400), a __float__ or __repr__ that raises
+        return 0.0, ERROR, f"returned a {type(value).__name__} that is not usable ({err})"[:500]
     if number is None:
-        shown = repr(value)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
         return 0.0, ERROR, f"returned {type(value).__name__} {shown}, expected a number"
     if not math.isfinite(number):
         return 0.0, ERROR, f"returned {number}"
