@@ -117,6 +117,8 @@ def format_error(err: BaseException) -> str:
         )
     elif isinstance(err, OSError):
         line = _os_error_line(err) or _config_file_line(text)
+    elif isinstance(err, SyntaxError) and err.filename:
+        line = f"{err.filename} line {err.lineno}: {err.msg}; fix the file"
     elif isinstance(err, ModuleNotFoundError) and err.name:
         package = err.name.split(".")[0]
         line = f"{package}: python package not installed; pip install {package}"

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from jaxrl_llm import data, errors, models, run_config, sft
 from jaxrl_llm.errors import UserError, format_error
 
@@ -86,6 +88,9 @@ def test_library_failures_become_one_line():
         "error: --config: /no/cfg.py: [Errno 2] No such file or directory: '/no/cfg.py'; "
         "check the path and that the file defines get_config()"
     )
+    with pytest.raises(SyntaxError) as syntax:
+        compile("def get_config(:\n", "/cfg/bad.py", "exec")
+    assert format_error(syntax.value) == "error: /cfg/bad.py line 1: invalid syntax; fix the file"
     missing = ModuleNotFoundError("No module named 'wandb'", name="wandb")
     assert format_error(missing) == "error: wandb: python package not installed; pip install wandb"
     oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.0GiB\nmore")
