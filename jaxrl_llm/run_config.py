@@ -18,6 +18,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from jaxrl_llm.data import config as data_config
+from jaxrl_llm.errors import UserError
 
 BUILTIN_MODELS = {
     "quickstart": os.path.join(os.path.dirname(__file__), "assets", "quickstart_model"),
@@ -231,7 +232,7 @@ def rollout_spec(config, tokenizer):
     )
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A run config that cannot work; the message names the key."""
 
 

@@ -40,6 +40,12 @@ ELSEWHERE = {
 _REGISTERED: dict[str, str] = {}
 
 
+class VerifierTimeout(Exception):
+    """Raised by a verifier whose own time limit ran out (the sandbox's `wall_s`): the
+    sample scores 0 and counts in `verifier/timeouts`, and, unlike a verifier that hangs
+    past the pool's timeout, never as a broken verifier."""
+
+
 def register(name: str):
     """Decorator: make a top-level function available as verifier `name`.
 
