@@ -180,6 +180,18 @@ def check_train(config) -> None:
     _check(t.logprob_chunk >= 1, f"train.logprob_chunk={t.logprob_chunk}: must be >= 1")
     _check(t.verifier_workers >= 0, f"train.verifier_workers={t.verifier_workers}: must be >= 0")
     _check(t.verifier_timeout_s > 0, f"train.verifier_timeout_s={t.verifier_timeout_s}: > 0")
+    _check(
+        t.verifier_memory_mb >= 0,
+        f"train.verifier_memory_mb={t.verifier_memory_mb}: must be >= 0 (0 = no cap)",
+    )
+    _check(
+        0 <= t.max_verifier_error_rate <= 1,
+        f"train.max_verifier_error_rate={t.max_verifier_error_rate}: must be in [0, 1]",
+    )
+    _check(
+        t.max_failed_steps >= 0,
+        f"train.max_failed_steps={t.max_failed_steps}: must be >= 0 (0 = never stop)",
+    )
 
 
 def check_eval(config, labels) -> None:

@@ -162,3 +162,20 @@ def cli_main(main: Callable[[], object]) -> None:
         sys.stdout.flush()
         print(format_error(err), file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else EXIT_ERROR)
+
+
+def run_absl(main: Callable) -> None:
+    """absl's `app.run(main)` for a program with ml_collections `--config` flags: a bad
+    override, which ml_collections reports as an exception while absl parses the flags,
+    becomes the one line it means (`error: --config: bad override: ...`)."""
+    from absl import app, flags
+
+    try:
+        app.run(main)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        if flags.FLAGS.is_parsed():
+            raise  # a failure of the program itself, not of the command line
+        text = str(err).replace("\\n", " ").replace("\\", "").replace("'", "")
+        raise UserError(
+            "--config", f"bad override: {' '.join(text.split())}", "check the key and its type"
+        ) from None

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm import parallel, rl, sampling
+from jaxrl_llm import parallel, rl, sampling, verifiers
 
 
 @dataclasses.dataclass
@@ -33,6 +33,7 @@ class Scored:
     examples: list[dict]
     lengths: np.ndarray  # [n] completion tokens
     prompt_lengths: np.ndarray  # [n] real (unpadded) prompt tokens
+    details: verifiers.ScoreDetails | None = None  # errors, timeouts, first error
 
 
 class Scorer:
@@ -87,6 +88,7 @@ class Scorer:
             examples=examples,
             lengths=lengths,
             prompt_lengths=np.repeat(np.asarray(batch.prompt_mask).sum(axis=1), G),
+            details=details,
         )
 
 
@@ -121,6 +123,7 @@ def merge_mixed_groups(parts, num_generations: int, num_groups: int, mesh=None):
         examples=pick(flat("examples")),
         lengths=np.concatenate([s.lengths for _, s in parts])[rows],
         prompt_lengths=np.concatenate([s.prompt_lengths for _, s in parts])[rows],
+        details=parts[0][1].details,  # the step's first batch: every row of it scored
     )
     return _select_rows(outs, index), scored
 

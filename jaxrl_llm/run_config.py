@@ -133,7 +133,18 @@ def train_defaults() -> ml_collections.ConfigDict:
     t.logprob_chunk = 128  # sequence chunk of the chunked log-prob computation
     t.verifier_workers = 0  # 0 = CPU count
     t.verifier_timeout_s = 10.0
+    # Address space a verifier worker may take beyond what loading the verifiers took
+    # (MiB); a reward that needs more fails for its sample, not the run. 0 = no cap.
+    t.verifier_memory_mb = 2048
+    # A step fails when some verifier errs on more than this fraction of its calls (one
+    # warning line naming the first error); max_failed_steps such steps in a row stop the
+    # run with that error (0 = never stop).
+    t.max_verifier_error_rate = 0.5
+    t.max_failed_steps = 3
     t.transfer_guard = True  # jax.transfer_guard("disallow") around the step body
+    # Resume even when the config changes what the run means (model, data, algorithm,
+    # optimizer, batch, G, rewards, seed); the differences are listed either way.
+    t.allow_config_change = False
     return t
 
 

@@ -70,18 +70,22 @@ class Run:
 
     # ----------------------------------------------------------------- Model & tokenizer
     def _load_models(self):
-        """Policy (-> its params), tokenizer and, with beta > 0, the reference params."""
+        """Tokenizer, the data rows checked up front (before any weight is read), policy
+        (-> its params) and, with beta > 0, the reference params."""
         c = self.config
         self.model_path = run_config.resolve_model_path(c.model.path)
+        self.tokenizer_path = run_config.resolve_model_path(
+            c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False
+        )
+        self.tokenizer = _tokenizer(self.tokenizer_path)
+        rows = data.check_rows(c.data, self.tokenizer)
+        if rows.bad and jax.process_index() == 0:
+            print(rows.summary(), file=sys.stderr, flush=True)
         runtime = dict(remat=c.model.remat, scan_layers=bool(c.model.scan_layers))
         self.model_cfg, params = models.load_hf(
             self.model_path, self.mesh, c.model.dtype, **runtime
         )
         config_checks.check_context(c, self.model_cfg)
-        self.tokenizer_path = run_config.resolve_model_path(
-            c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False
-        )
-        self.tokenizer = _tokenizer(self.tokenizer_path)
         self.ref_params = None
         if self.algo.needs_ref:
             ref_path = run_config.resolve_model_path(
@@ -101,8 +105,13 @@ class Run:
             bucket_steps=c.rollout.bucket_steps, cache_segments=c.rollout.cache_segments,
         )  # fmt: skip
         self.pool = verifiers.VerifierPool(
-            c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s
+            c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s,
+            memory_mb=c.train.verifier_memory_mb,
+        )  # fmt: skip
+        self.budget = verifiers.ErrorBudget(
+            c.train.max_verifier_error_rate, c.train.max_failed_steps
         )
+        self.warning = None  # the last step's verifier warning, for the progress output
         self.scorer = rollout.Scorer(
             self.tokenizer, self.pool, verifiers.parse_specs(c.rewards), self.spec,
             overlong_buffer=self._overlong_buffer(), mesh=self.mesh,
@@ -163,6 +172,7 @@ class Run:
                 out, scored = self.refill(out, scored, step, clock)
                 ref = self.reference(out)
             clock.wait("reference", ref)
+            self._check_verifiers(scored, step)
             rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
             batch = rl.RolloutBatch.from_sample(out, rewards, ref)
             self.state, self.last_update_metrics = self.update(self.state, batch)
@@ -209,6 +219,14 @@ class Run:
         scored.metrics["rollout/dynamic_rounds"] = float(len(parts) - 1)
         return out, scored
 
+    def _check_verifiers(self, scored, step: int) -> None:
+        """Warns on a step where a verifier failed too often; stops the run after
+        train.max_failed_steps such steps in a row (every host decides on the mean)."""
+        rates = None
+        if jax.process_count() > 1:
+            rates = parallel.host_mean(scored.details.error_rates())
+        self.warning = self.budget.check(scored.details, step, rates=rates)
+
     def evaluate(self, step: int) -> dict:
         e = self.config.eval
         metrics = evaluation.evaluate(
@@ -237,18 +255,22 @@ class Run:
             update_shared_forwards=self.update.shared_prompt_passes,
             reference_shares_prompts=self.spec.num_generations > 1,
         )
-        return scored.metrics | {
-            "reward/mean": float(scored.rewards.mean()),
-            "reward/std": float(scored.rewards.std()),
-            "perf/step_s": step_s,
-            "perf/sample_s": s["sample"],
-            "perf/reference_s": s["reference"],
-            "perf/score_s": s["score"],
-            "perf/update_s": s["update"],
-            "perf/rollout_tokens_per_s": float(scored.lengths.sum()) / max(s["sample"], 1e-9),
-            "perf/update_tokens_per_s": rows * (P + T) / max(s["update"], 1e-9),
-            "perf/mfu": sum(flops.values()) / step_s / self.peak,
-        }
+        return (
+            scored.metrics
+            | self.data_iter.metrics()
+            | {
+                "reward/mean": float(scored.rewards.mean()),
+                "reward/std": float(scored.rewards.std()),
+                "perf/step_s": step_s,
+                "perf/sample_s": s["sample"],
+                "perf/reference_s": s["reference"],
+                "perf/score_s": s["score"],
+                "perf/update_s": s["update"],
+                "perf/rollout_tokens_per_s": float(scored.lengths.sum()) / max(s["sample"], 1e-9),
+                "perf/update_tokens_per_s": rows * (P + T) / max(s["update"], 1e-9),
+                "perf/mfu": sum(flops.values()) / step_s / self.peak,
+            }
+        )
 
 
 def _compile_seconds():
@@ -263,16 +285,43 @@ def _compile_seconds():
     return durations
 
 
-def _write_run_files(run: Run) -> None:
+def _config_record(config) -> dict:
+    """The config as the workdir keeps it (`config.json` and its history): the model and
+    tokenizer resolved to absolute directories, which export and evaluation read later."""
+    record = config.to_dict()
+    path = run_config.resolve_model_path(config.model.path)
+    tokenizer = run_config.resolve_model_path(
+        config.model.tokenizer or path, "model.tokenizer", need_config=False
+    )
+    record["model"]["path"], record["model"]["tokenizer"] = map(os.path.abspath, (path, tokenizer))
+    return record
+
+
+def _check_resume(workdir: str, record: dict, allow: bool) -> None:
+    """Lists how the config differs from the run's saved one; refuses changes of what the
+    run means unless allowed. Process 0 decides (it writes the workdir), every host stops."""
+    from jaxrl_llm import workdir as workdir_lib
+    from jaxrl_llm.errors import UserError
+
+    refused = None
+    if jax.process_index() == 0:
+        try:
+            for line in workdir_lib.check_resume(workdir, record, allow=allow):
+                print(f"config changed since the last start: {line}", file=sys.stderr)
+        except UserError as err:
+            refused = err
+    if parallel.host_max(int(refused is not None)):
+        raise refused or UserError(
+            workdir, "process 0 refused to resume with this config", "see its log"
+        )
+
+
+def _write_run_files(run: Run, record: dict) -> None:
+    from jaxrl_llm import workdir as workdir_lib
+
     if jax.process_index() != 0:
         return
-    os.makedirs(run.workdir, exist_ok=True)
-    cfg = run.config.to_dict()
-    # Absolute paths: export and evaluation read them from any directory later.
-    cfg["model"]["path"] = os.path.abspath(run.model_path)
-    cfg["model"]["tokenizer"] = os.path.abspath(run.tokenizer_path)
-    with open(os.path.join(run.workdir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True, default=str)
+    workdir_lib.save_config(run.workdir, record)
     with open(os.path.join(run.workdir, "hf_config.json"), "w", encoding="utf-8") as f:
         json.dump(run.model_cfg.to_hf_dict(), f, indent=2, sort_keys=True)
 
@@ -301,37 +350,52 @@ def _check_finite(step: int, metrics: dict, skip: bool) -> None:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Runs (or resumes) training; returns the last logged metrics."""
+    """Runs (or resumes) training; returns the last logged metrics. One trainer at a time
+    per workdir: process 0 holds its lock (`workdir.lock`) until this returns."""
+    from jaxrl_llm import workdir as workdir_lib
+
+    held = workdir_lib.lock(workdir) if jax.process_index() == 0 else None
+    try:
+        return _train(config, workdir)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     from jaxrl_llm import checkpoint, metrics
 
     compile_s = _compile_seconds()
-    run = Run(config, workdir)
     c = config
+    run_config.validate(c, process_count=jax.process_count())
     ckpt = checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         keep=c.checkpoint.keep,
         save_interval_steps=c.checkpoint.every or c.train.num_steps,
         async_save=c.checkpoint.async_save,
     )
+    latest = ckpt.latest_step()
+    record = _config_record(c)
+    if latest is not None:  # before the model is loaded: a refused resume costs nothing
+        _check_resume(workdir, record, c.train.allow_config_change)
+    run = Run(c, workdir)
     start = 0
-    if (latest := ckpt.latest_step()) is not None:
+    if latest is not None:
         run.state, extra = ckpt.restore(latest, target=_abstract(run.state))
         run.data_iter.restore(extra["data"])
         start = int(extra["step"])
         print(f"resumed from {ckpt.directory} at step {start}", file=sys.stderr, flush=True)
-    _write_run_files(run)
+    _write_run_files(run, record)
     writer = metrics.MetricWriter(
         workdir, c.to_dict(), tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
         wandb_project=c.logging.wandb_project, run_name=c.logging.run_name or None,
         resume_step=start,
     )  # fmt: skip
     progress = metrics.Progress(c.train.num_steps, initial_step=start)
-    stop = checkpoint.install_sigterm_handler()
+    stop = checkpoint.install_sigterm_handler()  # SIGTERM, and a first Ctrl-C
     last = {}
     try:
-        if (
-            c.eval.every and c.eval.at_start and start == 0
-        ):  # the curve starts at the initial policy
+        if c.eval.every and c.eval.at_start and start == 0:  # the initial policy's point
             writer.write(0, last := run.evaluate(0))
         for step in range(start, c.train.num_steps):
             last = _one_step(run, step, writer, progress, compile_s, last)
@@ -339,7 +403,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             extra = {"step": done, "data": run.data_iter.state()}
             if stop.stop_at(done):
                 ckpt.save(done, run.state, extra, force=True)
-                logging.warning("SIGTERM: saved step %d in %s, exiting", done, ckpt.directory)
+                progress.write(f"{stop.reason}: saved step {done} in {ckpt.directory}, exiting")
                 break
             ckpt.save(done, run.state, extra, force=done == c.train.num_steps)
     finally:
@@ -356,6 +420,8 @@ def _one_step(run: Run, step: int, writer, progress, compile_s, last: dict) -> d
     """Step, then what the config schedules after it: log, samples, eval, progress."""
     c, n_compiles = run.config, len(compile_s)
     host = run.step(step)
+    if run.warning:
+        progress.write(run.warning)
     done = step + 1
     if done % c.train.log_every == 0 or done == c.train.num_steps:
         dev = {k: float(v) for k, v in jax.device_get(run.last_update_metrics).items()}
@@ -400,22 +466,14 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
 
+    from jaxrl_llm.errors import cli_main, run_absl
     from jaxrl_llm.parallel import allocator
 
     allocator.reexec_with_tcmalloc()
     config_flags.DEFINE_config_file("config", None, "configs/<experiment>.py", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics); reruns resume")
     flags.mark_flags_as_required(["config", "workdir"])
-    try:
-        app.run(main)
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
-        if flags.FLAGS.is_parsed():
-            raise  # a failure of the run itself, not of the command line
-        # ml_collections reports an unknown --config key as an exception while absl parses
-        # the flags: turn it into the one line it means.
-        text = str(err).replace("\\n", " ").replace("\\", "").replace("'", "")
-        message = " ".join(text.split())
-        sys.exit(f"error: bad --config override: {message}")
+    cli_main(lambda: run_absl(main))

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -34,6 +35,7 @@ from typing import Any
 from jaxrl_llm.errors import UserError
 
 LOCK_FILE = "trainer.lock"
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 CONFIG_FILE = "config.json"
 HISTORY_DIR = "configs"
 ALLOW_KEY = "train.allow_config_change"
@@ -137,6 +139,11 @@ def lock(workdir: str | os.PathLike) -> WorkdirLock:
             f"in use by another trainer ({holder(path) or 'holder unknown'})",
             "wait for it to finish or stop it, or choose another --workdir",
         ) from None
+    except OSError as err:  # a file system without locks (some network mounts)
+        if err.errno not in _NO_LOCKS:
+            raise
+        logging.warning("%s: the file system has no locks (%s); one trainer per workdir is "
+                        "not enforced there", path, _reason(err))  # fmt: skip
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {started}\n".encode(), 0)

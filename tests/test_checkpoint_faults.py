@@ -196,9 +196,6 @@ def test_ctrl_c_saves_the_step_and_exits_cleanly(model_dir, tmp_path):
     assert saved == [logged[-1]] and logged == list(range(1, logged[-1] + 1))  # nothing lost
 
 
-@pytest.mark.xfail(
-    strict=True, reason="needs train.py's main run under errors.cli_main (the lead wires it)"
-)
 def test_second_ctrl_c_aborts_with_one_line(model_dir, tmp_path):
     workdir = str(tmp_path / "run")
     proc = _train(model_dir, workdir)

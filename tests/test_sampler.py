@@ -460,7 +460,7 @@ def test_start_append_decode_equals_the_longer_prompt(tiny, scan_layers, sharded
     cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
     mesh, p = _mesh_and_params(cfg, params, sharded)
     G, T = 2, 9
-    spec = sampling.RolloutSpec(G, T, temperature, stop_ids=(7, 13))
+    spec = sampling.RolloutSpec(G, T, temperature, stop_ids=tuple(range(0, VOCAB, 7)))
     sampler = sampling.Sampler(cfg, mesh, seed=4, cache_segments=2)
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42, 43, 44]]
     state = sampler.start(p, *sampling.pad_prompts(prompts, 0), spec, step=3)
@@ -482,7 +482,8 @@ def test_start_append_decode_equals_the_longer_prompt(tiny, scan_layers, sharded
         np.testing.assert_array_equal(tokens[i, sampled], ref_tokens[i, : ref_len[i]])
         assert loss_mask[i, sampled].all() and not loss_mask[i, a[i] + ref_len[i] :].any()
         np.testing.assert_allclose(logprobs[i, sampled], ref_lp[i, : ref_len[i]], atol=1e-5)
-    assert (np.asarray(ref.finish) == sampling.FINISH_STOP).any()  # some rows stopped early
+    if temperature:  # some rows stopped early (greedy rows may never meet a stop id)
+        assert (np.asarray(ref.finish) == sampling.FINISH_STOP).any()
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])

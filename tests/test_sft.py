@@ -170,8 +170,8 @@ def test_command_line_names_the_bad_key(tmp_path):
     """`python -m jaxrl_llm.sft`: a bad value and an unknown override, one line each."""
     config = os.path.join(CONFIGS, "sft_arithmetic.py")
     for override, expected in [
-        ("--config.sft.completion.alt_prob=2.0", "config error: sft.completion.alt_prob=2.0"),
-        ("--config.algo.beta=0.1", "error: bad --config override"),
+        ("--config.sft.completion.alt_prob=2.0", "error: sft.completion.alt_prob=2.0"),
+        ("--config.algo.beta=0.1", "error: --config: bad override"),
     ]:
         proc = subprocess.run(
             [sys.executable, "-m", "jaxrl_llm.sft", f"--config={config}",

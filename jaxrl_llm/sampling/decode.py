@@ -151,8 +151,8 @@ def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_generations: int, m
 
 
 def _widen(x, columns: int, fill):
-    """[N, C] -> [N, columns] (columns >= C), new columns = fill."""
-    return jnp.pad(x, ((0, 0), (0, columns - x.shape[1])), constant_values=fill)
+    """[N, C] -> [N, max(C, columns)], new columns = fill (buffers only ever grow)."""
+    return jnp.pad(x, ((0, 0), (0, max(0, columns - x.shape[1]))), constant_values=fill)
 
 
 def start(

@@ -155,7 +155,7 @@ def _limit_memory(memory_mb: int) -> None:
 
 # Built-ins that are pure Python and start no process: no containment checks (they would
 # add ~5 us to calls of ~50 us).
-_STARTS_NO_PROCESS = frozenset({"gsm8k", "math", "format", "countdown", "overlong"})
+_STARTS_NO_PROCESS = frozenset({"gsm8k", "math", "format", "countdown"})
 
 
 def _bind(specs):
