@@ -514,8 +514,8 @@ def test_turns_with_tool_output_train_on_what_was_sampled(tiny):
     log-probs of the compacted rows equal the sampler's on every sampled token, and only
     sampled tokens are in the loss mask."""
     _, cfg, params = tiny("qwen3")
-    tool_calls, eos = (9, 10, 11, 12), 13
-    spec = sampling.RolloutSpec(4, 8, 1.0, stop_ids=(*tool_calls, eos))
+    tool_calls, eos = (9, 10, 11, 12), (13, 14, 15, 16)
+    spec = sampling.RolloutSpec(4, 8, 1.0, stop_ids=(*tool_calls, *eos))
     sampler = sampling.Sampler(cfg, seed=1)
     state = sampler.start(params, *sampling.pad_prompts(PROMPTS, 0), spec, step=0)
     state = sampler.decode(params, state)
@@ -527,7 +527,7 @@ def test_turns_with_tool_output_train_on_what_was_sampled(tiny):
     assert called.any() and (stopped & ~called).any()
     tool = [[20, 21, 22][: 1 + i % 3] if c else [] for i, c in enumerate(called)]
     state = sampler.append(params, state, *_rows(tool))
-    out = sampler.result(sampler.decode(params, state, max_new_tokens=6, stop_ids=(eos,)))
+    out = sampler.result(sampler.decode(params, state, max_new_tokens=6, stop_ids=eos))
     lengths = np.asarray(out.lengths)
     n_tool = np.array([len(t) for t in tool])
     np.testing.assert_array_equal(np.asarray(out.loss_mask).sum(1) + n_tool, lengths)

@@ -21,8 +21,10 @@ counted by the sampler. The device programs are in `decode.py`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
+import warnings
 
 import jax
 import numpy as np
@@ -123,7 +125,8 @@ class Sampler:
         stops = state.spec.stop_ids if stop_ids is None else tuple(int(s) for s in stop_ids)
         self._check_stops(stops)
         self._check_length(state.end + budget, "decode")
-        return self._decode(params, state, budget, stops)
+        with _growing():
+            return self._decode(params, state, budget, stops)
 
     def append(self, params, state: D.DecodeState, token_ids, token_mask) -> D.DecodeState:
         """Extends each row's cache with token_ids [N, A] where token_mask [N, A] (each row's
@@ -140,7 +143,8 @@ class Sampler:
         self._check_ids(token_ids[token_mask], "append: token_ids")
         self._check_length(state.end + token_ids.shape[1], "append")
         ids, mask = self._put((token_ids.astype(np.int32), token_mask))
-        return self._append(params, state, ids, mask)
+        with _growing():
+            return self._append(params, state, ids, mask)
 
     def result(self, state: D.DecodeState) -> D.SampleOutput:
         """The rollouts of a state (it is not consumed)."""
@@ -243,6 +247,15 @@ class Sampler:
             raise ValueError(
                 f"{what} ({length} positions) exceeds the model's max_position_embeddings {limit}"
             )
+
+
+@contextlib.contextmanager
+def _growing():
+    """A call that grows the KV cache or the completion buffers cannot reuse the donated
+    arrays whose shape changes (it reuses the others); JAX warns at each such compile."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        yield
 
 
 @functools.lru_cache(maxsize=32)
