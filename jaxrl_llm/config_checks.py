@@ -17,6 +17,7 @@ import difflib
 import jax
 import ml_collections
 
+from jaxrl_llm import tuning
 from jaxrl_llm.data import config as data_config
 from jaxrl_llm.run_config import ConfigError, algo_config, base_config, resolve_model_path
 
@@ -110,8 +111,9 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
     _check(r.top_k >= 0, f"rollout.top_k={r.top_k}: must be >= 0")
     _check(
-        r.bucket_steps in BUCKET_STEPS,
-        f"rollout.bucket_steps={r.bucket_steps!r}: expected one of {BUCKET_STEPS}",
+        r.bucket_steps is None or r.bucket_steps in BUCKET_STEPS,
+        f"rollout.bucket_steps={r.bucket_steps!r}: expected one of {BUCKET_STEPS} "
+        "(None: picked at start-up)",
     )
     _check(
         isinstance(r.cache_segments, int) and r.cache_segments >= 1,
@@ -149,9 +151,9 @@ def check_optim(config) -> None:
     )
     per_mini = rows // max(o.mini_batches, 1)
     _check(
-        o.micro_batches >= 1 and per_mini % o.micro_batches == 0,
+        o.micro_batches is None or (o.micro_batches >= 1 and per_mini % o.micro_batches == 0),
         f"optim.micro_batches={o.micro_batches} does not divide the {per_mini} rows per "
-        f"optimizer step",
+        f"optimizer step (None: picked at start-up)",
     )
 
 
@@ -177,7 +179,10 @@ def check_train(config) -> None:
     t = config.train
     _check(t.num_steps >= 1, f"train.num_steps={t.num_steps}: must be >= 1")
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be >= 1")
-    _check(t.logprob_chunk >= 1, f"train.logprob_chunk={t.logprob_chunk}: must be >= 1")
+    _check(
+        t.logprob_chunk is None or t.logprob_chunk >= 1,
+        f"train.logprob_chunk={t.logprob_chunk}: must be >= 1 (None: picked at start-up)",
+    )
     _check(t.verifier_workers >= 0, f"train.verifier_workers={t.verifier_workers}: must be >= 0")
     _check(t.verifier_timeout_s > 0, f"train.verifier_timeout_s={t.verifier_timeout_s}: > 0")
     _check(
@@ -229,7 +234,7 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
 
     r = config.rollout
     prompt_len = config.data.max_prompt_len if prompt_len is None else prompt_len
-    bucket = bucket_length(prompt_len, r.bucket_steps)
+    bucket = bucket_length(prompt_len, tuning.bucket_steps(config, jax.default_backend()))
     _check(
         bucket + r.max_new_tokens <= model_cfg.max_position_embeddings,
         f"data.max_prompt_len={prompt_len} (bucket {bucket}) + rollout.max_new_tokens="

@@ -71,14 +71,21 @@ def _score(sampler, params, batch, scorer, spec, step):
     return details, lengths, finish
 
 
+def specs(spec, pass_k: int, temperature: float):
+    """(greedy, sampled) rollout specs of an evaluation: one greedy sample per prompt, and
+    pass_k samples at `temperature` (None when pass_k == 1)."""
+    greedy = spec.replace(num_generations=1, temperature=0.0)
+    sampled = spec.replace(num_generations=pass_k, temperature=temperature)
+    return greedy, sampled if pass_k > 1 else None
+
+
 def evaluate(sampler, params, batches, scorer, *, correct_label: str, pass_k: int,
              temperature: float, step: int = 0) -> dict[str, float]:  # fmt: skip
     """Metrics `eval/*` over the fixed evaluation batches.
 
     sampler: a `sampling.Sampler`; scorer: a `rollout.Scorer` (its spec gives the budget
     and stop ids; greedy and sampled draws replace G and the temperature)."""
-    greedy = scorer.spec.replace(num_generations=1, temperature=0.0)
-    sampled = scorer.spec.replace(num_generations=pass_k, temperature=temperature)
+    greedy, sampled = specs(scorer.spec, pass_k, temperature)
     correct1, correct_k, lengths, truncated, per_label = [], [], [], [], {}
     for i, batch in enumerate(batches):
         details, n, finish = _score(sampler, params, batch, scorer, greedy, step=i)

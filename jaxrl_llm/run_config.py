@@ -78,8 +78,9 @@ def model_defaults() -> ml_collections.ConfigDict:
     m.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
     m.remat = "none"  # none | full | dots | dots_no_batch
     # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
-    # grows with depth, sampling holds a second copy of the layer weights).
-    m.scan_layers = True
+    # grows with depth, sampling holds a second copy of the layer weights). None: picked at
+    # start-up (`tuning`): False on CPU up to 8 layers, else True.
+    m.scan_layers = config_dict.placeholder(bool)
     return m
 
 
@@ -95,7 +96,8 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # Prompts are left-padded to a bucket length, one compiled sampler / reference / update
     # per bucket: bucket_steps lengths per doubling (1: 16, 32, 64 ...; 2: 16, 24, 32, 48
     # ...; 4: 16, 20, 24, 28, 32, 40 ...; 8). More steps, less padding, more programs.
-    r.bucket_steps = 2
+    # None: picked at start-up (`tuning`): 4 on CPU, 2 elsewhere.
+    r.bucket_steps = config_dict.placeholder(int)
     # The decode loop runs in this many segments, each over a KV cache just long enough for
     # its tokens (grown in between): a token's attention reads the filled slots plus at most
     # a segment's worth, not the whole prompt + max_new_tokens cache, for that many compiled
@@ -116,7 +118,9 @@ def optim_defaults() -> ml_collections.ConfigDict:
     o.b2 = 0.999
     o.eps = 1e-8
     o.max_grad_norm = 1.0
-    o.micro_batches = 1  # gradient accumulation per optimizer step
+    # Gradient accumulation per optimizer step (memory; the result does not depend on it).
+    # None: picked at start-up (`tuning`): on CPU from a memory budget, else 1.
+    o.micro_batches = config_dict.placeholder(int)
     o.mini_batches = 1  # optimizer steps per pass over a rollout batch
     o.critic_learning_rate = 1e-5  # PPO
     return o
@@ -130,7 +134,9 @@ def train_defaults() -> ml_collections.ConfigDict:
     t.print_samples_every = 10  # 0 = never
     t.num_printed_samples = 2
     t.skip_nonfinite = False  # False: a NaN/inf loss or gradient stops the run
-    t.logprob_chunk = 128  # sequence chunk of the chunked log-prob computation
+    # Sequence chunk of the chunked log-prob computation. None: picked at start-up
+    # (`tuning`): 32 on CPU, else 128.
+    t.logprob_chunk = config_dict.placeholder(int)
     t.verifier_workers = 0  # 0 = CPU count
     t.verifier_timeout_s = 10.0
     # Address space a verifier worker may take beyond what loading the verifiers took
@@ -145,7 +151,16 @@ def train_defaults() -> ml_collections.ConfigDict:
     # Resume even when the config changes what the run means (model, data, algorithm,
     # optimizer, batch, G, rewards, seed); the differences are listed either way.
     t.allow_config_change = False
+    # XLA's persistent compilation cache: a rerun, a resume or another run of the same
+    # programs loads them instead of compiling (process-wide while the run lasts). "" = off.
+    t.compilation_cache_dir = default_compilation_cache_dir()
     return t
+
+
+def default_compilation_cache_dir() -> str:
+    """$XDG_CACHE_HOME/jaxrl_llm/xla (default ~/.cache/jaxrl_llm/xla)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxrl_llm", "xla")
 
 
 def eval_defaults() -> ml_collections.ConfigDict:

@@ -30,6 +30,7 @@ import numpy as np
 from absl import logging as absl_logging
 
 from jaxrl_llm import (
+    compilation,
     config_checks,
     data,
     evaluation,
@@ -40,6 +41,7 @@ from jaxrl_llm import (
     rollout,
     run_config,
     sampling,
+    tuning,
     verifiers,
 )
 
@@ -59,14 +61,19 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         run_config.validate(config, process_count=jax.process_count())
-        self.config, self.workdir = config, workdir
-        self.algo = run_config.algo_config(config)
-        self.mesh = parallel.make_mesh(dict(config.mesh))
+        # Speed settings the config leaves unset (None) are picked here (`tuning`).
+        self.config, self.tuning_line = tuned(config)
+        self.workdir = workdir
+        self.algo = run_config.algo_config(self.config)
+        self.mesh = parallel.make_mesh(dict(self.config.mesh))
+        self.compile_log = compilation.CompileLog()  # says what compiles, while it listens
         params = self._load_models()
         self._build_rollout()
         self._build_input()
         self._build_programs(params)
-        self.peak = perf.matmul_peak(config.model.dtype)
+        # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
+        size = 1024 if jax.default_backend() == "cpu" else 2048
+        self.peak = perf.matmul_peak(self.config.model.dtype, size)
 
     # ----------------------------------------------------------------- Model & tokenizer
     def _load_models(self):
@@ -81,7 +88,7 @@ class Run:
         rows = data.check_rows(c.data, self.tokenizer)
         if rows.bad and jax.process_index() == 0:
             print(rows.summary(), file=sys.stderr, flush=True)
-        runtime = dict(remat=c.model.remat, scan_layers=bool(c.model.scan_layers))
+        runtime = dict(remat=c.model.remat, scan_layers=c.model.scan_layers)
         self.model_cfg, params = models.load_hf(
             self.model_path, self.mesh, c.model.dtype, **runtime
         )
@@ -149,7 +156,7 @@ class Run:
         if self.algo.needs_ref:  # the update's row slices bound its memory the same way
             self.ref_logprobs = rl.make_logprob_fn(
                 self.model_cfg, self.spec, chunk_size=c.train.logprob_chunk,
-                micro_batches=o.micro_batches * o.mini_batches,
+                micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
             )  # fmt: skip
 
     def _overlong_buffer(self) -> int:
@@ -175,7 +182,8 @@ class Run:
             self._check_verifiers(scored, step)
             rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
             batch = rl.RolloutBatch.from_sample(out, rewards, ref)
-            self.state, self.last_update_metrics = self.update(self.state, batch)
+            with self.compile_log.program("update", _bucket(out)):
+                self.state, self.last_update_metrics = self.update(self.state, batch)
             clock.wait("update", self.state)
         self.last_scored, self.last_prompt_width = scored, out.prompt_tokens.shape[1]
         return parallel.host_mean(self._metrics(out, scored, clock))  # each saw its own rows
@@ -183,14 +191,20 @@ class Run:
     def sample(self, batch, step: int, round: int = 0) -> sampling.SampleOutput:
         """G completions of each prompt, by the current parameters (version = step)."""
         rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
-        return self.sampler.sample(
-            self.state.params, batch.prompt_ids, batch.prompt_mask, self.spec,
-            step * rounds + round, version=step,
-        )  # fmt: skip
+        with self.compile_log.program("sampler") as compiled:
+            out = self.sampler.sample(
+                self.state.params, batch.prompt_ids, batch.prompt_mask, self.spec,
+                step * rounds + round, version=step,
+            )  # fmt: skip
+            compiled.detail = _bucket(out)
+        return out
 
     def reference(self, out):
         """Dispatches the reference log-probs [N, T] (async); None when beta = 0."""
-        return None if self.ref_logprobs is None else self.ref_logprobs(self.ref_params, out)
+        if self.ref_logprobs is None:
+            return None
+        with self.compile_log.program("reference", _bucket(out)):
+            return self.ref_logprobs(self.ref_params, out)
 
     def score(self, out, batch, clock) -> rollout.Scored:
         clock.wait("sample", out.tokens)
@@ -229,11 +243,12 @@ class Run:
 
     def evaluate(self, step: int) -> dict:
         e = self.config.eval
-        metrics = evaluation.evaluate(
-            self.sampler, self.state.params, self.eval_batches, self.scorer,
-            correct_label=self.correct_label, pass_k=e.pass_k, temperature=e.temperature,
-            step=step,
-        )  # fmt: skip
+        with self.compile_log.program("evaluation", runs=True):
+            metrics = evaluation.evaluate(
+                self.sampler, self.state.params, self.eval_batches, self.scorer,
+                correct_label=self.correct_label, pass_k=e.pass_k, temperature=e.temperature,
+                step=step,
+            )  # fmt: skip
         return parallel.host_mean(metrics)
 
     def _transfer_guard(self):
@@ -273,16 +288,18 @@ class Run:
         )
 
 
-def _compile_seconds():
-    """A list that accumulates XLA compile durations (jax.monitoring events)."""
-    durations = []
+def tuned(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
+    """The config with the speed settings it leaves unset picked for this backend and
+    model (`tuning.resolve`), and the line saying which ("" when it sets them all)."""
+    shape = parallel.mesh_shape(dict(config.mesh), jax.device_count())
+    model_cfg = models.ModelConfig.from_hf_dir(run_config.resolve_model_path(config.model.path))
+    return tuning.resolve(
+        config, model_cfg, jax.default_backend(), batch_shards=shape[0] * shape[1]
+    )
 
-    def listener(event, duration, **_):
-        if event.endswith("backend_compile_duration"):
-            durations.append(duration)
 
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return durations
+def _bucket(out) -> str:
+    return f"bucket {out.prompt_tokens.shape[1]}"
 
 
 def _config_record(config) -> dict:
@@ -365,9 +382,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     from jaxrl_llm import checkpoint, metrics
 
-    compile_s = _compile_seconds()
-    c = config
-    run_config.validate(c, process_count=jax.process_count())
+    run_config.validate(config, process_count=jax.process_count())
+    c, tuning_line = tuned(config)  # what config.json records, and a resume compares
+    compilation.use_cache(c.train.compilation_cache_dir)
     ckpt = checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         keep=c.checkpoint.keep,
@@ -378,6 +395,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     record = _config_record(c)
     if latest is not None:  # before the model is loaded: a refused resume costs nothing
         _check_resume(workdir, record, c.train.allow_config_change)
+    if tuning_line and jax.process_index() == 0:
+        print(tuning_line, file=sys.stderr, flush=True)
     run = Run(c, workdir)
     start = 0
     if latest is not None:
@@ -395,10 +414,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     stop = checkpoint.install_sigterm_handler()  # SIGTERM, and a first Ctrl-C
     last = {}
     try:
+        run.compile_log.listen(progress.write)
+        compilation.precompile_step(run)
         if c.eval.every and c.eval.at_start and start == 0:  # the initial policy's point
             writer.write(0, last := run.evaluate(0))
         for step in range(start, c.train.num_steps):
-            last = _one_step(run, step, writer, progress, compile_s, last)
+            last = _one_step(run, step, writer, progress, last)
             done = step + 1
             extra = {"step": done, "data": run.data_iter.state()}
             if stop.stop_at(done):
@@ -407,6 +428,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 break
             ckpt.save(done, run.state, extra, force=done == c.train.num_steps)
     finally:
+        run.compile_log.close()
         ckpt.wait()
         ckpt.close()
         progress.close()
@@ -416,9 +438,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return last
 
 
-def _one_step(run: Run, step: int, writer, progress, compile_s, last: dict) -> dict:
+def _one_step(run: Run, step: int, writer, progress, last: dict) -> dict:
     """Step, then what the config schedules after it: log, samples, eval, progress."""
-    c, n_compiles = run.config, len(compile_s)
+    c, compiled_before = run.config, run.compile_log.seconds
     host = run.step(step)
     if run.warning:
         progress.write(run.warning)
@@ -426,7 +448,7 @@ def _one_step(run: Run, step: int, writer, progress, compile_s, last: dict) -> d
     if done % c.train.log_every == 0 or done == c.train.num_steps:
         dev = {k: float(v) for k, v in jax.device_get(run.last_update_metrics).items()}
         _check_finite(step, dev, c.train.skip_nonfinite)
-        last = host | dev | {"perf/compile_s": float(sum(compile_s[n_compiles:]))}
+        last = host | dev | {"perf/compile_s": run.compile_log.seconds - compiled_before}
         writer.write(done, last)
     if c.train.print_samples_every and done % c.train.print_samples_every == 0:
         samples = _samples(run)

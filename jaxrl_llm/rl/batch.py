@@ -25,6 +25,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import models
+from jaxrl_llm.parallel.mesh import BATCH_AXES
 from jaxrl_llm.rl.logprobs import token_logprobs
 
 
@@ -201,23 +202,26 @@ def shared_prompt_logprobs(
     return map_rows(one, (prompt_mask, tokens, mask, groups), micro_batches)
 
 
-def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1):
+def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None):
     """Jitted (params, rows) -> logp [N, T] (no gradient), rows a `sampling.SampleOutput`
     or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask).
 
     For the reference model and old-policy recomputes, at the spec's temperature; the G =
     spec.num_generations rows of a group share their prompt, which is read once
     (`shared_prompt_logprobs`). micro_batches bounds the memory of the forward (N must be
-    a multiple of it).
+    a multiple of it). mesh: the log-probs come out sharded by rows over its ('data',
+    'fsdp'), pinned, so the update that reads them can be compiled before they exist.
     """
     kw = dict(num_generations=spec.num_generations, micro_batches=micro_batches,
               temperature=spec.logprob_temperature, chunk_size=chunk_size)  # fmt: skip
 
-    def fn(params, rows):
+    def logprobs(params, rows):
         inputs = (rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
         return batch_logprobs(model_cfg, params, *inputs, **kw)
 
-    return jax.jit(fn)
+    if mesh is None:
+        return jax.jit(logprobs)
+    return jax.jit(logprobs, out_shardings=NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
 
 
 def batch_logprobs(

@@ -94,7 +94,10 @@ class Sampler:
         self.traces: collections.Counter = collections.Counter()
         self._calls = itertools.count()
         self._start = jax.jit(self._start_program, static_argnames="spec")
-        self._sample = jax.jit(self._sample_program, static_argnames="spec")
+        # The rollouts come out sharded by rows, pinned: the programs that read them (the
+        # reference, the update) can then be compiled before the first rollout exists.
+        rows = {} if mesh is None else {"out_shardings": self.row_sharding}
+        self._sample = jax.jit(self._sample_program, static_argnames="spec", **rows)
         self._decode = jax.jit(self._decode_program, static_argnums=(2, 3), donate_argnums=1)
         self._append = jax.jit(self._append_program, donate_argnums=1)
         self._result = jax.jit(functools.partial(D.result, pad_id=self.pad_id))
@@ -108,6 +111,17 @@ class Sampler:
         per row as `policy_version`."""
         ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, version)
         return self._sample(params, ids, mask, seed_index, spec=spec)
+
+    def lower(self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int = 0):
+        """`jax.jit(...).lower` of `sample` for these prompts' bucket (ahead-of-time
+        compilation: the compiled program serves `sample` calls of the same shapes)."""
+        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, 0)
+        return self._sample.lower(params, ids, mask, seed_index, spec=spec)
+
+    @property
+    def row_sharding(self):
+        """The sharding of `sample`'s outputs: rows over ('data', 'fsdp') (None: no mesh)."""
+        return None if self.mesh is None else NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
 
     def start(
         self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step=None, *, version: int = 0
