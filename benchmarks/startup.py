@@ -18,6 +18,10 @@ records are timestamped as they appear) and its output lines:
 - with --steps > 2: the median `perf/step_s` of steps 2.. (later steps) and the peak RSS of
   the trainer process (getrusage of the finished child).
 
+`--separately` measures instead each program of the first step (and evaluation's) on its
+own: lowered and compiled one after another in a fresh process with no cache (seconds to
+trace, lower and compile each), the cost the side-by-side start-up spreads over the cores.
+
 Medians and spreads over --repeats are printed at the end. `--src=DIR` runs the trainer
 from another checkout (PYTHONPATH), `--no-cache` for one without the cache key;
 `--auto=KEY,...` leaves those keys to the trainer's start-up defaults even where the
@@ -126,7 +130,44 @@ def run_once(args, config: str, cache: str | None, workdir: str, extra: list[str
     return out
 
 
+def programs_child(argv: list[str]) -> None:
+    """In the child process: the run's programs compiled one by one, a line each."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from jaxrl_llm import compilation, train
+
+    config_flags.DEFINE_config_file("config", None, "run config", lock_config=False)
+    flags.FLAGS([sys.argv[0], *argv])
+    config = flags.FLAGS.config
+    config.train.compilation_cache_dir = ""
+    compilation.use_cache("")
+    with tempfile.TemporaryDirectory() as workdir:
+        run = train.Run(config, workdir)
+        print(run.tuning_line, flush=True)
+        run.compile_log.listen(lambda line: print(line, flush=True))
+        compilation.precompile_step(run, side_by_side=False)
+        run.pool.close()
+
+
+def separately(args, config: str, extra: list[str]) -> None:
+    """--separately: per program, median [min, max] seconds over the repeats."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--programs-child", f"--config={config}"]
+    env = dict(os.environ, PYTHONPATH=args.src, TOKENIZERS_PARALLELISM="false")
+    seconds: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        out = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, check=True)
+        print(out.stdout.strip(), flush=True)
+        for m in LINE.finditer(out.stdout):
+            seconds.setdefault(m.group(1), []).append(float(m.group(2)))
+    rows = [{"program": k, "trace + lower + compile s": _spread(v)} for k, v in seconds.items()]
+    print(f"\n{uptime()}")
+    print(table(rows, list(rows[0])))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--programs-child"]:
+        return programs_child(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "quickstart.py"))
     p.add_argument("--repeats", type=int, default=3)
@@ -134,6 +175,7 @@ def main() -> None:
     p.add_argument("--src", default=ROOT, help="the checkout whose trainer runs")
     p.add_argument("--no-cache", action="store_true", help="a trainer without the cache key")
     p.add_argument("--auto", default="", help="config keys left to the start-up defaults")
+    p.add_argument("--separately", action="store_true", help="each program compiled alone")
     args, extra = p.parse_known_args()
     if bad := [a for a in extra if not a.startswith("--config.")]:
         p.error(f"unknown arguments {bad}")
@@ -147,6 +189,8 @@ def main() -> None:
             keys = tuple(k for k in args.auto.split(",") if k)
             with open(config, "w") as f:
                 f.write(WRAPPER.format(path=os.path.abspath(args.config), keys=keys))
+        if args.separately:
+            return separately(args, config, extra)
         for i in range(args.repeats):
             cache = None if args.no_cache else os.path.join(tmp, f"xla{i}")
             for kind in ("cold", "warm"):

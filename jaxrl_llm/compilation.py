@@ -143,14 +143,15 @@ class CompileLog:
                     self.write(record.line)
 
     @contextlib.contextmanager
-    def ahead_of_time(self):
+    def ahead_of_time(self, side_by_side: bool = True):
         """Yields `build(name, detail, lower) -> lowered`: runs `lower()` here (tracing
         holds the GIL) and compiles its result in a thread of its own, returning the
         lowering at once (its `out_info` shapes the next program's inputs). XLA compiles
         outside the GIL, so the programs share the cores. The block ends when every
         program is compiled. jax keeps each executable with its lowering, so a program's
-        first call with the same shapes and shardings runs it without compiling again."""
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
+        first call with the same shapes and shardings runs it without compiling again.
+        side_by_side=False compiles each one here, before `build` returns."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=4 if side_by_side else 1)
         futures, start_all = [], time.perf_counter()
 
         def build(name: str, detail: str, lower):
@@ -158,6 +159,8 @@ class CompileLog:
             lowered = lower()
             traced_s = time.perf_counter() - start
             futures.append(pool.submit(self._compile, name, detail, lowered, traced_s))
+            if not side_by_side:
+                futures[-1].result()
             return lowered
 
         try:
@@ -168,7 +171,8 @@ class CompileLog:
         if self.write is not None and built:
             cached = sum(0 < p.compiles == p.cache_hits for p in built)
             seconds = time.perf_counter() - start_all
-            self.write(f"programs ready in {seconds:.1f} s ({len(built)} built side by side, "
+            how = "side by side" if side_by_side else "one by one"
+            self.write(f"programs ready in {seconds:.1f} s ({len(built)} built {how}, "
                        f"{cached} from the compilation cache)")  # fmt: skip
 
     def _compile(self, name: str, detail: str, lowered, traced_s: float) -> Compiled:
@@ -184,13 +188,13 @@ def shaped(out_info, sharding):
                         out_info)  # fmt: skip
 
 
-def precompile_step(run) -> None:
+def precompile_step(run, side_by_side: bool = True) -> None:
     """Compiles a `train.Run`'s sampler, reference and update side by side before its
     first step, at the shapes of the batch that step will read, and evaluation's sampler
     programs when evaluation is scheduled (`CompileLog.ahead_of_time`). The rollouts and
     log-probs are pinned to row sharding (`Sampler.row_sharding`), so the reference and
     the update can be compiled from the sampler's output shapes alone. Other prompt
-    buckets compile when they first come."""
+    buckets compile when they first come. side_by_side=False: one after another."""
     from jaxrl_llm import parallel, rl
 
     position = run.data_iter.state()
@@ -198,7 +202,7 @@ def precompile_step(run) -> None:
     run.data_iter.restore(position)
     params, rows = run.state.params, run.sampler.row_sharding
     bucket = f"bucket {run.sampler.bucketed(batch.prompt_ids, batch.prompt_mask)[0].shape[1]}"
-    with run.compile_log.ahead_of_time() as build:
+    with run.compile_log.ahead_of_time(side_by_side) as build:
         lowered = build("sampler", bucket, lambda: run.sampler.lower(
             params, batch.prompt_ids, batch.prompt_mask, run.spec))  # fmt: skip
         out, ref = shaped(lowered.out_info, rows), None

@@ -56,6 +56,11 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.model.path = ""  # HF model dir to fine-tune, hub or built-in name; "" = a new model
     c.model.tokenizer = ""  # tokenizer dir; "" = model.path (required for a new model)
+    # Speed settings the RL trainer picks at start-up (`tuning`) are set here: SFT keeps
+    # the values its shipped model was made with.
+    c.model.scan_layers = True
+    c.train.logprob_chunk = 128
+    c.rollout.bucket_steps = 2
 
     c.rollout.batch_size = 256  # held-out prompts per sampler call
     c.rollout.max_new_tokens = 8  # completion budget of evaluation
