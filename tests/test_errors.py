@@ -50,7 +50,6 @@ def test_user_error_formats_where_what_fix():
 def test_the_errors_users_meet_are_user_errors_and_keep_their_old_types():
     for cls in (
         run_config.ConfigError,
-        sft.ConfigError,
         data.BadRow,
         models.hf_io.CheckpointError,
         models.config.UnsupportedModelError,
@@ -58,6 +57,7 @@ def test_the_errors_users_meet_are_user_errors_and_keep_their_old_types():
         err = cls("rollout.batch_size=0: must be >= 1")
         assert isinstance(err, UserError) and isinstance(err, ValueError), cls
         assert format_error(err) == "error: rollout.batch_size=0: must be >= 1"
+    assert sft.config.ConfigError is run_config.ConfigError  # one config error for RL and SFT
 
 
 def test_os_errors_name_the_path_and_the_fix(tmp_path):
