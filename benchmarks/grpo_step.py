@@ -45,8 +45,9 @@ from common import (  # noqa: E402
     uptime,
 )
 
-from jaxrl_llm import allocator, models, perf, run_config, sampling  # noqa: E402
+from jaxrl_llm import models, perf, run_config, sampling  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
+from jaxrl_llm.parallel import allocator  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
 
@@ -128,10 +129,10 @@ def main():
                 steal = cpu_steal_s() - steal
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 host["page_faults"] = float(faults)
-                ro = run.last_rollouts
-                host["prompt_len"] = float(ro.prompt_lengths.mean())
-                host["new_tokens"] = float(ro.lengths.mean())
-                host["padded_len"] = ro.out.prompt_tokens.shape[1]
+                scored = run.last_scored
+                host["prompt_len"] = float(scored.prompt_lengths.mean())
+                host["new_tokens"] = float(scored.lengths.mean())
+                host["padded_len"] = run.last_prompt_width
                 host["peak"] = peak
                 print(
                     f"step {i}{' (warmup)' if i < args.warmup else ''}: "

@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import block, bool_flag, device_name, peak_memory, preset_config, table  # noqa: E402
 
-from jaxrl_llm import allocator, models, sampling  # noqa: E402
+from jaxrl_llm import models, sampling  # noqa: E402
+from jaxrl_llm.parallel import allocator  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int = 1 << 28) -> float:

@@ -9,9 +9,10 @@ One measured step = the reference model's forward (`make_logprob_fn`, GRPO's bet
 plus the jitted GRPO update (forward + backward + AdamW) on N sequences of
 --prompt-len + --completion-len tokens, the state threaded from call to call as in
 training. tokens/s counts every token of every sequence (prompt and completion).
---group=G: every G sequences share their prompt (a GRPO group), which the reference and
-the update then read once (`make_update_fn(group=G)`, `make_logprob_fn(group=G)`);
-compare with --group=1 on the same batch shape.
+--group=G: every G sequences share their prompt (a GRPO group of the rollout spec), which
+the reference and the update then read once (`make_update_fn`, `make_logprob_fn`); compare
+with --group=1 on the same batch shape: distinct prompts, each read by its own row
+(`share_prompts=False`; GRPO's groups are then min(8, --seqs) rows).
 
 Model FLOPs (no remat recompute, full S x S attention as computed):
   forward F = N * L * (2 * S * P_layer + 4 * S^2 * n_heads * head_dim) + N * T * 2 * D * V
@@ -47,37 +48,44 @@ from common import (  # noqa: E402
     uptime,
 )
 
-from jaxrl_llm import allocator, models, perf, rl  # noqa: E402
+from jaxrl_llm import models, perf, rl, sampling  # noqa: E402
+from jaxrl_llm.parallel import allocator  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
 
 
-def random_batch(cfg, n: int, prompt_len: int, completion_len: int, group: int = 1) -> U.Batch:
+def random_batch(cfg, n: int, prompt_len: int, completion_len: int, group: int,
+                 generations: int) -> U.RolloutBatch:  # fmt: skip
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (n // group, prompt_len), dtype=np.int32)
     return jax.device_put(
-        U.Batch(
+        U.RolloutBatch(
             prompt_tokens=np.repeat(prompts, group, axis=0),
             prompt_mask=np.ones((n, prompt_len), bool),
             tokens=rng.integers(0, cfg.vocab_size, (n, completion_len), dtype=np.int32),
             mask=np.ones((n, completion_len), bool),
             loss_mask=np.ones((n, completion_len), bool),
-            sampler_logprobs=np.full((n, completion_len), -np.log(cfg.vocab_size), np.float32),
+            behaviour_logprobs=np.full((n, completion_len), -np.log(cfg.vocab_size), np.float32),
             rewards=rng.integers(0, 2, n).astype(np.float32),
+            policy_version=np.zeros(n, np.int32),
+            num_generations=generations,
         )
     )
 
 
 def setup(cfg, args, chunk_size: int):
     """(update fn, reference fn, state, reference params, batch) for GRPO (beta > 0)."""
-    algo = rl.preset("grpo", group_size=min(8, args.seqs))
+    G = args.group if args.group > 1 else min(8, args.seqs)
+    spec = sampling.RolloutSpec(G, args.completion_len)
     opt = U.make_optimizer(learning_rate=1e-6)
     params = models.init_params(cfg, seed=0, dtype=args.dtype)
     ref_params = jax.tree.map(jnp.copy, params)
-    update = U.make_update_fn(cfg, algo, opt, micro_batches=args.micro_batches,
-                              chunk_size=chunk_size, group=args.group)  # fmt: skip
-    ref_fn = U.make_logprob_fn(cfg, chunk_size=chunk_size, micro_batches=args.micro_batches,
-                               group=args.group)  # fmt: skip
-    batch = random_batch(cfg, args.seqs, args.prompt_len, args.completion_len, args.group)
+    share = args.group > 1
+    update = U.make_update_fn(cfg, rl.preset("grpo"), opt, spec, share_prompts=share,
+                              micro_batches=args.micro_batches, chunk_size=chunk_size)  # fmt: skip
+    ref_spec = spec if share else spec.replace(num_generations=1)
+    ref_fn = U.make_logprob_fn(cfg, ref_spec, chunk_size=chunk_size,
+                               micro_batches=args.micro_batches)  # fmt: skip
+    batch = random_batch(cfg, args.seqs, args.prompt_len, args.completion_len, args.group, G)
     return update, ref_fn, U.init_train_state(params, opt), ref_params, batch
 
 
@@ -85,7 +93,7 @@ def bench_step(cfg, args) -> dict:
     update, ref_fn, state, ref_params, batch = setup(cfg, args, args.chunk_size)
 
     def step(state):
-        ref = ref_fn(ref_params, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
+        ref = ref_fn(ref_params, batch)
         state, metrics = update(state, batch.replace(ref_logprobs=ref))
         block(metrics)
         return state

@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the training state, and a SIGTERM flag for preemption.
+"""Orbax checkpoints of the training state, and a stop flag for SIGTERM and Ctrl-C.
 
     ckpt = Checkpointer(workdir / "checkpoints", keep=3, save_interval_steps=10)
     if ckpt.latest_step() is not None:
@@ -17,6 +17,10 @@ next `Checkpointer` (not a read-only one) deletes it.
 Async saves copy the arrays to host memory before `save` returns, so the caller may
 donate or overwrite the state right away; the write to disk runs in a background thread.
 
+A full disk (or quota) while saving raises `DiskFullError`, one line naming the directory,
+its free space and the last complete step, instead of orbax's tracebacks from each of its
+writer threads; the half-written step is a temp dir that the next run removes.
+
 PRNG keys: typed keys (`jax.random.key`) round-trip as they are (orbax stores their
 uint32 key data and restores a typed key when the target leaf is one), checked by the
 tests with orbax-checkpoint 0.12.8.
@@ -24,6 +28,8 @@ tests with orbax-checkpoint 0.12.8.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -36,6 +42,40 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from jaxrl_llm.errors import UserError, free_space
+
+
+class DiskFullError(UserError):
+    """The checkpoint directory's disk (or quota) ran out while saving."""
+
+
+def _disk_full(err: BaseException | None) -> bool:
+    """Whether `err` or an exception it was raised from is ENOSPC / EDQUOT (orbax wraps
+    tensorstore's write errors in ValueError, keeping only the text)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(err) for text in ("No space left on device", "Disk quota exceeded")):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class _DiskFullRecords(logging.Filter):
+    """Drops orbax's log records of a full disk (a traceback per writer thread); the
+    Checkpointer reports it once, as DiskFullError. Other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return not (_disk_full(error) or _disk_full(Exception(record.getMessage())))
+
+
+_DISK_FULL_FILTER = _DiskFullRecords()
 
 
 class Checkpointer:
@@ -62,6 +102,8 @@ class Checkpointer:
         self.directory = directory if "://" in directory else os.path.abspath(directory)
         self.save_interval_steps = save_interval_steps
         self.read_only = read_only
+        self._failed: DiskFullError | None = None
+        logging.getLogger("absl").addFilter(_DISK_FULL_FILTER)  # orbax logs through absl
         if read_only:
             options = ocp.CheckpointManagerOptions(
                 read_only=True,
@@ -106,7 +148,10 @@ class Checkpointer:
         # Fail here, in the caller's frame, rather than in the background writer thread.
         extra = json.loads(json.dumps(dict(extra or {}), default=_json_default))
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), extra=ocp.args.JsonSave(extra))
-        return bool(self._mgr.save(step, args=args, force=force))
+        if self._failed is not None:
+            raise self._failed
+        with self._reporting_disk_full():
+            return bool(self._mgr.save(step, args=args, force=force))
 
     def restore(self, step: int | None = None, target=None, partial: bool = False):
         """Returns `(state, extra)` of `step` (default: the latest).
@@ -142,11 +187,48 @@ class Checkpointer:
         return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), meta)
 
     def wait(self) -> None:
-        """Blocks until every pending async save is on disk (and old ones deleted)."""
-        self._mgr.wait_until_finished()
+        """Blocks until every pending async save is on disk (and old ones deleted).
+
+        Raises DiskFullError if a save ran out of space (once: after that it returns)."""
+        if self._failed is None:
+            with self._reporting_disk_full():
+                self._mgr.wait_until_finished()
 
     def close(self) -> None:
-        self._mgr.close()
+        """Waits for pending saves and stops orbax's threads (see `wait` for errors)."""
+        if self._failed is None:
+            with self._reporting_disk_full():
+                self._mgr.close()
+            return
+        try:  # the failure is reported already; only the threads need stopping
+            self._mgr.close()
+        except Exception as err:
+            if not _disk_full(err):
+                raise
+
+    @contextlib.contextmanager
+    def _reporting_disk_full(self):
+        try:
+            yield
+        except Exception as err:
+            if not _disk_full(err):
+                raise
+            steps = self._all_steps_or_none()
+            last = "unknown" if steps is None else f"step {steps[-1]}" if steps else "none"
+            free = free_space(self.directory) or "free space unknown"
+            self._failed = DiskFullError(
+                self.directory,
+                f"no space left on device while saving a checkpoint ({free}; the last "
+                f"complete checkpoint: {last})",
+                "free some space or point --workdir at a larger disk, then rerun to resume",
+            )
+            raise self._failed from None
+
+    def _all_steps_or_none(self) -> list[int] | None:
+        try:
+            return sorted(int(name) for name in os.listdir(self.directory) if name.isdigit())
+        except OSError:
+            return None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -190,8 +272,15 @@ def _json_default(x):
 
 
 # ----------------------------------------------------------------------------- preemption
+_CTRL_C_NOTE = (
+    "\nCtrl-C: saving a checkpoint after this step, then stopping "
+    "(press Ctrl-C again to abort without saving)\n"
+)
+
+
 class PreemptionFlag:
-    """Set by SIGTERM (TPU maintenance, GKE/SLURM preemption): save and exit cleanly.
+    """Set by SIGTERM (TPU maintenance, GKE/SLURM preemption) or a first Ctrl-C: save and
+    exit cleanly. A second Ctrl-C raises KeyboardInterrupt (abort without saving).
 
     Single process: `requested` turns True in the signal handler; the trainer checks it
     once per step, saves with `force=True`, waits for the save and exits 0.
@@ -201,20 +290,27 @@ class PreemptionFlag:
     process at every step, returns True on all of them at the same step. It uses JAX's
     preemption sync service (`multihost_utils.reached_preemption_sync_point`), which is on
     by default after `jax.distributed.initialize` and catches SIGTERM itself; without the
-    service, the hosts' local flags are all-gathered each step.
+    service, the hosts' local flags are all-gathered each step. With the service, Ctrl-C
+    keeps Python's default (KeyboardInterrupt): the service could not stop the other hosts.
     """
 
     def __init__(self):
         self._event = threading.Event()
-        self._previous = None
-        self._installed = False
+        self._previous: dict[int, Any] = {}
+        self.reason: str | None = None  # "SIGTERM", "SIGINT" or "request"
 
     @property
     def requested(self) -> bool:
-        """True once this process got SIGTERM (or `request()` was called)."""
+        """True once this process got SIGTERM or Ctrl-C (or `request()` was called)."""
         return self._event.is_set()
 
+    @property
+    def installed(self) -> bool:
+        """Whether this flag's Python signal handlers are in place."""
+        return bool(self._previous)
+
     def request(self) -> None:
+        self.reason = self.reason or "request"
         self._event.set()
 
     def stop_at(self, step: int) -> bool:
@@ -227,18 +323,28 @@ class PreemptionFlag:
         return bool(np.any(flags))
 
     def restore(self) -> None:
-        """Puts back the SIGTERM handler that was there before (at the end of training)."""
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        """Puts back the handlers that were there before (at the end of training)."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+    def _install(self, signum: int) -> None:
+        self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        logging.warning("SIGTERM received: saving a checkpoint and stopping after this step")
+        if signum == signal.SIGINT:
+            if self.requested:
+                raise KeyboardInterrupt("second Ctrl-C")
+            # os.write: print() or logging could re-enter a stderr write the signal cut.
+            os.write(2, _CTRL_C_NOTE.encode())
+        else:
+            logging.warning("SIGTERM received: saving a checkpoint and stopping after this step")
+        self.reason = self.reason or signal.Signals(signum).name
         self._event.set()
 
 
 def install_sigterm_handler() -> PreemptionFlag:
-    """Returns a flag that SIGTERM sets instead of killing the process.
+    """Returns a flag that SIGTERM and a first Ctrl-C set instead of stopping the process.
 
     Must be called from the main thread. With several processes and JAX's preemption
     service running, no Python handler is installed: it would replace the service's own
@@ -247,8 +353,8 @@ def install_sigterm_handler() -> PreemptionFlag:
     flag = PreemptionFlag()
     if jax.process_count() > 1 and _preemption_service_running():
         return flag
-    flag._previous = signal.signal(signal.SIGTERM, flag._handle)
-    flag._installed = True
+    flag._install(signal.SIGTERM)
+    flag._install(signal.SIGINT)
     return flag
 
 

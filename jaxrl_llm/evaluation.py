@@ -1,22 +1,30 @@
-"""Held-out evaluation: greedy pass@1, sampled pass@k, completion length, per-verifier rewards.
+"""Held-out evaluation, for RL and SFT alike: greedy pass@1, sampled pass@k, completion
+length, per-verifier rewards.
+
+    metrics = evaluate(sampler, params, batches, scorer, correct_label="gsm8k", pass_k=8,
+                       temperature=1.0, step=step)
 
 A sample is *correct* when the raw score of the deciding verifier (`eval.correct_reward`,
-default the first reward term) is above 0.5 — the built-in answer checkers return 1 or 0.
-pass@k is the fraction of prompts with at least one correct sample among k drawn at
-`eval.temperature` (with n = k samples the unbiased estimator of Chen et al. 2021 reduces
-to exactly this).
+default the first reward term) is above 0.5 (`is_correct`; the built-in answer checkers
+return 1 or 0). pass@k is the fraction of prompts with at least one correct sample among
+k drawn at `eval.temperature` (with n = k samples the unbiased estimator of Chen et al.
+2021 reduces to exactly this).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
-from jaxrl_llm import rollout
+from jaxrl_llm import sampling
 
 EVAL_KEY_OFFSET = 1 << 30  # eval draws use a key stream disjoint from training's
+CORRECT_ABOVE = 0.5
+
+
+def is_correct(scores) -> np.ndarray:
+    """The one definition of a correct answer: the deciding verifier's raw score > 0.5."""
+    return np.asarray(scores, np.float64) > CORRECT_ABOVE
 
 
 def fixed_batches(data_iter, num_prompts: int) -> list:
@@ -34,54 +42,67 @@ def fixed_batches(data_iter, num_prompts: int) -> list:
     return batches
 
 
+def held_out_batches(config, tokenizer, batch_size: int) -> list:
+    """The fixed evaluation batches of a run config: the first `eval.num_prompts` prompts
+    of `eval.split` (or the JSONL file `eval.path`), unshuffled, one epoch, built like the
+    training prompts (`data`), this process's share of each batch."""
+    import ml_collections
+
+    from jaxrl_llm import data
+
+    eval_data = ml_collections.ConfigDict(config.data.to_dict())
+    eval_data.split, eval_data.shuffle, eval_data.num_epochs = config.eval.split, False, 1
+    eval_data.path = config.eval.path or config.data.path
+    hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    it = data.make_iterator(eval_data, tokenizer, batch_size, **hosts)
+    return fixed_batches(it, config.eval.num_prompts)
+
+
 def _scores(details, label: str) -> np.ndarray:
     return np.asarray(details.per_verifier[label], np.float64)
 
 
-def evaluate(
-    model_cfg,
-    params,
-    batches,
-    pool,
-    specs,
-    tokenizer,
-    settings,
-    *,
-    correct_label,
-    pass_k: int,
-    temperature: float,
-    mesh=None,
-    step: int = 0,
-) -> dict[str, float]:
-    """Metrics `eval/*` over the fixed evaluation batches."""
-    greedy = dataclasses.replace(settings, num_generations=1, temperature=0.0)
-    sampled = dataclasses.replace(settings, num_generations=pass_k, temperature=temperature)
-    correct1, correct_k, lengths, per_label = [], [], [], {}
+def _score(sampler, params, batch, scorer, spec, step):
+    """Samples `spec` for one batch -> (ScoreDetails, lengths, finish)."""
+    out = sampler.sample(params, batch.prompt_ids, batch.prompt_mask, spec, step)
+    texts, lengths, finish = scorer.decode(out)
+    examples = [ex for ex in batch.examples for _ in range(spec.num_generations)]
+    _, details = scorer.pool.score(scorer.specs, texts, examples, num_tokens=lengths.tolist())
+    return details, lengths, finish
+
+
+def specs(spec, pass_k: int, temperature: float):
+    """(greedy, sampled) rollout specs of an evaluation: one greedy sample per prompt, and
+    pass_k samples at `temperature` (None when pass_k == 1)."""
+    greedy = spec.replace(num_generations=1, temperature=0.0)
+    sampled = spec.replace(num_generations=pass_k, temperature=temperature)
+    return greedy, sampled if pass_k > 1 else None
+
+
+def evaluate(sampler, params, batches, scorer, *, correct_label: str, pass_k: int,
+             temperature: float, step: int = 0) -> dict[str, float]:  # fmt: skip
+    """Metrics `eval/*` over the fixed evaluation batches.
+
+    sampler: a `sampling.Sampler`; scorer: a `rollout.Scorer` (its spec gives the budget
+    and stop ids; greedy and sampled draws replace G and the temperature)."""
+    greedy, sampled = specs(scorer.spec, pass_k, temperature)
+    correct1, correct_k, lengths, truncated, per_label = [], [], [], [], {}
     for i, batch in enumerate(batches):
-        out = rollout.generate(model_cfg, params, batch, greedy, step=i, mesh=mesh)
-        texts, n, _ = rollout.decode(tokenizer, out, mesh)
-        _, details = pool.score(specs, texts, batch.examples, num_tokens=n.tolist())
-        correct1.append(_scores(details, correct_label) > 0.5)
+        details, n, finish = _score(sampler, params, batch, scorer, greedy, step=i)
+        correct1.append(is_correct(_scores(details, correct_label)))
         lengths.append(n)
+        truncated.append(finish == sampling.FINISH_LENGTH)
         for label in details.per_verifier:
             per_label.setdefault(label, []).append(_scores(details, label))
         if pass_k > 1:
-            out = rollout.generate(
-                model_cfg,
-                params,
-                batch,
-                sampled,
-                mesh=mesh,
-                step=EVAL_KEY_OFFSET + step * len(batches) + i,
-            )
-            texts, n, _ = rollout.decode(tokenizer, out, mesh)
-            examples = [ex for ex in batch.examples for _ in range(pass_k)]
-            _, details = pool.score(specs, texts, examples, num_tokens=n.tolist())
-            hit = _scores(details, correct_label) > 0.5
+            key = EVAL_KEY_OFFSET + step * len(batches) + i
+            details, _, _ = _score(sampler, params, batch, scorer, sampled, step=key)
+            hit = is_correct(_scores(details, correct_label))
             correct_k.append(hit.reshape(-1, pass_k).any(axis=1))
     metrics = {
         "eval/pass@1": float(np.concatenate(correct1).mean()),
         "eval/length_mean": float(np.concatenate(lengths).mean()),
+        "eval/truncated_frac": float(np.concatenate(truncated).mean()),
         "eval/num_prompts": float(sum(len(c) for c in correct1)),
     }
     if correct_k:

@@ -114,7 +114,7 @@ def _copy_extras(model_path, tokenizer, tokenizer_dir, out: str) -> None:
 
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: not found (is this a jaxrl_llm run directory?)")
+        raise FileNotFoundError(f"{path}: not found; is --workdir a jaxrl_llm run directory?")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -144,6 +144,8 @@ def _define_flags() -> None:
 if __name__ == "__main__":
     from absl import app
 
+    from jaxrl_llm.errors import cli_main
+
     _define_flags()
     logging.getLogger().setLevel(logging.INFO)
-    app.run(main)
+    cli_main(lambda: app.run(main))

@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.errors import UserError, cli_main
+
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -176,24 +178,30 @@ def _jsonable(x):
 
 
 def _drop_after(path: str, step: int) -> None:
-    """Rewrites `path` without the records whose step is > `step` (and broken lines)."""
+    """Rewrites `path` without the records whose step is > `step` and without broken lines.
+
+    A complete last record that lost only its newline (killed between the two) is kept
+    and given its newline; appending the next record to it would break both.
+    """
     if not os.path.exists(path):
         return
-    kept, dropped = [], 0
+    kept, changed = [], 0
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
                 keep = int(json.loads(line)["step"]) <= step
             except (ValueError, KeyError, TypeError):
                 keep = False  # the half-written last line of a killed run
+            if keep and not line.endswith("\n"):
+                line, changed = line + "\n", changed + 1
             kept += [line] if keep else []
-            dropped += not keep
-    if dropped:
+            changed += not keep
+    if changed:
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(tmp, path)
-        logging.info("%s: dropped %d records after step %d (resumed run)", path, dropped, step)
+        logging.info("%s: kept %d records up to step %d (resumed run)", path, len(kept), step)
 
 
 def _open_tensorboard(workdir: str, resume_step: int | None, config):
@@ -331,8 +339,12 @@ def plot_metrics(
     title: str | None = None,
 ) -> list[str]:
     """Plots `keys` against step into one PNG; returns the keys that had data."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError(
+            "matplotlib", "not installed (plotting needs it)", 'pip install -e ".[plot]"'
+        ) from None
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
 
@@ -342,11 +354,12 @@ def plot_metrics(
         points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
         if points:
             series[key] = points
-        else:
-            logging.warning("%s: no values for %r", metrics_jsonl, key)
     if not series:
         present = sorted({k for r in records for k in r} - {"step"})
         raise ValueError(f"{metrics_jsonl}: none of {list(keys)} found; keys: {present}")
+    for key in keys:
+        if key not in series:
+            logging.warning("%s: no values for %r", metrics_jsonl, key)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for key, points in series.items():
         steps, values = zip(*points, strict=True)
@@ -377,4 +390,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli_main(main)

@@ -35,6 +35,30 @@ def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5)
 matmul_peak = functools.lru_cache(maxsize=4)(measure_matmul_peak)
 
 
+class PhaseClock:
+    """Wall-clock seconds of a step's phases, each measured up to the moment the host
+    waited for it: `wait(name, arrays)` blocks until `arrays` are ready and charges the
+    time since the previous mark to `name`; `mark(name)` charges it without waiting."""
+
+    def __init__(self):
+        self.start = self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def wait(self, name: str, arrays) -> None:
+        if arrays is not None:
+            jax.block_until_ready(arrays)
+        self.mark(name)
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
 def layer_matmul_params(model_cfg) -> int:
     """Parameters of the decoder layers that take part in matmuls (no norms, no biases)."""
     c = model_cfg

@@ -3,11 +3,14 @@
     python -m jaxrl_llm.train --config=configs/quickstart.py --workdir=/tmp/quickstart \
         [--config.algo.beta=0.0 --config.rollout.num_generations=16 ...]
 
-Rerunning the same command resumes from the workdir's latest checkpoint. One step:
+Rerunning the same command resumes from the workdir's latest checkpoint. One step
+(`Run.step`), three jitted programs and the host in between:
 
-    sample (jitted, policy params in place) -> dispatch reference log-probs (no wait)
-    -> completion ids to host -> text -> verifier pool (overlaps the reference forward)
-    -> rewards to device -> jitted update (advantages, loss, optax; state donated)
+    out = sampler.sample(params, prompts, spec, step)   # jitted: prefill + decode, dispatched
+    ref = ref_logprobs(ref_params, out)                  # jitted, dispatched, no wait
+    scored = scorer(out, batch)                          # host: ids -> text -> verifiers,
+                                                         # overlapping the reference forward
+    state, metrics = update(state, RolloutBatch.from_sample(out, rewards, ref))  # jitted
 
 `jax.transfer_guard("disallow")` holds around the step body: the only transfers are the
 explicit ones (completion ids out, rewards in, metrics at log steps).
@@ -20,53 +23,31 @@ import json
 import logging
 import os
 import sys
-import time
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging as absl_logging
 
-from jaxrl_llm import data, evaluation, parallel, perf, rollout, run_config, verifiers
-from jaxrl_llm.models import builtin
-from jaxrl_llm.rl import critic as critic_lib
-from jaxrl_llm.rl import update as U
+from jaxrl_llm import (
+    compilation,
+    config_checks,
+    data,
+    evaluation,
+    models,
+    parallel,
+    perf,
+    rl,
+    rollout,
+    run_config,
+    sampling,
+    tuning,
+    verifiers,
+)
 
 
 class NonFiniteError(FloatingPointError):
     """The loss or a gradient became NaN/inf; the message names the step."""
-
-
-def _stop_ids(tokenizer, stop_tokens) -> tuple[int, ...]:
-    ids = []
-    for tok in stop_tokens:
-        if tok == "<eos>":
-            if tokenizer.eos_token_id is None:
-                raise run_config.ConfigError("rollout.stop_tokens: the tokenizer has no EOS")
-            ids.append(tokenizer.eos_token_id)
-            continue
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if tid is None or tid == tokenizer.unk_token_id:
-            raise run_config.ConfigError(f"rollout.stop_tokens: {tok!r} is not a single token")
-        ids.append(int(tid))
-    return tuple(dict.fromkeys(ids))
-
-
-def _optimizer(c, learning_rate: float):
-    """AdamW from the optim.* keys; the schedule counts trainer steps (update calls)."""
-    o = c.optim
-    return U.make_optimizer(
-        learning_rate=learning_rate,
-        warmup_steps=o.warmup_steps,
-        total_steps=c.train.num_steps,
-        schedule=o.schedule,
-        weight_decay=o.weight_decay,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        max_grad_norm=o.max_grad_norm,
-        end_lr_ratio=o.end_lr_ratio,
-    )
 
 
 class Run:
@@ -74,207 +55,295 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
         run_config.validate(config, process_count=jax.process_count())
-        self.config, self.workdir = config, workdir
-        self.algo = run_config.algo_config(config)
-        c = config
-        # --------------------------------------------------------------------- Mesh
-        self.mesh = parallel.make_mesh(dict(c.mesh))
-        # ------------------------------------------------------------ Model & tokenizer
+        # Speed settings the config leaves unset (None) are picked here (`tuning`).
+        self.config, self.tuning_line = tuned(config)
+        self.workdir = workdir
+        self.algo = run_config.algo_config(self.config)
+        self.mesh = parallel.make_mesh(dict(self.config.mesh))
+        self.compile_log = compilation.CompileLog()  # says what compiles, while it listens
+        params = self._load_models()
+        self._build_rollout()
+        self._build_input()
+        self._build_programs(params)
+        # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
+        size = 1024 if jax.default_backend() == "cpu" else 2048
+        self.peak = perf.matmul_peak(self.config.model.dtype, size)
+
+    # ----------------------------------------------------------------- Model & tokenizer
+    def _load_models(self):
+        """Tokenizer, the data rows checked up front (before any weight is read), policy
+        (-> its params) and, with beta > 0, the reference params."""
+        c = self.config
         self.model_path = run_config.resolve_model_path(c.model.path)
-        self.model_cfg, params = builtin.load_model(
-            self.model_path,
-            self.mesh,
-            c.model.dtype,
-            remat=c.model.remat,
-            scan_layers=bool(c.model.scan_layers),
-        )
         self.tokenizer_path = run_config.resolve_model_path(
             c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False
         )
-        self.tokenizer = builtin.load_tokenizer(self.tokenizer_path)
+        self.tokenizer = models.builtin.load_tokenizer(self.tokenizer_path)
+        rows = data.check_rows(c.data, self.tokenizer)
+        if rows.bad and jax.process_index() == 0:
+            print(rows.summary(), file=sys.stderr, flush=True)
+        runtime = dict(remat=c.model.remat, scan_layers=c.model.scan_layers)
+        self.model_cfg, params = models.builtin.load_model(
+            self.model_path, self.mesh, c.model.dtype, **runtime
+        )
+        config_checks.check_context(c, self.model_cfg)
         self.ref_params = None
         if self.algo.needs_ref:
             ref_path = run_config.resolve_model_path(
                 c.model.ref_path or self.model_path, "model.ref_path"
             )
-            _, self.ref_params = builtin.load_model(ref_path, self.mesh, c.model.dtype)
+            _, self.ref_params = models.builtin.load_model(ref_path, self.mesh, c.model.dtype)
+        return params
+
+    # ------------------------------------------------------------------------- Rollout
+    def _build_rollout(self) -> None:
+        """The rollout spec, the sampler and the host-side scorer (verifier pool)."""
+        c = self.config
+        self.spec = run_config.rollout_spec(c, self.tokenizer)
         pad = data.prompts.pad_id(self.tokenizer)
-        self.settings = rollout.RolloutSettings(
-            max_new_tokens=c.rollout.max_new_tokens,
-            num_generations=c.rollout.num_generations,
-            temperature=c.rollout.temperature,
-            top_k=c.rollout.top_k,
-            top_p=c.rollout.top_p,
-            stop_ids=_stop_ids(self.tokenizer, c.rollout.stop_tokens),
-            bucket_steps=c.rollout.bucket_steps,
-            cache_segments=c.rollout.cache_segments,
-            pad_id=pad,
-            seed=c.train.seed,
-            overlong_buffer=(
-                max(1, round(self.algo.overlong_buffer_frac * c.rollout.max_new_tokens))
-                if self.algo.overlong_penalty
-                else 0
-            ),
+        self.sampler = sampling.Sampler(
+            self.model_cfg, self.mesh, seed=c.train.seed, pad_id=pad,
+            bucket_steps=c.rollout.bucket_steps, cache_segments=c.rollout.cache_segments,
+        )  # fmt: skip
+        self.pool = verifiers.VerifierPool(
+            c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s,
+            memory_mb=c.train.verifier_memory_mb,
+        )  # fmt: skip
+        self.budget = verifiers.ErrorBudget(
+            c.train.max_verifier_error_rate, c.train.max_failed_steps
         )
-        # -------------------------------------------------------------------- Input
-        B = c.rollout.batch_size
+        self.warning = None  # the last step's verifier warning, for the progress output
+        self.scorer = rollout.Scorer(
+            self.tokenizer, self.pool, verifiers.parse_specs(c.rewards), self.spec,
+            overlong_buffer=self._overlong_buffer(), mesh=self.mesh,
+        )  # fmt: skip
+        self.correct_label = c.eval.correct_reward or self.scorer.specs[0].label
+
+    # --------------------------------------------------------------------------- Input
+    def _build_input(self) -> None:
+        """This process's training prompts and the fixed held-out batches."""
+        c, B = self.config, self.config.rollout.batch_size
         hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
         self.data_iter = data.make_iterator(c.data, self.tokenizer, B, **hosts)
         self.eval_batches = []
         if c.eval.every > 0:
-            eval_data = ml_collections.ConfigDict(c.data.to_dict())
-            eval_data.split, eval_data.shuffle, eval_data.num_epochs = c.eval.split, False, 1
-            eval_data.path = c.eval.path or c.data.path
-            self.eval_batches = evaluation.fixed_batches(
-                data.make_iterator(eval_data, self.tokenizer, B, **hosts), c.eval.num_prompts
-            )
-        self.specs = verifiers.parse_specs(c.rewards)
-        self.correct_label = c.eval.correct_reward or self.specs[0].label
-        self.pool = verifiers.VerifierPool(
-            c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s
-        )
-        # ------------------------------------------------------ Model & optimizer state
-        o = c.optim
-        opt = _optimizer(c, o.learning_rate)
+            self.eval_batches = evaluation.held_out_batches(c, self.tokenizer, B)
+
+    # ---------------------------------------------- State, update and reference programs
+    def _build_programs(self, params) -> None:
+        c, o = self.config, self.config.optim
+        opt = rl.optimizer_from_config(o, c.train.num_steps)
         critic_params = critic_opt = None
         if self.algo.uses_critic:
-            critic_params = critic_lib.init_critic(self.model_cfg, params, seed=c.train.seed)
-            critic_opt = _optimizer(c, o.critic_learning_rate)
-        self.state = U.init_train_state(
+            critic_params = rl.init_critic(self.model_cfg, params, seed=c.train.seed)
+            critic_opt = rl.optimizer_from_config(o, c.train.num_steps, o.critic_learning_rate)
+        self.state = rl.init_train_state(
             params, opt, critic_params=critic_params, critic_optimizer=critic_opt
         )
-        # ------------------------------------------------------------- Update step
-        temp = c.rollout.temperature
-        self.update = U.make_update_fn(
-            self.model_cfg,
-            self.algo,
-            opt,
-            micro_batches=o.micro_batches,
-            mini_batches=o.mini_batches,
-            temperature=temp,
-            chunk_size=c.train.logprob_chunk,
-            critic_optimizer=critic_opt,
-            skip_nonfinite=c.train.skip_nonfinite,
-            group=c.rollout.num_generations,  # a group's samples share their prompt
-        )
-        self.ref_fn = (
-            U.make_logprob_fn(
-                self.model_cfg,
-                temperature=temp,
-                chunk_size=c.train.logprob_chunk,
-                micro_batches=o.micro_batches * o.mini_batches,  # the update's row slices
-                group=c.rollout.num_generations,  # a group's samples share their prompt
-            )
-            if self.algo.needs_ref
-            else None
-        )
-        self.peak = perf.matmul_peak(c.model.dtype)
+        self.update = rl.make_update_fn(
+            self.model_cfg, self.algo, opt, self.spec, micro_batches=o.micro_batches,
+            mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk,
+            critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
+            seed=c.train.seed,
+        )  # fmt: skip
+        self.ref_logprobs = None
+        if self.algo.needs_ref:  # the update's row slices bound its memory the same way
+            self.ref_logprobs = rl.make_logprob_fn(
+                self.model_cfg, self.spec, chunk_size=c.train.logprob_chunk,
+                micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
+            )  # fmt: skip
+
+    def _overlong_buffer(self) -> int:
+        """DAPO's L_c in tokens (0: no overlong penalty)."""
+        if not self.algo.overlong_penalty:
+            return 0
+        return max(1, round(self.algo.overlong_buffer_frac * self.spec.max_new_tokens))
+
+    # ---------------------------------------------------------------------- the step
+    def step(self, step: int) -> dict:
+        """One RL step -> this step's host metrics (the update's device metrics stay on
+        device in `last_update_metrics` until a log step)."""
+        clock, dynamic = perf.PhaseClock(), self.algo.dynamic_sampling
+        with self._transfer_guard():
+            batch = next(self.data_iter)
+            out = self.sample(batch, step)  # device arrays, dispatched
+            ref = None if dynamic else self.reference(out)  # dispatched, no wait
+            scored = self.score(out, batch, clock)  # host, overlapping the reference
+            if dynamic:  # DAPO: degenerate groups replaced, then the reference
+                out, scored = self.refill(out, scored, step, clock)
+                ref = self.reference(out)
+            clock.wait("reference", ref)
+            self._check_verifiers(scored, step)
+            rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
+            batch = rl.RolloutBatch.from_sample(out, rewards, ref)
+            with self.compile_log.program("update", _bucket(out)):
+                self.state, self.last_update_metrics = self.update(self.state, batch)
+            clock.wait("update", self.state)
+        self.last_scored, self.last_prompt_width = scored, out.prompt_tokens.shape[1]
+        return parallel.host_mean(self._metrics(out, scored, clock))  # each saw its own rows
+
+    def sample(self, batch, step: int, round: int = 0) -> sampling.SampleOutput:
+        """G completions of each prompt, by the current parameters (version = step)."""
+        rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
+        with self.compile_log.program("sampler") as compiled:
+            out = self.sampler.sample(
+                self.state.params, batch.prompt_ids, batch.prompt_mask, self.spec,
+                step * rounds + round, version=step,
+            )  # fmt: skip
+            compiled.detail = _bucket(out)
+        return out
 
     def reference(self, out):
-        """Dispatches the reference forward (async); None when beta = 0."""
-        if self.ref_fn is None:
+        """Dispatches the reference log-probs [N, T] (async); None when beta = 0."""
+        if self.ref_logprobs is None:
             return None
-        return self.ref_fn(
-            self.ref_params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask
-        )
+        with self.compile_log.program("reference", _bucket(out)):
+            return self.ref_logprobs(self.ref_params, out)
 
-    def step(self, step: int) -> dict:
-        """One RL step; returns host metrics of the rollout and the timings (device
-        metrics stay on device in `self.last_update_metrics` until a log step)."""
-        c, t_start = self.config, time.perf_counter()
-        guard = (
-            jax.transfer_guard("disallow") if c.train.transfer_guard else contextlib.nullcontext()
-        )
-        with guard:
-            ro = rollout.collect(
-                self.model_cfg,
-                self.state.params,
-                self.data_iter,
-                self.pool,
-                self.specs,
-                self.tokenizer,
-                self.settings,
-                step,
-                self.mesh,
-                dynamic_rounds=(
-                    self.algo.max_resample_rounds if self.algo.dynamic_sampling else None
-                ),
-                on_sampled=self.reference,
-            )
-            t0 = time.perf_counter()
-            ref = jax.block_until_ready(ro.aux)
-            ref_s = time.perf_counter() - t0
-            rewards = parallel.shard_local_batch(ro.rewards, self.mesh)  # [N], global
-            batch = U.batch_from_rollout(ro.out, rewards, ref_logprobs=ref)
-            t0 = time.perf_counter()
-            self.state, self.last_update_metrics = self.update(self.state, batch)
-            jax.block_until_ready(self.state)
-            update_s = time.perf_counter() - t0
-        self.last_rollouts = ro
-        step_s = time.perf_counter() - t_start
-        host = self._perf(ro, step_s, ref_s, update_s) | ro.metrics
-        host |= {"reward/mean": float(ro.rewards.mean()), "reward/std": float(ro.rewards.std())}
-        return parallel.host_mean(host)  # each process saw only its own rows
+    def score(self, out, batch, clock) -> rollout.Scored:
+        clock.wait("sample", out.tokens)
+        scored = self.scorer(out, batch)
+        clock.mark("score")
+        return scored
 
-    def _perf(self, ro, step_s, ref_s, update_s) -> dict:
-        rows, P = ro.out.tokens.shape[0], ro.out.prompt_tokens.shape[1]
-        T = ro.out.tokens.shape[1]
+    def refill(self, out, scored, step: int, clock):
+        """DAPO's dynamic sampling: up to `algo.max_resample_rounds` more batches until
+        every process has B mixed-reward groups (the sampler is collective, so all
+        processes sample while any is short)."""
+        G, parts = self.spec.num_generations, [(out, scored)]
+        groups = len(scored.rewards) // G
+        mixed = rollout.mixed_groups(scored, G)
+        while (
+            parallel.host_max(int(mixed < groups)) and len(parts) <= self.algo.max_resample_rounds
+        ):
+            batch = next(self.data_iter)
+            more = self.sample(batch, step, round=len(parts))
+            parts.append((more, self.score(more, batch, clock)))
+            mixed += rollout.mixed_groups(parts[-1][1], G)
+        degenerate_frac = 1.0 - min(mixed, groups) / groups
+        if len(parts) > 1:
+            out, scored = rollout.merge_mixed_groups(parts, G, groups, self.mesh)
+        scored.metrics["rollout/degenerate_frac"] = degenerate_frac
+        scored.metrics["rollout/dynamic_rounds"] = float(len(parts) - 1)
+        return out, scored
+
+    def _check_verifiers(self, scored, step: int) -> None:
+        """Warns on a step where a verifier failed too often; stops the run after
+        train.max_failed_steps such steps in a row (every host decides on the mean)."""
+        rates = None
+        if jax.process_count() > 1:
+            rates = parallel.host_mean(scored.details.error_rates())
+        self.warning = self.budget.check(scored.details, step, rates=rates)
+
+    def evaluate(self, step: int) -> dict:
+        e = self.config.eval
+        with self.compile_log.program("evaluation", runs=True):
+            metrics = evaluation.evaluate(
+                self.sampler, self.state.params, self.eval_batches, self.scorer,
+                correct_label=self.correct_label, pass_k=e.pass_k, temperature=e.temperature,
+                step=step,
+            )  # fmt: skip
+        return parallel.host_mean(metrics)
+
+    def _transfer_guard(self):
+        if self.config.train.transfer_guard:
+            return jax.transfer_guard("disallow")
+        return contextlib.nullcontext()
+
+    def _metrics(self, out, scored, clock) -> dict:
+        s, step_s = clock.seconds, clock.total
+        rows, P, T = out.tokens.shape[0], out.prompt_tokens.shape[1], out.tokens.shape[1]
         flops = perf.step_flops(
             self.model_cfg,
             rows=rows,
-            prompts=rows // self.settings.num_generations,
-            prompt_len=float(ro.prompt_lengths.mean()),
-            new_tokens=float(ro.lengths.mean()),
-            reference=self.ref_fn is not None,
+            prompts=rows // self.spec.num_generations,
+            prompt_len=float(scored.prompt_lengths.mean()),
+            new_tokens=float(scored.lengths.mean()),
+            reference=self.ref_logprobs is not None,
             update_forwards=self.update.forward_passes,
             update_shared_forwards=self.update.shared_prompt_passes,
-            reference_shares_prompts=self.settings.num_generations > 1,
+            reference_shares_prompts=self.spec.num_generations > 1,
         )
-        return {
-            "perf/step_s": step_s,
-            "perf/sample_s": ro.sample_s,
-            "perf/reference_s": ref_s,
-            "perf/score_s": ro.score_s,
-            "perf/update_s": update_s,
-            "perf/rollout_tokens_per_s": float(ro.lengths.sum()) / max(ro.sample_s, 1e-9),
-            "perf/update_tokens_per_s": rows * (P + T) / max(update_s, 1e-9),
-            "perf/mfu": sum(flops.values()) / step_s / self.peak,
-        }
+        return (
+            scored.metrics
+            | self.data_iter.metrics()
+            | {
+                "reward/mean": float(scored.rewards.mean()),
+                "reward/std": float(scored.rewards.std()),
+                "perf/step_s": step_s,
+                "perf/sample_s": s["sample"],
+                "perf/reference_s": s["reference"],
+                "perf/score_s": s["score"],
+                "perf/update_s": s["update"],
+                "perf/rollout_tokens_per_s": float(scored.lengths.sum()) / max(s["sample"], 1e-9),
+                "perf/update_tokens_per_s": rows * (P + T) / max(s["update"], 1e-9),
+                "perf/mfu": sum(flops.values()) / step_s / self.peak,
+            }
+        )
 
 
-def _compile_seconds():
-    """A list that accumulates XLA compile durations (jax.monitoring events)."""
-    durations = []
-
-    def listener(event, duration, **_):
-        if event.endswith("backend_compile_duration"):
-            durations.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return durations
+def tuned(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
+    """The config with the speed settings it leaves unset picked for this backend and
+    model (`tuning.resolve`), and the line saying which ("" when it sets them all)."""
+    shape = parallel.mesh_shape(dict(config.mesh), jax.device_count())
+    model_cfg = models.builtin.model_config(run_config.resolve_model_path(config.model.path))
+    return tuning.resolve(
+        config, model_cfg, jax.default_backend(), batch_shards=shape[0] * shape[1]
+    )
 
 
-def _write_run_files(run: Run) -> None:
+def _bucket(out) -> str:
+    return f"bucket {out.prompt_tokens.shape[1]}"
+
+
+def _config_record(config) -> dict:
+    """The config as the workdir keeps it (`config.json` and its history): the model and
+    tokenizer resolved to absolute directories, which export and evaluation read later."""
+    record = config.to_dict()
+    path = run_config.resolve_model_path(config.model.path)
+    tokenizer = run_config.resolve_model_path(
+        config.model.tokenizer or path, "model.tokenizer", need_config=False
+    )
+    record["model"]["path"], record["model"]["tokenizer"] = map(os.path.abspath, (path, tokenizer))
+    return record
+
+
+def _check_resume(workdir: str, record: dict, allow: bool) -> None:
+    """Lists how the config differs from the run's saved one; refuses changes of what the
+    run means unless allowed. Process 0 decides (it writes the workdir), every host stops."""
+    from jaxrl_llm import workdir as workdir_lib
+    from jaxrl_llm.errors import UserError
+
+    refused = None
+    if jax.process_index() == 0:
+        try:
+            for line in workdir_lib.check_resume(workdir, record, allow=allow):
+                print(f"config changed since the last start: {line}", file=sys.stderr)
+        except UserError as err:
+            refused = err
+    if parallel.host_max(int(refused is not None)):
+        raise refused or UserError(
+            workdir, "process 0 refused to resume with this config", "see its log"
+        )
+
+
+def _write_run_files(run: Run, record: dict) -> None:
+    from jaxrl_llm import workdir as workdir_lib
+
     if jax.process_index() != 0:
         return
-    os.makedirs(run.workdir, exist_ok=True)
-    cfg = run.config.to_dict()
-    # Absolute paths: export and evaluation read them from any directory later.
-    cfg["model"]["path"] = os.path.abspath(run.model_path)
-    cfg["model"]["tokenizer"] = os.path.abspath(run.tokenizer_path)
-    with open(os.path.join(run.workdir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True, default=str)
+    workdir_lib.save_config(run.workdir, record)
     with open(os.path.join(run.workdir, "hf_config.json"), "w", encoding="utf-8") as f:
         json.dump(run.model_cfg.to_hf_dict(), f, indent=2, sort_keys=True)
 
 
-def _print_samples(run: Run, step: int, n: int, write) -> None:
-    ro = run.last_rollouts
-    for i in range(min(n, len(ro.completions))):
-        write(
-            f"[step {step}] reward {ro.rewards[i]:+.2f} | {ro.prompts[i]!r} -> "
-            f"{ro.completions[i]!r}"
-        )
+def _samples(run: Run) -> list[dict]:
+    s = run.last_scored
+    n = min(run.config.train.num_printed_samples, len(s.completions))
+    return [
+        {"prompt": s.prompts[i], "completion": s.completions[i], "reward": float(s.rewards[i])}
+        for i in range(n)
+    ]
 
 
 def _check_finite(step: int, metrics: dict, skip: bool) -> None:
@@ -292,76 +361,68 @@ def _check_finite(step: int, metrics: dict, skip: bool) -> None:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Runs (or resumes) training; returns the last logged metrics."""
+    """Runs (or resumes) training; returns the last logged metrics. One trainer at a time
+    per workdir: process 0 holds its lock (`workdir.lock`) until this returns."""
+    from jaxrl_llm import workdir as workdir_lib
+
+    held = workdir_lib.lock(workdir) if jax.process_index() == 0 else None
+    try:
+        return _train(config, workdir)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     from jaxrl_llm import checkpoint, metrics
 
-    compile_s = _compile_seconds()
-    run = Run(config, workdir)
-    c = config
+    run_config.validate(config, process_count=jax.process_count())
+    c, tuning_line = tuned(config)  # what config.json records, and a resume compares
+    compilation.use_cache(c.train.compilation_cache_dir)
     ckpt = checkpoint.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         keep=c.checkpoint.keep,
         save_interval_steps=c.checkpoint.every or c.train.num_steps,
         async_save=c.checkpoint.async_save,
     )
+    latest = ckpt.latest_step()
+    record = _config_record(c)
+    if latest is not None:  # before the model is loaded: a refused resume costs nothing
+        _check_resume(workdir, record, c.train.allow_config_change)
+    if tuning_line and jax.process_index() == 0:
+        print(tuning_line, file=sys.stderr, flush=True)
+    run = Run(c, workdir)
     start = 0
-    if (latest := ckpt.latest_step()) is not None:
+    if latest is not None:
         run.state, extra = ckpt.restore(latest, target=_abstract(run.state))
         run.data_iter.restore(extra["data"])
         start = int(extra["step"])
         print(f"resumed from {ckpt.directory} at step {start}", file=sys.stderr, flush=True)
-    _write_run_files(run)
+    _write_run_files(run, record)
     writer = metrics.MetricWriter(
-        workdir,
-        c.to_dict(),
-        tensorboard=c.logging.tensorboard,
-        wandb=c.logging.wandb,
-        wandb_project=c.logging.wandb_project,
-        run_name=c.logging.run_name or None,
+        workdir, c.to_dict(), tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
+        wandb_project=c.logging.wandb_project, run_name=c.logging.run_name or None,
         resume_step=start,
-    )
+    )  # fmt: skip
     progress = metrics.Progress(c.train.num_steps, initial_step=start)
-    stop = checkpoint.install_sigterm_handler()
+    stop = checkpoint.install_sigterm_handler()  # SIGTERM, and a first Ctrl-C
     last = {}
     try:
+        run.compile_log.listen(progress.write)
+        compilation.precompile_step(run)
+        if c.eval.every and c.eval.at_start and start == 0:  # the initial policy's point
+            writer.write(0, last := run.evaluate(0))
         for step in range(start, c.train.num_steps):
-            n_compiles = len(compile_s)
-            host = run.step(step)
+            last = _one_step(run, step, writer, progress, last)
             done = step + 1
-            if done % c.train.log_every == 0 or done == c.train.num_steps:
-                dev = {k: float(v) for k, v in jax.device_get(run.last_update_metrics).items()}
-                _check_finite(step, dev, c.train.skip_nonfinite)
-                last = host | dev | {"perf/compile_s": float(sum(compile_s[n_compiles:]))}
-                writer.write(done, last)
-            if c.train.print_samples_every and done % c.train.print_samples_every == 0:
-                _print_samples(run, done, c.train.num_printed_samples, progress.write)
-                writer.write_samples(done, _sample_records(run))
-            if c.eval.every and (done % c.eval.every == 0 or done == c.train.num_steps):
-                ev = evaluation.evaluate(
-                    run.model_cfg,
-                    run.state.params,
-                    run.eval_batches,
-                    run.pool,
-                    run.specs,
-                    run.tokenizer,
-                    run.settings,
-                    correct_label=run.correct_label,
-                    pass_k=c.eval.pass_k,
-                    temperature=c.eval.temperature,
-                    mesh=run.mesh,
-                    step=done,
-                )
-                ev = parallel.host_mean(ev)
-                writer.write(done, ev)
-                last |= ev
-            progress.update(done, reward=host["reward/mean"], step_s=host["perf/step_s"])
             extra = {"step": done, "data": run.data_iter.state()}
             if stop.stop_at(done):
                 ckpt.save(done, run.state, extra, force=True)
-                logging.warning("SIGTERM: saved step %d in %s, exiting", done, ckpt.directory)
+                progress.write(f"{stop.reason}: saved step {done} in {ckpt.directory}, exiting")
                 break
             ckpt.save(done, run.state, extra, force=done == c.train.num_steps)
     finally:
+        run.compile_log.close()
         ckpt.wait()
         ckpt.close()
         progress.close()
@@ -371,13 +432,31 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return last
 
 
-def _sample_records(run: Run) -> list[dict]:
-    ro = run.last_rollouts
-    n = run.config.train.num_printed_samples
-    return [
-        {"prompt": ro.prompts[i], "completion": ro.completions[i], "reward": float(ro.rewards[i])}
-        for i in range(min(n, len(ro.completions)))
-    ]
+def _one_step(run: Run, step: int, writer, progress, last: dict) -> dict:
+    """Step, then what the config schedules after it: log, samples, eval, progress."""
+    c, compiled_before = run.config, run.compile_log.seconds
+    host = run.step(step)
+    if run.warning:
+        progress.write(run.warning)
+    done = step + 1
+    if done % c.train.log_every == 0 or done == c.train.num_steps:
+        dev = {k: float(v) for k, v in jax.device_get(run.last_update_metrics).items()}
+        _check_finite(step, dev, c.train.skip_nonfinite)
+        last = host | dev | {"perf/compile_s": run.compile_log.seconds - compiled_before}
+        writer.write(done, last)
+    if c.train.print_samples_every and done % c.train.print_samples_every == 0:
+        samples = _samples(run)
+        for s in samples:
+            progress.write(
+                f"[step {done}] reward {s['reward']:+.2f} | {s['prompt']!r} -> {s['completion']!r}"
+            )
+        writer.write_samples(done, samples)
+    if c.eval.every and (done % c.eval.every == 0 or done == c.train.num_steps):
+        ev = run.evaluate(done)
+        writer.write(done, ev)
+        last = last | ev
+    progress.update(done, reward=host["reward/mean"], step_s=host["perf/step_s"])
+    return last
 
 
 def _abstract(state):
@@ -387,60 +466,30 @@ def _abstract(state):
     )
 
 
-def initialize_distributed() -> None:
-    """`jax.distributed.initialize()` when the launch environment asks for it.
-
-    JAXRL_DISTRIBUTED=1 (set by launch/*.sh): JAX detects the cluster itself on TPU VM
-    pods, GKE TPU slices and SLURM. JAXRL_COORDINATOR / JAXRL_NUM_PROCESSES /
-    JAXRL_PROCESS_ID give it explicitly (e.g. several processes on one machine). CPU
-    collectives go through gloo (needed for multi-process CPU runs; other backends
-    ignore it).
-    """
-    if os.environ.get("JAXRL_DISTRIBUTED") != "1":
-        return
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    explicit = {}
-    if "JAXRL_COORDINATOR" in os.environ:
-        explicit = dict(
-            coordinator_address=os.environ["JAXRL_COORDINATOR"],
-            num_processes=int(os.environ["JAXRL_NUM_PROCESSES"]),
-            process_id=int(os.environ["JAXRL_PROCESS_ID"]),
-        )
-    jax.distributed.initialize(**explicit)
-
-
 def main(argv):
     del argv
     from absl import flags
 
+    from jaxrl_llm.parallel import allocator, distributed
+
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         absl_logging.set_verbosity(absl_logging.WARNING)
-    initialize_distributed()
+    distributed.initialize()
     if jax.default_backend() == "cpu" and jax.process_index() == 0:
-        from jaxrl_llm import allocator
-
         if note := allocator.hint():
             print(note, file=sys.stderr, flush=True)
     train(flags.FLAGS.config, flags.FLAGS.workdir)
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
     from ml_collections import config_flags
 
-    from jaxrl_llm import allocator
+    from jaxrl_llm.errors import cli_main, run_absl
+    from jaxrl_llm.parallel import allocator
 
     allocator.reexec_with_tcmalloc()
     config_flags.DEFINE_config_file("config", None, "configs/<experiment>.py", lock_config=True)
     flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics); reruns resume")
     flags.mark_flags_as_required(["config", "workdir"])
-    try:
-        app.run(main)
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
-        if flags.FLAGS.is_parsed():
-            raise  # a failure of the run itself, not of the command line
-        # ml_collections reports an unknown --config key as an exception while absl parses
-        # the flags: turn it into the one line it means.
-        text = str(err).replace("\\n", " ").replace("\\", "").replace("'", "")
-        message = " ".join(text.split())
-        sys.exit(f"error: bad --config override: {message}")
+    cli_main(lambda: run_absl(main))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.rl import advantages as A
+from jaxrl_llm.rl import shaping
 from jaxrl_llm.rl.algos import AlgoConfig, preset
 
 EPS = 1e-6
@@ -199,14 +200,31 @@ def test_gae_matches_naive(gamma, lam):
     np.testing.assert_allclose(np.asarray(ret), ref_ret, atol=1e-5)
 
 
-def test_overlong_penalty_and_degenerate_groups():
-    lengths = np.array([0, 10, 12, 13, 15, 16, 17, 40])
-    got = np.asarray(A.overlong_penalty(jnp.asarray(lengths), max_len=16, buffer=4))
-    ref = [0.0 if n <= 12 else ((12 - n) / 4 if n <= 16 else -1.0) for n in lengths]
-    np.testing.assert_allclose(got, ref, atol=1e-6)
-    r = np.array([1, 1, 1, 0, 1, 0, 2, 2, 2], np.float32)
-    got = np.asarray(A.degenerate_groups(jnp.asarray(r), 3))
-    assert got.tolist() == [len(set(r[i : i + 3])) == 1 for i in range(0, 9, 3)]
+def _reference_overlong(n, max_len, buffer):
+    """DAPO eq. 13 written out: 0 up to L_max - L_c, a linear ramp to -1 at L_max, -1 after."""
+    if n <= max_len - buffer:
+        return 0.0
+    if n <= max_len:
+        return ((max_len - buffer) - n) / buffer
+    return -1.0
+
+
+@pytest.mark.parametrize("as_array", [np.asarray, jnp.asarray, list])
+def test_overlong_penalty_and_degenerate_groups(as_array):
+    """One home (rl.shaping) for both, on host (numpy, lists) and device (jax) arrays."""
+    for max_len, buffer in ((16, 4), (20, 5), (4, 4)):
+        lengths = [0, 1, 10, 12, 13, 15, 16, 17, 20, 21, 40]
+        got = np.asarray(shaping.overlong_penalty(as_array(lengths), max_len, buffer))
+        assert got.dtype == np.float32
+        ref = [_reference_overlong(n, max_len, buffer) for n in lengths]
+        np.testing.assert_allclose(got, ref, atol=1e-6)
+    with pytest.raises(ValueError, match="buffer=0"):
+        shaping.overlong_penalty(np.ones(3), 16, 0)
+    if as_array is list:
+        return
+    r = np.array([1, 1, 1, 0, 1, 0, 2, 2, 2, 0.5, 0.5, 0.5000001], np.float32)
+    got = np.asarray(shaping.degenerate_groups(as_array(r), 3))
+    assert got.tolist() == [len(set(r[i : i + 3].tolist())) == 1 for i in range(0, 12, 3)]
 
 
 def _kl_k1(old, ref, mask):
@@ -220,11 +238,11 @@ def test_compute_advantages_group_kinds_with_kl_in_reward():
     r = _rewards(rng, 3, g)
     old, ref = rng.normal(size=(2, n, t)).astype(np.float32)
     for kind, naive in (("grpo", lambda x: naive_grpo(x, g, "group")), ("rloo", None)):
-        cfg = AlgoConfig(advantage=kind, group_size=g, beta=0.1, kl_estimator="k1")
+        cfg = AlgoConfig(advantage=kind, beta=0.1, kl_estimator="k1")
         cfg_r = AlgoConfig(**{**cfg.__dict__, "kl_in_reward": True})
         for c, seq in ((cfg, r), (cfg_r, r - 0.1 * _kl_k1(old, ref, mask).sum(-1))):
             out = A.compute_advantages(
-                c, jnp.asarray(r), jnp.asarray(mask), old_logp=old, ref_logp=ref
+                c, jnp.asarray(r), jnp.asarray(mask), g, old_logp=old, ref_logp=ref
             )
             seq = seq.astype(np.float64)
             ref_seq = naive(seq) if naive else naive_rloo(seq, g)
@@ -236,12 +254,12 @@ def test_compute_advantages_multi_reward():
     rng = np.random.default_rng(8)
     r = np.stack([_rewards(rng, 3, 4), _rewards(rng, 3, 4)], axis=-1)
     mask = np.ones((12, 3), np.float32)
-    summed = AlgoConfig(group_size=4, reward_weights=[1.0, 2.0])
-    out = A.compute_advantages(summed, jnp.asarray(r), jnp.asarray(mask)).advantages
+    summed = AlgoConfig(reward_weights=[1.0, 2.0])
+    out = A.compute_advantages(summed, jnp.asarray(r), jnp.asarray(mask), 4).advantages
     ref = naive_grpo(r[:, 0] + 2.0 * r[:, 1], 4, "group")
     np.testing.assert_allclose(out[:, 0], ref, atol=3e-5)
-    decoupled = AlgoConfig(group_size=4, decouple_rewards=True)
-    out = A.compute_advantages(decoupled, jnp.asarray(r), jnp.asarray(mask)).advantages
+    decoupled = AlgoConfig(decouple_rewards=True)
+    out = A.compute_advantages(decoupled, jnp.asarray(r), jnp.asarray(mask), 4).advantages
     ref = np.asarray(A.multi_reward_advantages(jnp.asarray(r), 4))
     np.testing.assert_allclose(out[:, 1], ref, atol=1e-6)
 
@@ -279,9 +297,11 @@ def test_compute_advantages_ppo_gae():
 
 
 def test_compute_advantages_jits_and_rejects_bad_groups():
-    cfg = preset("grpo", group_size=4)
-    fn = jax.jit(A.compute_advantages, static_argnums=0)
-    out = fn(cfg, jnp.zeros(8), jnp.ones((8, 3)))
+    cfg = preset("grpo")
+    fn = jax.jit(A.compute_advantages, static_argnums=(0, 3))
+    out = fn(cfg, jnp.zeros(8), jnp.ones((8, 3)), 4)
     assert np.all(np.asarray(out.advantages) == 0.0)
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(ValueError, match="num_generations=4: need >= 2 and dividing N=6"):
         A.group_advantages(jnp.zeros(6), 4)
+    with pytest.raises(ValueError, match="num_generations=1"):
+        fn(cfg, jnp.zeros(8), jnp.ones((8, 3)), 1)

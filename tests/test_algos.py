@@ -43,8 +43,8 @@ def test_ppo_preset_trains_a_critic_with_warmup():
 
 
 def test_overrides_apply_and_are_validated():
-    cfg = preset("dapo", group_size=16, entropy_coef=1e-3, reward_weights=[1, 0.5])
-    assert (cfg.group_size, cfg.entropy_coef, cfg.reward_weights) == (16, 1e-3, (1.0, 0.5))
+    cfg = preset("dapo", entropy_coef=1e-3, reward_weights=[1, 0.5])
+    assert (cfg.entropy_coef, cfg.reward_weights) == (1e-3, (1.0, 0.5))
     assert cfg.eps_high == 0.28
     with pytest.raises(ValueError, match=r"^algo\.eps_low=1\.5: must be in \[0, 1\)$"):
         preset("grpo", eps_low=1.5)
@@ -80,7 +80,6 @@ def test_unknown_preset_lists_known_names():
         ("num_iterations", 0),
         ("value_clip", 0.0),
         ("critic_warmup_steps", -1),
-        ("max_completion_len", 0),
         ("overlong_buffer_frac", 0.0),
         ("max_resample_rounds", -1),
         ("adv_eps", -1e-3),
@@ -93,12 +92,18 @@ def test_bad_values_name_their_field(field, value):
 
 
 def test_group_estimators_need_two_samples():
+    """G is the rollout's (num_generations), checked against the estimator in one place."""
     for kind in ("grpo", "rloo"):
-        with pytest.raises(ValueError, match=r"algo\.group_size=1"):
-            AlgoConfig(advantage=kind, group_size=1)
-    assert AlgoConfig(advantage="gae", group_size=1).group_size == 1
+        with pytest.raises(ValueError, match=r"^num_generations=1: .*needs >= 2$"):
+            algos.check_num_generations(AlgoConfig(advantage=kind), 1)
+        algos.check_num_generations(AlgoConfig(advantage=kind), 2)
+    algos.check_num_generations(AlgoConfig(advantage="gae"), 1)
+    with pytest.raises(ValueError, match="num_generations=1"):
+        algos.check_num_generations(AlgoConfig(decouple_rewards=True), 1)
     with pytest.raises(ValueError, match=r"algo\.decouple_rewards"):
         AlgoConfig(advantage="rloo", decouple_rewards=True)
+    fields = {f.name for f in dataclasses.fields(AlgoConfig)}
+    assert not fields & {"group_size", "max_completion_len", "num_generations"}
 
 
 def test_config_is_frozen_hashable_and_a_static_jit_argument():

@@ -1,4 +1,4 @@
-"""jaxrl_llm.allocator: command lines re-run themselves with tcmalloc preloaded."""
+"""jaxrl_llm.parallel.allocator: command lines re-run themselves with tcmalloc preloaded."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxrl_llm import allocator
+from jaxrl_llm.parallel import allocator
 
 LIB = "/usr/lib/libtcmalloc_minimal.so.4"
 
@@ -63,7 +63,7 @@ def test_an_explicit_library_path(tmp_path):
 
 
 _SCRIPT = (
-    "import sys; from jaxrl_llm import allocator; allocator.reexec_with_tcmalloc(); "
+    "import sys; from jaxrl_llm.parallel import allocator; allocator.reexec_with_tcmalloc(); "
     "print(bool(allocator.active()), sys.argv[1:], allocator.hint() is None)"
 )
 

@@ -217,7 +217,7 @@ for step in range(1, 1000):
         break
     time.sleep(0.02)
 ckpt.close()
-print(f"python handler: {flag._installed}; stopped at {step}")
+print(f"python handler: {flag.installed}; stopped at {step}")
 jax.distributed.shutdown()
 """
 

@@ -77,14 +77,14 @@ def test_every_config_loads_and_validates(path, tiny_model_dir):
     with open(path, encoding="utf-8") as f:
         source = f.read()
     assert "jaxrl_llm.train" not in source.split('"""', 2)[-1], "configs never import the trainer"
-    if "python -m jaxrl_llm.sft" in source.split('"""')[1]:  # a supervised warm-start config
+    doc = source.split('"""')[1]
+    assert "python -m jaxrl_llm." in doc and "Expected" in doc, "docstring: command + result"
+    if "python -m jaxrl_llm.sft" in doc:  # a supervised warm-start config
         from jaxrl_llm import sft
 
         sft.check_config(config)
         return
     assert keys(config.to_dict()) <= keys(run_config.base_config().to_dict()), "unknown keys"
-    doc = source.split('"""')[1]
-    assert "python -m jaxrl_llm." in doc and "Expected" in doc, "docstring: command + result"
     if config.model.path not in builtin.BUILTIN_MODELS or not installed(config.model.path):
         config.model.path = tiny_model_dir
     run_config.validate(config, num_devices=8)
@@ -109,7 +109,7 @@ def base(tiny_model_dir):
         ),
         (
             lambda c: setattr(c.rollout, "num_generations", 1),
-            r"rollout\.num_generations=1: >= 2 for group estimators",
+            r"rollout\.num_generations=1: algo\.advantage='grpo' .* needs >= 2",
         ),
         (
             lambda c: setattr(c.rollout, "max_new_tokens", 8190),
@@ -154,6 +154,77 @@ def test_validation_errors_name_the_key(base, change, message):
     change(base)
     with pytest.raises(ValueError, match=message):
         run_config.validate(base, num_devices=8)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda c: setattr(c.rollout, "batchsize", 16),
+            "rollout.batchsize: unknown key; did you mean rollout.batch_size?",
+        ),
+        (
+            lambda c: setattr(c.optim, "learning_rte", 1e-3),
+            "optim.learning_rte: unknown key; did you mean optim.learning_rate?",
+        ),
+        (
+            lambda c: setattr(c.algo, "betta", 0.1),
+            "algo.betta: unknown key; did you mean algo.beta?",
+        ),
+        (
+            lambda c: setattr(c, "trian", {"num_steps": 3}),
+            "trian: unknown key; did you mean train?",
+        ),
+        (lambda c: setattr(c.eval, "zzz", 1), "eval.zzz: unknown key; known keys: ["),
+        (
+            lambda c: setattr(c.data, "max_promt_len", 8),
+            "data.max_promt_len: unknown key; did you mean data.max_prompt_len?",
+        ),
+    ],
+)
+def test_unknown_keys_in_a_config_file_are_refused(base, change, message):
+    """A typo inside a config file (not only on the command line) is one line naming the
+    key and the closest known one; `rewards` and `data.fields` take the user's names."""
+    change(base)
+    with pytest.raises(run_config.ConfigError) as err:
+        run_config.validate(base, num_devices=8)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_free_form_sections_take_any_name(base):
+    base.rewards = {"my_label": {"name": "gsm8k", "weight": 1.0}}
+    base.data.fields = {"question": "problem"}
+    run_config.validate(base, num_devices=8)
+
+
+def test_validation_never_touches_the_network(base, monkeypatch):
+    """A hub name is accepted by its form (fetched when the run starts); validating it
+    must not download anything."""
+    import huggingface_hub
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("validate tried to download")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    base.model.path = "Qwen/Qwen2.5-0.5B-Instruct"
+    run_config.validate(base, num_devices=8)
+    base.model.path = "/nonexistent/model"
+    with pytest.raises(run_config.ConfigError, match="no config.json"):
+        run_config.validate(base, num_devices=8)
+
+
+def test_a_failed_hub_download_names_model_path(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(run_config.ConfigError) as err:
+        run_config.resolve_model_path("org/missing-model")
+    message = str(err.value)
+    assert message.startswith("model.path='org/missing-model': not a local directory and the")
+    assert "couldn't connect" in message and "\n" not in message
 
 
 def test_command_line_rejects_unknown_key_and_wrong_type(tmp_path):

@@ -18,6 +18,7 @@ from jaxrl_llm.rl import update as U
 VOCAB, TARGET, G = 16, 11, 8
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 CFG = tiny_model_config(vocab_size=VOCAB)
+SPEC = sampling.RolloutSpec(num_generations=G, max_new_tokens=3)
 
 
 def first_token_reward(out) -> np.ndarray:
@@ -33,33 +34,36 @@ def train(algo, steps: int, learning_rate: float) -> list[float]:
     critic_params = critic.init_critic(CFG, params) if algo.uses_critic else None
     critic_opt = opt if algo.uses_critic else None
     state = U.init_train_state(params, opt, critic_params, critic_opt)
-    update = U.make_update_fn(CFG, algo, opt, critic_optimizer=critic_opt)
-    ref_fn = U.make_logprob_fn(CFG)
+    update = U.make_update_fn(CFG, algo, opt, SPEC, critic_optimizer=critic_opt)
+    ref_fn = U.make_logprob_fn(CFG, SPEC)
+    sampler = sampling.Sampler(CFG, seed=0)
+    ids, mask = sampling.pad_prompts(PROMPTS, pad_id=0)
     curve = []
     for step in range(steps):
-        out = sampling.generate(
-            CFG, state.params, PROMPTS, max_new_tokens=3, num_samples=G, seed=0, step=step
-        )
+        out = sampler.sample(state.params, ids, mask, SPEC, step, version=step)
         rewards = first_token_reward(out)
         curve.append(float(rewards.mean()))
-        ref = ref_fn(ref_params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-        state, metrics = update(state, U.batch_from_rollout(out, rewards, ref))
+        ref = ref_fn(ref_params, out)
+        state, metrics = update(state, rl.RolloutBatch.from_sample(out, rewards, ref))
         assert float(metrics["optim/nonfinite"]) == 0.0
     return curve
 
 
 def check_learned(curve):
+    """Starts near chance (1 / 16) and ends above 0.9, averaged over the last 10 steps:
+    a step's mean over 24 samples moves by ~0.05 from one step to the next, so a shorter
+    window can fail a policy that has learned (or pass one that has not)."""
     chance = np.mean(curve[:2])
-    assert chance < 0.25, curve  # starts near 1 / 16
-    assert np.mean(curve[-3:]) > 0.9, curve
+    assert chance < 0.25, curve
+    assert np.mean(curve[-10:]) > 0.9, curve
 
 
 def test_grpo_learns_target_token():
     # Group advantages, PPO clip, k3 KL to the reference in the loss.
-    check_learned(train(rl.preset("grpo", group_size=G), steps=25, learning_rate=1e-2))
+    check_learned(train(rl.preset("grpo"), steps=40, learning_rate=1e-2))
 
 
 def test_ppo_learns_target_token():
     # Critic + GAE + k1 KL in the reward; 2 critic-only warmup steps first.
-    algo = rl.preset("ppo", group_size=G, critic_warmup_steps=2)
-    check_learned(train(algo, steps=25, learning_rate=1e-2))
+    algo = rl.preset("ppo", critic_warmup_steps=2)
+    check_learned(train(algo, steps=40, learning_rate=1e-2))

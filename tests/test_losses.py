@@ -14,6 +14,7 @@ from jaxrl_llm.rl import losses as L
 from jaxrl_llm.rl.algos import AlgoConfig
 
 N, T = 6, 5
+MAX_LEN = 7  # L_max of seq-mean-token-sum-norm (the rollout's max_new_tokens)
 
 
 def _batch(seed, extreme=True):
@@ -96,7 +97,7 @@ def naive_token_pg(cfg, rho, a):
 def naive_policy(cfg, d, use_tis=True, use_ref=True):
     """Loss and its gradients w.r.t. logp and entropy, by explicit loops."""
     m = d["mask"]
-    w = _row_weights(m, cfg.loss_agg, cfg.max_completion_len)
+    w = _row_weights(m, cfg.loss_agg, MAX_LEN)
     loss, g_lp, g_ent = 0.0, np.zeros(m.shape), np.zeros(m.shape)
     for i in range(N):
         idx = [t for t in range(T) if m[i, t]]
@@ -131,6 +132,7 @@ def _objective(cfg, d, use_tis=True, use_ref=True, denominator=None):
             jnp.asarray(d["mask"]),
             ent,
             denominator=denominator,
+            max_len=MAX_LEN,
         )
 
     return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
@@ -151,7 +153,7 @@ CASES = [
 @pytest.mark.parametrize("mode", L.AGGREGATIONS)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_policy_objective_matches_naive(case, mode):
-    cfg = AlgoConfig(loss_agg=mode, max_completion_len=7, **CASES[case])
+    cfg = AlgoConfig(loss_agg=mode, **CASES[case])
     d = _batch(case)
     (loss, metrics), (g_lp, g_ent) = _objective(cfg, d)
     ref_loss, ref_g_lp, ref_g_ent = naive_policy(cfg, d)
@@ -220,7 +222,7 @@ def test_micro_batches_sum_to_full_batch(mode):
     d = {k: np.concatenate([v, v[::-1] * 0.9 + 0.01], axis=0) for k, v in d.items()}
     d["mask"] = (d["mask"] > 0.5).astype(np.float32)
     rows = d["mask"].shape[0]
-    den = L.loss_denominator(jnp.asarray(d["mask"]), mode, cfg.max_completion_len)
+    den = L.loss_denominator(jnp.asarray(d["mask"]), mode, MAX_LEN)
 
     def run(part, denominator=None):
         return _objective(cfg, {k: v[part] for k, v in d.items()}, denominator=denominator)
@@ -356,18 +358,18 @@ def test_jitted_step_math_needs_no_host_transfers():
     d = {k: jax.device_put(v) for k, v in _batch(17).items()}
     rewards = jax.device_put(np.arange(N, dtype=np.float32) % 3)
     for name in ("grpo", "dr_grpo", "gspo", "reinforce_pp", "ppo"):
-        cfg = preset(name, group_size=3, dual_clip=3.0, entropy_coef=0.01)
+        cfg = preset(name, dual_clip=3.0, entropy_coef=0.01)
 
         @jax.jit
         def step(d, rewards, cfg=cfg):
             adv = compute_advantages(
-                cfg, rewards, d["mask"], old_logp=d["old"], ref_logp=d["ref"], values=d["ent"]
+                cfg, rewards, d["mask"], 3, old_logp=d["old"], ref_logp=d["ref"], values=d["ent"]
             )
-            den = L.loss_denominator(d["mask"], cfg.loss_agg, cfg.max_completion_len)
+            den = L.loss_denominator(d["mask"], cfg.loss_agg, MAX_LEN)
 
             def loss(logp):
                 args = (d["old"], d["sampler"], d["ref"], adv.advantages, d["mask"], d["ent"])
-                return L.policy_objective(cfg, logp, *args, denominator=den)
+                return L.policy_objective(cfg, logp, *args, denominator=den, max_len=MAX_LEN)
 
             return jax.grad(loss, has_aux=True)(d["logp"])
 
@@ -398,11 +400,11 @@ def test_step_math_on_an_8_device_mesh_equals_one_device(axis_type, name):
         old=rng.normal(-3, 0.3, (n, t)).astype(np.float32),
     )
     unembed = (rng.normal(size=(dim, vocab)) * 0.3).astype(np.float32)
-    cfg = preset(name, group_size=4, entropy_coef=0.01, beta=0.02)
+    cfg = preset(name, entropy_coef=0.01, beta=0.02)
 
     def step(d, unembed):
         adv = compute_advantages(
-            cfg, d["rewards"], d["mask"], old_logp=d["old"], ref_logp=d["old"], values=d["old"]
+            cfg, d["rewards"], d["mask"], 4, old_logp=d["old"], ref_logp=d["old"], values=d["old"]
         ).advantages
         den = L.loss_denominator(d["mask"], cfg.loss_agg)
 
@@ -423,3 +425,64 @@ def test_step_math_on_an_8_device_mesh_equals_one_device(axis_type, name):
         got = jax.jit(step)(sharded, vocab_parallel)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "policy_loss,dual_clip", [("ppo", None), ("ppo", 3.0), ("gspo", None), ("cispo", None)]
+)
+def test_huge_log_ratio_gives_a_finite_gradient(policy_loss, dual_clip):
+    """A log-ratio past exp's float32 range (~88) in a clipped token: without the clamp the
+    loss stayed finite (max picked the clipped branch) while the gradient was NaN (the
+    unselected branch's exp overflowed: 0 * inf). Now both are finite, and for the
+    token-level losses every other token's gradient is what it is without that token."""
+    d = _batch(20, extreme=False)
+    d["mask"][:] = 1.0
+    eps = 3e-4 if policy_loss == "gspo" else 0.2
+    cfg = AlgoConfig(policy_loss=policy_loss, eps_low=eps, eps_high=eps, dual_clip=dual_clip,
+                     tis_cap=None, loss_agg="token-mean")  # fmt: skip
+    base = _objective(cfg, d, use_tis=False, use_ref=False)
+    d["adv"][0, 0], d["logp"][0, 0] = 1.0, d["old"][0, 0] + 100.0  # rho = e^100, A > 0
+    d["adv"][2, 1], d["logp"][2, 1] = -1.0, d["old"][2, 1] + 95.0  # rho = e^95, A < 0
+    d["adv"][3, 2], d["logp"][3, 2] = 1.0, d["old"][3, 2] - 100.0  # rho = e^-100
+    (loss, _), (g_lp, _) = _objective(cfg, d, use_tis=False, use_ref=False)
+    assert np.isfinite(float(loss))
+    assert np.all(np.isfinite(np.asarray(g_lp))), np.asarray(g_lp)
+    if policy_loss != "gspo":  # GSPO's sequence ratio ties a row's tokens together
+        g, g_base = np.asarray(g_lp), np.asarray(base[1][0])
+        others = np.ones((N, T), bool)
+        others[[0, 2, 3], [0, 1, 2]] = False
+        np.testing.assert_allclose(g[others], g_base[others], rtol=1e-6)
+    if policy_loss == "ppo":  # the clipped A > 0 token carries no gradient
+        assert float(g_lp[0, 0]) == 0.0
+
+
+def test_value_clipfrac_counts_only_clipped_tokens():
+    """V_old + clip(V - V_old) differs from V by one ulp on many unclipped tokens; the
+    clip fraction counts exactly the tokens where the clip is active and wins."""
+    rng = np.random.default_rng(21)
+    n, t, clip = 64, 16, 0.2
+    # V_old + (V - V_old) rounds at V_old's ulp: not back to V where |V| < |V_old|.
+    v = rng.normal(0, 1, (n, t)).astype(np.float32)
+    v_old = (v + rng.uniform(-0.19, 0.19, (n, t))).astype(np.float32)
+    ret = (v + rng.normal(0, 1, (n, t))).astype(np.float32)
+    mask = np.ones((n, t), np.float32)
+    cfg = AlgoConfig(value_clip=clip, loss_agg="token-mean")
+
+    def clipfrac(v):
+        args = (jnp.asarray(v), jnp.asarray(v_old), jnp.asarray(ret), jnp.asarray(mask))
+        return float(L.value_objective(cfg, *args)[1]["value/clipfrac"])
+
+    # The data does exercise the rounding: the unguarded formula calls some tokens clipped.
+    unguarded = v_old + np.clip(v - v_old, -clip, clip)
+    assert ((unguarded - ret) ** 2 > (v - ret) ** 2).sum() > 0
+    assert clipfrac(v) == 0.0
+    v2 = v.copy()
+    v2[:8] = v_old[:8] + rng.choice([-1.0, 1.0], (8, t)) * rng.uniform(0.3, 2.0, (8, t))
+    expected = 0
+    for i, j in np.ndindex(n, t):
+        vv, vo, r = float(v2[i, j]), float(v_old[i, j]), float(ret[i, j])
+        if abs(vv - vo) > clip:
+            vc = vo + max(-clip, min(clip, vv - vo))
+            expected += (vc - r) ** 2 > (vv - r) ** 2
+    assert 0 < expected < n * t
+    np.testing.assert_allclose(clipfrac(v2), expected / (n * t), rtol=1e-6)

@@ -108,6 +108,37 @@ def test_resume_drops_the_steps_that_are_done_again(tmp_path):
     ] == [(1, 7.0)]
 
 
+def _step_keys(path):
+    """[(step, key)] of every value in a metrics file, in file order."""
+    return [(r["step"], k) for r in read_metrics(path) for k in r if k != "step"]
+
+
+def test_no_step_is_written_twice_across_resumes(tmp_path):
+    """A run that logged steps 1-7 (eval at 6) died before its step-7 checkpoint; the last
+    checkpoint is 5. Resumes redo 6-7, then one resumes from an older checkpoint (3) whose
+    newer ones were deleted, and one finds a complete record that lost its newline."""
+    path = tmp_path / "metrics.jsonl"
+    with MetricWriter(tmp_path, tensorboard=False) as w:
+        for s in range(1, 8):
+            w.write(s, {"reward/mean": s})
+            if s == 6:
+                w.write(s, {"eval/pass@1": 0.5})
+    with MetricWriter(tmp_path, tensorboard=False, resume_step=5) as w:
+        for s in (6, 7, 8):
+            w.write(s, {"reward/mean": 10 * s})
+    with MetricWriter(tmp_path, tensorboard=False, resume_step=3) as w:
+        w.write(4, {"reward/mean": 400})
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": 5, "reward/mean": 500}))  # killed before its newline
+    with MetricWriter(tmp_path, tensorboard=False, resume_step=5) as w:
+        w.write(6, {"reward/mean": 600})
+    keys = _step_keys(path)
+    assert len(keys) == len(set(keys))
+    got = [(r["step"], r["reward/mean"]) for r in read_metrics(path)]
+    assert got == [(1, 1), (2, 2), (3, 3), (4, 400), (5, 500), (6, 600)]
+    assert path.read_text().endswith("}\n") and path.read_text().count("\n") == 6
+
+
 def test_only_process_zero_writes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     with MetricWriter(tmp_path / "run") as w:

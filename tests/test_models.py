@@ -244,9 +244,9 @@ def test_param_count_matches_transformers(saved):
 
 @pytest.mark.parametrize("contract", [1, 2])
 def test_dense_values_and_gradients_equal_einsum(contract):
-    """`transformer.dense` (a matmul with a hand-written backward) against autodiff of
+    """`layers.dense` (a matmul with a hand-written backward) against autodiff of
     the einsum it replaces."""
-    from jaxrl_llm.models.transformer import dense
+    from jaxrl_llm.models.layers import dense
 
     rng = np.random.default_rng(contract)
     x = rng.normal(size=(3, 5, 4, 6)).astype(np.float32)
@@ -266,10 +266,10 @@ def test_dense_values_and_gradients_equal_einsum(contract):
 
 
 def test_attention_values_and_gradients_equal_jax_reference():
-    """`transformer.attention` (hand-written backward, probabilities recomputed) against
+    """`attention.attention` (hand-written backward, probabilities recomputed) against
     autodiff of `jax.nn.dot_product_attention`: GQA (6 query heads on 2 kv heads), causal
     mask with left padding."""
-    from jaxrl_llm.models.transformer import attention
+    from jaxrl_llm.models.attention import attention
 
     rng = np.random.default_rng(7)
     B, T, N, K, H = 2, 7, 6, 2, 8

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from tiny_run import make_model_dir, signal_config
 
-from jaxrl_llm import allocator, checkpoint, train
+from jaxrl_llm import checkpoint, train
 from jaxrl_llm.metrics import read_metrics
+from jaxrl_llm.parallel import allocator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -132,7 +132,7 @@ def test_notebook_runs_shortened(tmp_path):
     train_steps = [r["step"] for r in records if "reward/mean" in r]
     eval_records = [r for r in records if "eval/pass@1" in r]
     assert train_steps == [2, 4]
-    assert [r["step"] for r in eval_records] == [2, 4]
+    assert [r["step"] for r in eval_records] == [0, 2, 4]  # eval.at_start: the initial policy
     for r in eval_records:
         assert 0.0 <= r["eval/pass@1"] <= 1.0 and 0.0 <= r["eval/pass@8"] <= 1.0
     assert "eval/pass@1" in _text(cells["train"]) and "eval/pass@8" in _text(cells["train"])

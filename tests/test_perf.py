@@ -7,6 +7,7 @@ from tiny_run import tiny_model_config
 from jaxrl_llm import perf
 from jaxrl_llm.rl import update as U
 from jaxrl_llm.rl.algos import preset
+from jaxrl_llm.sampling import RolloutSpec
 
 
 def count_forward(cfg, context_lens, projected: int) -> float:
@@ -91,8 +92,8 @@ def test_untied_and_tied_models_both_count_the_output_projection():
 def test_update_forward_passes(iterations, mini, kl_in_reward, expected):
     """3 per forward + backward pass, +1 when pi_old is recomputed (off-policy passes,
     several mini-batches, or a KL folded into the reward)."""
-    algo = preset("grpo", group_size=2, num_iterations=iterations, beta=0.1,
-                  kl_in_reward=kl_in_reward)  # fmt: skip
+    algo = preset("grpo", num_iterations=iterations, beta=0.1, kl_in_reward=kl_in_reward)
     opt = U.make_optimizer(learning_rate=1e-3)
-    fn = U.make_update_fn(tiny_model_config(), algo, opt, mini_batches=mini)
+    spec = RolloutSpec(num_generations=2)
+    fn = U.make_update_fn(tiny_model_config(), algo, opt, spec, mini_batches=mini)
     assert fn.forward_passes == expected

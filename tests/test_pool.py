@@ -104,12 +104,14 @@ def test_dead_idle_worker_is_replaced(pool):
     assert rewards.tolist() == [1.0] * 4 and details.metrics()["verifier/errors"] == 0
 
 
-def test_num_tokens_reach_overlong(pool):
-    specs = [("overlong", 1.0, {"max_len": 10, "buffer": 4})]
+def test_num_tokens_reach_verifiers(pool):
+    """The sampler's token counts reach every verifier as example["num_tokens"]."""
+    here = os.path.join(os.path.dirname(__file__), "data", "verifier_with_options.py")
+    specs = [(f"{here}:tokens_over", 1.0, {"limit": 5})]
     rewards, _ = pool.score(specs, ["a", "b", "c"], [{}, {}, {}], num_tokens=[3, 8, 12])
-    np.testing.assert_allclose(rewards, [0.0, -0.5, -1.0])
-    _, details = pool.score(specs, ["a"], [{}])  # no count and no tokenizer: an error
-    assert details.errors == {"overlong": 1} and "num_tokens" in details.messages[0]
+    np.testing.assert_allclose(rewards, [0.0, 3.0, 7.0])
+    _, details = pool.score(specs, ["a"], [{}])  # no count given: the verifier's error
+    assert details.errors == {"tokens_over": 1} and "num_tokens" in details.messages[0]
 
 
 def test_python_tests_through_the_pool(pool):

@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-import types
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ import torch
 from hf_reference import VOCAB, hf_model
 from tiny_run import tiny_model_config
 
-from jaxrl_llm import models, parallel, rollout, run_config, sampling
+from jaxrl_llm import models, parallel, run_config, sampling
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42, 43, 44]]
 
@@ -338,15 +337,20 @@ def test_stop_ids_end_rows(tiny):
 
 def test_same_bucket_does_not_recompile(tiny):
     _, cfg, params = tiny("qwen2")
-    sampling.sampler.TRACES.clear()
-    sampling.generate(cfg, params, [[1, 2, 3], [4, 5]], 4, seed=0)
-    sampling.generate(cfg, params, [[1] * 14, [4, 5, 6, 7]], 4, seed=1)
-    sampling.generate(cfg, params, [[9] * 16, [3]], 4, seed=0, step=7)
-    assert dict(sampling.sampler.TRACES) == {(2, 16): 1}
-    sampling.generate(cfg, params, [[1] * 17, [4]], 4)  # next bucket: one more program
-    assert dict(sampling.sampler.TRACES) == {(2, 16): 1, (2, 24): 1}
-    sampling.generate(cfg, params, [[1] * 24, [4]], 4)
-    assert dict(sampling.sampler.TRACES) == {(2, 16): 1, (2, 24): 1}
+    sampler = sampling.Sampler(cfg)
+    spec = sampling.RolloutSpec(max_new_tokens=4)
+
+    def sample(prompts, step=None):
+        sampler.sample(params, *sampling.pad_prompts(prompts, 0), spec, step)
+
+    sample([[1, 2, 3], [4, 5]])
+    sample([[1] * 14, [4, 5, 6, 7]])
+    sample([[9] * 16, [3]], step=7)
+    assert dict(sampler.traces) == {("sample", (2, 16)): 1}
+    sample([[1] * 17, [4]])  # next bucket: one more program
+    sample([[1] * 24, [4]])
+    assert sampler.traces["sample", (2, 24)] == 1 and sum(sampler.traces.values()) == 2
+    assert sampling.Sampler(cfg).traces == {}  # counters belong to the sampler
 
 
 def test_bucket_lengths():
@@ -368,21 +372,26 @@ def test_bucket_lengths():
     assert ids.shape == (2, 20) and mask.sum(1).tolist() == [18, 5] and not mask[1, :15].any()
 
 
-def test_trainer_rollout_pads_to_its_bucket_steps(tiny):
+def test_sampler_reads_prompts_as_data_pads_them(tiny):
+    """Left-padded host arrays at the data pipeline's width are cut (or padded) to the
+    bucket of `bucket_steps`, without unpadding; what is not left-padded is refused."""
     _, cfg, params = tiny("qwen2")
     lengths = np.array([18, 12])
-    batch = types.SimpleNamespace(  # a data batch: prompts left-padded to 32
-        prompt_ids=np.ones((2, 32), np.int32),
-        prompt_mask=np.arange(32)[None] >= 32 - lengths[:, None],
-    )
-    s = rollout.RolloutSettings(2, 1, 1.0, 0, 1.0, (), pad_id=0, seed=0)
+    ids = np.ones((2, 32), np.int32)  # a data batch: prompts left-padded to 32
+    mask = np.arange(32)[None] >= 32 - lengths[:, None]
+    spec = sampling.RolloutSpec(max_new_tokens=2)
     for steps, width in [(2, 24), (4, 20), (8, 18)]:
-        out = rollout.generate(cfg, params, batch, dataclasses.replace(s, bucket_steps=steps), 0)
+        out = sampling.Sampler(cfg, bucket_steps=steps).sample(params, ids, mask, spec, 0)
         assert out.prompt_tokens.shape[1] == width, steps
         np.testing.assert_array_equal(np.asarray(out.prompt_mask).sum(1), lengths)
-    # rollout.cache_segments reaches the sampler: a bad value is its error.
+    narrow = sampling.Sampler(cfg).bucketed(ids[:, -18:], mask[:, -18:])  # padded up to 24
+    assert narrow[0].shape == (2, 24) and narrow[1].sum() == lengths.sum()
+    with pytest.raises(ValueError, match="left-padded"):
+        sampling.Sampler(cfg).sample(params, ids, mask[:, ::-1], spec, 0)
     with pytest.raises(ValueError, match="cache_segments=0"):
-        rollout.generate(cfg, params, batch, dataclasses.replace(s, cache_segments=0), 0)
+        sampling.Sampler(cfg, cache_segments=0)
+    with pytest.raises(ValueError, match="bucket_steps=3"):
+        sampling.Sampler(cfg, bucket_steps=3)
 
 
 def test_key_from_seed_and_step(tiny):
@@ -416,3 +425,132 @@ def test_bad_arguments(tiny, kwargs, message):
     args = dict(prompts=PROMPTS, max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=message):
         sampling.generate(cfg, params, **args)
+
+
+# -------------------------------------------------------------- resumable: start / decode / append
+def _rows(lists, pad=0):
+    """Token-id lists -> right-padded (ids [N, A], mask [N, A])."""
+    width = max(1, max(map(len, lists)))
+    ids = np.full((len(lists), width), pad, np.int32)
+    mask = np.zeros((len(lists), width), bool)
+    for i, row in enumerate(lists):
+        ids[i, : len(row)], mask[i, : len(row)] = row, True
+    return ids, mask
+
+
+def _mesh_and_params(cfg, params, sharded):
+    if not sharded:
+        return None, params
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    return mesh, jax.device_put(params, models.param_shardings(cfg, mesh))
+
+
+APPENDED = [[33, 34, 35, 36, 37], [], [50, 51], [60], [70, 71, 72], [80, 81, 82, 83, 84, 85],
+            [90], [91, 92]]  # fmt: skip
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_start_append_decode_equals_the_longer_prompt(tiny, scan_layers, sharded, temperature):
+    """Tokens appended to each row's cache (ragged, one row none) then decoded == the
+    prompt + those tokens prefilled and decoded: same tokens, log-probs to 1e-5; the
+    appended tokens sit in the completion with loss mask 0 and no log-prob."""
+    _, cfg, params = tiny("qwen3")
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
+    mesh, p = _mesh_and_params(cfg, params, sharded)
+    G, T = 2, 9
+    spec = sampling.RolloutSpec(G, T, temperature, stop_ids=tuple(range(0, VOCAB, 7)))
+    sampler = sampling.Sampler(cfg, mesh, seed=4, cache_segments=2)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42, 43, 44]]
+    state = sampler.start(p, *sampling.pad_prompts(prompts, 0), spec, step=3)
+    state = sampler.append(p, state, *_rows(APPENDED))
+    out = sampler.result(sampler.decode(p, state))
+    longer = [prompts[i // G] + APPENDED[i] for i in range(len(prompts) * G)]
+    ref_sampler = sampling.Sampler(cfg, mesh, seed=4, cache_segments=2)
+    one = dataclasses.replace(spec, num_generations=1)  # each row its own prompt
+    ref = ref_sampler.sample(p, *sampling.pad_prompts(longer, 0), one, step=3)
+    a = np.array([len(x) for x in APPENDED])
+    tokens, loss_mask, logprobs = (np.asarray(x) for x in (out.tokens, out.loss_mask, out.logprobs))
+    ref_tokens, ref_lp, ref_len = (np.asarray(x) for x in (ref.tokens, ref.logprobs, ref.lengths))
+    np.testing.assert_array_equal(np.asarray(out.lengths), a + ref_len)
+    np.testing.assert_array_equal(np.asarray(out.finish), np.asarray(ref.finish))
+    for i in range(len(a)):
+        np.testing.assert_array_equal(tokens[i, : a[i]], APPENDED[i])
+        assert not loss_mask[i, : a[i]].any() and not logprobs[i, : a[i]].any()
+        sampled = slice(a[i], a[i] + ref_len[i])
+        np.testing.assert_array_equal(tokens[i, sampled], ref_tokens[i, : ref_len[i]])
+        assert loss_mask[i, sampled].all() and not loss_mask[i, a[i] + ref_len[i] :].any()
+        np.testing.assert_allclose(logprobs[i, sampled], ref_lp[i, : ref_len[i]], atol=1e-5)
+    if temperature:  # some rows stopped early (greedy rows may never meet a stop id)
+        assert (np.asarray(ref.finish) == sampling.FINISH_STOP).any()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+def test_decode_twice_equals_one_decode(tiny, sharded):
+    """decode(a) then decode(b) on the returned state == decode(a + b): the draws, the
+    stops and the log-probs continue where the first call left them."""
+    _, cfg, params = tiny("qwen2")
+    mesh, p = _mesh_and_params(cfg, params, sharded)
+    spec = sampling.RolloutSpec(3, 12, 1.0, stop_ids=tuple(range(0, VOCAB, 9)))
+    ids, mask = sampling.pad_prompts(PROMPTS, 0)
+    whole = sampling.Sampler(cfg, mesh, seed=2).sample(p, ids, mask, spec, step=5)
+    sampler = sampling.Sampler(cfg, mesh, seed=2)
+    state = sampler.start(p, ids, mask, spec, step=5)
+    state = sampler.decode(p, state, max_new_tokens=5)
+    first = sampler.result(state)
+    assert int(np.asarray(first.lengths).max()) <= 5
+    out = sampler.result(sampler.decode(p, state, max_new_tokens=7))
+    for field in ("tokens", "mask", "loss_mask", "lengths", "finish"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(whole, field), err_msg=field)
+    np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-5)
+    assert 0 < (np.asarray(whole.finish) == sampling.FINISH_STOP).sum() < len(PROMPTS) * 3
+
+
+def test_turns_with_tool_output_train_on_what_was_sampled(tiny):
+    """Two turns: rows that stop on a tool-call token get a tool's output appended; rows
+    that stopped otherwise stay done, rows that ran out of budget go on. `result` compacts
+    each row (the slots of a row that waited are holes in the cache): the teacher-forced
+    log-probs of the compacted rows equal the sampler's on every sampled token, and only
+    sampled tokens are in the loss mask."""
+    _, cfg, params = tiny("qwen3")
+    tool_calls, eos = (9, 10, 11, 12), (13, 14, 15, 16)
+    spec = sampling.RolloutSpec(4, 8, 1.0, stop_ids=(*tool_calls, *eos))
+    sampler = sampling.Sampler(cfg, seed=1)
+    state = sampler.start(params, *sampling.pad_prompts(PROMPTS, 0), spec, step=0)
+    state = sampler.decode(params, state)
+    first = sampler.result(state)
+    n_first = np.asarray(first.lengths)
+    stopped = np.asarray(first.finish) == sampling.FINISH_STOP
+    last = np.asarray(first.tokens)[np.arange(len(n_first)), n_first - 1]
+    called = stopped & np.isin(last, tool_calls)
+    assert called.any() and (stopped & ~called).any()
+    tool = [[20, 21, 22][: 1 + i % 3] if c else [] for i, c in enumerate(called)]
+    state = sampler.append(params, state, *_rows(tool))
+    out = sampler.result(sampler.decode(params, state, max_new_tokens=6, stop_ids=eos))
+    lengths = np.asarray(out.lengths)
+    n_tool = np.array([len(t) for t in tool])
+    np.testing.assert_array_equal(np.asarray(out.loss_mask).sum(1) + n_tool, lengths)
+    done = stopped & ~called
+    np.testing.assert_array_equal(lengths[done], n_first[done])  # did not continue
+    assert (lengths[called] > n_first[called] + n_tool[called]).all()
+    assert (lengths[~stopped] > n_first[~stopped]).all()  # budget rows went on
+    ref = teacher_forced_logprobs(cfg, params, out, 1.0)
+    lm = np.asarray(out.loss_mask)
+    assert np.abs(np.asarray(out.logprobs) - ref)[lm].max() <= 1e-4
+    for i in np.nonzero(called)[0]:  # the tool output follows the tool call, no hole
+        k = n_first[i]
+        np.testing.assert_array_equal(np.asarray(out.tokens)[i, k : k + n_tool[i]], tool[i])
+
+
+def test_append_checks_its_input(tiny):
+    _, cfg, params = tiny("qwen2")
+    spec = sampling.RolloutSpec(2, 4)
+    sampler = sampling.Sampler(cfg)
+    state = sampler.start(params, *sampling.pad_prompts(PROMPTS[:2], 0), spec, step=0)
+    with pytest.raises(ValueError, match=r"append: token_ids \(3, 2\) and token_mask"):
+        sampler.append(params, state, *_rows([[1, 2], [3], [4]]))
+    with pytest.raises(ValueError, match=r"append: token_ids: token id outside \[0, 96\)"):
+        sampler.append(params, state, *_rows([[1, 200], [3], [4], [5]]))
+    with pytest.raises(ValueError, match="append .* exceeds the model's max_position_embeddings"):
+        sampler.append(params, state, *_rows([[1] * 300] * 4))

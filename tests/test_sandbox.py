@@ -12,6 +12,7 @@ import time
 import pytest
 
 from jaxrl_llm import verifiers
+from jaxrl_llm.verifiers.registry import VerifierTimeout
 from jaxrl_llm.verifiers.sandbox import Limits, run_python
 
 LIMITS = Limits(cpu_s=1, wall_s=2.0, memory_mb=256, processes=16)
@@ -32,8 +33,13 @@ def _sandbox_processes(uid: int) -> list[int]:
 
 
 def _reward(code: str, tests: list[str]) -> float:
+    """The reward the trainer's pool records: a run past `wall_s` raises `VerifierTimeout`,
+    which the pool scores 0 (and counts)."""
     fn = verifiers.get("python_tests", cpu_s=LIMITS.cpu_s, wall_s=LIMITS.wall_s, memory_mb=256)
-    return fn(f"```python\n{code}\n```", {"tests": tests})
+    try:
+        return fn(f"```python\n{code}\n```", {"tests": tests})
+    except VerifierTimeout:
+        return 0.0
 
 
 def test_well_behaved_code_passes_and_reports_isolation():

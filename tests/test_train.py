@@ -123,14 +123,14 @@ def test_nonfinite_update_stops_naming_the_step(model_dir, tmp_path, monkeypatch
     c = tiny_config(model_dir)
     from jaxrl_llm import rollout
 
-    original = rollout.score
+    original = rollout.Scorer.__call__
 
     def nan_rewards(*args, **kwargs):
-        ro = original(*args, **kwargs)
-        ro.rewards[:] = np.nan
-        return ro
+        scored = original(*args, **kwargs)
+        scored.rewards[:] = np.nan
+        return scored
 
-    monkeypatch.setattr(rollout, "score", nan_rewards)
+    monkeypatch.setattr(rollout.Scorer, "__call__", nan_rewards)
     with pytest.raises(train.NonFiniteError, match=r"step 0: non-finite loss or gradient"):
         train.train(c, str(tmp_path / "stop"))
     c.train.skip_nonfinite = True

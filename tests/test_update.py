@@ -22,6 +22,7 @@ from jaxrl_llm.rl import critic
 from jaxrl_llm.rl import update as U
 
 TEMPERATURE, G = 0.7, 4
+SPEC = sampling.RolloutSpec(num_generations=G, max_new_tokens=6, temperature=TEMPERATURE)
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]  # N = 16 rows
 CFG = tiny_model_config()
 SMOOTH_ADAM = U.make_optimizer(learning_rate=0.3, eps=1.0, max_grad_norm=1.0)
@@ -51,15 +52,17 @@ def host_batch(rollout):
     rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0.5, 1, 0, 0.2], np.float32)
     logprobs = np.where(mask, np.asarray(rollout.logprobs), 0.0).astype(np.float32)
     noise = np.random.default_rng(0).normal(0, 0.1, mask.shape)
-    return U.Batch(
+    return U.RolloutBatch(
         prompt_tokens=np.asarray(rollout.prompt_tokens),
         prompt_mask=np.asarray(rollout.prompt_mask),
         tokens=np.where(mask, np.asarray(rollout.tokens), 0).astype(np.int32),
         mask=mask,
         loss_mask=loss_mask,
-        sampler_logprobs=logprobs,
+        behaviour_logprobs=logprobs,
         rewards=rewards,
+        policy_version=np.zeros(16, np.int32),
         ref_logprobs=np.where(mask, logprobs + noise, 0.0).astype(np.float32),
+        num_generations=G,
     )
 
 
@@ -75,12 +78,14 @@ def fresh_state(params, opt=SMOOTH_ADAM, mesh=None):
 
 
 @functools.cache
-def update_fn(preset, micro=1, mini=1, iterations=1, skip=False, opt=SMOOTH_ADAM, group=1):
-    """One jitted function per setting, shared by the tests (compiles are the cost)."""
-    algo = rl.preset(preset, group_size=G, num_iterations=iterations)
+def update_fn(preset, micro=1, mini=1, iterations=1, skip=False, opt=SMOOTH_ADAM, share=False,
+              spec=SPEC, seed=0):  # fmt: skip
+    """One jitted function per setting, shared by the tests (compiles are the cost).
+    share=False: every row reads its own prompt (the reference of the shared path)."""
+    algo = rl.preset(preset, num_iterations=iterations)
     return U.make_update_fn(
-        CFG, algo, opt, micro_batches=micro, mini_batches=mini, temperature=TEMPERATURE,
-        chunk_size=4, skip_nonfinite=skip, group=group,
+        CFG, algo, opt, spec, micro_batches=micro, mini_batches=mini, chunk_size=4,
+        skip_nonfinite=skip, share_prompts=share, seed=seed,
     )  # fmt: skip
 
 
@@ -182,12 +187,12 @@ def numpy_logprobs(params, batch, temperature):
 
 def test_logprob_fn_matches_numpy_and_sampler(params, host_batch):
     b = host_batch
-    fn = U.make_logprob_fn(CFG, temperature=TEMPERATURE, chunk_size=4)
-    logp = np.asarray(fn(params, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask))
+    fn = U.make_logprob_fn(CFG, SPEC.replace(num_generations=1), chunk_size=4)
+    logp = np.asarray(fn(params, b))
     assert logp.shape == b.tokens.shape
     np.testing.assert_allclose(logp[b.mask], numpy_logprobs(params, b, TEMPERATURE)[b.mask],
                                atol=1e-5)  # fmt: skip
-    np.testing.assert_allclose(logp[b.mask], b.sampler_logprobs[b.mask], atol=1e-4)
+    np.testing.assert_allclose(logp[b.mask], b.behaviour_logprobs[b.mask], atol=1e-4)
     assert np.all(logp[~b.mask] == 0)
 
 
@@ -202,10 +207,10 @@ def test_shared_prompt_logprobs_equal_the_full_forward(params, host_batch, scan_
     mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if sharded else None
     p = params if mesh is None else jax.device_put(params, models.param_shardings(cfg, mesh))
     d = on_device(b, mesh)
-    args = (p, d.prompt_tokens, d.prompt_mask, d.tokens, d.mask)
-    kw = dict(temperature=TEMPERATURE, chunk_size=4, micro_batches=2)
-    full_fn, shared_fn = U.make_logprob_fn(cfg, **kw), U.make_logprob_fn(cfg, **kw, group=G)
-    full, shared = np.asarray(full_fn(*args)), np.asarray(shared_fn(*args))
+    kw = dict(chunk_size=4, micro_batches=2)
+    full_fn = U.make_logprob_fn(cfg, SPEC.replace(num_generations=1), **kw)
+    shared_fn = U.make_logprob_fn(cfg, SPEC, **kw)
+    full, shared = np.asarray(full_fn(p, d)), np.asarray(shared_fn(p, d))
     assert np.abs(full[b.mask]).min() > 0.1  # real log-probs, not zeros
     np.testing.assert_allclose(shared[b.mask], full[b.mask], atol=1e-5)
     assert np.all(shared[~b.mask] == 0)
@@ -213,29 +218,29 @@ def test_shared_prompt_logprobs_equal_the_full_forward(params, host_batch, scan_
     # forward's row 1 (so the comparison above can see prompts), not the shared one.
     other = b.prompt_tokens.copy()
     other[1] = (other[1] + 1) % cfg.vocab_size
-    args = (p, jnp.asarray(other), d.prompt_mask, d.tokens, d.mask)
-    assert np.abs(np.asarray(full_fn(*args))[1] - full[1])[b.mask[1]].max() > 1e-3
-    np.testing.assert_array_equal(np.asarray(shared_fn(*args)), shared)
+    d = d.replace(prompt_tokens=jnp.asarray(other))
+    assert np.abs(np.asarray(full_fn(p, d))[1] - full[1])[b.mask[1]].max() > 1e-3
+    np.testing.assert_array_equal(np.asarray(shared_fn(p, d)), shared)
 
 
 def test_shared_prompt_logprobs_need_whole_groups(params, host_batch):
     b = host_batch
-    with pytest.raises(ValueError, match="16 rows are not groups of 3"):
+    with pytest.raises(ValueError, match="16 rows are not groups of num_generations=3"):
         rl.batch.shared_prompt_logprobs(
-            CFG, params, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask, group=3
+            CFG, params, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask, num_generations=3
         )
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
 def test_shared_prompt_update_equals_every_row_reading_its_prompt(params, host_batch, sharded):
-    """group=G: each prompt's forward + backward runs once, before the 4 micro-batches
+    """share_prompts: each prompt's forward + backward runs once, before the 4 micro-batches
     (each holds one row of every group), its keys/values' cotangents summed over them ==
     the update where every row reads its own prompt. beta > 0, ragged prompts and
     completions, a row with no trained token."""
     mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if sharded else None
     batch = on_device(host_batch, mesh)
     per_row, m_row = update_fn("grpo", micro=4)(fresh_state(params, mesh=mesh), batch)
-    shared, m_shared = update_fn("grpo", micro=4, group=G)(fresh_state(params, mesh=mesh), batch)
+    shared, m_shared = update_fn("grpo", micro=4, share=True)(fresh_state(params, mesh=mesh), batch)
     assert max_diff(host(per_row.params), host(params)) > 1e-3  # not vacuous
     assert max_diff(host(shared.params), host(per_row.params)) <= 1e-5
     assert max_diff(host(shared.opt_state), host(per_row.opt_state)) <= 1e-5
@@ -250,14 +255,14 @@ def test_shared_prompt_update_equals_every_row_reading_its_prompt(params, host_b
     other = on_device(host_batch, prompt_tokens=prompts)
     moved, _ = update_fn("grpo", micro=4)(fresh_state(params), other)
     assert max_diff(host(moved.params), host(per_row.params)) > 1e-4
-    same, _ = update_fn("grpo", micro=4, group=G)(fresh_state(params), other)
+    same, _ = update_fn("grpo", micro=4, share=True)(fresh_state(params), other)
     assert max_diff(host(same.params), host(shared.params)) == 0.0
 
 
 def test_shared_prompt_old_logprobs_with_mini_batches(params, host_batch, multi_pass):
     """Mini-batches permute the rows, so the forward + backward reads every row's prompt;
     the old policy's log-probs (a forward of the whole batch first) still share them."""
-    state, metrics = update_fn("grpo", micro=2, mini=2, iterations=2, group=G)(
+    state, metrics = update_fn("grpo", micro=2, mini=2, iterations=2, share=True)(
         fresh_state(params), on_device(host_batch)
     )
     single, m_single = multi_pass
@@ -265,15 +270,36 @@ def test_shared_prompt_old_logprobs_with_mini_batches(params, host_batch, multi_
     np.testing.assert_allclose(
         float(metrics["policy/ratio_max"]), float(m_single["policy/ratio_max"]), rtol=1e-5
     )
-    fn = update_fn("grpo", micro=2, mini=2, iterations=2, group=G)
+    fn = update_fn("grpo", micro=2, mini=2, iterations=2, share=True)
     assert (fn.forward_passes, fn.shared_prompt_passes) == (7, 1)
-    fn = update_fn("grpo", micro=4, group=G)
+    fn = update_fn("grpo", micro=4, share=True)
     assert (fn.forward_passes, fn.shared_prompt_passes) == (3, 3)
+    assert update_fn("grpo", micro=4).shared_prompt_passes == 0
 
 
-def test_shared_prompt_update_needs_whole_groups(params, host_batch):
-    with pytest.raises(ValueError, match="16 rows are not groups of 3"):
-        update_fn("grpo", group=3)(fresh_state(params), on_device(host_batch))
+def test_update_checks_the_batch_groups(params, host_batch):
+    """G exists once: the update refuses a batch whose G differs from its spec's, and a
+    batch whose rows are not whole groups."""
+    spec3 = SPEC.replace(num_generations=3)
+    with pytest.raises(ValueError, match="batch.num_generations=4: .*spec.num_generations=3"):
+        update_fn("grpo", spec=spec3)(fresh_state(params), on_device(host_batch))
+    with pytest.raises(ValueError, match="16 rows are not groups of num_generations=3"):
+        update_fn("grpo", spec=spec3)(
+            fresh_state(params), on_device(host_batch).replace(num_generations=3)
+        )
+    with pytest.raises(ValueError, match="num_generations=1: .*needs >= 2"):
+        update_fn("grpo", spec=SPEC.replace(num_generations=1))
+
+
+def test_permutation_key_derives_from_the_seed(params, host_batch):
+    """Mini-batches are a permutation of the rows keyed by (train.seed, step): the same
+    seed gives the same update, another seed other mini-batches (other parameters)."""
+    batch = on_device(host_batch)
+    a, _ = update_fn("grpo", micro=2, mini=2, seed=0)(fresh_state(params), batch)
+    b, _ = update_fn("grpo", micro=2, mini=2, seed=0)(fresh_state(params), batch)
+    c, _ = update_fn("grpo", micro=2, mini=2, seed=1)(fresh_state(params), batch)
+    assert max_diff(host(a.params), host(b.params)) == 0.0
+    assert max_diff(host(a.params), host(c.params)) > 1e-4
 
 
 # -------------------------------------------------------------------- micro-batch, guard
@@ -298,9 +324,9 @@ def test_micro_batches_equal_one_big_batch(params, host_batch, preset):
 def test_second_call_does_not_recompile(params, host_batch):
     fn = update_fn("grpo", micro=4, skip=True)
     state, _ = fn(fresh_state(params), on_device(host_batch))
-    before = sum(U.TRACES.values())
+    before = sum(fn.traces.values())
     state, _ = fn(state, on_device(host_batch))
-    assert sum(U.TRACES.values()) == before and int(state.step) == 2
+    assert sum(fn.traces.values()) == before == 1 and int(state.step) == 2
 
 
 # ------------------------------------------------------------- mini-batches and sharding
@@ -327,7 +353,7 @@ def test_sharded_update_equals_single_device(params, host_batch, multi_pass):
     state = fresh_state(params, mesh=mesh)
     shardings = jax.tree.map(lambda x: x.sharding, state.params)
     sharded, m_sharded = fn(state, on_device(host_batch, mesh))
-    traces = sum(U.TRACES.values())
+    traces = sum(fn.traces.values())
     assert max_diff(host(sharded.params), host(single.params)) <= 1e-5
     assert max_diff(host(sharded.opt_state), host(single.opt_state)) <= 1e-5
     for name in ("loss/total", "policy/ratio_max", "optim/grad_norm", "adv/std"):
@@ -335,7 +361,7 @@ def test_sharded_update_equals_single_device(params, host_batch, multi_pass):
     # Params come back with the shardings they went in with: no resharding, no recompile.
     assert jax.tree.map(lambda x: x.sharding, sharded.params) == shardings
     fn(sharded, on_device(host_batch, mesh))
-    assert sum(U.TRACES.values()) == traces
+    assert sum(fn.traces.values()) == traces
 
 
 # ---------------------------------------------------------------------------- NaN / inf
@@ -343,7 +369,7 @@ def test_skip_nonfinite_leaves_state_unchanged(params, host_batch):
     fn = update_fn("grpo", micro=4, skip=True)
     for bad in (
         dict(rewards=np.where(np.arange(16) == 2, np.nan, host_batch.rewards)),
-        dict(sampler_logprobs=np.where(host_batch.mask, np.nan, host_batch.sampler_logprobs)),
+        dict(behaviour_logprobs=np.where(host_batch.mask, np.nan, host_batch.behaviour_logprobs)),
     ):
         state = fresh_state(params)
         before = host((state.params, state.opt_state))
@@ -389,9 +415,9 @@ def test_critic_values_are_the_shifted_trunk_states(params, host_batch):
 
 
 def test_ppo_critic_warmup_freezes_the_policy(params, host_batch):
-    algo = rl.preset("ppo", group_size=G, critic_warmup_steps=1)
-    fn = U.make_update_fn(CFG, algo, SMOOTH_ADAM, micro_batches=2, temperature=TEMPERATURE,
-                          chunk_size=4, critic_optimizer=SMOOTH_ADAM)  # fmt: skip
+    algo = rl.preset("ppo", critic_warmup_steps=1)
+    fn = U.make_update_fn(CFG, algo, SMOOTH_ADAM, SPEC, micro_batches=2, chunk_size=4,
+                          critic_optimizer=SMOOTH_ADAM)  # fmt: skip
     own = jax.tree.map(jnp.copy, params)
     state = U.init_train_state(own, SMOOTH_ADAM, critic.init_critic(CFG, own), SMOOTH_ADAM)
     policy0, critic0 = host((state.params, state.opt_state)), host(state.critic_params)
@@ -402,8 +428,8 @@ def test_ppo_critic_warmup_freezes_the_policy(params, host_batch):
     assert max_diff(host(state.critic_params), critic0) > 1e-3
     assert float(m["optim/nonfinite"]) == 0 and np.isfinite(float(m["loss/value"]))
     assert float(m["value/mean"]) == 0.0  # rollout-time values of the zero head
-    traces = sum(U.TRACES.values())
+    traces = sum(fn.traces.values())
     state, m = fn(state, batch)  # step 1: both move
-    assert sum(U.TRACES.values()) == traces  # the critic's layout is stable too
+    assert sum(fn.traces.values()) == traces  # the critic's layout is stable too
     assert max_diff(host(state.params), policy0[0]) > 1e-3
     assert np.isfinite(float(m["value/explained_variance"]))

@@ -1,6 +1,7 @@
 """Built-in verifiers on hand-written correct / incorrect / malformed completions, and the
 registry's parsing of reward configs."""
 
+import os
 import pickle
 import random
 import re
@@ -182,37 +183,14 @@ def test_countdown_options():
     assert verifiers.get("countdown")("<answer>5 + 5 + 2</answer>", dup) == 1.0
 
 
-def _reference_overlong(n, max_len, buffer):
-    """DAPO eq. 13 written out as the paper states it."""
-    if n <= max_len - buffer:
-        return 0.0
-    if max_len - buffer < n <= max_len:
-        return ((max_len - buffer) - n) / buffer
-    return -1.0
-
-
-def test_overlong_counts_tokens():
-    fn = verifiers.get("overlong", max_len=20, buffer=5)
-    for n in range(0, 30):
-        assert fn("x", {"num_tokens": n}) == pytest.approx(_reference_overlong(n, 20, 5))
-    assert fn("x", {"num_tokens": 16}) == pytest.approx(-0.2)
-    with pytest.raises(KeyError, match="num_tokens"):
-        fn("x" * 100, {})
-
-
-def test_overlong_tokenizes_when_no_count(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[UNK]": 0, "a": 1, "b": 2}
-    model = tokenizers.models.WordLevel(vocab, unk_token="[UNK]")
-    tok = tokenizers.Tokenizer(model)
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
-    fn = verifiers.get("overlong", max_len=4, buffer=2, tokenizer=str(tmp_path))
-    assert fn("a b", {}) == 0.0  # 2 tokens, though 3 characters
-    assert fn("a b a", {}) == pytest.approx(-0.5)
-    assert fn("a b a b a", {}) == -1.0
+def test_overlong_is_not_a_verifier():
+    """DAPO's overlong penalty has one home, the trainer's shaping of the sampled token
+    counts (tests/test_rollout.py, tests/test_advantages.py); its old verifier name says
+    where it went instead of scoring anything."""
+    with pytest.raises(ValueError, match="'overlong' is not a verifier: .*algo.overlong_penalty"):
+        verifiers.get("overlong", max_len=4, buffer=2)
+    with pytest.raises(ValueError, match="algo.overlong_penalty"):
+        verifiers.parse_specs({"overlong": 1.0})
 
 
 def test_python_tests_verifier():
@@ -234,11 +212,14 @@ def test_python_tests_verifier():
         fn(good, {"tests": 3})
 
 
+_LIMIT_FILE = os.path.join(os.path.dirname(__file__), "data", "verifier_with_options.py")
+
+
 def test_get_checks_options():
     with pytest.raises(ValueError, match="no option 'patern'.*pattern"):
         verifiers.get("format", patern="x")
-    with pytest.raises(ValueError, match="needs option.*max_len"):
-        verifiers.get("overlong", buffer=2)
+    with pytest.raises(ValueError, match="needs option.*limit"):
+        verifiers.get(f"{_LIMIT_FILE}:below", scale=2)
     with pytest.raises(ValueError, match="unknown verifier 'gsm9k'"):
         verifiers.get("gsm9k")
     fn = verifiers.get("format", pattern="^a$")

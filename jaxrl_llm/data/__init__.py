@@ -5,8 +5,9 @@
     cfg.name = "arithmetic/digits_3"          # generated locally on first use
     it = data.make_iterator(cfg, tokenizer, batch_size=32)
     batch = next(it)                          # prompt_ids [b, T], prompt_mask, examples
-    position = it.state()                     # {"epoch", "index", "seed", "size"}: JSON-able
+    position = it.state()                     # {"epoch", "index", "seed", ...}: JSON-able
     it.restore(position)
+    data.check_rows(cfg, tokenizer)           # before compiling: BadRow naming file and line
 
 TensorFlow-datasets is imported only when a TFDS source is opened.
 """
@@ -21,6 +22,7 @@ from jaxrl_llm.data.config import (
 from jaxrl_llm.data.iterator import Batch, PromptIterator
 from jaxrl_llm.data.prompts import DEFAULT_TEMPLATES, PromptBuilder, collate, pad_id
 from jaxrl_llm.data.sources import BadRow, JsonlSource, RowFormat, TfdsSource, plain
+from jaxrl_llm.data.validate import RowCheck, check_rows
 
 __all__ = [
     "DEFAULT_FIELDS",
@@ -30,9 +32,11 @@ __all__ = [
     "JsonlSource",
     "PromptBuilder",
     "PromptIterator",
+    "RowCheck",
     "RowFormat",
     "TfdsSource",
     "check_config",
+    "check_rows",
     "collate",
     "default_config",
     "make_iterator",

@@ -10,12 +10,19 @@ Nothing is downloaded. Importing this module registers both builders with TFDS, 
 `tfds.data_source("countdown/numbers_4", split="train", data_dir=...)` prepares the data on
 first use (a few seconds) and reads it back as an array_record random-access source.
 The same version always produces the same rows: generation is seeded per (config, split).
+
+Preparing says one line (`data: generating arithmetic/digits_3 in DIR (once)`) instead of
+TFDS's "Downloading and preparing dataset Unknown size ...", its progress bars and its
+warnings about the not-yet-written version folder (`quiet_preparation`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import random
+import sys
 import zlib
 from collections.abc import Iterator
 
@@ -32,6 +39,39 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """
 
     code_path = None
+
+    def _log_download_bytes(self) -> None:
+        name = f"{self.name}/{self.builder_config.name}"
+        print(f"data: generating {name} in {self.data_dir} (once)", file=sys.stderr)
+
+    def _log_download_done(self) -> None:
+        pass
+
+
+class _FreshVersionFolder(logging.Filter):
+    """TFDS warns that the version folder it is about to fill has no dataset_info.json."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Variant folder %s has no ")
+
+
+@contextlib.contextmanager
+def quiet_preparation():
+    """Around opening one of these builders: no TFDS progress bars or fresh-folder
+    warnings (the builder itself replaces TFDS's "Downloading ..." line with one of its
+    own). Other warnings pass; the progress-bar setting is put back afterwards."""
+    from tensorflow_datasets.core.utils import tqdm_utils
+
+    shown = getattr(tqdm_utils, "_active", True)
+    quiet = _FreshVersionFolder()
+    absl_logger = logging.getLogger("absl")
+    tfds.display_progress_bar(False)
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)
+        tfds.display_progress_bar(shown)
 
 
 def arithmetic_problem(rng: random.Random, digits: int, ops: tuple[str, ...] = _OPS) -> dict:

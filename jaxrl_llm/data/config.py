@@ -88,6 +88,24 @@ def make_source(cfg):
     return TfdsSource(cfg.name, cfg.split, cfg.data_dir, cfg.download)
 
 
+def row_format(cfg) -> RowFormat:
+    """The configured column mapping (data.fields, else the dataset's default fields)."""
+    cfg = _merged(cfg)
+    dataset = cfg.name.split("/")[0].split(":")[0] if cfg.source == "tfds" else ""
+    return RowFormat(dict(cfg.fields) or DEFAULT_FIELDS.get(dataset, {"question": "question"}))
+
+
+def prompt_builder(cfg, tokenizer) -> PromptBuilder:
+    """The configured prompt template, chat template and length limit."""
+    cfg = _merged(cfg)
+    template = cfg.template or (
+        default_template(cfg.name) if cfg.source == "tfds" else "{question}"
+    )
+    return PromptBuilder(
+        tokenizer, template, cfg.system_prompt, cfg.chat_template, cfg.max_prompt_len
+    )
+
+
 def make_iterator(
     cfg, tokenizer, batch_size: int, process_index: int = 0, process_count: int = 1
 ) -> PromptIterator:
@@ -95,18 +113,10 @@ def make_iterator(
     check_config(cfg)
     source = make_source(cfg)
     cfg = _merged(cfg)
-    dataset = cfg.name.split("/")[0].split(":")[0] if cfg.source == "tfds" else ""
-    fields = dict(cfg.fields) or DEFAULT_FIELDS.get(dataset, {"question": "question"})
-    row_format = RowFormat(fields)
-    template = cfg.template or (
-        default_template(cfg.name) if cfg.source == "tfds" else "{question}"
-    )
-    builder = PromptBuilder(
-        tokenizer, template, cfg.system_prompt, cfg.chat_template, cfg.max_prompt_len
-    )
+    fields, builder = row_format(cfg), prompt_builder(cfg, tokenizer)
 
     def prepare(row, where):
-        example = row_format(row, where)
+        example = fields(row, where)
         text, ids = builder(example, where)
         return example, text, ids
 

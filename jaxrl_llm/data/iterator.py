@@ -89,7 +89,7 @@ class PromptIterator:
             num_epochs,
         )
         self.pad_id, self.pad_multiple, self.max_len = pad_id, pad_multiple, max_len
-        self.skipped = 0  # bad rows skipped so far in this process's life (a metric)
+        self.skipped = 0  # bad rows skipped so far, saved with the position (a metric)
         self._epoch, self._index = 0, 0
         self._order_cache: tuple[int, np.ndarray] | None = None
 
@@ -158,20 +158,26 @@ class PromptIterator:
             rows=[row for row, _ in window],
         )
 
+    def metrics(self) -> dict[str, float]:
+        """`data/skipped_rows`: bad rows skipped since the run began (resumes included)."""
+        return {"data/skipped_rows": float(self.skipped)}
+
     def state(self) -> dict:
-        """The position as a JSON-able dict: {"epoch", "index", "seed", "size"}."""
+        """The position as a JSON-able dict: {"epoch", "index", "seed", "size", "skipped"}."""
         return {
             "epoch": self._epoch,
             "index": self._index,
             "seed": self.seed,
             "size": len(self.source),
+            "skipped": self.skipped,
         }
 
     def restore(self, state: dict) -> None:
         """Continue from a position saved by `state()`; refuses one from another dataset or
-        seed, which would silently change the prompts."""
+        seed, which would silently change the prompts. (A position saved before `skipped`
+        was part of it restores with a count of 0.)"""
         expected = {"epoch", "index", "seed", "size"}
-        if not isinstance(state, dict) or set(state) != expected:
+        if not isinstance(state, dict) or set(state) - {"skipped"} != expected:
             raise ValueError(f"data position must have keys {sorted(expected)}, got {state!r}")
         if state["seed"] != self.seed:
             raise ValueError(
@@ -185,3 +191,4 @@ class PromptIterator:
         if not (0 <= state["index"] < len(self.source) and state["epoch"] >= 0):
             raise ValueError(f"data position {state!r} is out of range")
         self._epoch, self._index = int(state["epoch"]), int(state["index"])
+        self.skipped = int(state.get("skipped", 0))

@@ -5,6 +5,11 @@ The user turn is always `template.format_map(example)` (`"{question}\\nAnswer af
 literal braces are written `{{ }}`). With a chat template the system prompt and the user turn
 become messages and `apply_chat_template(..., add_generation_prompt=True)` adds the
 assistant header; without one the text is `system + "\\n\\n" + user`.
+
+A prompt is refused from its length in characters before it is tokenized when it cannot
+fit: no token of the vocabulary covers more than `max_token_chars` characters, so a text
+longer than `max_len * max_token_chars` has more than `max_len` tokens. Tokenizing a
+30 MB row only to find it too long would take gigabytes.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class PromptBuilder:
         self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
         self.use_chat = has_chat and chat_template != "never"
         self.max_len = max_len
+        longest = max_token_chars(tokenizer)
+        self.max_chars = None if longest is None else max_len * longest
 
     def text(self, example: dict, where: str = "row") -> str:
         missing = [name for name in self.fields if name not in example]
@@ -99,6 +106,7 @@ class PromptBuilder:
 
     def __call__(self, example: dict, where: str = "row") -> tuple[str, list[int]]:
         text = self.text(example, where)
+        self.check_chars(text, where)
         # A chat template writes its own BOS; adding special tokens again would double it.
         ids = list(self.tokenizer(text, add_special_tokens=not self.use_chat)["input_ids"])
         if len(ids) > self.max_len:
@@ -106,6 +114,25 @@ class PromptBuilder:
                 f"{where}: prompt is {len(ids)} tokens, above data.max_prompt_len={self.max_len}"
             )
         return text, ids
+
+    def check_chars(self, text: str, where: str = "row") -> None:
+        """Raises BadRow when `text` has too many characters to fit `max_len` tokens."""
+        if self.max_chars is not None and len(text) > self.max_chars:
+            raise BadRow(
+                f"{where}: prompt is {len(text):,} characters, more than any prompt of "
+                f"data.max_prompt_len={self.max_len} tokens can have with this tokenizer "
+                f"({self.max_chars:,})"
+            )
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters one token of `tokenizer` stands for (None if it has no
+    vocabulary listing). Byte-level vocabularies spell a token's bytes one character per
+    byte, so this bounds characters from above there too."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    return max((len(token) for token in get_vocab()), default=None)
 
 
 def pad_id(tokenizer) -> int:

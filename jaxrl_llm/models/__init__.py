@@ -8,6 +8,7 @@ logits = models.logits(cfg, params, input_ids, attention_mask)  # [B, T, V] floa
 models.save_hf(cfg, params, out_dir, tokenizer_dir=None)
 """
 
+from jaxrl_llm.models import builtin as builtin  # model paths: built-in names, GGUF, HF
 from jaxrl_llm.models.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -15,6 +16,7 @@ from jaxrl_llm.models.config import (
 )
 from jaxrl_llm.models.gguf_io import load_gguf, load_gguf_tokenizer
 from jaxrl_llm.models.hf_io import CheckpointError, load_hf, save_hf
+from jaxrl_llm.models.kv_cache import KVCache, cache_rows, grow_cache, init_cache
 from jaxrl_llm.models.params import (
     ParamSpec,
     count_params,
@@ -24,15 +26,12 @@ from jaxrl_llm.models.params import (
 )
 from jaxrl_llm.models.partitioning import DEFAULT_RULES, logical_to_sharding, logical_to_spec
 from jaxrl_llm.models.transformer import (
-    KVCache,
-    cache_rows,
     decode_step,
     default_positions,
     extend,
     forward,
     forward_after_prefix,
-    grow_cache,
-    init_cache,
+    last_hidden,
     layer_params,
     logits,
     prefill,
@@ -58,6 +57,7 @@ __all__ = [
     "grow_cache",
     "init_cache",
     "init_params",
+    "last_hidden",
     "layer_params",
     "load_gguf",
     "load_gguf_tokenizer",

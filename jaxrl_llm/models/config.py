@@ -17,6 +17,8 @@ import json
 import os
 from typing import Any
 
+from jaxrl_llm.errors import UserError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -28,7 +30,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     """The checkpoint asks for an architecture or option the decoder does not implement."""
 
 

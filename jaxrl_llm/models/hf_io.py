@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxrl_llm.errors import UserError
 from jaxrl_llm.models import partitioning
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.params import param_specs, unflatten
@@ -47,7 +48,7 @@ TOKENIZER_FILES = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint does not match the model its config describes."""
 
 

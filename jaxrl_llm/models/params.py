@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 
 from jaxrl_llm.models import partitioning
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.transformer import Transformer, abstract_model
+from jaxrl_llm.models.layers import Transformer
+from jaxrl_llm.models.transformer import abstract_model
 
 
 @dataclasses.dataclass(frozen=True)

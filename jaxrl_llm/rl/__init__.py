@@ -1,38 +1,44 @@
-"""RL math: advantage estimators, policy / KL / value losses, chunked logprobs, presets.
+"""RL math and the update step: advantages, losses, chunked log-probs, presets, shaping.
 
-The update step calls, per batch and micro-batch:
+    update = make_update_fn(model_cfg, algo, opt, spec)           # jitted, state donated
+    state, metrics = update(state, RolloutBatch.from_sample(out, rewards, ref_logprobs))
 
-    adv = compute_advantages(cfg, rewards, loss_mask, old_logp=..., ref_logp=..., values=...)
-    den = loss_denominator(loss_mask, cfg.loss_agg, cfg.max_completion_len)   # full batch
+The update step calls, per batch and micro-batch (G and L_max from the rollout spec):
+
+    adv = compute_advantages(cfg, rewards, loss_mask, G, old_logp=, ref_logp=, values=)
+    den = loss_denominator(loss_mask, cfg.loss_agg, L_max)                     # full batch
     logp, entropy = token_logprobs(hidden, unembed, targets, temperature=...)  # micro-batch
-    loss, metrics = policy_objective(cfg, logp, old_logp, sampler_logp, ref_logp,
+    loss, metrics = policy_objective(cfg, logp, old_logp, behaviour_logp, ref_logp,
                                      adv.advantages, loss_mask, entropy, denominator=den)
 """
 
+from jaxrl_llm.rl import batch, critic, optim, shaping, update
 from jaxrl_llm.rl.advantages import (
     ADVANTAGE_KINDS,
     STD_SCALES,
     Advantages,
     compute_advantages,
-    degenerate_groups,
     discounted_returns,
     gae,
     group_advantages,
     multi_reward_advantages,
-    overlong_penalty,
     rloo_advantages,
     token_rewards,
     whiten,
 )
-from jaxrl_llm.rl.algos import PRESETS, AlgoConfig, preset
+from jaxrl_llm.rl.algos import PRESETS, AlgoConfig, check_num_generations, preset
+from jaxrl_llm.rl.batch import RolloutBatch, make_logprob_fn
+from jaxrl_llm.rl.critic import init_critic
 from jaxrl_llm.rl.logprobs import token_logprobs
 from jaxrl_llm.rl.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
+    MAX_LOG_RATIO,
     POLICY_LOSSES,
     aggregate,
     aggregation_parts,
     cispo_loss,
+    clipped_values,
     kl_penalty,
     log_ratio,
     loss_denominator,
@@ -45,29 +51,49 @@ from jaxrl_llm.rl.losses import (
     value_loss,
     value_objective,
 )
+from jaxrl_llm.rl.optim import MasterWeights, Optimizer, make_optimizer, optimizer_from_config
+from jaxrl_llm.rl.shaping import degenerate_groups, overlong_penalty
+from jaxrl_llm.rl.state import TrainState, init_train_state
+from jaxrl_llm.rl.update import make_update_fn
 
 __all__ = [
     "ADVANTAGE_KINDS",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "MAX_LOG_RATIO",
     "POLICY_LOSSES",
     "PRESETS",
     "STD_SCALES",
     "AlgoConfig",
     "Advantages",
+    "MasterWeights",
+    "Optimizer",
+    "RolloutBatch",
+    "TrainState",
     "aggregate",
     "aggregation_parts",
+    "batch",
+    "check_num_generations",
     "cispo_loss",
+    "clipped_values",
     "compute_advantages",
+    "critic",
     "degenerate_groups",
     "discounted_returns",
     "gae",
     "group_advantages",
+    "init_critic",
+    "init_train_state",
     "kl_penalty",
     "log_ratio",
     "loss_denominator",
+    "make_logprob_fn",
+    "make_optimizer",
+    "make_update_fn",
     "masked_mean",
     "multi_reward_advantages",
+    "optim",
+    "optimizer_from_config",
     "overlong_penalty",
     "policy_objective",
     "policy_term",
@@ -75,35 +101,12 @@ __all__ = [
     "preset",
     "rloo_advantages",
     "sequence_log_ratio",
+    "shaping",
     "tis_weight",
     "token_logprobs",
     "token_rewards",
+    "update",
     "value_loss",
     "value_objective",
     "whiten",
-]
-
-# The update step (update.py), its optimizer (optim.py), the PPO critic (critic.py) and
-# the rollout batch (batch.py); `from jaxrl_llm.rl import update as U` gives all of them.
-from jaxrl_llm.rl import batch, critic, optim, update  # noqa: E402
-from jaxrl_llm.rl.batch import Batch, batch_from_rollout, make_logprob_fn  # noqa: E402
-from jaxrl_llm.rl.critic import init_critic  # noqa: E402
-from jaxrl_llm.rl.optim import MasterWeights, Optimizer, make_optimizer  # noqa: E402
-from jaxrl_llm.rl.update import TrainState, init_train_state, make_update_fn  # noqa: E402
-
-__all__ += [
-    "Batch",
-    "Optimizer",
-    "TrainState",
-    "batch",
-    "batch_from_rollout",
-    "critic",
-    "init_critic",
-    "init_train_state",
-    "make_logprob_fn",
-    "MasterWeights",
-    "make_optimizer",
-    "make_update_fn",
-    "optim",
-    "update",
 ]

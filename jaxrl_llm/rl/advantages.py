@@ -15,7 +15,6 @@ Sequence-level estimators take rewards [N]; token-level ones take [N, T] with a 
   valid token; returns-to-go G_t = sum_{s >= t} gamma^(s - t) r_s; whitened over the batch.
 - GAE (Schulman et al. 2016): delta_t = r_t + gamma V_{t+1} - V_t,
   A_t = sum_l (gamma lambda)^l delta_{t+l}, returns R_t = A_t + V_t (reverse `lax.scan`).
-- Overlong penalty (Yu et al. 2025, "DAPO"), in tokens, with L_max and buffer L_c.
 
 Where the code departs from the papers:
 - Every std is the sample std (ddof = 1), as the reference implementations' `torch.std`.
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxrl_llm.rl.losses import kl_penalty
+from jaxrl_llm.rl.shaping import degenerate_groups
 
 if TYPE_CHECKING:
     from jaxrl_llm.rl.algos import AlgoConfig
@@ -59,12 +59,12 @@ def _replicated(x: jax.Array) -> jax.Array:
     return jax.sharding.reshard(x, PartitionSpec())
 
 
-def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
+def _grouped(rewards: jax.Array, num_generations: int) -> jax.Array:
     """[N] -> [B, G] in float32; N must be a multiple of G >= 2 (static shapes)."""
-    n = rewards.shape[0]
-    if group_size < 2 or n % group_size:
-        raise ValueError(f"group_size={group_size}: need >= 2 and dividing N={n}")
-    return _replicated(rewards.astype(jnp.float32)).reshape(n // group_size, group_size)
+    n, G = rewards.shape[0], num_generations
+    if G < 2 or n % G:
+        raise ValueError(f"num_generations={G}: need >= 2 and dividing N={n}")
+    return _replicated(rewards.astype(jnp.float32)).reshape(n // G, G)
 
 
 def _safe_std(x: jax.Array, axis=None, where=None, keepdims: bool = False) -> jax.Array:
@@ -78,42 +78,37 @@ def _safe_std(x: jax.Array, axis=None, where=None, keepdims: bool = False) -> ja
     return std if keepdims else jnp.squeeze(std, axis=axis)
 
 
-def _all_equal(groups: jax.Array) -> jax.Array:
-    """[B, G] -> [B, 1] bool: the group's rewards are identical."""
-    return jnp.max(groups, axis=-1, keepdims=True) == jnp.min(groups, axis=-1, keepdims=True)
-
-
 def group_advantages(
-    rewards: jax.Array, group_size: int, scale: str = "group", eps: float = 1e-6
+    rewards: jax.Array, num_generations: int, scale: str = "group", eps: float = 1e-6
 ) -> jax.Array:
     """GRPO / Dr. GRPO advantages. rewards [N] -> [N] float32."""
     if scale not in STD_SCALES:
         raise ValueError(f"scale={scale!r}: expected one of {STD_SCALES}")
-    r = _grouped(rewards, group_size)
+    r = _grouped(rewards, num_generations)
     adv = r - jnp.mean(r, axis=-1, keepdims=True)
     if scale == "group":
         adv = adv / (_safe_std(r, axis=-1, keepdims=True) + eps)
     elif scale == "batch":
         adv = adv / (_safe_std(r) + eps)
-    return jnp.where(_all_equal(r), 0.0, adv).reshape(-1)
+    return jnp.where(degenerate_groups(r, num_generations)[:, None], 0.0, adv).reshape(-1)
 
 
-def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
+def rloo_advantages(rewards: jax.Array, num_generations: int) -> jax.Array:
     """RLOO leave-one-out baseline. rewards [N] -> [N] float32."""
-    r = _grouped(rewards, group_size)
-    others = (jnp.sum(r, axis=-1, keepdims=True) - r) / (group_size - 1)
-    return jnp.where(_all_equal(r), 0.0, r - others).reshape(-1)
+    r = _grouped(rewards, num_generations)
+    others = (jnp.sum(r, axis=-1, keepdims=True) - r) / (num_generations - 1)
+    return jnp.where(degenerate_groups(r, num_generations)[:, None], 0.0, r - others).reshape(-1)
 
 
 def multi_reward_advantages(
-    rewards: jax.Array, group_size: int, weights=None, eps: float = 1e-6
+    rewards: jax.Array, num_generations: int, weights=None, eps: float = 1e-6
 ) -> jax.Array:
     """GDPO: per-function group normalisation, weighted sum, batch std scale.
 
     rewards [N, K] (one column per reward function), weights [K] or None (all 1) -> [N].
     """
     k = rewards.shape[-1]
-    per_fn = [group_advantages(rewards[:, j], group_size, "group", eps) for j in range(k)]
+    per_fn = [group_advantages(rewards[:, j], num_generations, "group", eps) for j in range(k)]
     w = jnp.ones((k,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
     total = jnp.stack(per_fn, axis=-1) @ w
     return total / (_safe_std(total) + eps)
@@ -190,20 +185,6 @@ def gae(
     return adv, jnp.where(mask.astype(bool), adv + values.astype(jnp.float32), 0.0)
 
 
-def overlong_penalty(lengths: jax.Array, max_len: int, buffer: int) -> jax.Array:
-    """DAPO soft overlong punishment. lengths [N] (tokens) -> [N] float32 in [-1, 0]."""
-    if not 0 < buffer <= max_len:
-        raise ValueError(f"buffer={buffer}: need 0 < buffer <= max_len={max_len}")
-    start = max_len - buffer
-    lengths = lengths.astype(jnp.float32)
-    return jnp.where(lengths <= start, 0.0, jnp.maximum((start - lengths) / buffer, -1.0))
-
-
-def degenerate_groups(rewards: jax.Array, group_size: int) -> jax.Array:
-    """DAPO dynamic sampling filter. rewards [N] -> [B] bool, True where all G are equal."""
-    return _all_equal(_grouped(rewards, group_size))[:, 0]
-
-
 class Advantages(NamedTuple):
     """Output of `compute_advantages`: advantages [N, T]; returns [N, T] for GAE else None."""
 
@@ -226,6 +207,7 @@ def compute_advantages(
     cfg: AlgoConfig,
     rewards: jax.Array,
     mask: jax.Array,
+    num_generations: int = 1,
     *,
     old_logp: jax.Array | None = None,
     ref_logp: jax.Array | None = None,
@@ -233,9 +215,11 @@ def compute_advantages(
 ) -> Advantages:
     """The advantage estimator selected by `cfg.advantage`, broadcast to tokens.
 
-    rewards [N] or [N, K] (K reward functions), mask [N, T]; old_logp / ref_logp [N, T] are
-    needed when `cfg.kl_in_reward` and beta > 0 (k1 = old_logp - ref_logp per token); values
-    [N, T] (rollout-time critic values) for GAE. No gradient flows into the result.
+    rewards [N] or [N, K] (K reward functions), mask [N, T] (the loss mask); G =
+    num_generations consecutive rows share a prompt (group estimators); old_logp /
+    ref_logp [N, T] are needed when `cfg.kl_in_reward` and beta > 0 (k1 = old_logp -
+    ref_logp per token); values [N, T] (rollout-time critic values) for GAE. No gradient
+    flows into the result.
     """
     kl = None
     if cfg.kl_in_reward and cfg.beta > 0:
@@ -246,15 +230,15 @@ def compute_advantages(
     returns = None
     if cfg.advantage in ("grpo", "rloo"):
         if rewards.ndim == 2 and cfg.decouple_rewards:
-            seq = multi_reward_advantages(rewards, cfg.group_size, cfg.reward_weights, cfg.adv_eps)
+            seq = multi_reward_advantages(rewards, num_generations, cfg.reward_weights, cfg.adv_eps)
         else:
             r = _outcome(cfg, rewards)
             if kl is not None:
                 r = r - cfg.beta * jnp.sum(kl * m, axis=-1)
             if cfg.advantage == "grpo":
-                seq = group_advantages(r, cfg.group_size, cfg.adv_scale, cfg.adv_eps)
+                seq = group_advantages(r, num_generations, cfg.adv_scale, cfg.adv_eps)
             else:
-                seq = rloo_advantages(r, cfg.group_size)
+                seq = rloo_advantages(r, num_generations)
         adv = seq[:, None] * m
     else:
         token_r = token_rewards(_outcome(cfg, rewards), mask, kl, cfg.beta)

@@ -19,7 +19,11 @@ One frozen `AlgoConfig` drives `compute_advantages` (advantages.py) and `policy_
                 lambda = 0.95), k1 KL in the reward, value clip 0.2, critic warmup.
 
     from jaxrl_llm.rl import algos
-    cfg = algos.preset("dapo", group_size=16, entropy_coef=1e-3)
+    cfg = algos.preset("dapo", entropy_coef=1e-3)
+
+G (completions per prompt) and L_max (the completion budget) are not algorithm settings:
+they come from the rollout (`sampling.RolloutSpec`: num_generations, max_new_tokens), which
+the update reads; `check_num_generations` says whether an estimator can use a given G.
 """
 
 from __future__ import annotations
@@ -36,16 +40,15 @@ GROUP_ESTIMATORS = ("grpo", "rloo")
 class AlgoConfig:
     """Every knob of the advantage estimator and the policy / value losses.
 
-    Paper symbols: G = group_size, beta = beta, eps_low / eps_high = eps_low / eps_high,
+    Paper symbols: beta = beta, eps_low / eps_high = eps_low / eps_high,
     c = dual_clip, C = tis_cap, c_H = entropy_coef, gamma = gamma, lambda = lam,
-    eps_v = value_clip, mu = num_iterations, L_max = max_completion_len,
-    L_c = overlong_buffer_frac * L_max. Frozen and hashable, so it can be a static argument
-    of `jax.jit` or be closed over.
+    eps_v = value_clip, mu = num_iterations, L_c = overlong_buffer_frac * L_max (G and
+    L_max are the rollout's: `sampling.RolloutSpec`). Frozen and hashable, so it can be a
+    static argument of `jax.jit` or be closed over.
 
     Attributes:
       name: preset this config came from (informational).
       advantage: estimator, one of grpo | rloo | reinforce_pp | gae.
-      group_size: G, completions per prompt (= rollout.num_generations); >= 2 for grpo/rloo.
       adv_scale: GRPO std scaling: group | batch | none (none = Dr. GRPO).
       adv_eps: eps added to every std before dividing.
       decouple_rewards: with several reward functions ([N, K] rewards), GDPO's
@@ -63,7 +66,6 @@ class AlgoConfig:
       entropy_coef: c_H of the entropy bonus.
       loss_agg: token-mean | seq-mean-token-mean | seq-mean-token-sum |
         seq-mean-token-sum-norm.
-      max_completion_len: L_max of seq-mean-token-sum-norm (None = the batch's T).
       num_iterations: mu, optimisation passes over each batch of rollouts.
       value_clip: eps_v of the clipped value loss; None = unclipped.
       critic_warmup_steps: steps that train only the critic before the policy moves.
@@ -75,7 +77,6 @@ class AlgoConfig:
 
     name: str = "custom"
     advantage: str = "grpo"
-    group_size: int = 8
     adv_scale: str = "group"
     adv_eps: float = 1e-6
     decouple_rewards: bool = False
@@ -93,7 +94,6 @@ class AlgoConfig:
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
-    max_completion_len: int | None = None
     num_iterations: int = 1
     value_clip: float | None = 0.2
     critic_warmup_steps: int = 0
@@ -107,6 +107,11 @@ class AlgoConfig:
             object.__setattr__(self, "reward_weights", tuple(map(float, self.reward_weights)))
         for error in _errors(self):
             raise ValueError(f"algo.{error}")
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether the advantage compares the G samples of a prompt (G >= 2 needed)."""
+        return self.advantage in GROUP_ESTIMATORS or self.decouple_rewards
 
     @property
     def uses_critic(self) -> bool:
@@ -125,10 +130,6 @@ def _choice(cfg, field, options):
     return None
 
 
-def _none_or(value, minimum) -> bool:
-    return value is None or value >= minimum
-
-
 def _decouple_ok(cfg) -> bool:
     return not cfg.decouple_rewards or (cfg.advantage == "grpo" and not cfg.kl_in_reward)
 
@@ -144,9 +145,7 @@ def _errors(cfg: AlgoConfig):
     ):
         if (error := _choice(cfg, field, options)) is not None:
             yield error
-    needs_group = cfg.advantage in GROUP_ESTIMATORS or cfg.decouple_rewards
     checks = (
-        ("group_size", cfg.group_size >= (2 if needs_group else 1), ">= 2 for group estimators"),
         ("adv_eps", cfg.adv_eps >= 0, "must be >= 0"),
         ("decouple_rewards", _decouple_ok(cfg), "needs advantage='grpo', kl_in_reward=False"),
         ("gamma", 0 <= cfg.gamma <= 1, "must be in [0, 1]"),
@@ -156,7 +155,6 @@ def _errors(cfg: AlgoConfig):
         ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "must be > 1 or None"),
         ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "must be > 0 or None"),
         ("beta", cfg.beta >= 0, "must be >= 0"),
-        ("max_completion_len", _none_or(cfg.max_completion_len, 1), "must be >= 1 or None"),
         ("num_iterations", cfg.num_iterations >= 1, "must be >= 1"),
         ("value_clip", cfg.value_clip is None or cfg.value_clip > 0, "must be > 0 or None"),
         ("critic_warmup_steps", cfg.critic_warmup_steps >= 0, "must be >= 0"),
@@ -210,3 +208,12 @@ def preset(name: str, **overrides) -> AlgoConfig:
     if unknown:
         raise ValueError(f"algo.{unknown[0]}: unknown field of AlgoConfig")
     return AlgoConfig(**{"name": name, **PRESETS[name], **overrides})
+
+
+def check_num_generations(cfg: AlgoConfig, num_generations: int) -> None:
+    """Raises ValueError when the estimator cannot work with G = num_generations."""
+    if num_generations < 1 or (cfg.needs_groups and num_generations < 2):
+        raise ValueError(
+            f"num_generations={num_generations}: algo.advantage={cfg.advantage!r} compares "
+            "the samples of a prompt, so it needs >= 2"
+        )

@@ -1,5 +1,9 @@
 """The rollout batch the update step consumes, and teacher-forced log-probs of it.
 
+    batch = RolloutBatch.from_sample(out, rewards, ref_logprobs)   # out: sampling.SampleOutput
+    ref_fn = make_logprob_fn(model_cfg, spec)                      # jitted, no gradient
+    ref_logprobs = ref_fn(ref_params, out)                         # [N, T]
+
 A batch row is a left-padded prompt [P] followed by a right-padded completion [T]. The
 model reads their concatenation; the hidden state at sequence position P - 1 + t predicts
 completion token t (`completion_hidden`), so log pi(o_t | q, o_<t) and the critic's
@@ -21,21 +25,49 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import models
+from jaxrl_llm.parallel.mesh import BATCH_AXES
 from jaxrl_llm.rl.logprobs import token_logprobs
 
 
 @struct.dataclass
-class Batch:
-    """One rollout batch, N rows prompt-major (the G samples of a prompt consecutive)."""
+class RolloutBatch:
+    """One rollout batch: B groups of G rows, prompt-major (rows b * G ... b * G + G - 1
+    are the G samples of prompt b, as the sampler produces them)."""
 
     prompt_tokens: jax.Array  # [N, P] int32, left-padded
     prompt_mask: jax.Array  # [N, P] bool
     tokens: jax.Array  # [N, T] int32 completions, right-padded
     mask: jax.Array  # [N, T] bool: attended completion tokens
-    loss_mask: jax.Array  # [N, T] bool: trained tokens (a subset of mask)
-    sampler_logprobs: jax.Array  # [N, T] float32, at the sampling temperature
+    loss_mask: jax.Array  # [N, T] bool: trained tokens (sampled ones; a subset of mask)
+    behaviour_logprobs: jax.Array  # [N, T] float32: the sampler's, at the spec temperature
     rewards: jax.Array  # [N] or [N, K] float32
+    policy_version: jax.Array  # [N] int32: the parameter version that sampled each row
     ref_logprobs: jax.Array | None = None  # [N, T] float32; needed iff beta > 0
+    num_generations: int = struct.field(pytree_node=False, default=1)  # G
+
+    @property
+    def group_ids(self) -> jax.Array:
+        """[N] int32: the prompt (group) of each row."""
+        n = self.tokens.shape[0]
+        return jnp.arange(n, dtype=jnp.int32) // self.num_generations
+
+    @classmethod
+    def from_sample(cls, out, rewards, ref_logprobs=None) -> RolloutBatch:
+        """From a `sampling.SampleOutput`; host rewards [N] / [N, K] are put on device (an
+        explicit transfer, allowed under transfer_guard) sharded like the rows."""
+        check_groups(out.tokens.shape[0], out.num_generations, "RolloutBatch")
+        return cls(
+            prompt_tokens=out.prompt_tokens,
+            prompt_mask=out.prompt_mask,
+            tokens=out.tokens,
+            mask=out.mask,
+            loss_mask=out.loss_mask,
+            behaviour_logprobs=out.logprobs,
+            rewards=_rows_like(rewards, out.lengths),
+            policy_version=out.policy_version,
+            ref_logprobs=ref_logprobs,
+            num_generations=out.num_generations,
+        )
 
 
 def _rows_like(x, like: jax.Array) -> jax.Array:
@@ -48,21 +80,6 @@ def _rows_like(x, like: jax.Array) -> jax.Array:
         spec = (sharding.spec[0] if sharding.spec else None,) + (None,) * (x.ndim - 1)
         sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
     return jax.device_put(x, sharding)
-
-
-def batch_from_rollout(out, rewards, ref_logprobs=None, loss_mask=None) -> Batch:
-    """Batch from a `sampling.SampleOutput`; host rewards [N] / [N, K] are put on device
-    (an explicit transfer, allowed under transfer_guard) sharded like the rows."""
-    return Batch(
-        prompt_tokens=out.prompt_tokens,
-        prompt_mask=out.prompt_mask,
-        tokens=out.tokens,
-        mask=out.mask,
-        loss_mask=out.mask if loss_mask is None else loss_mask,
-        sampler_logprobs=out.logprobs,
-        rewards=_rows_like(rewards, out.lengths),
-        ref_logprobs=ref_logprobs,
-    )
 
 
 def completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask) -> jax.Array:
@@ -111,13 +128,13 @@ def map_rows(fn, rows, k: int):
     return merge_rows(jax.lax.map(fn, split_rows(rows, k)))
 
 
-def prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, group: int):
-    """Each group's prompt run once: the group's first row of every `group` consecutive
-    rows -> (keys/values ([L, N / group, P, K, H] each), hidden state of the prompt's last
-    position [N / group, D], which predicts the first completion token).
+def prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, num_generations: int):
+    """Each group's prompt run once: the first row of every G = `num_generations`
+    consecutive rows -> (keys/values ([L, N / G, P, K, H] each), hidden state of the
+    prompt's last position [N / G, D], which predicts the first completion token).
     Differentiable w.r.t. params; the input of `prefix_logprobs`."""
     hidden, kv = models.forward_after_prefix(
-        model_cfg, params, prompt_tokens[::group], prompt_mask[::group]
+        model_cfg, params, prompt_tokens[::num_generations], prompt_mask[::num_generations]
     )
     return kv, hidden[:, -1]  # prompts are left-padded: the last column is a real token
 
@@ -145,9 +162,9 @@ def prefix_logprobs(
     return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
 
 
-def check_groups(n: int, group: int, what: str) -> None:
-    if group < 1 or n % group:
-        raise ValueError(f"{what}: {n} rows are not groups of {group}")
+def check_groups(n: int, num_generations: int, what: str) -> None:
+    if num_generations < 1 or n % num_generations:
+        raise ValueError(f"{what}: {n} rows are not groups of num_generations={num_generations}")
 
 
 def shared_prompt_logprobs(
@@ -158,67 +175,68 @@ def shared_prompt_logprobs(
     tokens,
     mask,
     *,
-    group: int,
+    num_generations: int,
     micro_batches: int = 1,
     temperature: float = 1.0,
     chunk_size: int = 128,
 ):
     """`sequence_logprobs` (log-probs only) reading each prompt once.
 
-    Rows come in groups of `group` consecutive rows with the same prompt (the G samples
-    of a GRPO group): the prompts run once (`prompt_prefix`, N / group rows), and each row
-    slice (`map_rows`) runs its completions after its group's keys/values
-    (`prefix_logprobs`). The layers then run over N / group prompts instead of N, e.g.
-    7/8 of the prompt's share of a forward is saved with 8 samples per prompt. The rows
+    Rows come in groups of G = `num_generations` consecutive rows with the same prompt
+    (the G samples of a GRPO group): the prompts run once (`prompt_prefix`, N / G rows),
+    and each row slice (`map_rows`) runs its completions after its group's keys/values
+    (`prefix_logprobs`). The layers then run over N / G prompts instead of N: with 8
+    samples per prompt, 7/8 of the prompt's share of a forward is saved. The rows
     of a group must share prompt_tokens and prompt_mask; only the group's first row's
     prompt is read. Needs T > 1.
     """
-    check_groups(prompt_tokens.shape[0], group, "shared_prompt_logprobs")
-    prefix = prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, group)
+    G = num_generations
+    check_groups(prompt_tokens.shape[0], G, "shared_prompt_logprobs")
+    prefix = prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, G)
     kw = dict(temperature=temperature, chunk_size=chunk_size)
 
     def one(rows):
         return prefix_logprobs(model_cfg, params, prefix, *rows, **kw)[0]
 
-    groups = jnp.arange(tokens.shape[0], dtype=jnp.int32) // group
+    groups = jnp.arange(tokens.shape[0], dtype=jnp.int32) // G
     return map_rows(one, (prompt_mask, tokens, mask, groups), micro_batches)
 
 
-def make_logprob_fn(
-    model_cfg,
-    temperature: float = 1.0,
-    chunk_size: int = 128,
-    micro_batches: int = 1,
-    group: int = 1,
-):
-    """Jitted (params, prompt_tokens, prompt_mask, tokens, mask) -> logp [N, T] (no grad).
+def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None):
+    """Jitted (params, rows) -> logp [N, T] (no gradient), rows a `sampling.SampleOutput`
+    or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask).
 
-    For the reference model and old-policy recomputes; micro_batches bounds the memory of
-    the forward (N must be a multiple of it). group > 1: every `group` consecutive rows
-    share their prompt, which is then read once (`shared_prompt_logprobs`).
+    For the reference model and old-policy recomputes, at the spec's temperature; the G =
+    spec.num_generations rows of a group share their prompt, which is read once
+    (`shared_prompt_logprobs`). micro_batches bounds the memory of the forward (N must be
+    a multiple of it). mesh: the log-probs come out sharded by rows over its ('data',
+    'fsdp'), pinned, so the update that reads them can be compiled before they exist.
     """
+    kw = dict(num_generations=spec.num_generations, micro_batches=micro_batches,
+              temperature=spec.logprob_temperature, chunk_size=chunk_size)  # fmt: skip
 
-    kw = dict(group=group, micro_batches=micro_batches, temperature=temperature,
-              chunk_size=chunk_size)  # fmt: skip
+    def logprobs(params, rows):
+        inputs = (rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
+        return batch_logprobs(model_cfg, params, *inputs, **kw)
 
-    def fn(params, prompt_tokens, prompt_mask, tokens, mask):
-        return batch_logprobs(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, **kw)
-
-    return jax.jit(fn)
+    if mesh is None:
+        return jax.jit(logprobs)
+    return jax.jit(logprobs, out_shardings=NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
 
 
 def batch_logprobs(
-    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, group, micro_batches,
-    temperature, chunk_size,
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, num_generations,
+    micro_batches, temperature, chunk_size,
 ):  # fmt: skip
     """`make_logprob_fn`'s function, unjitted (the update's old-policy recompute):
-    log-probs [N, T] one row slice at a time, each prompt read once when group > 1."""
+    log-probs [N, T] one row slice at a time, each prompt read once when G > 1."""
     rows = (prompt_tokens, prompt_mask, tokens, mask)
     kw = dict(temperature=temperature, chunk_size=chunk_size)
-    if group > 1 and tokens.shape[1] > 1:
+    if num_generations > 1 and tokens.shape[1] > 1:
         logp = shared_prompt_logprobs(
-            model_cfg, params, *rows, group=group, micro_batches=micro_batches, **kw
-        )
+            model_cfg, params, *rows, num_generations=num_generations,
+            micro_batches=micro_batches, **kw,
+        )  # fmt: skip
     else:
         one = lambda r: sequence_logprobs(model_cfg, params, *r, **kw)[0]  # noqa: E731
         logp = map_rows(one, rows, micro_batches)

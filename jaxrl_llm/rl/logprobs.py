@@ -12,7 +12,7 @@ O(N T V); with vocabularies of ~150k this is what makes long completions fit. Ea
 has a hand-written backward (`_chunk_bwd`): the logits' cotangent
 g_logp (onehot - p) - g_H p (z - sum p z) is one fused pass over [N, C, V] followed by the
 matmul's pullback, where autodiff of the forward took several passes over [N, C, V] (and
-kept the softmax besides the logits): 1.6x faster fwd + bwd at 128 x 64 x 32k on CPU.
+kept the softmax besides the logits; benchmarks/RESULTS.md, "update").
 Chunking runs over T, not over the flattened N * T tokens, so each chunk keeps the batch's
 sharding over devices.
 

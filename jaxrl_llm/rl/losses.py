@@ -34,6 +34,14 @@ Where the code departs from the papers:
 - Log-ratios are set to 0 at masked positions before `exp`, so padding with arbitrary
   log-probs never overflows; masked tokens and fully masked rows contribute exactly zero
   value and gradient, and every denominator is guarded.
+- The ratio's log is clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] = [-20, 20] before `exp`
+  (as verl does). Beyond it the clip has already taken over for every token whose
+  advantage it applies to, and without the clamp a log-ratio above ~88 overflows exp in
+  the branch `max` did not select: the loss stays finite while its gradient becomes NaN
+  (0 * inf).
+- The clipped value V_old + clip(V - V_old) is used only where the clip is active
+  (|V - V_old| > eps_v); elsewhere it is V itself. Computed everywhere, it differs from V
+  by one ulp on many tokens, which flipped the comparison behind `value/clipfrac`.
 - The seq-mean modes count only rows with at least one valid token (a fully masked row
   does not dilute the mean); Dr. GRPO's N counts every row, as its constant should.
 """
@@ -51,6 +59,7 @@ if TYPE_CHECKING:
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+MAX_LOG_RATIO = 20.0  # |log rho| above this is clamped before exp (see the module doc)
 AGGREGATIONS = (
     "token-mean",
     "seq-mean-token-mean",
@@ -99,6 +108,12 @@ def sequence_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) ->
     return jnp.where(valid, token, 0.0)
 
 
+def clamp_log_ratio(x: jax.Array) -> jax.Array:
+    """x clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO], as torch.clamp: the gradient is 1 up to
+    and including the bounds, 0 beyond them. [N, T] -> [N, T]."""
+    return jnp.where(jnp.abs(x) > MAX_LOG_RATIO, jnp.sign(x) * MAX_LOG_RATIO, x)
+
+
 def ppo_clip_loss(ratio, advantages, eps_low: float, eps_high: float, dual_clip=None):
     """-min(rho A, clip(rho) A), with dual clip min(., -c A) for A < 0. [N, T] -> [N, T]."""
     unclipped = -advantages * ratio
@@ -126,10 +141,15 @@ def value_loss(values, old_values, returns, mask, clip=None) -> jax.Array:
     r = returns.astype(jnp.float32)
     loss = jnp.square(v - r)
     if clip is not None:
-        v_old = old_values.astype(jnp.float32)
-        v_clipped = v_old + jnp.clip(v - v_old, -clip, clip)
-        loss = jnp.maximum(loss, jnp.square(v_clipped - r))
+        loss = jnp.maximum(loss, jnp.square(clipped_values(v, old_values, clip) - r))
     return jnp.where(mask.astype(bool), 0.5 * loss, 0.0)
+
+
+def clipped_values(values, old_values, clip: float) -> jax.Array:
+    """clip(V, V_old - eps_v, V_old + eps_v), exactly V where the clip is inactive. [N, T]."""
+    v, v_old = values.astype(jnp.float32), old_values.astype(jnp.float32)
+    active = jnp.abs(v - v_old) > clip
+    return jnp.where(active, v_old + jnp.clip(v - v_old, -clip, clip), v)
 
 
 def loss_denominator(mask: jax.Array, mode: str, max_len: int | None = None) -> jax.Array:
@@ -208,12 +228,25 @@ def policy_term(cfg: AlgoConfig, logp, old_logp, advantages, mask):
     rho, or s_i on every token of row i for GSPO.
     """
     if cfg.policy_loss == "gspo":
-        ratio = jnp.exp(sequence_log_ratio(logp, old_logp, mask))
+        x = sequence_log_ratio(logp, old_logp, mask)
     else:
-        ratio = jnp.exp(log_ratio(logp, old_logp, mask))
+        x = log_ratio(logp, old_logp, mask)
+    ratio = jnp.exp(clamp_log_ratio(x))
     if cfg.policy_loss == "cispo":
         return cispo_loss(logp, ratio, advantages, cfg.eps_low, cfg.eps_high), ratio
     return ppo_clip_loss(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip), ratio
+
+
+def _truncated_is(cfg: AlgoConfig, pg, old_logp, sampler_logp, valid, metrics: dict):
+    """pg times the truncated IS weight (when cfg.tis_cap); logs the sampler/trainer gap."""
+    gap = jnp.abs(log_ratio(old_logp, sampler_logp, valid))
+    metrics["rollout/logprob_gap"] = masked_mean(_sg(gap), valid)
+    if cfg.tis_cap is None:
+        return pg
+    w = tis_weight(old_logp, sampler_logp, valid, cfg.tis_cap)
+    metrics["rollout/tis_weight_mean"] = masked_mean(w, valid)
+    metrics["rollout/tis_capped_frac"] = masked_mean(w >= cfg.tis_cap, valid)
+    return pg * w
 
 
 def policy_objective(
@@ -227,6 +260,7 @@ def policy_objective(
     entropy: jax.Array | None = None,
     *,
     denominator: jax.Array | None = None,
+    max_len: int | None = None,
 ) -> tuple[jax.Array, dict]:
     """The policy loss of one (micro-)batch: ratio, clip variant, TIS, KL, entropy, aggregation.
 
@@ -235,8 +269,9 @@ def policy_objective(
     the loss: beta > 0 and not kl_in_reward); advantages [N, T] or [N]; loss_mask [N, T];
     entropy [N, T] (differentiable; None = no bonus). Returns (loss, metrics).
 
+    max_len: L_max of seq-mean-token-sum-norm (the rollout's max_new_tokens; None = T).
     Micro-batching: pass `denominator = loss_denominator(full_mask, cfg.loss_agg,
-    cfg.max_completion_len)` computed on the FULL batch; each micro-batch's loss is then its
+    max_len)` computed on the FULL batch; each micro-batch's loss is then its
     numerator / that denominator, so losses and gradients summed over micro-batches equal
     the full-batch ones. The `loss/*` metrics add up the same way; the others are means over
     the micro-batch's valid tokens (average them; min / max for ratio_min / ratio_max).
@@ -248,18 +283,12 @@ def policy_objective(
     pg, ratio = policy_term(cfg, logp, old_logp, adv, valid)
     metrics = _policy_metrics(cfg, logp, old_logp, ratio, adv, valid)
     if sampler_logp is not None:
-        gap = jnp.abs(log_ratio(old_logp, sampler_logp, valid))
-        metrics["rollout/logprob_gap"] = masked_mean(_sg(gap), valid)
-        if cfg.tis_cap is not None:
-            w = tis_weight(old_logp, sampler_logp, valid, cfg.tis_cap)
-            pg = pg * w
-            metrics["rollout/tis_weight_mean"] = masked_mean(w, valid)
-            metrics["rollout/tis_capped_frac"] = masked_mean(w >= cfg.tis_cap, valid)
+        pg = _truncated_is(cfg, pg, old_logp, sampler_logp, valid, metrics)
     agg = functools.partial(
         aggregate,
         mask=valid,
         mode=cfg.loss_agg,
-        max_len=cfg.max_completion_len,
+        max_len=max_len,
         denominator=denominator,
     )
     total = metrics["loss/policy"] = agg(pg)
@@ -288,14 +317,15 @@ def value_objective(
     loss_mask: jax.Array,
     *,
     denominator: jax.Array | None = None,
+    max_len: int | None = None,
 ) -> tuple[jax.Array, dict]:
     """PPO's clipped value loss, aggregated with `cfg.loss_agg`. [N, T] each -> (loss, metrics).
 
-    `denominator` plays the same micro-batch role as in `policy_objective`.
+    `denominator` and `max_len` play the same roles as in `policy_objective`.
     """
     valid = loss_mask.astype(bool)
     per_token = value_loss(values, old_values, returns, valid, cfg.value_clip)
-    loss = aggregate(per_token, valid, cfg.loss_agg, cfg.max_completion_len, denominator)
+    loss = aggregate(per_token, valid, cfg.loss_agg, max_len, denominator)
     v, r = _sg(values.astype(jnp.float32)), _sg(returns.astype(jnp.float32))
     r_var = masked_mean(jnp.square(r - masked_mean(r, valid)), valid)
     err = r - v
@@ -306,8 +336,7 @@ def value_objective(
         "value/explained_variance": jnp.where(r_var > 0, 1.0 - err_var / r_var, 0.0),
     }
     if cfg.value_clip is not None:
-        v_old = _sg(old_values.astype(jnp.float32))
-        v_clipped = v_old + jnp.clip(v - v_old, -cfg.value_clip, cfg.value_clip)
+        v_clipped = clipped_values(v, _sg(old_values), cfg.value_clip)
         clip_won = jnp.square(v_clipped - r) > jnp.square(v - r)
         metrics["value/clipfrac"] = masked_mean(clip_won, valid)
     return loss, metrics

@@ -158,3 +158,21 @@ def make_optimizer(
         parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
     sched = make_schedule(learning_rate, warmup_steps, total_steps, schedule, end_lr_ratio)
     return Optimizer(tx=optax.chain(*parts), schedule=lambda s: jnp.asarray(sched(s), jnp.float32))
+
+
+def optimizer_from_config(optim, num_steps: int, learning_rate: float | None = None) -> Optimizer:
+    """`make_optimizer` from a run config's `optim` section; the schedule counts
+    `num_steps` trainer steps. learning_rate: default `optim.learning_rate` (PPO's critic
+    passes `optim.critic_learning_rate`)."""
+    return make_optimizer(
+        learning_rate=optim.learning_rate if learning_rate is None else learning_rate,
+        warmup_steps=optim.warmup_steps,
+        total_steps=num_steps,
+        schedule=optim.schedule,
+        weight_decay=optim.weight_decay,
+        b1=optim.b1,
+        b2=optim.b2,
+        eps=optim.eps,
+        max_grad_norm=optim.max_grad_norm,
+        end_lr_ratio=optim.end_lr_ratio,
+    )

@@ -2,8 +2,11 @@
 
     opt = make_optimizer(learning_rate=1e-6, max_grad_norm=1.0)
     state = init_train_state(params, opt)
-    update = make_update_fn(model_cfg, algo_cfg, opt, micro_batches=4)
-    state, metrics = update(state, batch_from_rollout(sample_output, rewards, ref_logprobs))
+    update = make_update_fn(model_cfg, algo_cfg, opt, spec, micro_batches=4, seed=0)
+    state, metrics = update(state, RolloutBatch.from_sample(sample_output, rewards, ref_logprobs))
+
+`spec` is the rollout's `sampling.RolloutSpec`: its temperature is the one the log-probs
+are taken at, its num_generations (G) the group size, its max_new_tokens Dr. GRPO's L_max.
 
 One call of `update` (one TRAINER step; `state.step` counts these) does, on device:
 
@@ -13,7 +16,7 @@ One call of `update` (one TRAINER step; `state.step` counts these) does, on devi
    starts from, without gradient. PPO: the critic's rollout-time values V_old likewise.
 2. Advantages on the whole batch (`rl.compute_advantages`).
 3. num_iterations passes (mu in GRPO); each pass permutes the rows with a key derived from
-   state.step (PureJaxRL style: permutation, then reshape) and takes `mini_batches`
+   (seed, state.step) (PureJaxRL style: permutation, then reshape) and takes `mini_batches`
    optimizer steps. A step sums the gradients of `micro_batches` row slices (`lax.scan`),
    each divided by the aggregation denominator of the whole mini-batch
    (`rl.loss_denominator`), so the sum is exactly the mini-batch gradient.
@@ -22,7 +25,7 @@ One call of `update` (one TRAINER step; `state.step` counts these) does, on devi
 5. PPO: for state.step < critic_warmup_steps only the critic moves; the policy params and
    optimizer state are selected unchanged (bit-identical).
 
-Shared prompts (make_update_fn(group=G), the G samples of a prompt consecutive): the
+Shared prompts (G > 1, the G samples of a prompt consecutive): the
 pi_old recompute reads each prompt once, and with mini_batches == 1 so does the
 forward + backward: the prompts run once before the micro-batches, each micro-batch's
 completions attend to their group's keys/values, the keys/values' cotangents are summed
@@ -39,40 +42,36 @@ each slice keeps an even share of every device's rows when the batch is sharded 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import models
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.advantages import compute_advantages
-from jaxrl_llm.rl.algos import AlgoConfig
+from jaxrl_llm.rl.algos import AlgoConfig, check_num_generations
 from jaxrl_llm.rl.batch import (
-    Batch,
-    batch_from_rollout,
+    RolloutBatch,
     batch_logprobs,
     check_groups,
     make_logprob_fn,
     map_rows,
-    prefix_logprobs,
-    prompt_prefix,
     sequence_logprobs,
     split_rows,
 )
-from jaxrl_llm.rl.losses import loss_denominator, masked_mean, policy_objective, value_objective
+from jaxrl_llm.rl.gradients import Carry, Rows, Setup, gradients, reduce_metrics
+from jaxrl_llm.rl.losses import masked_mean
 from jaxrl_llm.rl.optim import Optimizer, make_optimizer
+from jaxrl_llm.rl.state import TrainState, init_train_state
+from jaxrl_llm.sampling.spec import RolloutSpec
 
 __all__ = [
-    "Batch",
+    "RolloutBatch",
     "TrainState",
     "UpdateFn",
-    "batch_from_rollout",
     "init_train_state",
     "make_logprob_fn",
     "make_optimizer",
@@ -81,99 +80,6 @@ __all__ = [
 ]
 
 _sg = jax.lax.stop_gradient
-TRACES = collections.Counter()  # compiled update programs, by (preset, [N, T]): tests, logs
-
-
-@struct.dataclass
-class TrainState:
-    """Everything the update changes. step counts update calls (trainer steps)."""
-
-    step: jax.Array  # [] int32
-    params: Any
-    opt_state: Any
-    critic_params: Any = None  # PPO only
-    critic_opt_state: Any = None
-
-
-@struct.dataclass
-class _Rows:
-    """Per-row training data after step 1-2 of the module doc (None = not needed)."""
-
-    prompt_tokens: jax.Array
-    prompt_mask: jax.Array
-    tokens: jax.Array
-    mask: jax.Array
-    loss_mask: jax.Array
-    sampler_logp: jax.Array
-    advantages: jax.Array  # [N, T]
-    old_logp: jax.Array | None
-    ref_logp: jax.Array | None
-    returns: jax.Array | None
-    old_values: jax.Array | None
-    groups: jax.Array | None = None  # [N] int32: each row's prompt group (shared prompts)
-
-
-@struct.dataclass
-class _Carry:
-    params: Any
-    opt_state: Any
-    critic_params: Any
-    critic_opt_state: Any
-
-
-# --------------------------------------------------------------------------- construction
-def _commit_like(tree, params):
-    """Commits tree's leaves (optimizer counts, the step) where the params live: replicated
-    on their mesh, or on their device. Uncommitted or differently placed inputs would make
-    the second update call compile again."""
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
-    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-    if mesh is not None:
-        target = NamedSharding(mesh, PartitionSpec())
-    elif shardings and shardings[0] is not None:
-        target = jax.sharding.SingleDeviceSharding(next(iter(shardings[0].device_set)))
-    else:
-        return tree
-
-    keep = lambda x: isinstance(x.sharding, NamedSharding)  # noqa: E731 (always committed)
-    return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, target), tree)
-
-
-def init_train_state(
-    params, opt: Optimizer, critic_params=None, critic_optimizer: Optimizer | None = None
-) -> TrainState:
-    """Fresh optimizer states (sharded like the params). The state OWNS these arrays: the
-    update donates them, so keep no other reference (copy the reference model's params)."""
-    critic_opt_state = None
-    if critic_params is not None:
-        if critic_optimizer is None:
-            raise ValueError("init_train_state: critic_params given without critic_optimizer")
-        critic_params = _commit_like(critic_params, critic_params)
-        critic_opt_state = _commit_like(critic_optimizer.init(critic_params), critic_params)
-    return TrainState(
-        step=_commit_like(jnp.zeros((), jnp.int32), params),
-        params=_commit_like(params, params),
-        opt_state=_commit_like(opt.init(params), params),
-        critic_params=critic_params,
-        critic_opt_state=critic_opt_state,
-    )
-
-
-# ------------------------------------------------------------------------------- metrics
-def _reduce(metrics: dict, sum_losses: bool) -> dict:
-    """Stacked per-slice metrics [k] -> scalars: extremes by min / max, nonfinite by max,
-    loss/* summed (micro-batches of one step) or averaged (steps), the rest averaged."""
-
-    def one(name, x):
-        if name.endswith(("_min", "/min")):
-            return jnp.min(x)
-        if name.endswith(("_max", "/max", "nonfinite")):
-            return jnp.max(x)
-        if sum_losses and name.startswith("loss/"):
-            return jnp.sum(x)
-        return jnp.mean(x)
-
-    return {name: one(name, x) for name, x in metrics.items()}
 
 
 def _batch_metrics(adv, mask, returns, old_values) -> dict:
@@ -198,127 +104,13 @@ def _batch_metrics(adv, mask, returns, old_values) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- update step
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-    """The static settings of one compiled update function."""
-
-    model_cfg: models.ModelConfig
-    algo: AlgoConfig
-    opt: Optimizer
-    critic_opt: Optimizer | None
-    micro_batches: int
-    mini_batches: int
-    temperature: float
-    chunk_size: int
-    skip_nonfinite: bool
-    group: int = 1
-
-    @property
-    def shares_prompts(self) -> bool:
-        """The policy's forward + backward reads each prompt once per group: G > 1 and the
-        rows are not permuted into mini-batches (which would split groups)."""
-        return self.group > 1 and self.mini_batches == 1
-
-    @property
-    def on_policy(self) -> bool:
-        return self.algo.num_iterations == 1 and self.mini_batches == 1
-
-    @property
-    def needs_old_logp(self) -> bool:
-        return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
-
-
-def _policy_loss(s: _Setup, params, r: _Rows, den, prefix=None):
-    """-J of one micro-batch (divided by the mini-batch denominator) and its metrics.
-    prefix: the groups' prompts already run (`prompt_prefix`), or None."""
-    kw = dict(temperature=s.temperature, chunk_size=s.chunk_size)
-    if prefix is None:
-        logp, entropy = sequence_logprobs(
-            s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask, **kw
-        )
-    else:
-        logp, entropy = prefix_logprobs(
-            s.model_cfg, params, prefix, r.prompt_mask, r.tokens, r.mask, r.groups, **kw
-        )
-    if not s.algo.entropy_coef:  # the bonus is off: its gradient need not be traced
-        entropy = _sg(entropy)
-    old = None if s.on_policy else r.old_logp
-    return policy_objective(
-        s.algo, logp, old, r.sampler_logp, r.ref_logp, r.advantages, r.loss_mask, entropy,
-        denominator=den,
-    )  # fmt: skip
-
-
-def _value_loss(s: _Setup, critic_params, r: _Rows, den):
-    v = critic_lib.values(s.model_cfg, critic_params, r.prompt_tokens, r.prompt_mask,
-                          r.tokens, r.mask)  # fmt: skip
-    loss, metrics = value_objective(s.algo, v, r.old_values, r.returns, r.loss_mask,
-                                    denominator=den)  # fmt: skip
-    # Full-batch rollout-time statistics replace these (see _batch_metrics).
-    metrics.pop("value/mean"), metrics.pop("value/explained_variance")
-    return loss, metrics
-
-
-def _zeros_f32(tree):
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
-
-
-def _add(acc, grads):
-    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-
-
-def _gradients(s: _Setup, carry: _Carry, rows: _Rows):
-    """Summed float32 gradients of one mini-batch over its micro-batches, and metrics.
-
-    With shared prompts the prompts run once, before the micro-batches; each micro-batch
-    adds its rows' cotangent of the prompts' keys/values (and last hidden states), and
-    one backward through the prompts' forward after the last adds their gradient."""
-    den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.algo.max_completion_len)
-    use_critic = carry.critic_params is not None
-    prefix = None
-    if rows.groups is not None:
-        prefix, prefix_vjp = jax.vjp(
-            lambda p: prompt_prefix(s.model_cfg, p, rows.prompt_tokens, rows.prompt_mask, s.group),
-            carry.params,
-        )
-
-    def micro(acc, r):
-        if prefix is None:
-            pgrad = jax.value_and_grad(functools.partial(_policy_loss, s), has_aux=True)
-            (_, metrics), g = pgrad(carry.params, r, den)
-        else:
-            loss = lambda p, pre: _policy_loss(s, p, r, den, pre)  # noqa: E731
-            pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-            (_, metrics), (g, g_prefix) = pgrad(carry.params, prefix)
-            acc = dict(acc, prefix=_add(acc["prefix"], g_prefix))
-        acc = dict(acc, policy=_add(acc["policy"], g))
-        if use_critic:
-            vgrad = jax.value_and_grad(functools.partial(_value_loss, s), has_aux=True)
-            (_, vmetrics), cg = vgrad(carry.critic_params, r, den)
-            acc["critic"] = _add(acc["critic"], cg)
-            metrics = {**metrics, **vmetrics}
-        return acc, metrics
-
-    acc = {"policy": _zeros_f32(carry.params)}
-    if use_critic:
-        acc["critic"] = _zeros_f32(carry.critic_params)
-    if prefix is not None:
-        acc["prefix"] = _zeros_f32(prefix)
-    acc, metrics = jax.lax.scan(micro, acc, split_rows(rows, s.micro_batches))
-    if prefix is not None:
-        g_prefix = jax.tree.map(lambda g, x: g.astype(x.dtype), acc.pop("prefix"), prefix)
-        acc["policy"] = _add(acc["policy"], prefix_vjp(g_prefix)[0])
-    return acc, _reduce(metrics, sum_losses=True)
-
-
 def _select(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
-def _optimizer_step(s: _Setup, step, policy_on, carry: _Carry, rows: _Rows):
+def _optimizer_step(s: Setup, step, policy_on, carry: Carry, rows: Rows):
     """One optimizer step on one mini-batch -> (new carry, metrics)."""
-    grads, metrics = _gradients(s, carry, rows)
+    grads, metrics = gradients(s, carry, rows)
     norm = optax.tree.norm(grads["policy"])
     finite = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(norm)
     metrics["optim/grad_norm"] = norm
@@ -345,61 +137,62 @@ def _optimizer_step(s: _Setup, step, policy_on, carry: _Carry, rows: _Rows):
     return new, metrics
 
 
-def _prepare(s: _Setup, state: TrainState, batch: Batch) -> _Rows:
+def _prepare(s: Setup, state: TrainState, batch: RolloutBatch) -> Rows:
     """Steps 1-2 of the module doc: pi_old, V_old (no gradient) and the advantages."""
     k = s.micro_batches * s.mini_batches  # the forward of one micro-batch at a time
     inputs = (batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
     old_logp = old_values = None
-    grouped = s.group > 1 and batch.tokens.shape[1] > 1
+    G = s.num_generations
+    grouped = G > 1 and batch.tokens.shape[1] > 1
     if s.needs_old_logp:
         old_logp = batch_logprobs(
-            s.model_cfg, state.params, *inputs, group=s.group, micro_batches=k,
-            temperature=s.temperature, chunk_size=s.chunk_size,
+            s.model_cfg, state.params, *inputs, num_generations=s.prompt_group, micro_batches=k,
+            temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size,
         )  # fmt: skip
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
         old_values = _sg(map_rows(lambda r: values(*r), inputs, k))
     adv = compute_advantages(
-        s.algo, batch.rewards, batch.loss_mask, old_logp=old_logp,
+        s.algo, batch.rewards, batch.loss_mask, G, old_logp=old_logp,
         ref_logp=batch.ref_logprobs, values=old_values,
     )  # fmt: skip
-    return _Rows(
+    return Rows(
         *inputs,
         loss_mask=batch.loss_mask,
-        sampler_logp=batch.sampler_logprobs,
+        behaviour_logp=batch.behaviour_logprobs,
         advantages=adv.advantages,
         old_logp=old_logp,
         ref_logp=batch.ref_logprobs,
         returns=adv.returns,
         old_values=old_values,
-        groups=(
-            jnp.arange(batch.tokens.shape[0], dtype=jnp.int32) // s.group
-            if grouped and s.shares_prompts
-            else None
-        ),
+        groups=batch.group_ids if grouped and s.shares_prompts else None,
     )
 
 
-def _check(s: _Setup, state: TrainState, batch: Batch) -> None:
+def _check(s: Setup, state: TrainState, batch: RolloutBatch) -> None:
     """Shape and configuration errors, raised while tracing, naming what is wrong."""
     n = batch.tokens.shape[0]
     k = s.micro_batches * s.mini_batches
     if n % k:
         raise ValueError(f"batch of {n} rows is not divisible by mini_batches x micro_batches={k}")
-    check_groups(n, s.group, "update (group = rollout.num_generations)")
+    if batch.num_generations != s.num_generations:
+        raise ValueError(
+            f"batch.num_generations={batch.num_generations}: the update was made for "
+            f"spec.num_generations={s.num_generations}"
+        )
+    check_groups(n, s.num_generations, "update")
     if s.algo.needs_ref and batch.ref_logprobs is None:
         raise ValueError(f"algo.beta={s.algo.beta} > 0 needs batch.ref_logprobs")
     if s.algo.uses_critic and state.critic_params is None:
         raise ValueError("algo.advantage='gae' needs a critic: init_train_state(critic_params=)")
 
 
-def _update(s: _Setup, state: TrainState, batch: Batch):
+def _update(s: Setup, state: TrainState, batch: RolloutBatch):
     """state, batch -> (new state, metrics). See the module doc."""
-    TRACES[s.algo.name, batch.tokens.shape] += 1
     _check(s, state, batch)
     rows = _prepare(s, state, batch)
     policy_on = state.step >= (s.algo.critic_warmup_steps if s.algo.uses_critic else 0)
-    key = jax.random.fold_in(jax.random.key(0), state.step)
+    key = jax.random.fold_in(jax.random.key(s.seed), state.step)
     n = batch.tokens.shape[0]
 
     def one_pass(carry, i):
@@ -410,9 +203,9 @@ def _update(s: _Setup, state: TrainState, batch: Batch):
         step = functools.partial(_optimizer_step, s, state.step, policy_on)
         return jax.lax.scan(step, carry, split_rows(r, s.mini_batches))
 
-    carry = _Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state)
+    carry = Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state)
     carry, metrics = jax.lax.scan(one_pass, carry, jnp.arange(s.algo.num_iterations))
-    metrics = _reduce(metrics, sum_losses=False)
+    metrics = reduce_metrics(metrics, sum_losses=False)
     metrics.update(_batch_metrics(rows.advantages, rows.loss_mask, rows.returns, rows.old_values))
     metrics["optim/lr"] = s.opt.schedule(state.step)
     new_state = TrainState(
@@ -429,37 +222,40 @@ def make_update_fn(
     model_cfg: models.ModelConfig,
     algo_cfg: AlgoConfig,
     opt: Optimizer,
+    spec: RolloutSpec,
     micro_batches: int = 1,
     mini_batches: int = 1,
-    temperature: float = 1.0,
     chunk_size: int = 128,
     critic_optimizer: Optimizer | None = None,
     skip_nonfinite: bool = False,
-    group: int = 1,
+    seed: int = 0,
+    share_prompts: bool = True,
 ) -> UpdateFn:
     """The jitted `update(state, batch) -> (state, metrics)`; state is donated.
 
+    spec: the rollout's `sampling.RolloutSpec`. Log-probs are recomputed at its
+    temperature; its num_generations (G) consecutive rows share their prompt, which is
+    then read once per group: in the old-policy recompute, and in the forward + backward
+    when mini_batches == 1 (`rl.batch.prompt_prefix` / `prefix_logprobs`; the result is
+    the same up to float rounding, only the group's first row's prompt is read); its
+    max_new_tokens is L_max of seq-mean-token-sum-norm.
     micro_batches: gradient-accumulation slices per optimizer step (memory knob; the
     result does not depend on it). mini_batches: optimizer steps per pass over the batch.
-    temperature: the sampling temperature (log-probs must match the sampler's).
     critic_optimizer: required when algo_cfg uses a critic (PPO).
-    group: every `group` consecutive rows share their prompt (GRPO's G samples; the
-    batch's rows are prompt-major). The prompts are then read once per group: in the
-    old-policy recompute, and in the forward + backward when mini_batches == 1
-    (`rl.batch.prompt_prefix` / `prefix_logprobs`). The result is the same as with
-    group=1 up to float rounding; only the group's first row's prompt is read.
+    seed: the mini-batch permutations derive from (seed, step) (`train.seed`).
+    share_prompts: False makes every row read its own prompt (the same result up to float
+    rounding, more compute; a reference for the shared path).
     """
     if micro_batches < 1 or mini_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}, mini_batches={mini_batches}: >= 1")
     if algo_cfg.uses_critic and critic_optimizer is None:
         raise ValueError(f"algo.advantage={algo_cfg.advantage!r} needs critic_optimizer")
-    setup = _Setup(
-        model_cfg, algo_cfg, opt, critic_optimizer if algo_cfg.uses_critic else None,
-        int(micro_batches), int(mini_batches), float(temperature), int(chunk_size),
-        bool(skip_nonfinite), int(group),
+    check_num_generations(algo_cfg, spec.num_generations)
+    setup = Setup(
+        model_cfg, algo_cfg, opt, critic_optimizer if algo_cfg.uses_critic else None, spec,
+        int(micro_batches), int(mini_batches), int(chunk_size), bool(skip_nonfinite), int(seed),
+        bool(share_prompts),
     )  # fmt: skip
-    if setup.group < 1:
-        raise ValueError(f"group={group}: must be >= 1")
     return UpdateFn(setup)
 
 
@@ -469,12 +265,13 @@ class UpdateFn:
     The new state is pinned to the shardings the state came in with: left to itself, the
     compiler may shard an output differently (e.g. a replicated norm scale over 'fsdp'),
     which would make the next call and the sampler compile again for the new layout. One
-    jitted program is kept per input layout; `TRACES` counts compilations.
+    jitted program is kept per input layout; `traces` counts compilations by [N, T].
     """
 
-    def __init__(self, setup: _Setup):
+    def __init__(self, setup: Setup):
         self._setup = setup
         self._jitted: dict = {}
+        self.traces: collections.Counter = collections.Counter()
 
     def _for(self, state: TrainState):
         shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -486,13 +283,17 @@ class UpdateFn:
             else:
                 scalars = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
             self._jitted[key] = jax.jit(
-                functools.partial(_update, self._setup),
+                self._traced,
                 donate_argnums=0,
                 out_shardings=(shardings, scalars),
             )
         return self._jitted[key]
 
-    def __call__(self, state: TrainState, batch: Batch):
+    def _traced(self, state: TrainState, batch: RolloutBatch):
+        self.traces[batch.tokens.shape] += 1
+        return _update(self._setup, state, batch)
+
+    def __call__(self, state: TrainState, batch: RolloutBatch):
         return self._for(state)(state, batch)
 
     @property
@@ -505,12 +306,12 @@ class UpdateFn:
 
     @property
     def shared_prompt_passes(self) -> int:
-        """How many of `forward_passes` read each prompt once per group (`group`)."""
+        """How many of `forward_passes` read each prompt once per group (G > 1)."""
         s = self._setup
-        if s.group == 1:
+        if s.prompt_group == 1:
             return 0
         return 3 * s.algo.num_iterations * s.shares_prompts + int(s.needs_old_logp)
 
-    def lower(self, state: TrainState, batch: Batch):
+    def lower(self, state: TrainState, batch: RolloutBatch):
         """`jax.jit(...).lower` of the program for this state's layout (AOT, memory)."""
         return self._for(state).lower(state, batch)

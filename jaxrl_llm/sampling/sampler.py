@@ -1,84 +1,42 @@
-"""The rollout sampler: one jitted program per (prompt bucket, batch, settings).
+"""The rollout sampler: a class that owns its compiled programs, counters and settings.
 
-    prefill B prompts once -> broadcast each prompt's KV cache to its G rows
-    -> lax.while_loop of single-token decode steps until every row has stopped
-       (a stop id) or max_new_tokens: one loop per cache segment, the cache grown
-       between them (`cache_lengths`)
+    sampler = Sampler(model_cfg, mesh, seed=0, pad_id=pad)
+    out = sampler.sample(params, prompt_ids, prompt_mask, spec, step)     # one program
+    # or, resumable (multi-turn: a tool's output appended between turns):
+    state = sampler.start(params, prompt_ids, prompt_mask, spec, step)
+    state = sampler.decode(params, state, max_new_tokens=32, stop_ids=(tool_end,))
+    state = sampler.append(params, state, tool_ids, tool_mask)
+    state = sampler.decode(params, state)
+    out = sampler.result(state)
 
-Everything stays on device; the loop never syncs with the host. Prompts are left-padded to
-a bucket length (16, 24, 32, 48, 64, ... by default: `bucket_length`) so a training run
-compiles a bounded number of programs. The parameters are read in whatever sharding they
-have (the training sharding); the batch, the KV cache and the outputs are sharded over
-('data', 'fsdp').
-Randomness: the key is fold_in(PRNGKey(seed), call index), with the call index given by
-the caller (the trainer passes its step, so a resumed run draws the same samples) or
-counted per seed by this module.
+Prompts come as `data` produces them: left-padded host arrays [B, W]. They are cut (or
+left-padded) to a bucket length (16, 24, 32, 48, 64, ... by default: `bucket_length`), so
+a run compiles a bounded number of programs. The parameters are read in whatever sharding
+they have (the training sharding); the batch, the KV cache and the outputs are sharded
+over ('data', 'fsdp'). Randomness: the key is fold_in(key(seed), step); `step` is given
+by the caller (the trainer passes its step, so a resumed run draws the same samples) or
+counted by the sampler. The device programs are in `decode.py`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
+import contextlib
+import functools
 import itertools
+import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm import models
-from jaxrl_llm.models.partitioning import logical_to_sharding
 from jaxrl_llm.parallel import mesh as mesh_lib
-from jaxrl_llm.sampling.sampling import sample_tokens
+from jaxrl_llm.sampling import decode as D
+from jaxrl_llm.sampling.spec import RolloutSpec
 
-FINISH_STOP, FINISH_LENGTH = 1, 2
 MIN_BUCKET = 16
-_call_counters: dict[int, itertools.count] = collections.defaultdict(itertools.count)
-TRACES = collections.Counter()  # compiled programs, by prompt bucket: for tests and logs
-CACHE_SEGMENTS = 4  # default decode segments (`cache_lengths`)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Static settings of one generate program (hashable: a jit static argument)."""
-
-    max_new_tokens: int
-    num_samples: int = 1  # G: rows per prompt
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    stop_ids: tuple[int, ...] = ()
-    pad_id: int = 0
-    cache_segments: int = CACHE_SEGMENTS  # decode loops over a growing cache (`cache_lengths`)
-
-
-@struct.dataclass
-class SampleOutput:
-    """Rollouts, N = B * G rows, prompt-major (the G rows of a prompt are consecutive)."""
-
-    tokens: jax.Array  # [N, T] int32 completion ids, pad_id after the end
-    mask: jax.Array  # [N, T] bool: generated tokens (the stop token included)
-    logprobs: jax.Array  # [N, T] float32 log softmax(logits / temperature)[token]; 0 off-mask
-    lengths: jax.Array  # [N] int32
-    finish: jax.Array  # [N] int32: FINISH_STOP or FINISH_LENGTH
-    prompt_tokens: jax.Array  # [N, P] int32, left-padded
-    prompt_mask: jax.Array  # [N, P] bool
-
-
-@struct.dataclass
-class _Loop:
-    t: jax.Array
-    tokens: jax.Array
-    logprobs: jax.Array
-    lengths: jax.Array
-    finish: jax.Array
-    done: jax.Array
-    last: jax.Array
-    cache: models.KVCache
-
-
+CACHE_SEGMENTS = 4  # default decode segments (`decode.cache_lengths`)
 BUCKET_STEPS = (1, 2, 4, 8)
 
 
@@ -102,124 +60,224 @@ def bucket_length(n: int, steps: int = 2) -> int:
     return lower + -(-(n - lower) // step) * step
 
 
-def cache_lengths(prompt_len: int, max_new_tokens: int, segments: int) -> tuple[int, ...]:
-    """KV cache length of each decode segment; the last is prompt_len + max_new_tokens.
+class Sampler:
+    """Jitted prefill / decode / append programs of one model on one mesh.
 
-    A decode step's attention reads every slot of its cache, filled or not. With
-    `segments` > 1 the decode loop runs in that many parts, each over a cache just long
-    enough for its steps (lengths rounded up to a multiple of 8) and grown in between
-    (`models.grow_cache`, one copy of the cache): a token reads the filled slots plus at
-    most a segment's worth instead of the full length, for up to `segments` compiled loop
-    bodies instead of one. Prompt 64 + 128 new tokens at batch 128 (25M model, 2 CPU
-    cores): 4 segments decode ~9% faster than 1. While the cache grows the old and the
-    new one coexist: the cache's peak memory is under twice one full-length cache.
+    Args:
+      model_cfg: the `models.ModelConfig`.
+      mesh: the device mesh (None: one device).
+      seed: the sampling seed; the key of a call is fold_in(key(seed), step).
+      pad_id: the padding token of prompts and completions.
+      bucket_steps: prompt-length buckets per doubling (`bucket_length`).
+      cache_segments: decode loops over a growing KV cache (`decode.cache_lengths`).
+
+    `traces` counts the programs this sampler compiled, by (program, prompt shape).
     """
-    full = prompt_len + max_new_tokens
-    n = max(1, min(segments, max_new_tokens - 1))
-    ends = (prompt_len + -(-max_new_tokens * i // n) for i in range(1, n + 1))
-    return tuple(sorted({min(full, -(-e // 8) * 8) for e in ends}))
+
+    def __init__(
+        self,
+        model_cfg,
+        mesh=None,
+        *,
+        seed: int = 0,
+        pad_id: int = 0,
+        bucket_steps: int = 2,
+        cache_segments: int = CACHE_SEGMENTS,
+    ):
+        if bucket_steps not in BUCKET_STEPS:
+            raise ValueError(f"bucket_steps={bucket_steps!r}: expected one of {BUCKET_STEPS}")
+        if not isinstance(cache_segments, int) or cache_segments < 1:
+            raise ValueError(f"cache_segments={cache_segments}: must be >= 1 (1 = one loop)")
+        self.cfg, self.mesh = model_cfg, mesh
+        self.seed, self.pad_id = int(seed), int(pad_id)
+        self.bucket_steps, self.cache_segments = bucket_steps, cache_segments
+        self.traces: collections.Counter = collections.Counter()
+        self._calls = itertools.count()
+        self._start = jax.jit(self._start_program, static_argnames="spec")
+        # The rollouts come out sharded by rows, pinned: the programs that read them (the
+        # reference, the update) can then be compiled before the first rollout exists.
+        rows = {} if mesh is None else {"out_shardings": self.row_sharding}
+        self._sample = jax.jit(self._sample_program, static_argnames="spec", **rows)
+        self._decode = jax.jit(self._decode_program, static_argnums=(2, 3), donate_argnums=1)
+        self._append = jax.jit(self._append_program, donate_argnums=1)
+        self._result = jax.jit(functools.partial(D.result, pad_id=self.pad_id))
+
+    # ------------------------------------------------------------------ public programs
+    def sample(
+        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step=None, *, version: int = 0
+    ) -> D.SampleOutput:
+        """start + decode(spec.max_new_tokens) + result, as ONE program (the single-turn
+        rollout: the KV cache never leaves it). version: the parameters' version, recorded
+        per row as `policy_version`."""
+        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, version)
+        return self._sample(params, ids, mask, seed_index, spec=spec)
+
+    def lower(self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int = 0):
+        """`jax.jit(...).lower` of `sample` for these prompts' bucket (ahead-of-time
+        compilation: the compiled program serves `sample` calls of the same shapes)."""
+        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, 0)
+        return self._sample.lower(params, ids, mask, seed_index, spec=spec)
+
+    @property
+    def row_sharding(self):
+        """The sharding of `sample`'s outputs: rows over ('data', 'fsdp') (None: no mesh)."""
+        return None if self.mesh is None else NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
+
+    def start(
+        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step=None, *, version: int = 0
+    ) -> D.DecodeState:
+        """Prefills B prompts once for their G rows -> a `DecodeState` (nothing drawn yet)."""
+        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, version)
+        return self._start(params, ids, mask, seed_index, spec=spec)
+
+    def decode(
+        self, params, state: D.DecodeState, max_new_tokens: int | None = None, stop_ids=None
+    ) -> D.DecodeState:
+        """Draws until every row has stopped or drawn `max_new_tokens` (default the spec's)
+        in this call; `stop_ids` (default the spec's) end a row. The state is donated."""
+        budget = int(max_new_tokens or state.spec.max_new_tokens)
+        stops = state.spec.stop_ids if stop_ids is None else tuple(int(s) for s in stop_ids)
+        self._check_stops(stops)
+        self._check_length(state.end + budget, "decode")
+        with _growing():
+            return self._decode(params, state, budget, stops)
+
+    def append(self, params, state: D.DecodeState, token_ids, token_mask) -> D.DecodeState:
+        """Extends each row's cache with token_ids [N, A] where token_mask [N, A] (each row's
+        real tokens, e.g. a tool's output; not sampled: loss mask 0). The state is donated.
+        Host arrays are put on the mesh like the rows; with several processes each gives
+        its own rows, as with the prompts."""
+        token_ids, token_mask = np.asarray(token_ids), np.asarray(token_mask, bool)
+        n = state.tokens.shape[0] // (jax.process_count() if self._multi() else 1)  # own rows
+        if token_ids.shape != token_mask.shape or token_ids.shape[0] != n:
+            raise ValueError(
+                f"append: token_ids {token_ids.shape} and token_mask {token_mask.shape} "
+                f"must both be [{n}, A]"
+            )
+        self._check_ids(token_ids[token_mask], "append: token_ids")
+        self._check_length(state.end + token_ids.shape[1], "append")
+        ids, mask = self._put((token_ids.astype(np.int32), token_mask))
+        with _growing():
+            return self._append(params, state, ids, mask)
+
+    def result(self, state: D.DecodeState) -> D.SampleOutput:
+        """The rollouts of a state (it is not consumed)."""
+        return self._result(state)
+
+    # ----------------------------------------------------------------- device programs
+    def _start_program(self, params, ids, mask, seed_index, *, spec):
+        self.traces["start", ids.shape] += 1
+        return D.start(self.cfg, params, ids, mask, seed_index, spec, self.pad_id,
+                       self.cache_segments, self.mesh)  # fmt: skip
+
+    def _decode_program(self, params, state, budget, stops):
+        self.traces["decode", state.prompt_tokens.shape] += 1
+        return D.decode(self.cfg, params, state, budget, stops, self.pad_id,
+                        self.cache_segments, self.mesh)  # fmt: skip
+
+    def _append_program(self, params, state, ids, mask):
+        self.traces["append", state.prompt_tokens.shape] += 1
+        return D.append(self.cfg, params, state, ids, mask, self.pad_id, self.mesh)
+
+    def _sample_program(self, params, ids, mask, seed_index, *, spec):
+        self.traces["sample", ids.shape] += 1
+        state = D.start(
+            self.cfg, params, ids, mask, seed_index, spec, self.pad_id, self.cache_segments,
+            self.mesh,
+        )  # fmt: skip
+        state = D.decode(self.cfg, params, state, spec.max_new_tokens, spec.stop_ids,
+                         self.pad_id, self.cache_segments, self.mesh)  # fmt: skip
+        return D.result(state, self.pad_id)
+
+    # ---------------------------------------------------------------------- host side
+    def _multi(self) -> bool:
+        return self.mesh is not None and jax.process_count() > 1
+
+    def _put(self, arrays):
+        """Host rows -> device arrays sharded over ('data', 'fsdp') (explicit transfers).
+        Several processes: each gives its own rows; the result is the global batch."""
+        put = mesh_lib.shard_local_batch if self._multi() else mesh_lib.shard_batch
+        return put(arrays, self.mesh)
+
+    def _inputs(self, prompt_ids, prompt_mask, spec, step, version):
+        """Prompts at their bucket width on the mesh, and seed_index (seed, step, version)."""
+        self._check_stops(spec.stop_ids)
+        if isinstance(prompt_ids, jax.Array):  # already placed: the caller chose the width
+            ids, mask = prompt_ids, prompt_mask
+            width = ids.shape[1]
+        else:
+            ids, mask = self.bucketed(prompt_ids, prompt_mask)
+            width = ids.shape[1]
+            rows, multiple = ids.shape[0], mesh_lib.batch_size_multiple(self.mesh)
+            if not self._multi() and rows % multiple:
+                raise ValueError(
+                    f"prompt batch of {rows} rows is not divisible by the mesh's data x "
+                    f"fsdp = {multiple}"
+                )
+            ids, mask = self._put((ids, mask))
+        self._check_length(width + spec.max_new_tokens, "prompt bucket + max_new_tokens")
+        index = next(self._calls) if step is None else int(step)
+        seed_index = np.array([self.seed, index, version], np.uint32)
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return ids, mask, jax.device_put(seed_index, replicated)
+
+    def bucketed(self, prompt_ids, prompt_mask) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded host prompts [B, W] -> [B, bucket] (leading padding columns cut or
+        added). With several processes, all agree on the longest prompt's bucket."""
+        ids = np.asarray(prompt_ids, np.int32)
+        mask = np.asarray(prompt_mask, bool)
+        if ids.ndim != 2 or ids.shape != mask.shape or ids.shape[0] == 0:
+            raise ValueError(f"prompts: ids {ids.shape} and mask {mask.shape}: expected [B, W]")
+        lengths = mask.sum(axis=1)
+        if not lengths.any():
+            raise ValueError("prompts: no real token in any row")
+        # Rows without any real token are allowed: dummy rows that make B divide the mesh.
+        if (np.diff(mask.astype(np.int8), axis=1) < 0).any() or not mask[lengths > 0, -1].all():
+            raise ValueError("prompts: expected left-padded rows (real tokens at the end)")
+        self._check_ids(ids[mask], "prompts")
+        bucket = bucket_length(int(lengths.max()), self.bucket_steps)
+        if self._multi():
+            bucket = mesh_lib.host_max(bucket)
+        W = ids.shape[1]
+        if W >= bucket:
+            return ids[:, W - bucket :], mask[:, W - bucket :]
+        pad = ((0, 0), (bucket - W, 0))
+        return np.pad(ids, pad, constant_values=self.pad_id), np.pad(mask, pad)
+
+    def _check_ids(self, ids: np.ndarray, what: str) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            raise ValueError(f"{what}: token id outside [0, {self.cfg.vocab_size})")
+
+    def _check_stops(self, stop_ids) -> None:
+        for s in stop_ids:
+            if not 0 <= s < self.cfg.vocab_size:
+                raise ValueError(
+                    f"stop_ids: {s} is outside the vocabulary [0, {self.cfg.vocab_size})"
+                )
+
+    def _check_length(self, length: int, what: str) -> None:
+        limit = self.cfg.max_position_embeddings
+        if length > limit:
+            raise ValueError(
+                f"{what} ({length} positions) exceeds the model's max_position_embeddings {limit}"
+            )
 
 
-def _constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
-    if mesh is None:
-        return cache
-    k_axes = ("layers", "batch", "kv_heads", "head_dim", "cache_seq")
-    v_axes = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
-    rows = logical_to_sharding(("batch", "cache_seq"), cache.valid.shape, mesh)
-    wsc = jax.lax.with_sharding_constraint
-
-    def constrain(c, axes):  # [L, ...] or per layer
-        return wsc(c, logical_to_sharding(axes[-c.ndim :], c.shape, mesh))
-
-    return cache.replace(
-        k=jax.tree.map(lambda c: constrain(c, k_axes), cache.k),
-        v=jax.tree.map(lambda c: constrain(c, v_axes), cache.v),
-        valid=wsc(cache.valid, rows),
-        pos=wsc(cache.pos, logical_to_sharding(("batch",), cache.pos.shape, mesh)),
-    )
+@contextlib.contextmanager
+def _growing():
+    """A call that grows the KV cache or the completion buffers cannot reuse the donated
+    arrays whose shape changes (it reuses the others); JAX warns at each such compile."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        yield
 
 
-def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_samples: int, max_len: int, mesh=None):
-    """Prefills B prompts once and repeats each cache row G times.
-
-    Returns (last-token logits [B*G, V], cache with B*G rows of length max_len).
-    """
-    B = prompt_ids.shape[0]
-    cache = models.init_cache(cfg, B, max_len, params["embed"].dtype)
-    logits, cache = models.prefill(
-        cfg, params, prompt_ids, prompt_mask, _constrain_cache(cache, mesh)
-    )
-    G = num_samples
-    cache = models.cache_rows(cache, jnp.arange(B * G) // G)
-    return jnp.repeat(logits, G, axis=0), _constrain_cache(cache, mesh)
-
-
-def _generate(cfg, sp: SamplingParams, params, prompt_ids, prompt_mask, seed_index, mesh):
-    TRACES[prompt_ids.shape] += 1
-    # The key is derived on device from (seed, call index): building it on the host would
-    # be an implicit transfer, an error under jax.transfer_guard("disallow").
-    key = jax.random.fold_in(jax.random.key(seed_index[0]), seed_index[1])
-    T, G = sp.max_new_tokens, sp.num_samples
-    lengths = cache_lengths(prompt_ids.shape[1], T, sp.cache_segments)
-    logits, cache = prefill_groups(cfg, params, prompt_ids, prompt_mask, G, lengths[0], mesh)
-    N = logits.shape[0]
-    stop_ids = jnp.asarray(sp.stop_ids or (-1,), jnp.int32)
-    sample = lambda k, lg: sample_tokens(k, lg, sp.temperature, sp.top_k, sp.top_p)  # noqa: E731
-
-    first, first_lp = sample(jax.random.fold_in(key, 0), logits)
-    stopped = jnp.isin(first, stop_ids)
-    s = _Loop(
-        t=jnp.int32(1),
-        tokens=jnp.full((N, T), sp.pad_id, jnp.int32).at[:, 0].set(first),
-        logprobs=jnp.zeros((N, T), jnp.float32).at[:, 0].set(first_lp),
-        lengths=jnp.ones((N,), jnp.int32),
-        finish=jnp.where(stopped, FINISH_STOP, 0).astype(jnp.int32),
-        done=stopped,
-        last=first,
-        cache=cache,
-    )
-
-    # A per-layer cache (scan_layers=False) runs the layers unrolled: their parameters are
-    # sliced once here, not in every decode step (XLA did not hoist those copies).
-    layers = None if cfg.scan_layers else models.layer_params(params)
-
-    def body(s: _Loop):
-        logits, cache = models.decode_step(cfg, params, s.last, s.cache, layers)
-        tok, lp = sample(jax.random.fold_in(key, s.t), logits)
-        tok = jnp.where(s.done, sp.pad_id, tok)
-        lp = jnp.where(s.done, 0.0, lp)
-        new_stop = ~s.done & jnp.isin(tok, stop_ids)
-        return _Loop(
-            t=s.t + 1,
-            tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.t)),
-            logprobs=jax.lax.dynamic_update_slice(s.logprobs, lp[:, None], (0, s.t)),
-            lengths=s.lengths + (~s.done).astype(jnp.int32),
-            finish=jnp.where(new_stop, FINISH_STOP, s.finish),
-            done=s.done | new_stop,
-            last=tok,
-            cache=_constrain_cache(cache, mesh),
-        )
-
-    # One loop per cache segment: step t writes slot P + t - 1, so a cache of S slots
-    # serves the steps t <= S - P; then it grows to the next segment's length.
-    for i, S in enumerate(lengths):
-        if i:
-            s = s.replace(cache=_constrain_cache(models.grow_cache(s.cache, S), mesh))
-        end = min(T, S - prompt_ids.shape[1] + 1)
-        s = jax.lax.while_loop(lambda s, end=end: (s.t < end) & ~jnp.all(s.done), body, s)
-    mask = jnp.arange(T)[None, :] < s.lengths[:, None]
-    return SampleOutput(
-        tokens=jnp.where(mask, s.tokens, sp.pad_id),
-        mask=mask,
-        logprobs=jnp.where(mask, s.logprobs, 0.0),
-        lengths=s.lengths,
-        finish=jnp.where(s.finish == 0, FINISH_LENGTH, s.finish),
-        prompt_tokens=jnp.repeat(prompt_ids, G, axis=0),
-        prompt_mask=jnp.repeat(prompt_mask, G, axis=0),
-    )
-
-
-_generate_jit = jax.jit(_generate, static_argnums=(0, 1, 6))
+@functools.lru_cache(maxsize=32)
+def _shared_sampler(cfg, mesh, seed, pad_id, bucket_steps, cache_segments) -> Sampler:
+    """One `Sampler` per setting for `generate`: its programs compile once, and its call
+    counter gives successive calls without `step` fresh samples."""
+    return Sampler(cfg, mesh, seed=seed, pad_id=pad_id, bucket_steps=bucket_steps,
+                   cache_segments=cache_segments)  # fmt: skip
 
 
 def pad_prompts(
@@ -233,7 +291,7 @@ def pad_prompts(
     """Left-pads token-id lists to their bucket -> (ids [B', P], mask [B', P]) on the host.
 
     B' rounds B up to a multiple of `batch_multiple` with fully padded dummy rows; P is
-    `bucket_length(longest, bucket_steps)`, or `bucket` (several processes agree on one).
+    `bucket_length(longest, bucket_steps)`, or `bucket`.
     """
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts: expected a non-empty list of token-id lists")
@@ -272,73 +330,23 @@ def generate(
     pad_id: int = 0,
     bucket_steps: int = 2,
     cache_segments: int = CACHE_SEGMENTS,
-) -> SampleOutput:
-    """Samples `num_samples` completions per prompt. See `SampleOutput` for the result.
+) -> D.SampleOutput:
+    """Samples `num_samples` (G) completions per prompt: `Sampler.sample` over token-id
+    lists. See `decode.SampleOutput` for the result.
 
     prompts: list of token-id lists. temperature 0 = greedy. step: the call index the
-    random key is derived from (default: a per-seed counter of calls). bucket_steps: prompt
-    length buckets per doubling (`bucket_length`). cache_segments: decode loops over a
-    growing KV cache (`cache_lengths`). With several JAX
-    processes, each passes its own share of the prompts (the same count on every process)
-    and gets the global output; `parallel.local_rows` fetches its own rows.
+    random key is derived from (default: a per-setting counter of calls). With several
+    JAX processes, each passes its own share of the prompts (the same count on every
+    process) and gets the global output; `parallel.local_rows` fetches its own rows.
     """
-    sp = SamplingParams(
-        int(max_new_tokens),
-        int(num_samples),
-        float(temperature),
-        int(top_k),
-        float(top_p),
-        tuple(int(s) for s in stop_ids),
-        int(pad_id),
-        int(cache_segments),
-    )
-    _validate(cfg, sp)
-    multi = mesh is not None and jax.process_count() > 1
-    # Several processes: `prompts` are this process's share; all must agree on the bucket.
-    bucket = (
-        mesh_lib.host_max(bucket_length(max(map(len, prompts)), bucket_steps)) if multi else None
-    )
-    ids, mask = pad_prompts(
-        prompts,
-        sp.pad_id,
-        1 if multi else mesh_lib.batch_size_multiple(mesh),
-        cfg.vocab_size,
-        bucket=bucket,
-        bucket_steps=bucket_steps,
-    )
-    if ids.shape[1] + sp.max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt bucket {ids.shape[1]} + max_new_tokens {sp.max_new_tokens} exceeds the "
-            f"model's max_position_embeddings {cfg.max_position_embeddings}"
-        )
-    index = next(_call_counters[seed]) if step is None else step
-    seed_index = np.array([seed, index], np.uint32)
-    put = mesh_lib.shard_local_batch if multi else mesh_lib.shard_batch
-    ids, mask, seed_index = put((ids, mask), mesh) + (
-        jax.device_put(seed_index, None if mesh is None else NamedSharding(mesh, P())),
-    )
-    out = _generate_jit(cfg, sp, params, ids, mask, seed_index, mesh)
-    n = len(prompts) * sp.num_samples
-    if (
-        not multi and out.tokens.shape[0] != n
-    ):  # dummy rows that made the batch divisible by the mesh
+    spec = RolloutSpec(num_samples, max_new_tokens, temperature, top_k, top_p, tuple(stop_ids))
+    sampler = _shared_sampler(cfg, mesh, int(seed), int(pad_id), bucket_steps, cache_segments)
+    multi = sampler._multi()
+    ids, mask = pad_prompts(prompts, sampler.pad_id,
+                            1 if multi else mesh_lib.batch_size_multiple(mesh), cfg.vocab_size,
+                            bucket_steps=bucket_steps)  # fmt: skip
+    out = sampler.sample(params, ids, mask, spec, step)
+    n = len(prompts) * spec.num_generations
+    if not multi and out.tokens.shape[0] != n:  # dummy rows that made B divide the mesh
         out = jax.tree.map(lambda x: x[:n], out)
     return out
-
-
-def _validate(cfg, sp: SamplingParams) -> None:
-    if sp.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={sp.max_new_tokens}: must be >= 1")
-    if sp.num_samples < 1:
-        raise ValueError(f"num_samples={sp.num_samples}: must be >= 1")
-    if sp.temperature < 0:
-        raise ValueError(f"temperature={sp.temperature}: must be >= 0 (0 = greedy)")
-    if sp.top_k < 0:
-        raise ValueError(f"top_k={sp.top_k}: must be >= 0 (0 = off)")
-    if sp.cache_segments < 1:
-        raise ValueError(f"cache_segments={sp.cache_segments}: must be >= 1 (1 = one loop)")
-    if not 0.0 < sp.top_p <= 1.0:
-        raise ValueError(f"top_p={sp.top_p}: must be in (0, 1]")
-    for s in sp.stop_ids:
-        if not 0 <= s < cfg.vocab_size:
-            raise ValueError(f"stop_ids: {s} is outside the vocabulary [0, {cfg.vocab_size})")

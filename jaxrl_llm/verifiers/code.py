@@ -8,13 +8,15 @@ is none). Tests come from the row in either common shape:
   function; `check(<entry_point>)` is then run as the single test.
 
 Reward: 1.0 when every test passes (or the fraction passed with `partial=True`), 0.0 when
-any fails, the code crashes, or a limit is hit. A run that ends early (`os._exit(0)`,
-`sys.exit(0)` before the tests) never counts as passing.
+any fails, the code crashes, or a limit is hit. A run past the sandbox's wall-clock limit
+raises `VerifierTimeout`, which the pool scores 0 and counts in `verifier/timeouts`. A run
+that ends early (`os._exit(0)`, `sys.exit(0)` before the tests) never counts as passing.
 """
 
 from __future__ import annotations
 
 from jaxrl_llm.verifiers.extract import code_block
+from jaxrl_llm.verifiers.registry import VerifierTimeout
 from jaxrl_llm.verifiers.sandbox import Limits, run_python
 
 
@@ -61,10 +63,15 @@ def python_tests(
       cpu_s, wall_s, memory_mb: sandbox limits for the whole run (code + all tests). The
         pool's `timeout_s` must exceed `wall_s` (the pool checks), with room for the
         interpreter's start-up, or slow runs count as verifier timeouts, not failed code.
+
+    Raises:
+      VerifierTimeout: the code ran past `wall_s` (the pool scores it 0 and counts it).
     """
     tests, setup = row_tests(example, tests_key, setup_key)
     limits = Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)
     result = run_python(code_block(completion), tests, setup=setup, limits=limits)
+    if result.status == "timeout":
+        raise VerifierTimeout(f"the code ran past the sandbox's wall_s={wall_s:g} s")
     if result.status == "passed":
         return 1.0
     if partial and result.status == "failed":

@@ -6,6 +6,13 @@ executor breaks for good when a worker dies. Here each worker is a plain subproc
 pipes; the parent watches a deadline per (sample, verifier) item, kills a worker that passes
 it, replaces dead workers, and puts the rest of their batch back in the queue.
 
+Failures cost at most a bounded amount: a verifier whose calls keep killing their worker
+or timing out (`breaker_after` in a row) is not called again for the rest of the batch;
+its remaining samples score 0, each counted as an error, and `ScoreDetails.tripped` says
+why. Workers cap their memory (`memory_mb`) and kill whatever processes a call leaves
+behind (see worker.py). `ErrorBudget` (report.py) turns a batch's failures into the
+trainer's warning or stop.
+
 Items go out in small chunks (fewer round trips for fast verifiers like `gsm8k`); a worker
 reports each item as it finishes, which starts the clock for the next one, so the timeout
 stays per item. Results are written by item index, so order always matches the input.
@@ -16,7 +23,6 @@ re-import the trainer's `__main__` (and JAX with it).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import inspect
 import json
 import os
@@ -29,59 +35,68 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxrl_llm.errors import UserError
 from jaxrl_llm.verifiers import worker as wire
 from jaxrl_llm.verifiers.registry import parse_specs, resolve
+from jaxrl_llm.verifiers.report import ScoreDetails
 
 _MAX_MESSAGES = 8
 _MAX_START_FAILURES = 3
 
 
-@dataclasses.dataclass
-class ScoreDetails:
-    """Everything `score` learned besides the summed reward.
-
-    Attributes:
-      per_verifier: label -> [N] float64 raw (unweighted) scores; 0 where the call failed.
-      weights: label -> weight used in the sum.
-      errors: label -> calls that raised, returned a non-finite value, or killed the worker.
-      timeouts: label -> calls that ran past `timeout_s`.
-      messages: the first few failures, `"<label> sample <i>: <error>"`, for the logs.
-    """
-
-    per_verifier: dict[str, np.ndarray]
-    weights: dict[str, float]
-    errors: dict[str, int]
-    timeouts: dict[str, int]
-    messages: list[str]
-
-    def metrics(self) -> dict[str, float]:
-        """Flat metrics: `reward/<label>` (mean raw score), `verifier/errors`,
-        `verifier/timeouts`."""
-        out = {f"reward/{label}": float(np.mean(v)) for label, v in self.per_verifier.items()}
-        out["verifier/errors"] = float(sum(self.errors.values()))
-        out["verifier/timeouts"] = float(sum(self.timeouts.values()))
-        return out
+class PoolError(UserError, RuntimeError):
+    """The verifiers cannot run at all (they fail to import or to start in a worker)."""
 
 
 class _Batch:
-    """Bookkeeping of one `score` call: [N, K] values and statuses, the item queue."""
+    """Bookkeeping of one `score` call: [N, K] values and statuses, the item queue, and
+    the breaker (per verifier, calls in a row that cost a worker or a timeout)."""
 
-    def __init__(self, specs, completions, examples):
+    def __init__(self, specs, completions, examples, breaker_after: int):
         self.specs, self.completions, self.examples = specs, completions, examples
         self.k = len(specs)
         self.values = np.zeros((len(completions), self.k))
         self.status = np.full((len(completions), self.k), -1, np.int8)
         self.queue = collections.deque(range(len(completions) * self.k))
         self.messages: list[str] = []
+        self.first_error: str | None = None
         self.remaining = len(completions) * self.k
+        self.breaker_after = breaker_after
+        self.costly_in_a_row = [0] * self.k
+        self.tripped: dict[int, str] = {}
 
-    def record(self, item: int, value: float, status: int, message: str) -> None:
+    def record(self, item: int, value: float, status: int, message: str, costly=False) -> None:
+        """One finished call; `costly`: it timed out or killed its worker."""
         sample, k = divmod(item, self.k)
+        self._finish(sample, k, value, status, message)
+        self.costly_in_a_row[k] = self.costly_in_a_row[k] + 1 if costly else 0
+        if self.costly_in_a_row[k] >= self.breaker_after and k not in self.tripped:
+            self._trip(k, message)
+
+    def _finish(self, sample: int, k: int, value: float, status: int, message: str) -> None:
         self.values[sample, k] = value if status == wire.OK else 0.0
         self.status[sample, k] = status
         self.remaining -= 1
-        if status != wire.OK and len(self.messages) < _MAX_MESSAGES:
-            self.messages.append(f"{self.specs[k].label} sample {sample}: {message}")
+        if status == wire.OK:
+            return
+        line = f"{self.specs[k].label} sample {sample}: {message}"
+        if len(self.messages) < _MAX_MESSAGES:
+            self.messages.append(line)
+        if self.first_error is None and status in (wire.ERROR, wire.TIMEOUT):
+            self.first_error = line
+
+    def _trip(self, k: int, last: str) -> None:
+        """Stops calling verifier k in this batch: its queued samples score 0, as errors."""
+        why = f"{self.breaker_after} calls in a row timed out or killed their worker (last: {last})"
+        self.tripped[k] = why
+        kept = collections.deque()
+        for item in self.queue:
+            sample, kk = divmod(item, self.k)
+            if kk == k:
+                self._finish(sample, k, 0.0, wire.ERROR, f"not called: {why}")
+            else:
+                kept.append(item)
+        self.queue = kept
 
     def chunk(self, size: int):
         items = [self.queue.popleft() for _ in range(min(size, len(self.queue)))]
@@ -93,15 +108,20 @@ class _Batch:
         labels = [s.label for s in self.specs]
         weights = np.array([s.weight for s in self.specs])
 
-        def count(code):
-            return {name: int(np.sum(self.status[:, k] == code)) for k, name in enumerate(labels)}
+        def count(*codes):
+            hits = np.isin(self.status, codes)
+            return {name: int(np.sum(hits[:, k])) for k, name in enumerate(labels)}
 
         return self.values @ weights, ScoreDetails(
             per_verifier={name: self.values[:, k].copy() for k, name in enumerate(labels)},
             weights=dict(zip(labels, weights.tolist(), strict=True)),
             errors=count(wire.ERROR),
-            timeouts=count(wire.TIMEOUT),
+            timeouts=count(wire.TIMEOUT, wire.OWN_TIMEOUT),
             messages=self.messages,
+            failed=count(wire.ERROR, wire.TIMEOUT),
+            num_samples=len(self.completions),
+            first_error=self.first_error,
+            tripped={labels[k]: why for k, why in self.tripped.items()},
         )
 
 
@@ -134,6 +154,10 @@ class VerifierPool:
       recycle_after: replace a worker after this many calls, bounding slow leaks (sympy's
         caches grow without limit).
       start_timeout_s: how long a new worker may take to import the verifiers.
+      memory_mb: address space each worker may add once its verifiers are loaded; a call
+        allocating beyond it gets MemoryError (an error for that sample). 0: no cap.
+      breaker_after: a verifier whose calls time out or kill their worker this many times
+        in a row is not called again in that batch (`ScoreDetails.tripped`).
     """
 
     def __init__(
@@ -142,18 +166,23 @@ class VerifierPool:
         timeout_s: float = 10.0,
         recycle_after: int = 20_000,
         start_timeout_s: float = 120.0,
+        memory_mb: int = 2048,
+        breaker_after: int = 5,
     ):
         workers = workers or os.cpu_count() or 1
-        if workers < 1 or not timeout_s > 0 or recycle_after < 1:
+        if workers < 1 or not timeout_s > 0 or recycle_after < 1 or breaker_after < 1:
             raise ValueError(
-                f"need workers >= 1, timeout_s > 0, recycle_after >= 1; got "
-                f"{workers=}, {timeout_s=}, {recycle_after=}"
+                f"need workers >= 1, timeout_s > 0, recycle_after >= 1, breaker_after >= 1; "
+                f"got {workers=}, {timeout_s=}, {recycle_after=}, {breaker_after=}"
             )
+        if memory_mb < 0:
+            raise ValueError(f"memory_mb={memory_mb}: must be >= 0 (0 = no cap)")
         self.timeout_s, self.recycle_after, self.start_timeout_s = (
             timeout_s,
             recycle_after,
             start_timeout_s,
         )
+        self.memory_mb, self.breaker_after = memory_mb, breaker_after
         self.restarts = 0  # workers replaced after a crash or timeout, over the pool's life
         self._workers: list[wire.WorkerProcess | None] = [None] * workers
         self._lock = threading.Lock()
@@ -183,7 +212,7 @@ class VerifierPool:
           completions: [N] decoded texts.
           examples: [N] dataset rows (repeat a prompt's row for each of its G samples).
           num_tokens: [N] completion lengths in tokens, given to verifiers as
-            `example["num_tokens"]` (the `overlong` penalty needs it).
+            `example["num_tokens"]` (for verifiers that weigh length).
 
         Returns:
           rewards: [N] float64, sum_k weight_k * score_k; a failed call contributes 0.
@@ -193,7 +222,8 @@ class VerifierPool:
             raise RuntimeError("VerifierPool.score called after close()")
         specs = parse_specs(specs)
         self._check_wall_limits(specs)
-        batch = _Batch(specs, list(completions), _check_inputs(completions, examples, num_tokens))
+        examples = _check_inputs(completions, examples, num_tokens)
+        batch = _Batch(specs, list(completions), examples, self.breaker_after)
         wire_specs = [(s.name, s.options) for s in specs]
         with self._lock:
             try:
@@ -227,8 +257,11 @@ class VerifierPool:
             for fd, _ in poller.poll(1000 * self._wait_s(active.values())):
                 start_failures += self._receive(active[fd], batch, key)
                 if start_failures > _MAX_START_FAILURES:
-                    raise RuntimeError(
-                        "verifier workers keep dying while starting; see their stderr above"
+                    raise PoolError(
+                        "rewards",
+                        "verifier workers keep dying while loading the verifiers",
+                        "check that the reward modules import in a fresh python (their "
+                        "stderr is above)",
                     )
             self._enforce_deadlines(batch)
 
@@ -239,7 +272,7 @@ class VerifierPool:
                 wire.shutdown([w])
                 w = self._workers[i] = None
             if w is None:
-                w = self._workers[i] = wire.WorkerProcess(0.9 * self.timeout_s)
+                w = self._workers[i] = wire.WorkerProcess(0.9 * self.timeout_s, self.memory_mb)
             if not w.idle:
                 continue
             if w.key != key:
@@ -260,8 +293,10 @@ class VerifierPool:
         items = list(w.busy)
         w.busy.clear()
         if items and status is not None:
-            batch.record(items.pop(0), 0.0, status, why)
-        batch.queue.extendleft(reversed(items))
+            batch.queue.extendleft(reversed(items[1:]))  # before a trip can sort the queue
+            batch.record(items[0], 0.0, status, why, costly=True)
+        else:
+            batch.queue.extendleft(reversed(items))
         w.kill()
         self._workers[self._workers.index(w)] = None
         self.restarts += 1
@@ -281,13 +316,13 @@ class VerifierPool:
         if message[0] == "ready" and message[1] == key:
             w.key, w.loading_since = key, None
         elif message[0] == "spec_error":
-            raise ValueError(f"a verifier failed to load in a worker: {message[2]}")
+            raise PoolError("rewards", f"a verifier failed to load in a worker: {message[2]}")
         elif message[0] == "result":
             _, item, value, status, text = message
             if not w.busy or w.busy[0] != item:
                 raise RuntimeError(f"verifier worker protocol error: result for item {item}")
             w.busy.popleft()
-            batch.record(item, value, status, text)
+            batch.record(item, value, status, text, costly=status == wire.TIMEOUT)
             w.done += 1
             w.since = time.monotonic()
         return 0
@@ -311,9 +346,11 @@ class VerifierPool:
                 why = f"no result within {self.timeout_s:g} s (worker killed)"
                 self._retire(w, batch, wire.TIMEOUT, why)
             elif w.loading_since is not None and now > w.loading_since + self.start_timeout_s:
-                raise RuntimeError(
-                    f"a verifier worker did not import the verifiers within "
-                    f"{self.start_timeout_s:g} s (VerifierPool start_timeout_s)"
+                raise PoolError(
+                    "rewards",
+                    f"a verifier worker did not load the verifiers within "
+                    f"{self.start_timeout_s:g} s",
+                    "check what the reward modules do at import time",
                 )
 
     def _kill_active(self) -> None:

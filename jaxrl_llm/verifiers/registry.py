@@ -3,7 +3,7 @@
 A verifier is a plain top-level function `(completion: str, example: dict) -> float`, plus
 keyword options. A name is one of:
 
-- a built-in: `gsm8k`, `math`, `format`, `countdown`, `python_tests`, `overlong`;
+- a built-in: `gsm8k`, `math`, `format`, `countdown`, `python_tests`;
 - a name given to `register` in an importable module;
 - `path/to/file.py:function` (relative paths are resolved against the current directory
   when the config is parsed) or `package.module:function`.
@@ -31,9 +31,19 @@ BUILTINS = {
     "format": "jaxrl_llm.verifiers.fmt:format_match",
     "countdown": "jaxrl_llm.verifiers.countdown:countdown",
     "python_tests": "jaxrl_llm.verifiers.code:python_tests",
-    "overlong": "jaxrl_llm.verifiers.fmt:overlong",
+}
+# Names that are not verifiers, and where what they did lives.
+ELSEWHERE = {
+    "overlong": "DAPO's overlong penalty is applied by the trainer to the sampled token "
+    "counts: algo.overlong_penalty=True (buffer: algo.overlong_buffer_frac)",
 }
 _REGISTERED: dict[str, str] = {}
+
+
+class VerifierTimeout(Exception):
+    """Raised by a verifier whose own time limit ran out (the sandbox's `wall_s`): the
+    sample scores 0 and counts in `verifier/timeouts`, and, unlike a verifier that hangs
+    past the pool's timeout, never as a broken verifier."""
 
 
 def register(name: str):
@@ -90,6 +100,8 @@ def resolve(name: str) -> Callable:
     Raises:
       ValueError: unknown name, or the target is not callable.
     """
+    if name in ELSEWHERE:
+        raise ValueError(f"{name!r} is not a verifier: {ELSEWHERE[name]}")
     ref = BUILTINS.get(name) or _REGISTERED.get(name) or name
     target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:

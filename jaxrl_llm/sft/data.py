@@ -1,13 +1,15 @@
 """SFT examples: a dataset row -> prompt ids + completion ids -> right-padded batches.
 
+    batches = sft_batches(config, tokenizer)   # endless SFTBatch [sft.batch_size, T]
+
 The prompt is built by the `data` pipeline exactly as the RL trainer builds it (template,
 tokenizer, BOS), so a model fine-tuned here sees the same prompts when RL starts. The
-completion is `completion.template` over the row's fields (arithmetic: `"{answer}"`),
+completion is `sft.completion.template` over the row's fields (arithmetic: `"{answer}"`),
 tokenized without special tokens, then EOS: the stop token the sampler uses.
 
-`completion.alt_template` gives a second completion style to a fixed share
-(`completion.alt_prob`) of the rows, fixed per row by `data.seed` and the row index (so
-every epoch shows a row the same way, like a dataset that contains both styles).
+`sft.completion.alt_template` gives a second completion style to a fixed share
+(`sft.completion.alt_prob`) of the rows, fixed per row by `data.seed` and the row index
+(so every epoch shows a row the same way, like a dataset that contains both styles).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def completion_ids(tokenizer, template: str, example: dict, max_len: int, where:
     ids = tokenizer(template.format_map(example), add_special_tokens=False)["input_ids"]
     ids = list(ids) + [tokenizer.eos_token_id]
     if len(ids) > max_len:
-        raise data.BadRow(f"{where}: completion is {len(ids)} tokens > completion.max_len")
+        raise data.BadRow(f"{where}: completion is {len(ids)} tokens > sft.completion.max_len")
     return ids
 
 
@@ -69,15 +71,15 @@ def make_sft_batch(prompts, completions, length: int, pad_id: int) -> SFTBatch:
 
 def sft_batches(config, tokenizer) -> Iterator[SFTBatch]:
     """Endless training batches of this process's rows, from `config.data`, of length
-    `data.max_prompt_len + completion.max_len` (one shape: the step compiles once)."""
+    `data.max_prompt_len + sft.completion.max_len` (one shape: the step compiles once)."""
     it = data.make_iterator(
         config.data,
         tokenizer,
-        config.train.batch_size,
+        config.sft.batch_size,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
     )
-    completion = config.completion
+    completion = config.sft.completion
     length = config.data.max_prompt_len + completion.max_len
     for batch in it:
         completions = []

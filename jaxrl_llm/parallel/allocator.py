@@ -1,11 +1,11 @@
 """The host memory allocator: command-line entry points re-run themselves under tcmalloc.
 
 XLA:CPU allocates each call's large temporaries (the update's logits and their
-cotangents, ~2 GB per GRPO update of the 25M benchmark model) from its worker threads.
-glibc serves allocations that large from a worker thread's arena with a fresh `mmap`
-every time and unmaps them on free, so every call faults in and zeroes ~500k new pages
-(~1-2 us each on a VM). tcmalloc keeps freed pages and hands them out again: no faults
-after the first step: the GRPO update ~11% faster, the whole step ~7% (benchmarks/RESULTS.md).
+cotangents: gigabytes per GRPO update of a 25M model) from its worker threads. glibc
+serves allocations that large from a worker thread's arena with a fresh `mmap` every time
+and unmaps them on free, so every call faults in and zeroes hundreds of thousands of new
+pages. tcmalloc keeps freed pages and hands them out again: no faults after the first
+step (the measured gain: benchmarks/RESULTS.md, "tcmalloc").
 
 The allocator has to be in place before the process starts (`LD_PRELOAD`), so
 `reexec_with_tcmalloc()` replaces the process with itself, same interpreter and
@@ -105,6 +105,6 @@ def hint() -> str | None:
         return None
     return (
         "host allocator: system malloc; XLA:CPU's large temporaries fault in fresh pages "
-        "every step. `apt install libtcmalloc-minimal4` and the trainer preloads it (~7% "
-        f"faster steps on CPU); {ENV}=0 silences this"
+        "every step. `apt install libtcmalloc-minimal4` and the trainer preloads it (faster "
+        f"steps on CPU); {ENV}=0 silences this"
     )

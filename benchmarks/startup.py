@@ -1,0 +1,222 @@
+"""Start-up of `python -m jaxrl_llm.train`: cold (empty compilation cache) and warm (a rerun).
+
+    python benchmarks/startup.py                               # the quickstart, CPU
+    python benchmarks/startup.py --config=../shared/anchors/jaxrl_w1_config.py \
+        --auto=optim.micro_batches --steps=11                  # W1, with later steps timed
+
+Each repeat runs the trainer twice as a user would, each time in a fresh process and a
+fresh workdir: cold, with a new empty `train.compilation_cache_dir`, then warm, with the
+cache the cold run filled. Reported per run, from the trainer's own metrics.jsonl (its
+records are timestamped as they appear) and its output lines:
+
+- start-up: launch -> the first step begins (imports, model, programs compiled before the
+  first step, and an evaluation at step 0 when the config schedules one);
+- first step: its `perf/step_s`; start-up + first step is the time to the first update;
+- compile: the start-up compilation's wall time (its summary line), or XLA compile time
+  inside the first step (`perf/compile_s`) for a trainer that compiles there;
+- per program: the trainer's "compiling NAME (DETAIL)... S s" lines;
+- with --steps > 2: the median `perf/step_s` of steps 2.. (later steps) and the peak RSS of
+  the trainer process (getrusage of the finished child).
+
+`--separately` measures instead each program of the first step (and evaluation's) on its
+own: lowered and compiled one after another in a fresh process with no cache (seconds to
+trace, lower and compile each), the cost the side-by-side start-up spreads over the cores.
+
+Medians and spreads over --repeats are printed at the end. `--src=DIR` runs the trainer
+from another checkout (PYTHONPATH), `--no-cache` for one without the cache key;
+`--auto=KEY,...` leaves those keys to the trainer's start-up defaults even where the
+config sets them; any other `--config.*` argument is passed on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import device_name, table, uptime  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINE = re.compile(r"compiling (.+?)\.\.\. ([0-9.]+) s( \(compilation cache\))?")
+READY = re.compile(r"programs ready in ([0-9.]+) s")
+
+WRAPPER = """import importlib.util
+_spec = importlib.util.spec_from_file_location("base", {path!r})
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+
+
+def get_config():
+    c = _base.get_config()
+    for key in {keys!r}:
+        section, name = key.split(".")
+        c[section][name] = None
+    return c
+"""
+
+
+def _watch(path: str, records: list, stop: threading.Event) -> None:
+    """Appends (seconds since the epoch when seen, record) for each new metrics line."""
+    pos, buf = 0, b""
+    while True:
+        done = stop.is_set()
+        if os.path.exists(path) and os.path.getsize(path) > pos:
+            now = time.time()
+            with open(path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+            pos += len(chunk)
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.strip():
+                    records.append((now, json.loads(line)))
+        if done:
+            return
+        time.sleep(0.01)
+
+
+def run_once(args, config: str, cache: str | None, workdir: str, extra: list[str]) -> dict:
+    """One trainer process -> its start-up figures."""
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}",
+           f"--config.train.num_steps={args.steps}", *extra]  # fmt: skip
+    if cache is not None:
+        cmd.append(f"--config.train.compilation_cache_dir={cache}")
+    env = dict(os.environ, PYTHONPATH=args.src, TOKENIZERS_PARALLELISM="false")
+    records, stop = [], threading.Event()
+    watcher = threading.Thread(
+        target=_watch, args=(os.path.join(workdir, "metrics.jsonl"), records, stop)
+    )
+    watcher.start()
+    log = os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log")
+    with open(log, "w") as out:
+        launch = time.time()
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak memory
+    stop.set()
+    watcher.join()
+    with open(log, encoding="utf-8", errors="replace") as f:
+        text = f.read().replace("\r", "\n")
+    if status:
+        sys.exit(f"trainer failed (status {status}):\n{text[-4000:]}")
+    steps = [(seen, r) for seen, r in records if "perf/step_s" in r]
+    seen, first = steps[0]
+    programs, hits = {}, 0
+    for m in LINE.finditer(text):
+        programs[m.group(1)] = float(m.group(2))
+        hits += bool(m.group(3))
+    ready = READY.search(text)
+    out = {
+        "start-up s": seen - launch - first["perf/step_s"],
+        "first step s": first["perf/step_s"],
+        "to first update s": seen - launch,
+        "compile s": float(ready.group(1)) if ready else first.get("perf/compile_s", 0.0),
+        "cache hits": hits,
+        "programs": programs,
+    }
+    later = [r["perf/step_s"] for _, r in steps[1:]]
+    if later:
+        out["later steps s"] = float(np.median(later))
+        out["peak RSS GiB"] = usage.ru_maxrss / 2**20
+    return out
+
+
+def programs_child(argv: list[str]) -> None:
+    """In the child process: the run's programs compiled one by one, a line each."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from jaxrl_llm import compilation, train
+
+    config_flags.DEFINE_config_file("config", None, "run config", lock_config=False)
+    flags.FLAGS([sys.argv[0], *argv])
+    config = flags.FLAGS.config
+    config.train.compilation_cache_dir = ""
+    compilation.use_cache("")
+    with tempfile.TemporaryDirectory() as workdir:
+        run = train.Run(config, workdir)
+        print(run.tuning_line, flush=True)
+        run.compile_log.listen(lambda line: print(line, flush=True))
+        compilation.precompile_step(run, side_by_side=False)
+        run.pool.close()
+
+
+def separately(args, config: str, extra: list[str]) -> None:
+    """--separately: per program, median [min, max] seconds over the repeats."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--programs-child", f"--config={config}"]
+    env = dict(os.environ, PYTHONPATH=args.src, TOKENIZERS_PARALLELISM="false")
+    seconds: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        out = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, check=True)
+        print(out.stdout.strip(), flush=True)
+        for m in LINE.finditer(out.stdout):
+            seconds.setdefault(m.group(1), []).append(float(m.group(2)))
+    rows = [{"program": k, "trace + lower + compile s": _spread(v)} for k, v in seconds.items()]
+    print(f"\n{uptime()}")
+    print(table(rows, list(rows[0])))
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--programs-child"]:
+        return programs_child(sys.argv[2:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "quickstart.py"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=1, help="steps per run (> 2: later steps timed)")
+    p.add_argument("--src", default=ROOT, help="the checkout whose trainer runs")
+    p.add_argument("--no-cache", action="store_true", help="a trainer without the cache key")
+    p.add_argument("--auto", default="", help="config keys left to the start-up defaults")
+    p.add_argument("--separately", action="store_true", help="each program compiled alone")
+    args, extra = p.parse_known_args()
+    if bad := [a for a in extra if not a.startswith("--config.")]:
+        p.error(f"unknown arguments {bad}")
+    print(f"device: {device_name()}; {uptime()}", flush=True)
+    print(f"trainer from {args.src}; config {args.config} {' '.join(extra)}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
+        config = args.config
+        if args.auto:
+            config = os.path.join(tmp, "config.py")
+            keys = tuple(k for k in args.auto.split(",") if k)
+            with open(config, "w") as f:
+                f.write(WRAPPER.format(path=os.path.abspath(args.config), keys=keys))
+        if args.separately:
+            return separately(args, config, extra)
+        for i in range(args.repeats):
+            cache = None if args.no_cache else os.path.join(tmp, f"xla{i}")
+            for kind in ("cold", "warm"):
+                workdir = os.path.join(tmp, f"{kind}{i}")
+                r = run_once(args, config, cache, workdir, extra)
+                programs = ", ".join(f"{k} {v:.1f}" for k, v in r.pop("programs").items())
+                rows.append({"run": f"{kind} {i + 1}"} | {k: _fmt(v) for k, v in r.items()})
+                rows[-1]["programs (s)"] = programs
+                print(table(rows[-1:], list(rows[-1])), flush=True)
+    print(f"\n{uptime()}")
+    print(table(rows, list(rows[0])))
+    print("\nmedian [min, max] over repeats:")
+    for kind in ("cold", "warm"):
+        mine = [r for r in rows if r["run"].startswith(kind)]
+        keys = [k for k in mine[0] if k not in ("run", "programs (s)", "cache hits")]
+        summary = {k: _spread([float(r[k]) for r in mine]) for k in keys}
+        print(f"{kind}: " + "; ".join(f"{k} {v}" for k, v in summary.items()))
+
+
+def _fmt(v):
+    return f"{v:.2f}" if isinstance(v, float) else v
+
+
+def _spread(values) -> str:
+    return f"{np.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+if __name__ == "__main__":
+    main()

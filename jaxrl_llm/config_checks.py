@@ -1,0 +1,243 @@
+"""The checks of a run config, one per section, run before anything is loaded or compiled.
+
+    run_config.validate(config)   # raises ConfigError naming the key, e.g.
+    # rollout.batch_size=6 is not divisible by mesh data x fsdp = 4
+    # rollout.batchsize: unknown key; did you mean rollout.batch_size?
+
+No check touches the network: a hub model name is accepted by its form, and what needs the
+model's own config (its context length) is checked here only for local models; the
+trainer checks the rest with `check_context` once the model is loaded, still before
+anything compiles.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import jax
+import ml_collections
+
+from jaxrl_llm import tuning
+from jaxrl_llm.data import config as data_config
+from jaxrl_llm.run_config import ConfigError, algo_config, base_config, resolve_model_path
+
+FREE_FORM = ("rewards", "data.fields")  # sections whose keys are the user's own names
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config, num_devices: int | None = None, process_count: int = 1) -> None:
+    """Every section's check; raises ConfigError naming the first bad key."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    check_keys(config, base_config())
+    mesh_shape = check_mesh(config, num_devices)
+    path = check_model(config)
+    check_rollout(config, mesh_shape, process_count)
+    algo = check_algo(config)
+    check_optim(config)
+    labels = check_rewards(config, algo)
+    check_train(config)
+    check_eval(config, labels)
+    check_checkpoint(config)
+    check_data(config)
+    if path is not None:
+        from jaxrl_llm import models
+
+        check_context(config, models.builtin.model_config(path))
+
+
+def check_keys(config, defaults, prefix: str = "") -> None:
+    """Every key of `config` exists in `defaults` (sections recursively, FREE_FORM ones
+    excepted); an unknown one is named with the closest known key."""
+    for key in config.keys():
+        name = prefix + key
+        if key not in defaults:
+            known = list(defaults.keys())
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {sorted(known)}"
+            raise ConfigError(f"{name}: unknown key; {hint}")
+        value, default = config[key], defaults[key]
+        if isinstance(default, ml_collections.ConfigDict) and name not in FREE_FORM:
+            if not isinstance(value, ml_collections.ConfigDict | dict):
+                raise ConfigError(f"{name}: expected a section, got {value!r}")
+            check_keys(value, default, name + ".")
+
+
+def check_mesh(config, num_devices: int) -> tuple[int, ...]:
+    from jaxrl_llm import parallel
+
+    try:
+        return parallel.mesh_shape(dict(config.mesh), num_devices, key_prefix="mesh")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_model(config) -> str | None:
+    """-> the local model directory (None for a hub name, fetched when the run starts)."""
+    from jaxrl_llm.models.config import REMAT_POLICIES
+
+    m = config.model
+    path = resolve_model_path(m.path, download=False)
+    if m.ref_path:
+        resolve_model_path(m.ref_path, "model.ref_path", download=False)
+    if m.tokenizer:
+        resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
+    _check(m.dtype in DTYPES, f"model.dtype={m.dtype!r}: expected one of {DTYPES}")
+    _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
+    return path
+
+
+def check_rollout(config, mesh_shape, process_count: int) -> None:
+    from jaxrl_llm.sampling import BUCKET_STEPS
+
+    r = config.rollout
+    _check(r.batch_size >= 1, f"rollout.batch_size={r.batch_size}: must be >= 1")
+    _check(r.num_generations >= 1, f"rollout.num_generations={r.num_generations}: must be >= 1")
+    multiple = mesh_shape[0] * mesh_shape[1]
+    _check(
+        r.batch_size % multiple == 0,
+        f"rollout.batch_size={r.batch_size} is not divisible by mesh data x fsdp = {multiple}",
+    )
+    _check(
+        r.batch_size % process_count == 0,
+        f"rollout.batch_size={r.batch_size} is not divisible by {process_count} processes",
+    )
+    _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens}: must be >= 1")
+    _check(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples, use > 0")
+    _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
+    _check(r.top_k >= 0, f"rollout.top_k={r.top_k}: must be >= 0")
+    _check(
+        r.bucket_steps is None or r.bucket_steps in BUCKET_STEPS,
+        f"rollout.bucket_steps={r.bucket_steps!r}: expected one of {BUCKET_STEPS} "
+        "(None: picked at start-up)",
+    )
+    _check(
+        isinstance(r.cache_segments, int) and r.cache_segments >= 1,
+        f"rollout.cache_segments={r.cache_segments!r}: must be an integer >= 1 (1 = one loop)",
+    )
+
+
+def check_algo(config):
+    from jaxrl_llm import rl
+
+    try:
+        algo = algo_config(config)
+        rl.check_num_generations(algo, config.rollout.num_generations)
+    except ValueError as e:
+        message = str(e)
+        if message.startswith("num_generations"):
+            message = "rollout." + message
+        raise ConfigError(message) from None
+    return algo
+
+
+def check_optim(config) -> None:
+    o, rows = config.optim, config.rollout.batch_size * config.rollout.num_generations
+    _check(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate}: must be > 0")
+    _check(
+        o.schedule in ("constant", "cosine", "linear"),
+        f"optim.schedule={o.schedule!r}: expected constant, cosine or linear",
+    )
+    _check(0 <= o.end_lr_ratio <= 1, f"optim.end_lr_ratio={o.end_lr_ratio}: must be in [0, 1]")
+    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
+    _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    _check(
+        o.mini_batches >= 1 and rows % o.mini_batches == 0,
+        f"optim.mini_batches={o.mini_batches} does not divide the {rows} rollouts per step",
+    )
+    per_mini = rows // max(o.mini_batches, 1)
+    _check(
+        o.micro_batches is None or (o.micro_batches >= 1 and per_mini % o.micro_batches == 0),
+        f"optim.micro_batches={o.micro_batches} does not divide the {per_mini} rows per "
+        f"optimizer step (None: picked at start-up)",
+    )
+
+
+def check_rewards(config, algo) -> list[str]:
+    """-> the reward labels."""
+    from jaxrl_llm import verifiers
+
+    try:
+        labels = [s.label for s in verifiers.parse_specs(config.rewards)]
+    except ValueError as e:
+        raise ConfigError(str(e) if str(e).startswith("rewards") else f"rewards: {e}") from None
+    _check(bool(labels), "rewards: at least one verifier is needed")
+    if algo.decouple_rewards or algo.reward_weights:
+        _check(
+            algo.reward_weights is None or len(algo.reward_weights) == len(labels),
+            f"algo.reward_weights has {len(algo.reward_weights or ())} entries for "
+            f"{len(labels)} rewards",
+        )
+    return labels
+
+
+def check_train(config) -> None:
+    t = config.train
+    _check(t.num_steps >= 1, f"train.num_steps={t.num_steps}: must be >= 1")
+    _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be >= 1")
+    _check(
+        t.logprob_chunk is None or t.logprob_chunk >= 1,
+        f"train.logprob_chunk={t.logprob_chunk}: must be >= 1 (None: picked at start-up)",
+    )
+    _check(t.verifier_workers >= 0, f"train.verifier_workers={t.verifier_workers}: must be >= 0")
+    _check(t.verifier_timeout_s > 0, f"train.verifier_timeout_s={t.verifier_timeout_s}: > 0")
+    _check(
+        t.verifier_memory_mb >= 0,
+        f"train.verifier_memory_mb={t.verifier_memory_mb}: must be >= 0 (0 = no cap)",
+    )
+    _check(
+        0 <= t.max_verifier_error_rate <= 1,
+        f"train.max_verifier_error_rate={t.max_verifier_error_rate}: must be in [0, 1]",
+    )
+    _check(
+        t.max_failed_steps >= 0,
+        f"train.max_failed_steps={t.max_failed_steps}: must be >= 0 (0 = never stop)",
+    )
+
+
+def check_eval(config, labels) -> None:
+    e = config.eval
+    _check(e.every >= 0, f"eval.every={e.every}: must be >= 0")
+    _check(e.pass_k >= 1, f"eval.pass_k={e.pass_k}: must be >= 1")
+    _check(e.temperature > 0, f"eval.temperature={e.temperature}: pass@k samples, use > 0")
+    _check(
+        not (e.every and config.data.source == "jsonl" and not e.path),
+        "eval.path: required for evaluation when data.source='jsonl'",
+    )
+    _check(e.num_prompts >= 1, f"eval.num_prompts={e.num_prompts}: must be >= 1")
+    _check(
+        not e.correct_reward or e.correct_reward in labels,
+        f"eval.correct_reward={e.correct_reward!r}: not a reward label ({labels})",
+    )
+
+
+def check_checkpoint(config) -> None:
+    c = config.checkpoint
+    _check(c.every >= 0, f"checkpoint.every={c.every}: must be >= 0")
+    _check(c.keep >= 1, f"checkpoint.keep={c.keep}: must be >= 1")
+
+
+def check_data(config) -> None:
+    try:
+        data_config.check_config(config.data)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
+    """The longest prompt's bucket + the completion budget fits the model's context."""
+    from jaxrl_llm.sampling import bucket_length
+
+    r = config.rollout
+    prompt_len = config.data.max_prompt_len if prompt_len is None else prompt_len
+    bucket = bucket_length(prompt_len, tuning.bucket_steps(config, jax.default_backend()))
+    _check(
+        bucket + r.max_new_tokens <= model_cfg.max_position_embeddings,
+        f"data.max_prompt_len={prompt_len} (bucket {bucket}) + rollout.max_new_tokens="
+        f"{r.max_new_tokens} exceeds the model's max_position_embeddings "
+        f"{model_cfg.max_position_embeddings}",
+    )

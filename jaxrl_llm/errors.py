@@ -1,0 +1,181 @@
+"""Errors a user can fix, and the one line that reports them at the command line.
+
+    raise UserError("data.path", "'train.jsonl' does not exist", "check the path")
+    # str(err) == "data.path: 'train.jsonl' does not exist; check the path"
+
+    if __name__ == "__main__":
+        cli_main(lambda: app.run(main))   # any exception -> "error: ..." on stderr, exit 2
+
+`UserError` is the base of every error whose message already says what is wrong and what
+to do (`run_config.ConfigError`, `data.BadRow`, the model loaders' errors, ...).
+`format_error` turns ANY exception into one line `error: <key or file>: <what>; <fix>`:
+user errors as they are, common library exceptions (missing files, permissions, a full or
+read-only disk, a missing package, device out of memory) rewritten to name the path and
+the fix, anything else as its type and first line. `cli_main` runs a command's main under
+it: one line on stderr and exit status 2 (130 after Ctrl-C); `--debug` anywhere on the
+command line (removed before the program parses its flags) or `JAXRL_LLM_DEBUG=1` lets the
+traceback through instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sys
+from collections.abc import Callable
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "JAXRL_LLM_DEBUG"
+EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
+_MAX_CHARS = 600  # a line a terminal shows whole-ish; user errors are never cut
+
+
+class UserError(Exception):
+    """An error the user can fix; its message is the whole report.
+
+    Args:
+      where: the config key, file or flag that is wrong (`data.path`, `/runs/a/config.json`);
+        or, with `what` left out, an already formatted `<where>: <what>; <fix>` message.
+      what: what is wrong with it.
+      fix: what to do about it.
+    """
+
+    def __init__(self, where: str, what: str | None = None, fix: str = ""):
+        message = where if what is None else f"{where}: {what}" + (f"; {fix}" if fix else "")
+        super().__init__(message)
+        self.where, self.what, self.fix = where, what, fix
+
+
+def free_space(path: str) -> str:
+    """Free space on the file system holding `path` (or its nearest existing parent),
+    e.g. "1.2 GiB free"; "" when it cannot be read."""
+    path = os.path.abspath(path)
+    while path != os.path.dirname(path) and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        free = float(shutil.disk_usage(path).free)
+    except OSError:
+        return ""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    while free >= 1024 and len(units) > 1:
+        free, units = free / 1024, units[1:]
+    return f"{free:.1f} {units[0]} free"
+
+
+_OS_ERRORS = {
+    errno.ENOENT: ("no such file or directory", "check the path"),
+    errno.EACCES: ("permission denied", "fix its permissions or choose another location"),
+    errno.EPERM: ("operation not permitted", "fix its permissions or choose another location"),
+    errno.EROFS: ("read-only file system", "choose a location on a writable disk"),
+    errno.EISDIR: ("is a directory, a file was expected", "give the path of a file"),
+    errno.ENOTDIR: ("a part of the path is not a directory", "check the path"),
+    errno.EEXIST: ("already exists", "remove it or choose another name"),
+}
+
+
+def _os_error_line(err: OSError) -> str | None:
+    path = err.filename
+    if path is None:
+        return None
+    path = os.fsdecode(path)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = free_space(path)
+        what = "no space left on device" + (f" ({free})" if free else "")
+        return f"{path}: {what}; free some space or use a larger disk"
+    what, fix = _OS_ERRORS.get(err.errno, (err.strerror or "cannot be used", "check the path"))
+    return f"{path}: {what}; {fix}"
+
+
+def _config_file_line(text: str) -> str | None:
+    """ml_collections' multi-line report of a --config file that failed to load."""
+    if "Failed loading config file" not in text:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    attempted = [line for line in lines if line.startswith("/") or line.endswith(".py")]
+    path = attempted[0] if attempted else "--config"
+    return f"--config: {path}: {lines[-1]}; check the path and that the file defines get_config()"
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def format_error(err: BaseException) -> str:
+    """The one line `error: ...` that reports `err` at the command line."""
+    if isinstance(err, UserError):
+        return f"error: {' '.join(str(err).split())}"
+    if isinstance(err, KeyboardInterrupt):
+        return "error: interrupted; work since the last checkpoint is lost"
+    text = str(err)
+    line = None
+    if type(err).__module__.startswith("huggingface_hub"):
+        line = (
+            f"Hugging Face hub: {' '.join(text.split())[:300]}; check the network and the "
+            "model name, or give a local model directory"
+        )
+    elif isinstance(err, OSError):
+        line = _os_error_line(err) or _config_file_line(text)
+    elif isinstance(err, SyntaxError) and err.filename:
+        line = f"{err.filename} line {err.lineno}: {err.msg}; fix the file"
+    elif isinstance(err, ModuleNotFoundError) and err.name:
+        package = err.name.split(".")[0]
+        line = f"{package}: python package not installed; pip install {package}"
+    elif "RESOURCE_EXHAUSTED" in text and "memory" in text.lower():
+        line = (
+            f"device out of memory ({_first_line(text)[:200]}); lower rollout.batch_size or "
+            "rollout.max_new_tokens, raise optim.micro_batches, or set model.remat"
+        )
+    if line is None and isinstance(err, OSError | FloatingPointError | ValueError):
+        # These carry a message written for people (ours name the key or file).
+        line = _first_line(text) or type(err).__name__
+    if line is None:
+        line = f"{type(err).__name__}: {_first_line(text)}"
+        line = f"{line[:_MAX_CHARS]} (unexpected; rerun with {DEBUG_FLAG} for the traceback)"
+    return f"error: {line[:_MAX_CHARS]}"
+
+
+def debug_requested(argv: list[str] | None = None) -> bool:
+    """`--debug` on the command line or JAXRL_LLM_DEBUG=1 in the environment."""
+    argv = sys.argv if argv is None else argv
+    return DEBUG_FLAG in argv[1:] or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def cli_main(main: Callable[[], object]) -> None:
+    """Runs a command-line program's `main()`, reporting any failure as one line.
+
+    Removes `--debug` from `sys.argv` first (so absl and argparse never see it). Without
+    debug, an exception prints `format_error(err)` on stderr and exits 2 (130 for
+    Ctrl-C); with debug it propagates with its traceback. `SystemExit` passes through
+    untouched (absl and argparse exit that way for usage errors and `--help`).
+    """
+    debug = debug_requested()
+    sys.argv[1:] = [arg for arg in sys.argv[1:] if arg != DEBUG_FLAG]
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException as err:
+        if debug:
+            raise
+        sys.stdout.flush()
+        print(format_error(err), file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else EXIT_ERROR)
+
+
+def run_absl(main: Callable) -> None:
+    """absl's `app.run(main)` for a program with ml_collections `--config` flags: a bad
+    override, which ml_collections reports as an exception while absl parses the flags,
+    becomes the one line it means (`error: --config: bad override: ...`)."""
+    from absl import app, flags
+
+    try:
+        app.run(main)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        if flags.FLAGS.is_parsed():
+            raise  # a failure of the program itself, not of the command line
+        text = str(err).replace("\\n", " ").replace("\\", "").replace("'", "")
+        raise UserError(
+            "--config", f"bad override: {' '.join(text.split())}", "check the key and its type"
+        ) from None

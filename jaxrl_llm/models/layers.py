@@ -1,0 +1,275 @@
+"""The decoder's modules (Llama 3 / Mistral / Qwen2 / Qwen3) in Flax NNX: RMSNorm, the dense
+matmul with its backward written out, rotary embeddings, one decoder layer and the model.
+
+The modules only declare parameters (with logical axis names) and the math of one layer;
+`transformer.py` holds the functional API that merges a plain params dict into them.
+Layer parameters are stacked on a leading `layers` axis and run by one `jax.lax.scan`, so
+compile time does not grow with depth; `cfg.remat` selects the activation checkpointing
+policy of the scanned layer. `cfg.scan_layers=False` unrolls that scan in the
+teacher-forced forward (the backward then reads each layer's residuals where they were
+computed instead of from [L, ...] stacks the scan zero-fills and copies into), and with a
+KV cache runs prefill and decode over one cache array per layer (`kv_cache.init_cache`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm.models.attention import attention, cached_attention
+from jaxrl_llm.models.config import ModelConfig
+
+
+# ------------------------------------------------------------------------------ modules
+def _normal(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype), axes=axes)
+
+
+def _const(value: float, shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, value, dtype), axes=axes)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * y.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """Contracts the last `contract` axes of x with the first ones of w, as one 2-D matmul.
+
+    x [..., K1..Kc], w [K1..Kc, N1..] -> [..., N1..]. The same math as the einsum, with
+    the backward written out as the two matmuls it is (dx = g W^T, dW = x^T g over the
+    flattened tokens). Left to autodiff of a batched einsum, XLA:CPU transposes the wide
+    [tokens, F] cotangent of every MLP matmul in a strided loop before the weight-gradient
+    matmul, a copy as large as the matmul's operands (benchmarks/RESULTS.md, "update");
+    other backends are unaffected either way.
+    """
+    return _dense_2d(x, w, contract)[0]
+
+
+def _dense_2d(x, w, contract):
+    k = int(np.prod(w.shape[:contract]))
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    y = (x2 @ w2).reshape(*x.shape[: x.ndim - contract], *w.shape[contract:])
+    return y, x2, w2
+
+
+def _dense_fwd(x, w, contract):
+    y, x2, w2 = _dense_2d(x, w, contract)
+    return y, (x2, w2, x.shape, w.shape)
+
+
+def _dense_bwd(contract, res, g):
+    x2, w2, x_shape, w_shape = res
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    dx = jnp.einsum("mn,kn->mk", g2, w2).reshape(x_shape)
+    dw = jnp.einsum("mk,mn->kn", x2, g2).reshape(w_shape)
+    return dx, dw
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# ------------------------------------------------------------------------ rope, attention
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2], float32, with `linear` / `llama3` scaling."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding, HF `rotate_half` layout. x [B,T,N,H], positions [B,T]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading `layers` axis.
+
+    `__call__` computes ONE layer and must be given one layer's slice of the parameters
+    (the scan in `Transformer` does that by merging a sliced state).
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        normal = functools.partial(_normal, rngs, std=cfg.initializer_range, dtype=dtype)
+        self.attn_norm = _const(1.0, (L, D), ("layers", "norm"), dtype)
+        self.q = normal((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
+        self.k = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.o = normal((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.q_bias = _const(0.0, (L, N, H), ("layers", "q_heads", "head_dim"), dtype)
+            self.k_bias = _const(0.0, (L, K, H), ("layers", "kv_heads", "head_dim"), dtype)
+            self.v_bias = _const(0.0, (L, K, H), ("layers", "kv_heads", "head_dim"), dtype)
+        if cfg.o_bias:
+            self.o_bias = _const(0.0, (L, D), ("layers", "norm"), dtype)
+        if cfg.qk_norm:
+            self.q_norm = _const(1.0, (L, H), ("layers", "head_dim"), dtype)
+            self.k_norm = _const(1.0, (L, H), ("layers", "head_dim"), dtype)
+        self.mlp_norm = _const(1.0, (L, D), ("layers", "norm"), dtype)
+        self.gate = normal((L, D, F), ("layers", "embed", "mlp"))
+        self.up = normal((L, D, F), ("layers", "embed", "mlp"))
+        self.down = normal((L, F, D), ("layers", "mlp", "embed"))
+        self.cfg = cfg
+
+    def __call__(self, x, positions, mask, kv=None, index=None, layer=None, prefix=None):
+        """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool.
+
+        prefix: (k, v) [B,P,K,H] of P earlier tokens that x attends to before itself
+        (S = P + T, no cache); the layer then returns its own (k, v) [B,T,K,H].
+
+        kv: the whole cache (k, v) ([L,B,K,H,S], [L,B,K,S,H]), carried through the layer
+        scan so that it is updated in place: this layer's new keys/values are written at
+        slots index..index+T of [layer] and attention runs over the layer's S slots. With
+        layer=None, kv is this layer's own cache arrays (unrolled layers). Without kv,
+        S = T. Returns (x [B,T,D], the updated (k, v) or None).
+        """
+        cfg = self.cfg
+        h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
+        q, k, v = dense(h, self.q[...]), dense(h, self.k[...]), dense(h, self.v[...])
+        if cfg.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+        inv_freq = rope_frequencies(cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if prefix is not None:
+            # Keys/values of earlier tokens ([B, P, K, H] each, e.g. a shared prompt's) come
+            # first; this layer's own (after RoPE) are returned for a later suffix.
+            own = (k, v)
+            k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
+            a = attention(q, k, v, mask)
+            kv = own
+        elif kv is None:
+            a = attention(q, k, v, mask)
+        else:
+            # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache): at
+            # [layer] of an [L, ...] cache (scanned layers), or into this layer's own arrays.
+            lead = () if layer is None else (layer,)
+
+            def write(c, new, start):
+                new = new if layer is None else new[None]
+                return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), lead + start)
+
+            kv = (
+                write(kv[0], k.transpose(0, 2, 3, 1), (0, 0, 0, index)),
+                write(kv[1], v.transpose(0, 2, 1, 3), (0, 0, index, 0)),
+            )
+            if layer is None:
+                k, v = kv
+            else:
+                k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
+            a = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        x = x + dense(a, self.o[...], 2)
+        if cfg.o_bias:
+            x = x + self.o_bias[...]
+        h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+        gate, up = dense(h, self.gate[...]), dense(h, self.up[...])
+        x = x + dense(jax.nn.silu(gate) * up, self.down[...])
+        return x, kv
+
+
+class Transformer(nnx.Module):
+    """Embedding, scanned layers, final norm and (untied) output projection."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed = _normal(rngs, (V, D), ("vocab", "embed"), cfg.initializer_range, dtype)
+        self.layers = Block(cfg, rngs, dtype)
+        self.final_norm = _const(1.0, (D,), ("norm",), dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _normal(rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype)
+        self.cfg = cfg
+
+    def __call__(self, tokens, positions, mask, cache=None, index=None, layers=None):
+        """tokens [B,T] -> final-normed hidden states [B,T,D] (and the new cache k, v).
+
+        layers: with a per-layer cache, each layer's parameters already sliced out of the
+        stacked ones (`layer_params`), e.g. once before a decode loop instead of per step.
+        """
+        cfg = self.cfg
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(carry, xs):
+            x, kv = carry
+            layer_state, i = xs
+            return nnx.merge(graphdef, layer_state)(x, positions, mask, kv, index, i), None
+
+        if cache is not None and isinstance(cache[0], tuple):  # one cache array per layer
+            kv = []
+            for i in range(cfg.num_layers):
+                state = jax.tree.map(lambda a, i=i: a[i], stacked) if layers is None else layers[i]
+                block = nnx.merge(graphdef, state)
+                x, layer_kv = block(x, positions, mask, (cache[0][i], cache[1][i]), index)
+                kv.append(layer_kv)
+            kv = tuple(tuple(c) for c in zip(*kv, strict=True))
+            return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+        layer = _remat(layer, cfg.remat)
+        unroll = cfg.num_layers if cache is None and not cfg.scan_layers else 1
+        xs = (stacked, jnp.arange(cfg.num_layers))
+        (x, kv), _ = jax.lax.scan(layer, (x, cache), xs, unroll=unroll)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+
+    def with_prefix(self, tokens, positions, mask, prefix):
+        """tokens [B,T] after a prefix of P tokens whose per-layer keys/values are given ->
+        (final-normed hidden [B,T,D], this sequence's keys/values ([L,B,T,K,H] each)).
+
+        prefix: (k, v) [L,B,P,K,H] each (P may be 0), as this method returned them for the
+        earlier tokens; mask [B,T,P+T]. Scanned (or unrolled) like the full forward, with
+        its remat policy and its attention backward, so it trains as fast.
+        """
+        cfg = self.cfg
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x, xs):
+            layer_state, pk, pv = xs
+            return nnx.merge(graphdef, layer_state)(x, positions, mask, prefix=(pk, pv))
+
+        layer = _remat(layer, cfg.remat)
+        unroll = 1 if cfg.scan_layers else cfg.num_layers
+        x, kv = jax.lax.scan(layer, x, (stacked, *prefix), unroll=unroll)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    policies = {
+        "full": None,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    }
+    return jax.checkpoint(fn, policy=policies[policy], prevent_cse=False)

@@ -1,0 +1,197 @@
+"""The gradient of one mini-batch: policy (and PPO value) losses summed over micro-batches.
+
+`gradients(s, carry, rows)` is step 3 of the update (update.py's module doc): the rows of
+one optimizer step are cut into `micro_batches` slices by stride (`batch.split_rows`),
+each slice's loss is divided by the aggregation denominator of the whole mini-batch
+(`rl.loss_denominator`), and a `lax.scan` sums their float32 gradients, so the sum is
+exactly the mini-batch gradient. With shared prompts the groups' prompts run once before
+the slices; each slice adds the cotangent of their keys/values, and one backward through
+the prompts' forward follows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxrl_llm import models
+from jaxrl_llm.rl import critic as critic_lib
+from jaxrl_llm.rl.algos import AlgoConfig
+from jaxrl_llm.rl.batch import prefix_logprobs, prompt_prefix, sequence_logprobs, split_rows
+from jaxrl_llm.rl.losses import loss_denominator, policy_objective, value_objective
+from jaxrl_llm.rl.optim import Optimizer
+from jaxrl_llm.sampling.spec import RolloutSpec
+
+_sg = jax.lax.stop_gradient
+
+
+@struct.dataclass
+class Rows:
+    """Per-row training data after step 1-2 of the module doc (None = not needed)."""
+
+    prompt_tokens: jax.Array
+    prompt_mask: jax.Array
+    tokens: jax.Array
+    mask: jax.Array
+    loss_mask: jax.Array
+    behaviour_logp: jax.Array
+    advantages: jax.Array  # [N, T]
+    old_logp: jax.Array | None
+    ref_logp: jax.Array | None
+    returns: jax.Array | None
+    old_values: jax.Array | None
+    groups: jax.Array | None = None  # [N] int32: each row's prompt group (shared prompts)
+
+
+@struct.dataclass
+class Carry:
+    params: Any
+    opt_state: Any
+    critic_params: Any
+    critic_opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The static settings of one compiled update function."""
+
+    model_cfg: models.ModelConfig
+    algo: AlgoConfig
+    opt: Optimizer
+    critic_opt: Optimizer | None
+    spec: RolloutSpec
+    micro_batches: int
+    mini_batches: int
+    chunk_size: int
+    skip_nonfinite: bool
+    seed: int
+    share_prompts: bool = True
+
+    @property
+    def num_generations(self) -> int:
+        return self.spec.num_generations
+
+    @property
+    def prompt_group(self) -> int:
+        """Rows per prompt read once in the no-gradient forwards (1 = every row its own)."""
+        return self.num_generations if self.share_prompts else 1
+
+    @property
+    def shares_prompts(self) -> bool:
+        """The policy's forward + backward reads each prompt once per group: G > 1 and the
+        rows are not permuted into mini-batches (which would split groups)."""
+        return self.prompt_group > 1 and self.mini_batches == 1
+
+    @property
+    def on_policy(self) -> bool:
+        return self.algo.num_iterations == 1 and self.mini_batches == 1
+
+    @property
+    def needs_old_logp(self) -> bool:
+        return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
+
+
+def _policy_loss(s: Setup, params, r: Rows, den, prefix=None):
+    """-J of one micro-batch (divided by the mini-batch denominator) and its metrics.
+    prefix: the groups' prompts already run (`prompt_prefix`), or None."""
+    kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size)
+    if prefix is None:
+        logp, entropy = sequence_logprobs(
+            s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask, **kw
+        )
+    else:
+        logp, entropy = prefix_logprobs(
+            s.model_cfg, params, prefix, r.prompt_mask, r.tokens, r.mask, r.groups, **kw
+        )
+    if not s.algo.entropy_coef:  # the bonus is off: its gradient need not be traced
+        entropy = _sg(entropy)
+    old = None if s.on_policy else r.old_logp
+    return policy_objective(
+        s.algo, logp, old, r.behaviour_logp, r.ref_logp, r.advantages, r.loss_mask, entropy,
+        denominator=den, max_len=s.spec.max_new_tokens,
+    )  # fmt: skip
+
+
+def _value_loss(s: Setup, critic_params, r: Rows, den):
+    v = critic_lib.values(s.model_cfg, critic_params, r.prompt_tokens, r.prompt_mask,
+                          r.tokens, r.mask)  # fmt: skip
+    loss, metrics = value_objective(s.algo, v, r.old_values, r.returns, r.loss_mask,
+                                    denominator=den, max_len=s.spec.max_new_tokens)  # fmt: skip
+    # Full-batch rollout-time statistics replace these (see _batch_metrics).
+    metrics.pop("value/mean"), metrics.pop("value/explained_variance")
+    return loss, metrics
+
+
+def _zeros_f32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def _add(acc, grads):
+    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+
+
+def gradients(s: Setup, carry: Carry, rows: Rows):
+    """Summed float32 gradients of one mini-batch over its micro-batches, and metrics.
+
+    With shared prompts the prompts run once, before the micro-batches; each micro-batch
+    adds its rows' cotangent of the prompts' keys/values (and last hidden states), and
+    one backward through the prompts' forward after the last adds their gradient."""
+    den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.spec.max_new_tokens)
+    use_critic = carry.critic_params is not None
+    prefix = None
+    if rows.groups is not None:
+        prefix, prefix_vjp = jax.vjp(
+            lambda p: prompt_prefix(
+                s.model_cfg, p, rows.prompt_tokens, rows.prompt_mask, s.num_generations
+            ),
+            carry.params,
+        )
+
+    def micro(acc, r):
+        if prefix is None:
+            pgrad = jax.value_and_grad(functools.partial(_policy_loss, s), has_aux=True)
+            (_, metrics), g = pgrad(carry.params, r, den)
+        else:
+            loss = lambda p, pre: _policy_loss(s, p, r, den, pre)  # noqa: E731
+            pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+            (_, metrics), (g, g_prefix) = pgrad(carry.params, prefix)
+            acc = dict(acc, prefix=_add(acc["prefix"], g_prefix))
+        acc = dict(acc, policy=_add(acc["policy"], g))
+        if use_critic:
+            vgrad = jax.value_and_grad(functools.partial(_value_loss, s), has_aux=True)
+            (_, vmetrics), cg = vgrad(carry.critic_params, r, den)
+            acc["critic"] = _add(acc["critic"], cg)
+            metrics = {**metrics, **vmetrics}
+        return acc, metrics
+
+    acc = {"policy": _zeros_f32(carry.params)}
+    if use_critic:
+        acc["critic"] = _zeros_f32(carry.critic_params)
+    if prefix is not None:
+        acc["prefix"] = _zeros_f32(prefix)
+    acc, metrics = jax.lax.scan(micro, acc, split_rows(rows, s.micro_batches))
+    if prefix is not None:
+        g_prefix = jax.tree.map(lambda g, x: g.astype(x.dtype), acc.pop("prefix"), prefix)
+        acc["policy"] = _add(acc["policy"], prefix_vjp(g_prefix)[0])
+    return acc, reduce_metrics(metrics, sum_losses=True)
+
+
+def reduce_metrics(metrics: dict, sum_losses: bool) -> dict:
+    """Stacked per-slice metrics [k] -> scalars: extremes by min / max, nonfinite by max,
+    loss/* summed (micro-batches of one step) or averaged (steps), the rest averaged."""
+
+    def one(name, x):
+        if name.endswith(("_min", "/min")):
+            return jnp.min(x)
+        if name.endswith(("_max", "/max", "nonfinite")):
+            return jnp.max(x)
+        if sum_losses and name.startswith("loss/"):
+            return jnp.sum(x)
+        return jnp.mean(x)
+
+    return {name: one(name, x) for name, x in metrics.items()}

@@ -1,0 +1,64 @@
+"""The train state the update step changes, and how a fresh one is made.
+
+state = init_train_state(params, opt)                       # policy only
+state = init_train_state(params, opt, critic_params, opt)   # PPO: + critic
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm.rl.optim import Optimizer
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the update changes. step counts update calls (trainer steps)."""
+
+    step: jax.Array  # [] int32
+    params: Any
+    opt_state: Any
+    critic_params: Any = None  # PPO only
+    critic_opt_state: Any = None
+
+
+def commit_like(tree, params):
+    """Commits tree's leaves (optimizer counts, the step) where the params live: replicated
+    on their mesh, or on their device. Uncommitted or differently placed inputs would make
+    the second update call compile again."""
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    if mesh is not None:
+        target = NamedSharding(mesh, PartitionSpec())
+    elif shardings and shardings[0] is not None:
+        target = jax.sharding.SingleDeviceSharding(next(iter(shardings[0].device_set)))
+    else:
+        return tree
+
+    keep = lambda x: isinstance(x.sharding, NamedSharding)  # noqa: E731 (always committed)
+    return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, target), tree)
+
+
+def init_train_state(
+    params, opt: Optimizer, critic_params=None, critic_optimizer: Optimizer | None = None
+) -> TrainState:
+    """Fresh optimizer states (sharded like the params). The state OWNS these arrays: the
+    update donates them, so keep no other reference (copy the reference model's params)."""
+    critic_opt_state = None
+    if critic_params is not None:
+        if critic_optimizer is None:
+            raise ValueError("init_train_state: critic_params given without critic_optimizer")
+        critic_params = commit_like(critic_params, critic_params)
+        critic_opt_state = commit_like(critic_optimizer.init(critic_params), critic_params)
+    return TrainState(
+        step=commit_like(jnp.zeros((), jnp.int32), params),
+        params=commit_like(params, params),
+        opt_state=commit_like(opt.init(params), params),
+        critic_params=critic_params,
+        critic_opt_state=critic_opt_state,
+    )

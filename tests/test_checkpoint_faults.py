@@ -1,0 +1,205 @@
+"""Stopping and failing while checkpointing: Ctrl-C once (save and stop) and twice (abort),
+in process and through `python -m jaxrl_llm.train`; a disk that fills up mid-save."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_run import make_model_dir
+
+from jaxrl_llm import checkpoint
+from jaxrl_llm.checkpoint import Checkpointer, DiskFullError, install_sigterm_handler
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_first_ctrl_c_sets_the_flag_and_a_second_aborts(capfd):
+    before = signal.getsignal(signal.SIGINT)
+    flag = install_sigterm_handler()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.requested and flag.stop_at(7) and flag.reason == "SIGINT"
+        assert "press Ctrl-C again to abort without saving" in capfd.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGINT) is before and not flag.installed
+
+
+def test_sigterm_then_ctrl_c_aborts():
+    flag = install_sigterm_handler()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.requested and flag.reason == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        flag.restore()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs: a 4 MiB checkpoint cannot fit."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def _big():
+    return {"w": jax.random.normal(jax.random.key(0), (1024, 1024))}  # 4 MiB, incompressible
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_disk_full_is_one_error_and_the_last_checkpoint_survives(small_disk, capfd, async_save):
+    ckpt = Checkpointer(small_disk / "ckpt", save_interval_steps=1, async_save=async_save)
+    ckpt.save(1, {"w": jnp.arange(256.0)}, {"step": 1})
+    ckpt.wait()
+    with pytest.raises(DiskFullError) as err:
+        ckpt.save(2, _big(), {"step": 2})
+        ckpt.save(3, _big(), {"step": 3})  # an async failure surfaces at the next save...
+        ckpt.wait()  # ...or here
+    ckpt.wait()  # reported once; the trainer's cleanup goes on
+    ckpt.close()
+    message = str(err.value)
+    assert message.startswith(f"{small_disk / 'ckpt'}: no space left on device while saving ")
+    assert " free; the last complete checkpoint: step 1); free some space" in message
+    assert "Traceback" not in capfd.readouterr().err  # orbax's per-thread reports are dropped
+    with Checkpointer(small_disk / "ckpt", read_only=True) as reader:
+        state, extra = reader.restore()
+    assert extra == {"step": 1}
+    np.testing.assert_array_equal(state["w"], np.arange(256.0))
+
+
+_FILL = """
+import sys
+import jax
+from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.errors import cli_main
+
+def main():
+    ckpt = Checkpointer(sys.argv[1], save_interval_steps=1)
+    try:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": jax.random.normal(jax.random.key(step), (1024, 1024))})
+    finally:
+        ckpt.wait()
+        ckpt.close()
+
+cli_main(main)
+"""
+
+
+def test_disk_full_at_the_command_line_is_one_line(small_disk):
+    env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FILL), str(small_disk / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: {small_disk / 'ckpt'}: no space left on device while ")
+
+
+def test_orbax_disk_full_texts_are_recognised():
+    wrapped = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "w/0.0" in OCDBT database at local file "/x/": '
+        "Failed to write 1803989 bytes to file 11: No space left on device [os_error_code='28']"
+    )
+    assert checkpoint._disk_full(wrapped)
+    try:
+        try:
+            raise OSError(122, "Disk quota exceeded")
+        except OSError as quota:
+            raise RuntimeError("save failed") from quota
+    except RuntimeError as chained:
+        assert checkpoint._disk_full(chained)
+    assert not checkpoint._disk_full(ValueError("RESOURCE_EXHAUSTED: Out of memory"))
+
+
+# ------------------------------------------------------------------ through the trainer
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+def _train(model_dir, workdir, *overrides):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+        "TINY_MODEL_DIR": model_dir,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxrl_llm.train",
+        f"--config={os.path.join(REPO, 'tests', 'tiny_run.py')}",
+        f"--workdir={workdir}",
+        "--config.train.num_steps=1000",
+        "--config.checkpoint.every=0",
+        *overrides,
+    ]
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _logged_steps(workdir) -> list[int]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+
+def _interrupt_after(proc, workdir, steps: int, presses: int, timeout_s: float = 400):
+    deadline = time.monotonic() + timeout_s
+    while len(_logged_steps(workdir)) < steps:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the trainer did not log in time"
+        time.sleep(0.2)
+    for _ in range(presses):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    return err
+
+
+def test_ctrl_c_saves_the_step_and_exits_cleanly(model_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    proc = _train(model_dir, workdir)
+    err = _interrupt_after(proc, workdir, steps=2, presses=1)
+    assert proc.returncode == 0, err[-3000:]
+    logged = _logged_steps(workdir)
+    with Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
+        saved = ckpt.all_steps()
+    assert "press Ctrl-C again to abort without saving" in err
+    assert "Traceback" not in err, err[-3000:]
+    assert saved == [logged[-1]] and logged == list(range(1, logged[-1] + 1))  # nothing lost
+
+
+def test_second_ctrl_c_aborts_with_one_line(model_dir, tmp_path):
+    workdir = str(tmp_path / "run")
+    proc = _train(model_dir, workdir)
+    err = _interrupt_after(proc, workdir, steps=1, presses=2)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1].startswith("error: interrupted; ")
+    assert "Traceback" not in err, err[-3000:]

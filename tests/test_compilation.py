@@ -1,0 +1,89 @@
+"""Start-up compilation: the programs are compiled before the first step, each says so in
+one line, and a second run in a fresh process loads them from the persistent cache."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_run import make_model_dir
+
+from jaxrl_llm import compilation
+from jaxrl_llm.metrics import read_metrics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+def _train(model_dir, workdir, cache) -> list[str]:
+    """The command line in a fresh process, on one device -> its lines about compiled
+    programs."""
+    env = dict(os.environ, TINY_MODEL_DIR=model_dir, PYTHONPATH=os.pathsep.join([ROOT, HERE]),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrl_llm.train", f"--config={HERE}/tiny_run.py",
+         f"--workdir={workdir}", f"--config.train.compilation_cache_dir={cache}",
+         "--config.mesh.fsdp=1", "--config.mesh.tensor=1"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stderr.replace("\r", "\n")
+    return [line[line.index("compiling ") :] for line in text.splitlines() if "compiling " in line]
+
+
+def _learning(workdir) -> list[dict]:
+    return [
+        {k: v for k, v in m.items() if not k.startswith("perf/")}
+        for m in read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    ]
+
+
+def test_second_run_loads_every_program_from_the_cache(model_dir, tmp_path):
+    cache = tmp_path / "xla"
+    cold = _train(model_dir, tmp_path / "cold", cache)
+    names = [line.split(" (")[0] for line in cold]
+    # tiny_run: GRPO (a reference model), 16-token prompt bucket, no evaluation.
+    assert sorted(names) == ["compiling reference", "compiling sampler", "compiling update"]
+    assert all("(bucket 16)" in line and "compilation cache" not in line for line in cold)
+    first = read_metrics(tmp_path / "cold" / "metrics.jsonl")[0]
+    assert first["perf/compile_s"] == 0.0  # compiled before the first step, not in it
+    assert os.listdir(cache)
+
+    warm = _train(model_dir, tmp_path / "warm", cache)
+    assert sorted(line.split(" (")[0] for line in warm) == sorted(names), warm
+    assert all(line.endswith("(compilation cache)") for line in warm), warm
+    assert _learning(tmp_path / "warm") == _learning(tmp_path / "cold")
+
+
+def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
+    lines = []
+    compilation.use_cache(str(tmp_path / "xla"))
+    try:
+        f = jax.jit(lambda x: jnp.sin(x) * 3.0 + jnp.cos(x))
+        x = np.arange(7, dtype=np.float32)
+        with compilation.CompileLog(write=lines.append) as log:
+            with log.ahead_of_time() as build:
+                build("toy", "7 rows", lambda: f.lower(x))
+            with log.program("again", "same shapes"):
+                f(x)  # the executable compiled above: nothing compiles, no line
+            jax.clear_caches()  # as a new process would: only the persistent cache is left
+            with log.program("toy", "7 rows"):
+                f(x)
+    finally:
+        compilation.use_cache("")
+    assert lines[0].startswith("compiling toy (7 rows)... ")
+    assert not lines[0].endswith("(compilation cache)")
+    assert lines[1].startswith("programs ready in ")
+    assert lines[1].endswith("(1 built side by side, 0 from the compilation cache)")
+    assert lines[2].startswith("compiling toy (7 rows)... ")
+    assert lines[2].endswith(" s (compilation cache)")
+    assert len(lines) == 3 and [p.cache_hits for p in log.programs] == [0, 1]
+    assert log.seconds > 0
