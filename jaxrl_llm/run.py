@@ -1,0 +1,288 @@
+"""`Run`: everything a training run holds, built from the config, and its step.
+
+    run = Run(config, workdir)          # models, sampler, scorer, data, jitted programs
+    metrics = run.step(step)            # sample -> reference -> score -> update
+    metrics = run.evaluate(step)        # held-out pass@k
+
+`train.py` drives it: checkpoints, resume, logging and the command line. One step, three
+jitted programs and the host in between:
+
+    out = sampler.sample(params, prompts, spec, step)   # jitted: prefill + decode, dispatched
+    ref = ref_logprobs(ref_params, out)                  # jitted, dispatched, no wait
+    scored = scorer(out, batch)                          # host: ids -> text -> verifiers,
+                                                         # overlapping the reference forward
+    state, metrics = update(state, RolloutBatch.from_sample(out, rewards, ref))  # jitted
+
+`jax.transfer_guard("disallow")` holds around the step body: the only transfers are the
+explicit ones (completion ids out, rewards in, metrics at log steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import jax
+import ml_collections
+
+from jaxrl_llm import (
+    compilation,
+    config_checks,
+    data,
+    evaluation,
+    models,
+    parallel,
+    perf,
+    rl,
+    rollout,
+    run_config,
+    sampling,
+    tuning,
+    verifiers,
+)
+
+
+class Run:
+    """Everything a training run holds: built from the config, then stepped by `train`."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        run_config.validate(config, process_count=jax.process_count())
+        # Speed settings the config leaves unset (None) are picked here (`tuning`).
+        self.config, self.tuning_line = tuned(config)
+        self.workdir = workdir
+        self.algo = run_config.algo_config(self.config)
+        self.mesh = parallel.make_mesh(dict(self.config.mesh))
+        self.compile_log = compilation.CompileLog()  # says what compiles, while it listens
+        params = self._load_models()
+        self._build_rollout()
+        self._build_input()
+        self._build_programs(params)
+        # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
+        size = 1024 if jax.default_backend() == "cpu" else 2048
+        self.peak = perf.matmul_peak(self.config.model.dtype, size)
+
+    # ----------------------------------------------------------------- Model & tokenizer
+    def _load_models(self):
+        """Tokenizer, the data rows checked up front (before any weight is read), policy
+        (-> its params) and, with beta > 0, the reference params."""
+        c = self.config
+        self.model_path = run_config.resolve_model_path(c.model.path)
+        self.tokenizer_path = run_config.resolve_model_path(
+            c.model.tokenizer or self.model_path, "model.tokenizer", need_config=False
+        )
+        self.tokenizer = models.builtin.load_tokenizer(self.tokenizer_path)
+        rows = data.check_rows(c.data, self.tokenizer)
+        if rows.bad and jax.process_index() == 0:
+            print(rows.summary(), file=sys.stderr, flush=True)
+        runtime = dict(remat=c.model.remat, scan_layers=c.model.scan_layers)
+        self.model_cfg, params = models.builtin.load_model(
+            self.model_path, self.mesh, c.model.dtype, **runtime
+        )
+        config_checks.check_context(c, self.model_cfg)
+        self.ref_params = None
+        if self.algo.needs_ref:
+            ref_path = run_config.resolve_model_path(
+                c.model.ref_path or self.model_path, "model.ref_path"
+            )
+            _, self.ref_params = models.builtin.load_model(ref_path, self.mesh, c.model.dtype)
+        return params
+
+    # ------------------------------------------------------------------------- Rollout
+    def _build_rollout(self) -> None:
+        """The rollout spec, the sampler and the host-side scorer (verifier pool)."""
+        c = self.config
+        self.spec = run_config.rollout_spec(c, self.tokenizer)
+        pad = data.prompts.pad_id(self.tokenizer)
+        self.sampler = sampling.Sampler(
+            self.model_cfg, self.mesh, seed=c.train.seed, pad_id=pad,
+            bucket_steps=c.rollout.bucket_steps, cache_segments=c.rollout.cache_segments,
+        )  # fmt: skip
+        self.pool = verifiers.VerifierPool(
+            c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s,
+            memory_mb=c.train.verifier_memory_mb,
+        )  # fmt: skip
+        self.budget = verifiers.ErrorBudget(
+            c.train.max_verifier_error_rate, c.train.max_failed_steps
+        )
+        self.warning = None  # the last step's verifier warning, for the progress output
+        self.scorer = rollout.Scorer(
+            self.tokenizer, self.pool, verifiers.parse_specs(c.rewards), self.spec,
+            overlong_buffer=self._overlong_buffer(), mesh=self.mesh,
+        )  # fmt: skip
+        self.correct_label = c.eval.correct_reward or self.scorer.specs[0].label
+
+    # --------------------------------------------------------------------------- Input
+    def _build_input(self) -> None:
+        """This process's training prompts and the fixed held-out batches."""
+        c, B = self.config, self.config.rollout.batch_size
+        hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+        self.data_iter = data.make_iterator(c.data, self.tokenizer, B, **hosts)
+        self.eval_batches = []
+        if c.eval.every > 0:
+            self.eval_batches = evaluation.held_out_batches(c, self.tokenizer, B)
+
+    # ---------------------------------------------- State, update and reference programs
+    def _build_programs(self, params) -> None:
+        c, o = self.config, self.config.optim
+        opt = rl.optimizer_from_config(o, c.train.num_steps)
+        critic_params = critic_opt = None
+        if self.algo.uses_critic:
+            critic_params = rl.init_critic(self.model_cfg, params, seed=c.train.seed)
+            critic_opt = rl.optimizer_from_config(o, c.train.num_steps, o.critic_learning_rate)
+        self.state = rl.init_train_state(
+            params, opt, critic_params=critic_params, critic_optimizer=critic_opt
+        )
+        self.update = rl.make_update_fn(
+            self.model_cfg, self.algo, opt, self.spec, micro_batches=o.micro_batches,
+            mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk,
+            critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
+            seed=c.train.seed,
+        )  # fmt: skip
+        self.ref_logprobs = None
+        if self.algo.needs_ref:  # the update's row slices bound its memory the same way
+            self.ref_logprobs = rl.make_logprob_fn(
+                self.model_cfg, self.spec, chunk_size=c.train.logprob_chunk,
+                micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
+            )  # fmt: skip
+
+    def _overlong_buffer(self) -> int:
+        """DAPO's L_c in tokens (0: no overlong penalty)."""
+        if not self.algo.overlong_penalty:
+            return 0
+        return max(1, round(self.algo.overlong_buffer_frac * self.spec.max_new_tokens))
+
+    # ---------------------------------------------------------------------- the step
+    def step(self, step: int) -> dict:
+        """One RL step -> this step's host metrics (the update's device metrics stay on
+        device in `last_update_metrics` until a log step)."""
+        clock, dynamic = perf.PhaseClock(), self.algo.dynamic_sampling
+        with self._transfer_guard():
+            batch = next(self.data_iter)
+            out = self.sample(batch, step)  # device arrays, dispatched
+            ref = None if dynamic else self.reference(out)  # dispatched, no wait
+            scored = self.score(out, batch, clock)  # host, overlapping the reference
+            if dynamic:  # DAPO: degenerate groups replaced, then the reference
+                out, scored = self.refill(out, scored, step, clock)
+                ref = self.reference(out)
+            clock.wait("reference", ref)
+            self._check_verifiers(scored, step)
+            rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
+            batch = rl.RolloutBatch.from_sample(out, rewards, ref)
+            with self.compile_log.program("update", _bucket(out)):
+                self.state, self.last_update_metrics = self.update(self.state, batch)
+            clock.wait("update", self.state)
+        self.last_scored, self.last_prompt_width = scored, out.prompt_tokens.shape[1]
+        return parallel.host_mean(self._metrics(out, scored, clock))  # each saw its own rows
+
+    def sample(self, batch, step: int, round: int = 0) -> sampling.SampleOutput:
+        """G completions of each prompt, by the current parameters (version = step)."""
+        rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
+        with self.compile_log.program("sampler") as compiled:
+            out = self.sampler.sample(
+                self.state.params, batch.prompt_ids, batch.prompt_mask, self.spec,
+                step * rounds + round, version=step,
+            )  # fmt: skip
+            compiled.detail = _bucket(out)
+        return out
+
+    def reference(self, out):
+        """Dispatches the reference log-probs [N, T] (async); None when beta = 0."""
+        if self.ref_logprobs is None:
+            return None
+        with self.compile_log.program("reference", _bucket(out)):
+            return self.ref_logprobs(self.ref_params, out)
+
+    def score(self, out, batch, clock) -> rollout.Scored:
+        clock.wait("sample", out.tokens)
+        scored = self.scorer(out, batch)
+        clock.mark("score")
+        return scored
+
+    def refill(self, out, scored, step: int, clock):
+        """DAPO's dynamic sampling: up to `algo.max_resample_rounds` more batches until
+        every process has B mixed-reward groups (the sampler is collective, so all
+        processes sample while any is short)."""
+        G, parts = self.spec.num_generations, [(out, scored)]
+        groups = len(scored.rewards) // G
+        mixed = rollout.mixed_groups(scored, G)
+        while (
+            parallel.host_max(int(mixed < groups)) and len(parts) <= self.algo.max_resample_rounds
+        ):
+            batch = next(self.data_iter)
+            more = self.sample(batch, step, round=len(parts))
+            parts.append((more, self.score(more, batch, clock)))
+            mixed += rollout.mixed_groups(parts[-1][1], G)
+        degenerate_frac = 1.0 - min(mixed, groups) / groups
+        if len(parts) > 1:
+            out, scored = rollout.merge_mixed_groups(parts, G, groups, self.mesh)
+        scored.metrics["rollout/degenerate_frac"] = degenerate_frac
+        scored.metrics["rollout/dynamic_rounds"] = float(len(parts) - 1)
+        return out, scored
+
+    def _check_verifiers(self, scored, step: int) -> None:
+        """Warns on a step where a verifier failed too often; stops the run after
+        train.max_failed_steps such steps in a row (every host decides on the mean)."""
+        rates = None
+        if jax.process_count() > 1:
+            rates = parallel.host_mean(scored.details.error_rates())
+        self.warning = self.budget.check(scored.details, step, rates=rates)
+
+    def evaluate(self, step: int) -> dict:
+        e = self.config.eval
+        with self.compile_log.program("evaluation", runs=True):
+            metrics = evaluation.evaluate(
+                self.sampler, self.state.params, self.eval_batches, self.scorer,
+                correct_label=self.correct_label, pass_k=e.pass_k, temperature=e.temperature,
+                step=step,
+            )  # fmt: skip
+        return parallel.host_mean(metrics)
+
+    def _transfer_guard(self):
+        if self.config.train.transfer_guard:
+            return jax.transfer_guard("disallow")
+        return contextlib.nullcontext()
+
+    def _metrics(self, out, scored, clock) -> dict:
+        s, step_s = clock.seconds, clock.total
+        rows, P, T = out.tokens.shape[0], out.prompt_tokens.shape[1], out.tokens.shape[1]
+        flops = perf.step_flops(
+            self.model_cfg,
+            rows=rows,
+            prompts=rows // self.spec.num_generations,
+            prompt_len=float(scored.prompt_lengths.mean()),
+            new_tokens=float(scored.lengths.mean()),
+            reference=self.ref_logprobs is not None,
+            update_forwards=self.update.forward_passes,
+            update_shared_forwards=self.update.shared_prompt_passes,
+            reference_shares_prompts=self.spec.num_generations > 1,
+        )
+        return (
+            scored.metrics
+            | self.data_iter.metrics()
+            | {
+                "reward/mean": float(scored.rewards.mean()),
+                "reward/std": float(scored.rewards.std()),
+                "perf/step_s": step_s,
+                "perf/sample_s": s["sample"],
+                "perf/reference_s": s["reference"],
+                "perf/score_s": s["score"],
+                "perf/update_s": s["update"],
+                "perf/rollout_tokens_per_s": float(scored.lengths.sum()) / max(s["sample"], 1e-9),
+                "perf/update_tokens_per_s": rows * (P + T) / max(s["update"], 1e-9),
+                "perf/mfu": sum(flops.values()) / step_s / self.peak,
+            }
+        )
+
+
+def tuned(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
+    """The config with the speed settings it leaves unset picked for this backend and
+    model (`tuning.resolve`), and the line saying which ("" when it sets them all)."""
+    shape = parallel.mesh_shape(dict(config.mesh), jax.device_count())
+    model_cfg = models.builtin.model_config(run_config.resolve_model_path(config.model.path))
+    return tuning.resolve(
+        config, model_cfg, jax.default_backend(), batch_shards=shape[0] * shape[1]
+    )
+
+
+def _bucket(out) -> str:
+    return f"bucket {out.prompt_tokens.shape[1]}"
