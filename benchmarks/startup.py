@@ -100,7 +100,8 @@ def run_once(args, config: str, cache: str | None, workdir: str, extra: list[str
     log = os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log")
     with open(log, "w") as out:
         launch = time.time()
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        # `python -m` puts the working directory first on sys.path: run in --src's checkout.
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=args.src)
         _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak memory
     stop.set()
     watcher.join()
@@ -183,7 +184,7 @@ def main() -> None:
     print(f"trainer from {args.src}; config {args.config} {' '.join(extra)}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
-        config = args.config
+        config = os.path.abspath(args.config)
         if args.auto:
             config = os.path.join(tmp, "config.py")
             keys = tuple(k for k in args.auto.split(",") if k)

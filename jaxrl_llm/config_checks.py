@@ -25,6 +25,15 @@ FREE_FORM = ("rewards", "data.fields")  # sections whose keys are the user's own
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def check_batch_size(key: str, size: int, mesh_shape, process_count: int) -> None:
+    """A global batch of `size` rows (prompts) splits over the mesh's batch axes and over
+    the processes."""
+    multiple = mesh_shape[0] * mesh_shape[1]
+    _check(size >= 1, f"{key}={size}: must be >= 1")
+    _check(size % multiple == 0, f"{key}={size} is not divisible by mesh data x fsdp = {multiple}")
+    _check(size % process_count == 0, f"{key}={size} is not divisible by {process_count} processes")
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -95,17 +104,8 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     from jaxrl_llm.sampling import BUCKET_STEPS
 
     r = config.rollout
-    _check(r.batch_size >= 1, f"rollout.batch_size={r.batch_size}: must be >= 1")
+    check_batch_size("rollout.batch_size", r.batch_size, mesh_shape, process_count)
     _check(r.num_generations >= 1, f"rollout.num_generations={r.num_generations}: must be >= 1")
-    multiple = mesh_shape[0] * mesh_shape[1]
-    _check(
-        r.batch_size % multiple == 0,
-        f"rollout.batch_size={r.batch_size} is not divisible by mesh data x fsdp = {multiple}",
-    )
-    _check(
-        r.batch_size % process_count == 0,
-        f"rollout.batch_size={r.batch_size} is not divisible by {process_count} processes",
-    )
     _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens}: must be >= 1")
     _check(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples, use > 0")
     _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")

@@ -179,3 +179,19 @@ def run_absl(main: Callable) -> None:
         raise UserError(
             "--config", f"bad override: {' '.join(text.split())}", "check the key and its type"
         ) from None
+
+
+def config_command(main: Callable, config_help: str, workdir_help: str) -> None:
+    """The `python -m jaxrl_llm.<command> --config=FILE --workdir=DIR` entry point: the
+    process re-run with tcmalloc where installed, the two required flags (`--config`
+    with `--config.KEY=VALUE` overrides), and every failure as one line (`cli_main`)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from jaxrl_llm.parallel import allocator
+
+    allocator.reexec_with_tcmalloc()
+    config_flags.DEFINE_config_file("config", None, config_help, lock_config=True)
+    flags.DEFINE_string("workdir", None, workdir_help)
+    flags.mark_flags_as_required(["config", "workdir"])
+    cli_main(lambda: run_absl(main))

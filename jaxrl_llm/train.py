@@ -216,14 +216,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from absl import flags
-    from ml_collections import config_flags
+    from jaxrl_llm.errors import config_command
 
-    from jaxrl_llm.errors import cli_main, run_absl
-    from jaxrl_llm.parallel import allocator
-
-    allocator.reexec_with_tcmalloc()
-    config_flags.DEFINE_config_file("config", None, "configs/<experiment>.py", lock_config=True)
-    flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics); reruns resume")
-    flags.mark_flags_as_required(["config", "workdir"])
-    cli_main(lambda: run_absl(main))
+    config_command(
+        main, "configs/<experiment>.py", "run directory (checkpoints, metrics); reruns resume"
+    )

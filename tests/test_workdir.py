@@ -139,7 +139,7 @@ def test_config_history_across_three_resumes(tmp_path):
     third["train"]["num_steps"] = 200  # constant schedule: extending the run is harmless
     third["optim"]["micro_batches"] = 4  # a memory knob
     assert workdir.check_resume(tmp_path, third) == [
-        "optim.micro_batches: 1 -> 4",
+        "optim.micro_batches: null -> 4",
         "train.num_steps: 100 -> 200",
     ]
     workdir.save_config(tmp_path, third)

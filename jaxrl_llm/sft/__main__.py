@@ -3,7 +3,6 @@
 Any failure is one line `error: ...` on stderr (`--debug` for the traceback)."""
 
 from absl import flags
-from ml_collections import config_flags
 
 
 def main(argv):
@@ -16,11 +15,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from jaxrl_llm.errors import cli_main, run_absl
-    from jaxrl_llm.parallel import allocator
+    from jaxrl_llm.errors import config_command
 
-    allocator.reexec_with_tcmalloc()
-    config_flags.DEFINE_config_file("config", None, "configs/sft_<task>.py", lock_config=True)
-    flags.DEFINE_string("workdir", None, "output directory: metrics.jsonl, tensorboard/, hf/")
-    flags.mark_flags_as_required(["config", "workdir"])
-    cli_main(lambda: run_absl(main))
+    config_command(
+        main, "configs/sft_<task>.py", "output directory: metrics.jsonl, tensorboard/, hf/"
+    )

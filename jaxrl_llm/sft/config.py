@@ -196,17 +196,10 @@ def _check_model(config) -> str | None:
 
 
 def _check_sft(config, mesh_shape, process_count: int) -> None:
+    from jaxrl_llm import config_checks
+
     s, comp = config.sft, config.sft.completion
-    multiple = mesh_shape[0] * mesh_shape[1]
-    _check(s.batch_size >= 1, f"sft.batch_size={s.batch_size}: must be >= 1")
-    _check(
-        s.batch_size % multiple == 0,
-        f"sft.batch_size={s.batch_size} is not divisible by mesh data x fsdp = {multiple}",
-    )
-    _check(
-        s.batch_size % process_count == 0,
-        f"sft.batch_size={s.batch_size} is not divisible by {process_count} processes",
-    )
+    config_checks.check_batch_size("sft.batch_size", s.batch_size, mesh_shape, process_count)
     _check(comp.max_len >= 1, f"sft.completion.max_len={comp.max_len}: must be >= 1")
     _check(0 <= comp.alt_prob <= 1, f"sft.completion.alt_prob={comp.alt_prob}: must be in [0, 1]")
     _check(
