@@ -70,7 +70,7 @@ class DecodeState:
     prompt_mask: jax.Array  # [N, P] bool
     tokens: jax.Array  # [N, C] int32, column j = cache slot P + j
     mask: jax.Array  # [N, C] bool: real tokens
-    sampled: jax.Array  # [N, C] bool: drawn by the sampler
+    appended: jax.Array  # [N, C] bool: written by `append` (not sampled)
     logprobs: jax.Array  # [N, C] float32
     logits: jax.Array  # [N, V] float32 next-token logits (valid when not maybe_pending)
     last: jax.Array  # [N] int32: the pending token
@@ -91,7 +91,6 @@ class _Loop:
     cache: models.KVCache
     tokens: jax.Array
     mask: jax.Array
-    sampled: jax.Array
     logprobs: jax.Array
     last: jax.Array
     pending: jax.Array
@@ -173,7 +172,7 @@ def start(
         prompt_mask=jnp.repeat(prompt_mask, G, axis=0),
         tokens=jnp.full((N, T), pad_id, jnp.int32),
         mask=jnp.zeros((N, T), bool),
-        sampled=jnp.zeros((N, T), bool),
+        appended=jnp.zeros((N, T), bool),
         logprobs=jnp.zeros((N, T), jnp.float32),
         logits=logits,
         last=jnp.full((N,), pad_id, jnp.int32),
@@ -193,7 +192,6 @@ def _write(s, col, tok, lp, live):
     return dict(
         tokens=put(s.tokens, tok),
         mask=put(s.mask, live),
-        sampled=put(s.sampled, live),
         logprobs=put(s.logprobs, lp),
     )
 
@@ -219,18 +217,22 @@ def _draw(state: DecodeState, loop: _Loop, logits, stop_ids, pad_id) -> _Loop:
 
 
 def decode(
-    cfg, params, state: DecodeState, max_new_tokens: int, stop_ids, pad_id, segments, mesh=None
+    cfg, params, state: DecodeState, max_new_tokens: int, stop_ids, pad_id, segments, mesh=None,
+    final: bool = False,
 ) -> DecodeState:
-    """Up to `max_new_tokens` draws per row, until every row has stopped -> new state."""
+    """Up to `max_new_tokens` draws per row, until every row has stopped -> new state.
+
+    final (static): the state is not decoded or appended to again (a single-turn rollout).
+    A stopped row's cache is then never read again, so its steps need not mark their slots
+    invalid (`decode_step` without `real`, one mask less per step)."""
     P = state.prompt_tokens.shape[1]
     need = state.end + max_new_tokens
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
     widen = lambda x, fill: _widen(x, need - P, fill)  # noqa: E731
     loop = _Loop(
         n=jnp.int32(0), t=state.t, cache=state.cache, tokens=widen(state.tokens, pad_id),
-        mask=widen(state.mask, False), sampled=widen(state.sampled, False),
-        logprobs=widen(state.logprobs, 0.0), last=state.last, pending=state.pending,
-        done=state.done,
+        mask=widen(state.mask, False), logprobs=widen(state.logprobs, 0.0), last=state.last,
+        pending=state.pending, done=state.done,
     )  # fmt: skip
     if not state.maybe_pending:  # the next token's logits are known: draw it now
         loop = _draw(state, loop, state.logits, stops, pad_id)
@@ -239,7 +241,8 @@ def decode(
     layers = None if cfg.scan_layers else models.layer_params(params)
 
     def body(loop: _Loop) -> _Loop:
-        logits, cache = models.decode_step(cfg, params, loop.last, loop.cache, layers, loop.pending)
+        real = None if final else loop.pending
+        logits, cache = models.decode_step(cfg, params, loop.last, loop.cache, layers, real)
         loop = loop.replace(cache=constrain_cache(cache, mesh))
         return _draw(state, loop, logits, stops, pad_id)
 
@@ -254,9 +257,9 @@ def decode(
 
         loop = jax.lax.while_loop(more, body, loop)
     return state.replace(
-        cache=loop.cache, tokens=loop.tokens, mask=loop.mask, sampled=loop.sampled,
-        logprobs=loop.logprobs, last=loop.last, pending=loop.pending, done=loop.done,
-        t=loop.t, end=need, maybe_pending=True,
+        cache=loop.cache, tokens=loop.tokens, mask=loop.mask,
+        appended=widen(state.appended, False), logprobs=loop.logprobs, last=loop.last,
+        pending=loop.pending, done=loop.done, t=loop.t, end=need, maybe_pending=True,
     )  # fmt: skip
 
 
@@ -287,7 +290,7 @@ def append(
         cache=constrain_cache(cache, mesh),
         tokens=put(state.tokens, jnp.where(token_mask, token_ids, pad_id), pad_id),
         mask=put(state.mask, token_mask, False),
-        sampled=put(state.sampled, jnp.zeros_like(token_mask), False),
+        appended=put(state.appended, token_mask, False),
         logprobs=put(state.logprobs, jnp.zeros(token_mask.shape, jnp.float32), 0.0),
         logits=jnp.where(fed[:, None], logits, state.logits),
         pending=jnp.zeros_like(state.pending),
@@ -301,7 +304,8 @@ def result(state: DecodeState, pad_id) -> SampleOutput:
     """The rollouts so far, each row's real tokens compacted to the left (stable order)."""
     order = jnp.argsort((~state.mask).astype(jnp.int32), axis=1, stable=True)
     take = lambda x: jnp.take_along_axis(x, order, axis=1)  # noqa: E731
-    mask, sampled = take(state.mask), take(state.sampled)
+    mask = take(state.mask)
+    sampled = mask & ~take(state.appended)
     return SampleOutput(
         tokens=jnp.where(mask, take(state.tokens), pad_id),
         mask=mask,

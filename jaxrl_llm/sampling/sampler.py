@@ -186,7 +186,7 @@ class Sampler:
             self.mesh,
         )  # fmt: skip
         state = D.decode(self.cfg, params, state, spec.max_new_tokens, spec.stop_ids,
-                         self.pad_id, self.cache_segments, self.mesh)  # fmt: skip
+                         self.pad_id, self.cache_segments, self.mesh, final=True)  # fmt: skip
         return D.result(state, self.pad_id)
 
     # ---------------------------------------------------------------------- host side
