@@ -110,6 +110,7 @@ class Run:
             overlong_buffer=self._overlong_buffer(), mesh=self.mesh,
         )  # fmt: skip
         self.correct_label = c.eval.correct_reward or self.scorer.specs[0].label
+        self.pool.prepare(self.scorer.specs)  # the workers load while the programs build
 
     # --------------------------------------------------------------------------- Input
     def _build_input(self) -> None:

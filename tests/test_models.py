@@ -286,3 +286,32 @@ def test_attention_values_and_gradients_equal_jax_reference():
     want = jax.grad(lambda *a: jnp.sum(reference(*a) * g), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("asset", ["quickstart_model", "arithmetic_tokenizer"])
+def test_tokenizer_equals_autotokenizer_without_torch(asset):
+    """A tokenizer.json directory loads as AutoTokenizer would, without importing torch."""
+    import importlib.resources
+    import os
+    import subprocess
+    import sys
+
+    path = str(importlib.resources.files("jaxrl_llm") / "assets" / asset)
+    ours = models.builtin.load_tokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    assert type(ours) is type(theirs)
+    for text in ("What is 12 + 34?=", "the  cat\n\nis  12", ""):
+        for special in (True, False):
+            got = ours(text, add_special_tokens=special)["input_ids"]
+            assert got == theirs(text, add_special_tokens=special)["input_ids"], text
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert len(ours) == len(theirs)
+    code = (
+        "import sys; from jaxrl_llm import models; "
+        f"models.builtin.load_tokenizer({path!r}); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

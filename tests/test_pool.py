@@ -153,3 +153,30 @@ def test_one_shot_score_and_close(rewards_file):
     assert all(p.poll() is not None for p in procs)
     with pytest.raises(RuntimeError, match="after close"):
         pool.score([("gsm8k", 1.0)], ["1"], [{"answer": "1"}])
+
+
+def test_prepare_loads_the_verifiers_before_the_first_score(tmp_path):
+    """`prepare` starts the workers loading the specs at once (each worker's import leaves
+    a marker file, seen before any score); the first score with those specs uses them,
+    and a score with other specs still loads those."""
+    module = tmp_path / "marked.py"
+    module.write_text(
+        "import os\n"
+        f"open(os.path.join({str(tmp_path)!r}, f'loaded.{{os.getpid()}}'), 'w').close()\n"
+        "def pid(completion, example):\n"
+        "    return float(os.getpid())\n"
+    )
+    specs = [(f"{module}:pid", 1.0)]
+    with VerifierPool(workers=2, timeout_s=5.0) as pool:
+        pool.prepare(specs)
+        deadline = time.monotonic() + 60
+        workers = lambda: {int(p.suffix[1:]) for p in tmp_path.glob("loaded.*")} - {os.getpid()}  # noqa: E731
+        while len(workers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        loaded = workers()
+        assert len(loaded) == 2  # both workers imported the module without a score
+        rewards, details = pool.score(specs, ["a"] * 8, [{}] * 8)
+        assert set(rewards.astype(int)) <= loaded and details.errors == {"pid": 0}
+        rewards, _ = pool.score([("gsm8k", 1.0)], ["#### 3", "#### 4"], [{"answer": "3"}] * 2)
+        np.testing.assert_array_equal(rewards, [1.0, 0.0])
+        assert workers() == loaded  # no worker restarted

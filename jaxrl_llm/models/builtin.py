@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import re
 from collections.abc import Callable
@@ -152,6 +153,36 @@ def load_tokenizer(path: str, key: str = "model.tokenizer"):
     path = resolve(path, key, need_config=False)
     if is_gguf(path):
         return gguf_io.load_gguf_tokenizer(path)
+    backend = _tokenizers_backend(path)
+    if backend is not None:
+        return backend.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+# Tokenizers that `AutoTokenizer` would load as the plain `tokenizers`-backed class.
+_BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizers_backend(path: str):
+    """The class AutoTokenizer picks for a local directory whose tokenizer_config.json
+    names the plain tokenizers-backed class, imported on its own (None: ask AutoTokenizer).
+
+    AutoTokenizer imports transformers' model configuration code and with it torch,
+    seconds of start-up that a tokenizer.json does not need."""
+    config = os.path.join(path, "tokenizer_config.json")
+    if not (os.path.isfile(config) and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        return None
+    try:
+        with open(config, encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if name not in _BACKEND_CLASSES:
+        return None
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # a transformers without that module: AutoTokenizer knows
+        return None
+    return TokenizersBackend

@@ -224,14 +224,32 @@ class VerifierPool:
         self._check_wall_limits(specs)
         examples = _check_inputs(completions, examples, num_tokens)
         batch = _Batch(specs, list(completions), examples, self.breaker_after)
-        wire_specs = [(s.name, s.options) for s in specs]
+        key, wire_specs = _wire(specs)
         with self._lock:
             try:
-                self._run(batch, json.dumps(wire_specs, sort_keys=True, default=repr), wire_specs)
+                self._run(batch, key, wire_specs)
             except BaseException:
                 self._kill_active()  # their results would belong to this aborted batch
                 raise
         return batch.details()
+
+    def prepare(self, specs) -> None:
+        """Starts every worker and has it load `specs` now, without waiting: the first
+        `score` with the same specs then finds them loaded (or loading) instead of paying
+        for the interpreters and the verifiers' imports itself. A trainer calls it before
+        its start-up work (model load, compilation), which then overlaps with it."""
+        specs = parse_specs(specs)
+        self._check_wall_limits(specs)
+        key, wire_specs = _wire(specs)
+        with self._lock:
+            for i, w in enumerate(self._workers):
+                if w is None:
+                    w = self._workers[i] = wire.WorkerProcess(0.9 * self.timeout_s, self.memory_mb)
+                if w.idle and w.key != key:
+                    w.loading_since = time.monotonic()
+                    if not w.send(("specs", key, wire_specs)):
+                        w.kill()  # replaced by the next score
+                        self._workers[i] = None
 
     def _check_wall_limits(self, specs) -> None:
         """A sandbox wall limit above the pool's timeout would turn slow code into
@@ -358,6 +376,12 @@ class VerifierPool:
             if w is not None and not w.idle:
                 w.kill()
                 self._workers[i] = None
+
+
+def _wire(specs) -> tuple[str, list]:
+    """(key, message) of a parsed spec list: what a worker loads, and the key it reports."""
+    wire_specs = [(s.name, s.options) for s in specs]
+    return json.dumps(wire_specs, sort_keys=True, default=repr), wire_specs
 
 
 def score(
