@@ -94,6 +94,19 @@ def naive_token_pg(cfg, rho, a):
     return -j, -grad
 
 
+def naive_off_policy_weight(cfg, k):
+    """The weight of a token whose pi_old / pi_behaviour is k, for cfg.off_policy."""
+    mode = cfg.off_policy
+    if mode == "none" or (mode == "tis" and cfg.tis_cap is None):
+        return 1.0
+    if mode == "tis":
+        return min(k, cfg.tis_cap)
+    if mode == "icepop":
+        return k if cfg.icepop_low <= k <= cfg.icepop_high else 0.0
+    assert mode == "decoupled"
+    return k if k <= cfg.tis_cap else 0.0
+
+
 def naive_policy(cfg, d, use_tis=True, use_ref=True):
     """Loss and its gradients w.r.t. logp and entropy, by explicit loops."""
     m = d["mask"]
@@ -107,9 +120,10 @@ def naive_policy(cfg, d, use_tis=True, use_ref=True):
             token_rho = math.exp(float(d["logp"][i, t]) - float(d["old"][i, t]))
             rho = s if cfg.policy_loss == "gspo" else token_rho
             pg, dpg = naive_token_pg(cfg, rho, float(d["adv"][i, t]))
-            if use_tis and cfg.tis_cap is not None:
-                tis = min(math.exp(float(d["old"][i, t]) - float(d["sampler"][i, t])), cfg.tis_cap)
-                pg, dpg = pg * tis, dpg * tis
+            if use_tis:
+                k = math.exp(float(d["old"][i, t]) - float(d["sampler"][i, t]))
+                weight = naive_off_policy_weight(cfg, k)
+                pg, dpg = pg * weight, dpg * weight
             lp, ref = float(d["logp"][i, t]), float(d["ref"][i, t])
             kl = naive_kl(lp, ref, cfg.kl_estimator) if use_ref else 0.0
             dkl = naive_kl_grad(lp, ref, cfg.kl_estimator) if use_ref else 0.0
@@ -147,6 +161,10 @@ CASES = [
     dict(policy_loss="gspo", eps_low=3e-4, eps_high=4e-4, beta=0.05),
     dict(policy_loss="gspo", eps_low=0.2, eps_high=0.3, dual_clip=2.0, entropy_coef=0.1),
     dict(policy_loss="cispo", eps_low=0.9, eps_high=0.3, entropy_coef=0.01),
+    dict(policy_loss="ppo", off_policy="none", beta=0.04),
+    dict(policy_loss="ppo", off_policy="icepop", icepop_low=0.8, icepop_high=1.25),
+    dict(policy_loss="gspo", off_policy="icepop", eps_low=0.2, eps_high=0.3),
+    dict(policy_loss="ppo", off_policy="decoupled", tis_cap=1.5, dual_clip=3.0, beta=0.04),
 ]
 
 
@@ -282,7 +300,8 @@ def test_policy_metrics_match_naive():
     rho = np.exp(d["logp"].astype(np.float64) - d["old"])[m]
     a = d["adv"][m]
     x = (d["old"].astype(np.float64) - d["logp"])[m]
-    tis = np.minimum(np.exp(d["old"].astype(np.float64) - d["sampler"]), 2.0)[m]
+    gap = (d["old"].astype(np.float64) - d["sampler"])[m]
+    tis = np.minimum(np.exp(gap), 2.0)
     expected = {
         "policy/clipfrac_low": np.mean((rho < 0.8) & (a < 0)),
         "policy/clipfrac_high": np.mean((rho > 1.28) & (a > 0)),
@@ -296,7 +315,11 @@ def test_policy_metrics_match_naive():
         "adv/min": np.min(a),
         "adv/max": np.max(a),
         "rollout/logprob_gap": np.mean(np.abs(d["old"] - d["sampler"])[m]),
-        "rollout/tis_weight_mean": np.mean(tis),
+        "rollout/mismatch_k3": np.mean(np.exp(gap) - 1 - gap),
+        "rollout/is_weight_mean": np.mean(tis),
+        "rollout/is_weight_max": np.max(tis),
+        "rollout/is_masked_frac": 0.0,
+        "rollout/tis_capped_frac": np.mean(tis >= 2.0),
         "policy/entropy": np.mean(d["ent"][m]),
     }
     for key, value in expected.items():
@@ -486,3 +509,21 @@ def test_value_clipfrac_counts_only_clipped_tokens():
             expected += (vc - r) ** 2 > (vv - r) ** 2
     assert 0 < expected < n * t
     np.testing.assert_allclose(clipfrac(v2), expected / (n * t), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["icepop", "decoupled"])
+def test_masking_corrections_count_what_they_mask(mode):
+    """icepop and decoupled give tokens outside their band weight 0 (no gradient there)
+    and report the fraction; the numpy reference decides which tokens those are."""
+    cfg = AlgoConfig(off_policy=mode, tis_cap=1.2, icepop_low=0.8, icepop_high=1.25)
+    d = _batch(21, extreme=False)
+    (_, metrics), (g_lp, _) = _objective(cfg, d, use_ref=False)
+    m = d["mask"] > 0
+    k = np.exp(d["old"].astype(np.float64) - d["sampler"])
+    w = np.vectorize(lambda x: naive_off_policy_weight(cfg, x))(k)
+    assert 0.1 < np.mean(w[m] == 0) < 0.9  # the case masks some tokens and keeps others
+    np.testing.assert_allclose(float(metrics["rollout/is_masked_frac"]), np.mean(w[m] == 0))
+    np.testing.assert_allclose(float(metrics["rollout/is_weight_max"]), np.max(w[m]), rtol=1e-5)
+    assert np.all(np.asarray(g_lp)[m & (w == 0)] == 0.0)
+    _, ref_g_lp, _ = naive_policy(cfg, d, use_ref=False)
+    np.testing.assert_allclose(np.asarray(g_lp), ref_g_lp, rtol=2e-4, atol=1e-6)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_llm.rl.advantages import ADVANTAGE_KINDS, STD_SCALES
-from jaxrl_llm.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from jaxrl_llm.rl.losses import AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES
 
 GROUP_ESTIMATORS = ("grpo", "rloo")
 
@@ -59,7 +59,12 @@ class AlgoConfig:
       policy_loss: ppo | gspo | cispo.
       eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high] of rho (or of s_i for gspo).
       dual_clip: c > 1 caps the loss of A < 0 tokens at -c A; None = off.
-      tis_cap: C of truncated importance sampling min(pi_old / pi_sampler, C); None = off.
+      off_policy: the weight of each token for the policy that sampled it (the behaviour
+        policy) differing from pi_old: none | tis | icepop | decoupled (`losses` module doc;
+        rho is always pi_theta / pi_old, pi_old the policy at the start of the update).
+      tis_cap: C: tis truncates the weight pi_old / pi_behaviour at C (None = no weight);
+        decoupled masks the tokens whose weight exceeds C.
+      icepop_low, icepop_high: icepop's band; tokens with a weight outside get no gradient.
       beta: KL coefficient; 0 skips the reference model entirely.
       kl_estimator: k1 | k2 | k3.
       kl_in_reward: fold beta * KL into the reward instead of adding it to the loss.
@@ -88,7 +93,10 @@ class AlgoConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None
+    off_policy: str = "tis"
     tis_cap: float | None = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 2.0
     beta: float = 0.0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
@@ -141,6 +149,7 @@ def _errors(cfg: AlgoConfig):
         ("adv_scale", STD_SCALES),
         ("policy_loss", POLICY_LOSSES),
         ("kl_estimator", KL_ESTIMATORS),
+        ("off_policy", OFF_POLICY),
         ("loss_agg", AGGREGATIONS),
     ):
         if (error := _choice(cfg, field, options)) is not None:
@@ -154,6 +163,10 @@ def _errors(cfg: AlgoConfig):
         ("eps_high", cfg.eps_high >= 0, "must be >= 0"),
         ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "must be > 1 or None"),
         ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "must be > 0 or None"),
+        ("tis_cap", cfg.off_policy != "decoupled" or cfg.tis_cap is not None,
+         "off_policy='decoupled' needs the cap (e.g. 2.0)"),
+        ("icepop_low", 0 <= cfg.icepop_low <= 1 <= cfg.icepop_high,
+         f"icepop needs icepop_low <= 1 <= icepop_high (got high={cfg.icepop_high!r})"),
         ("beta", cfg.beta >= 0, "must be >= 0"),
         ("num_iterations", cfg.num_iterations >= 1, "must be >= 1"),
         ("value_clip", cfg.value_clip is None or cfg.value_clip > 0, "must be > 0 or None"),

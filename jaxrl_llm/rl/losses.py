@@ -14,8 +14,18 @@ rho = pi_theta / pi_old per token (notation of ../../shared/ALGORITHMS.md):
   s_{i,t} = sg(s_i) pi_theta / sg(pi_theta) equals s_i in value, and its gradient is that of
   the sequence-level objective (s_i A_i grad log s_i) spread over the tokens.
 - CISPO (MiniMax 2025, "MiniMax-M1"): J = sg(clip(rho, 1 - eps_low, 1 + eps_high)) A log pi.
-- Truncated IS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
-  RL Training"): each token's policy term times sg(min(pi_old / pi_sampler, C)).
+- Off-policy correction (`OFF_POLICY`, `off_policy_weight`). Three policies: pi_behaviour
+  sampled the tokens (its log-probs come with the rollout), pi_old = pi_prox is the policy
+  at the start of the update (recomputed, or sg(pi_theta) for one optimizer step), pi_theta
+  is trained. rho = pi_theta / pi_prox always (the clip is around pi_prox); each token's
+  policy term is multiplied by sg(w(k)) with k = pi_prox / pi_behaviour:
+    none       w = 1 (the behaviour policy is ignored)
+    tis        w = min(k, C)  (Yao et al. 2025, "Your Efficient RL Framework Secretly
+               Brings You Off-Policy RL Training"; C = tis_cap, None = w = 1)
+    icepop     w = k for k in [low, high], else 0: out-of-band tokens get no gradient
+               (Ling team 2025, "IcePop", Ring-1T report)
+    decoupled  w = k for k <= C, else 0 (Fu et al. 2025, "AReaL", decoupled PPO: the
+               behaviour weight, tokens beyond its cap masked)
 - KL to the reference (Schulman 2020, "Approximating KL Divergence"), x = log pi_ref -
   log pi_theta: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - 1 - x.
 - Entropy bonus: -c_H H_t.
@@ -58,6 +68,7 @@ if TYPE_CHECKING:
     from jaxrl_llm.rl.algos import AlgoConfig
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+OFF_POLICY = ("none", "tis", "icepop", "decoupled")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 MAX_LOG_RATIO = 20.0  # |log rho| above this is clamped before exp (see the module doc)
 AGGREGATIONS = (
@@ -128,11 +139,6 @@ def cispo_loss(logp, ratio, advantages, eps_low: float, eps_high: float):
     """-sg(clip(rho)) A grad-carrying 1 (pi / sg(pi)). [N, T] -> [N, T]."""
     weight = _sg(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
     return -weight * advantages * jnp.exp(logp - _sg(logp)).astype(jnp.float32)
-
-
-def tis_weight(old_logp, sampler_logp, mask, cap: float) -> jax.Array:
-    """sg(min(pi_old / pi_sampler, C)). [N, T] -> [N, T], 1 where masked."""
-    return _sg(jnp.minimum(jnp.exp(log_ratio(old_logp, sampler_logp, mask)), cap))
 
 
 def value_loss(values, old_values, returns, mask, clip=None) -> jax.Array:
@@ -237,15 +243,35 @@ def policy_term(cfg: AlgoConfig, logp, old_logp, advantages, mask):
     return ppo_clip_loss(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip), ratio
 
 
-def _truncated_is(cfg: AlgoConfig, pg, old_logp, sampler_logp, valid, metrics: dict):
-    """pg times the truncated IS weight (when cfg.tis_cap); logs the sampler/trainer gap."""
-    gap = jnp.abs(log_ratio(old_logp, sampler_logp, valid))
-    metrics["rollout/logprob_gap"] = masked_mean(_sg(gap), valid)
-    if cfg.tis_cap is None:
-        return pg
-    w = tis_weight(old_logp, sampler_logp, valid, cfg.tis_cap)
-    metrics["rollout/tis_weight_mean"] = masked_mean(w, valid)
-    metrics["rollout/tis_capped_frac"] = masked_mean(w >= cfg.tis_cap, valid)
+def off_policy_weight(cfg: AlgoConfig, prox_logp, behaviour_logp, mask) -> jax.Array:
+    """sg(w(k)), k = pi_prox / pi_behaviour, of `cfg.off_policy` (module doc). [N, T] ->
+    [N, T], 1 where masked."""
+    x = log_ratio(prox_logp, behaviour_logp, mask)
+    k = _sg(jnp.exp(clamp_log_ratio(x)))
+    mode = cfg.off_policy
+    if mode == "none" or (mode == "tis" and cfg.tis_cap is None):
+        return jnp.ones_like(k)
+    if mode == "tis":
+        return jnp.minimum(k, cfg.tis_cap)
+    if mode == "icepop":
+        return jnp.where((k >= cfg.icepop_low) & (k <= cfg.icepop_high), k, 0.0)
+    if mode == "decoupled":
+        return jnp.where(k <= cfg.tis_cap, k, 0.0)
+    raise ValueError(f"off_policy={mode!r}: expected one of {OFF_POLICY}")
+
+
+def _off_policy(cfg: AlgoConfig, pg, prox_logp, behaviour_logp, valid, metrics: dict):
+    """pg times the off-policy weight; logs the behaviour / prox gap and the weights."""
+    x = _sg(log_ratio(prox_logp, behaviour_logp, valid))
+    metrics["rollout/logprob_gap"] = masked_mean(jnp.abs(x), valid)
+    # k3 estimate of KL(pi_behaviour || pi_prox) from the behaviour's own samples.
+    metrics["rollout/mismatch_k3"] = masked_mean(jnp.expm1(x) - x, valid)
+    w = off_policy_weight(cfg, prox_logp, behaviour_logp, valid)
+    metrics["rollout/is_weight_mean"] = masked_mean(w, valid)
+    metrics["rollout/is_weight_max"] = _extremes(w, valid)[1]
+    metrics["rollout/is_masked_frac"] = masked_mean(w == 0.0, valid)
+    if cfg.off_policy == "tis" and cfg.tis_cap is not None:
+        metrics["rollout/tis_capped_frac"] = masked_mean(w >= cfg.tis_cap, valid)
     return pg * w
 
 
@@ -262,12 +288,14 @@ def policy_objective(
     denominator: jax.Array | None = None,
     max_len: int | None = None,
 ) -> tuple[jax.Array, dict]:
-    """The policy loss of one (micro-)batch: ratio, clip variant, TIS, KL, entropy, aggregation.
+    """The policy loss of one (micro-)batch: ratio, clip variant, off-policy weight, KL,
+    entropy, aggregation.
 
     logp [N, T] (current policy, differentiable); old_logp [N, T] (pi_old; None = on-policy,
-    sg(logp)); sampler_logp [N, T] (None = no TIS); ref_logp [N, T] (needed iff the KL is in
-    the loss: beta > 0 and not kl_in_reward); advantages [N, T] or [N]; loss_mask [N, T];
-    entropy [N, T] (differentiable; None = no bonus). Returns (loss, metrics).
+    sg(logp)); sampler_logp [N, T] the behaviour log-probs (None = no off-policy weight);
+    ref_logp [N, T] (needed iff the KL is in the loss: beta > 0 and not kl_in_reward);
+    advantages [N, T] or [N]; loss_mask [N, T]; entropy [N, T] (differentiable; None = no
+    bonus). Returns (loss, metrics).
 
     max_len: L_max of seq-mean-token-sum-norm (the rollout's max_new_tokens; None = T).
     Micro-batching: pass `denominator = loss_denominator(full_mask, cfg.loss_agg,
@@ -283,7 +311,7 @@ def policy_objective(
     pg, ratio = policy_term(cfg, logp, old_logp, adv, valid)
     metrics = _policy_metrics(cfg, logp, old_logp, ratio, adv, valid)
     if sampler_logp is not None:
-        pg = _truncated_is(cfg, pg, old_logp, sampler_logp, valid, metrics)
+        pg = _off_policy(cfg, pg, old_logp, sampler_logp, valid, metrics)
     agg = functools.partial(
         aggregate,
         mask=valid,
