@@ -100,6 +100,9 @@ def check_model(config) -> str | None:
     return path
 
 
+ROLLOUT_MODES = ("sync", "overlap")
+
+
 def check_rollout(config, mesh_shape, process_count: int) -> None:
     from jaxrl_llm.sampling import BUCKET_STEPS
 
@@ -119,6 +122,10 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         isinstance(r.cache_segments, int) and r.cache_segments >= 1,
         f"rollout.cache_segments={r.cache_segments!r}: must be an integer >= 1 (1 = one loop)",
     )
+    _check(
+        r.mode in ROLLOUT_MODES,
+        f"rollout.mode={r.mode!r}: expected one of {', '.join(ROLLOUT_MODES)}",
+    )
 
 
 def check_algo(config):
@@ -132,6 +139,11 @@ def check_algo(config):
         if message.startswith("num_generations"):
             message = "rollout." + message
         raise ConfigError(message) from None
+    _check(
+        not (algo.dynamic_sampling and config.rollout.mode == "overlap"),
+        "rollout.mode='overlap' does not combine with dynamic sampling (algo "
+        f"{algo.name!r}: its extra sampling rounds need this step's rewards); use mode='sync'",
+    )
     return algo
 
 

@@ -20,6 +20,7 @@ explicit ones (completion ids out, rewards in, metrics at log steps).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 
 import jax
@@ -57,6 +58,7 @@ class Run:
         self._build_rollout()
         self._build_input()
         self._build_programs(params)
+        self._ahead: _Ahead | None = None  # overlap: the next step's rollout, in flight
         # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
         size = 1024 if jax.default_backend() == "cpu" else 2048
         self.peak = perf.matmul_peak(self.config.model.dtype, size)
@@ -158,10 +160,10 @@ class Run:
         device in `last_update_metrics` until a log step)."""
         clock, dynamic = perf.PhaseClock(), self.algo.dynamic_sampling
         with self._transfer_guard():
-            batch = next(self.data_iter)
-            out = self.sample(batch, step)  # device arrays, dispatched
+            batch, out, version = self._rollout(step)  # device arrays, dispatched
             ref = None if dynamic else self.reference(out)  # dispatched, no wait
-            scored = self.score(out, batch, clock)  # host, overlapping the reference
+            self._sample_ahead(step)  # overlap: step + 1's rollout, by these parameters
+            scored = self.score(out, batch, clock)  # host, overlapping the device work
             if dynamic:  # DAPO: degenerate groups replaced, then the reference
                 out, scored = self.refill(out, scored, step, clock)
                 ref = self.reference(out)
@@ -173,15 +175,45 @@ class Run:
                 self.state, self.last_update_metrics = self.update(self.state, batch)
             clock.wait("update", self.state)
         self.last_scored, self.last_prompt_width = scored, out.prompt_tokens.shape[1]
-        return parallel.host_mean(self._metrics(out, scored, clock))  # each saw its own rows
+        metrics = self._metrics(out, scored, clock) | _staleness(step - version)
+        return parallel.host_mean(metrics)  # each process saw its own rows
 
-    def sample(self, batch, step: int, round: int = 0) -> sampling.SampleOutput:
-        """G completions of each prompt, by the current parameters (version = step)."""
+    def _rollout(self, step: int):
+        """(prompts, rollouts, their policy version) of this step: the rollout sampled
+        ahead during the previous step (overlap), or one sampled now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.step == step:
+            return ahead.batch, ahead.out, ahead.version
+        batch = next(self.data_iter)
+        return batch, self.sample(batch, step), step
+
+    def _sample_ahead(self, step: int) -> None:
+        """rollout.mode='overlap': dispatches step + 1's rollout with the current
+        parameters (version `step`, the ones this step's update starts from) before this
+        step's host work; the data position before its prompts is kept for checkpoints."""
+        if self.config.rollout.mode != "overlap" or step + 1 >= self.config.train.num_steps:
+            return
+        position = self.data_iter.state()
+        batch = next(self.data_iter)
+        out = self.sample(batch, step + 1, version=step)
+        self._ahead = _Ahead(step + 1, batch, out, step, position)
+
+    def data_state(self):
+        """The data position after the batches consumed so far (a rollout sampled ahead
+        is not consumed: a resumed run draws its prompts again and samples them anew)."""
+        return self.data_iter.state() if self._ahead is None else self._ahead.position
+
+    def sample(
+        self, batch, step: int, round: int = 0, version: int | None = None
+    ) -> sampling.SampleOutput:
+        """G completions of each prompt by the current parameters, whose version (updates
+        applied) is `version` (default: step). The random key depends on step and round
+        only, so a rollout sampled ahead draws with the key its step would use."""
         rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
         with self.compile_log.program("sampler") as compiled:
             out = self.sampler.sample(
                 self.state.params, batch.prompt_ids, batch.prompt_mask, self.spec,
-                step * rounds + round, version=step,
+                step * rounds + round, version=step if version is None else version,
             )  # fmt: skip
             compiled.detail = _bucket(out)
         return out
@@ -283,6 +315,23 @@ def tuned(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict,
     return tuning.resolve(
         config, model_cfg, jax.default_backend(), batch_shards=shape[0] * shape[1]
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ahead:
+    """A rollout dispatched for a later step: its prompts, outputs, the parameter version
+    that samples it, and the data position before its prompts."""
+
+    step: int
+    batch: object
+    out: sampling.SampleOutput
+    version: int
+    position: object
+
+
+def _staleness(lag: int) -> dict:
+    """Policy versions between the rollout's sampler and the update that trains on it."""
+    return {"rollout/staleness_mean": float(lag), "rollout/staleness_max": float(lag)}
 
 
 def _bucket(out) -> str:

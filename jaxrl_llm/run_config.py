@@ -102,6 +102,11 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # loop bodies (1 = one loop). Pays off most for long generations at large batch. While
     # the cache grows the old and new one coexist: peak KV memory under 2x one full cache.
     r.cache_segments = 4  # = sampling.CACHE_SEGMENTS
+    # sync: each step samples with the parameters it updates. overlap: the next step's
+    # rollout is dispatched with the current parameters before this step's scoring and
+    # update, so the devices sample while the host scores; every batch is then one policy
+    # version old (`algo.off_policy` weighs it; docs/async.md).
+    r.mode = "sync"
     return r
 
 

@@ -149,7 +149,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         for step in range(start, c.train.num_steps):
             last = _one_step(run, step, writer, progress, last)
             done = step + 1
-            extra = {"step": done, "data": run.data_iter.state()}
+            extra = {"step": done, "data": run.data_state()}
             if stop.stop_at(done):
                 ckpt.save(done, run.state, extra, force=True)
                 progress.write(f"{stop.reason}: saved step {done} in {ckpt.directory}, exiting")
