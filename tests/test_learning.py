@@ -26,8 +26,10 @@ def first_token_reward(out) -> np.ndarray:
     return (np.asarray(out.tokens)[:, 0] == TARGET).astype(np.float32)
 
 
-def train(algo, steps: int, learning_rate: float) -> list[float]:
-    """Mean reward of each step's rollouts (sampled before that step's update)."""
+def train(algo, steps: int, learning_rate: float, lag: int = 0) -> list[float]:
+    """Mean reward of each step's rollouts (sampled before that step's update). lag: the
+    rollouts of step t come from the parameters before update t - lag (rollout.mode
+    'overlap' is lag 1: they trail the update by one version)."""
     params = models.init_params(CFG, seed=0)
     ref_params = jax.tree.map(jnp.copy, params)  # the state owns (and donates) `params`
     opt = U.make_optimizer(learning_rate=learning_rate, max_grad_norm=1.0)
@@ -38,14 +40,16 @@ def train(algo, steps: int, learning_rate: float) -> list[float]:
     ref_fn = U.make_logprob_fn(CFG, SPEC)
     sampler = sampling.Sampler(CFG, seed=0)
     ids, mask = sampling.pad_prompts(PROMPTS, pad_id=0)
-    curve = []
+    curve, history = [], [jax.tree.map(jnp.copy, state.params)]
     for step in range(steps):
-        out = sampler.sample(state.params, ids, mask, SPEC, step, version=step)
+        version = max(step - lag, 0)
+        out = sampler.sample(history[version], ids, mask, SPEC, step, version=version)
         rewards = first_token_reward(out)
         curve.append(float(rewards.mean()))
         ref = ref_fn(ref_params, out)
         state, metrics = update(state, rl.RolloutBatch.from_sample(out, rewards, ref))
         assert float(metrics["optim/nonfinite"]) == 0.0
+        history.append(jax.tree.map(jnp.copy, state.params) if lag else state.params)
     return curve
 
 
@@ -61,6 +65,12 @@ def check_learned(curve):
 def test_grpo_learns_target_token():
     # Group advantages, PPO clip, k3 KL to the reference in the loss.
     check_learned(train(rl.preset("grpo"), steps=40, learning_rate=1e-2))
+
+
+def test_grpo_learns_with_rollouts_one_version_old():
+    # rollout.mode='overlap': every rollout after the first trails the update by one
+    # version; decoupled PPO weighs each token by pi_old / pi_behaviour.
+    check_learned(train(rl.preset("grpo", off_policy="decoupled"), 40, 1e-2, lag=1))
 
 
 def test_ppo_learns_target_token():
