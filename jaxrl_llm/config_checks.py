@@ -77,10 +77,22 @@ def check_keys(config, defaults, prefix: str = "") -> None:
 
 
 def check_mesh(config, num_devices: int) -> tuple[int, ...]:
+    """-> the training mesh's shape (in split mode, also checks the rollout mesh's)."""
     from jaxrl_llm import parallel
+    from jaxrl_llm.run_config import mesh_axes
 
+    m, split = config.mesh, config.get("rollout", {}).get("mode") == "split"
+    n = m.get("rollout_devices", 0)
+    _check(
+        isinstance(n, int) and (0 < n < num_devices if split else n == 0),
+        f"mesh.rollout_devices={n!r}: "
+        + (f"rollout.mode='split' needs 1 .. {num_devices - 1} of the {num_devices} devices"
+           if split else "only rollout.mode='split' uses a rollout mesh; set it to 0"),
+    )  # fmt: skip
     try:
-        return parallel.mesh_shape(dict(config.mesh), num_devices, key_prefix="mesh")
+        if split:
+            parallel.mesh_shape(mesh_axes(m.rollout), n, key_prefix="mesh.rollout")
+        return parallel.mesh_shape(mesh_axes(m), num_devices - n, key_prefix="mesh")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -100,7 +112,7 @@ def check_model(config) -> str | None:
     return path
 
 
-ROLLOUT_MODES = ("sync", "overlap")
+ROLLOUT_MODES = ("sync", "overlap", "split")
 
 
 def check_rollout(config, mesh_shape, process_count: int) -> None:
@@ -126,6 +138,18 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         r.mode in ROLLOUT_MODES,
         f"rollout.mode={r.mode!r}: expected one of {', '.join(ROLLOUT_MODES)}",
     )
+    _check(
+        isinstance(r.max_staleness, int) and r.max_staleness >= 0,
+        f"rollout.max_staleness={r.max_staleness!r}: must be an integer >= 0 (0 = sync)",
+    )
+    if r.mode == "split":
+        _check(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")
+        from jaxrl_llm import parallel
+        from jaxrl_llm.run_config import mesh_axes
+
+        m = config.mesh
+        shape = parallel.mesh_shape(mesh_axes(m.rollout), m.rollout_devices)
+        check_batch_size("rollout.batch_size", r.batch_size, shape, 1)
 
 
 def check_algo(config):
@@ -140,8 +164,8 @@ def check_algo(config):
             message = "rollout." + message
         raise ConfigError(message) from None
     _check(
-        not (algo.dynamic_sampling and config.rollout.mode == "overlap"),
-        "rollout.mode='overlap' does not combine with dynamic sampling (algo "
+        not (algo.dynamic_sampling and config.rollout.mode != "sync"),
+        f"rollout.mode={config.rollout.mode!r} does not combine with dynamic sampling (algo "
         f"{algo.name!r}: its extra sampling rounds need this step's rewards); use mode='sync'",
     )
     return algo

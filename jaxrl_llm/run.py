@@ -52,13 +52,23 @@ class Run:
         self.config, self.tuning_line = tuned(config)
         self.workdir = workdir
         self.algo = run_config.algo_config(self.config)
-        self.mesh = parallel.make_mesh(dict(self.config.mesh))
+        # One mesh, or (rollout.mode='split') a training mesh and a rollout mesh.
+        train_devices, rollout_devices = run_config.split_devices(self.config, jax.devices())
+        self.mesh = parallel.make_mesh(run_config.mesh_axes(config.mesh), train_devices)
+        self.rollout_mesh = self.mesh
+        if rollout_devices:
+            axes = run_config.mesh_axes(config.mesh.rollout)
+            self.rollout_mesh = parallel.make_mesh(axes, rollout_devices)
         self.compile_log = compilation.CompileLog()  # says what compiles, while it listens
         params = self._load_models()
         self._build_rollout()
         self._build_input()
         self._build_programs(params)
         self._ahead: _Ahead | None = None  # overlap: the next step's rollout, in flight
+        self.rollout_thread = None  # split: started by the first step
+        self._rollout_shardings = None
+        if self.rollout_mesh is not self.mesh:
+            self._rollout_shardings = models.param_shardings(self.model_cfg, self.rollout_mesh)
         # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
         size = 1024 if jax.default_backend() == "cpu" else 2048
         self.peak = perf.matmul_peak(self.config.model.dtype, size)
@@ -96,7 +106,7 @@ class Run:
         self.spec = run_config.rollout_spec(c, self.tokenizer)
         pad = data.prompts.pad_id(self.tokenizer)
         self.sampler = sampling.Sampler(
-            self.model_cfg, self.mesh, seed=c.train.seed, pad_id=pad,
+            self.model_cfg, self.rollout_mesh, seed=c.train.seed, pad_id=pad,
             bucket_steps=c.rollout.bucket_steps, cache_segments=c.rollout.cache_segments,
         )  # fmt: skip
         self.pool = verifiers.VerifierPool(
@@ -158,6 +168,8 @@ class Run:
     def step(self, step: int) -> dict:
         """One RL step -> this step's host metrics (the update's device metrics stay on
         device in `last_update_metrics` until a log step)."""
+        if self.rollout_mesh is not self.mesh:
+            return self._split_step(step)
         clock, dynamic = perf.PhaseClock(), self.algo.dynamic_sampling
         with self._transfer_guard():
             batch, out, version = self._rollout(step)  # device arrays, dispatched
@@ -177,6 +189,34 @@ class Run:
         self.last_scored, self.last_prompt_width = scored, out.prompt_tokens.shape[1]
         metrics = self._metrics(out, scored, clock) | _staleness(step - version)
         return parallel.host_mean(metrics)  # each process saw its own rows
+
+    def _split_step(self, step: int) -> dict:
+        """rollout.mode='split': the rollout thread samples and scores on the rollout mesh;
+        here the rollout moves to the training mesh, then reference and update; the new
+        parameters go back to the rollout mesh for the thread."""
+        from jaxrl_llm.rollout_thread import RolloutThread
+
+        if self.rollout_thread is None:
+            self.rollout_thread = RolloutThread(self, step, self.sampler_params(), step)
+        clock = perf.PhaseClock()
+        with self._transfer_guard():
+            item = self.rollout_thread.take(step)  # waits while the thread is behind
+            clock.mark("learner_wait")
+            out = jax.device_put(item.out, self.row_sharding)  # rollout -> training mesh
+            ref = self.reference(out)
+            clock.wait("reference", ref)
+            self._check_verifiers(item.scored, step)
+            rewards = parallel.shard_local_batch(item.scored.rewards, self.mesh)
+            batch = rl.RolloutBatch.from_sample(out, rewards, ref)
+            with self.compile_log.program("update", _bucket(out)):
+                self.state, self.last_update_metrics = self.update(self.state, batch)
+            clock.wait("update", self.state)
+            self.rollout_thread.publish(self.sampler_params(), step + 1)
+        self.last_scored, self.last_prompt_width = item.scored, out.prompt_tokens.shape[1]
+        clock.seconds |= {"sample": item.sample_s, "score": item.score_s}
+        waits = {"perf/rollout_wait_s": item.wait_s,
+                 "perf/learner_wait_s": clock.seconds["learner_wait"]}  # fmt: skip
+        return self._metrics(out, item.scored, clock) | _staleness(step - item.version) | waits
 
     def _rollout(self, step: int):
         """(prompts, rollouts, their policy version) of this step: the rollout sampled
@@ -201,18 +241,39 @@ class Run:
     def data_state(self):
         """The data position after the batches consumed so far (a rollout sampled ahead
         is not consumed: a resumed run draws its prompts again and samples them anew)."""
+        if self.rollout_thread is not None:
+            return self.rollout_thread.consumed
         return self.data_iter.state() if self._ahead is None else self._ahead.position
 
+    def sampler_params(self):
+        """The current parameters where the sampler runs: as they are on one mesh, a copy
+        resharded device to device onto the rollout mesh in split mode."""
+        if self._rollout_shardings is None:
+            return self.state.params
+        return jax.device_put(self.state.params, self._rollout_shardings)
+
+    @property
+    def row_sharding(self):
+        """Rollout rows on the training mesh (what the reference and the update read)."""
+        return parallel.batch_sharding(self.mesh, 1)
+
+    def close(self) -> None:
+        """Stops the rollout thread (split) and the verifier workers."""
+        if self.rollout_thread is not None:
+            self.rollout_thread.close()
+        self.pool.close()
+
     def sample(
-        self, batch, step: int, round: int = 0, version: int | None = None
+        self, batch, step: int, round: int = 0, version: int | None = None, params=None
     ) -> sampling.SampleOutput:
-        """G completions of each prompt by the current parameters, whose version (updates
-        applied) is `version` (default: step). The random key depends on step and round
-        only, so a rollout sampled ahead draws with the key its step would use."""
+        """G completions of each prompt by `params` (default: the current ones), whose
+        version (updates applied) is `version` (default: step). The random key depends on
+        step and round only, so a rollout sampled ahead draws with its step's key."""
         rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
         with self.compile_log.program("sampler") as compiled:
             out = self.sampler.sample(
-                self.state.params, batch.prompt_ids, batch.prompt_mask, self.spec,
+                self.state.params if params is None else params,
+                batch.prompt_ids, batch.prompt_mask, self.spec,
                 step * rounds + round, version=step if version is None else version,
             )  # fmt: skip
             compiled.detail = _bucket(out)
@@ -264,7 +325,7 @@ class Run:
         e = self.config.eval
         with self.compile_log.program("evaluation", runs=True):
             metrics = evaluation.evaluate(
-                self.sampler, self.state.params, self.eval_batches, self.scorer,
+                self.sampler, self.sampler_params(), self.eval_batches, self.scorer,
                 correct_label=self.correct_label, pass_k=e.pass_k, temperature=e.temperature,
                 step=step,
             )  # fmt: skip
@@ -310,7 +371,8 @@ class Run:
 def tuned(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
     """The config with the speed settings it leaves unset picked for this backend and
     model (`tuning.resolve`), and the line saying which ("" when it sets them all)."""
-    shape = parallel.mesh_shape(dict(config.mesh), jax.device_count())
+    devices, _ = run_config.split_devices(config, jax.devices())
+    shape = parallel.mesh_shape(run_config.mesh_axes(config.mesh), len(devices))
     model_cfg = models.builtin.model_config(run_config.resolve_model_path(config.model.path))
     return tuning.resolve(
         config, model_cfg, jax.default_backend(), batch_shards=shape[0] * shape[1]

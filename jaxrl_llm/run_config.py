@@ -45,7 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
     one checker per section)."""
     c = ml_collections.ConfigDict()
     c.model = model_defaults()
-    c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
+    c.mesh = mesh_defaults()
     c.data = data_config.default_config()
     c.rollout = rollout_defaults()
     c.algo = _algo_defaults()
@@ -82,6 +82,31 @@ def model_defaults() -> ml_collections.ConfigDict:
     return m
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def mesh_defaults() -> ml_collections.ConfigDict:
+    m = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
+    # rollout.mode='split': the last rollout_devices devices form the rollout mesh (shape
+    # `rollout`), the others the training mesh (shape data / fsdp / tensor above).
+    m.rollout_devices = 0
+    m.rollout = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+    return m
+
+
+def mesh_axes(mesh_config) -> dict:
+    """{'data': .., 'fsdp': .., 'tensor': ..} of a mesh section (or its `rollout` part)."""
+    return {a: mesh_config[a] for a in MESH_AXES if a in mesh_config}
+
+
+def split_devices(config, devices) -> tuple[list, list]:
+    """(training devices, rollout devices): all and none unless rollout.mode='split',
+    which gives the last `mesh.rollout_devices` devices to the rollout mesh."""
+    devices = list(devices)
+    n = config.mesh.rollout_devices if config.rollout.mode == "split" else 0
+    return (devices[: len(devices) - n], devices[len(devices) - n :]) if n else (devices, [])
+
+
 def rollout_defaults() -> ml_collections.ConfigDict:
     r = ml_collections.ConfigDict()
     r.batch_size = 8  # B: prompts per step (global, all hosts)
@@ -105,8 +130,13 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # sync: each step samples with the parameters it updates. overlap: the next step's
     # rollout is dispatched with the current parameters before this step's scoring and
     # update, so the devices sample while the host scores; every batch is then one policy
-    # version old (`algo.off_policy` weighs it; docs/async.md).
+    # version old (`algo.off_policy` weighs it; docs/async.md). split: a rollout mesh of
+    # its own (`mesh.rollout_devices`) samples and scores in a thread, up to
+    # `max_staleness` versions ahead of the training mesh.
     r.mode = "sync"
+    # split: a batch sampled by parameter version v trains update u only if u - v <= this
+    # (the sampler waits otherwise); 0 reproduces sync.
+    r.max_staleness = 1
     return r
 
 

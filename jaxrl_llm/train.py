@@ -161,7 +161,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         ckpt.close()
         progress.close()
         writer.close()
-        run.pool.close()
+        run.close()
         stop.restore()
     return last
 

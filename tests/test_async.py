@@ -3,6 +3,7 @@ step's update, exactly; staleness recorded; checkpoints consume every batch once
 
 import os
 import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 from tiny_run import make_model_dir, signal_config
 
-from jaxrl_llm import parallel, rl, train
+from jaxrl_llm import checkpoint, parallel, rl, train
+from jaxrl_llm.metrics import read_metrics
+from jaxrl_llm.rollout_thread import RolloutThread
 from jaxrl_llm.run import Run
 from jaxrl_llm.run_config import ConfigError, validate
 
@@ -24,6 +27,15 @@ def overlap_config(model_dir, steps=4):
     c = signal_config(model_dir)  # grpo, beta 0.04: a reference model too
     c.rollout.mode = "overlap"
     c.train.num_steps = steps
+    return c
+
+
+def split_config(model_dir, steps=4, max_staleness=1):
+    """Training mesh: 4 devices (fsdp 2 x tensor 2); rollout mesh: the other 4 (fsdp 4)."""
+    c = overlap_config(model_dir, steps)
+    c.rollout.mode, c.rollout.max_staleness = "split", max_staleness
+    c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
+    c.train.log_every = 1
     return c
 
 
@@ -63,10 +75,11 @@ def test_overlap_equals_a_loop_sampling_with_the_parameters_before_the_update(
     run.pool.close()
 
 
-def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkeypatch):
-    """SIGTERM during step 2 of an overlap run: the save happens while step 3's rollout
-    is in flight; the resumed run samples step 3's prompts again, so the prompts trained
-    on, step by step, are those of a synchronous run (none twice, none skipped)."""
+@pytest.mark.parametrize("mode", ["overlap", "split"])
+def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkeypatch, mode):
+    """SIGTERM during step 2 of an overlap / split run: the save happens while later
+    rollouts are in flight; the resumed run samples their prompts again, so the prompts
+    trained on, step by step, are those of a synchronous run (none twice, none skipped)."""
     seen: dict[str, list] = {"sync": [], "overlap": []}
     rollout, step = Run._rollout, Run.step
     where = ["sync"]
@@ -76,13 +89,20 @@ def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkey
         seen[where[0]].append((t, np.asarray(batch.prompt_ids).tobytes()))
         return batch, out, version
 
+    def taking(self, t):
+        item = take(self, t)
+        seen["overlap"].append((t, np.asarray(item.batch.prompt_ids).tobytes()))
+        return item
+
+    take = RolloutThread.take
     monkeypatch.setattr(Run, "_rollout", recording)
+    monkeypatch.setattr(RolloutThread, "take", taking)
     c = overlap_config(model_dir, steps=5)
     c.rollout.mode = "sync"
     train.train(c, str(tmp_path / "sync"))
 
     where[0] = "overlap"
-    c.rollout.mode = "overlap"
+    c = overlap_config(model_dir, steps=5) if mode == "overlap" else split_config(model_dir, 5, 2)
 
     def step_then_sigterm(self, t):
         out = step(self, t)
@@ -106,3 +126,63 @@ def test_overlap_refuses_dynamic_sampling(model_dir):
     c.rollout.mode = "async"
     with pytest.raises(ConfigError, match="rollout.mode='async': expected one of sync, overlap"):
         validate(c)
+
+
+def _final_params(workdir):
+    with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:
+        return ck.restore(ck.latest_step())[0]["params"]
+
+
+def test_split_with_max_staleness_0_reproduces_sync(model_dir, tmp_path):
+    """A rollout mesh of its own that waits for each update (max_staleness 0) trains like
+    the one-mesh synchronous run: the same parameters after 4 steps (to 1e-6: the two
+    runs' programs are partitioned over different meshes)."""
+    c = split_config(model_dir, steps=4, max_staleness=0)
+    split = train.train(c, str(tmp_path / "split"))
+    s = signal_config(model_dir)
+    s.train.num_steps = 4
+    train.train(s, str(tmp_path / "sync"))
+    assert split["rollout/staleness_max"] == 0.0 and "perf/rollout_wait_s" in split
+    a, b = _final_params(tmp_path / "split"), _final_params(tmp_path / "sync")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
+
+
+def test_split_staleness_stays_within_the_bound(model_dir, tmp_path, monkeypatch):
+    """A slow verifier (the thread is behind) then a slow learner (the thread runs ahead
+    until the bound stops it): every step's staleness <= max_staleness = 2, and the bound
+    is reached; each row's policy_version is the version the thread sampled with."""
+    slow = tmp_path / "slow_reward.py"
+    slow.write_text(
+        "import time\n"
+        "def slow(completion, example):\n"
+        "    time.sleep(0.02)\n"
+        "    return float(completion[:1].isdigit())\n"
+    )
+    c = split_config(model_dir, steps=8, max_staleness=2)
+    c.rewards = {"slow": {"name": f"{slow}:slow", "weight": 1.0}}
+    step, versions = Run.step, []
+
+    def slow_learner(self, t):
+        if t >= 3:
+            time.sleep(0.5)
+        return step(self, t)
+
+    def checked_take(self, t):
+        item = take(self, t)
+        rows = np.asarray(item.out.policy_version)
+        assert np.all(rows == item.version)
+        versions.append((t, item.version))
+        return item
+
+    take = RolloutThread.take
+    monkeypatch.setattr(Run, "step", slow_learner)
+    monkeypatch.setattr(RolloutThread, "take", checked_take)
+    train.train(c, str(tmp_path / "run"))
+    logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in m]
+    lags = [m["rollout/staleness_max"] for m in logged if "rollout/staleness_max" in m]
+    assert len(lags) == 8 and max(lags) <= 2.0
+    assert lags[-1] == 2.0  # the slow learner let the thread run to the bound
+    assert [t - v for t, v in versions] == lags
+    assert all(m["perf/rollout_wait_s"] >= 0 and m["perf/learner_wait_s"] >= 0 for m in logged
+               if "perf/rollout_wait_s" in m)  # fmt: skip

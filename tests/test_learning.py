@@ -73,6 +73,12 @@ def test_grpo_learns_with_rollouts_one_version_old():
     check_learned(train(rl.preset("grpo", off_policy="decoupled"), 40, 1e-2, lag=1))
 
 
+def test_grpo_learns_with_rollouts_two_versions_old():
+    # rollout.mode='split' with max_staleness=2 at its bound: every rollout trails the
+    # update by two versions; truncated IS (the default correction).
+    check_learned(train(rl.preset("grpo"), 40, 1e-2, lag=2))
+
+
 def test_ppo_learns_target_token():
     # Critic + GAE + k1 KL in the reward; 2 critic-only warmup steps first.
     algo = rl.preset("ppo", critic_warmup_steps=2)

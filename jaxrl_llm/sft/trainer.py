@@ -135,7 +135,7 @@ def run(config, workdir: str) -> dict:
 
     # ---- Config, mesh, tokenizer, model
     c = config = check_config(config, process_count=jax.process_count())
-    mesh = parallel.make_mesh(dict(c.mesh))
+    mesh = parallel.make_mesh(run_config.mesh_axes(c.mesh))
     tokenizer, tokenizer_dir = sft_model.load_tokenizer(c)
     model_cfg, params = sft_model.init_model(c, tokenizer, mesh)
     # ---- Optimizer, state, update step

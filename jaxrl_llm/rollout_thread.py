@@ -1,0 +1,118 @@
+"""rollout.mode='split': a thread that samples and scores on the rollout mesh, ahead of
+the learner by at most `rollout.max_staleness` parameter versions.
+
+    thread = RolloutThread(run, start=step, params=run.sampler_params(), version=step)
+    item = thread.take(step)                  # the learner: step's rollout, scored
+    ...update...
+    thread.publish(run.sampler_params(), version=step + 1)
+    thread.close()
+
+The thread produces the rollouts of steps start, start + 1, ... in order. Before it draws
+step s's prompts it waits until the newest published parameters have version
+v >= s - max_staleness, samples with them (recording v per row) and scores the batch on
+the host; the learner takes step s's item when it gets there. So the learner's update u
+trains on a batch of version v with u - v <= max_staleness, and max_staleness = 0 is the
+synchronous schedule. At most max_staleness + 1 rollouts wait for the learner.
+
+Data position: `consumed` is the data iterator's position after the last batch the learner
+took, what a checkpoint stores; batches sampled but not taken are drawn again on resume.
+An exception in the thread reaches the learner at its next `take`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import jax
+
+
+@dataclasses.dataclass
+class Item:
+    """One step's rollout: prompts, outputs (on the rollout mesh), scores, the version
+    that sampled it, the data position after its prompts, and the thread's timings."""
+
+    step: int
+    batch: object
+    out: object
+    scored: object
+    version: int
+    position: object
+    wait_s: float  # waiting for parameters within the staleness bound
+    sample_s: float
+    score_s: float
+
+
+class RolloutThread:
+    def __init__(self, run, start: int, params, version: int):
+        self.run, self.max_staleness = run, run.config.rollout.max_staleness
+        self.num_steps = run.config.train.num_steps
+        self.consumed = run.data_iter.state()
+        self._params, self._version = params, version
+        self._items: dict[int, Item] = {}
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._loop, args=(start,), name="rollout", daemon=True
+        )
+        self._thread.start()
+
+    def publish(self, params, version: int) -> None:
+        """New parameters (already on the rollout mesh) and their version."""
+        with self._cond:
+            self._params, self._version = params, version
+            self._cond.notify_all()
+
+    def take(self, step: int) -> Item:
+        """Step's rollout, waiting for the thread if needed."""
+        with self._cond:
+            self._cond.wait_for(lambda: step in self._items or self._error is not None)
+            if step not in self._items:
+                raise RuntimeError("the rollout thread failed") from self._error
+            item = self._items.pop(step)
+            self.consumed = item.position
+            return item
+
+    def close(self) -> None:
+        """Stops the thread after the rollout it is working on; idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _loop(self, start: int) -> None:
+        run = self.run
+        try:
+            with run._transfer_guard():
+                for step in range(start, self.num_steps):
+                    waited = time.perf_counter()
+                    with self._cond:
+                        self._cond.wait_for(
+                            lambda s=step: self._stopping
+                            or self._version >= s - self.max_staleness
+                        )
+                        if self._stopping:
+                            return
+                        params, version = self._params, self._version
+                    self._produce(step, params, version, time.perf_counter() - waited)
+        except BaseException as err:  # noqa: BLE001  (handed to the learner)
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def _produce(self, step: int, params, version: int, wait_s: float) -> None:
+        run = self.run
+        batch = next(run.data_iter)
+        position = run.data_iter.state()
+        start = time.perf_counter()
+        out = run.sample(batch, step, version=version, params=params)
+        jax.block_until_ready(out.tokens)
+        sampled = time.perf_counter()
+        scored = run.scorer(out, batch)
+        item = Item(step, batch, out, scored, version, position, wait_s,
+                    sampled - start, time.perf_counter() - sampled)  # fmt: skip
+        with self._cond:
+            self._items[step] = item
+            self._cond.notify_all()
