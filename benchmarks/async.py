@@ -1,16 +1,19 @@
-"""Step time of rollout.mode=sync against overlap, with a verifier that costs the host a
-set time per batch.
+"""Step time of rollout.mode=sync, overlap and split, with a verifier that costs the host
+a set time per batch.
 
     python benchmarks/async.py                                  # the quickstart, 0.5 s
     python benchmarks/async.py --config=../shared/anchors/jaxrl_w1_config.py --steps=8
 
+On CPU the runs see --devices fake devices (split: one rollout device, the rest train).
 Each repeat runs the trainer once per mode, alternating, in fresh processes and workdirs
 (the compilation cache shared, so later runs load their programs). The scoring cost is a
 reward term of weight 0 that sleeps, spread over the verifier workers so that one batch
 costs --verifier-s of wall time on the host. Reported per mode, from each run's
 metrics.jsonl over steps 2.. (the first step compiles or loads programs): the median step
 time, and what the host waited for: the sampler (`perf/sample_s`, the rollout's tokens
-not yet there when scoring starts) and the update (`perf/update_s`).
+not yet there when scoring starts; in split mode the thread's sampling time) and the
+update (`perf/update_s`); in split mode also how long the learner waited for the rollout
+thread and the thread for parameters within the staleness bound.
 
 In sync mode a step is sample + score + update one after the other; in overlap mode the
 next rollout samples while the host scores, so a step approaches max(device time, host
@@ -64,20 +67,26 @@ def get_config():
 """
 
 
-def run_once(config: str, mode: str, steps: int, workdir: str, cache: str) -> dict:
+def run_once(args, config: str, mode: str, workdir: str, cache: str) -> dict:
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}",
-           f"--workdir={workdir}", f"--config.train.num_steps={steps}",
+           f"--workdir={workdir}", f"--config.train.num_steps={args.steps}",
            f"--config.rollout.mode={mode}",
            f"--config.train.compilation_cache_dir={cache}"]  # fmt: skip
+    if mode == "split":
+        cmd += ["--config.mesh.rollout_devices=1",
+                f"--config.rollout.max_staleness={args.max_staleness}"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
+    if args.devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"trainer failed:\n{proc.stderr[-4000:]}")
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     steps = [r for r in records if "perf/step_s" in r][1:]
-    keys = ("perf/step_s", "perf/sample_s", "perf/score_s", "perf/update_s")
-    return {k: float(np.median([r[k] for r in steps])) for k in keys}
+    keys = ("perf/step_s", "perf/sample_s", "perf/score_s", "perf/update_s",
+            "perf/learner_wait_s", "perf/rollout_wait_s", "rollout/staleness_mean")  # fmt: skip
+    return {k: float(np.median([r.get(k, 0.0) for r in steps])) for k in keys}
 
 
 def _spread(values) -> str:
@@ -90,9 +99,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--verifier-s", type=float, default=0.5, help="host seconds per batch")
+    p.add_argument("--modes", default="sync,overlap,split")
+    p.add_argument("--max-staleness", type=int, default=1, help="split mode's bound")
+    p.add_argument("--devices", type=int, default=2, help="fake CPU devices (0: as is)")
     args = p.parse_args()
     print(f"device: {device_name()}; {uptime()}", flush=True)
-    results: dict[str, list[dict]] = {"sync": [], "overlap": []}
+    results: dict[str, list[dict]] = {m: [] for m in args.modes.split(",")}
     with tempfile.TemporaryDirectory(prefix="async_") as tmp:
         slow = os.path.join(tmp, "slow_reward.py")
         with open(slow, "w") as f:
@@ -104,7 +116,7 @@ def main() -> None:
         cache = os.path.join(tmp, "xla")
         for i in range(args.repeats):
             for mode in results:
-                r = run_once(config, mode, args.steps, os.path.join(tmp, f"{mode}{i}"), cache)
+                r = run_once(args, config, mode, os.path.join(tmp, f"{mode}{i}"), cache)
                 print(f"{mode} #{i}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()),
                       flush=True)  # fmt: skip
                 results[mode].append(r)
