@@ -1,8 +1,12 @@
 """rollout.mode='overlap': the next step's rollout sampled with the parameters before this
 step's update, exactly; staleness recorded; checkpoints consume every batch once."""
 
+import importlib.util
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -16,6 +20,8 @@ from jaxrl_llm.metrics import read_metrics
 from jaxrl_llm.rollout_thread import RolloutThread
 from jaxrl_llm.run import Run
 from jaxrl_llm.run_config import ConfigError, validate
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +192,78 @@ def test_split_staleness_stays_within_the_bound(model_dir, tmp_path, monkeypatch
     assert [t - v for t, v in versions] == lags
     assert all(m["perf/rollout_wait_s"] >= 0 and m["perf/learner_wait_s"] >= 0 for m in logged
                if "perf/rollout_wait_s" in m)  # fmt: skip
+
+
+KILLED_CONFIG = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny_run import signal_config
+
+
+def get_config():
+    c = signal_config({model_dir!r})
+    c.rewards = {{"slow": {{"name": {reward!r}, "weight": 1.0}}}}
+    c.train.num_steps, c.train.print_samples_every = 12, 1
+    c.checkpoint.every, c.checkpoint.async_save = 1, False
+    c.rollout.mode, c.rollout.max_staleness = "split", 2
+    c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
+    return c
+"""
+
+
+def _first_prompts(workdir) -> dict[int, str]:
+    """Step -> its first prompt, from samples.jsonl (the last record of a step rerun)."""
+    with open(workdir / "samples.jsonl") as f:
+        return {r["step"]: r["prompt"] for r in map(json.loads, f)}
+
+
+def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path):
+    """A split run killed with SIGKILL after its third step resumes from its last
+    checkpoint: the prompts of every step, and the steps logged, are those of a
+    synchronous run (none twice, none skipped)."""
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(
+        "import time\n"
+        "def slow(completion, example):\n"
+        "    time.sleep(0.02)\n"
+        "    return float(completion[:1].isdigit())\n"
+    )
+    config = tmp_path / "config.py"
+    config.write_text(KILLED_CONFIG.format(tests=os.path.dirname(__file__), model_dir=model_dir,
+                                           reward=f"{reward}:slow"))  # fmt: skip
+    sync = _load_config(config)
+    sync.rollout.mode, sync.mesh.rollout_devices, sync.mesh.tensor = "sync", 0, 2
+    train.train(sync, str(tmp_path / "sync"))
+
+    workdir = tmp_path / "split"
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}"]
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while len(_steps(workdir)) < 3:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the trainer did not log in time"
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate()
+    assert 3 <= len(_steps(workdir)) < 12  # killed mid-run
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stderr
+    assert _steps(workdir) == list(range(1, 13))
+    assert _first_prompts(workdir) == _first_prompts(tmp_path / "sync")
+
+
+def _steps(workdir) -> list[int]:
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+
+def _load_config(path):
+    spec = importlib.util.spec_from_file_location("killed_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
