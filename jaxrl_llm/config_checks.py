@@ -142,6 +142,14 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         isinstance(r.max_staleness, int) and r.max_staleness >= 0,
         f"rollout.max_staleness={r.max_staleness!r}: must be an integer >= 0 (0 = sync)",
     )
+    _check(
+        not r.partial or r.mode == "split",
+        f"rollout.partial=True needs rollout.mode='split' (got {r.mode!r})",
+    )
+    _check(
+        isinstance(r.partial_chunk, int) and r.partial_chunk >= 1,
+        f"rollout.partial_chunk={r.partial_chunk!r}: must be an integer >= 1",
+    )
     if r.mode == "split":
         _check(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")
         from jaxrl_llm import parallel

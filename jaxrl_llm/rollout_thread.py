@@ -17,6 +17,12 @@ synchronous schedule. At most max_staleness + 1 rollouts wait for the learner.
 Data position: `consumed` is the data iterator's position after the last batch the learner
 took, what a checkpoint stores; batches sampled but not taken are drawn again on resume.
 An exception in the thread reaches the learner at its next `take`.
+
+Partial rollouts (`rollout.partial`): the thread decodes `partial_chunk` tokens at a
+time; when newer parameters were published in between it recomputes the rollout's KV
+cache with them (`Sampler.refresh`) and decodes on with them. A row's `policy_version` is
+the version that started it; `token_versions` [T] gives the version of each completion
+column (every row's column j was drawn by the same parameters).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -42,6 +49,7 @@ class Item:
     wait_s: float  # waiting for parameters within the staleness bound
     sample_s: float
     score_s: float
+    token_versions: np.ndarray  # [T] the version that drew each completion column
 
 
 class RolloutThread:
@@ -107,12 +115,35 @@ class RolloutThread:
         batch = next(run.data_iter)
         position = run.data_iter.state()
         start = time.perf_counter()
-        out = run.sample(batch, step, version=version, params=params)
+        if run.config.rollout.partial:
+            out, columns = self._partial(batch, step, params, version)
+        else:
+            out = run.sample(batch, step, version=version, params=params)
+            columns = np.full(run.spec.max_new_tokens, version)
         jax.block_until_ready(out.tokens)
         sampled = time.perf_counter()
         scored = run.scorer(out, batch)
         item = Item(step, batch, out, scored, version, position, wait_s,
-                    sampled - start, time.perf_counter() - sampled)  # fmt: skip
+                    sampled - start, time.perf_counter() - sampled, columns)  # fmt: skip
         with self._cond:
             self._items[step] = item
             self._cond.notify_all()
+
+    def _partial(self, batch, step: int, params, version: int):
+        """The rollout decoded partial_chunk tokens at a time, switching to the newest
+        parameters between chunks -> (output, version of each column)."""
+        run, sampler = self.run, self.run.sampler
+        T, chunk = run.spec.max_new_tokens, run.config.rollout.partial_chunk
+        columns = np.full(T, version)
+        state = sampler.start(params, batch.prompt_ids, batch.prompt_mask, run.spec, step,
+                              version=version)  # fmt: skip
+        for first in range(0, T, chunk):
+            with self._cond:
+                newest, newest_version = self._params, self._version
+            if newest_version != version and first:
+                if bool(jax.device_get(state.done).all()):
+                    break  # every row has stopped: nothing left to draw
+                state, params, version = sampler.refresh(newest, state), newest, newest_version
+            columns[first:] = version
+            state = sampler.decode(params, state, min(chunk, T - first))
+        return sampler.result(state), columns

@@ -25,6 +25,7 @@ import sys
 
 import jax
 import ml_collections
+import numpy as np
 
 from jaxrl_llm import (
     compilation,
@@ -216,7 +217,8 @@ class Run:
         clock.seconds |= {"sample": item.sample_s, "score": item.score_s}
         waits = {"perf/rollout_wait_s": item.wait_s,
                  "perf/learner_wait_s": clock.seconds["learner_wait"]}  # fmt: skip
-        return self._metrics(out, item.scored, clock) | _staleness(step - item.version) | waits
+        return (self._metrics(out, item.scored, clock) | _staleness(step - item.version)
+                | waits | _token_staleness(step, item))  # fmt: skip
 
     def _rollout(self, step: int):
         """(prompts, rollouts, their policy version) of this step: the rollout sampled
@@ -394,6 +396,19 @@ class _Ahead:
 def _staleness(lag: int) -> dict:
     """Policy versions between the rollout's sampler and the update that trains on it."""
     return {"rollout/staleness_mean": float(lag), "rollout/staleness_max": float(lag)}
+
+
+def _token_staleness(step: int, item) -> dict:
+    """Split mode: the mean staleness over completion tokens, and the fraction of rows
+    with tokens of a newer version than the one that started them (partial rollouts)."""
+    lengths = np.asarray(item.scored.lengths)
+    per_token = [step - item.token_versions[:n] for n in lengths]
+    tokens = np.concatenate(per_token) if per_token else np.zeros(0)
+    later = [bool((item.token_versions[:n] > item.version).any()) for n in lengths]
+    return {
+        "rollout/token_staleness_mean": float(tokens.mean()) if tokens.size else 0.0,
+        "rollout/partial_frac": float(np.mean(later)) if later else 0.0,
+    }
 
 
 def _bucket(out) -> str:

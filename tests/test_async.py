@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tiny_run import make_model_dir, signal_config
 
-from jaxrl_llm import checkpoint, parallel, rl, train
+from jaxrl_llm import checkpoint, parallel, rl, sampling, train
 from jaxrl_llm.metrics import read_metrics
 from jaxrl_llm.rollout_thread import RolloutThread
 from jaxrl_llm.run import Run
@@ -267,3 +267,25 @@ def _load_config(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
+
+
+def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkeypatch):
+    """rollout.partial with a slow sampler (each decode call of 1 token sleeps): newer
+    parameters arrive while a generation is in flight, it goes on with them, and the
+    metrics see it (rows with tokens of a newer version, token staleness below the rows')."""
+    decode = sampling.Sampler.decode
+
+    def slow_decode(self, *args, **kwargs):
+        time.sleep(0.15)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(sampling.Sampler, "decode", slow_decode)
+    c = split_config(model_dir, steps=5, max_staleness=1)
+    c.rollout.partial, c.rollout.partial_chunk = True, 1
+    train.train(c, str(tmp_path / "run"))
+    logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl")
+              if "rollout/partial_frac" in m]  # fmt: skip
+    assert len(logged) == 5
+    assert max(m["rollout/staleness_max"] for m in logged) <= 1.0
+    assert any(m["rollout/partial_frac"] > 0 for m in logged)
+    assert any(m["rollout/token_staleness_mean"] < m["rollout/staleness_mean"] for m in logged)

@@ -554,3 +554,36 @@ def test_append_checks_its_input(tiny):
         sampler.append(params, state, *_rows([[1, 200], [3], [4], [5]]))
     with pytest.raises(ValueError, match="append .* exceeds the model's max_position_embeddings"):
         sampler.append(params, state, *_rows([[1] * 300] * 4))
+
+
+def test_refresh_switches_parameters_mid_generation(tiny):
+    """Partial rollouts: 4 tokens drawn by one set of parameters, then `refresh` and 6 more
+    by another. Each token's log-prob is the teacher-forced one under the parameters that
+    drew it; refreshing with the same parameters changes nothing."""
+    _, cfg, params = tiny("qwen3")
+    noise = jax.random.split(jax.random.key(5), len(jax.tree.leaves(params)))
+    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+              for x, k in zip(jax.tree.leaves(params), noise, strict=True)]  # fmt: skip
+    newer = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    spec = sampling.RolloutSpec(3, 10, temperature=0.8, stop_ids=(3,))
+    ids, mask = sampling.pad_prompts(PROMPTS, pad_id=0)
+    sampler = sampling.Sampler(cfg, seed=4)
+
+    def two_parts(second):
+        state = sampler.start(params, ids, mask, spec, step=0)
+        state = sampler.refresh(second, sampler.decode(params, state, 4))
+        return sampler.result(sampler.decode(second, state, 6))
+
+    out = two_parts(newer)
+    first, later = np.arange(10) < 4, np.arange(10) >= 4
+    m = np.asarray(out.mask)
+    assert m[:, later].any() and not m.all()  # rows went on, some stopped at the stop id
+    got = np.asarray(out.logprobs)
+    for p, cols in ((params, first), (newer, later)):
+        ref = teacher_forced_logprobs(cfg, p, out, 0.8)
+        sel = m & cols[None, :]
+        assert np.abs(got - ref)[sel].max() <= 1e-4
+    same = two_parts(params)
+    straight = sampler.sample(params, ids, mask, spec, step=0)
+    np.testing.assert_array_equal(np.asarray(same.tokens), np.asarray(straight.tokens))
+    np.testing.assert_allclose(np.asarray(same.logprobs), np.asarray(straight.logprobs), atol=1e-5)

@@ -3,6 +3,7 @@
     state = start(cfg, params, prompt_ids, prompt_mask, seed_index, spec, ...)  # prefill
     state = decode(cfg, params, state, max_new_tokens, stop_ids, ...)           # sample
     state = append(cfg, params, state, token_ids, token_mask, ...)              # e.g. a tool
+    state = refresh(cfg, new_params, state, ...)       # decode on with other parameters
     out = result(state)                                                         # SampleOutput
 
 `start` prefills each of the B prompts once and repeats its KV cache for its G rows
@@ -296,6 +297,27 @@ def append(
         pending=jnp.zeros_like(state.pending),
         done=state.done & ~jnp.any(token_mask, axis=1),
         end=need,
+        maybe_pending=False,
+    )
+
+
+def refresh(cfg, params, state: DecodeState, mesh=None) -> DecodeState:
+    """The state with its KV cache recomputed by `params` over every token so far (prompt,
+    completions, appended and pending tokens), so that decoding on with `params` draws
+    exactly what they would draw after that whole sequence (partial rollouts: a generation
+    that continues with newer parameters). The tokens, masks and log-probs drawn so far are
+    kept; each row's prompt is prefilled again (no group sharing)."""
+    P = state.prompt_tokens.shape[1]
+    columns = state.end - P
+    ids = jnp.concatenate([state.prompt_tokens, state.tokens[:, :columns]], axis=1)
+    mask = jnp.concatenate([state.prompt_mask, state.mask[:, :columns]], axis=1)
+    size = max(state.cache.max_len, -(-state.end // 8) * 8)
+    cache = models.init_cache(cfg, ids.shape[0], size, params["embed"].dtype)
+    logits, cache = models.prefill(cfg, params, ids, mask, constrain_cache(cache, mesh))
+    return state.replace(
+        cache=constrain_cache(cache, mesh),
+        logits=logits,
+        pending=jnp.zeros_like(state.pending),
         maybe_pending=False,
     )
 

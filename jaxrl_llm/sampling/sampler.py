@@ -101,6 +101,7 @@ class Sampler:
         self._decode = jax.jit(self._decode_program, static_argnums=(2, 3), donate_argnums=1)
         self._append = jax.jit(self._append_program, donate_argnums=1)
         self._result = jax.jit(functools.partial(D.result, pad_id=self.pad_id))
+        self._refresh = jax.jit(self._refresh_program, donate_argnums=1)
 
     # ------------------------------------------------------------------ public programs
     def sample(
@@ -160,6 +161,14 @@ class Sampler:
         with _growing():
             return self._append(params, state, ids, mask)
 
+    def refresh(self, params, state: D.DecodeState) -> D.DecodeState:
+        """The state's KV cache recomputed by `params` over everything so far, so that
+        later `decode` calls with `params` draw what those parameters would (a partial
+        rollout switching to newer parameters mid-generation). The tokens drawn so far keep
+        their log-probs. The state is donated."""
+        with _growing():
+            return self._refresh(params, state)
+
     def result(self, state: D.DecodeState) -> D.SampleOutput:
         """The rollouts of a state (it is not consumed)."""
         return self._result(state)
@@ -178,6 +187,10 @@ class Sampler:
     def _append_program(self, params, state, ids, mask):
         self.traces["append", state.prompt_tokens.shape] += 1
         return D.append(self.cfg, params, state, ids, mask, self.pad_id, self.mesh)
+
+    def _refresh_program(self, params, state):
+        self.traces["refresh", state.prompt_tokens.shape] += 1
+        return D.refresh(self.cfg, params, state, self.mesh)
 
     def _sample_program(self, params, ids, mask, seed_index, *, spec):
         self.traces["sample", ids.shape] += 1
