@@ -67,9 +67,6 @@ class Run:
         self._build_programs(params)
         self._ahead: _Ahead | None = None  # overlap: the next step's rollout, in flight
         self.rollout_thread = None  # split: started by the first step
-        self._rollout_shardings = None
-        if self.rollout_mesh is not self.mesh:
-            self._rollout_shardings = models.param_shardings(self.model_cfg, self.rollout_mesh)
         # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
         size = 1024 if jax.default_backend() == "cpu" else 2048
         self.peak = perf.matmul_peak(self.config.model.dtype, size)
@@ -250,9 +247,9 @@ class Run:
     def sampler_params(self):
         """The current parameters where the sampler runs: as they are on one mesh, a copy
         resharded device to device onto the rollout mesh in split mode."""
-        if self._rollout_shardings is None:
+        if self.rollout_mesh is self.mesh:
             return self.state.params
-        return jax.device_put(self.state.params, self._rollout_shardings)
+        return parallel.to_mesh(self.state.params, self.rollout_mesh)
 
     @property
     def row_sharding(self):

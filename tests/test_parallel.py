@@ -3,7 +3,8 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models, parallel
 
@@ -83,3 +84,26 @@ def test_shard_batch():
     np.testing.assert_array_equal(y, x)
     with pytest.raises(ValueError, match=r"batch size 6 is not divisible by data x fsdp = 4"):
         parallel.shard_batch(np.zeros((6, 3)), mesh)
+
+
+def test_to_mesh_keeps_specs_where_the_new_mesh_divides():
+    """Parameters moved from a 4-device training mesh (fsdp 2 x tensor 2) to the other 4
+    devices (fsdp 1 x tensor 4): same values, on the new devices, each spec kept where the
+    new axis sizes divide the dimension, replicated or narrowed where they do not."""
+    devices = jax.devices()
+    train = parallel.make_mesh({"fsdp": 2, "tensor": 2}, devices[:4])
+    rollout = parallel.make_mesh({"fsdp": 1, "tensor": 4}, devices[4:])
+    tree = {
+        "w": jax.device_put(np.arange(48.0).reshape(4, 12),
+                            NamedSharding(train, P("fsdp", "tensor"))),  # fmt: skip
+        "odd": jax.device_put(np.arange(12.0).reshape(2, 6),
+                              NamedSharding(train, P(None, "tensor"))),  # fmt: skip
+        "b": jax.device_put(np.arange(4.0), NamedSharding(train, P(("fsdp", "tensor")))),
+    }
+    moved = parallel.to_mesh(tree, rollout)
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(moved[k]), np.asarray(tree[k]))
+        assert set(moved[k].sharding.device_set) == set(devices[4:])
+    assert moved["w"].sharding.spec == P("fsdp", "tensor")
+    assert moved["odd"].sharding.spec == P(None, None)  # 6 is not divisible by tensor = 4
+    assert moved["b"].sharding.spec == P(("fsdp", "tensor"))

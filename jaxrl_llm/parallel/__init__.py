@@ -12,6 +12,7 @@ from jaxrl_llm.parallel.mesh import (
     mesh_shape,
     shard_batch,
     shard_local_batch,
+    to_mesh,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "mesh_shape",
     "shard_batch",
     "shard_local_batch",
+    "to_mesh",
 ]

@@ -65,6 +65,30 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def to_mesh(tree, mesh: Mesh):
+    """The arrays of `tree` on another mesh with the same axis names, device to device
+    (`jax.device_put`: no host copy), each keeping its PartitionSpec; a dimension that an
+    axis of the new mesh would not divide keeps only the leading axes that do (replicated
+    when none does)."""
+
+    def fit(size: int, axes) -> object:
+        names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+        kept, product = [], 1
+        for name in names:
+            if size % (product * mesh.shape[name]):
+                break
+            kept.append(name)
+            product *= mesh.shape[name]
+        return tuple(kept) if len(kept) > 1 else (kept[0] if kept else None)
+
+    def target(x):
+        spec = tuple(getattr(x.sharding, "spec", None) or ())
+        spec += (None,) * (x.ndim - len(spec))
+        return NamedSharding(mesh, PartitionSpec(*map(fit, x.shape, spec)))
+
+    return jax.device_put(tree, jax.tree.map(target, tree))
+
+
 def batch_size_multiple(mesh: Mesh | None) -> int:
     """The global batch must be a multiple of this."""
     return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
