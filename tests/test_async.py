@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tiny_run import make_model_dir, signal_config
 
-from jaxrl_llm import checkpoint, parallel, rl, sampling, train
+from jaxrl_llm import checkpoint, data, parallel, rl, sampling, train
 from jaxrl_llm.metrics import read_metrics
 from jaxrl_llm.rollout_thread import RolloutThread
 from jaxrl_llm.run import Run
@@ -81,34 +81,33 @@ def test_overlap_equals_a_loop_sampling_with_the_parameters_before_the_update(
     run.pool.close()
 
 
+def data_order(config, steps: int) -> list[str]:
+    """The first prompt of each step's batch in data order: what a synchronous run trains
+    on at steps 0 .. steps - 1."""
+    from jaxrl_llm.models import builtin
+
+    tokenizer = builtin.load_tokenizer(builtin.resolve(config.model.path))
+    it = data.make_iterator(config.data, tokenizer, config.rollout.batch_size)
+    return [next(it).prompts[0] for _ in range(steps)]
+
+
 @pytest.mark.parametrize("mode", ["overlap", "split"])
 def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkeypatch, mode):
     """SIGTERM during step 2 of an overlap / split run: the save happens while later
     rollouts are in flight; the resumed run samples their prompts again, so the prompts
     trained on, step by step, are those of a synchronous run (none twice, none skipped)."""
-    seen: dict[str, list] = {"sync": [], "overlap": []}
-    rollout, step = Run._rollout, Run.step
-    where = ["sync"]
+    seen = []
+    rollout, take, step = Run._rollout, RolloutThread.take, Run.step
 
     def recording(self, t):
         batch, out, version = rollout(self, t)
-        seen[where[0]].append((t, np.asarray(batch.prompt_ids).tobytes()))
+        seen.append((t, batch.prompts[0]))
         return batch, out, version
 
     def taking(self, t):
         item = take(self, t)
-        seen["overlap"].append((t, np.asarray(item.batch.prompt_ids).tobytes()))
+        seen.append((t, item.batch.prompts[0]))
         return item
-
-    take = RolloutThread.take
-    monkeypatch.setattr(Run, "_rollout", recording)
-    monkeypatch.setattr(RolloutThread, "take", taking)
-    c = overlap_config(model_dir, steps=5)
-    c.rollout.mode = "sync"
-    train.train(c, str(tmp_path / "sync"))
-
-    where[0] = "overlap"
-    c = overlap_config(model_dir, steps=5) if mode == "overlap" else split_config(model_dir, 5, 2)
 
     def step_then_sigterm(self, t):
         out = step(self, t)
@@ -116,12 +115,15 @@ def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkey
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
+    monkeypatch.setattr(Run, "_rollout", recording)
+    monkeypatch.setattr(RolloutThread, "take", taking)
     monkeypatch.setattr(Run, "step", step_then_sigterm)
-    train.train(c, str(tmp_path / "overlap"))
-    assert [t for t, _ in seen["overlap"]] == [0, 1, 2]
+    c = overlap_config(model_dir, steps=5) if mode == "overlap" else split_config(model_dir, 5, 2)
+    train.train(c, str(tmp_path / "run"))
+    assert [t for t, _ in seen] == [0, 1, 2]
     monkeypatch.setattr(Run, "step", step)
-    train.train(c, str(tmp_path / "overlap"))  # resumes at step 3
-    assert seen["overlap"] == seen["sync"]
+    train.train(c, str(tmp_path / "run"))  # resumes at step 3
+    assert seen == list(enumerate(data_order(c, 5)))
 
 
 def test_overlap_refuses_dynamic_sampling(model_dir):
@@ -231,10 +233,6 @@ def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path):
     config = tmp_path / "config.py"
     config.write_text(KILLED_CONFIG.format(tests=os.path.dirname(__file__), model_dir=model_dir,
                                            reward=f"{reward}:slow"))  # fmt: skip
-    sync = _load_config(config)
-    sync.rollout.mode, sync.mesh.rollout_devices, sync.mesh.tensor = "sync", 0, 2
-    train.train(sync, str(tmp_path / "sync"))
-
     workdir = tmp_path / "split"
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}"]
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
@@ -251,7 +249,8 @@ def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from" in rerun.stderr
     assert _steps(workdir) == list(range(1, 13))
-    assert _first_prompts(workdir) == _first_prompts(tmp_path / "sync")
+    expected = data_order(_load_config(config), 12)
+    assert _first_prompts(workdir) == {t + 1: p for t, p in enumerate(expected)}
 
 
 def _steps(workdir) -> list[int]:
