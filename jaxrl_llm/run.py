@@ -106,10 +106,16 @@ class Run:
         )
         self.warning = None  # the last step's verifier warning, for the progress output
         self.scorer = rollout.Scorer(
-            self.tokenizer, self.pool, verifiers.parse_specs(c.rewards), self.spec,
+            self.tokenizer, self.pool, verifiers.parse_specs(c.rewards) if c.rewards else [],
+            self.spec,
             overlong_buffer=self._overlong_buffer(), mesh=self.mesh,
         )  # fmt: skip
-        self.correct_label = c.eval.correct_reward or self.scorer.specs[0].label
+        self.correct_label = c.eval.correct_reward or next((s.label for s in self.scorer.specs), "")
+        self.env_rollout = None
+        if c.env.name:  # multi-turn: the environments give the reward
+            from jaxrl_llm.envs.runner import EnvRollout
+
+            self.env_rollout = EnvRollout(c, self.tokenizer, self.sampler, self.spec, self.mesh)
 
     # --------------------------------------------------------------------------- Input
     def _build_input(self) -> None:
@@ -158,9 +164,13 @@ class Run:
         clock, dynamic = perf.PhaseClock(), self.algo.dynamic_sampling
         with self._transfer_guard():
             batch = next(self.data_iter)
-            out = self.sample(batch, step)  # device arrays, dispatched
-            ref = None if dynamic else self.reference(out)  # dispatched, no wait
-            scored = self.score(out, batch, clock)  # host, overlapping the reference
+            if self.env_rollout is not None:  # multi-turn: the turn loop, then the reference
+                out, scored = self.play(batch, step, clock)
+                ref = self.reference(out)
+            else:
+                out = self.sample(batch, step)  # device arrays, dispatched
+                ref = None if dynamic else self.reference(out)  # dispatched, no wait
+                scored = self.score(out, batch, clock)  # host, overlapping the reference
             if dynamic:  # DAPO: degenerate groups replaced, then the reference
                 out, scored = self.refill(out, scored, step, clock)
                 ref = self.reference(out)
@@ -184,6 +194,14 @@ class Run:
             )  # fmt: skip
             compiled.detail = _bucket(out)
         return out
+
+    def play(self, batch, step: int, clock):
+        """Multi-turn rollouts of `batch` (`envs.EnvRollout`), scored by their environments."""
+        with self.compile_log.program("sampler", "multi-turn", runs=True):
+            out, scored = self.env_rollout(self.state.params, batch, step)
+        clock.mark("sample")
+        clock.mark("score")
+        return out, scored
 
     def reference(self, out):
         """Dispatches the reference log-probs [N, T] (async); None when beta = 0."""
@@ -223,6 +241,8 @@ class Run:
         """Warns on a step where a verifier failed too often; stops the run after
         train.max_failed_steps such steps in a row (every host decides on the mean)."""
         rates = None
+        if scored.details is None:  # environments: failures end trajectories, never the run
+            return
         if jax.process_count() > 1:
             rates = parallel.host_mean(scored.details.error_rates())
         self.warning = self.budget.check(scored.details, step, rates=rates)
