@@ -8,7 +8,8 @@ from jaxrl_llm import envs
 
 class Scripted(envs.Env):
     """Fixed observations, whatever the action: turn k answers OBSERVATIONS[k]; done (reward
-    1) after `turns` actions. The exactness tests' environment."""
+    1) after `turns` actions (the row's `turns` field, if it has one). The exactness
+    tests' environment."""
 
     OBSERVATIONS = ["12", "3+4=", "56", "7", "89"]
 
@@ -16,6 +17,7 @@ class Scripted(envs.Env):
         self.turns, self.k = turns, 0
 
     def reset(self, example):
+        self.turns = example.get("turns", self.turns)
         return example.get("question")
 
     def step(self, action):

@@ -78,16 +78,16 @@ def play(sampler, params, prompt_ids, prompt_mask, spec, settings: TurnSettings,
                 trajs[i].finish("max_turns")
             break
         appended = _render(observations, trajs, tokens, lengths, renderer, s)
-        if appended and state.end + max(map(len, appended.values())) + s.turn_tokens > (
-            sampler.cfg.max_position_embeddings
-        ):  # the shared cache slots would pass the model's context
-            for i in appended:
+        # Every process appends the same width (or none): the programs are collective.
+        width = parallel.host_max(-(-max(map(len, appended.values()), default=0) // 8) * 8)
+        if state.end + width + s.turn_tokens > sampler.cfg.max_position_embeddings:
+            for i in appended:  # the shared cache slots would pass the model's context
                 trajs[i].finish("context")
-            appended = {}
+            appended, width = {}, 0
         state = sampler.stop(state, [i not in appended for i in range(n)])
-        if not appended:
+        if not width:
             break
-        ids, mask = _rows(appended, n, sampler.pad_id)
+        ids, mask = _rows(appended, n, width, sampler.pad_id)
         state = sampler.append(params, state, ids, mask)
         for i, obs in appended.items():
             turns.spans[i].append(("env", int(lengths[i]), int(lengths[i] + len(obs))))
@@ -122,11 +122,10 @@ def _fetch(out, mesh):
     return np.asarray(tokens), np.asarray(lengths).astype(np.int64)
 
 
-def _rows(appended: dict, n: int, pad_id: int):
-    """[n, A] ids and mask, A rounded up to a multiple of 8: the append program (and the
-    decode after it, whose cache layout follows) compiles for fewer widths; the masked
-    columns are holes that `result` compacts away."""
-    width = -(-max(map(len, appended.values())) // 8) * 8
+def _rows(appended: dict, n: int, width: int, pad_id: int):
+    """[n, width] ids and mask. The width is rounded up to a multiple of 8, so the append
+    program (and the decodes after it, whose cache layout follows) compiles for fewer
+    widths; the masked columns are holes that `result` compacts away."""
     ids = np.full((n, width), pad_id, np.int32)
     mask = np.zeros((n, width), bool)
     for i, row in appended.items():

@@ -68,7 +68,8 @@ class EnvRollout:
                           trajs, self.renderer, self.tokenizer, step=step, version=step,
                           mesh=self.mesh)  # fmt: skip
         tokens, lengths = (np.asarray(x) for x in _local(out, self.mesh))
-        texts = [[(kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=True))
+        # Model turns as the environment read them; observations with the template's markers.
+        texts = [[(kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=kind == "model"))
                   for kind, a, b in turns.spans[i]] for i in range(len(trajs))]  # fmt: skip
         rewards = np.array([t.reward(self.config.env.turn_reward_discount) for t in trajs])
         return out, rollout.Scored(
