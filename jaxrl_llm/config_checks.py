@@ -21,7 +21,8 @@ from jaxrl_llm import tuning
 from jaxrl_llm.data import config as data_config
 from jaxrl_llm.run_config import ConfigError, algo_config, base_config, resolve_model_path
 
-FREE_FORM = ("rewards", "data.fields")  # sections whose keys are the user's own names
+# Sections whose keys are the user's own names.
+FREE_FORM = ("rewards", "data.fields", "env.options")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -49,6 +50,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
     algo = check_algo(config)
     check_optim(config)
     labels = check_rewards(config, algo)
+    check_env(config, algo)
     check_train(config)
     check_eval(config, labels)
     check_checkpoint(config)
@@ -205,6 +207,13 @@ def check_rewards(config, algo) -> list[str]:
     """-> the reward labels."""
     from jaxrl_llm import verifiers
 
+    if config.env.name:
+        _check(
+            not config.rewards,
+            "rewards: with env.name set the environment gives the reward (its verifier is "
+            "an env.options entry); set config.rewards = {}",
+        )
+        return []
     try:
         labels = [s.label for s in verifiers.parse_specs(config.rewards)]
     except ValueError as e:
@@ -217,6 +226,39 @@ def check_rewards(config, algo) -> list[str]:
             f"{len(labels)} rewards",
         )
     return labels
+
+
+def check_env(config, algo) -> None:
+    """Multi-turn settings (only read when env.name is set)."""
+    from jaxrl_llm.envs import base, schedule
+
+    e = config.env
+    if not e.name:
+        return
+    try:
+        base.check_options(e.name, dict(e.options))
+        most = schedule.most(e.max_turns)
+    except ValueError as err:
+        message = str(err)
+        raise ConfigError(
+            message if message.startswith("env.") else f"env.name: {message}"
+        ) from None
+    turn = config.rollout.max_new_tokens
+    _check(
+        most >= 1 and e.max_total_tokens >= turn,
+        f"env.max_total_tokens={e.max_total_tokens} is below one turn "
+        f"(rollout.max_new_tokens={turn})",
+    )
+    _check(e.turn_reward_discount >= 0, f"env.turn_reward_discount={e.turn_reward_discount}: >= 0")
+    _check(e.step_timeout_s > 0, f"env.step_timeout_s={e.step_timeout_s}: must be > 0")
+    _check(e.trajectory_timeout_s > 0, f"env.trajectory_timeout_s={e.trajectory_timeout_s}: > 0")
+    _check(e.workers >= 0, f"env.workers={e.workers}: must be >= 0 (0 = CPU count)")
+    _check(e.memory_mb >= 0, f"env.memory_mb={e.memory_mb}: must be >= 0 (0 = no cap)")
+    _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with env.name yet")
+    _check(config.rollout.mode == "sync", f"rollout.mode={config.rollout.mode!r}: multi-turn "
+           "rollouts (env.name) run in 'sync' mode")  # fmt: skip
+    _check(not config.eval.every, "eval.every: held-out evaluation is single-turn; set 0 with "
+           "env.name (reward/mean and env/* follow the multi-turn policy)")  # fmt: skip
 
 
 def check_train(config) -> None:
@@ -279,9 +321,12 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
     r = config.rollout
     prompt_len = config.data.max_prompt_len if prompt_len is None else prompt_len
     bucket = bucket_length(prompt_len, tuning.bucket_steps(config, jax.default_backend()))
+    key, budget = "rollout.max_new_tokens", r.max_new_tokens
+    if "env" in config and config.env.name:
+        key, budget = "env.max_total_tokens", config.env.max_total_tokens
     _check(
-        bucket + r.max_new_tokens <= model_cfg.max_position_embeddings,
-        f"data.max_prompt_len={prompt_len} (bucket {bucket}) + rollout.max_new_tokens="
-        f"{r.max_new_tokens} exceeds the model's max_position_embeddings "
+        bucket + budget <= model_cfg.max_position_embeddings,
+        f"data.max_prompt_len={prompt_len} (bucket {bucket}) + {key}="
+        f"{budget} exceeds the model's max_position_embeddings "
         f"{model_cfg.max_position_embeddings}",
     )

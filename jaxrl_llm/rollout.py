@@ -34,6 +34,7 @@ class Scored:
     lengths: np.ndarray  # [n] completion tokens
     prompt_lengths: np.ndarray  # [n] real (unpadded) prompt tokens
     details: verifiers.ScoreDetails | None = None  # errors, timeouts, first error
+    turns: list | None = None  # multi-turn: per row [{"role": "model" | "env", "text"}]
 
 
 class Scorer:

@@ -116,11 +116,18 @@ class Run:
         )
         self.warning = None  # the last step's verifier warning, for the progress output
         self.scorer = rollout.Scorer(
-            self.tokenizer, self.pool, verifiers.parse_specs(c.rewards), self.spec,
+            self.tokenizer, self.pool, verifiers.parse_specs(c.rewards) if c.rewards else [],
+            self.spec,
             overlong_buffer=self._overlong_buffer(), mesh=self.mesh,
         )  # fmt: skip
-        self.correct_label = c.eval.correct_reward or self.scorer.specs[0].label
-        self.pool.prepare(self.scorer.specs)  # the workers load while the programs build
+        self.correct_label = c.eval.correct_reward or next((s.label for s in self.scorer.specs), "")
+        if self.scorer.specs:
+            self.pool.prepare(self.scorer.specs)  # the workers load while the programs build
+        self.env_rollout = None
+        if c.env.name:  # multi-turn: the environments give the reward
+            from jaxrl_llm.envs.runner import EnvRollout
+
+            self.env_rollout = EnvRollout(c, self.tokenizer, self.sampler, self.spec, self.mesh)
 
     # --------------------------------------------------------------------------- Input
     def _build_input(self) -> None:
@@ -170,10 +177,15 @@ class Run:
             return self._split_step(step)
         clock, dynamic = perf.PhaseClock(), self.algo.dynamic_sampling
         with self._transfer_guard():
-            batch, out, version = self._rollout(step)  # device arrays, dispatched
-            ref = None if dynamic else self.reference(out)  # dispatched, no wait
-            self._sample_ahead(step)  # overlap: step + 1's rollout, by these parameters
-            scored = self.score(out, batch, clock)  # host, overlapping the device work
+            if self.env_rollout is not None:  # multi-turn: the turn loop, then the reference
+                batch, version = next(self.data_iter), step
+                out, scored = self.play(batch, step, clock)
+                ref = self.reference(out)
+            else:
+                batch, out, version = self._rollout(step)  # device arrays, dispatched
+                ref = None if dynamic else self.reference(out)  # dispatched, no wait
+                self._sample_ahead(step)  # overlap: step + 1's rollout, by these parameters
+                scored = self.score(out, batch, clock)  # host, overlapping the device work
             if dynamic:  # DAPO: degenerate groups replaced, then the reference
                 out, scored = self.refill(out, scored, step, clock)
                 ref = self.reference(out)
@@ -257,9 +269,11 @@ class Run:
         return parallel.batch_sharding(self.mesh, 1)
 
     def close(self) -> None:
-        """Stops the rollout thread (split) and the verifier workers."""
+        """Stops the rollout thread (split), the environments and the verifier workers."""
         if self.rollout_thread is not None:
             self.rollout_thread.close()
+        if self.env_rollout is not None:
+            self.env_rollout.close()
         self.pool.close()
 
     def sample(
@@ -277,6 +291,14 @@ class Run:
             )  # fmt: skip
             compiled.detail = _bucket(out)
         return out
+
+    def play(self, batch, step: int, clock):
+        """Multi-turn rollouts of `batch` (`envs.EnvRollout`), scored by their environments."""
+        with self.compile_log.program("sampler", "multi-turn", runs=True):
+            out, scored = self.env_rollout(self.state.params, batch, step)
+        clock.mark("sample")
+        clock.mark("score")
+        return out, scored
 
     def reference(self, out):
         """Dispatches the reference log-probs [N, T] (async); None when beta = 0."""
@@ -316,6 +338,8 @@ class Run:
         """Warns on a step where a verifier failed too often; stops the run after
         train.max_failed_steps such steps in a row (every host decides on the mean)."""
         rates = None
+        if scored.details is None:  # environments: failures end trajectories, never the run
+            return
         if jax.process_count() > 1:
             rates = parallel.host_mean(scored.details.error_rates())
         self.warning = self.budget.check(scored.details, step, rates=rates)

@@ -52,6 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim = optim_defaults()
     # label -> weight | {name, weight, options}
     c.rewards = ml_collections.ConfigDict({"gsm8k": 1.0})
+    c.env = env_defaults()
     c.train = train_defaults()
     c.eval = eval_defaults()
     c.checkpoint = ml_collections.ConfigDict()
@@ -143,6 +144,31 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     r.partial = False
     r.partial_chunk = 16
     return r
+
+
+def env_defaults() -> ml_collections.ConfigDict:
+    """Multi-turn environments (docs/envs.md); env.name "" = single-turn completions."""
+    e = ml_collections.ConfigDict()
+    # calculator | guess_number | python_tool | path/to/file.py:Class | package.module:Class
+    e.name = ""
+    e.options = ml_collections.ConfigDict()  # the environment's __init__ keywords
+    # Model turns per trajectory: a number, or a schedule over training steps
+    # "turns@step,..." (e.g. "2@0,4@100,8@300": more turns as training goes on).
+    e.max_turns = config_dict.FieldReference(4, field_type=object)
+    # Completion tokens of a trajectory (its turns and the observations between them): the
+    # width the reference and the update see. rollout.max_new_tokens is one turn's budget.
+    e.max_total_tokens = 256
+    # Token strings that end a turn besides rollout.stop_tokens (a tool-call closing tag
+    # that is one token, e.g. Qwen's "</tool_call>").
+    e.stop_tokens = ()
+    # Reward = final turn's + sum over earlier turns of discount^(turns from the end) x
+    # theirs; 0 = the final reward only.
+    e.turn_reward_discount = 0.0
+    e.step_timeout_s = 10.0  # one reset / step call; past it the worker is killed
+    e.trajectory_timeout_s = 60.0  # a trajectory's calls together
+    e.workers = 0  # environment worker processes; 0 = CPU count
+    e.memory_mb = 2048  # address space an environment worker may add; 0 = no cap
+    return e
 
 
 def optim_defaults() -> ml_collections.ConfigDict:
@@ -256,10 +282,12 @@ def rollout_spec(config, tokenizer):
     sampler, the reference log-probs and the update."""
     from jaxrl_llm.sampling import RolloutSpec
 
-    r = config.rollout
+    r, env = config.rollout, config.get("env")
     return RolloutSpec(
         num_generations=r.num_generations,
-        max_new_tokens=r.max_new_tokens,
+        # Multi-turn: a trajectory's completion (turns and observations) is the width the
+        # reference and the update see; one turn's budget is rollout.max_new_tokens.
+        max_new_tokens=env.max_total_tokens if env is not None and env.name else r.max_new_tokens,
         temperature=r.temperature,
         top_k=r.top_k,
         top_p=r.top_p,

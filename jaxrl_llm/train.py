@@ -74,10 +74,13 @@ def _write_run_files(run: Run, record: dict) -> None:
 def _samples(run: Run) -> list[dict]:
     s = run.last_scored
     n = min(run.config.train.num_printed_samples, len(s.completions))
-    return [
+    samples = [
         {"prompt": s.prompts[i], "completion": s.completions[i], "reward": float(s.rewards[i])}
         for i in range(n)
     ]
+    for i, sample in enumerate(samples if s.turns is not None else ()):
+        sample["turns"] = s.turns[i]  # multi-turn: the trajectory, turn by turn
+    return samples
 
 
 def _check_finite(step: int, metrics: dict, skip: bool) -> None:
@@ -143,7 +146,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     last = {}
     try:
         run.compile_log.listen(progress.write)
-        compilation.precompile_step(run)
+        if run.env_rollout is None:  # multi-turn prompts come from resets: compiled at use
+            compilation.precompile_step(run)
         if c.eval.every and c.eval.at_start and start == 0:  # the initial policy's point
             writer.write(0, last := run.evaluate(0))
         for step in range(start, c.train.num_steps):

@@ -55,7 +55,7 @@ def keys(d, prefix=""):
     out = set()
     for k, v in d.items():
         out.add(prefix + k)
-        if isinstance(v, dict) and k not in ("rewards", "fields"):
+        if isinstance(v, dict) and k not in ("rewards", "fields", "options"):
             out |= keys(v, prefix + k + ".")
     return out
 

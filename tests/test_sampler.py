@@ -587,3 +587,25 @@ def test_refresh_switches_parameters_mid_generation(tiny):
     straight = sampler.sample(params, ids, mask, spec, step=0)
     np.testing.assert_array_equal(np.asarray(same.tokens), np.asarray(straight.tokens))
     np.testing.assert_allclose(np.asarray(same.logprobs), np.asarray(straight.logprobs), atol=1e-5)
+
+
+def test_stop_ends_rows_that_still_had_budget(tiny):
+    """Rows marked by `stop` draw nothing in later decodes (their length and finish stay);
+    the others go on exactly as without the stop; an append makes a stopped row live."""
+    _, cfg, params = tiny("qwen2")
+    spec = sampling.RolloutSpec(2, 4, 1.0)
+    ids, mask = sampling.pad_prompts(PROMPTS[:2], 0)
+    sampler = sampling.Sampler(cfg, seed=3)
+    state = sampler.decode(params, sampler.start(params, ids, mask, spec, step=0), 3)
+    state = sampler.stop(state, [True, False, False, True])
+    out = sampler.result(sampler.decode(params, state, 3))
+    whole = sampling.Sampler(cfg, seed=3).sample(
+        params, ids, mask, spec.replace(max_new_tokens=6), 0
+    )
+    np.testing.assert_array_equal(np.asarray(out.lengths), [3, 6, 6, 3])
+    np.testing.assert_array_equal(np.asarray(out.tokens)[1:3], np.asarray(whole.tokens)[1:3])
+    np.testing.assert_array_equal(
+        np.asarray(out.tokens)[[0, 3], :3], np.asarray(whole.tokens)[[0, 3], :3]
+    )
+    with pytest.raises(ValueError, match=r"stop: rows \(3,\) must be \[4\]"):
+        sampler.stop(state, [True, False, False])

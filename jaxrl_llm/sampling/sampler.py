@@ -102,6 +102,8 @@ class Sampler:
         self._append = jax.jit(self._append_program, donate_argnums=1)
         self._result = jax.jit(functools.partial(D.result, pad_id=self.pad_id))
         self._refresh = jax.jit(self._refresh_program, donate_argnums=1)
+        self._stop = jax.jit(lambda state, rows: state.replace(done=state.done | rows),
+                             donate_argnums=0)  # fmt: skip
 
     # ------------------------------------------------------------------ public programs
     def sample(
@@ -168,6 +170,17 @@ class Sampler:
         their log-probs. The state is donated."""
         with _growing():
             return self._refresh(params, state)
+
+    def stop(self, state: D.DecodeState, rows) -> D.DecodeState:
+        """Marks rows (host bool [N], own rows as in `append`) as stopped: later `decode`
+        calls draw nothing for them (a multi-turn trajectory that ended while its row still
+        had budget); an `append` to such a row makes it live again. The state is donated."""
+        rows = np.asarray(rows, bool)
+        n = state.done.shape[0] // (jax.process_count() if self._multi() else 1)
+        if rows.shape != (n,):
+            raise ValueError(f"stop: rows {rows.shape} must be [{n}]")
+        (rows,) = self._put((rows,))
+        return self._stop(state, rows)
 
     def result(self, state: D.DecodeState) -> D.SampleOutput:
         """The rollouts of a state (it is not consumed)."""

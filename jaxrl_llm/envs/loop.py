@@ -1,0 +1,150 @@
+"""The turn loop: decode a turn, step the environments, append their observations.
+
+    out, turns = play(sampler, params, prompt_ids, prompt_mask, spec, settings, pool,
+                      trajs, renderer, tokenizer, step=step)
+
+Every turn: `Sampler.decode` draws until each live row has stopped (an end-of-turn or
+tool-call stop id) or spent `settings.turn_tokens`; the host reads the new tokens of each
+live row, decodes them as the action, steps all live environments in parallel
+(`EnvPool.step`), renders each observation as the next turn's ids (`Renderer.turn`: the
+new turn only) and `Sampler.append`s them to the KV cache. A trajectory ends when its
+environment says done, fails, or would pass `max_turns` or `max_total_tokens`; its row
+gets nothing appended and is marked stopped (`Sampler.stop`), so the next turn's decode
+draws nothing for it and ends as soon as the live rows have stopped.
+
+The completion of a row is its sampled turns and the observations between them, as the
+sampler saw them (loss mask 1 and a behaviour log-prob on sampled tokens only); the
+output has exactly `max_total_tokens` columns, so the reference and the update compile
+once whatever the number of turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import parallel, sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnSettings:
+    """max_turns: model turns per trajectory; turn_tokens: decode budget of one turn;
+    max_total_tokens: completion tokens of a trajectory (its turns and observations);
+    stop_ids: ids that end a turn; end_of_turn_ids: those after which a chat template
+    does not close the turn again."""
+
+    max_turns: int
+    turn_tokens: int
+    max_total_tokens: int
+    stop_ids: tuple[int, ...]
+    end_of_turn_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Turns:
+    """Per row: [(kind, start, end)] spans of its completion, kind "model" or "env"."""
+
+    spans: list
+    obs_tokens: np.ndarray  # [n] observation tokens appended per row
+    model_turns: np.ndarray  # [n] decoded turns per row
+
+
+def play(sampler, params, prompt_ids, prompt_mask, spec, settings: TurnSettings, pool, trajs,
+         renderer, tokenizer, *, step=None, version: int = 0, mesh=None):  # fmt: skip
+    """Plays every trajectory to its end -> (SampleOutput [n, max_total_tokens], Turns)."""
+    n, s = len(trajs), settings
+    state = sampler.start(params, prompt_ids, prompt_mask, spec, step, version=version)
+    state = sampler.stop(state, [not t.live for t in trajs])  # reset failed: no turn
+    lengths = np.zeros(n, np.int64)
+    turns = Turns([[] for _ in range(n)], np.zeros(n, np.int64), np.zeros(n, np.int64))
+    for turn in range(s.max_turns):
+        live = [i for i in range(n) if trajs[i].live]
+        state = sampler.decode(params, state, s.turn_tokens, s.stop_ids)
+        tokens, new_lengths = _fetch(sampler.result(state), mesh)
+        actions = {}
+        for i in live:
+            ids = tokens[i, lengths[i] : new_lengths[i]]
+            turns.spans[i].append(("model", int(lengths[i]), int(new_lengths[i])))
+            turns.model_turns[i] += 1
+            actions[i] = tokenizer.decode(ids, skip_special_tokens=True)
+        lengths = new_lengths
+        observations = pool.step(trajs, actions)
+        if turn == s.max_turns - 1:
+            for i in observations:
+                trajs[i].finish("max_turns")
+            break
+        appended = _render(observations, trajs, tokens, lengths, renderer, s)
+        # Every process appends the same width (or none): the programs are collective.
+        width = parallel.host_max(-(-max(map(len, appended.values()), default=0) // 8) * 8)
+        if state.end + width + s.turn_tokens > sampler.cfg.max_position_embeddings:
+            for i in appended:  # the shared cache slots would pass the model's context
+                trajs[i].finish("context")
+            appended, width = {}, 0
+        state = sampler.stop(state, [i not in appended for i in range(n)])
+        if not width:
+            break
+        ids, mask = _rows(appended, n, width, sampler.pad_id)
+        state = sampler.append(params, state, ids, mask)
+        for i, obs in appended.items():
+            turns.spans[i].append(("env", int(lengths[i]), int(lengths[i] + len(obs))))
+            turns.obs_tokens[i] += len(obs)
+            lengths[i] += len(obs)
+    return fit(sampler.result(state), s.max_total_tokens, sampler.pad_id), turns
+
+
+def _render(observations, trajs, tokens, lengths, renderer, s: TurnSettings) -> dict:
+    """The ids of each observation that goes on; a trajectory whose next turn would pass
+    max_total_tokens ends here (no observation is cut: the policy never sees half a tool
+    output), one whose observation cannot be rendered fails."""
+    out = {}
+    for i, obs in observations.items():
+        last = int(tokens[i, lengths[i] - 1]) if lengths[i] else None
+        try:
+            ids = renderer.turn(obs, last if last in s.end_of_turn_ids else None)
+        except Exception as err:  # a template that refuses the message: that trajectory
+            trajs[i].finish("error", f"render: {type(err).__name__}: {err}"[:500])
+            continue
+        if not ids:
+            trajs[i].finish("error", "render: the observation has no tokens")
+        elif lengths[i] + len(ids) + s.turn_tokens > s.max_total_tokens:
+            trajs[i].finish("max_total_tokens")
+        else:
+            out[i] = ids
+    return out
+
+
+def _fetch(out, mesh):
+    tokens, lengths = parallel.local_rows((out.tokens, out.lengths), mesh)
+    return np.asarray(tokens), np.asarray(lengths).astype(np.int64)
+
+
+def _rows(appended: dict, n: int, width: int, pad_id: int):
+    """[n, width] ids and mask. The width is rounded up to a multiple of 8, so the append
+    program (and the decodes after it, whose cache layout follows) compiles for fewer
+    widths; the masked columns are holes that `result` compacts away."""
+    ids = np.full((n, width), pad_id, np.int32)
+    mask = np.zeros((n, width), bool)
+    for i, row in appended.items():
+        ids[i, : len(row)], mask[i, : len(row)] = row, True
+    return ids, mask
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def fit(out: sampling.SampleOutput, width: int, pad_id: int) -> sampling.SampleOutput:
+    """The completion columns cut or padded to `width` (rows are compacted to the left
+    and no longer than `width`, so nothing real is cut)."""
+
+    def fix(x, fill):
+        x = x[:, :width]
+        return jnp.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=fill)
+
+    return out.replace(
+        tokens=fix(out.tokens, pad_id),
+        mask=fix(out.mask, False),
+        loss_mask=fix(out.loss_mask, False),
+        logprobs=fix(out.logprobs, 0.0),
+    )

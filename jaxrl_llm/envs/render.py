@@ -1,0 +1,79 @@
+"""Observations -> token ids: the first one as the prompt, later ones as the next turn.
+
+Only the new turn is tokenized, never the conversation so far: the ids the sampler
+appends follow the ids it sampled, so a trajectory is trained on exactly the tokens the
+policy saw (re-tokenizing the whole text could merge or split tokens at a boundary).
+
+With a chat template (`data.chat_template` = auto with a template, or always) a turn is
+the text the template adds for the observation after an assistant message: the
+observation goes in as a `tool` message where the template mentions that role, else as
+a `user` message, and the template's assistant header for the next turn follows. The
+difference is taken against the same conversation without the observation, with a
+sentinel assistant message; when the model's turn ended on its end-of-turn token, that
+token's text (which the template writes after the assistant message) is not repeated.
+
+Without a chat template the plain format is the observation on its own lines:
+`"\\n" + observation + "\\n"` (a list of messages: their contents joined by newlines),
+tokenized without special tokens.
+"""
+
+from __future__ import annotations
+
+_SENTINEL = "\u2063JAXRL-TURN\u2063"
+
+
+class Renderer:
+    """Token ids of prompts and observation turns for one tokenizer.
+
+    Args:
+      tokenizer: a Hugging Face tokenizer.
+      use_chat: render with the tokenizer's chat template.
+      system_prompt: system message of prompts built from a text observation.
+    """
+
+    def __init__(self, tokenizer, use_chat: bool, system_prompt: str = ""):
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if use_chat and not template:
+            raise ValueError("env: the tokenizer has no chat template to render turns with")
+        self.tokenizer, self.use_chat, self.system_prompt = tokenizer, use_chat, system_prompt
+        self.role = "tool" if "tool" in template else "user"
+
+    def _ids(self, text: str, special: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def prompt(self, observation) -> list[int]:
+        """The prompt of a trajectory from `reset`'s observation (text or messages)."""
+        if isinstance(observation, list):
+            if not self.use_chat:
+                return self._ids("\n".join(m["content"] for m in observation), special=True)
+            text = self.tokenizer.apply_chat_template(
+                observation, tokenize=False, add_generation_prompt=True
+            )
+            return self._ids(text)
+        if not self.use_chat:
+            text = f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
+            return self._ids(text, special=True)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return self.prompt([*system, {"role": "user", "content": observation}])
+
+    def turn(self, observation, closed_by: int | None = None) -> list[int]:
+        """The ids of an observation turn; `closed_by`: the end-of-turn token id that ended
+        the model's turn (None: it ran out of budget, the template closes it)."""
+        messages = observation if isinstance(observation, list) else None
+        if not self.use_chat:
+            text = "\n".join(m["content"] for m in messages) if messages else observation
+            return self._ids(f"\n{text}\n")
+        messages = messages or [{"role": self.role, "content": observation}]
+        before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+        full = self.tokenizer.apply_chat_template(
+            before + messages, tokenize=False, add_generation_prompt=True
+        )
+        start = full.find(_SENTINEL)
+        if start < 0:
+            raise ValueError("env: the chat template drops the assistant's message")
+        delta = full[start + len(_SENTINEL) :]
+        if closed_by is not None:
+            closing = self.tokenizer.decode([closed_by])
+            if closing and delta.startswith(closing):
+                delta = delta[len(closing) :]
+        return self._ids(delta)

@@ -1,0 +1,125 @@
+"""The trainer's multi-turn rollout: data rows -> resets -> prompts -> turns -> rewards.
+
+    env_rollout = EnvRollout(config, tokenizer, sampler, spec, mesh)
+    out, scored = env_rollout(params, batch, step)   # sampling.SampleOutput, rollout.Scored
+
+Each prompt's environment is reset once (in the pool) and its state copied to the G
+trajectories, which share one prefill. The prompt is the reset's observation rendered
+like a data prompt, or the row's own prompt when reset returns None (or fails: that
+trajectory then scores 0). The reward of a trajectory is `Trajectory.reward`: the final
+turn's plus the discounted earlier ones (`env.turn_reward_discount`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxrl_llm import sampling
+from jaxrl_llm.data import prompts as prompts_lib
+from jaxrl_llm.envs.loop import TurnSettings, play
+from jaxrl_llm.envs.pool import EnvPool, replicate
+from jaxrl_llm.envs.render import Renderer
+from jaxrl_llm.envs.schedule import turns_at
+
+
+class EnvRollout:
+    """Environments, renderer and turn settings of a run (`config.env`)."""
+
+    def __init__(self, config, tokenizer, sampler, spec: sampling.RolloutSpec, mesh=None):
+        from jaxrl_llm import run_config
+
+        e, d = config.env, config.data
+        self.config, self.tokenizer, self.sampler, self.spec, self.mesh = (
+            config, tokenizer, sampler, spec, mesh)  # fmt: skip
+        self.pool = EnvPool(
+            e.name, dict(e.options), workers=e.workers or None,
+            step_timeout_s=e.step_timeout_s, trajectory_timeout_s=e.trajectory_timeout_s,
+            memory_mb=e.memory_mb,
+        )  # fmt: skip
+        has_chat = bool(getattr(tokenizer, "chat_template", None))
+        self.renderer = Renderer(tokenizer, has_chat and d.chat_template != "never",
+                                 d.system_prompt)  # fmt: skip
+        tool_stops = run_config.stop_ids(tokenizer, tuple(e.stop_tokens)) if e.stop_tokens else ()
+        self.stop_ids = tuple(dict.fromkeys(spec.stop_ids + tool_stops))
+        self.label = e.name.rpartition(":")[2].removesuffix(".py")
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def settings(self, step: int) -> TurnSettings:
+        e, r = self.config.env, self.config.rollout
+        return TurnSettings(
+            max_turns=turns_at(e.max_turns, step), turn_tokens=r.max_new_tokens,
+            max_total_tokens=e.max_total_tokens, stop_ids=self.stop_ids,
+            end_of_turn_ids=self.spec.stop_ids,
+        )  # fmt: skip
+
+    def __call__(self, params, batch, step: int, *, settings: TurnSettings | None = None):
+        """This process's prompts of `batch` played to the end -> (out, scored)."""
+        from jaxrl_llm import rollout
+
+        G = self.spec.num_generations
+        trajs, observations = self.pool.reset(batch.examples)
+        prompt_ids = [self._prompt(batch, i, obs, trajs[i]) for i, obs in enumerate(observations)]
+        ids, mask = prompts_lib.collate(prompt_ids, self.sampler.pad_id, 1, 0)
+        trajs, _ = replicate(trajs, observations, G)
+        settings = settings or self.settings(step)
+        out, turns = play(self.sampler, params, ids, mask, self.spec, settings, self.pool,
+                          trajs, self.renderer, self.tokenizer, step=step, version=step,
+                          mesh=self.mesh)  # fmt: skip
+        tokens, lengths = (np.asarray(x) for x in _local(out, self.mesh))
+        # Model turns as the environment read them; observations with the template's markers.
+        texts = [[(kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=kind == "model"))
+                  for kind, a, b in turns.spans[i]] for i in range(len(trajs))]  # fmt: skip
+        rewards = np.array([t.reward(self.config.env.turn_reward_discount) for t in trajs])
+        return out, rollout.Scored(
+            rewards=rewards.astype(np.float32),
+            metrics=self.metrics(trajs, turns, lengths),
+            completions=["".join(text for _, text in row) for row in texts],
+            prompts=[self.tokenizer.decode(p) for p in prompt_ids for _ in range(G)],
+            examples=[ex for ex in batch.examples for _ in range(G)],
+            lengths=lengths,
+            prompt_lengths=np.repeat([len(p) for p in prompt_ids], G),
+            turns=[[{"role": k, "text": t} for k, t in row] for row in texts],
+        )
+
+    def _prompt(self, batch, i: int, observation, traj) -> list[int]:
+        """Row i's prompt ids: the reset's observation rendered, else the data prompt."""
+        if observation is not None:
+            try:
+                ids = self.renderer.prompt(observation)
+                if len(ids) <= self.config.data.max_prompt_len:
+                    return ids
+                traj.finish("error", f"reset: prompt of {len(ids)} tokens > data.max_prompt_len")
+            except Exception as err:
+                traj.finish("error", f"reset: {type(err).__name__}: {err}"[:500])
+        row_ids, row_mask = np.asarray(batch.prompt_ids[i]), np.asarray(batch.prompt_mask[i])
+        return row_ids[row_mask.astype(bool)].tolist()
+
+    def metrics(self, trajs, turns, lengths) -> dict:
+        """env/* means over this process's trajectories (see docs/envs.md)."""
+        n = len(trajs)
+        mean = lambda xs: float(np.mean(xs)) if n else 0.0  # noqa: E731
+        info_keys = sorted({k for t in trajs for k in t.info})
+        m = {
+            "env/turns_mean": mean(turns.model_turns),
+            "env/tool_calls": mean([t.info.get("tool_calls", 0.0) for t in trajs]),
+            "env/tool_errors": mean([t.info.get("tool_errors", 0.0) for t in trajs]),
+            "env/errors": float(sum(t.end == "error" for t in trajs)),
+            "env/timeouts": float(sum(t.end == "timeout" for t in trajs)),
+            "env/obs_tokens": mean(turns.obs_tokens),
+            "env/done_frac": mean([t.end == "done" for t in trajs]),
+            "env/seconds": mean([t.env_s for t in trajs]),
+            "rollout/length_mean": mean(lengths),
+            "rollout/length_max": float(np.max(lengths)) if n else 0.0,
+        }
+        for k in info_keys:
+            if k not in ("tool_calls", "tool_errors"):
+                m[f"env/{self.label}/{k}"] = mean([t.info.get(k, 0.0) for t in trajs])
+        return m
+
+
+def _local(out, mesh):
+    from jaxrl_llm import parallel
+
+    return parallel.local_rows((out.tokens, out.lengths), mesh)

@@ -1,0 +1,59 @@
+"""Environments the environment tests name as `tests/envs_for_tests.py:Class`."""
+
+import os
+import time
+
+from jaxrl_llm import envs
+
+
+class Scripted(envs.Env):
+    """Fixed observations, whatever the action: turn k answers OBSERVATIONS[k]; done (reward
+    1) after `turns` actions (the row's `turns` field, if it has one). The exactness
+    tests' environment."""
+
+    OBSERVATIONS = ["12", "3+4=", "56", "7", "89"]
+
+    def __init__(self, turns: int = 3):
+        self.turns, self.k = turns, 0
+
+    def reset(self, example):
+        self.turns = example.get("turns", self.turns)
+        return example.get("question")
+
+    def step(self, action):
+        self.k += 1
+        if self.k >= self.turns:
+            return envs.Step(reward=1.0, done=True, info={"chars": float(len(action))})
+        return envs.Step(self.OBSERVATIONS[self.k - 1], reward=0.5, info={"chars": len(action)})
+
+
+class Hostile(envs.Env):
+    """Misbehaves on the step the row's `mode` names; fine otherwise (reward 1 at once)."""
+
+    def reset(self, example):
+        self.mode = example["mode"]
+        if self.mode == "reset_raises":
+            raise RuntimeError("reset failed")
+        return None
+
+    def step(self, action):
+        mode = self.mode
+        if mode == "raises":
+            raise ValueError("boom")
+        if mode == "hangs":
+            time.sleep(60)
+        if mode == "spins":
+            while True:
+                pass
+        if mode == "crashes":
+            os._exit(3)
+        if mode == "bad_reward":
+            return envs.Step(reward="1.0", done=True)
+        if mode == "bad_info":
+            return envs.Step(reward=1.0, done=True, info={"x": "text"})
+        if mode == "not_a_step":
+            return 1.0
+        if mode == "slow":  # passes the trajectory's limit over two steps, not a step's
+            time.sleep(0.6)
+            return envs.Step("again", reward=1.0)
+        return envs.Step(reward=1.0, done=True)
