@@ -20,12 +20,10 @@ explicit ones (completion ids out, rewards in, metrics at log steps).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 
 import jax
 import ml_collections
-import numpy as np
 
 from jaxrl_llm import (
     compilation,
@@ -42,9 +40,10 @@ from jaxrl_llm import (
     tuning,
     verifiers,
 )
+from jaxrl_llm.modes import RolloutModes, staleness
 
 
-class Run:
+class Run(RolloutModes):
     """Everything a training run holds: built from the config, then stepped by `train`."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
@@ -65,7 +64,7 @@ class Run:
         self._build_rollout()
         self._build_input()
         self._build_programs(params)
-        self._ahead: _Ahead | None = None  # overlap: the next step's rollout, in flight
+        self._ahead = None  # overlap: the next step's rollout, in flight
         self.rollout_thread = None  # split: started by the first step
         # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
         size = 1024 if jax.default_backend() == "cpu" else 2048
@@ -197,76 +196,8 @@ class Run:
                 self.state, self.last_update_metrics = self.update(self.state, batch)
             clock.wait("update", self.state)
         self.last_scored, self.last_prompt_width = scored, out.prompt_tokens.shape[1]
-        metrics = self._metrics(out, scored, clock) | _staleness(step - version)
+        metrics = self._metrics(out, scored, clock) | staleness(step - version)
         return parallel.host_mean(metrics)  # each process saw its own rows
-
-    def _split_step(self, step: int) -> dict:
-        """rollout.mode='split': the rollout thread samples and scores on the rollout mesh;
-        here the rollout moves to the training mesh, then reference and update; the new
-        parameters go back to the rollout mesh for the thread."""
-        from jaxrl_llm.rollout_thread import RolloutThread
-
-        if self.rollout_thread is None:
-            self.rollout_thread = RolloutThread(self, step, self.sampler_params(), step)
-        clock = perf.PhaseClock()
-        with self._transfer_guard():
-            item = self.rollout_thread.take(step)  # waits while the thread is behind
-            clock.mark("learner_wait")
-            out = jax.device_put(item.out, self.row_sharding)  # rollout -> training mesh
-            ref = self.reference(out)
-            clock.wait("reference", ref)
-            self._check_verifiers(item.scored, step)
-            rewards = parallel.shard_local_batch(item.scored.rewards, self.mesh)
-            batch = rl.RolloutBatch.from_sample(out, rewards, ref)
-            with self.compile_log.program("update", _bucket(out)):
-                self.state, self.last_update_metrics = self.update(self.state, batch)
-            clock.wait("update", self.state)
-            self.rollout_thread.publish(self.sampler_params(), step + 1)
-        self.last_scored, self.last_prompt_width = item.scored, out.prompt_tokens.shape[1]
-        clock.seconds |= {"sample": item.sample_s, "score": item.score_s}
-        waits = {"perf/rollout_wait_s": item.wait_s,
-                 "perf/learner_wait_s": clock.seconds["learner_wait"]}  # fmt: skip
-        return (self._metrics(out, item.scored, clock) | _staleness(step - item.version)
-                | waits | _token_staleness(step, item))  # fmt: skip
-
-    def _rollout(self, step: int):
-        """(prompts, rollouts, their policy version) of this step: the rollout sampled
-        ahead during the previous step (overlap), or one sampled now."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.step == step:
-            return ahead.batch, ahead.out, ahead.version
-        batch = next(self.data_iter)
-        return batch, self.sample(batch, step), step
-
-    def _sample_ahead(self, step: int) -> None:
-        """rollout.mode='overlap': dispatches step + 1's rollout with the current
-        parameters (version `step`, the ones this step's update starts from) before this
-        step's host work; the data position before its prompts is kept for checkpoints."""
-        if self.config.rollout.mode != "overlap" or step + 1 >= self.config.train.num_steps:
-            return
-        position = self.data_iter.state()
-        batch = next(self.data_iter)
-        out = self.sample(batch, step + 1, version=step)
-        self._ahead = _Ahead(step + 1, batch, out, step, position)
-
-    def data_state(self):
-        """The data position after the batches consumed so far (a rollout sampled ahead
-        is not consumed: a resumed run draws its prompts again and samples them anew)."""
-        if self.rollout_thread is not None:
-            return self.rollout_thread.consumed
-        return self.data_iter.state() if self._ahead is None else self._ahead.position
-
-    def sampler_params(self):
-        """The current parameters where the sampler runs: as they are on one mesh, a copy
-        resharded device to device onto the rollout mesh in split mode."""
-        if self.rollout_mesh is self.mesh:
-            return self.state.params
-        return parallel.to_mesh(self.state.params, self.rollout_mesh)
-
-    @property
-    def row_sharding(self):
-        """Rollout rows on the training mesh (what the reference and the update read)."""
-        return parallel.batch_sharding(self.mesh, 1)
 
     def close(self) -> None:
         """Stops the rollout thread (split), the environments and the verifier workers."""
@@ -400,36 +331,6 @@ def tuned(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict,
     return tuning.resolve(
         config, model_cfg, jax.default_backend(), batch_shards=shape[0] * shape[1]
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ahead:
-    """A rollout dispatched for a later step: its prompts, outputs, the parameter version
-    that samples it, and the data position before its prompts."""
-
-    step: int
-    batch: object
-    out: sampling.SampleOutput
-    version: int
-    position: object
-
-
-def _staleness(lag: int) -> dict:
-    """Policy versions between the rollout's sampler and the update that trains on it."""
-    return {"rollout/staleness_mean": float(lag), "rollout/staleness_max": float(lag)}
-
-
-def _token_staleness(step: int, item) -> dict:
-    """Split mode: the mean staleness over completion tokens, and the fraction of rows
-    with tokens of a newer version than the one that started them (partial rollouts)."""
-    lengths = np.asarray(item.scored.lengths)
-    per_token = [step - item.token_versions[:n] for n in lengths]
-    tokens = np.concatenate(per_token) if per_token else np.zeros(0)
-    later = [bool((item.token_versions[:n] > item.version).any()) for n in lengths]
-    return {
-        "rollout/token_staleness_mean": float(tokens.mean()) if tokens.size else 0.0,
-        "rollout/partial_frac": float(np.mean(later)) if later else 0.0,
-    }
 
 
 def _bucket(out) -> str:
