@@ -200,7 +200,7 @@ def precompile_step(run, side_by_side: bool = True) -> None:
     position = run.data_iter.state()
     batch = next(run.data_iter)
     run.data_iter.restore(position)
-    params, rows = run.state.params, run.sampler.row_sharding
+    params, rows = run.sampling_params(), run.sampler.row_sharding
     bucket = f"bucket {run.sampler.bucketed(batch.prompt_ids, batch.prompt_mask)[0].shape[1]}"
     with run.compile_log.ahead_of_time(side_by_side) as build:
         lowered = build("sampler", bucket, lambda: run.sampler.lower(

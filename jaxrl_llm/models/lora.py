@@ -129,14 +129,17 @@ def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
     lora_A.weight` [r, in] and `lora_B.weight` [out, r] (torch Linear layout)."""
     out = {}
     for name in cfg.lora.targets:
-        a = hf_io._to_host(adapters["layers"][name + "_lora_a"])
-        b = hf_io._to_host(adapters["layers"][name + "_lora_b"])
+        a, b = (_host(adapters["layers"][name + s]) for s in SUFFIXES)
         r = cfg.lora.rank
         for i in range(cfg.num_layers):
             prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[name]}"
             out[prefix + ".lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
             out[prefix + ".lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
     return out
+
+
+def _host(x) -> np.ndarray:
+    return hf_io._to_host(x) if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def peft_config(cfg: ModelConfig, base_model: str) -> dict:
