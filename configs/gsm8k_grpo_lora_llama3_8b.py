@@ -32,7 +32,6 @@ def get_config():
     c.model.lora.rank = 16
     c.model.lora.alpha = 32.0  # alpha / rank = 2, the common LoRA-for-RL setting
     c.model.lora.sampler = "unmerged"  # no transient merged copy (see the docstring)
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
     c.data.name = "gsm8k"
     c.data.split = "train"
     c.data.max_prompt_len = 256
