@@ -77,7 +77,7 @@ def _dense_bwd(contract, res, g):
 dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def _contracted(name: str) -> int:
+def contracted(name: str) -> int:
     """Input axes of a projection's weight (after `layers`): o's are (q_heads, head_dim)."""
     return 2 if name == "o" else 1
 
@@ -158,7 +158,7 @@ class Block(nnx.Module):
         for name in lora.targets:
             w = getattr(self, name)
             shape, axes = w.shape, w.get_metadata()["axes"]
-            c = 1 + _contracted(name)
+            c = 1 + contracted(name)
             fan_in = int(np.prod(shape[1:c]))
             bound = 1.0 / np.sqrt(fan_in)
             a_shape = (*shape[:c], lora.rank)
@@ -170,11 +170,11 @@ class Block(nnx.Module):
 
     def _proj(self, name: str, x: jax.Array) -> jax.Array:
         """x times the projection `name`, plus (alpha / r) (x A) B where it is adapted."""
-        y = dense(x, getattr(self, name)[...], _contracted(name))
+        y = dense(x, getattr(self, name)[...], contracted(name))
         lora = self.cfg.lora
         if lora is None or name not in lora.targets:
             return y
-        xa = dense(x, getattr(self, name + "_lora_a")[...], _contracted(name))
+        xa = dense(x, getattr(self, name + "_lora_a")[...], contracted(name))
         return y + dense(
             xa * jnp.asarray(lora.scale, xa.dtype), getattr(self, name + "_lora_b")[...]
         )

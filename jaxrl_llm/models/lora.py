@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxrl_llm.models import hf_io, partitioning
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import Transformer, _contracted
+from jaxrl_llm.models.layers import Transformer, contracted
 from jaxrl_llm.models.params import param_shardings, param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import write_file
 
@@ -95,7 +95,7 @@ def init_adapters(cfg: ModelConfig, seed: int = 0, mesh=None, dtype="float32", r
 def delta(cfg: ModelConfig, name: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """(alpha / r) A B in the layout of the weight: a [L, *in, r], b [L, r, *out] ->
     [L, *in, *out], float32."""
-    c = _contracted(name)
+    c = contracted(name)
     L, r = a.shape[0], a.shape[-1]
     a2 = a.reshape(L, -1, r).astype(jnp.float32)
     b2 = b.reshape(L, r, -1).astype(jnp.float32)
