@@ -139,9 +139,11 @@ def test_lora_run_loads_once_checkpoints_adapters_resumes_and_exports(
 
 
 def test_lora_ppo_in_bfloat16_trains(model_dir, tmp_path):
-    """PPO (a full critic copied from the base, LoRA on the policy) in bfloat16."""
+    """PPO (a full critic copied from the base, LoRA on the policy) in bfloat16, the
+    sampler applying the adapters unmerged (the GRPO run above merges)."""
     c = lora_config(model_dir, name="ppo")
     c.model.dtype = "bfloat16"
+    c.model.lora.sampler = "unmerged"
     c.rollout.num_generations = 1
     c.rollout.batch_size = 8
     last = train.train(c, str(tmp_path))

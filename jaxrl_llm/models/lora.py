@@ -34,8 +34,8 @@ from jaxrl_llm.models.safetensors_io import write_file
 SUFFIXES = ("_lora_a", "_lora_b")
 # "auto" sampler: merge from this many rollout rows per step. A merge costs about one pass
 # over the adapted weights, the unmerged adapters two small matmuls per projection and
-# token; on CPU the merge paid off at 16 and 128 rows, not at 1 (benchmarks/RESULTS.md).
-MERGE_MIN_ROWS = 16
+# token; on CPU the merge paid off from 4 rows, and broke even at 1 (benchmarks/RESULTS.md).
+MERGE_MIN_ROWS = 4
 PEFT_MODULES = {  # our target -> the HF module it adapts, under model.layers.{i}.
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
