@@ -37,10 +37,12 @@ setup(
         # torch is pinned to the CPU build used for the reference comparisons; accelerate
         # is what transformers' GGUF loader (the GGUF tests' reference) asks for.
         # nbformat / nbclient / ipykernel execute notebooks/quickstart.ipynb in the tests.
+        # peft loads the LoRA adapter export onto the HF model (tests/test_lora_run.py).
         "test": [
             "pytest",
             "torch==2.13.0",
             "accelerate",
+            "peft",
             "ruff",
             "matplotlib",
             "nbformat",

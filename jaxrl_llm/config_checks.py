@@ -111,7 +111,37 @@ def check_model(config) -> str | None:
         resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
     _check(m.dtype in DTYPES, f"model.dtype={m.dtype!r}: expected one of {DTYPES}")
     _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
+    check_lora(m.lora)
     return path
+
+
+LORA_SAMPLERS = ("auto", "merged", "unmerged")
+
+
+def check_lora(lora) -> None:
+    """model.lora: rank 0 (off) or a positive rank, known targets, a dropout rate."""
+    from jaxrl_llm.models.config import LORA_TARGETS
+
+    _check(
+        isinstance(lora.rank, int) and lora.rank >= 0,
+        f"model.lora.rank={lora.rank!r}: must be an integer >= 0 (0 = off)",
+    )
+    _check(lora.alpha > 0, f"model.lora.alpha={lora.alpha}: must be > 0")
+    targets = (lora.targets,) if isinstance(lora.targets, str) else tuple(lora.targets or ())
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    _check(
+        bool(targets) and not unknown and len(set(targets)) == len(targets),
+        f"model.lora.targets={targets!r}: expected distinct names among {', '.join(LORA_TARGETS)}"
+        + (f" ({unknown[0]!r} is not one)" if unknown else ""),
+    )
+    _check(
+        lora.dropout == 0,
+        f"model.lora.dropout={lora.dropout}: adapter dropout is not implemented; use 0",
+    )
+    _check(
+        lora.sampler in LORA_SAMPLERS,
+        f"model.lora.sampler={lora.sampler!r}: expected one of {LORA_SAMPLERS}",
+    )
 
 
 ROLLOUT_MODES = ("sync", "overlap", "split")

@@ -1,6 +1,13 @@
 """A run's trained policy -> a Hugging Face model directory that `transformers` loads.
 
     python -m jaxrl_llm.export --workdir=DIR --out=HF_DIR [--step=N] [--dtype=bfloat16]
+    python -m jaxrl_llm.export --workdir=DIR --out=ADAPTER_DIR --lora=peft   # a LoRA run
+
+A LoRA run (`model.lora.rank` > 0) checkpoints only its adapters. `--lora=merged` (the
+default for such a run) reads the base model from `model.path` and writes base + adapters
+merged (W + (alpha/r) A B) as a full HF model; `--lora=peft` writes the adapters alone,
+`adapter_config.json` + `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained`
+loads onto the base model.
 
 What it reads from the run directory DIR (the trainer writes all of it):
   DIR/checkpoints/<step>/   orbax checkpoints; only `state.params` is read, so neither the
@@ -34,21 +41,39 @@ RUN_CONFIG = "config.json"
 HF_CONFIG = "hf_config.json"
 
 
-def export(workdir, out, step: int | None = None, dtype: str | None = None, mesh=None) -> int:
+LORA_MODES = ("merged", "peft")
+
+
+def export(
+    workdir, out, step: int | None = None, dtype: str | None = None, mesh=None,
+    lora: str | None = None,
+) -> int:  # fmt: skip
     """Writes the policy of checkpoint `step` (default: latest) to `out`; returns the step.
 
     `dtype` ("bfloat16", "float32", ...) defaults to the checkpoint's dtype. `mesh`
-    defaults to all devices on the fsdp axis.
+    defaults to all devices on the fsdp axis. `lora`: for a LoRA run, "merged" (default)
+    or "peft" (see the module doc).
     """
     workdir = os.fspath(workdir)
     run_config = _read_json(os.path.join(workdir, RUN_CONFIG))
     model = run_config.get("model") or {}
     cfg = model_config(workdir, run_config)
+    lora_cfg = _lora_config(model, lora, workdir)
+    mesh = mesh or parallel.make_mesh()
     with Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), read_only=True) as ckpt:
         step = ckpt.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"{ckpt.directory}: no checkpoint to export")
-        params = restore_params(ckpt, cfg, step, mesh)
+        params = restore_params(ckpt, cfg.replace(lora=lora_cfg), step, mesh)
+    if lora_cfg is not None and lora == "peft":
+        models.lora.save_peft(cfg.replace(lora=lora_cfg), params, out, model["path"], dtype)
+        logging.info("exported the adapters of step %d of %s to %s", step, workdir, out)
+        return step
+    if lora_cfg is not None:
+        adapted = cfg.replace(lora=lora_cfg)
+        dtype_of = jax.tree.leaves(params)[0].dtype
+        _, base = builtin.load_model(model["path"], mesh, dtype_of)
+        params = models.lora.make_merge_fn(adapted, mesh)(models.lora.combine(base, params))
     tokenizer = model.get("tokenizer") or model.get("path")
     tokenizer_dir = tokenizer if tokenizer and os.path.isdir(tokenizer) else None
     models.save_hf(cfg, params, out, tokenizer_dir=tokenizer_dir, dtype=dtype)
@@ -56,6 +81,20 @@ def export(workdir, out, step: int | None = None, dtype: str | None = None, mesh
         _copy_extras(model.get("path"), tokenizer, tokenizer_dir, os.fspath(out))
     logging.info("exported step %d of %s to %s", step, workdir, out)
     return step
+
+
+def _lora_config(model: dict, lora: str | None, workdir: str):
+    """The run's `models.LoraConfig` (None without adapters), checked against --lora."""
+    spec = model.get("lora") or {}
+    if lora is not None and lora not in LORA_MODES:
+        raise ValueError(f"--lora={lora!r}: expected one of {LORA_MODES}")
+    if not spec.get("rank"):
+        if lora is not None:
+            raise ValueError(f"--lora={lora}: the run in {workdir} trained no adapters")
+        return None
+    return models.LoraConfig(
+        rank=int(spec["rank"]), alpha=float(spec["alpha"]), targets=tuple(spec["targets"])
+    )
 
 
 def model_config(workdir: str, run_config: dict) -> models.ModelConfig:
@@ -70,12 +109,15 @@ def model_config(workdir: str, run_config: dict) -> models.ModelConfig:
 
 
 def restore_params(ckpt: Checkpointer, cfg: models.ModelConfig, step: int, mesh=None) -> dict:
-    """`state.params` of a checkpoint, checked against `cfg`, sharded over `mesh`."""
+    """`state.params` of a checkpoint, checked against `cfg`, sharded over `mesh`. With
+    `cfg.lora` the checkpoint holds the adapters alone."""
     saved = ckpt.abstract_state(step)
     if not isinstance(saved, dict) or "params" not in saved:
         raise ValueError(f"{ckpt.directory}/{step}: the saved state has no `params` entry")
     saved = _flat(saved["params"])
     expected = models.param_specs(cfg)
+    if cfg.lora is not None:
+        expected = {p: s for p, s in expected.items() if models.lora.is_adapter(p[-1])}
     for path, spec in expected.items():
         name = "params." + ".".join(path)
         if path not in saved:
@@ -125,7 +167,7 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    step = export(f.workdir, f.out, step=f.step, dtype=f.dtype)
+    step = export(f.workdir, f.out, step=f.step, dtype=f.dtype, lora=f.lora)
     print(f"exported step {step} of {f.workdir} to {f.out}")
 
 
@@ -138,6 +180,10 @@ def _define_flags() -> None:
     flags.DEFINE_string("out", None, "output Hugging Face model directory")
     flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
     flags.DEFINE_string("dtype", None, "weight dtype, e.g. bfloat16 (default: as saved)")
+    flags.DEFINE_enum(
+        "lora", None, list(LORA_MODES),
+        "a LoRA run: merged (a full HF model, the default) or peft (the adapters alone)",
+    )  # fmt: skip
     flags.mark_flags_as_required(["workdir", "out"])
 
 

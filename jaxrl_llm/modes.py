@@ -80,11 +80,13 @@ class RolloutModes:
         return self.data_iter.state() if self._ahead is None else self._ahead.position
 
     def sampler_params(self):
-        """The current parameters where the sampler runs: as they are on one mesh, a copy
-        resharded device to device onto the rollout mesh in split mode."""
+        """The current policy parameters where the sampler runs (with LoRA: as the sampler
+        reads them): as they are on one mesh, resharded device to device onto the rollout
+        mesh in split mode."""
+        params = self._policy_params()  # LoRA: adapters merged in, or applied unmerged
         if self.rollout_mesh is self.mesh:
-            return self.state.params
-        return parallel.to_mesh(self.state.params, self.rollout_mesh)
+            return params
+        return parallel.to_mesh(params, self.rollout_mesh)
 
     @property
     def row_sharding(self):

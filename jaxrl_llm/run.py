@@ -88,8 +88,15 @@ class Run(RolloutModes):
             self.model_path, self.mesh, c.model.dtype, **runtime
         )
         config_checks.check_context(c, self.model_cfg)
+        # LoRA: the policy is the base model + adapters; the base (and the reference, with
+        # the adapters off) is `base_cfg` over the same arrays.
+        self.base_cfg = self.model_cfg
+        if (lora_cfg := run_config.lora_config(c)) is not None:
+            self.model_cfg = self.model_cfg.replace(lora=lora_cfg)
         self.ref_params = None
-        if self.algo.needs_ref:
+        if self.algo.needs_ref and lora_cfg is not None and not c.model.ref_path:
+            self.ref_params = params  # the frozen base itself: no second load, no copy
+        elif self.algo.needs_ref:
             ref_path = run_config.resolve_model_path(
                 c.model.ref_path or self.model_path, "model.ref_path"
             )
@@ -102,8 +109,15 @@ class Run(RolloutModes):
         c = self.config
         self.spec = run_config.rollout_spec(c, self.tokenizer)
         pad = data.prompts.pad_id(self.tokenizer)
+        self.merge = None  # LoRA, merged sampling: base + adapters -> plain weights
+        sampler_cfg = self.model_cfg
+        if self.model_cfg.lora is not None:
+            mode = models.lora.sampler_mode(c.model.lora.sampler, self.model_cfg, self._rows())
+            if mode == "merged":
+                self.merge = models.lora.make_merge_fn(self.model_cfg, self.mesh)
+                sampler_cfg = self.base_cfg
         self.sampler = sampling.Sampler(
-            self.model_cfg, self.rollout_mesh, seed=c.train.seed, pad_id=pad,
+            sampler_cfg, self.rollout_mesh, seed=c.train.seed, pad_id=pad,
             bucket_steps=c.rollout.bucket_steps, cache_segments=c.rollout.cache_segments,
         )  # fmt: skip
         self.pool = verifiers.VerifierPool(
@@ -146,8 +160,14 @@ class Run(RolloutModes):
         if self.algo.uses_critic:
             critic_params = rl.init_critic(self.model_cfg, params, seed=c.train.seed)
             critic_opt = rl.optimizer_from_config(o, c.train.num_steps, o.critic_learning_rate)
+        frozen = None
+        if self.model_cfg.lora is not None:  # only the adapters train
+            frozen = params
+            params = models.lora.init_adapters(
+                self.model_cfg, c.train.seed, self.mesh, c.model.dtype
+            )
         self.state = rl.init_train_state(
-            params, opt, critic_params=critic_params, critic_optimizer=critic_opt
+            params, opt, critic_params=critic_params, critic_optimizer=critic_opt, frozen=frozen
         )
         self.update = rl.make_update_fn(
             self.model_cfg, self.algo, opt, self.spec, micro_batches=o.micro_batches,
@@ -158,9 +178,20 @@ class Run(RolloutModes):
         self.ref_logprobs = None
         if self.algo.needs_ref:  # the update's row slices bound its memory the same way
             self.ref_logprobs = rl.make_logprob_fn(
-                self.model_cfg, self.spec, chunk_size=c.train.logprob_chunk,
+                self.base_cfg, self.spec, chunk_size=c.train.logprob_chunk,
                 micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
             )  # fmt: skip
+
+    def _rows(self) -> int:
+        """Rollout rows per step (all hosts)."""
+        return self.config.rollout.batch_size * self.config.rollout.num_generations
+
+    def _policy_params(self):
+        """What the sampler reads: the policy's params; with LoRA base + adapters, merged
+        into a transient weight set (one merge per call) or left unmerged (`self.merge`
+        is None; the sampler's model then applies them)."""
+        params = self.state.policy_params()
+        return params if self.merge is None else self.merge(params)
 
     def _overlong_buffer(self) -> int:
         """DAPO's L_c in tokens (0: no overlong penalty)."""
@@ -216,7 +247,7 @@ class Run(RolloutModes):
         rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
         with self.compile_log.program("sampler") as compiled:
             out = self.sampler.sample(
-                self.state.params if params is None else params,
+                self.sampler_params() if params is None else params,
                 batch.prompt_ids, batch.prompt_mask, self.spec,
                 step * rounds + round, version=step if version is None else version,
             )  # fmt: skip
@@ -226,7 +257,7 @@ class Run(RolloutModes):
     def play(self, batch, step: int, clock):
         """Multi-turn rollouts of `batch` (`envs.EnvRollout`), scored by their environments."""
         with self.compile_log.program("sampler", "multi-turn", runs=True):
-            out, scored = self.env_rollout(self.state.params, batch, step)
+            out, scored = self.env_rollout(self.sampler_params(), batch, step)
         clock.mark("sample")
         clock.mark("score")
         return out, scored

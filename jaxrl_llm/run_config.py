@@ -80,6 +80,7 @@ def model_defaults() -> ml_collections.ConfigDict:
     # grows with depth, sampling holds a second copy of the layer weights). None: picked at
     # start-up (`tuning`): False on CPU up to 8 layers, else True.
     m.scan_layers = config_dict.placeholder(bool)
+    m.lora = lora_defaults()
     return m
 
 
@@ -106,6 +107,31 @@ def split_devices(config, devices) -> tuple[list, list]:
     devices = list(devices)
     n = config.mesh.rollout_devices if config.rollout.mode == "split" else 0
     return (devices[: len(devices) - n], devices[len(devices) - n :]) if n else (devices, [])
+
+
+def lora_defaults() -> ml_collections.ConfigDict:
+    """LoRA (docs/lora.md): only low-rank adapters train; the base weights are loaded once
+    and shared by the policy, the reference (adapters off) and the sampler."""
+    lora = ml_collections.ConfigDict()
+    lora.rank = 0  # r; 0 = off (every weight trains)
+    lora.alpha = 16.0  # the update is scaled by alpha / rank
+    # Adapted projections, any of q, k, v, o, gate, up, down (all attention and MLP ones).
+    lora.targets = ("q", "k", "v", "o", "gate", "up", "down")
+    lora.dropout = 0.0  # adapter dropout: reserved, only 0 is accepted for now
+    # How the sampler applies the adapters: "merged" (W + (alpha/r) A B once per step, a
+    # transient weight set), "unmerged" (x W + (x A) B per token) or "auto" (docs/lora.md).
+    lora.sampler = "auto"
+    return lora
+
+
+def lora_config(config):
+    """`models.LoraConfig` of `model.lora`, or None when rank is 0."""
+    from jaxrl_llm.models import LoraConfig
+
+    lo = config.model.lora
+    if not lo.rank:
+        return None
+    return LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha), targets=tuple(lo.targets))
 
 
 def rollout_defaults() -> ml_collections.ConfigDict:

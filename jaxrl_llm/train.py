@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 from absl import logging as absl_logging
 
-from jaxrl_llm import compilation, parallel, run_config
+from jaxrl_llm import compilation, parallel, rl, run_config
 from jaxrl_llm.run import Run, tuned
 
 
@@ -130,8 +130,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         print(tuning_line, file=sys.stderr, flush=True)
     run = Run(c, workdir)
     start = 0
-    if latest is not None:
-        run.state, extra = ckpt.restore(latest, target=_abstract(run.state))
+    if latest is not None:  # LoRA: the checkpoint holds the adapters, the base is reloaded
+        saved = rl.checkpointed(run.state)
+        restored, extra = ckpt.restore(latest, target=_abstract(saved))
+        run.state = restored.replace(frozen=run.state.frozen)
         run.data_iter.restore(extra["data"])
         start = int(extra["step"])
         print(f"resumed from {ckpt.directory} at step {start}", file=sys.stderr, flush=True)
@@ -155,10 +157,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             done = step + 1
             extra = {"step": done, "data": run.data_state()}
             if stop.stop_at(done):
-                ckpt.save(done, run.state, extra, force=True)
+                ckpt.save(done, rl.checkpointed(run.state), extra, force=True)
                 progress.write(f"{stop.reason}: saved step {done} in {ckpt.directory}, exiting")
                 break
-            ckpt.save(done, run.state, extra, force=done == c.train.num_steps)
+            ckpt.save(done, rl.checkpointed(run.state), extra, force=done == c.train.num_steps)
     finally:
         run.compile_log.close()
         ckpt.wait()

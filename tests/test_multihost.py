@@ -24,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(model_dir, workdir, num_steps):
+def run_two_processes(model_dir, workdir, num_steps, extra_args=()):
     port = free_port()
     procs = []
     for i in range(2):
@@ -48,6 +48,7 @@ def run_two_processes(model_dir, workdir, num_steps):
                     f"--config={HERE}/tiny_run.py",
                     f"--workdir={workdir}",
                     f"--config.train.num_steps={num_steps}",
+                    *extra_args,
                 ],
                 env=env,
                 stdout=subprocess.PIPE,
@@ -95,3 +96,17 @@ def test_two_processes_equal_one_and_resume(model_dir, tmp_path):
     assert [m["step"] for m in mb] == [1, 2]
     for key in ("reward/mean", "loss/total", "rollout/length_mean"):
         np.testing.assert_allclose([m[key] for m in mb], [m[key] for m in ma], atol=1e-5)
+
+
+def test_lora_two_processes_equal_one(model_dir, tmp_path):
+    """LoRA across hosts: 2 processes x 4 devices train the same adapters as 1 x 8."""
+    c = signal_config(model_dir)
+    c.model.lora.rank = 4
+    single = tmp_path / "single"
+    train.train(c, str(single))
+    multi = tmp_path / "multi"
+    run_two_processes(model_dir, str(multi), num_steps=2, extra_args=["--config.model.lora.rank=4"])
+    a, b = final_params(single, 2), final_params(multi, 2)
+    assert set(a["layers"]) == set(b["layers"]) and all("_lora_" in k for k in a["layers"])
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)

@@ -9,8 +9,10 @@ models.save_hf(cfg, params, out_dir, tokenizer_dir=None)
 """
 
 from jaxrl_llm.models import builtin as builtin  # model paths: built-in names, GGUF, HF
+from jaxrl_llm.models import lora as lora  # LoRA adapters: split, combine, merge, PEFT
 from jaxrl_llm.models.config import (
     SUPPORTED_ARCHITECTURES,
+    LoraConfig,
     ModelConfig,
     UnsupportedModelError,
 )
@@ -44,6 +46,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "CheckpointError",
     "KVCache",
+    "LoraConfig",
     "ModelConfig",
     "ParamSpec",
     "UnsupportedModelError",

@@ -28,10 +28,37 @@ SUPPORTED_ARCHITECTURES = {
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 
 
 class UnsupportedModelError(UserError, ValueError):
     """The checkpoint asks for an architecture or option the decoder does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the decoder's projections (Hu et al. 2021, "LoRA"):
+
+        W x  ->  W x + (alpha / r) B A x,    A [r, in], B [out, r], B = 0 at the start
+
+    `targets` names the adapted projections (`LORA_TARGETS`); `models.lora` holds the
+    parameters, their merge into W and the PEFT layout.
+    """
+
+    rank: int
+    alpha: float = 16.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"lora rank={self.rank}: must be >= 1")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"lora targets={self.targets!r}: expected some of {LORA_TARGETS}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +94,9 @@ class ModelConfig:
     # Faster on CPU; compile time grows with depth, and sampling holds a second copy of
     # the layer weights (sliced per layer once, before the decode loop).
     scan_layers: bool = True
+    # Low-rank adapters on the projections (None: the plain decoder). The base weights are
+    # the HF checkpoint's; `replace(lora=None)` is the same model without the adapters.
+    lora: LoraConfig | None = None
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):

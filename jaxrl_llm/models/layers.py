@@ -77,6 +77,11 @@ def _dense_bwd(contract, res, g):
 dense.defvjp(_dense_fwd, _dense_bwd)
 
 
+def contracted(name: str) -> int:
+    """Input axes of a projection's weight (after `layers`): o's are (q_heads, head_dim)."""
+    return 2 if name == "o" else 1
+
+
 # ------------------------------------------------------------------------ rope, attention
 @functools.lru_cache(maxsize=64)
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -139,7 +144,40 @@ class Block(nnx.Module):
         self.gate = normal((L, D, F), ("layers", "embed", "mlp"))
         self.up = normal((L, D, F), ("layers", "embed", "mlp"))
         self.down = normal((L, F, D), ("layers", "mlp", "embed"))
+        if cfg.lora is not None:
+            self._add_adapters(cfg.lora, rngs, dtype)
         self.cfg = cfg
+
+    def _add_adapters(self, lora, rngs: nnx.Rngs, dtype) -> None:
+        """`<target>_lora_a` [L, *in, r] and `<target>_lora_b` [L, r, *out] per target.
+
+        Each carries the logical axes of the input / output dimensions of the weight it
+        adapts (the rank axis is `lora`), so the rule table shards it like that weight.
+        A ~ U(+-1/sqrt(fan_in)) (PEFT's kaiming-uniform default), B = 0: the adapted
+        model starts as the base model, exactly."""
+        for name in lora.targets:
+            w = getattr(self, name)
+            shape, axes = w.shape, w.get_metadata()["axes"]
+            c = 1 + contracted(name)
+            fan_in = int(np.prod(shape[1:c]))
+            bound = 1.0 / np.sqrt(fan_in)
+            a_shape = (*shape[:c], lora.rank)
+            a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound)
+            a_axes = (*axes[:c], "lora")
+            setattr(self, name + "_lora_a", nnx.Param(a.astype(dtype), axes=a_axes))
+            b_shape, b_axes = (shape[0], lora.rank, *shape[c:]), ("layers", "lora", *axes[c:])
+            setattr(self, name + "_lora_b", _const(0.0, b_shape, b_axes, dtype))
+
+    def _proj(self, name: str, x: jax.Array) -> jax.Array:
+        """x times the projection `name`, plus (alpha / r) (x A) B where it is adapted."""
+        y = dense(x, getattr(self, name)[...], contracted(name))
+        lora = self.cfg.lora
+        if lora is None or name not in lora.targets:
+            return y
+        xa = dense(x, getattr(self, name + "_lora_a")[...], contracted(name))
+        return y + dense(
+            xa * jnp.asarray(lora.scale, xa.dtype), getattr(self, name + "_lora_b")[...]
+        )
 
     def __call__(self, x, positions, mask, kv=None, index=None, layer=None, prefix=None):
         """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool.
@@ -155,7 +193,7 @@ class Block(nnx.Module):
         """
         cfg = self.cfg
         h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
-        q, k, v = dense(h, self.q[...]), dense(h, self.k[...]), dense(h, self.v[...])
+        q, k, v = self._proj("q", h), self._proj("k", h), self._proj("v", h)
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -191,12 +229,12 @@ class Block(nnx.Module):
             else:
                 k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
             a = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-        x = x + dense(a, self.o[...], 2)
+        x = x + self._proj("o", a)
         if cfg.o_bias:
             x = x + self.o_bias[...]
         h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-        gate, up = dense(h, self.gate[...]), dense(h, self.up[...])
-        x = x + dense(jax.nn.silu(gate) * up, self.down[...])
+        gate, up = self._proj("gate", h), self._proj("up", h)
+        x = x + self._proj("down", jax.nn.silu(gate) * up)
         return x, kv
 
 

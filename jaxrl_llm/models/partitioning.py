@@ -33,6 +33,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "lora": None,  # the rank of a LoRA adapter (small: replicated)
     "seq": None,
     "cache_seq": None,
 }

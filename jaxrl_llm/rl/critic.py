@@ -31,8 +31,9 @@ from jaxrl_llm.rl.batch import completion_hidden
 
 
 def trunk_config(model_cfg: models.ModelConfig) -> models.ModelConfig:
-    """The critic trunk's config: the policy's, with no separate lm_head."""
-    return dataclasses.replace(model_cfg, tie_word_embeddings=True)
+    """The critic trunk's config: the policy's, with no separate lm_head (and, for a LoRA
+    policy, no adapters: the critic is a full copy of the base trunk and trains whole)."""
+    return dataclasses.replace(model_cfg, tie_word_embeddings=True, lora=None)
 
 
 def init_critic(model_cfg: models.ModelConfig, policy_params, seed: int = 0):

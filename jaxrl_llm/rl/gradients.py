@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxrl_llm import models
+from jaxrl_llm.models import lora
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.algos import AlgoConfig
 from jaxrl_llm.rl.batch import prefix_logprobs, prompt_prefix, sequence_logprobs, split_rows
@@ -135,29 +136,32 @@ def _add(acc, grads):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
-def gradients(s: Setup, carry: Carry, rows: Rows):
+def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None):
     """Summed float32 gradients of one mini-batch over its micro-batches, and metrics.
 
     With shared prompts the prompts run once, before the micro-batches; each micro-batch
     adds its rows' cotangent of the prompts' keys/values (and last hidden states), and
-    one backward through the prompts' forward after the last adds their gradient."""
+    one backward through the prompts' forward after the last adds their gradient.
+    frozen: LoRA's base weights; the model reads base + carry.params (the adapters) and
+    only the adapters are differentiated."""
     den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.spec.max_new_tokens)
     use_critic = carry.critic_params is not None
+    full = functools.partial(lora.combine, frozen)
     prefix = None
     if rows.groups is not None:
         prefix, prefix_vjp = jax.vjp(
             lambda p: prompt_prefix(
-                s.model_cfg, p, rows.prompt_tokens, rows.prompt_mask, s.num_generations
+                s.model_cfg, full(p), rows.prompt_tokens, rows.prompt_mask, s.num_generations
             ),
             carry.params,
         )
 
     def micro(acc, r):
         if prefix is None:
-            pgrad = jax.value_and_grad(functools.partial(_policy_loss, s), has_aux=True)
-            (_, metrics), g = pgrad(carry.params, r, den)
+            pgrad = jax.value_and_grad(lambda p: _policy_loss(s, full(p), r, den), has_aux=True)
+            (_, metrics), g = pgrad(carry.params)
         else:
-            loss = lambda p, pre: _policy_loss(s, p, r, den, pre)  # noqa: E731
+            loss = lambda p, pre: _policy_loss(s, full(p), r, den, pre)  # noqa: E731
             pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
             (_, metrics), (g, g_prefix) = pgrad(carry.params, prefix)
             acc = dict(acc, prefix=_add(acc["prefix"], g_prefix))

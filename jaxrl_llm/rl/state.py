@@ -2,6 +2,12 @@
 
 state = init_train_state(params, opt)                       # policy only
 state = init_train_state(params, opt, critic_params, opt)   # PPO: + critic
+state = init_train_state(adapters, opt, frozen=base)        # LoRA: only adapters train
+
+With LoRA, `params` holds the trainable adapters and `frozen` the base weights: gradients,
+optimizer moments and float32 master copies cover `params` only; `frozen` is read by the
+update (and by the sampler and the reference) but never donated, changed or checkpointed
+(`checkpointed`): the base is reloaded from `model.path` on resume.
 """
 
 from __future__ import annotations
@@ -21,10 +27,22 @@ class TrainState:
     """Everything the update changes. step counts update calls (trainer steps)."""
 
     step: jax.Array  # [] int32
-    params: Any
+    params: Any  # what trains: all weights, or the LoRA adapters
     opt_state: Any
     critic_params: Any = None  # PPO only
     critic_opt_state: Any = None
+    frozen: Any = None  # LoRA: the base weights (never updated, donated or checkpointed)
+
+    def policy_params(self):
+        """The params the policy model reads: base + adapters with LoRA (no copy)."""
+        from jaxrl_llm.models import lora
+
+        return self.params if self.frozen is None else lora.combine(self.frozen, self.params)
+
+
+def checkpointed(state: TrainState) -> TrainState:
+    """What a checkpoint holds: the state without the frozen base."""
+    return state.replace(frozen=None)
 
 
 def commit_like(tree, params):
@@ -45,10 +63,15 @@ def commit_like(tree, params):
 
 
 def init_train_state(
-    params, opt: Optimizer, critic_params=None, critic_optimizer: Optimizer | None = None
+    params,
+    opt: Optimizer,
+    critic_params=None,
+    critic_optimizer: Optimizer | None = None,
+    frozen=None,
 ) -> TrainState:
-    """Fresh optimizer states (sharded like the params). The state OWNS these arrays: the
-    update donates them, so keep no other reference (copy the reference model's params)."""
+    """Fresh optimizer states (sharded like the params). The state OWNS `params`: the
+    update donates them, so keep no other reference (copy the reference model's params).
+    frozen: LoRA's base weights, shared (the reference and sampler read the same arrays)."""
     critic_opt_state = None
     if critic_params is not None:
         if critic_optimizer is None:
@@ -61,4 +84,5 @@ def init_train_state(
         opt_state=commit_like(opt.init(params), params),
         critic_params=critic_params,
         critic_opt_state=critic_opt_state,
+        frozen=frozen,
     )

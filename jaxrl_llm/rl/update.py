@@ -50,6 +50,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import models
+from jaxrl_llm.models import lora
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.advantages import compute_advantages
 from jaxrl_llm.rl.algos import AlgoConfig, check_num_generations
@@ -108,9 +109,9 @@ def _select(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
-def _optimizer_step(s: Setup, step, policy_on, carry: Carry, rows: Rows):
+def _optimizer_step(s: Setup, step, policy_on, frozen, carry: Carry, rows: Rows):
     """One optimizer step on one mini-batch -> (new carry, metrics)."""
-    grads, metrics = gradients(s, carry, rows)
+    grads, metrics = gradients(s, carry, rows, frozen)
     norm = optax.tree.norm(grads["policy"])
     finite = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(norm)
     metrics["optim/grad_norm"] = norm
@@ -137,7 +138,7 @@ def _optimizer_step(s: Setup, step, policy_on, carry: Carry, rows: Rows):
     return new, metrics
 
 
-def _prepare(s: Setup, state: TrainState, batch: RolloutBatch) -> Rows:
+def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
     """Steps 1-2 of the module doc: pi_old, V_old (no gradient) and the advantages."""
     k = s.micro_batches * s.mini_batches  # the forward of one micro-batch at a time
     inputs = (batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
@@ -146,7 +147,8 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch) -> Rows:
     grouped = G > 1 and batch.tokens.shape[1] > 1
     if s.needs_old_logp:
         old_logp = batch_logprobs(
-            s.model_cfg, state.params, *inputs, num_generations=s.prompt_group, micro_batches=k,
+            s.model_cfg, lora.combine(frozen, state.params), *inputs,
+            num_generations=s.prompt_group, micro_batches=k,
             temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size,
         )  # fmt: skip
     if s.algo.uses_critic:
@@ -187,10 +189,11 @@ def _check(s: Setup, state: TrainState, batch: RolloutBatch) -> None:
         raise ValueError("algo.advantage='gae' needs a critic: init_train_state(critic_params=)")
 
 
-def _update(s: Setup, state: TrainState, batch: RolloutBatch):
-    """state, batch -> (new state, metrics). See the module doc."""
+def _update(s: Setup, state: TrainState, batch: RolloutBatch, frozen=None):
+    """state, batch -> (new state, metrics). See the module doc. frozen: LoRA's base
+    weights (state.params are then the adapters)."""
     _check(s, state, batch)
-    rows = _prepare(s, state, batch)
+    rows = _prepare(s, state, batch, frozen)
     policy_on = state.step >= (s.algo.critic_warmup_steps if s.algo.uses_critic else 0)
     key = jax.random.fold_in(jax.random.key(s.seed), state.step)
     n = batch.tokens.shape[0]
@@ -200,7 +203,7 @@ def _update(s: Setup, state: TrainState, batch: RolloutBatch):
         if s.mini_batches > 1:  # a fresh split into mini-batches on every pass
             perm = jax.random.permutation(jax.random.fold_in(key, i), n)
             r = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), rows)
-        step = functools.partial(_optimizer_step, s, state.step, policy_on)
+        step = functools.partial(_optimizer_step, s, state.step, policy_on, frozen)
         return jax.lax.scan(step, carry, split_rows(r, s.mini_batches))
 
     carry = Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state)
@@ -274,7 +277,9 @@ class UpdateFn:
         self.traces: collections.Counter = collections.Counter()
 
     def _for(self, state: TrainState):
-        shardings = jax.tree.map(lambda x: x.sharding, state)
+        """The jitted program for this state's layout; `state.frozen` (LoRA's base) is a
+        separate argument: read, never donated, not an output."""
+        shardings = jax.tree.map(lambda x: x.sharding, state.replace(frozen=None))
         key = (jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
         if key not in self._jitted:
             first = jax.tree.leaves(shardings)[0]
@@ -289,12 +294,14 @@ class UpdateFn:
             )
         return self._jitted[key]
 
-    def _traced(self, state: TrainState, batch: RolloutBatch):
+    def _traced(self, state: TrainState, frozen, batch: RolloutBatch):
         self.traces[batch.tokens.shape] += 1
-        return _update(self._setup, state, batch)
+        return _update(self._setup, state, batch, frozen)
 
     def __call__(self, state: TrainState, batch: RolloutBatch):
-        return self._for(state)(state, batch)
+        frozen = state.frozen
+        new, metrics = self._for(state)(state.replace(frozen=None), frozen, batch)
+        return new.replace(frozen=frozen), metrics
 
     @property
     def forward_passes(self) -> int:
@@ -314,4 +321,4 @@ class UpdateFn:
 
     def lower(self, state: TrainState, batch: RolloutBatch):
         """`jax.jit(...).lower` of the program for this state's layout (AOT, memory)."""
-        return self._for(state).lower(state, batch)
+        return self._for(state).lower(state.replace(frozen=None), state.frozen, batch)

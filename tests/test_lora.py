@@ -1,0 +1,186 @@
+"""LoRA: adapters next to the base weights, step 0 = the base model, only adapters train.
+
+References: the base model itself (B = 0 must change nothing, bit for bit), the plain
+model on weights merged in float64 numpy, the chain rule through the merged weight for
+the adapters' gradients, and a copy of the base taken before training.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_run import tiny_model_config
+
+from jaxrl_llm import models, parallel, rl, sampling
+from jaxrl_llm.models import lora
+from jaxrl_llm.rl import update as U
+
+CFG = tiny_model_config()
+LCFG = CFG.replace(lora=models.LoraConfig(rank=4, alpha=8.0))
+IDS = jnp.array([[0, 0, 5, 9, 2, 7, 1, 3], [4, 8, 12, 16, 20, 24, 28, 32]])
+MASK = jnp.array([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8], bool)
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
+G = 4
+SPEC = sampling.RolloutSpec(num_generations=G, max_new_tokens=5, temperature=1.0)
+
+
+def mesh_2x4():
+    return parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+
+
+@pytest.fixture(scope="module")
+def base():
+    return models.init_params(CFG, seed=0)
+
+
+def trained_adapters(seed=1, scale=0.2):
+    """Adapters with B != 0 (as after training), built in numpy."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(lambda: lora.init_adapters(LCFG))
+    return jax.tree.map(
+        lambda s: jnp.asarray(scale * rng.standard_normal(s.shape), jnp.float32), shapes
+    )
+
+
+def numpy_merged(base, adapters):
+    """W + (alpha / r) A B per target, in float64 numpy: the reference for the adapted model."""
+    out = jax.tree.map(np.asarray, base)
+    s = LCFG.lora.scale
+    for t in LCFG.lora.targets:
+        a = np.asarray(adapters["layers"][t + "_lora_a"], np.float64)
+        b = np.asarray(adapters["layers"][t + "_lora_b"], np.float64)
+        w = out["layers"][t]
+        L, r = a.shape[0], a.shape[-1]
+        ab = np.stack([a[i].reshape(-1, r) @ b[i].reshape(r, -1) for i in range(L)])
+        out["layers"][t] = (w.astype(np.float64) + s * ab.reshape(w.shape)).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step0_logits_equal_the_base_model_exactly(base, dtype):
+    b = jax.tree.map(lambda x: x.astype(dtype), base)
+    adapters = lora.init_adapters(LCFG, seed=1, dtype=dtype)
+    assert all(not np.any(np.asarray(v)) for k, v in adapters["layers"].items() if "_b" in k)
+    ours = models.logits(LCFG, lora.combine(b, adapters), IDS, MASK)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(models.logits(CFG, b, IDS, MASK)))
+
+
+def test_adapted_and_merged_logits_equal_numpy_merged_weights(base):
+    adapters = trained_adapters()
+    params = lora.combine(base, adapters)
+    expected = models.logits(CFG, numpy_merged(base, adapters), IDS, MASK)
+    unmerged = models.logits(LCFG, params, IDS, MASK)
+    merged = models.logits(CFG, lora.merge(LCFG, params), IDS, MASK)
+    assert float(jnp.abs(unmerged - models.logits(CFG, base, IDS, MASK)).max()) > 0.1
+    np.testing.assert_allclose(unmerged, expected, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(merged, expected, atol=2e-5, rtol=0)
+
+
+def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weight(base):
+    """dL/dA = s dL/dW' B^T and dL/dB = s A^T dL/dW' with W' = W + s A B."""
+    adapters = trained_adapters(seed=2)
+
+    def nll(cfg, params):
+        z = models.logits(cfg, params, IDS, MASK)
+        return -jnp.mean(jax.nn.log_softmax(z)[:, :-1, :].max(-1))
+
+    g = jax.grad(lambda a: nll(LCFG, lora.combine(base, a)))(adapters)["layers"]
+    merged = lora.merge(LCFG, lora.combine(base, adapters))
+    g_w = jax.grad(lambda p: nll(CFG, p))(merged)["layers"]
+    s = LCFG.lora.scale
+    for t in LCFG.lora.targets:
+        a = np.asarray(adapters["layers"][t + "_lora_a"], np.float64)
+        b = np.asarray(adapters["layers"][t + "_lora_b"], np.float64)
+        L, r = a.shape[0], a.shape[-1]
+        gw = np.asarray(g_w[t], np.float64).reshape(L, a[0].size // r, -1)
+        a2, b2 = a.reshape(L, -1, r), b.reshape(L, r, -1)
+        ga = s * np.einsum("lkm,lrm->lkr", gw, b2).reshape(a.shape)
+        gb = s * np.einsum("lkr,lkm->lrm", a2, gw).reshape(b.shape)
+        np.testing.assert_allclose(g[t + "_lora_a"], ga, atol=1e-6, rtol=1e-4, err_msg=t)
+        np.testing.assert_allclose(g[t + "_lora_b"], gb, atol=1e-6, rtol=1e-4, err_msg=t)
+
+
+def test_adapters_are_sharded_like_the_weights_they_adapt():
+    """On a 2 x 4 (fsdp x tensor) mesh: A's input dimensions and B's output dimensions
+    take the partitioning of the weight's; the rank is replicated."""
+    mesh = mesh_2x4()
+    weights = models.param_shardings(LCFG, mesh)["layers"]
+    adapters = lora.init_adapters(LCFG, seed=0, mesh=mesh)["layers"]
+    for t in LCFG.lora.targets:
+        w = weights[t].spec
+        c = 3 if t == "o" else 2  # layers + the input axes
+        a, b = adapters[t + "_lora_a"].sharding.spec, adapters[t + "_lora_b"].sharding.spec
+        assert tuple(a) == (*tuple(w)[:c], None), (t, a, w)
+        assert tuple(b) == (None, None, *tuple(w)[c:]), (t, b, w)
+    assert tuple(weights["q"].spec) == (None, "fsdp", "tensor", None)  # the test means it
+
+
+def test_step0_sampled_tokens_equal_the_base_models(base):
+    """Same key, same logits: the first step's draws are the base model's, unmerged and
+    merged, on the 2 x 4 mesh."""
+    mesh = mesh_2x4()
+    b = jax.device_put(base, models.param_shardings(CFG, mesh))
+    params = lora.combine(b, lora.init_adapters(LCFG, seed=3, mesh=mesh))
+    ids, mask = sampling.pad_prompts(PROMPTS, pad_id=0)
+    plain, adapted = (sampling.Sampler(c, mesh, seed=5) for c in (CFG, LCFG))
+
+    def draw(sampler, p):
+        out = sampler.sample(p, ids, mask, SPEC, step=0)
+        return np.asarray(out.tokens), np.asarray(out.logprobs)
+
+    tokens, logp = draw(plain, b)
+    for sampler, p in ((adapted, params), (plain, lora.make_merge_fn(LCFG, mesh)(params))):
+        t, lp = draw(sampler, p)
+        np.testing.assert_array_equal(t, tokens)
+        np.testing.assert_array_equal(lp, logp)
+
+
+def host_bytes(tree):
+    return jax.tree.map(lambda x: np.asarray(x.astype(jnp.float32)).tobytes(), tree)
+
+
+def test_only_adapters_train_and_the_base_stays_bit_identical(base):
+    """GRPO (beta > 0) for 10 steps on the 2 x 4 mesh, the reference = the base with the
+    adapters off: gradients and moments exist for the adapters only, the base's bytes
+    never change, the adapters do."""
+    mesh = mesh_2x4()
+    frozen = jax.device_put(base, models.param_shardings(CFG, mesh))
+    before = host_bytes(frozen)
+    opt = U.make_optimizer(learning_rate=1e-2, max_grad_norm=1.0)
+    adapters = lora.init_adapters(LCFG, seed=1, mesh=mesh)
+    state = U.init_train_state(adapters, opt, frozen=frozen)
+    adapter_shapes = {x.shape for x in jax.tree.leaves(adapters)}
+    assert {x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim} == adapter_shapes
+    algo = rl.preset("grpo")
+    assert algo.beta > 0
+    update = U.make_update_fn(LCFG, algo, opt, SPEC)
+    ref_fn = U.make_logprob_fn(CFG, SPEC, mesh=mesh)
+    sampler = sampling.Sampler(LCFG, mesh, seed=0)
+    ids, mask = sampling.pad_prompts(PROMPTS, pad_id=0)
+    for step in range(10):
+        out = sampler.sample(state.policy_params(), ids, mask, SPEC, step)
+        rewards = (np.asarray(out.tokens)[:, 0] % 2).astype(np.float32)
+        ref = ref_fn(state.frozen, out)
+        batch = parallel.shard_batch(rl.RolloutBatch.from_sample(out, rewards, ref), mesh)
+        state, metrics = update(state, batch)
+        assert float(metrics["optim/nonfinite"]) == 0.0
+        if step == 0:  # the policy is the reference: no KL yet
+            assert abs(float(metrics["loss/kl"])) < 1e-6
+    assert state.frozen is frozen
+    assert host_bytes(state.frozen) == before
+    assert jax.tree.structure(state.params) == jax.tree.structure(adapters)
+    assert np.abs(np.asarray(state.params["layers"]["q_lora_b"])).max() > 0
+
+
+def test_bfloat16_master_copies_cover_only_the_adapters(base):
+    """bfloat16 base and adapters: the optimizer's float32 master copy and moments are
+    the adapters' (the trainer-level test trains such a run)."""
+    frozen = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base)
+    opt = U.make_optimizer(learning_rate=1e-2)
+    adapters = lora.init_adapters(LCFG, seed=1, dtype="bfloat16")
+    state = U.init_train_state(adapters, opt, frozen=frozen)
+    master = state.opt_state.master
+    assert jax.tree.structure(master) == jax.tree.structure(adapters)
+    assert {x.dtype for x in jax.tree.leaves(master)} == {jnp.dtype(jnp.float32)}
+    shapes = {x.shape for x in jax.tree.leaves(adapters)}
+    assert {x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim} == shapes
