@@ -98,8 +98,7 @@ class RolloutThread:
                     waited = time.perf_counter()
                     with self._cond:
                         self._cond.wait_for(
-                            lambda s=step: self._stopping
-                            or self._version >= s - self.max_staleness
+                            lambda s=step: self._stopping or self._version >= s - self.max_staleness
                         )
                         if self._stopping:
                             return

@@ -49,9 +49,7 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def test_overlap_equals_a_loop_sampling_with_the_parameters_before_the_update(
-    model_dir, tmp_path
-):
+def test_overlap_equals_a_loop_sampling_with_the_parameters_before_the_update(model_dir, tmp_path):
     """Step t's rollout comes from the parameters before update t - 1 (step 0's from the
     initial ones): the run's parameters after 4 steps equal those of a plain loop that
     does exactly that, bit for bit, and the staleness metric says 0, 1, 1, 1."""

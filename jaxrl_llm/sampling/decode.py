@@ -218,7 +218,14 @@ def _draw(state: DecodeState, loop: _Loop, logits, stop_ids, pad_id) -> _Loop:
 
 
 def decode(
-    cfg, params, state: DecodeState, max_new_tokens: int, stop_ids, pad_id, segments, mesh=None,
+    cfg,
+    params,
+    state: DecodeState,
+    max_new_tokens: int,
+    stop_ids,
+    pad_id,
+    segments,
+    mesh=None,
     final: bool = False,
 ) -> DecodeState:
     """Up to `max_new_tokens` draws per row, until every row has stopped -> new state.
