@@ -33,7 +33,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, table, uptime  # noqa: E402
+from common import config_wrapper, device_name, table, uptime  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,15 +46,7 @@ def slow(completion, example, seconds=0.0):
     return 0.0
 '''
 
-WRAPPER = """import importlib.util
-import os
-_spec = importlib.util.spec_from_file_location("base", {path!r})
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
-
-
-def get_config():
-    c = _base.get_config()
+SETUP = """    import os
     rows = c.rollout.batch_size * c.rollout.num_generations
     workers = c.train.verifier_workers or os.cpu_count() or 1
     c.rewards = dict(c.rewards)
@@ -63,7 +55,6 @@ def get_config():
     c.train.log_every = 1
     c.eval.every = 0
     c.train.print_samples_every = 0
-    return c
 """
 
 
@@ -111,8 +102,8 @@ def main() -> None:
             f.write(SLOW)
         config = os.path.join(tmp, "config.py")
         with open(config, "w") as f:
-            f.write(WRAPPER.format(path=os.path.abspath(args.config), slow=f"{slow}:slow",
-                                   seconds=args.verifier_s))  # fmt: skip
+            body = SETUP.format(slow=f"{slow}:slow", seconds=args.verifier_s)
+            f.write(config_wrapper(os.path.abspath(args.config), body))
         cache = os.path.join(tmp, "xla")
         for i in range(args.repeats):
             for mode in results:

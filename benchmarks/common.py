@@ -49,6 +49,21 @@ PRESETS = {
 }
 
 
+def config_wrapper(path: str, body: str) -> str:
+    """The text of a run-config file whose get_config() takes `path`'s config and runs
+    `body` on it (`c`, indented 4 spaces) before returning it."""
+    return (
+        "import importlib.util\n"
+        f'_spec = importlib.util.spec_from_file_location("base", {path!r})\n'
+        "_base = importlib.util.module_from_spec(_spec)\n"
+        "_spec.loader.exec_module(_base)\n\n\n"
+        "def get_config():\n"
+        "    c = _base.get_config()\n"
+        f"{body}"
+        "    return c\n"
+    )
+
+
 def bool_flag(text: str) -> bool:
     """argparse type for --flag=true / false."""
     if text.lower() not in ("true", "false", "1", "0"):

@@ -23,25 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, table  # noqa: E402
+from common import PRESETS, device_name, table  # noqa: E402
 
 from jaxrl_llm import models, rl, sampling  # noqa: E402
 from jaxrl_llm.models import lora  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
 
+# Qwen2.5-0.5B as it is (the shapes of common.PRESETS["0.5b"], with its biases and ties).
 QWEN2P5_0P5B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_layers=24,
-    num_heads=14,
-    num_kv_heads=2,
-    head_dim=64,
-    qkv_bias=True,
-    tie_word_embeddings=True,
-    rope_theta=1e6,
+    PRESETS["0.5b"], qkv_bias=True, tie_word_embeddings=True, rope_theta=1e6,
     max_position_embeddings=32768,
-)
+)  # fmt: skip
 GiB = 2**30
 
 

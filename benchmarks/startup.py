@@ -43,24 +43,15 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import device_name, table, uptime  # noqa: E402
+from common import config_wrapper, device_name, table, uptime  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"compiling (.+?)\.\.\. ([0-9.]+) s( \(compilation cache\))?")
 READY = re.compile(r"programs ready in ([0-9.]+) s")
 
-WRAPPER = """import importlib.util
-_spec = importlib.util.spec_from_file_location("base", {path!r})
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
-
-
-def get_config():
-    c = _base.get_config()
-    for key in {keys!r}:
+AUTO = """    for key in {keys!r}:
         section, name = key.split(".")
         c[section][name] = None
-    return c
 """
 
 
@@ -189,7 +180,7 @@ def main() -> None:
             config = os.path.join(tmp, "config.py")
             keys = tuple(k for k in args.auto.split(",") if k)
             with open(config, "w") as f:
-                f.write(WRAPPER.format(path=os.path.abspath(args.config), keys=keys))
+                f.write(config_wrapper(os.path.abspath(args.config), AUTO.format(keys=keys)))
         if args.separately:
             return separately(args, config, extra)
         for i in range(args.repeats):

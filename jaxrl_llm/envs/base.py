@@ -26,7 +26,7 @@ import importlib
 import inspect
 import os
 
-from jaxrl_llm.verifiers.registry import _load_file
+from jaxrl_llm.verifiers.registry import _load_file, check_keywords
 
 BUILTINS = {
     "calculator": "jaxrl_llm.envs.calculator:Calculator",
@@ -122,13 +122,6 @@ def get(name: str, **options):
 
 
 def check_options(name: str, options: dict) -> None:
+    """Raises ValueError naming the environment when `options` do not fit its class."""
     params = list(inspect.signature(resolve(name)).parameters.values())
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return
-    allowed = {p.name for p in params}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(
-            f"environment {name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"its options: {', '.join(sorted(allowed)) or '(none)'}"
-        )
+    check_keywords(f"environment {name!r}", params, options)

@@ -122,18 +122,26 @@ def resolve(name: str) -> Callable:
     return fn
 
 
-def check_options(name: str, options: Mapping) -> None:
-    """Raises ValueError naming the verifier when `options` do not fit its signature."""
-    params = list(inspect.signature(resolve(name)).parameters.values())[2:]
+def check_keywords(what: str, params, options: Mapping) -> None:
+    """Raises ValueError naming `what` (e.g. "verifier 'format'") for an option that none
+    of the parameters `params` (inspect.Parameter) takes; any goes with a **kwargs."""
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return
     allowed = {p.name for p in params}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(
-            f"verifier {name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"{what} has no option {', '.join(map(repr, unknown))}; "
             f"its options: {', '.join(sorted(allowed)) or '(none)'}"
         )
+
+
+def check_options(name: str, options: Mapping) -> None:
+    """Raises ValueError naming the verifier when `options` do not fit its signature."""
+    params = list(inspect.signature(resolve(name)).parameters.values())[2:]
+    check_keywords(f"verifier {name!r}", params, options)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
     missing = [p.name for p in params if p.default is p.empty and p.name not in options]
     if missing:
         raise ValueError(f"verifier {name!r} needs option(s): {', '.join(missing)}")
