@@ -149,3 +149,17 @@ def test_lora_ppo_in_bfloat16_trains(model_dir, tmp_path):
     last = train.train(c, str(tmp_path))
     assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0
     assert "loss/value" in last
+
+
+@pytest.mark.parametrize("sampler", ["merged", "unmerged"])
+def test_lora_with_split_rollouts(model_dir, tmp_path, sampler):
+    """LoRA with rollout.mode='split': the sampler's parameters (merged, or base + adapters
+    unmerged) move to the rollout mesh after each update, and the run trains."""
+    c = lora_config(model_dir)
+    c.model.lora.sampler = sampler
+    c.rollout.mode, c.rollout.max_staleness = "split", 1
+    c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
+    c.train.num_steps = 3
+    last = train.train(c, str(tmp_path))
+    assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0
+    assert last["rollout/staleness_max"] <= 1.0
