@@ -22,7 +22,6 @@ re-import the trainer's `__main__` (and JAX with it).
 
 from __future__ import annotations
 
-import collections
 import inspect
 import json
 import os
@@ -39,107 +38,13 @@ from jaxrl_llm.errors import UserError
 from jaxrl_llm.verifiers import worker as wire
 from jaxrl_llm.verifiers.registry import parse_specs, resolve
 from jaxrl_llm.verifiers.report import ScoreDetails
+from jaxrl_llm.verifiers.work import WorkBatch, check_inputs
 
-_MAX_MESSAGES = 8
 _MAX_START_FAILURES = 3
 
 
 class PoolError(UserError, RuntimeError):
     """The verifiers cannot run at all (they fail to import or to start in a worker)."""
-
-
-class _Batch:
-    """Bookkeeping of one `score` call: [N, K] values and statuses, the item queue, and
-    the breaker (per verifier, calls in a row that cost a worker or a timeout)."""
-
-    def __init__(self, specs, completions, examples, breaker_after: int, raw: bool = False):
-        self.specs, self.completions, self.examples = specs, completions, examples
-        self.k = len(specs)
-        self.values = np.zeros((len(completions), self.k), object if raw else float)
-        self.notes: dict[int, str] = {}  # sample -> why its (first) failed call failed
-        self.status = np.full((len(completions), self.k), -1, np.int8)
-        self.queue = collections.deque(range(len(completions) * self.k))
-        self.messages: list[str] = []
-        self.first_error: str | None = None
-        self.remaining = len(completions) * self.k
-        self.breaker_after = breaker_after
-        self.costly_in_a_row = [0] * self.k
-        self.tripped: dict[int, str] = {}
-
-    def record(self, item: int, value: float, status: int, message: str, costly=False) -> None:
-        """One finished call; `costly`: it timed out or killed its worker."""
-        sample, k = divmod(item, self.k)
-        self._finish(sample, k, value, status, message)
-        self.costly_in_a_row[k] = self.costly_in_a_row[k] + 1 if costly else 0
-        if self.costly_in_a_row[k] >= self.breaker_after and k not in self.tripped:
-            self._trip(k, message)
-
-    def _finish(self, sample: int, k: int, value: float, status: int, message: str) -> None:
-        self.values[sample, k] = value if status == wire.OK else 0.0
-        self.status[sample, k] = status
-        self.remaining -= 1
-        if status == wire.OK:
-            return
-        self.notes.setdefault(sample, message)
-        line = f"{self.specs[k].label} sample {sample}: {message}"
-        if len(self.messages) < _MAX_MESSAGES:
-            self.messages.append(line)
-        if self.first_error is None and status in (wire.ERROR, wire.TIMEOUT):
-            self.first_error = line
-
-    def _trip(self, k: int, last: str) -> None:
-        """Stops calling verifier k in this batch: its queued samples score 0, as errors."""
-        why = f"{self.breaker_after} calls in a row timed out or killed their worker (last: {last})"
-        self.tripped[k] = why
-        kept = collections.deque()
-        for item in self.queue:
-            sample, kk = divmod(item, self.k)
-            if kk == k:
-                self._finish(sample, k, 0.0, wire.ERROR, f"not called: {why}")
-            else:
-                kept.append(item)
-        self.queue = kept
-
-    def chunk(self, size: int):
-        items = [self.queue.popleft() for _ in range(min(size, len(self.queue)))]
-        runs = [(item, item // self.k, item % self.k) for item in items]
-        samples = {s: (self.completions[s], self.examples[s]) for _, s, _ in runs}
-        return items, ("run", runs, samples)
-
-    def details(self) -> tuple[np.ndarray, ScoreDetails]:
-        labels = [s.label for s in self.specs]
-        weights = np.array([s.weight for s in self.specs])
-
-        def count(*codes):
-            hits = np.isin(self.status, codes)
-            return {name: int(np.sum(hits[:, k])) for k, name in enumerate(labels)}
-
-        return self.values @ weights, ScoreDetails(
-            per_verifier={name: self.values[:, k].copy() for k, name in enumerate(labels)},
-            weights=dict(zip(labels, weights.tolist(), strict=True)),
-            errors=count(wire.ERROR),
-            timeouts=count(wire.TIMEOUT, wire.OWN_TIMEOUT),
-            messages=self.messages,
-            failed=count(wire.ERROR, wire.TIMEOUT),
-            num_samples=len(self.completions),
-            first_error=self.first_error,
-            tripped={labels[k]: why for k, why in self.tripped.items()},
-        )
-
-
-def _check_inputs(completions, examples, num_tokens) -> list[dict]:
-    if len(completions) != len(examples):
-        raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
-    for i, (text, example) in enumerate(zip(completions, examples, strict=True)):
-        if not isinstance(text, str):
-            raise TypeError(f"completions[{i}] is {type(text).__name__}, expected str")
-        if not isinstance(example, Mapping):
-            raise TypeError(f"examples[{i}] is {type(example).__name__}, expected a dict")
-    if num_tokens is None:
-        return list(examples)
-    if len(num_tokens) != len(completions):
-        raise ValueError(f"{len(num_tokens)} num_tokens for {len(completions)} completions")
-    return [{**ex, "num_tokens": int(n)} for ex, n in zip(examples, num_tokens, strict=True)]
 
 
 class VerifierPool:
@@ -224,8 +129,8 @@ class VerifierPool:
             raise RuntimeError("VerifierPool.score called after close()")
         specs = parse_specs(specs)
         self._check_wall_limits(specs)
-        examples = _check_inputs(completions, examples, num_tokens)
-        batch = _Batch(specs, list(completions), examples, self.breaker_after)
+        examples = check_inputs(completions, examples, num_tokens)
+        batch = WorkBatch(specs, list(completions), examples, self.breaker_after)
         key, wire_specs = _wire(specs)
         with self._lock:
             try:
@@ -261,8 +166,8 @@ class VerifierPool:
         if not self._finalizer.alive:
             raise RuntimeError("VerifierPool.call after close()")
         spec = parse_specs([name])[0]
-        examples = _check_inputs(texts, examples, None)
-        batch = _Batch([spec], list(texts), examples, self.breaker_after, raw=True)
+        examples = check_inputs(texts, examples, None)
+        batch = WorkBatch([spec], list(texts), examples, self.breaker_after, raw=True)
         wire_specs = [(spec.name, {}, True)]
         with self._lock:
             try:
@@ -292,7 +197,7 @@ class VerifierPool:
                     f"pool's timeout_s={self.timeout_s} (leave ~1 s for interpreter start-up)"
                 )
 
-    def _run(self, batch: _Batch, key: str, wire_specs) -> None:
+    def _run(self, batch: WorkBatch, key: str, wire_specs) -> None:
         start_failures = 0
         while batch.remaining:
             self._dispatch(batch, key, wire_specs)
@@ -311,7 +216,7 @@ class VerifierPool:
                     )
             self._enforce_deadlines(batch)
 
-    def _dispatch(self, batch: _Batch, key: str, wire_specs) -> None:
+    def _dispatch(self, batch: WorkBatch, key: str, wire_specs) -> None:
         per_worker = max(1, len(batch.queue) // (4 * len(self._workers)))
         for i, w in enumerate(self._workers):
             if w is not None and w.idle and w.done >= self.recycle_after:
@@ -333,7 +238,7 @@ class VerifierPool:
                     self._retire(w, batch)  # died while idle: its items never ran
 
     def _retire(
-        self, w: wire.WorkerProcess, batch: _Batch, status: int | None = None, why: str = ""
+        self, w: wire.WorkerProcess, batch: WorkBatch, status: int | None = None, why: str = ""
     ):
         """Kills `w`; its current item gets `status` (None: requeued like the rest)."""
         items = list(w.busy)
@@ -347,7 +252,7 @@ class VerifierPool:
         self._workers[self._workers.index(w)] = None
         self.restarts += 1
 
-    def _receive(self, w: wire.WorkerProcess, batch: _Batch, key: str) -> int:
+    def _receive(self, w: wire.WorkerProcess, batch: WorkBatch, key: str) -> int:
         """Handles one message from `w`; returns 1 if it died while starting, else 0."""
         try:
             message = wire.receive(w.fd)
@@ -383,7 +288,7 @@ class VerifierPool:
                 wait = min(wait, w.since + self.timeout_s - now)
         return max(wait, 0.0)
 
-    def _enforce_deadlines(self, batch: _Batch) -> None:
+    def _enforce_deadlines(self, batch: WorkBatch) -> None:
         now = time.monotonic()
         for w in list(self._workers):
             if w is None:
