@@ -241,3 +241,23 @@ def test_sandbox_timeouts_are_counted_but_are_not_verifier_failures():
     with pytest.raises(verifiers.VerifierTimeout):
         verifiers.get("python_tests", wall_s=0.5, cpu_s=1)(slow, row)
     assert np.isfinite(values).all()
+
+
+def test_items_requeued_after_a_trip_are_not_called():
+    """A worker that dies after its verifier tripped puts its other items back in the
+    queue; they are finished as not called, never run (each would cost a worker)."""
+    from jaxrl_llm.verifiers import parse_specs
+    from jaxrl_llm.verifiers import worker as wire
+    from jaxrl_llm.verifiers.work import WorkBatch
+
+    specs = parse_specs([("gsm8k", 1.0), ("format", 1.0, {"pattern": "x"})])
+    batch = WorkBatch(specs, ["a"] * 4, [{"answer": "1"}] * 4, breaker_after=2)
+    taken, _ = batch.chunk(8)  # every item is out with the workers
+    for item in (0, 2):  # two calls of verifier 0 killed their workers: it trips
+        batch.record(item, 0.0, wire.ERROR, "worker died", costly=True)
+    assert 0 in batch.tripped
+    batch.queue.extend(i for i in taken if i not in (0, 2))  # the dead worker's other items
+    items, (_, runs, _) = batch.chunk(8)
+    assert items == [1, 3, 5, 7] and all(k == 1 for _, _, k in runs)
+    assert batch.remaining == 4  # items 4 and 6 (verifier 0) finished as not called
+    assert batch.status[2, 0] == batch.status[3, 0] != -1

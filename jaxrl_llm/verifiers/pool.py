@@ -232,6 +232,8 @@ class VerifierPool:
                     self._retire(w, batch)
             elif batch.queue:
                 items, message = batch.chunk(min(per_worker, 32))
+                if not items:  # what was left belonged to tripped verifiers
+                    continue
                 w.busy.extend(items)
                 w.since = time.monotonic()
                 if not w.send(message):

@@ -68,7 +68,17 @@ class WorkBatch:
         self.queue = kept
 
     def chunk(self, size: int):
-        items = [self.queue.popleft() for _ in range(min(size, len(self.queue)))]
+        """Up to `size` queued items and the message that runs them. Items of a tripped
+        verifier (requeued from a worker that died after the trip) are finished here as
+        not called, so a tripped verifier never runs again in this batch."""
+        items = []
+        while self.queue and len(items) < size:
+            item = self.queue.popleft()
+            sample, k = divmod(item, self.k)
+            if k in self.tripped:
+                self._finish(sample, k, 0.0, wire.ERROR, f"not called: {self.tripped[k]}")
+            else:
+                items.append(item)
         runs = [(item, item // self.k, item % self.k) for item in items]
         samples = {s: (self.completions[s], self.examples[s]) for _, s, _ in runs}
         return items, ("run", runs, samples)
