@@ -171,7 +171,7 @@ def test_split_staleness_stays_within_the_bound(model_dir, tmp_path, monkeypatch
 
     def slow_learner(self, t):
         if t >= 3:
-            time.sleep(0.5)
+            time.sleep(1.0)  # several of the thread's rollouts per learner step
         return step(self, t)
 
     def checked_take(self, t):
@@ -188,7 +188,7 @@ def test_split_staleness_stays_within_the_bound(model_dir, tmp_path, monkeypatch
     logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in m]
     lags = [m["rollout/staleness_max"] for m in logged if "rollout/staleness_max" in m]
     assert len(lags) == 8 and max(lags) <= 2.0
-    assert lags[-1] == 2.0  # the slow learner let the thread run to the bound
+    assert max(lags[3:]) == 2.0  # the slow learner let the thread run to the bound
     assert [t - v for t, v in versions] == lags
     assert all(m["perf/rollout_wait_s"] >= 0 and m["perf/learner_wait_s"] >= 0 for m in logged
                if "perf/rollout_wait_s" in m)  # fmt: skip
