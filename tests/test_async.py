@@ -273,7 +273,7 @@ def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkey
     decode = sampling.Sampler.decode
 
     def slow_decode(self, *args, **kwargs):
-        time.sleep(0.15)
+        time.sleep(0.3)  # the learner publishes while a generation is in flight
         return decode(self, *args, **kwargs)
 
     monkeypatch.setattr(sampling.Sampler, "decode", slow_decode)
