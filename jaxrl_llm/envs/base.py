@@ -22,11 +22,10 @@ any step), so an environment keeps its state in plain attributes. A name is a bu
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import os
 
-from jaxrl_llm.verifiers.registry import _load_file, check_keywords
+from jaxrl_llm.verifiers.registry import check_keywords, load_reference
 
 BUILTINS = {
     "calculator": "jaxrl_llm.envs.calculator:Calculator",
@@ -63,7 +62,8 @@ class Env:
         return None
 
     def step(self, action: str) -> Step:
-        raise NotImplementedError
+        """The environment's answer to one action; every environment defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not define step(action)")
 
 
 def register(name: str):
@@ -95,19 +95,11 @@ def canonical(name: str) -> str:
 
 def resolve(name: str) -> type:
     """The class behind an environment name; ValueError naming it when there is none."""
-    ref = canonical(name)
-    target, sep, attr = ref.rpartition(":")
-    if not sep or not target or not attr:
-        known = ", ".join(sorted(BUILTINS) + sorted(_REGISTERED))
-        raise ValueError(
-            f"unknown environment {name!r}; built-ins and registered: {known}; or give "
-            "'path/to/file.py:ClassName' or 'package.module:ClassName'"
-        )
+    known = sorted(BUILTINS) + sorted(_REGISTERED)
     try:
-        module = _load_file(target) if target.endswith(".py") else importlib.import_module(target)
+        cls, _, attr = load_reference(canonical(name), f"environment {name!r}", known, "ClassName")
     except (ImportError, FileNotFoundError) as err:
         raise ValueError(f"environment {name!r}: {err}") from None
-    cls = getattr(module, attr, None)
     if not inspect.isclass(cls) or not callable(getattr(cls, "step", None)):
         raise ValueError(f"environment {name!r}: {attr!r} is not a class with a step method")
     return cls

@@ -103,23 +103,31 @@ def resolve(name: str) -> Callable:
     if name in ELSEWHERE:
         raise ValueError(f"{name!r} is not a verifier: {ELSEWHERE[name]}")
     ref = BUILTINS.get(name) or _REGISTERED.get(name) or name
+    known = sorted(BUILTINS) + sorted(_REGISTERED)
+    fn, target, attr = load_reference(ref, f"verifier {name!r}", known, "function")
+    if not callable(fn):
+        raise ValueError(f"verifier {name!r}: {attr!r} is not a function in {target!r}")
+    return fn
+
+
+def load_reference(ref: str, what: str, known, kind: str):
+    """The object behind 'path/to/file.py:attr' or 'package.module:attr' (dotted attr
+    allowed) -> (object or None, target, attr); ValueError naming `what` when `ref` is
+    not of that form (listing the `known` names)."""
     target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:
-        known = ", ".join(sorted(BUILTINS) + sorted(_REGISTERED))
         raise ValueError(
-            f"unknown verifier {name!r}; built-ins and registered: {known}; or give "
-            "'path/to/file.py:function' or 'package.module:function'"
+            f"unknown {what}; built-ins and registered: {', '.join(known)}; or give "
+            f"'path/to/file.py:{kind}' or 'package.module:{kind}'"
         )
     if target.endswith(".py") or "/" in target:
         module = _load_file(os.path.abspath(target))
     else:
         module = importlib.import_module(target)
-    fn = module
+    obj = module
     for part in attr.split("."):
-        fn = getattr(fn, part, None)
-    if not callable(fn):
-        raise ValueError(f"verifier {name!r}: {attr!r} is not a function in {target!r}")
-    return fn
+        obj = getattr(obj, part, None)
+    return obj, target, attr
 
 
 def check_keywords(what: str, params, options: Mapping) -> None:
