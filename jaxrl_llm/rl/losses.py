@@ -246,7 +246,11 @@ def policy_term(cfg: AlgoConfig, logp, old_logp, advantages, mask):
 def off_policy_weight(cfg: AlgoConfig, prox_logp, behaviour_logp, mask) -> jax.Array:
     """sg(w(k)), k = pi_prox / pi_behaviour, of `cfg.off_policy` (module doc). [N, T] ->
     [N, T], 1 where masked."""
-    x = log_ratio(prox_logp, behaviour_logp, mask)
+    return _weight(cfg, log_ratio(prox_logp, behaviour_logp, mask))
+
+
+def _weight(cfg: AlgoConfig, x) -> jax.Array:
+    """sg(w(k)) for the log-ratio x = log k [N, T] (0 where masked)."""
     k = _sg(jnp.exp(clamp_log_ratio(x)))
     mode = cfg.off_policy
     if mode == "none" or (mode == "tis" and cfg.tis_cap is None):
@@ -266,7 +270,7 @@ def _off_policy(cfg: AlgoConfig, pg, prox_logp, behaviour_logp, valid, metrics: 
     metrics["rollout/logprob_gap"] = masked_mean(jnp.abs(x), valid)
     # k3 estimate of KL(pi_behaviour || pi_prox) from the behaviour's own samples.
     metrics["rollout/mismatch_k3"] = masked_mean(jnp.expm1(x) - x, valid)
-    w = off_policy_weight(cfg, prox_logp, behaviour_logp, valid)
+    w = _weight(cfg, x)
     metrics["rollout/is_weight_mean"] = masked_mean(w, valid)
     metrics["rollout/is_weight_max"] = _extremes(w, valid)[1]
     metrics["rollout/is_masked_frac"] = masked_mean(w == 0.0, valid)
