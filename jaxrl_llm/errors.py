@@ -161,7 +161,12 @@ def cli_main(main: Callable[[], object]) -> None:
             raise
         sys.stdout.flush()
         print(format_error(err), file=sys.stderr, flush=True)
-        sys.exit(EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else EXIT_ERROR)
+        if isinstance(err, KeyboardInterrupt):
+            # An abort: threads it cut short (an async checkpoint save) must not hold the
+            # exit, which would otherwise join them. Open files are flushed by their
+            # writers each step; a half-written checkpoint is deleted on the next start.
+            os._exit(EXIT_INTERRUPTED)
+        sys.exit(EXIT_ERROR)
 
 
 def run_absl(main: Callable) -> None:

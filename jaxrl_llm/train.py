@@ -145,7 +145,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )  # fmt: skip
     progress = metrics.Progress(c.train.num_steps, initial_step=start)
     stop = checkpoint.install_sigterm_handler()  # SIGTERM, and a first Ctrl-C
-    last = {}
+    last, aborted = {}, False
     try:
         run.compile_log.listen(progress.write)
         if run.env_rollout is None:  # multi-turn prompts come from resets: compiled at use
@@ -161,10 +161,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 progress.write(f"{stop.reason}: saved step {done} in {ckpt.directory}, exiting")
                 break
             ckpt.save(done, rl.checkpointed(run.state), extra, force=done == c.train.num_steps)
+    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving, even mid-save
+        aborted = True
+        raise
     finally:
         run.compile_log.close()
-        ckpt.wait()
-        ckpt.close()
+        if not aborted:  # orbax's save threads are abandoned (errors.cli_main exits hard)
+            ckpt.wait()
+            ckpt.close()
         progress.close()
         writer.close()
         run.close()
