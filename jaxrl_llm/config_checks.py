@@ -135,8 +135,8 @@ def check_lora(lora) -> None:
         + (f" ({unknown[0]!r} is not one)" if unknown else ""),
     )
     _check(
-        lora.dropout == 0,
-        f"model.lora.dropout={lora.dropout}: adapter dropout is not implemented; use 0",
+        isinstance(lora.dropout, int | float) and 0 <= lora.dropout < 1,
+        f"model.lora.dropout={lora.dropout!r}: must be a rate in [0, 1)",
     )
     _check(
         lora.sampler in LORA_SAMPLERS,

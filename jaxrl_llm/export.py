@@ -93,8 +93,9 @@ def _lora_config(model: dict, lora: str | None, workdir: str):
             raise ValueError(f"--lora={lora}: the run in {workdir} trained no adapters")
         return None
     return models.LoraConfig(
-        rank=int(spec["rank"]), alpha=float(spec["alpha"]), targets=tuple(spec["targets"])
-    )
+        rank=int(spec["rank"]), alpha=float(spec["alpha"]), targets=tuple(spec["targets"]),
+        dropout=float(spec.get("dropout", 0.0)),
+    )  # fmt: skip
 
 
 def model_config(workdir: str, run_config: dict) -> models.ModelConfig:

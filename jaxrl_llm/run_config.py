@@ -117,7 +117,7 @@ def lora_defaults() -> ml_collections.ConfigDict:
     lora.alpha = 16.0  # the update is scaled by alpha / rank
     # Adapted projections, any of q, k, v, o, gate, up, down (all attention and MLP ones).
     lora.targets = ("q", "k", "v", "o", "gate", "up", "down")
-    lora.dropout = 0.0  # adapter dropout: reserved, only 0 is accepted for now
+    lora.dropout = 0.0  # dropout on the adapters' input in the update's forward (PEFT's)
     # How the sampler applies the adapters: "merged" (W + (alpha/r) A B once per step, a
     # transient weight set), "unmerged" (x W + (x A) B per token) or "auto" (docs/lora.md).
     lora.sampler = "auto"
@@ -131,7 +131,10 @@ def lora_config(config):
     lo = config.model.lora
     if not lo.rank:
         return None
-    return LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha), targets=tuple(lo.targets))
+    return LoraConfig(
+        rank=int(lo.rank), alpha=float(lo.alpha), targets=tuple(lo.targets),
+        dropout=float(lo.dropout),
+    )  # fmt: skip
 
 
 def rollout_defaults() -> ml_collections.ConfigDict:

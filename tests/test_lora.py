@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from tiny_run import tiny_model_config
 
 from jaxrl_llm import models, parallel, rl, sampling
-from jaxrl_llm.models import lora
+from jaxrl_llm.models import layers, lora
+from jaxrl_llm.models.transformer import abstract_model
 from jaxrl_llm.rl import update as U
 
 CFG = tiny_model_config()
@@ -184,3 +186,96 @@ def test_bfloat16_master_copies_cover_only_the_adapters(base):
     assert {x.dtype for x in jax.tree.leaves(master)} == {jnp.dtype(jnp.float32)}
     shapes = {x.shape for x in jax.tree.leaves(adapters)}
     assert {x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim} == shapes
+
+
+# ------------------------------------------------------------------------- dropout
+DCFG = CFG.replace(lora=models.LoraConfig(rank=4, alpha=8.0, dropout=0.25))
+
+
+def test_adapter_dropout_is_inverted_dropout():
+    """Each element is kept with probability 1 - p and then scaled by 1 / (1 - p), so
+    its mean over masks is the input."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 96)), jnp.float32)
+    keys = jax.random.split(jax.random.key(3), 400)
+    out = np.asarray(jax.vmap(lambda k: layers.adapter_dropout(k, 0.25, x))(keys))
+    kept = out != 0
+    assert abs(kept.mean() - 0.75) < 0.01
+    np.testing.assert_allclose(out[kept], np.broadcast_to(x / 0.75, out.shape)[kept], rtol=1e-6)
+    sigma = np.abs(np.asarray(x)) * np.sqrt(0.25 / 0.75 / len(keys))  # of a 400-mask mean
+    assert np.all(np.abs(out.mean(0) - x) <= 5.5 * sigma + 1e-6)
+    assert not np.array_equal(out[0], out[1])
+
+
+def test_projection_with_dropout_equals_numpy(base):
+    """One layer's adapted projection with a dropout key: x W + s ((x * m / (1 - p)) A) B,
+    m the mask the layer's key folds in for that target, in float64 numpy."""
+    params = lora.combine(base, trained_adapters(seed=4))
+    graphdef, _ = abstract_model(DCFG)
+    block = nnx.merge(graphdef, params).layers
+    one = nnx.merge(*_layer(block, 1))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, CFG.hidden_size)), jnp.float32)
+    key = jax.random.key(7)
+    s, p = DCFG.lora.scale, DCFG.lora.dropout
+    for t in ("q", "gate"):
+        ours = np.asarray(one._proj(t, x, key)).reshape(2, 5, -1)
+        keep = jax.random.bernoulli(
+            jax.random.fold_in(key, layers.lora_target_index(t)), 1 - p, x.shape
+        )
+        w, a, b = (
+            np.asarray(params["layers"][n][1], np.float64)
+            for n in (t, t + "_lora_a", t + "_lora_b")
+        )
+        xd = np.where(np.asarray(keep), np.asarray(x, np.float64) / (1 - p), 0.0)
+        expected = x @ w.reshape(CFG.hidden_size, -1) + s * (xd @ a) @ b.reshape(a.shape[-1], -1)
+        np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=0, err_msg=t)
+        without = np.asarray(one._proj(t, x)).reshape(2, 5, -1)
+        assert np.abs(ours - without).max() > 1e-3  # the mask matters
+
+
+def _layer(block, i):
+    graphdef, state = nnx.split(block)
+    return graphdef, jax.tree.map(lambda a: a[i], state)
+
+
+def test_dropout_only_where_a_key_is_given(base):
+    """Inference (sampler, reference, log-probs: no key) equals the model without dropout
+    bit for bit; a key changes the forward, the same key the same way; with B = 0 (step 0)
+    the adapters add nothing, dropped or not."""
+    params = lora.combine(base, trained_adapters(seed=5))
+    hidden = lambda cfg, p, key=None: models.forward(cfg, p, IDS, MASK, dropout=key)  # noqa: E731
+    plain = hidden(LCFG, params)
+    np.testing.assert_array_equal(hidden(DCFG, params), plain)
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    dropped = hidden(DCFG, params, k1)
+    assert float(jnp.abs(dropped - plain).max()) > 1e-3
+    np.testing.assert_array_equal(hidden(DCFG, params, k1), dropped)
+    assert float(jnp.abs(hidden(DCFG, params, k2) - dropped).max()) > 1e-3
+    fresh = lora.combine(base, lora.init_adapters(DCFG, seed=1))
+    np.testing.assert_array_equal(hidden(DCFG, fresh, k1), hidden(CFG, base))
+
+
+def test_update_with_dropout_is_seeded_and_trains_adapters_only(base):
+    """The GRPO update with adapter dropout: two updates from the same state and seed are
+    identical (the masks come from train.seed and the step), dropout changes the step
+    against p = 0, and the base is never touched."""
+    opt = U.make_optimizer(learning_rate=1e-2, max_grad_norm=1.0)
+    frozen = base
+    adapters = trained_adapters(seed=6, scale=0.05)
+    sampler = sampling.Sampler(LCFG, None, seed=0)
+    ids, mask = sampling.pad_prompts(PROMPTS, pad_id=0)
+    out = sampler.sample(lora.combine(frozen, adapters), ids, mask, SPEC, 0)
+    rewards = (np.asarray(out.tokens)[:, 0] % 2).astype(np.float32)
+    assert 0 < rewards.sum() < len(rewards)
+    batch = rl.RolloutBatch.from_sample(out, rewards)
+    algo = rl.preset("grpo", beta=0.0)
+
+    def step(cfg, seed):
+        state = U.init_train_state(jax.tree.map(jnp.copy, adapters), opt, frozen=frozen)
+        new, metrics = U.make_update_fn(cfg, algo, opt, SPEC, seed=seed)(state, batch)
+        assert float(metrics["optim/nonfinite"]) == 0.0 and new.frozen is frozen
+        return jax.tree.map(np.asarray, new.params)
+
+    a, b, plain = step(DCFG, 0), step(DCFG, 0), step(LCFG, 0)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    diff = jax.tree.map(lambda u, v: np.abs(u - v).max(), a, plain)
+    assert max(jax.tree.leaves(diff)) > 1e-6

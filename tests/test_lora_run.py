@@ -5,7 +5,9 @@ References: HF transformers (PyTorch) with `peft.PeftModel` on the same base wei
 and the plain HF model on the merged export.
 """
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,14 +46,14 @@ def lora_config(model_dir, **algo):
     [
         ("targets", ("q", "qq"), "model.lora.targets"),
         ("rank", -1, "model.lora.rank=-1"),
-        ("dropout", 0.1, "model.lora.dropout=0.1: adapter dropout is not implemented"),
+        ("dropout", 1.0, "model.lora.dropout=1.0: must be a rate in [0, 1)"),
         ("sampler", "fused", "model.lora.sampler='fused'"),
     ],
 )
 def test_bad_lora_settings_name_the_key(model_dir, key, value, message):
     c = lora_config(model_dir)
     c.model.lora[key] = value
-    with pytest.raises(run_config.ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(run_config.ConfigError, match=re.escape(message)):
         run_config.validate(c, num_devices=8)
 
 
@@ -91,15 +93,17 @@ def test_peft_loads_our_adapters_and_reproduces_our_logits(tmp_path, targets):
 def test_lora_run_loads_once_checkpoints_adapters_resumes_and_exports(
     model_dir, tmp_path, monkeypatch
 ):
-    """GRPO with beta > 0: one load of the base (the reference is the base with the
-    adapters off); checkpoints hold the adapters and their moments only; the run resumes;
-    `export --lora=peft` (command line) and `--lora=merged` reproduce the trained policy."""
+    """GRPO with beta > 0 and adapter dropout: one load of the base (the reference is the
+    base with the adapters off); checkpoints hold the adapters and their moments only;
+    the run resumes; `export --lora=peft` (command line) and `--lora=merged` reproduce
+    the trained policy."""
     loads = []
     load_model = models.builtin.load_model
     monkeypatch.setattr(
         models.builtin, "load_model", lambda *a, **k: loads.append(a[0]) or load_model(*a, **k)
     )
     c = lora_config(model_dir)
+    c.model.lora.dropout = 0.1
     c.checkpoint.every = 1
     workdir = tmp_path / "run"
     last = train.train(c, str(workdir))
@@ -118,6 +122,8 @@ def test_lora_run_loads_once_checkpoints_adapters_resumes_and_exports(
     command = [sys.executable, "-m", "jaxrl_llm.export", f"--workdir={workdir}", "--lora=peft"]
     env = dict(os.environ, PYTHONPATH=ROOT)
     subprocess.run([*command, f"--out={peft_dir}"], check=True, env=env, cwd=ROOT)
+    with open(peft_dir / "adapter_config.json") as f:
+        assert json.load(f)["lora_dropout"] == 0.1
     assert export.export(str(workdir), str(merged_dir), lora="merged") == 3
 
     cfg, base = models.load_hf(model_dir)
@@ -139,9 +145,10 @@ def test_lora_run_loads_once_checkpoints_adapters_resumes_and_exports(
 
 
 def test_lora_ppo_in_bfloat16_trains(model_dir, tmp_path):
-    """PPO (a full critic copied from the base, LoRA on the policy) in bfloat16, the
-    sampler applying the adapters unmerged (the GRPO run above merges)."""
+    """PPO (a full critic copied from the base, LoRA with dropout on the policy) in
+    bfloat16, the sampler applying the adapters unmerged (the GRPO run above merges)."""
     c = lora_config(model_dir, name="ppo")
+    c.model.lora.dropout = 0.05
     c.model.dtype = "bfloat16"
     c.model.lora.sampler = "unmerged"
     c.rollout.num_generations = 1

@@ -42,12 +42,16 @@ class LoraConfig:
         W x  ->  W x + (alpha / r) B A x,    A [r, in], B [out, r], B = 0 at the start
 
     `targets` names the adapted projections (`LORA_TARGETS`); `models.lora` holds the
-    parameters, their merge into W and the PEFT layout.
+    parameters, their merge into W and the PEFT layout. `dropout`: PEFT's lora_dropout,
+    inverted dropout on the adapter's input (x A becomes (x * m / (1 - p)) A, m ~
+    Bernoulli(1 - p)) in forwards given a dropout key (the update's gradient forward),
+    never in the sampler, the reference or the no-gradient log-probs.
     """
 
     rank: int
     alpha: float = 16.0
     targets: tuple[str, ...] = LORA_TARGETS
+    dropout: float = 0.0
 
     def __post_init__(self):
         if self.rank < 1:
@@ -55,6 +59,8 @@ class LoraConfig:
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
         if unknown or not self.targets:
             raise ValueError(f"lora targets={self.targets!r}: expected some of {LORA_TARGETS}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora dropout={self.dropout}: must be in [0, 1)")
 
     @property
     def scale(self) -> float:

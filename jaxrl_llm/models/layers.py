@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_llm.models.attention import attention, cached_attention
-from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig
 
 
 # ------------------------------------------------------------------------------ modules
@@ -80,6 +80,18 @@ dense.defvjp(_dense_fwd, _dense_bwd)
 def contracted(name: str) -> int:
     """Input axes of a projection's weight (after `layers`): o's are (q_heads, head_dim)."""
     return 2 if name == "o" else 1
+
+
+def lora_target_index(name: str) -> int:
+    """The projection's place in LORA_TARGETS: what its dropout key folds in."""
+    return LORA_TARGETS.index(name)
+
+
+def adapter_dropout(key: jax.Array, rate: float, x: jax.Array) -> jax.Array:
+    """Inverted dropout of an adapter's input: x * m / (1 - rate), m ~ Bernoulli(1 - rate)
+    per element (PEFT's lora_dropout, applied before A), so E[(x A) B] is unchanged."""
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
 
 
 # ------------------------------------------------------------------------ rope, attention
@@ -168,19 +180,26 @@ class Block(nnx.Module):
             b_shape, b_axes = (shape[0], lora.rank, *shape[c:]), ("layers", "lora", *axes[c:])
             setattr(self, name + "_lora_b", _const(0.0, b_shape, b_axes, dtype))
 
-    def _proj(self, name: str, x: jax.Array) -> jax.Array:
-        """x times the projection `name`, plus (alpha / r) (x A) B where it is adapted."""
+    def _proj(self, name: str, x: jax.Array, dropout: jax.Array | None = None) -> jax.Array:
+        """x times the projection `name`, plus (alpha / r) (x A) B where it is adapted.
+        dropout: this layer's key for the adapters' input dropout (None: none)."""
         y = dense(x, getattr(self, name)[...], contracted(name))
         lora = self.cfg.lora
         if lora is None or name not in lora.targets:
             return y
+        if dropout is not None and lora.dropout > 0:
+            key = jax.random.fold_in(dropout, lora_target_index(name))
+            x = adapter_dropout(key, lora.dropout, x)
         xa = dense(x, getattr(self, name + "_lora_a")[...], contracted(name))
         return y + dense(
             xa * jnp.asarray(lora.scale, xa.dtype), getattr(self, name + "_lora_b")[...]
         )
 
-    def __call__(self, x, positions, mask, kv=None, index=None, layer=None, prefix=None):
-        """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool.
+    def __call__(
+        self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None
+    ):
+        """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool. dropout: this
+        layer's key for LoRA dropout (`adapter_dropout`), None in inference.
 
         prefix: (k, v) [B,P,K,H] of P earlier tokens that x attends to before itself
         (S = P + T, no cache); the layer then returns its own (k, v) [B,T,K,H].
@@ -193,7 +212,7 @@ class Block(nnx.Module):
         """
         cfg = self.cfg
         h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
-        q, k, v = self._proj("q", h), self._proj("k", h), self._proj("v", h)
+        q, k, v = (self._proj(n, h, dropout) for n in ("q", "k", "v"))
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -229,12 +248,12 @@ class Block(nnx.Module):
             else:
                 k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
             a = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-        x = x + self._proj("o", a)
+        x = x + self._proj("o", a, dropout)
         if cfg.o_bias:
             x = x + self.o_bias[...]
         h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
-        gate, up = self._proj("gate", h), self._proj("up", h)
-        x = x + self._proj("down", jax.nn.silu(gate) * up)
+        gate, up = self._proj("gate", h, dropout), self._proj("up", h, dropout)
+        x = x + self._proj("down", jax.nn.silu(gate) * up, dropout)
         return x, kv
 
 
@@ -250,11 +269,12 @@ class Transformer(nnx.Module):
             self.lm_head = _normal(rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype)
         self.cfg = cfg
 
-    def __call__(self, tokens, positions, mask, cache=None, index=None, layers=None):
+    def __call__(self, tokens, positions, mask, cache=None, index=None, layers=None, dropout=None):
         """tokens [B,T] -> final-normed hidden states [B,T,D] (and the new cache k, v).
 
         layers: with a per-layer cache, each layer's parameters already sliced out of the
         stacked ones (`layer_params`), e.g. once before a decode loop instead of per step.
+        dropout: a key for LoRA dropout (layer i folds in i), or None.
         """
         cfg = self.cfg
         x = jnp.take(self.embed[...], tokens, axis=0)
@@ -263,7 +283,9 @@ class Transformer(nnx.Module):
         def layer(carry, xs):
             x, kv = carry
             layer_state, i = xs
-            return nnx.merge(graphdef, layer_state)(x, positions, mask, kv, index, i), None
+            key = None if dropout is None else jax.random.fold_in(dropout, i)
+            block = nnx.merge(graphdef, layer_state)
+            return block(x, positions, mask, kv, index, i, dropout=key), None
 
         if cache is not None and isinstance(cache[0], tuple):  # one cache array per layer
             kv = []
@@ -280,25 +302,29 @@ class Transformer(nnx.Module):
         (x, kv), _ = jax.lax.scan(layer, (x, cache), xs, unroll=unroll)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
 
-    def with_prefix(self, tokens, positions, mask, prefix):
+    def with_prefix(self, tokens, positions, mask, prefix, dropout=None):
         """tokens [B,T] after a prefix of P tokens whose per-layer keys/values are given ->
         (final-normed hidden [B,T,D], this sequence's keys/values ([L,B,T,K,H] each)).
 
         prefix: (k, v) [L,B,P,K,H] each (P may be 0), as this method returned them for the
         earlier tokens; mask [B,T,P+T]. Scanned (or unrolled) like the full forward, with
-        its remat policy and its attention backward, so it trains as fast.
+        its remat policy and its attention backward, so it trains as fast. dropout: as in
+        `__call__`.
         """
         cfg = self.cfg
         x = jnp.take(self.embed[...], tokens, axis=0)
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, xs):
-            layer_state, pk, pv = xs
-            return nnx.merge(graphdef, layer_state)(x, positions, mask, prefix=(pk, pv))
+            layer_state, pk, pv, i = xs
+            key = None if dropout is None else jax.random.fold_in(dropout, i)
+            block = nnx.merge(graphdef, layer_state)
+            return block(x, positions, mask, prefix=(pk, pv), dropout=key)
 
         layer = _remat(layer, cfg.remat)
         unroll = 1 if cfg.scan_layers else cfg.num_layers
-        x, kv = jax.lax.scan(layer, x, (stacked, *prefix), unroll=unroll)
+        xs = (stacked, *prefix, jnp.arange(cfg.num_layers))
+        x, kv = jax.lax.scan(layer, x, xs, unroll=unroll)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
 
 

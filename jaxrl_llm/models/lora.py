@@ -150,7 +150,7 @@ def peft_config(cfg: ModelConfig, base_model: str) -> dict:
         "base_model_name_or_path": base_model,
         "r": cfg.lora.rank,
         "lora_alpha": cfg.lora.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": cfg.lora.dropout,
         "target_modules": sorted(PEFT_MODULES[t].split(".")[1] for t in cfg.lora.targets),
         "bias": "none",
         "fan_in_fan_out": False,

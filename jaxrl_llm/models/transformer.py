@@ -67,9 +67,16 @@ def default_positions(attention_mask: jax.Array, segment_ids: jax.Array | None =
 
 
 def forward(
-    cfg: ModelConfig, params: Params, tokens, attention_mask=None, positions=None, segment_ids=None
+    cfg: ModelConfig,
+    params: Params,
+    tokens,
+    attention_mask=None,
+    positions=None,
+    segment_ids=None,
+    dropout=None,
 ) -> jax.Array:
-    """Full-sequence forward: tokens [B,T] -> final-normed hidden states [B,T,D]."""
+    """Full-sequence forward: tokens [B,T] -> final-normed hidden states [B,T,D].
+    dropout: a key for LoRA dropout (`cfg.lora.dropout` > 0), None for none."""
     B, T = tokens.shape
     if attention_mask is None:
         attention_mask = jnp.ones((B, T), bool)
@@ -81,13 +88,14 @@ def forward(
     if segment_ids is not None:
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
     mask |= jnp.eye(T, dtype=bool)[None]  # a padding query attends to itself: no empty rows
-    hidden, _ = _model(cfg, params)(tokens, positions, mask)
+    hidden, _ = _model(cfg, params)(tokens, positions, mask, dropout=dropout)
     return hidden
 
 
 def forward_after_prefix(
-    cfg: ModelConfig, params: Params, tokens, attention_mask, prefix=None, prefix_mask=None
-):
+    cfg: ModelConfig, params: Params, tokens, attention_mask, prefix=None, prefix_mask=None,
+    dropout=None,
+):  # fmt: skip
     """`forward` of tokens that follow a prefix already run: (hidden [B,T,D], keys/values).
 
     tokens, attention_mask [B,T]; prefix: the (k, v) [L,B,P,K,H] this function returned
@@ -96,7 +104,7 @@ def forward_after_prefix(
     hidden equals `forward` of the concatenation [prefix, tokens] at the tokens'
     positions. Returns the keys/values of `tokens` ([L,B,T,K,H] each) for a later suffix.
     Differentiable w.r.t. params and prefix; e.g. a prompt run once for the G samples of
-    its GRPO group (`rl.batch.prefix_logprobs`).
+    its GRPO group (`rl.batch.prefix_logprobs`). dropout: as in `forward`.
     """
     B, T = tokens.shape
     attention_mask = attention_mask.astype(bool)
@@ -112,7 +120,7 @@ def forward_after_prefix(
     own = (causal[None] & attention_mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
     earlier = jnp.broadcast_to(prefix_mask[:, None, :], (B, T, prefix_mask.shape[1]))
     mask = jnp.concatenate([earlier, own], axis=-1)
-    return _model(cfg, params).with_prefix(tokens, positions, mask, prefix)
+    return _model(cfg, params).with_prefix(tokens, positions, mask, prefix, dropout)
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:

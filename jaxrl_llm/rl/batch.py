@@ -82,29 +82,33 @@ def _rows_like(x, like: jax.Array) -> jax.Array:
     return jax.device_put(x, sharding)
 
 
-def completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask) -> jax.Array:
+def completion_hidden(
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout=None
+) -> jax.Array:
     """Teacher-forced hidden states that predict each completion token.
 
     prompt_tokens, prompt_mask [N, P] (left-padded); tokens, mask [N, T] (right-padded) ->
     hidden [N, T, D]: row t is the final-normed state at sequence position P - 1 + t, i.e.
-    after reading the prompt and tokens[:, :t].
+    after reading the prompt and tokens[:, :t]. dropout: a LoRA dropout key, or None.
     """
     ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
     attention = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-    hidden = models.forward(model_cfg, params, ids, attention)
+    hidden = models.forward(model_cfg, params, ids, attention, dropout=dropout)
     p = prompt_tokens.shape[1]
     return hidden[:, p - 1 : -1]
 
 
 def sequence_logprobs(
-    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, temperature=1.0, chunk_size=128
-):
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, temperature=1.0,
+    chunk_size=128, dropout=None,
+):  # fmt: skip
     """Teacher-forced log pi(token) and entropy of each completion token.
 
     [N, P], [N, P], [N, T], [N, T] -> (logp [N, T], entropy [N, T]) float32, 0 off-mask.
-    Chunked over T (never [N, T, V]); differentiable w.r.t. params.
+    Chunked over T (never [N, T, V]); differentiable w.r.t. params. dropout: a LoRA
+    dropout key (the update's gradient forward), or None.
     """
-    hidden = completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask)
+    hidden = completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout)
     w = models.unembed_matrix(model_cfg, params)
     logp, ent = token_logprobs(hidden, w, tokens, temperature=temperature, chunk_size=chunk_size)
     valid = mask.astype(bool)
@@ -128,20 +132,25 @@ def map_rows(fn, rows, k: int):
     return merge_rows(jax.lax.map(fn, split_rows(rows, k)))
 
 
-def prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, num_generations: int):
+def prompt_prefix(
+    model_cfg, params, prompt_tokens, prompt_mask, num_generations: int, dropout=None
+):
     """Each group's prompt run once: the first row of every G = `num_generations`
     consecutive rows -> (keys/values ([L, N / G, P, K, H] each), hidden state of the
     prompt's last position [N / G, D], which predicts the first completion token).
-    Differentiable w.r.t. params; the input of `prefix_logprobs`."""
+    Differentiable w.r.t. params; the input of `prefix_logprobs`. dropout: a LoRA
+    dropout key (one mask per group's prompt), or None."""
     hidden, kv = models.forward_after_prefix(
-        model_cfg, params, prompt_tokens[::num_generations], prompt_mask[::num_generations]
-    )
+        model_cfg, params, prompt_tokens[::num_generations], prompt_mask[::num_generations],
+        dropout=dropout,
+    )  # fmt: skip
     return kv, hidden[:, -1]  # prompts are left-padded: the last column is a real token
 
 
 def prefix_logprobs(
-    model_cfg, params, prefix, prompt_mask, tokens, mask, groups, *, temperature=1.0, chunk_size=128
-):
+    model_cfg, params, prefix, prompt_mask, tokens, mask, groups, *, temperature=1.0,
+    chunk_size=128, dropout=None,
+):  # fmt: skip
     """`sequence_logprobs` of rows whose prompts were run by `prompt_prefix`.
 
     prefix: `prompt_prefix`'s output; prompt_mask [N', P], tokens, mask [N', T] (T > 1)
@@ -149,11 +158,12 @@ def prefix_logprobs(
     completions read their group's keys/values; the last token, which predicts nothing,
     is not fed. -> (logp [N', T], entropy [N', T]) float32, 0 off-mask. Differentiable
     w.r.t. params and prefix (a prefix's cotangent sums over the rows of its group).
+    dropout: a LoRA dropout key for the completions' forward, or None.
     """
     kv, last = prefix
     kv_rows = jax.tree.map(lambda x: jnp.take(x, groups, axis=1), kv)
     h, _ = models.forward_after_prefix(
-        model_cfg, params, tokens[:, :-1], mask[:, :-1], kv_rows, prompt_mask
+        model_cfg, params, tokens[:, :-1], mask[:, :-1], kv_rows, prompt_mask, dropout
     )
     h = jnp.concatenate([jnp.take(last, groups, axis=0)[:, None].astype(h.dtype), h], axis=1)
     w = models.unembed_matrix(model_cfg, params)

@@ -93,14 +93,20 @@ class Setup:
         return self.algo.num_iterations == 1 and self.mini_batches == 1
 
     @property
+    def lora_dropout(self) -> bool:
+        """The gradient forward drops adapter inputs (model.lora.dropout > 0)."""
+        return self.model_cfg.lora is not None and self.model_cfg.lora.dropout > 0
+
+    @property
     def needs_old_logp(self) -> bool:
         return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
 
 
-def _policy_loss(s: Setup, params, r: Rows, den, prefix=None):
+def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None):
     """-J of one micro-batch (divided by the mini-batch denominator) and its metrics.
-    prefix: the groups' prompts already run (`prompt_prefix`), or None."""
-    kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size)
+    prefix: the groups' prompts already run (`prompt_prefix`), or None. dropout: the
+    micro-batch's LoRA dropout key, or None."""
+    kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size, dropout=dropout)
     if prefix is None:
         logp, entropy = sequence_logprobs(
             s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask, **kw
@@ -136,32 +142,37 @@ def _add(acc, grads):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
-def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None):
+def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
     """Summed float32 gradients of one mini-batch over its micro-batches, and metrics.
 
     With shared prompts the prompts run once, before the micro-batches; each micro-batch
     adds its rows' cotangent of the prompts' keys/values (and last hidden states), and
     one backward through the prompts' forward after the last adds their gradient.
     frozen: LoRA's base weights; the model reads base + carry.params (the adapters) and
-    only the adapters are differentiated."""
+    only the adapters are differentiated. dropout: the mini-batch's LoRA dropout key
+    (the prompts fold in 0, micro-batch i folds in i + 1), or None."""
     den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.spec.max_new_tokens)
     use_critic = carry.critic_params is not None
     full = functools.partial(lora.combine, frozen)
+    fold = lambda i: None if dropout is None else jax.random.fold_in(dropout, i)  # noqa: E731
     prefix = None
     if rows.groups is not None:
         prefix, prefix_vjp = jax.vjp(
             lambda p: prompt_prefix(
-                s.model_cfg, full(p), rows.prompt_tokens, rows.prompt_mask, s.num_generations
+                s.model_cfg, full(p), rows.prompt_tokens, rows.prompt_mask, s.num_generations,
+                fold(0),
             ),
             carry.params,
-        )
+        )  # fmt: skip
 
-    def micro(acc, r):
+    def micro(acc, xs):
+        r, i = xs
+        key = fold(i + 1)
         if prefix is None:
-            pgrad = jax.value_and_grad(lambda p: _policy_loss(s, full(p), r, den), has_aux=True)
-            (_, metrics), g = pgrad(carry.params)
+            loss = lambda p: _policy_loss(s, full(p), r, den, dropout=key)  # noqa: E731
+            (_, metrics), g = jax.value_and_grad(loss, has_aux=True)(carry.params)
         else:
-            loss = lambda p, pre: _policy_loss(s, full(p), r, den, pre)  # noqa: E731
+            loss = lambda p, pre: _policy_loss(s, full(p), r, den, pre, key)  # noqa: E731
             pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
             (_, metrics), (g, g_prefix) = pgrad(carry.params, prefix)
             acc = dict(acc, prefix=_add(acc["prefix"], g_prefix))
@@ -178,7 +189,8 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None):
         acc["critic"] = _zeros_f32(carry.critic_params)
     if prefix is not None:
         acc["prefix"] = _zeros_f32(prefix)
-    acc, metrics = jax.lax.scan(micro, acc, split_rows(rows, s.micro_batches))
+    xs = (split_rows(rows, s.micro_batches), jnp.arange(s.micro_batches))
+    acc, metrics = jax.lax.scan(micro, acc, xs)
     if prefix is not None:
         g_prefix = jax.tree.map(lambda g, x: g.astype(x.dtype), acc.pop("prefix"), prefix)
         acc["policy"] = _add(acc["policy"], prefix_vjp(g_prefix)[0])

@@ -83,6 +83,9 @@ __all__ = [
 _sg = jax.lax.stop_gradient
 
 
+_DROPOUT_STREAM = 0x64726F70  # "drop": LoRA dropout keys, apart from the permutation's
+
+
 def _batch_metrics(adv, mask, returns, old_values) -> dict:
     """Exact full-batch statistics: advantages; PPO's rollout-time values (CleanRL-style
     explained variance 1 - Var(R - V) / Var(R))."""
@@ -109,9 +112,12 @@ def _select(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
-def _optimizer_step(s: Setup, step, policy_on, frozen, carry: Carry, rows: Rows):
-    """One optimizer step on one mini-batch -> (new carry, metrics)."""
-    grads, metrics = gradients(s, carry, rows, frozen)
+def _optimizer_step(s: Setup, step, policy_on, frozen, dropout, carry: Carry, xs):
+    """One optimizer step on mini-batch xs = (rows, j) -> (new carry, metrics).
+    dropout: the pass's LoRA dropout key (mini-batch j folds in j), or None."""
+    rows, j = xs
+    key = None if dropout is None else jax.random.fold_in(dropout, j)
+    grads, metrics = gradients(s, carry, rows, frozen, key)
     norm = optax.tree.norm(grads["policy"])
     finite = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(norm)
     metrics["optim/grad_norm"] = norm
@@ -196,6 +202,10 @@ def _update(s: Setup, state: TrainState, batch: RolloutBatch, frozen=None):
     rows = _prepare(s, state, batch, frozen)
     policy_on = state.step >= (s.algo.critic_warmup_steps if s.algo.uses_critic else 0)
     key = jax.random.fold_in(jax.random.key(s.seed), state.step)
+    drop_key = None  # LoRA dropout: its own stream of train.seed, one key per step and pass
+    if s.lora_dropout:
+        drop_key = jax.random.fold_in(jax.random.key(s.seed), _DROPOUT_STREAM)
+        drop_key = jax.random.fold_in(drop_key, state.step)
     n = batch.tokens.shape[0]
 
     def one_pass(carry, i):
@@ -203,8 +213,10 @@ def _update(s: Setup, state: TrainState, batch: RolloutBatch, frozen=None):
         if s.mini_batches > 1:  # a fresh split into mini-batches on every pass
             perm = jax.random.permutation(jax.random.fold_in(key, i), n)
             r = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), rows)
-        step = functools.partial(_optimizer_step, s, state.step, policy_on, frozen)
-        return jax.lax.scan(step, carry, split_rows(r, s.mini_batches))
+        dropout = None if drop_key is None else jax.random.fold_in(drop_key, i)
+        step = functools.partial(_optimizer_step, s, state.step, policy_on, frozen, dropout)
+        xs = (split_rows(r, s.mini_batches), jnp.arange(s.mini_batches))
+        return jax.lax.scan(step, carry, xs)
 
     carry = Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state)
     carry, metrics = jax.lax.scan(one_pass, carry, jnp.arange(s.algo.num_iterations))
