@@ -309,6 +309,12 @@ class Run(RolloutModes):
     def evaluate(self, step: int) -> dict:
         e = self.config.eval
         with self.compile_log.program("evaluation", runs=True):
+            if self.env_rollout is not None:  # whole trajectories, scored by the environments
+                metrics = self.env_rollout.evaluate(
+                    self.sampler_params(), self.eval_batches, pass_k=e.pass_k,
+                    temperature=e.temperature, step=step,
+                )  # fmt: skip
+                return parallel.host_mean(metrics)
             metrics = evaluation.evaluate(
                 self.sampler, self.sampler_params(), self.eval_batches, self.scorer,
                 correct_label=self.correct_label, pass_k=e.pass_k, temperature=e.temperature,

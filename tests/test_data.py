@@ -62,6 +62,7 @@ def test_arithmetic_answers_are_right(data_dir):
         a, op, b = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", row["question"]).groups()
         assert 100 <= int(a) <= 999 and 100 <= int(b) <= 999
         assert int(row["answer"]) == ops[op](int(a), int(b))
+        assert row["expression"] == f"{a} {op} {b}"
     assert not {r["question"] for r in rows} & {r["question"] for r in test}
     again = _prepare(builders.Arithmetic, config, data_dir + "/again")
     assert rows == again  # same version, same rows
@@ -76,7 +77,7 @@ def test_addition_configs_hold_out_additions_only(data_dir):
         assert 10 <= a <= 99 and 10 <= b <= 99 and int(row["answer"]) == a + b
     assert not {r["question"] for r in rows} & {r["question"] for r in test}
     names = [c.name for c in builders.Arithmetic.BUILDER_CONFIGS]
-    assert {"add_2", "add_3", "digits_2"} <= set(names)
+    assert {"add_2", "add_3", "digits_2", "mul_3"} <= set(names)
 
 
 def test_digits_rows_are_those_of_the_original_recipe(data_dir):

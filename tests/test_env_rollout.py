@@ -242,3 +242,37 @@ def test_trainer_runs_the_docs_environment_on_the_mesh(tmp_path):
     multi = [s for s in samples if len(s["turns"]) > 1]
     assert multi and [t["role"] for t in multi[0]["turns"]][:3] == ["model", "env", "model"]
     assert multi[0]["completion"] == "".join(t["text"] for t in multi[0]["turns"])
+
+
+def test_env_evaluation_plays_greedy_trajectories(tmp_path, tok):
+    """Held-out evaluation of an environment run: eval/pass@1 is the share of greedy
+    trajectories the environment scores correct, here one turn of odd length in
+    characters, which a plain greedy `Sampler.sample` of the same prompts reproduces."""
+    from tiny_run import tiny_config
+
+    from jaxrl_llm import assets, evaluation
+    from jaxrl_llm.envs.runner import EnvRollout
+
+    c = tiny_config(assets.QUICKSTART_MODEL)  # trained: greedy answers of varied lengths
+    c.data.name = "arithmetic/digits_2"
+    c.env.name, c.env.max_turns, c.env.workers = f"{TEST_ENVS}:OddLength", 1, 1
+    c.env.max_total_tokens = 24
+    c.eval.split, c.eval.num_prompts = "test", 16
+    cfg, params = models.load_hf(c.model.path)
+    spec = sampling.RolloutSpec(4, c.rollout.max_new_tokens, 1.0, stop_ids=(tok.eos_token_id,))
+    sampler = sampling.Sampler(cfg, None, seed=0, cache_segments=1)
+    batches = evaluation.held_out_batches(c, tok, 8)
+    env_rollout = EnvRollout(c, tok, sampler, spec)
+    try:
+        got = env_rollout.evaluate(params, batches, pass_k=2, temperature=1.0)
+    finally:
+        env_rollout.close()
+    greedy = spec.replace(num_generations=1, temperature=0.0)
+    hits = []
+    for i, batch in enumerate(batches):
+        out = sampler.sample(params, batch.prompt_ids, batch.prompt_mask, greedy, i)
+        for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths), strict=True):
+            hits.append(len(tok.decode(row[:n], skip_special_tokens=True)) % 2 == 1)
+    assert got["eval/num_prompts"] == 16 and 0 < np.mean(hits) < 1
+    assert got["eval/pass@1"] == np.mean(hits)
+    assert got["eval/turns_mean"] == 1.0 and got["eval/pass@2"] >= 0.0

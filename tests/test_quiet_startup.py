@@ -60,5 +60,5 @@ def test_local_dataset_generation_says_one_line(tmp_path):
     proc = run(_GENERATE, tmp_path)
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        f"data: generating arithmetic/digits_1 in {tmp_path}/arithmetic/digits_1/1.0.0 (once)"
+        f"data: generating arithmetic/digits_1 in {tmp_path}/arithmetic/digits_1/1.1.0 (once)"
     ]

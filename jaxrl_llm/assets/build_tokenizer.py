@@ -1,13 +1,16 @@
 """Builds the character-level tokenizer of the arithmetic task, in Hugging Face format.
 
     python -m jaxrl_llm.assets.build_tokenizer [--out=jaxrl_llm/assets/arithmetic_tokenizer]
+    python -m jaxrl_llm.assets.build_tokenizer --calculator   # + <calc>, </calc>
 
 One token per character, so a tiny model sees every digit on its own (multi-digit tokens
 make carries much harder to learn). The alphabet covers the `arithmetic` prompts
 ("What is 48 * 17?"), the answers (digits and a minus sign) and a little slack for other
 templates (`=`, `####`, newline); anything else becomes `<unk>`. Special tokens: `<pad>`
 (0), `<bos>` (1, added in front of every encoded text), `<eos>` (2, ends a completion: the
-sampler's stop token), `<unk>` (3).
+sampler's stop token), `<unk>` (3). `--calculator` adds the calculator environment's
+call tags `<calc>` (33) and `</calc>` (34) as whole tokens (not special: decoding keeps
+them, so the environment reads the call), written to `calculator_tokenizer`.
 
 Written with the `tokenizers` library (a WordLevel model over single characters, a
 pre-tokenizer that splits every character, a decoder that concatenates) and wrapped in
@@ -26,12 +29,17 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # Order matters: it fixes the ids the shipped model was trained with.
 CHARACTERS = "0123456789" + "+-*/=()?.,# \n" + "Whatis"
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arithmetic_tokenizer")
+CALCULATOR_TOKENS = ("<calc>", "</calc>")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(_HERE, "arithmetic_tokenizer")
+CALCULATOR_OUT = os.path.join(_HERE, "calculator_tokenizer")
 
 
-def build(out_dir: str):
+def build(out_dir: str, extra_tokens: tuple[str, ...] = ()):
     """Writes tokenizer.json, tokenizer_config.json (and what else transformers saves) to
-    `out_dir`; returns the `PreTrainedTokenizerFast`."""
+    `out_dir`; returns the `PreTrainedTokenizerFast`. extra_tokens: whole-word tokens after
+    the characters (ids 33, 34, ...), matched before the split into characters."""
     import tokenizers
     import transformers
     from tokenizers import decoders, pre_tokenizers, processors
@@ -47,6 +55,9 @@ def build(out_dir: str):
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
     )
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens(
+        [tokenizers.AddedToken(t, special=False, normalized=False) for t in extra_tokens]
+    )
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -79,13 +90,16 @@ def _portable_config(out_dir: str, fast) -> None:
         f.write("\n")
 
 
-_OUT = flags.DEFINE_string("out", DEFAULT_OUT, "Directory to write the tokenizer files to.")
+_OUT = flags.DEFINE_string("out", None, "Directory to write the tokenizer files to.")
+_CALCULATOR = flags.DEFINE_bool("calculator", False, "Add the <calc> and </calc> tokens.")
 
 
 def main(argv):
     del argv
-    tokenizer = build(_OUT.value)
-    print(f"wrote a {len(tokenizer)}-token tokenizer to {_OUT.value}")
+    extra = CALCULATOR_TOKENS if _CALCULATOR.value else ()
+    out = _OUT.value or (CALCULATOR_OUT if _CALCULATOR.value else DEFAULT_OUT)
+    tokenizer = build(out, extra)
+    print(f"wrote a {len(tokenizer)}-token tokenizer to {out}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     arithmetic/digits_N   "What is 482 * 17?"  answer "8194"; +, -, * on N-digit operands
     arithmetic/add_N      "What is 482 + 917?" answer "1399"; addition only (N = 2..6)
+    arithmetic/mul_N      "What is 482 * 917?" answer "441994"; products only (N = 2..4)
+                          (every arithmetic row also has `expression`: "482 * 917")
     countdown/numbers_N   N numbers in 1..100 and a target reachable with + - * / using each
                           number at most once (built from a random expression, so always
                           solvable); the building expression is kept as `solution`
@@ -81,7 +83,9 @@ def arithmetic_problem(rng: random.Random, digits: int, ops: tuple[str, ...] = _
     a, b = rng.randint(low, 10**digits - 1), rng.randint(low, 10**digits - 1)
     op = rng.choice(ops)
     value = a + b if op == "+" else a - b if op == "-" else a * b
-    return {"question": f"What is {a} {op} {b}?", "answer": str(value), "digits": digits}
+    expression = f"{a} {op} {b}"
+    return {"question": f"What is {expression}?", "answer": str(value), "digits": digits,
+            "expression": expression}  # fmt: skip
 
 
 def _combine(rng: random.Random, a: tuple[int, str], b: tuple[int, str]):
@@ -131,17 +135,25 @@ class ArithmeticConfig(tfds.core.BuilderConfig):
 class Arithmetic(_LocalBuilder):
     """Two-operand integer arithmetic, one difficulty level per config."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
-    BUILDER_CONFIGS = [ArithmeticConfig(name=f"digits_{d}", digits=d) for d in range(1, 7)] + [
-        # From 2 digits: 1-digit addition has only 100 problems, too few to hold some out.
-        ArithmeticConfig(name=f"add_{d}", digits=d, ops=("+",))
-        for d in range(2, 7)
-    ]
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {
+        "1.0.0": "Initial release.",
+        "1.1.0": "The `expression` field and the mul_N configs; rows unchanged.",
+    }
+    BUILDER_CONFIGS = (
+        [ArithmeticConfig(name=f"digits_{d}", digits=d) for d in range(1, 7)]
+        + [
+            # From 2 digits: 1-digit addition has only 100 problems, too few to hold some out.
+            ArithmeticConfig(name=f"add_{d}", digits=d, ops=("+",))
+            for d in range(2, 7)
+        ]
+        + [ArithmeticConfig(name=f"mul_{d}", digits=d, ops=("*",)) for d in range(2, 5)]
+    )
 
     def _info(self) -> tfds.core.DatasetInfo:
         features = {"question": tfds.features.Text(), "answer": tfds.features.Text()}
         features["digits"] = np.int32
+        features["expression"] = tfds.features.Text()
         return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
 
     def _split_generators(self, dl_manager):

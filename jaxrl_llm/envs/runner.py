@@ -2,19 +2,25 @@
 
     env_rollout = EnvRollout(config, tokenizer, sampler, spec, mesh)
     out, scored = env_rollout(params, batch, step)   # sampling.SampleOutput, rollout.Scored
+    metrics = env_rollout.evaluate(params, eval_batches, pass_k=8, temperature=1.0)
 
 Each prompt's environment is reset once (in the pool) and its state copied to the G
 trajectories, which share one prefill. The prompt is the reset's observation rendered
 like a data prompt, or the row's own prompt when reset returns None (or fails: that
 trajectory then scores 0). The reward of a trajectory is `Trajectory.reward`: the final
 turn's plus the discounted earlier ones (`env.turn_reward_discount`).
+
+Held-out evaluation plays whole trajectories too: greedy (one per prompt) for pass@1 and
+pass_k sampled ones at `eval.temperature` for pass@k. A trajectory is correct when its
+final turn's reward is above 0.5 (`evaluation.is_correct`; the built-in environments
+score the answer 1 or 0).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jaxrl_llm import sampling
+from jaxrl_llm import evaluation, sampling
 from jaxrl_llm.data import prompts as prompts_lib
 from jaxrl_llm.envs.loop import TurnSettings, play
 from jaxrl_llm.envs.pool import EnvPool, replicate
@@ -54,20 +60,56 @@ class EnvRollout:
             end_of_turn_ids=self.spec.stop_ids,
         )  # fmt: skip
 
+    def _play(self, params, batch, spec, settings: TurnSettings, step: int):
+        """This process's prompts of `batch`, spec.num_generations trajectories each,
+        played to the end -> (out, trajectories, turns, prompt ids, tokens, lengths)."""
+        trajs, observations = self.pool.reset(batch.examples)
+        prompt_ids = [self._prompt(batch, i, obs, trajs[i]) for i, obs in enumerate(observations)]
+        ids, mask = prompts_lib.collate(prompt_ids, self.sampler.pad_id, 1, 0)
+        trajs, _ = replicate(trajs, observations, spec.num_generations)
+        out, turns = play(self.sampler, params, ids, mask, spec, settings, self.pool,
+                          trajs, self.renderer, self.tokenizer, step=step, version=step,
+                          mesh=self.mesh)  # fmt: skip
+        tokens, lengths = (np.asarray(x) for x in _local(out, self.mesh))
+        return out, trajs, turns, prompt_ids, tokens, lengths
+
+    def evaluate(self, params, batches, *, pass_k: int, temperature: float, step: int = 0):
+        """`eval/*` over held-out batches, trajectories played to the end: pass@1 (greedy),
+        pass@k (pass_k samples at `temperature`), turns, tool calls and length means. The
+        turn limit is the schedule's value at `step`."""
+        greedy, sampled = evaluation.specs(self.spec, pass_k, temperature)
+        settings = self.settings(step)
+        correct1, correct_k, metrics = [], [], []
+        for i, batch in enumerate(batches):
+            _, trajs, turns, _, _, lengths = self._play(params, batch, greedy, settings, i)
+            correct1.append(evaluation.is_correct([t.reward(0.0) for t in trajs]))
+            metrics.append(self.metrics(trajs, turns, lengths))
+            if sampled is not None:
+                key = evaluation.EVAL_KEY_OFFSET + step * len(batches) + i
+                _, trajs, *_ = self._play(params, batch, sampled, settings, key)
+                hit = evaluation.is_correct([t.reward(0.0) for t in trajs])
+                correct_k.append(hit.reshape(-1, pass_k).any(axis=1))
+        out = {
+            "eval/pass@1": float(np.concatenate(correct1).mean()),
+            "eval/num_prompts": float(sum(len(c) for c in correct1)),
+        }
+        if correct_k:
+            out[f"eval/pass@{pass_k}"] = float(np.concatenate(correct_k).mean())
+        weights = np.array([len(c) for c in correct1], np.float64)
+        for name in ("env/turns_mean", "env/tool_calls", "env/tool_errors", "rollout/length_mean"):
+            values = np.array([m[name] for m in metrics])
+            out["eval/" + name.split("/")[1]] = float((values * weights).sum() / weights.sum())
+        return out
+
     def __call__(self, params, batch, step: int, *, settings: TurnSettings | None = None):
         """This process's prompts of `batch` played to the end -> (out, scored)."""
         from jaxrl_llm import rollout
 
         G = self.spec.num_generations
-        trajs, observations = self.pool.reset(batch.examples)
-        prompt_ids = [self._prompt(batch, i, obs, trajs[i]) for i, obs in enumerate(observations)]
-        ids, mask = prompts_lib.collate(prompt_ids, self.sampler.pad_id, 1, 0)
-        trajs, _ = replicate(trajs, observations, G)
         settings = settings or self.settings(step)
-        out, turns = play(self.sampler, params, ids, mask, self.spec, settings, self.pool,
-                          trajs, self.renderer, self.tokenizer, step=step, version=step,
-                          mesh=self.mesh)  # fmt: skip
-        tokens, lengths = (np.asarray(x) for x in _local(out, self.mesh))
+        out, trajs, turns, prompt_ids, tokens, lengths = self._play(
+            params, batch, self.spec, settings, step
+        )
         # Model turns as the environment read them; observations with the template's markers.
         texts = [[(kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=kind == "model"))
                   for kind, a, b in turns.spans[i]] for i in range(len(trajs))]  # fmt: skip
