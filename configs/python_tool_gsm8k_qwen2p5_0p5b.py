@@ -47,6 +47,6 @@ def get_config():
     c.optim.micro_batches = 8
     c.train.num_steps = 500
     c.train.print_samples_every = 25
-    c.eval.every = 0  # held-out evaluation is single-turn
+    c.eval.every = 0  # multi-turn evaluation plays whole trajectories: costly at this size
     c.checkpoint.every = 50
     return c

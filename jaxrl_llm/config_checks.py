@@ -287,8 +287,6 @@ def check_env(config, algo) -> None:
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with env.name yet")
     _check(config.rollout.mode == "sync", f"rollout.mode={config.rollout.mode!r}: multi-turn "
            "rollouts (env.name) run in 'sync' mode")  # fmt: skip
-    _check(not config.eval.every, "eval.every: held-out evaluation is single-turn; set 0 with "
-           "env.name (reward/mean and env/* follow the multi-turn policy)")  # fmt: skip
 
 
 def check_train(config) -> None:

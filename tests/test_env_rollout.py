@@ -276,3 +276,27 @@ def test_env_evaluation_plays_greedy_trajectories(tmp_path, tok):
     assert got["eval/num_prompts"] == 16 and 0 < np.mean(hits) < 1
     assert got["eval/pass@1"] == np.mean(hits)
     assert got["eval/turns_mean"] == 1.0 and got["eval/pass@2"] >= 0.0
+
+
+def test_calculator_demo_learns_to_call_its_tool(tmp_path):
+    """configs/calculator_tiny.py shortened to 20 steps: held-out greedy trajectories
+    call the calculator more often and answer right more often than the shipped model
+    (README: 0.25 -> 0.45 calls, pass@1 0.16 -> 0.33 at step 20)."""
+    import importlib.util
+
+    from jaxrl_llm import metrics, train
+
+    path = os.path.join(os.path.dirname(TEST_ENVS), "..", "configs", "calculator_tiny.py")
+    spec = importlib.util.spec_from_file_location("calculator_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.train.num_steps, c.eval.every, c.train.print_samples_every = 20, 20, 0
+    c.logging.tensorboard = False
+    train.train(c, str(tmp_path))
+    first, last = (
+        r for r in metrics.read_metrics(tmp_path / "metrics.jsonl") if "eval/pass@1" in r
+    )
+    assert (first["step"], last["step"]) == (0, 20)
+    assert last["eval/tool_calls"] >= first["eval/tool_calls"] + 0.1, (first, last)
+    assert last["eval/pass@1"] >= first["eval/pass@1"] + 0.05, (first, last)

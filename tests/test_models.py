@@ -288,7 +288,7 @@ def test_attention_values_and_gradients_equal_jax_reference():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-@pytest.mark.parametrize("asset", ["quickstart_model", "arithmetic_tokenizer"])
+@pytest.mark.parametrize("asset", ["quickstart_model", "arithmetic_tokenizer", "calculator_model"])
 def test_tokenizer_equals_autotokenizer_without_torch(asset):
     """A tokenizer.json directory loads as AutoTokenizer would, without importing torch."""
     import importlib.resources
@@ -300,7 +300,7 @@ def test_tokenizer_equals_autotokenizer_without_torch(asset):
     ours = models.builtin.load_tokenizer(path)
     theirs = transformers.AutoTokenizer.from_pretrained(path)
     assert type(ours) is type(theirs)
-    for text in ("What is 12 + 34?=", "the  cat\n\nis  12", ""):
+    for text in ("What is 12 + 34?=", "the  cat\n\nis  12", "", "=<calc>1 * 2</calc>\n2\n2"):
         for special in (True, False):
             got = ours(text, add_special_tokens=special)["input_ids"]
             assert got == theirs(text, add_special_tokens=special)["input_ids"], text

