@@ -145,22 +145,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )  # fmt: skip
     progress = metrics.Progress(c.train.num_steps, initial_step=start)
     stop = checkpoint.install_sigterm_handler()  # SIGTERM, and a first Ctrl-C
-    last, aborted = {}, False
+    aborted = False
     try:
-        run.compile_log.listen(progress.write)
-        if run.env_rollout is None:  # multi-turn prompts come from resets: compiled at use
-            compilation.precompile_step(run)
-        if c.eval.every and c.eval.at_start and start == 0:  # the initial policy's point
-            writer.write(0, last := run.evaluate(0))
-        for step in range(start, c.train.num_steps):
-            last = _one_step(run, step, writer, progress, last)
-            done = step + 1
-            extra = {"step": done, "data": run.data_state()}
-            if stop.stop_at(done):
-                ckpt.save(done, rl.checkpointed(run.state), extra, force=True)
-                progress.write(f"{stop.reason}: saved step {done} in {ckpt.directory}, exiting")
-                break
-            ckpt.save(done, rl.checkpointed(run.state), extra, force=done == c.train.num_steps)
+        return _steps(run, ckpt, writer, progress, stop, start)
     except KeyboardInterrupt:  # a second Ctrl-C: abort without saving, even mid-save
         aborted = True
         raise
@@ -173,6 +160,27 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         writer.close()
         run.close()
         stop.restore()
+
+
+def _steps(run: Run, ckpt, writer, progress, stop, start: int) -> dict:
+    """Steps `start`.. to train.num_steps, each followed by its scheduled checkpoint; a
+    SIGTERM or first Ctrl-C (`stop`) saves the step just done and ends the loop. Returns
+    the last logged metrics."""
+    c, last = run.config, {}
+    run.compile_log.listen(progress.write)
+    if run.env_rollout is None:  # multi-turn prompts come from resets: compiled at use
+        compilation.precompile_step(run)
+    if c.eval.every and c.eval.at_start and start == 0:  # the initial policy's point
+        writer.write(0, last := run.evaluate(0))
+    for step in range(start, c.train.num_steps):
+        last = _one_step(run, step, writer, progress, last)
+        done = step + 1
+        extra = {"step": done, "data": run.data_state()}
+        if stop.stop_at(done):
+            ckpt.save(done, rl.checkpointed(run.state), extra, force=True)
+            progress.write(f"{stop.reason}: saved step {done} in {ckpt.directory}, exiting")
+            break
+        ckpt.save(done, rl.checkpointed(run.state), extra, force=done == c.train.num_steps)
     return last
 
 
