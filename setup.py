@@ -7,6 +7,14 @@ On a TPU VM:                     pip install -e ".[tpu]"
 
 from setuptools import find_packages, setup
 
+# Shipped inside the package (~1.2 MB): the quickstart and calculator models and tokenizers.
+ASSET_DIRS = (
+    "quickstart_model",
+    "arithmetic_tokenizer",
+    "calculator_model",
+    "calculator_tokenizer",
+)
+
 setup(
     name="jaxrl_llm",
     version="0.1.0",
@@ -15,8 +23,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["jaxrl_llm", "jaxrl_llm.*"]),
-    # The quickstart model and its tokenizer ship inside the package (~0.6 MB).
-    package_data={"jaxrl_llm": ["assets/quickstart_model/*", "assets/arithmetic_tokenizer/*"]},
+    package_data={"jaxrl_llm": [f"assets/{d}/*" for d in ASSET_DIRS]},
     install_requires=[
         "jax>=0.7",
         "flax>=0.11",
