@@ -281,7 +281,7 @@ def test_env_evaluation_plays_greedy_trajectories(tmp_path, tok):
 def test_calculator_demo_learns_to_call_its_tool(tmp_path):
     """configs/calculator_tiny.py shortened to 20 steps: held-out greedy trajectories
     call the calculator more often and answer right more often than the shipped model
-    (README: 0.25 -> 0.45 calls, pass@1 0.16 -> 0.33 at step 20)."""
+    (docs/envs.md: 0.25 -> 0.45 calls, pass@1 0.16 -> 0.33 at step 20)."""
     import importlib.util
 
     from jaxrl_llm import metrics, train
