@@ -14,8 +14,9 @@ the final answer, makes the call its habit. Watch `env/tool_calls` and `eval/pas
 Hardware: 2 CPU cores; nothing is downloaded.
 Expected result (measured, 2 CPU cores shared with a test run): held-out greedy
 eval/pass@1 on 128 prompts 0.16 / 0.24 / 0.33 / 0.53 / 0.71 / 0.78 / 0.81 at steps
-0 / 10 / ... / 60, eval/tool_calls 0.25 -> 0.98; the 60 steps take about a minute after
-~40 s of start-up and compilation. The curve is in the README.
+0 / 10 / ... / 60, eval/tool_calls 0.25 -> 0.98; the whole command takes 25 s on quiet
+cores with the compilation cache warm (~1.5 minutes cold on busy ones). The curve is in
+the README.
 """
 
 from jaxrl_llm.run_config import base_config
