@@ -14,7 +14,8 @@ records are timestamped as they appear) and its output lines:
 - first step: its `perf/step_s`; start-up + first step is the time to the first update;
 - compile: the start-up compilation's wall time (its summary line), or XLA compile time
   inside the first step (`perf/compile_s`) for a trainer that compiles there;
-- per program: the trainer's "compiling NAME (DETAIL)... S s" lines;
+- per program: the trainer's "compiling NAME (DETAIL)... S s" lines (warm: "loading
+  NAME (DETAIL)... S s (stored executable)");
 - with --steps > 2: the median `perf/step_s` of steps 2.. (later steps) and the peak RSS of
   the trainer process (getrusage of the finished child).
 
@@ -46,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import config_wrapper, device_name, table, uptime  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LINE = re.compile(r"compiling (.+?)\.\.\. ([0-9.]+) s( \(compilation cache\))?")
+LINE = re.compile(r"(?:compiling|loading) (.+?)\.\.\. ([0-9.]+) s( \((?:compilation cache|stored"
+                  r" executable)\))?")  # fmt: skip
 READY = re.compile(r"programs ready in ([0-9.]+) s")
 
 AUTO = """    for key in {keys!r}:

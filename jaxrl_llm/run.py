@@ -20,6 +20,8 @@ explicit ones (completion ids out, rewards in, metrics at log steps).
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 
 import jax
@@ -30,6 +32,7 @@ from jaxrl_llm import (
     config_checks,
     data,
     evaluation,
+    executables,
     models,
     parallel,
     perf,
@@ -181,6 +184,21 @@ class Run(RolloutModes):
                 self.base_cfg, self.spec, chunk_size=c.train.logprob_chunk,
                 micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
             )  # fmt: skip
+
+    def executable_store(self) -> executables.Store | None:
+        """Where start-up keeps and finds the step's compiled programs (`executables`,
+        under the compilation cache), keyed by what this run was built from; None without
+        a cache, with several processes, or with a rollout mesh of its own."""
+        c = self.config
+        if not c.train.compilation_cache_dir or jax.process_count() > 1:
+            return None
+        if self.rollout_mesh is not self.mesh or self.mesh.size != jax.device_count():
+            return None
+        built = (self.model_cfg, self.base_cfg, self.spec, self.algo, self.sampler.pad_id)
+        context = json.dumps(c.to_dict(), sort_keys=True, default=repr)
+        context += "\n".join(map(repr, built))
+        cache = os.path.abspath(os.path.expanduser(c.train.compilation_cache_dir))
+        return executables.Store(os.path.join(cache, "executables"), context)
 
     def _rows(self) -> int:
         """Rollout rows per step (all hosts)."""

@@ -245,7 +245,9 @@ def train_defaults() -> ml_collections.ConfigDict:
     # optimizer, batch, G, rewards, seed); the differences are listed either way.
     t.allow_config_change = False
     # XLA's persistent compilation cache: a rerun, a resume or another run of the same
-    # programs loads them instead of compiling (process-wide while the run lasts). "" = off.
+    # programs loads them instead of compiling (process-wide while the run lasts); the
+    # step's programs are also stored whole (`executables`), so that a rerun of the same
+    # code and config does not even trace them. "" = both off.
     t.compilation_cache_dir = default_compilation_cache_dir()
     return t
 

@@ -1,7 +1,8 @@
 """Start-up compilation: the programs are compiled before the first step, each says so in
-one line, and a second run in a fresh process loads them from the persistent cache."""
+one line, and a second run in a fresh process loads them stored (or from XLA's cache)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -25,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 def _train(model_dir, workdir, cache) -> list[str]:
     """The command line in a fresh process, on one device -> its lines about compiled
-    programs."""
+    and loaded programs."""
     env = dict(os.environ, TINY_MODEL_DIR=model_dir, PYTHONPATH=os.pathsep.join([ROOT, HERE]),
                XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
     proc = subprocess.run(
@@ -36,7 +37,8 @@ def _train(model_dir, workdir, cache) -> list[str]:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stderr.replace("\r", "\n")
-    return [line[line.index("compiling ") :] for line in text.splitlines() if "compiling " in line]
+    found = (re.search(r"(compiling|loading) .*", line) for line in text.splitlines())
+    return [m.group(0) for m in found if m]
 
 
 def _learning(workdir) -> list[dict]:
@@ -46,7 +48,7 @@ def _learning(workdir) -> list[dict]:
     ]
 
 
-def test_second_run_loads_every_program_from_the_cache(model_dir, tmp_path):
+def test_second_run_loads_every_program_stored_and_the_cache_backs_it(model_dir, tmp_path):
     cache = tmp_path / "xla"
     cold = _train(model_dir, tmp_path / "cold", cache)
     names = [line.split(" (")[0] for line in cold]
@@ -55,12 +57,25 @@ def test_second_run_loads_every_program_from_the_cache(model_dir, tmp_path):
     assert all("(bucket 16)" in line and "compilation cache" not in line for line in cold)
     first = read_metrics(tmp_path / "cold" / "metrics.jsonl")[0]
     assert first["perf/compile_s"] == 0.0  # compiled before the first step, not in it
-    assert os.listdir(cache)
+    stored = sorted(os.listdir(cache / "executables"))
+    assert len(stored) == 3
 
+    # A rerun loads the three executables: nothing is traced, lowered or compiled.
     warm = _train(model_dir, tmp_path / "warm", cache)
-    assert sorted(line.split(" (")[0] for line in warm) == sorted(names), warm
-    assert all(line.endswith("(compilation cache)") for line in warm), warm
+    expected = sorted(name.replace("compiling", "loading") for name in names)
+    assert sorted(line.split(" (")[0] for line in warm) == expected, warm
+    assert all(line.endswith("(stored executable)") for line in warm), warm
     assert _learning(tmp_path / "warm") == _learning(tmp_path / "cold")
+    assert sorted(os.listdir(cache / "executables")) == stored
+
+    # Without the stored executables XLA's cache answers; what it answered is not stored.
+    for name in stored:
+        os.remove(cache / "executables" / name)
+    cached = _train(model_dir, tmp_path / "cached", cache)
+    assert sorted(line.split(" (")[0] for line in cached) == sorted(names), cached
+    assert all(line.endswith("(compilation cache)") for line in cached), cached
+    assert _learning(tmp_path / "cached") == _learning(tmp_path / "cold")
+    assert os.listdir(cache / "executables") == []
 
 
 def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
@@ -71,7 +86,7 @@ def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
         x = np.arange(7, dtype=np.float32)
         with compilation.CompileLog(write=lines.append) as log:
             with log.ahead_of_time() as build:
-                build("toy", "7 rows", lambda: f.lower(x))
+                build("toy", "7 rows", f, x)
             with log.program("again", "same shapes"):
                 f(x)  # the executable compiled above: nothing compiles, no line
             jax.clear_caches()  # as a new process would: only the persistent cache is left

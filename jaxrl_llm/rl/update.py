@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm import models
+from jaxrl_llm import executables, models
 from jaxrl_llm.models import lora
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.advantages import compute_advantages
@@ -299,11 +299,8 @@ class UpdateFn:
                 scalars = NamedSharding(first.mesh, PartitionSpec())
             else:
                 scalars = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
-            self._jitted[key] = jax.jit(
-                self._traced,
-                donate_argnums=0,
-                out_shardings=(shardings, scalars),
-            )
+            jitted = jax.jit(self._traced, donate_argnums=0, out_shardings=(shardings, scalars))
+            self._jitted[key] = executables.Program(jitted)
         return self._jitted[key]
 
     def _traced(self, state: TrainState, frozen, batch: RolloutBatch):
@@ -333,4 +330,10 @@ class UpdateFn:
 
     def lower(self, state: TrainState, batch: RolloutBatch):
         """`jax.jit(...).lower` of the program for this state's layout (AOT, memory)."""
-        return self._for(state).lower(state.replace(frozen=None), state.frozen, batch)
+        program, args = self.program(state, batch)
+        return program.lower(*args)
+
+    def program(self, state: TrainState, batch: RolloutBatch):
+        """The program for this state's layout (an `executables.Program`) and the
+        arguments a call with this state and batch gives it."""
+        return self._for(state), (state.replace(frozen=None), state.frozen, batch)
