@@ -226,8 +226,10 @@ class CompileLog:
 def shaped(out_info, sharding):
     """A program's output shapes (`Lowered.out_info`) as ShapeDtypeStructs with the given
     (pinned) sharding: the inputs of the programs that read them."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        out_info)  # fmt: skip
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type),
+        out_info,
+    )
 
 
 def precompile_step(run, side_by_side: bool = True) -> None:

@@ -62,7 +62,7 @@ class Program:
         return self.jitted.lower(*args, **kwargs)
 
     def install(self, entry) -> None:
-        """entry: (signature, executable), from `Store.load` or `Store.save`."""
+        """entry: (signature, executable), from `Entry.load` or `Store.save`."""
         sig, executable = entry
         self.installed[sig] = executable
 
@@ -186,8 +186,10 @@ class Store:
         path = self._path(name, sig)
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-            out_info = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
-                                    compiled.out_info)  # fmt: skip
+            out_info = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type),
+                compiled.out_info,
+            )  # shardings left out: they name devices (the caller pins its own)
             # Loaded onto these devices in this order: any other order would misplace
             # the shards (the inputs' shardings, in the key, fix the order).
             first = jax.tree.leaves(compiled.input_shardings)[0]

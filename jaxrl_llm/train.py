@@ -12,10 +12,17 @@ progress bar and the command line.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # the command line re-runs itself under tcmalloc (where it is
+    # installed) before it imports anything heavy: the imports below would be paid twice.
+    from jaxrl_llm.parallel import allocator
+
+    allocator.reexec_with_tcmalloc()
+
 import json
 import logging
 import os
-import sys
 
 import jax
 import ml_collections

@@ -1,19 +1,11 @@
-"""Device mesh ('data', 'fsdp', 'tensor') and batch sharding."""
+"""Device mesh ('data', 'fsdp', 'tensor') and batch sharding (`mesh`, whose names are
+also this package's), the host allocator, multi-host start-up.
 
-from jaxrl_llm.parallel.mesh import (
-    BATCH_AXES,
-    MESH_AXES,
-    batch_sharding,
-    batch_size_multiple,
-    host_max,
-    host_mean,
-    local_rows,
-    make_mesh,
-    mesh_shape,
-    shard_batch,
-    shard_local_batch,
-    to_mesh,
-)
+The mesh names are imported on first use: `from jaxrl_llm.parallel import allocator`,
+the command lines' first step (they re-run themselves under tcmalloc), imports no jax.
+"""
+
+import importlib
 
 __all__ = [
     "BATCH_AXES",
@@ -29,3 +21,9 @@ __all__ = [
     "shard_local_batch",
     "to_mesh",
 ]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return getattr(importlib.import_module("jaxrl_llm.parallel.mesh"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
