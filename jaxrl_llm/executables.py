@@ -5,11 +5,11 @@ XLA's persistent cache (`compilation.use_cache`) keys a program by its lowered H
 rerun still traces and lowers every program in Python before the cache can answer: most of
 a warm start. A `Store` keys a program instead by everything that decides it before
 tracing: this package's source, the versions of jax, jaxlib, flax, optax and numpy, jax's
-options and `XLA_FLAGS`, the devices, what the run was built from (`context`: its config,
-model config, rollout spec, algorithm), and the program's name, static arguments and the
-shapes, dtypes and shardings of its arguments. A program found there is deserialized
-(`jax.experimental.serialize_executable`) and serves the calls with exactly those
-arguments; any other call traces and compiles as before.
+options and `XLA_FLAGS`, the devices and the host CPU, what the run was built from
+(`context`: its config, model config, rollout spec, algorithm), and the program's name,
+static arguments and the shapes, dtypes and shardings of its arguments. A program found
+there is deserialized (`jax.experimental.serialize_executable`) and serves the calls with
+exactly those arguments; any other call traces and compiles as before.
 
     program = Program(jax.jit(f, static_argnames="spec"), static_argnames=("spec",))
     store = Store(directory, context)
@@ -31,6 +31,7 @@ import hashlib
 import importlib.metadata
 import os
 import pickle
+import platform
 
 import jax
 import numpy as np
@@ -99,7 +100,8 @@ def _describe(sig: tuple) -> str:
 @functools.cache
 def fingerprint() -> str:
     """This package's source, the packages its programs are traced with, jax's options,
-    XLA_FLAGS and the devices: what makes a stored program stale when it changes."""
+    XLA_FLAGS, the devices and the host CPU: what makes a stored program stale when it
+    changes."""
     h = hashlib.sha256(FORMAT.encode())
     root = os.path.dirname(os.path.abspath(__file__))
     for folder, dirs, files in sorted(os.walk(root)):
@@ -122,7 +124,22 @@ def fingerprint() -> str:
     devices = jax.devices()
     h.update(f"{devices[0].client.platform_version}|{jax.process_count()}".encode())
     h.update(repr([(d.id, d.device_kind, d.process_index) for d in devices]).encode())
+    h.update(_host_cpu().encode())
     return h.hexdigest()
+
+
+def _host_cpu() -> str:
+    """The host CPU's model and instruction-set flags: XLA:CPU compiles for the features
+    of the machine it runs on, so a cache directory shared between machines (a network
+    home) must not hand one machine's executables to another."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n\n")[0].splitlines()
+    except OSError:
+        return text + platform.processor()
+    keep = ("model name", "flags", "Features", "CPU part")
+    return text + "".join(line for line in lines if line.split(":")[0].strip() in keep)
 
 
 @dataclasses.dataclass

@@ -118,8 +118,8 @@ def test_the_least_recently_used_programs_go_beyond_the_size(tmp_path, monkeypat
     assert store.read("f", program, _arrays(rows, 24), {"scale": 1.0}) is None
 
 
-@pytest.mark.parametrize("change", ["source", "option"])
-def test_the_fingerprint_follows_the_source_and_jax_options(change, tmp_path, monkeypatch):
+@pytest.mark.parametrize("change", ["source", "option", "cpu"])
+def test_the_fingerprint_follows_the_source_jax_options_and_the_cpu(change, tmp_path, monkeypatch):
     before = executables.fingerprint()
     executables.fingerprint.cache_clear()
     precision = jax.config.jax_default_matmul_precision
@@ -128,8 +128,10 @@ def test_the_fingerprint_follows_the_source_and_jax_options(change, tmp_path, mo
         root.mkdir()
         (root / "executables.py").write_text("# another version\n")
         monkeypatch.setattr(executables, "__file__", str(root / "executables.py"))
-    else:
+    elif change == "option":
         jax.config.update("jax_default_matmul_precision", "highest")
+    else:  # a cache directory shared with a machine of other instruction sets
+        monkeypatch.setattr(executables, "_host_cpu", lambda: "x86_64 flags: sse2")
     try:
         assert executables.fingerprint() != before
     finally:
