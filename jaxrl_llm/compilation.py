@@ -166,16 +166,16 @@ class CompileLog:
         futures, start_all = [], time.perf_counter()
 
         def build(name: str, detail: str, program, *args, **kwargs):
-            start, stored = time.perf_counter(), isinstance(program, executables.Program)
-            stored = store if stored else None
-            if stored is not None and (entry := stored.read(name, program, args, kwargs)):
-                job = (self._load, name, detail, program, entry, stored, args, kwargs)
+            start = time.perf_counter()
+            keep = store if isinstance(program, executables.Program) else None
+            if keep is not None and (entry := keep.read(name, program, args, kwargs)):
+                job = (self._load, name, detail, program, entry, keep, args, kwargs)
                 out_info = entry.out_info
             else:
                 lowered = program.lower(*args, **kwargs)
                 traced_s = time.perf_counter() - start
-                job = (self._compile, name, detail, lowered, traced_s)
-                job += ((stored, program, args, kwargs),) if stored is not None else ()
+                save = None if keep is None else (keep, program, args, kwargs)
+                job = (self._compile, name, detail, lowered, traced_s, save)
                 out_info = lowered.out_info
             futures.append(pool.submit(*job))
             if not side_by_side:
