@@ -195,13 +195,14 @@ class CompileLog:
                        f"{cached} from the compilation cache)")  # fmt: skip
 
     def _compile(self, name: str, detail: str, lowered, traced_s: float, save=None):
-        with self.program(name, detail, traced_s) as record:
+        with self.program(name, detail, traced_s) as record, executables.cache_reads() as reads:
             compiled = lowered.compile()
-            # Stored only when XLA compiled it: an executable that the persistent cache
-            # answered does not serialize whole again (its kernels are missing on load).
-            if save is not None and not record.cache_hits:  # save: store, program, args
-                store, program, args, kwargs = save
-                program.install(store.save(name, program, args, kwargs, compiled))
+            # An executable that XLA's persistent cache answered is stored as the cache
+            # held it (reloaded, it would serialize without its kernels).
+            cached = reads[0] if record.cache_hits and len(reads) == 1 else None
+            if save is not None and (cached is not None or not record.cache_hits):
+                store, program, args, kwargs = save  # save: store, program, args
+                program.install(store.save(name, program, args, kwargs, compiled, cached))
         return record
 
     def _load(self, name: str, detail: str, program, entry, store, args, kwargs) -> Compiled:

@@ -25,13 +25,16 @@ of the devices (a deserialized executable runs on the devices it is given).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import io
 import os
 import pickle
 import platform
+import threading
 
 import jax
 import numpy as np
@@ -196,13 +199,19 @@ class Store:
         os.utime(path)  # recently used
         return Entry(sig, path, blob, in_tree, out_tree, out_info, device_ids)
 
-    def save(self, name: str, program: Program, args, kwargs, compiled):
+    def save(self, name: str, program: Program, args, kwargs, compiled, cached=None):
         """Writes a compiled program (atomically; a program that cannot be serialized is
-        not stored) -> (signature, compiled) for `Program.install`."""
+        not stored) -> (signature, compiled) for `Program.install`.
+
+        cached: the serialized executable that XLA's persistent cache gave for `compiled`
+        (`cache_reads`), stored in its place: an executable loaded from that cache
+        serializes without its kernels, so it would not run once loaded again."""
         sig = program.signature(args, kwargs)
         path = self._path(name, sig)
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+            if cached is not None:
+                blob = _with_executable(blob, cached)
             out_info = jax.tree.map(
                 lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type),
                 compiled.out_info,
@@ -238,6 +247,80 @@ class Store:
                 break
             _remove(os.path.join(self.directory, name))
             total -= size
+
+
+class _Executable:
+    """Where a serialized program's pickle holds its executable, while it is rewritten."""
+
+
+def _with_executable(blob: bytes, serialized: bytes) -> bytes:
+    """`blob` (from `serialize_executable.serialize`) with the bytes of its one executable
+    replaced by `serialized`; ValueError where that cannot be done."""
+
+    class Reader(serialize_executable._JaxPjrtUnpickler):
+        def persistent_load(self, pid):
+            return _Executable() if pid[0] == "exec" else super().persistent_load(pid)
+
+    found = []
+
+    class Writer(serialize_executable._JaxPjrtPickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, _Executable):
+                found.append(obj)
+                return ("exec", serialized)
+            return super().persistent_id(obj)
+
+    try:
+        tree = Reader(io.BytesIO(blob), jax.devices()[0].client).load()
+        with io.BytesIO() as out:
+            Writer(out).dump(tree)
+            data = out.getvalue()
+    except Exception as err:  # jax's private pickling classes changed: not stored
+        raise ValueError(f"cannot rewrite the serialized program: {err}") from err
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} executables in one serialized program")
+    return data
+
+
+_READS = threading.local()
+
+
+@contextlib.contextmanager
+def cache_reads():
+    """-> a list that collects, in this block and thread, the serialized executables that
+    XLA's persistent cache answers with (for `Store.save`'s `cached`).
+
+    jax deserializes a cache entry in the thread that compiles; its reader
+    (`jax._src.compilation_cache.extract_executable_and_time`) is wrapped once to hand
+    the bytes to the block. A jax without that function collects nothing: a program
+    XLA's cache answers is then not stored."""
+    _wrap_cache_reader()
+    _READS.reads = reads = []
+    try:
+        yield reads
+    finally:
+        _READS.reads = None
+
+
+@functools.cache
+def _wrap_cache_reader() -> None:
+    try:
+        from jax._src import compilation_cache
+    except ImportError:
+        return
+    read = getattr(compilation_cache, "extract_executable_and_time", None)
+    if read is None:
+        return
+
+    @functools.wraps(read)
+    def extract_executable_and_time(data):
+        serialized, compile_time = read(data)
+        reads = getattr(_READS, "reads", None)
+        if reads is not None:
+            reads.append(serialized)
+        return serialized, compile_time
+
+    compilation_cache.extract_executable_and_time = extract_executable_and_time
 
 
 def _remove(path: str) -> None:

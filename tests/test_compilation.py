@@ -1,5 +1,6 @@
 """Start-up compilation: the programs are compiled before the first step, each says so in
-one line, and a second run in a fresh process loads them stored (or from XLA's cache)."""
+one line, and a second run in a fresh process loads them stored (or from XLA's cache, and
+stores them then)."""
 
 import os
 import re
@@ -68,18 +69,24 @@ def test_second_run_loads_every_program_stored_and_the_cache_backs_it(model_dir,
     assert _learning(tmp_path / "warm") == _learning(tmp_path / "cold")
     assert sorted(os.listdir(cache / "executables")) == stored
 
-    # Without the stored executables XLA's cache answers; what it answered is not stored.
+    # Without the stored executables XLA's cache answers, and what it answered is stored
+    # as the cache held it: the next run loads all three again.
     for name in stored:
         os.remove(cache / "executables" / name)
     cached = _train(model_dir, tmp_path / "cached", cache)
     assert sorted(line.split(" (")[0] for line in cached) == sorted(names), cached
     assert all(line.endswith("(compilation cache)") for line in cached), cached
     assert _learning(tmp_path / "cached") == _learning(tmp_path / "cold")
-    assert os.listdir(cache / "executables") == []
+    assert len(os.listdir(cache / "executables")) == 3
+    again = _train(model_dir, tmp_path / "again", cache)
+    assert sorted(line.split(" (")[0] for line in again) == expected, again
+    assert all(line.endswith("(stored executable)") for line in again), again
+    assert _learning(tmp_path / "again") == _learning(tmp_path / "cold")
 
 
 def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
     lines = []
+    previous = jax.config.jax_compilation_cache_dir  # the test session's (conftest)
     compilation.use_cache(str(tmp_path / "xla"))
     try:
         f = jax.jit(lambda x: jnp.sin(x) * 3.0 + jnp.cos(x))
@@ -93,7 +100,7 @@ def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
             with log.program("toy", "7 rows"):
                 f(x)
     finally:
-        compilation.use_cache("")
+        compilation.use_cache(previous or "")
     assert lines[0].startswith("compiling toy (7 rows)... ")
     assert not lines[0].endswith("(compilation cache)")
     assert lines[1].startswith("programs ready in ")

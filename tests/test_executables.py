@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm import executables
+from jaxrl_llm import compilation, executables
 
 
 def _mesh():
@@ -66,6 +66,33 @@ def test_loaded_program_equals_the_jitted_one_on_a_permuted_mesh(tmp_path):
     state, x = _arrays(rows, n=8)
     np.testing.assert_allclose(fresh(state, x, scale=3.0)[1]["total"], float(jnp.sum(x)))
     assert len(fresh.installed) == 1
+
+
+def test_a_program_from_xla_cache_is_stored_as_the_cache_held_it(tmp_path):
+    """An executable that XLA's persistent cache answers re-serializes without its kernels
+    (`NOT_FOUND: Function ... not found` when run after loading); the store keeps the
+    bytes the cache held instead, and they load and run."""
+
+    def f(x):
+        return jnp.cumsum(x * jnp.arange(x.shape[1], dtype=jnp.float32)[None], axis=1)
+
+    x = np.arange(16 * 64, dtype=np.float32).reshape(16, 64) / 100
+    previous = jax.config.jax_compilation_cache_dir  # the test session's (conftest)
+    compilation.use_cache(str(tmp_path / "xla"))
+    try:
+        executables.Program(jax.jit(f)).lower(x).compile()  # XLA compiles, the cache keeps it
+        jax.clear_caches()  # as a new process would: only the persistent cache is left
+        program = executables.Program(jax.jit(f))
+        with executables.cache_reads() as reads:
+            compiled = program.lower(x).compile()
+    finally:
+        compilation.use_cache(previous or "")
+    assert len(reads) == 1
+    store = executables.Store(str(tmp_path / "store"), "context")
+    store.save("f", program, (x,), {}, compiled, cached=reads[0])
+    fresh = executables.Program(jax.jit(f))
+    fresh.install(store.read("f", fresh, (x,), {}).load())
+    np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(jax.jit(f)(x)))
 
 
 def test_a_different_context_or_signature_misses_and_a_damaged_file_is_replaced(tmp_path):
