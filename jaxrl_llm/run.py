@@ -71,7 +71,12 @@ class Run(RolloutModes):
         self.rollout_thread = None  # split: started by the first step
         # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
         size = 1024 if jax.default_backend() == "cpu" else 2048
-        self.peak = perf.matmul_peak(self.config.model.dtype, size)
+        dtype = self.config.model.dtype
+        if cache := self.config.train.compilation_cache_dir:  # kept there: reruns read it
+            directory = os.path.abspath(os.path.expanduser(cache))
+            self.peak = perf.kept_matmul_peak(dtype, size, directory)
+        else:
+            self.peak = perf.matmul_peak(dtype, size)
 
     # ----------------------------------------------------------------- Model & tokenizer
     def _load_models(self):

@@ -97,3 +97,23 @@ def test_update_forward_passes(iterations, mini, kl_in_reward, expected):
     spec = RolloutSpec(num_generations=2)
     fn = U.make_update_fn(tiny_model_config(), algo, opt, spec, mini_batches=mini)
     assert fn.forward_passes == expected
+
+
+def test_kept_matmul_peak_is_measured_once_and_read_back(tmp_path, monkeypatch):
+    measured = []
+
+    def measure(dtype, n):
+        measured.append((dtype, n))
+        return 1e9 * len(measured)
+
+    monkeypatch.setattr(perf, "matmul_peak", measure)
+    directory = str(tmp_path / "cache")
+    assert perf.kept_matmul_peak("float32", 64, directory) == 1e9
+    assert perf.kept_matmul_peak("float32", 64, directory) == 1e9  # read back, not measured
+    assert perf.kept_matmul_peak("bfloat16", 64, directory) == 2e9  # another key
+    assert measured == [("float32", 64), ("bfloat16", 64)]
+    with open(tmp_path / "cache" / "matmul_peak.json", "w") as f:
+        f.write("{not json")  # damaged: measured again and the file replaced
+    assert perf.kept_matmul_peak("float32", 64, directory) == 3e9
+    assert perf.kept_matmul_peak("float32", 64, directory) == 3e9
+    assert len(measured) == 3
