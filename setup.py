@@ -45,8 +45,10 @@ setup(
         # is what transformers' GGUF loader (the GGUF tests' reference) asks for.
         # nbformat / nbclient / ipykernel execute notebooks/quickstart.ipynb in the tests.
         # peft loads the LoRA adapter export onto the HF model (tests/test_lora_run.py).
+        # pytest-xdist: the README's test command runs two workers (`-n 2`).
         "test": [
             "pytest",
+            "pytest-xdist",
             "torch==2.13.0",
             "accelerate",
             "peft",

@@ -156,7 +156,9 @@ def _train(model_dir, workdir, *overrides):
         "--config.checkpoint.every=0",
         *overrides,
     ]
-    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # stderr to a file: `_interrupt_after` reads it while the trainer runs.
+    with open(f"{workdir}.stderr", "w", encoding="utf-8") as stderr:
+        return subprocess.Popen(cmd, env=env, stderr=stderr, stdout=subprocess.DEVNULL)
 
 
 def _logged_steps(workdir) -> list[int]:
@@ -168,19 +170,32 @@ def _logged_steps(workdir) -> list[int]:
 
 
 def _interrupt_after(proc, workdir, steps: int, presses: int, timeout_s: float = 400):
+    """Ctrl-C `presses` times once `steps` steps are logged -> the trainer's stderr. A
+    press waits until the trainer has answered the one before: two SIGINTs that arrive
+    while the main thread is inside one XLA call reach Python's handler once."""
     deadline = time.monotonic() + timeout_s
-    while len(_logged_steps(workdir)) < steps:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the trainer did not log in time"
-        time.sleep(0.2)
-    for _ in range(presses):
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.05)
+
+    def wait_for(done, what):
+        while not done():
+            assert proc.poll() is None, _stderr(workdir)[-3000:]
+            assert time.monotonic() < deadline, f"the trainer did not {what} in time"
+            time.sleep(0.01)
+
     try:
-        _, err = proc.communicate(timeout=300)
+        wait_for(lambda: len(_logged_steps(workdir)) >= steps, "log")
+        for press in range(presses):
+            if press:
+                wait_for(lambda: "press Ctrl-C again" in _stderr(workdir), "answer Ctrl-C")
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
     finally:
         proc.kill()
-    return err
+    return _stderr(workdir)
+
+
+def _stderr(workdir) -> str:
+    with open(f"{workdir}.stderr", encoding="utf-8") as f:
+        return f.read()
 
 
 def test_ctrl_c_saves_the_step_and_exits_cleanly(model_dir, tmp_path):

@@ -82,8 +82,11 @@ def test_fork_bomb_is_contained_and_cleaned_up():
 
 def test_memory_hog_fails_without_hurting_the_parent():
     code = "blocks = []\nwhile True:\n    blocks.append(bytearray(64 * 1024 * 1024))\n"
-    result = run_python(code, ["assert True"], limits=LIMITS)
-    assert result.status == "failed" and result.message.startswith("MemoryError")
+    # The memory limit is under test: time enough that a loaded machine (the test
+    # workers beside it) cannot end the run on CPU or wall-clock time first.
+    limits = Limits(cpu_s=10, wall_s=20.0, memory_mb=LIMITS.memory_mb, processes=16)
+    result = run_python(code, ["assert True"], limits=limits)
+    assert result.status == "failed" and result.message.startswith("MemoryError"), result
     assert _reward(code, ["assert True"]) == 0.0
 
 
