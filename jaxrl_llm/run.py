@@ -45,6 +45,29 @@ from jaxrl_llm import (
 )
 from jaxrl_llm.modes import RolloutModes, staleness
 
+# Config keys that no compiled program reads: they schedule, log, checkpoint or place host
+# work. A rerun that changes only these (a resume to more steps, another checkpoint
+# interval) loads the stored programs of the run before; every other key is part of their
+# key, whether or not a program depends on it.
+HOST_ONLY_KEYS = frozenset(
+    {
+        "checkpoint",  # the whole section
+        "logging",  # the whole section
+        "eval.every",
+        "eval.at_start",
+        "train.log_every",
+        "train.print_samples_every",
+        "train.num_printed_samples",
+        "train.verifier_workers",
+        "train.verifier_timeout_s",
+        "train.verifier_memory_mb",
+        "train.max_verifier_error_rate",
+        "train.max_failed_steps",
+        "train.allow_config_change",
+        "train.compilation_cache_dir",
+    }
+)
+
 
 class Run(RolloutModes):
     """Everything a training run holds: built from the config, then stepped by `train`."""
@@ -200,8 +223,7 @@ class Run(RolloutModes):
         if self.rollout_mesh is not self.mesh or self.mesh.size != jax.device_count():
             return None
         built = (self.model_cfg, self.base_cfg, self.spec, self.algo, self.sampler.pad_id)
-        context = json.dumps(c.to_dict(), sort_keys=True, default=repr)
-        context += "\n".join(map(repr, built))
+        context = store_context(c) + "\n".join(map(repr, built))
         cache = os.path.abspath(os.path.expanduser(c.train.compilation_cache_dir))
         return executables.Store(os.path.join(cache, "executables"), context)
 
@@ -395,3 +417,19 @@ def tuned(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict,
 
 def _bucket(out) -> str:
     return f"bucket {out.prompt_tokens.shape[1]}"
+
+
+def store_context(config) -> str:
+    """The part of the stored executables' key that comes from the run config: every key
+    but `HOST_ONLY_KEYS`, and `train.num_steps` only where the learning-rate schedule
+    decays over it (a constant schedule, warmup or not, never reads it)."""
+    c = config.to_dict()
+    for key in HOST_ONLY_KEYS:
+        section, _, name = key.partition(".")
+        if name:
+            c.get(section, {}).pop(name, None)
+        else:
+            c.pop(section, None)
+    if c.get("optim", {}).get("schedule") == "constant":
+        c.get("train", {}).pop("num_steps", None)
+    return json.dumps(c, sort_keys=True, default=repr)

@@ -2,6 +2,7 @@
 one line, and a second run in a fresh process loads them stored (or from XLA's cache, and
 stores them then)."""
 
+import copy
 import os
 import re
 import subprocess
@@ -11,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_run
 from tiny_run import make_model_dir
 
-from jaxrl_llm import compilation
+from jaxrl_llm import compilation, run
 from jaxrl_llm.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -25,7 +27,7 @@ def model_dir(tmp_path_factory):
     return make_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
 
 
-def _train(model_dir, workdir, cache) -> list[str]:
+def _train(model_dir, workdir, cache, *overrides) -> list[str]:
     """The command line in a fresh process, on one device -> its lines about compiled
     and loaded programs."""
     env = dict(os.environ, TINY_MODEL_DIR=model_dir, PYTHONPATH=os.pathsep.join([ROOT, HERE]),
@@ -33,7 +35,7 @@ def _train(model_dir, workdir, cache) -> list[str]:
     proc = subprocess.run(
         [sys.executable, "-m", "jaxrl_llm.train", f"--config={HERE}/tiny_run.py",
          f"--workdir={workdir}", f"--config.train.compilation_cache_dir={cache}",
-         "--config.mesh.fsdp=1", "--config.mesh.tensor=1"],
+         "--config.mesh.fsdp=1", "--config.mesh.tensor=1", *overrides],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,12 +63,15 @@ def test_second_run_loads_every_program_stored_and_the_cache_backs_it(model_dir,
     stored = sorted(os.listdir(cache / "executables"))
     assert len(stored) == 3
 
-    # A rerun loads the three executables: nothing is traced, lowered or compiled.
-    warm = _train(model_dir, tmp_path / "warm", cache)
+    # A rerun loads the three executables: nothing is traced, lowered or compiled; one
+    # more step and another checkpoint setting (keys no program reads) do not matter.
+    warm = _train(model_dir, tmp_path / "warm", cache, "--config.train.num_steps=3",
+                  "--config.checkpoint.keep=1")  # fmt: skip
     expected = sorted(name.replace("compiling", "loading") for name in names)
     assert sorted(line.split(" (")[0] for line in warm) == expected, warm
     assert all(line.endswith("(stored executable)") for line in warm), warm
-    assert _learning(tmp_path / "warm") == _learning(tmp_path / "cold")
+    assert _learning(tmp_path / "warm")[:2] == _learning(tmp_path / "cold")
+    assert len(_learning(tmp_path / "warm")) == 3
     assert sorted(os.listdir(cache / "executables")) == stored
 
     # Without the stored executables XLA's cache answers, and what it answered is stored
@@ -82,6 +87,32 @@ def test_second_run_loads_every_program_stored_and_the_cache_backs_it(model_dir,
     assert sorted(line.split(" (")[0] for line in again) == expected, again
     assert all(line.endswith("(stored executable)") for line in again), again
     assert _learning(tmp_path / "again") == _learning(tmp_path / "cold")
+
+
+def test_the_stored_programs_key_leaves_out_only_keys_no_program_reads():
+    base = tiny_run.signal_config("model-dir")
+    key = run.store_context(base)
+
+    def changed(**keys):
+        c = copy.deepcopy(base)
+        for dotted, value in keys.items():
+            section, name = dotted.split("__")
+            c[section][name] = value
+        return run.store_context(c)
+
+    assert base.optim.schedule == "constant"
+    same = {"train__num_steps": 1000, "train__log_every": 7, "checkpoint__every": 3,
+            "eval__every": 5, "train__verifier_workers": 2, "logging__wandb": True}  # fmt: skip
+    for dotted, value in same.items():
+        assert changed(**{dotted: value}) == key, dotted
+    other = {"train__seed": 1, "optim__learning_rate": 0.5, "optim__warmup_steps": 2,
+             "train__logprob_chunk": 8, "eval__num_prompts": 3,
+             "rollout__max_new_tokens": 5}  # fmt: skip
+    for dotted, value in other.items():
+        assert changed(**{dotted: value}) != key, dotted
+    # A decaying schedule reads the number of steps.
+    cosine = changed(optim__schedule="cosine")
+    assert changed(optim__schedule="cosine", train__num_steps=1000) != cosine
 
 
 def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
