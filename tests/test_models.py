@@ -315,3 +315,32 @@ def test_tokenizer_equals_autotokenizer_without_torch(asset):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("in_ipython", [False, True])
+def test_models_import_flax_nnx_without_loading_ipython(in_ipython):
+    """Outside IPython the models load flax.nnx without importing IPython (flax only asks
+    whether it runs inside it), flax gets the same answer, and IPython stays importable;
+    inside IPython (already imported) nothing changes."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("IPython") is None:
+        pytest.skip("IPython is not installed: nothing to leave out")
+    code = "\n".join(
+        [
+            "import sys",
+            "import IPython" if in_ipython else "",
+            "from jaxrl_llm.models import params",
+            "from flax.nnx import reprlib, summary, visualization",
+            f"assert ('IPython' in sys.modules) == {in_ipython}, 'IPython imported'",
+            "assert not summary.in_ipython and not visualization.in_ipython",
+            "import IPython.display",
+            "assert sys.modules['IPython'] is IPython",
+        ]
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

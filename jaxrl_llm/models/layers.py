@@ -18,8 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import attention, cached_attention
 from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig
 

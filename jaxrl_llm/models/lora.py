@@ -23,9 +23,9 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxrl_llm.models import hf_io, partitioning
+from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import Transformer, contracted
 from jaxrl_llm.models.params import param_shardings, param_specs, unflatten

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl_llm.models import partitioning
+from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import Transformer
 from jaxrl_llm.models.transformer import abstract_model

@@ -27,8 +27,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import KVCache
 from jaxrl_llm.models.layers import Transformer
