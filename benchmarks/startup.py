@@ -23,8 +23,10 @@ records are timestamped as they appear) and its output lines:
 own: lowered and compiled one after another in a fresh process with no cache (seconds to
 trace, lower and compile each), the cost the side-by-side start-up spreads over the cores.
 
-Medians and spreads over --repeats are printed at the end. `--src=DIR` runs the trainer
-from another checkout (PYTHONPATH), `--no-cache` for one without the cache key;
+Medians and spreads over the runs are printed at the end. `--warm-runs=N` reruns N times
+per cold run. `--src=DIR` runs the trainer from another checkout (PYTHONPATH);
+`--src=A,B` runs several, alternating run by run (each with its own cache), and reports
+each apart; `--no-cache` for a trainer without the cache key;
 `--auto=KEY,...` leaves those keys to the trainer's start-up defaults even where the
 config sets them; any other `--config.*` argument is passed on.
 """
@@ -78,13 +80,15 @@ def _watch(path: str, records: list, stop: threading.Event) -> None:
         time.sleep(0.01)
 
 
-def run_once(args, config: str, cache: str | None, workdir: str, extra: list[str]) -> dict:
-    """One trainer process -> its start-up figures."""
+def run_once(
+    args, src: str, config: str, cache: str | None, workdir: str, extra: list[str]
+) -> dict:
+    """One trainer process, from the checkout `src` -> its start-up figures."""
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}",
            f"--config.train.num_steps={args.steps}", *extra]  # fmt: skip
     if cache is not None:
         cmd.append(f"--config.train.compilation_cache_dir={cache}")
-    env = dict(os.environ, PYTHONPATH=args.src, TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=src, TOKENIZERS_PARALLELISM="false")
     records, stop = [], threading.Event()
     watcher = threading.Thread(
         target=_watch, args=(os.path.join(workdir, "metrics.jsonl"), records, stop)
@@ -94,7 +98,7 @@ def run_once(args, config: str, cache: str | None, workdir: str, extra: list[str
     with open(log, "w") as out:
         launch = time.time()
         # `python -m` puts the working directory first on sys.path: run in --src's checkout.
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=args.src)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=src)
         _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak memory
     stop.set()
     watcher.join()
@@ -144,10 +148,10 @@ def programs_child(argv: list[str]) -> None:
         run.pool.close()
 
 
-def separately(args, config: str, extra: list[str]) -> None:
+def separately(args, src: str, config: str, extra: list[str]) -> None:
     """--separately: per program, median [min, max] seconds over the repeats."""
     cmd = [sys.executable, os.path.abspath(__file__), "--programs-child", f"--config={config}"]
-    env = dict(os.environ, PYTHONPATH=args.src, TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=src, TOKENIZERS_PARALLELISM="false")
     seconds: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         out = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, check=True)
@@ -166,7 +170,8 @@ def main() -> None:
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "quickstart.py"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=1, help="steps per run (> 2: later steps timed)")
-    p.add_argument("--src", default=ROOT, help="the checkout whose trainer runs")
+    p.add_argument("--src", default=ROOT, help="the checkout(s) whose trainer runs, a,b,...")
+    p.add_argument("--warm-runs", type=int, default=1, help="warm reruns per cold run")
     p.add_argument("--no-cache", action="store_true", help="a trainer without the cache key")
     p.add_argument("--auto", default="", help="config keys left to the start-up defaults")
     p.add_argument("--separately", action="store_true", help="each program compiled alone")
@@ -174,7 +179,11 @@ def main() -> None:
     if bad := [a for a in extra if not a.startswith("--config.")]:
         p.error(f"unknown arguments {bad}")
     print(f"device: {device_name()}; {uptime()}", flush=True)
-    print(f"trainer from {args.src}; config {args.config} {' '.join(extra)}", flush=True)
+    sources = [os.path.abspath(s) for s in args.src.split(",") if s]
+    names = [os.path.basename(s) or s for s in sources]
+    if len(set(names)) < len(names):
+        names = sources
+    print(f"trainer from {', '.join(sources)}; config {args.config} {' '.join(extra)}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
         config = os.path.abspath(args.config)
@@ -184,24 +193,31 @@ def main() -> None:
             with open(config, "w") as f:
                 f.write(config_wrapper(os.path.abspath(args.config), AUTO.format(keys=keys)))
         if args.separately:
-            return separately(args, config, extra)
+            return separately(args, sources[0], config, extra)
+        # Several checkouts alternate run by run: the machine's drift reaches them alike.
+        order = [("cold", 0)] + [("warm", w) for w in range(args.warm_runs)]
         for i in range(args.repeats):
-            cache = None if args.no_cache else os.path.join(tmp, f"xla{i}")
-            for kind in ("cold", "warm"):
-                workdir = os.path.join(tmp, f"{kind}{i}")
-                r = run_once(args, config, cache, workdir, extra)
-                programs = ", ".join(f"{k} {v:.1f}" for k, v in r.pop("programs").items())
-                rows.append({"run": f"{kind} {i + 1}"} | {k: _fmt(v) for k, v in r.items()})
-                rows[-1]["programs (s)"] = programs
-                print(table(rows[-1:], list(rows[-1])), flush=True)
+            for kind, w in order:
+                for s, src in enumerate(sources):
+                    cache = None if args.no_cache else os.path.join(tmp, f"xla{i}_{s}")
+                    workdir = os.path.join(tmp, f"{kind}{i}_{w}_{s}")
+                    r = run_once(args, src, config, cache, workdir, extra)
+                    programs = ", ".join(f"{k} {v:.1f}" for k, v in r.pop("programs").items())
+                    label = f"{kind} {i + 1}"
+                    label += f".{w + 1}" if kind == "warm" and args.warm_runs > 1 else ""
+                    label += f" {names[s]}" if len(sources) > 1 else ""
+                    rows.append({"run": label} | {k: _fmt(v) for k, v in r.items()})
+                    rows[-1]["programs (s)"] = programs
+                    print(table(rows[-1:], list(rows[-1])), flush=True)
     print(f"\n{uptime()}")
     print(table(rows, list(rows[0])))
-    print("\nmedian [min, max] over repeats:")
+    print("\nmedian [min, max] over runs:")
     for kind in ("cold", "warm"):
-        mine = [r for r in rows if r["run"].startswith(kind)]
-        keys = [k for k in mine[0] if k not in ("run", "programs (s)", "cache hits")]
-        summary = {k: _spread([float(r[k]) for r in mine]) for k in keys}
-        print(f"{kind}: " + "; ".join(f"{k} {v}" for k, v in summary.items()))
+        for name in names if len(sources) > 1 else [""]:
+            mine = [r for r in rows if r["run"].startswith(kind) and r["run"].endswith(name)]
+            keys = [k for k in mine[0] if k not in ("run", "programs (s)", "cache hits")]
+            summary = "; ".join(f"{k} {_spread([float(r[k]) for r in mine])}" for k in keys)
+            print(f"{kind} {name}".strip() + f": {summary}")
 
 
 def _fmt(v):
