@@ -95,9 +95,8 @@ class Run(RolloutModes):
         # A CPU reaches its matmul peak at 1024^3, an eighth of the default's start-up cost.
         size = 1024 if jax.default_backend() == "cpu" else 2048
         dtype = self.config.model.dtype
-        if cache := self.config.train.compilation_cache_dir:  # kept there: reruns read it
-            directory = os.path.abspath(os.path.expanduser(cache))
-            self.peak = perf.kept_matmul_peak(dtype, size, directory)
+        if self.cache_dir:  # kept there: reruns read it
+            self.peak = perf.kept_matmul_peak(dtype, size, self.cache_dir)
         else:
             self.peak = perf.matmul_peak(dtype, size)
 
@@ -213,19 +212,24 @@ class Run(RolloutModes):
                 micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
             )  # fmt: skip
 
+    @property
+    def cache_dir(self) -> str | None:
+        """`train.compilation_cache_dir` as an absolute path; None when it is off."""
+        cache = self.config.train.compilation_cache_dir
+        return os.path.abspath(os.path.expanduser(cache)) if cache else None
+
     def executable_store(self) -> executables.Store | None:
         """Where start-up keeps and finds the step's compiled programs (`executables`,
         under the compilation cache), keyed by what this run was built from; None without
         a cache, with several processes, or with a rollout mesh of its own."""
         c = self.config
-        if not c.train.compilation_cache_dir or jax.process_count() > 1:
+        if not self.cache_dir or jax.process_count() > 1:
             return None
         if self.rollout_mesh is not self.mesh or self.mesh.size != jax.device_count():
             return None
         built = (self.model_cfg, self.base_cfg, self.spec, self.algo, self.sampler.pad_id)
         context = store_context(c) + "\n".join(map(repr, built))
-        cache = os.path.abspath(os.path.expanduser(c.train.compilation_cache_dir))
-        return executables.Store(os.path.join(cache, "executables"), context)
+        return executables.Store(os.path.join(self.cache_dir, "executables"), context)
 
     def _rows(self) -> int:
         """Rollout rows per step (all hosts)."""
