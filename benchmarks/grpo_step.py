@@ -47,7 +47,7 @@ from common import (  # noqa: E402
 
 from jaxrl_llm import models, perf, run_config, sampling  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
-from jaxrl_llm.parallel import allocator  # noqa: E402
+from jaxrl_llm.parallel import allocator, xla_flags  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
 
@@ -210,5 +210,6 @@ def main():
 
 
 if __name__ == "__main__":
+    xla_flags.set_cpu_defaults()
     allocator.reexec_with_tcmalloc()  # as the trainer's command line does
     main()

@@ -25,7 +25,7 @@ from common import block, bool_flag, device_name, preset_config, table, uptime  
 
 from jaxrl_llm import models, sampling  # noqa: E402
 from jaxrl_llm.models import lora  # noqa: E402
-from jaxrl_llm.parallel import allocator  # noqa: E402
+from jaxrl_llm.parallel import allocator, xla_flags  # noqa: E402
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -92,5 +92,6 @@ def main():
 
 
 if __name__ == "__main__":
+    xla_flags.set_cpu_defaults()
     allocator.reexec_with_tcmalloc()
     main()

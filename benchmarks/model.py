@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, matmul_peak, peak_memory, preset_config, table, time_fn  # noqa: E402
 
 from jaxrl_llm import models, perf, rl  # noqa: E402
-from jaxrl_llm.parallel import allocator  # noqa: E402
+from jaxrl_llm.parallel import allocator, xla_flags  # noqa: E402
 
 
 def loss_fn(cfg, params, ids):
@@ -117,5 +117,6 @@ def main():
 
 
 if __name__ == "__main__":
+    xla_flags.set_cpu_defaults()
     allocator.reexec_with_tcmalloc()  # as the trainer's command line does
     main()

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import block, bool_flag, device_name, peak_memory, preset_config, table  # noqa: E402
 
 from jaxrl_llm import models, sampling  # noqa: E402
-from jaxrl_llm.parallel import allocator  # noqa: E402
+from jaxrl_llm.parallel import allocator, xla_flags  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int = 1 << 28) -> float:
@@ -162,5 +162,6 @@ def main():
 
 
 if __name__ == "__main__":
+    xla_flags.set_cpu_defaults()
     allocator.reexec_with_tcmalloc()  # as the trainer's command line does
     main()

@@ -26,7 +26,8 @@ trace, lower and compile each), the cost the side-by-side start-up spreads over 
 Medians and spreads over the runs are printed at the end. `--warm-runs=N` reruns N times
 per cold run. `--src=DIR` runs the trainer from another checkout (PYTHONPATH);
 `--src=A,B` runs several, alternating run by run (each with its own cache), and reports
-each apart; `--no-cache` for a trainer without the cache key;
+each apart; so does `--xla-flags=F` given more than once (each the whole XLA_FLAGS of one
+variant, crossed with the checkouts); `--no-cache` for a trainer without the cache key;
 `--auto=KEY,...` leaves those keys to the trainer's start-up defaults even where the
 config sets them; any other `--config.*` argument is passed on.
 """
@@ -80,15 +81,17 @@ def _watch(path: str, records: list, stop: threading.Event) -> None:
         time.sleep(0.01)
 
 
-def run_once(
-    args, src: str, config: str, cache: str | None, workdir: str, extra: list[str]
-) -> dict:
-    """One trainer process, from the checkout `src` -> its start-up figures."""
+def run_once(args, src, config, cache, workdir, extra, xla_flags=None) -> dict:
+    """One trainer process, from the checkout `src` with `config` (+ the `--config.*`
+    arguments `extra`), the compilation cache `cache` (None: no cache key) and XLA_FLAGS
+    `xla_flags` (None: this process's own) -> its start-up figures."""
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}",
            f"--config.train.num_steps={args.steps}", *extra]  # fmt: skip
     if cache is not None:
         cmd.append(f"--config.train.compilation_cache_dir={cache}")
     env = dict(os.environ, PYTHONPATH=src, TOKENIZERS_PARALLELISM="false")
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
     records, stop = [], threading.Event()
     watcher = threading.Thread(
         target=_watch, args=(os.path.join(workdir, "metrics.jsonl"), records, stop)
@@ -129,10 +132,14 @@ def run_once(
 
 
 def programs_child(argv: list[str]) -> None:
-    """In the child process: the run's programs compiled one by one, a line each."""
+    """In the child process: the run's programs compiled one by one, a line each, with the
+    XLA flags the trainer's command line sets."""
     from absl import flags
     from ml_collections import config_flags
 
+    from jaxrl_llm.parallel import xla_flags
+
+    xla_flags.set_cpu_defaults()
     from jaxrl_llm import compilation, train
 
     config_flags.DEFINE_config_file("config", None, "run config", lock_config=False)
@@ -175,15 +182,24 @@ def main() -> None:
     p.add_argument("--no-cache", action="store_true", help="a trainer without the cache key")
     p.add_argument("--auto", default="", help="config keys left to the start-up defaults")
     p.add_argument("--separately", action="store_true", help="each program compiled alone")
+    p.add_argument("--xla-flags", action="append", help="XLA_FLAGS of one variant (repeatable)")
     args, extra = p.parse_known_args()
     if bad := [a for a in extra if not a.startswith("--config.")]:
         p.error(f"unknown arguments {bad}")
     print(f"device: {device_name()}; {uptime()}", flush=True)
-    sources = [os.path.abspath(s) for s in args.src.split(",") if s]
-    names = [os.path.basename(s) or s for s in sources]
-    if len(set(names)) < len(names):
-        names = sources
-    print(f"trainer from {', '.join(sources)}; config {args.config} {' '.join(extra)}", flush=True)
+    checkouts = [os.path.abspath(s) for s in args.src.split(",") if s]
+    flag_sets = args.xla_flags or [None]
+    # A variant = a checkout and an XLA_FLAGS (None: this process's own).
+    variants = [(src, f) for src in checkouts for f in flag_sets]
+    short = [os.path.basename(s) or s for s in checkouts]
+    short = short if len(set(short)) == len(short) else checkouts
+    names = [
+        " ".join(x for x in (short[checkouts.index(src)] if len(checkouts) > 1 else "",
+                             f"[{f}]" if len(flag_sets) > 1 else "") if x)
+        for src, f in variants
+    ]  # fmt: skip
+    where = ", ".join(checkouts)
+    print(f"trainer from {where}; config {args.config} {' '.join(extra)}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
         config = os.path.abspath(args.config)
@@ -193,19 +209,19 @@ def main() -> None:
             with open(config, "w") as f:
                 f.write(config_wrapper(os.path.abspath(args.config), AUTO.format(keys=keys)))
         if args.separately:
-            return separately(args, sources[0], config, extra)
-        # Several checkouts alternate run by run: the machine's drift reaches them alike.
+            return separately(args, checkouts[0], config, extra)
+        # Several variants alternate run by run: the machine's drift reaches them alike.
         order = [("cold", 0)] + [("warm", w) for w in range(args.warm_runs)]
         for i in range(args.repeats):
             for kind, w in order:
-                for s, src in enumerate(sources):
+                for s, (src, flags) in enumerate(variants):
                     cache = None if args.no_cache else os.path.join(tmp, f"xla{i}_{s}")
                     workdir = os.path.join(tmp, f"{kind}{i}_{w}_{s}")
-                    r = run_once(args, src, config, cache, workdir, extra)
+                    r = run_once(args, src, config, cache, workdir, extra, flags)
                     programs = ", ".join(f"{k} {v:.1f}" for k, v in r.pop("programs").items())
                     label = f"{kind} {i + 1}"
                     label += f".{w + 1}" if kind == "warm" and args.warm_runs > 1 else ""
-                    label += f" {names[s]}" if len(sources) > 1 else ""
+                    label += f" {names[s]}" if len(variants) > 1 else ""
                     rows.append({"run": label} | {k: _fmt(v) for k, v in r.items()})
                     rows[-1]["programs (s)"] = programs
                     print(table(rows[-1:], list(rows[-1])), flush=True)
@@ -213,7 +229,7 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     print("\nmedian [min, max] over runs:")
     for kind in ("cold", "warm"):
-        for name in names if len(sources) > 1 else [""]:
+        for name in names if len(variants) > 1 else [""]:
             mine = [r for r in rows if r["run"].startswith(kind) and r["run"].endswith(name)]
             keys = [k for k in mine[0] if k not in ("run", "programs (s)", "cache hits")]
             summary = "; ".join(f"{k} {_spread([float(r[k]) for r in mine])}" for k in keys)

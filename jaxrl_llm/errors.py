@@ -188,13 +188,15 @@ def run_absl(main: Callable) -> None:
 
 def config_command(main: Callable, config_help: str, workdir_help: str) -> None:
     """The `python -m jaxrl_llm.<command> --config=FILE --workdir=DIR` entry point: the
-    process re-run with tcmalloc where installed, the two required flags (`--config`
-    with `--config.KEY=VALUE` overrides), and every failure as one line (`cli_main`)."""
+    XLA flags for a CPU-only machine (`parallel.xla_flags`), the process re-run with
+    tcmalloc where installed, the two required flags (`--config` with `--config.KEY=VALUE`
+    overrides), and every failure as one line (`cli_main`)."""
     from absl import flags
     from ml_collections import config_flags
 
-    from jaxrl_llm.parallel import allocator
+    from jaxrl_llm.parallel import allocator, xla_flags
 
+    xla_flags.set_cpu_defaults()
     allocator.reexec_with_tcmalloc()
     config_flags.DEFINE_config_file("config", None, config_help, lock_config=True)
     flags.DEFINE_string("workdir", None, workdir_help)

@@ -44,6 +44,7 @@ from jaxrl_llm import (
     verifiers,
 )
 from jaxrl_llm.modes import RolloutModes, staleness
+from jaxrl_llm.parallel import xla_flags
 
 # Config keys that no compiled program reads: they schedule, log, checkpoint or place host
 # work. A rerun that changes only these (a resume to more steps, another checkpoint
@@ -410,13 +411,16 @@ class Run(RolloutModes):
 
 def tuned(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
     """The config with the speed settings it leaves unset picked for this backend and
-    model (`tuning.resolve`), and the line saying which ("" when it sets them all)."""
+    model (`tuning.resolve`), and the line saying which ("" when it sets them all), with
+    the XLA:CPU optimisation level where XLA_FLAGS sets it (`parallel.xla_flags`)."""
     devices, _ = run_config.split_devices(config, jax.devices())
     shape = parallel.mesh_shape(run_config.mesh_axes(config.mesh), len(devices))
     model_cfg = models.builtin.model_config(run_config.resolve_model_path(config.model.path))
-    return tuning.resolve(
-        config, model_cfg, jax.default_backend(), batch_shards=shape[0] * shape[1]
-    )
+    backend = jax.default_backend()
+    config, line = tuning.resolve(config, model_cfg, backend, batch_shards=shape[0] * shape[1])
+    if backend == "cpu" and (level := xla_flags.named(xla_flags.LEVEL)):
+        line = "; ".join(filter(None, [line, f"XLA_FLAGS: {xla_flags.LEVEL}={level}"]))
+    return config, line
 
 
 def _bucket(out) -> str:

@@ -16,8 +16,9 @@ import sys
 
 if __name__ == "__main__":  # the command line re-runs itself under tcmalloc (where it is
     # installed) before it imports anything heavy: the imports below would be paid twice.
-    from jaxrl_llm.parallel import allocator
+    from jaxrl_llm.parallel import allocator, xla_flags
 
+    xla_flags.set_cpu_defaults()
     allocator.reexec_with_tcmalloc()
 
 import json

@@ -40,6 +40,9 @@ def _train(model_dir, workdir, cache, *overrides) -> list[str]:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stderr.replace("\r", "\n")
+    # XLA_FLAGS did not name the level: the command line compiles at -O1 on a CPU-only
+    # machine (`parallel.xla_flags`) and says so in its start-up line.
+    assert "XLA_FLAGS: --xla_backend_optimization_level=1" in text, text[-3000:]
     found = (re.search(r"(compiling|loading) .*", line) for line in text.splitlines())
     return [m.group(0) for m in found if m]
 

@@ -1,8 +1,9 @@
 """Device mesh ('data', 'fsdp', 'tensor') and batch sharding (`mesh`, whose names are
-also this package's), the host allocator, multi-host start-up.
+also this package's), the host allocator, XLA's flags on CPU, multi-host start-up.
 
-The mesh names are imported on first use: `from jaxrl_llm.parallel import allocator`,
-the command lines' first step (they re-run themselves under tcmalloc), imports no jax.
+The mesh names are imported on first use: `from jaxrl_llm.parallel import allocator,
+xla_flags`, the command lines' first step (they set XLA's CPU flags and re-run
+themselves under tcmalloc), imports no jax.
 """
 
 import importlib

@@ -1,0 +1,71 @@
+"""jaxrl_llm.parallel.xla_flags: the command line compiles at LLVM -O1 where jax can only
+use the CPU, and leaves accelerators and a user's own setting alone."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_llm.parallel import xla_flags
+
+LEVEL = "--xla_backend_optimization_level"
+
+
+@pytest.fixture
+def no_plugins(monkeypatch):
+    monkeypatch.setattr(xla_flags, "accelerator_plugins", lambda environ: [])
+
+
+def test_added_on_a_cpu_only_machine(no_plugins):
+    assert xla_flags.with_cpu_defaults({}) == f"{LEVEL}=1"
+    flags = "--xla_force_host_platform_device_count=8  --xla_dump_to=/tmp/x"
+    added = xla_flags.with_cpu_defaults({"XLA_FLAGS": flags})
+    assert added == f"--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x {LEVEL}=1"
+    assert xla_flags.with_cpu_defaults({"JAX_PLATFORMS": "cpu"}) == f"{LEVEL}=1"
+
+
+def test_a_users_own_level_wins(no_plugins):
+    for value in ("0", "2", "3"):
+        assert xla_flags.with_cpu_defaults({"XLA_FLAGS": f"--a=1 {LEVEL}={value}"}) is None
+
+
+def test_accelerators_are_left_alone(monkeypatch):
+    assert xla_flags.with_cpu_defaults({"JAX_PLATFORMS": "cuda"}) is None
+    assert xla_flags.with_cpu_defaults({"JAX_PLATFORMS": "cpu,tpu"}) is None
+    assert xla_flags.with_cpu_defaults({"TPU_LIBRARY_PATH": "/x/libtpu.so"}) is None
+    monkeypatch.setattr(xla_flags, "accelerator_plugins", lambda environ: ["xla_cuda12"])
+    assert xla_flags.with_cpu_defaults({}) is None
+    # JAX_PLATFORMS=cpu keeps jax off the installed GPU: the CPU defaults apply.
+    assert xla_flags.with_cpu_defaults({"JAX_PLATFORMS": "cpu"}) == f"{LEVEL}=1"
+
+
+def test_named_reads_the_last_setting():
+    env = {"XLA_FLAGS": f"{LEVEL}=2 --xla_other=1 {LEVEL}=0 --flag"}
+    assert xla_flags.named(LEVEL, env) == "0"
+    assert xla_flags.named("--flag", env) == ""
+    assert xla_flags.named("--absent", env) is None
+    assert xla_flags.named(LEVEL, {}) is None
+
+
+def test_this_machine_has_no_accelerator_plugin():
+    # The CI machine and this suite's: CPU only (what the defaults are measured on).
+    assert xla_flags.accelerator_plugins({}) == []
+
+
+_SCRIPT = """
+import os
+from jaxrl_llm.parallel import xla_flags
+xla_flags.set_cpu_defaults()
+print(os.environ["XLA_FLAGS"])
+import jax, jax.numpy as jnp
+print(float(jax.jit(lambda x: (x * x).sum())(jnp.arange(4.0))))
+"""
+
+
+def test_set_before_the_backend_starts():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                         text=True, check=True).stdout.split("\n")  # fmt: skip
+    assert out[:2] == [f"--xla_force_host_platform_device_count=1 {LEVEL}=1", "14.0"]
