@@ -4,10 +4,10 @@
 
 `--xla_backend_optimization_level=1`. XLA:CPU compiles each fusion of a program into its
 own kernel through LLVM, and LLVM's optimisation passes over those kernels are most of a
-cold start's compile time (the W1 step's three programs: some 750 kernels). At level 1
-they compile in about a quarter less time while the steps take as long: the matrix
-products, where the time goes, run in YNNPACK's prebuilt kernels, which the level does
-not touch (benchmarks/RESULTS.md, "Start-up"). The test suite compiles at the same level.
+cold start's compile time. At level 1 they compile faster while the steps take as long:
+the matrix products, where the time goes, run in YNNPACK's prebuilt kernels, which the
+level does not touch (measured: benchmarks/RESULTS.md, "Start-up"). The test suite
+compiles at the same level.
 
 XLA reads `XLA_FLAGS` once, when jax creates its first backend, so the flag goes into the
 environment before that, and only where it cannot reach an accelerator's compiler (where
