@@ -6,9 +6,10 @@ chat template for just the number. Nothing is downloaded at run time.
         --config=configs/smollm2_arithmetic_cpu.py --workdir=/tmp/smollm2
 
 Hardware: 2 CPU cores, ~4 GB of memory.
-Expected result (measured, 2 CPU cores, 15 minutes): held-out greedy eval/pass@1 on 128
-prompts 0.10 at step 0, 0.65 at step 10 (6.4 minutes after the start), 0.74 / 0.78 /
-0.78 at steps 20 / 30 / 40; ~14 s a step. Curve in the README and docs/smollm2.md.
+Expected result (measured, 2 CPU cores, about 12 minutes): held-out greedy eval/pass@1 on
+128 prompts 0.10 at step 0, 0.64 at step 10 (4.0 minutes after the start, compilation
+included), 0.72 / 0.73 / 0.70 at steps 20 / 30 / 40; ~12.5 s a step. Curve in the README
+and docs/smollm2.md.
 """
 
 from jaxrl_llm.run_config import base_config
