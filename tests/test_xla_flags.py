@@ -48,9 +48,15 @@ def test_named_reads_the_last_setting():
     assert xla_flags.named(LEVEL, {}) is None
 
 
-def test_this_machine_has_no_accelerator_plugin():
-    # The CI machine and this suite's: CPU only (what the defaults are measured on).
-    assert xla_flags.accelerator_plugins({}) == []
+def test_a_plugin_in_the_jax_plugins_namespace_is_found(tmp_path, monkeypatch):
+    assert "fake_gpu" not in xla_flags.accelerator_plugins({})
+    (tmp_path / "jax_plugins").mkdir()  # a namespace package, as plugins install it
+    (tmp_path / "jax_plugins" / "fake_gpu.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
+    assert "fake_gpu" in xla_flags.accelerator_plugins({})
+    assert not xla_flags.cpu_only({})
+    assert xla_flags.with_cpu_defaults({}) is None
 
 
 _SCRIPT = """

@@ -14,8 +14,9 @@ environment before that, and only where it cannot reach an accelerator's compile
 the level also drives GPU kernel generation): when `JAX_PLATFORMS` names only `cpu`, or
 when no accelerator plugin is installed (no `jax_plugins` entry point or module, no
 `libtpu`, no `TPU_LIBRARY_PATH`). A flag already in `XLA_FLAGS` is left as it is: a
-user's own level wins. Programs that use the library in-process (a notebook, a test) are
-left alone; they get the same with `XLA_FLAGS=--xla_backend_optimization_level=1`.
+user's own level wins. Code that uses the library in-process gets the same by calling
+`set_cpu_defaults()` before it first uses jax (the quickstart notebook does), or with
+`XLA_FLAGS=--xla_backend_optimization_level=1`.
 """
 
 from __future__ import annotations
