@@ -141,8 +141,11 @@ def _final_params(workdir):
 
 def test_split_with_max_staleness_0_reproduces_sync(model_dir, tmp_path):
     """A rollout mesh of its own that waits for each update (max_staleness 0) trains like
-    the one-mesh synchronous run: the same parameters after 4 steps (to 1e-6: the two
-    runs' programs are partitioned over different meshes)."""
+    the one-mesh synchronous run: the same parameters after 4 steps, to 2e-5 where a step
+    moves a weight by up to the learning rate, 1e-3. The two runs' programs are
+    partitioned over different meshes, so their sums round differently, and Adam's
+    normalized step turns that rounding in a near-zero gradient into up to a few 1e-6 on
+    some CPUs (AVX-512); a rollout one update stale would be off by ~1e-3."""
     c = split_config(model_dir, steps=4, max_staleness=0)
     split = train.train(c, str(tmp_path / "split"))
     s = signal_config(model_dir)
@@ -151,7 +154,7 @@ def test_split_with_max_staleness_0_reproduces_sync(model_dir, tmp_path):
     assert split["rollout/staleness_max"] == 0.0 and "perf/rollout_wait_s" in split
     a, b = _final_params(tmp_path / "split"), _final_params(tmp_path / "sync")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=0)
 
 
 def test_split_staleness_stays_within_the_bound(model_dir, tmp_path, monkeypatch):

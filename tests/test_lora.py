@@ -59,12 +59,16 @@ def numpy_merged(base, adapters):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_step0_logits_equal_the_base_model_exactly(base, dtype):
+def test_step0_logits_equal_the_base_model(base, dtype):
+    """B = 0 at init: the adapted model is the base model. The zero term is exact, but the
+    adapted program fuses its projections differently, so on some CPUs (AVX-512) XLA
+    rounds float32's base matmuls themselves differently (~1e-7 relative)."""
     b = jax.tree.map(lambda x: x.astype(dtype), base)
     adapters = lora.init_adapters(LCFG, seed=1, dtype=dtype)
     assert all(not np.any(np.asarray(v)) for k, v in adapters["layers"].items() if "_b" in k)
-    ours = models.logits(LCFG, lora.combine(b, adapters), IDS, MASK)
-    np.testing.assert_array_equal(np.asarray(ours), np.asarray(models.logits(CFG, b, IDS, MASK)))
+    ours = np.asarray(models.logits(LCFG, lora.combine(b, adapters), IDS, MASK), np.float32)
+    plain = np.asarray(models.logits(CFG, b, IDS, MASK), np.float32)
+    np.testing.assert_allclose(ours, plain, rtol=0, atol=1e-6 if dtype == "float32" else 0.0)
 
 
 def test_adapted_and_merged_logits_equal_numpy_merged_weights(base):
@@ -251,7 +255,8 @@ def test_dropout_only_where_a_key_is_given(base):
     np.testing.assert_array_equal(hidden(DCFG, params, k1), dropped)
     assert float(jnp.abs(hidden(DCFG, params, k2) - dropped).max()) > 1e-3
     fresh = lora.combine(base, lora.init_adapters(DCFG, seed=1))
-    np.testing.assert_array_equal(hidden(DCFG, fresh, k1), hidden(CFG, base))
+    # float32's rounding of the base matmuls, as in test_step0_logits_equal_the_base_model
+    np.testing.assert_allclose(hidden(DCFG, fresh, k1), hidden(CFG, base), rtol=0, atol=1e-6)
 
 
 def test_update_with_dropout_is_seeded_and_trains_adapters_only(base):
