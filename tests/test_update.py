@@ -173,6 +173,41 @@ def test_bfloat16_params_update_through_float32_master():
     assert np.all(np.asarray(params["w"], np.float32) != np.asarray(p32["w"]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fresh_optimizer_state_is_one_program_placed_like_the_eager_one(params, dtype):
+    """init_train_state builds the optimizer state in one compiled program: the same
+    values and placement as optax's eager init (moments and master copies sharded like
+    their params, counts replicated on the mesh), and nothing else compiles."""
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    placed = jax.device_put(params, models.param_shardings(CFG, mesh))
+    placed = jax.tree.map(lambda x: x.astype(dtype), placed)
+    eager = rl.state.commit_like(SMOOTH_ADAM.init(placed), placed)
+    owned, compiles = jax.tree.map(jnp.copy, placed), []
+
+    def listen(event, *_, **__):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        state = U.init_train_state(owned, SMOOTH_ADAM)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(compiles) <= 1  # 0 when this session compiled it already
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(eager)
+    for got, want in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(eager), strict=True):
+        assert got.dtype == want.dtype and got.sharding.is_equivalent_to(want.sharding, got.ndim)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if dtype == "bfloat16":  # the float32 master copies: the params, widened
+        assert isinstance(state.opt_state, rl.MasterWeights)
+        jax.tree.map(
+            lambda m, p: np.testing.assert_array_equal(m, np.asarray(p, np.float32)),
+            host(state.opt_state.master), host(placed),
+        )  # fmt: skip
+    assert state.step.sharding == jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    assert int(state.step) == 0 and state.step.dtype == jnp.int32
+
+
 # ----------------------------------------------------------------------------- logprobs
 def numpy_logprobs(params, batch, temperature):
     """log softmax(logits / tau)[token] in float64 from the full [N, P + T, V] logits."""

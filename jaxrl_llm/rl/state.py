@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -45,21 +46,58 @@ def checkpointed(state: TrainState) -> TrainState:
     return state.replace(frozen=None)
 
 
+def _replicated(params):
+    """Where the params live, whole: replicated on their mesh, or their device (None for
+    host arrays)."""
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    if mesh is not None:
+        return NamedSharding(mesh, PartitionSpec())
+    if shardings and shardings[0] is not None:
+        return jax.sharding.SingleDeviceSharding(next(iter(shardings[0].device_set)))
+    return None
+
+
 def commit_like(tree, params):
     """Commits tree's leaves (optimizer counts, the step) where the params live: replicated
     on their mesh, or on their device. Uncommitted or differently placed inputs would make
     the second update call compile again."""
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
-    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-    if mesh is not None:
-        target = NamedSharding(mesh, PartitionSpec())
-    elif shardings and shardings[0] is not None:
-        target = jax.sharding.SingleDeviceSharding(next(iter(shardings[0].device_set)))
-    else:
+    target = _replicated(params)
+    if target is None:
         return tree
-
     keep = lambda x: isinstance(x.sharding, NamedSharding)  # noqa: E731 (always committed)
     return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, target), tree)
+
+
+def fresh_opt_state(opt: Optimizer, params):
+    """`opt.init(params)` as one compiled program: each subtree shaped like the params
+    (moments, master copies) placed like them, the rest (counts) replicated where they
+    live. Run eagerly, every distinct leaf shape would be a program of its own to compile
+    at start-up."""
+    target = _replicated(params)
+    if target is None:  # host arrays
+        return commit_like(opt.init(params), params)
+    structure = jax.tree.structure(params)
+    shapes = [x.shape for x in jax.tree.leaves(params)]
+    placed = jax.tree.map(lambda x: x.sharding, params)
+
+    def like_params(x) -> bool:
+        return (
+            jax.tree.structure(x) == structure
+            and [getattr(leaf, "shape", None) for leaf in jax.tree.leaves(x)] == shapes
+        )
+
+    out = jax.eval_shape(opt.init, params)
+    shardings = jax.tree.map(
+        lambda x: placed if like_params(x) else target, out, is_leaf=like_params
+    )
+    return jax.jit(opt.init, out_shardings=shardings)(params)
+
+
+def _step_zero(params):
+    """The step counter, 0, where the params live (from the host: nothing to compile)."""
+    target = _replicated(params)
+    return jnp.zeros((), jnp.int32) if target is None else jax.device_put(np.int32(0), target)
 
 
 def init_train_state(
@@ -77,11 +115,11 @@ def init_train_state(
         if critic_optimizer is None:
             raise ValueError("init_train_state: critic_params given without critic_optimizer")
         critic_params = commit_like(critic_params, critic_params)
-        critic_opt_state = commit_like(critic_optimizer.init(critic_params), critic_params)
+        critic_opt_state = fresh_opt_state(critic_optimizer, critic_params)
     return TrainState(
-        step=commit_like(jnp.zeros((), jnp.int32), params),
+        step=_step_zero(params),
         params=commit_like(params, params),
-        opt_state=commit_like(opt.init(params), params),
+        opt_state=fresh_opt_state(opt, params),
         critic_params=critic_params,
         critic_opt_state=critic_opt_state,
         frozen=frozen,
