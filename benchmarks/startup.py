@@ -231,6 +231,8 @@ def main() -> None:
     for kind in ("cold", "warm"):
         for name in names if len(variants) > 1 else [""]:
             mine = [r for r in rows if r["run"].startswith(kind) and r["run"].endswith(name)]
+            if not mine:  # --warm-runs=0
+                continue
             keys = [k for k in mine[0] if k not in ("run", "programs (s)", "cache hits")]
             summary = "; ".join(f"{k} {_spread([float(r[k]) for r in mine])}" for k in keys)
             print(f"{kind} {name}".strip() + f": {summary}")

@@ -1,5 +1,5 @@
 """XLA compilation at start-up: the persistent cache, one line per compiled program, and
-the step's programs compiled before the first step, side by side.
+the step's programs built before they are first called, in threads.
 
     compilation.use_cache(config.train.compilation_cache_dir)    # "" = off
     with compilation.CompileLog(write=progress.write) as log:    # or log.listen() ... close()
@@ -7,13 +7,15 @@ the step's programs compiled before the first step, side by side.
             out = sampler.sample(...)
         with log.ahead_of_time(store=store) as build:   # compiled side by side, in threads
             out_info = build("sampler", "bucket 24", program, *args, **kwargs)
+        with log.ahead_of_time(store=store, background=True) as build:
+            ...   # the block ends once traced: each program's first call waits for its build
 
 Attribution: XLA reports each compile through `jax.monitoring` in the thread that
 compiles, so a thread-local label names the program. A program found in the persistent
 cache is reported as loaded from it; so is one from the executable store
 (`executables`), which a rerun of the same code and config loads without tracing it.
-`log.seconds` is the total XLA compile time (`perf/compile_s`; loads from either count as
-compiles there).
+`log.seconds` is the XLA compile time outside background builds (a step's
+`perf/compile_s`; loads from either count as compiles there).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Compiled:
     cache_hits: int = 0
     wall_s: float | None = 0.0
     stored: bool = False  # loaded from the executable store (`executables`)
+    background: bool = False  # built beside the first step: not in `CompileLog.seconds`
 
     @property
     def line(self) -> str:
@@ -90,6 +93,7 @@ class CompileLog:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._listening = False
+        self._background: list[concurrent.futures.Future] = []
 
     def listen(self, write=None) -> CompileLog:
         """Starts listening to XLA's compile events (and writing lines with `write`,
@@ -103,6 +107,12 @@ class CompileLog:
         return self
 
     def close(self) -> None:
+        """Stops listening, once the programs still building in the background are done
+        (their errors are left to the calls that wait for them)."""
+        for future in self._background:
+            future.cancel()
+        concurrent.futures.wait(self._background)
+        self._background.clear()
         if self._listening:
             jax.monitoring.unregister_event_duration_listener(self._on_duration)
             jax.monitoring.unregister_event_listener(self._on_event)
@@ -119,7 +129,8 @@ class CompileLog:
             return
         current = getattr(self._local, "current", None)
         with self._lock:
-            self.seconds += duration
+            if current is None or not current.background:
+                self.seconds += duration
             if current is not None:
                 current.compiles += 1
                 current.compile_s += duration
@@ -130,13 +141,15 @@ class CompileLog:
                 current.cache_hits += 1
 
     @contextlib.contextmanager
-    def program(self, name: str, detail: str = "", traced_s: float = 0.0, runs: bool = False):
+    def program(self, name: str, detail: str = "", traced_s: float = 0.0, runs: bool = False,
+                background: bool = False):  # fmt: skip
         """Attributes the compiles of this thread inside the block to `name`; on exit,
         when any happened, records the program and writes its line. traced_s: tracing
         and lowering time spent before the block, added to its wall time. runs: the block
         also waits for programs to run, so its line gives XLA's compile seconds instead
         of the block's wall time."""
-        record, outer = Compiled(name, detail), getattr(self._local, "current", None)
+        record = Compiled(name, detail, background=background)
+        outer = getattr(self._local, "current", None)
         self._local.current, start = record, time.perf_counter()
         try:
             yield record
@@ -150,7 +163,7 @@ class CompileLog:
                     self.write(record.line)
 
     @contextlib.contextmanager
-    def ahead_of_time(self, side_by_side: bool = True, store=None):
+    def ahead_of_time(self, side_by_side: bool = True, store=None, background: bool = False):
         """Yields `build(name, detail, program, *args, **kwargs) -> out_info` (the
         program's output shapes, which shape the next program's inputs).
 
@@ -158,10 +171,18 @@ class CompileLog:
         is loaded, not traced, lowered or compiled; one that is not is stored once
         compiled. Otherwise `build` traces and lowers the program here (tracing holds the
         GIL) and compiles it in a thread of its own: XLA compiles (and deserializes)
-        outside the GIL, so the programs share the cores. The block ends when every
-        program is ready; each then serves its first call with the same shapes and
-        shardings without compiling. side_by_side=False: each is ready before `build`
-        returns."""
+        outside the GIL, so the programs share the cores. Each program then serves its
+        first call with the same shapes and shardings without compiling (a
+        `executables.Program` has it installed).
+
+        The block ends when every program is ready; side_by_side=False: each is ready
+        before `build` returns. background=True: the block ends once every program is
+        traced and its build started, so the first step runs while later programs still
+        compile: the first program built compiles alone (the step needs it first), the
+        rest side by side once it is done, while this thread traces them; a
+        `executables.Program`'s first call with the built arguments waits for its own
+        build (and raises its error). The "programs ready" line comes when the last is
+        done; `wait()` waits for them."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=4 if side_by_side else 1)
         futures, start_all = [], time.perf_counter()
 
@@ -169,59 +190,109 @@ class CompileLog:
             start = time.perf_counter()
             keep = store if isinstance(program, executables.Program) else None
             if keep is not None and (entry := keep.read(name, program, args, kwargs)):
-                job = (self._load, name, detail, program, entry, keep, args, kwargs)
+                job = (self._load, name, detail, program, entry, (keep, program, args, kwargs))
                 out_info = entry.out_info
             else:
                 lowered = program.lower(*args, **kwargs)
                 traced_s = time.perf_counter() - start
-                save = None if keep is None else (keep, program, args, kwargs)
+                save = (keep, program, args, kwargs)
                 job = (self._compile, name, detail, lowered, traced_s, save)
                 out_info = lowered.out_info
+            if background:
+                job = (*job, True)
+                if futures:
+                    job = (_after, futures[0], *job)
             futures.append(pool.submit(*job))
+            if background and isinstance(program, executables.Program):
+                program.pending[program.signature(args, kwargs)] = futures[-1]
             if not side_by_side:
                 futures[-1].result()
             return out_info
 
         try:
             yield build
-            built = [future.result() for future in futures]
-        finally:
+            if not background:
+                for future in futures:
+                    future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
             pool.shutdown(wait=True)
-        if self.write is not None and built:
-            cached = sum(0 < p.compiles == p.cache_hits for p in built)
-            seconds = time.perf_counter() - start_all
-            how = "side by side" if side_by_side else "one by one"
-            self.write(f"programs ready in {seconds:.1f} s ({len(built)} built {how}, "
-                       f"{cached} from the compilation cache)")  # fmt: skip
+            raise
+        pool.shutdown(wait=not background)
+        if not futures:
+            return
+        how = "side by side" if side_by_side else "one by one"
+        how = "beside the first step" if background else how
+        written = []
 
-    def _compile(self, name: str, detail: str, lowered, traced_s: float, save=None):
-        with self.program(name, detail, traced_s) as record, executables.cache_reads() as reads:
+        def ready(_) -> None:
+            with self._lock:
+                if written or not all(f.done() for f in futures):
+                    return
+                written.append(True)
+            failed = any(f.cancelled() or f.exception() is not None for f in futures)
+            if self.write is not None and not failed:
+                built = [f.result() for f in futures]
+                cached = sum(0 < p.compiles == p.cache_hits for p in built)
+                seconds = time.perf_counter() - start_all
+                self.write(f"programs ready in {seconds:.1f} s ({len(built)} built {how}, "
+                           f"{cached} from the compilation cache)")  # fmt: skip
+
+        if background:
+            self._background.extend(futures)
+        for future in futures:
+            future.add_done_callback(ready)
+
+    def wait(self) -> None:
+        """Waits for the programs built in the background (`ahead_of_time`); the first
+        error among them raises here."""
+        while self._background:
+            self._background.pop(0).result()
+
+    def _compile(self, name, detail, lowered, traced_s, save, background=False) -> Compiled:
+        """save: (store or None, program, args, kwargs). A `executables.Program` gets the
+        executable installed for these arguments (and stored, with a store)."""
+        store, program, args, kwargs = save
+        with (
+            self.program(name, detail, traced_s, background=background) as record,
+            executables.cache_reads() as reads,
+        ):
             compiled = lowered.compile()
             # An executable that XLA's persistent cache answered is stored as the cache
             # held it (reloaded, it would serialize without its kernels).
             cached = reads[0] if record.cache_hits and len(reads) == 1 else None
-            if save is not None and (cached is not None or not record.cache_hits):
-                store, program, args, kwargs = save  # save: store, program, args
+            if store is not None and (cached is not None or not record.cache_hits):
                 program.install(store.save(name, program, args, kwargs, compiled, cached))
+            elif isinstance(program, executables.Program):
+                program.install((program.signature(args, kwargs), compiled))
         return record
 
-    def _load(self, name: str, detail: str, program, entry, store, args, kwargs) -> Compiled:
+    def _load(self, name, detail, program, entry, save, background=False) -> Compiled:
         """A stored program: deserialized here, counted as a compile answered by the
         cache; one that does not load is compiled (and stored again) instead."""
         start = time.perf_counter()
         if (loaded := entry.load()) is None:
+            _, _, args, kwargs = save
             lowered = program.lower(*args, **kwargs)
-            save = (store, program, args, kwargs)
-            return self._compile(name, detail, lowered, time.perf_counter() - start, save)
+            traced_s = time.perf_counter() - start
+            return self._compile(name, detail, lowered, traced_s, save, background)
         program.install(loaded)
         seconds = time.perf_counter() - start
-        record = Compiled(name, detail, 1, seconds, 1, seconds, stored=True)
+        record = Compiled(name, detail, 1, seconds, 1, seconds, stored=True, background=background)
         with self._lock:
-            self.seconds += seconds
+            if not background:
+                self.seconds += seconds
             self.programs.append(record)
         if self.write is not None:
             self.write(record.line)
         return record
+
+
+def _after(first: concurrent.futures.Future, job, *args):
+    """`job(*args)` once `first` is done (whether it failed or not)."""
+    concurrent.futures.wait([first])
+    return job(*args)
 
 
 def shaped(out_info, sharding):
@@ -233,13 +304,17 @@ def shaped(out_info, sharding):
     )
 
 
-def precompile_step(run, side_by_side: bool = True) -> None:
-    """Compiles a `train.Run`'s sampler, reference and update side by side before its
-    first step, at the shapes of the batch that step will read, and evaluation's sampler
-    programs when evaluation is scheduled (`CompileLog.ahead_of_time`). The rollouts and
-    log-probs are pinned to row sharding (`Sampler.row_sharding`), so the reference and
-    the update can be compiled from the sampler's output shapes alone. Other prompt
-    buckets compile when they first come. side_by_side=False: one after another."""
+def precompile_step(
+    run, side_by_side: bool = True, background: bool = False, evaluate_first: bool = False
+) -> None:
+    """Compiles a `train.Run`'s sampler, reference and update before its first step, at
+    the shapes of the batch that step will read, and evaluation's sampler programs when
+    evaluation is scheduled (`CompileLog.ahead_of_time`: side by side, one by one, or in
+    the background beside the first step, in the order the run needs them;
+    evaluate_first: evaluation's come first, for a run that evaluates before its first
+    step). The rollouts and log-probs are pinned to row sharding
+    (`Sampler.row_sharding`), so the reference and the update can be compiled from the
+    sampler's output shapes alone. Other prompt buckets compile when they first come."""
     from jaxrl_llm import parallel, rl
 
     position = run.data_iter.state()
@@ -247,7 +322,10 @@ def precompile_step(run, side_by_side: bool = True) -> None:
     run.data_iter.restore(position)
     params, rows = run.sampler_params(), run.row_sharding
     bucket = f"bucket {run.sampler.bucketed(batch.prompt_ids, batch.prompt_mask)[0].shape[1]}"
-    with run.compile_log.ahead_of_time(side_by_side, run.executable_store()) as build:
+    store = run.executable_store()
+    with run.compile_log.ahead_of_time(side_by_side, store, background) as build:
+        if run.eval_batches and evaluate_first:
+            _evaluation(run, build, params)
         program, args, kwargs = run.sampler.sample_program(
             params, batch.prompt_ids, batch.prompt_mask, run.spec
         )
@@ -259,7 +337,7 @@ def precompile_step(run, side_by_side: bool = True) -> None:
         rollouts = rl.RolloutBatch.from_sample(out, rewards, ref)
         program, args = run.update.program(run.state, rollouts)
         build("update", bucket, program, *args)
-        if run.eval_batches:
+        if run.eval_batches and not evaluate_first:
             _evaluation(run, build, params)
 
 

@@ -54,10 +54,14 @@ class Program:
     def __init__(self, jitted, static_argnames: tuple[str, ...] = ()):
         self.jitted, self.static_argnames = jitted, tuple(static_argnames)
         self.installed: dict = {}
+        self.pending: dict = {}  # signature -> Future of a build that installs it
 
     def __call__(self, *args, **kwargs):
-        if self.installed:
+        if self.installed or self.pending:
             sig = self.signature(args, kwargs)
+            if (future := self.pending.get(sig)) is not None:
+                future.result()  # still being built: wait for it (its error raises here)
+                self.pending.pop(sig, None)
             if (executable := self.installed.get(sig)) is not None:
                 return executable(*args, **self._dynamic(kwargs))
         return self.jitted(*args, **kwargs)

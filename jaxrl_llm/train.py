@@ -176,9 +176,11 @@ def _steps(run: Run, ckpt, writer, progress, stop, start: int) -> dict:
     the last logged metrics."""
     c, last = run.config, {}
     run.compile_log.listen(progress.write)
+    evaluate_first = bool(c.eval.every and c.eval.at_start and start == 0)
     if run.env_rollout is None:  # multi-turn prompts come from resets: compiled at use
-        compilation.precompile_step(run)
-    if c.eval.every and c.eval.at_start and start == 0:  # the initial policy's point
+        # The first step starts while the later programs still compile.
+        compilation.precompile_step(run, background=True, evaluate_first=evaluate_first)
+    if evaluate_first:  # the initial policy's point
         writer.write(0, last := run.evaluate(0))
     for step in range(start, c.train.num_steps):
         last = _one_step(run, step, writer, progress, last)

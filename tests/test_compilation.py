@@ -15,7 +15,7 @@ import pytest
 import tiny_run
 from tiny_run import make_model_dir
 
-from jaxrl_llm import compilation, run
+from jaxrl_llm import compilation, executables, run
 from jaxrl_llm.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -143,3 +143,63 @@ def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
     assert lines[2].endswith(" s (compilation cache)")
     assert len(lines) == 3 and [p.cache_hits for p in log.programs] == [0, 1]
     assert log.seconds > 0
+
+
+class _Failing:
+    """A lowered program whose compile fails (as XLA running out of memory would)."""
+
+    out_info = jax.ShapeDtypeStruct((7,), np.float32)
+
+    def compile(self):
+        raise RuntimeError("no memory left to compile")
+
+
+def test_background_builds_serve_their_first_calls_and_raise_their_errors():
+    """background=True: the block ends with the programs still building; the first call
+    of each waits for its own build and runs the executable it installed (no compile of
+    its own); a build's error raises in the call that waits for it. The first program
+    builds alone, the others once it is done; their compiles are start-up's, not in
+    `seconds` (a step's perf/compile_s)."""
+    lines, order = [], []
+    x = np.arange(7, dtype=np.float32)
+    f = executables.Program(jax.jit(lambda x: jnp.tanh(x) * 5.0 - x))
+    g = executables.Program(jax.jit(lambda x: jnp.exp(-x) + 2.0 * x))
+
+    class Broken(executables.Program):
+        def lower(self, *args, **kwargs):
+            return _Failing()
+
+    broken = Broken(jax.jit(lambda x: x + 1.0))
+    log = compilation.CompileLog(write=lines.append).listen()
+    compile_f = log._compile
+
+    def recorded(name, *args):
+        order.append((name, "start"))
+        try:
+            return compile_f(name, *args)
+        finally:
+            order.append((name, "end"))
+
+    log._compile = recorded
+    try:
+        with log.ahead_of_time(background=True) as build:
+            build("f", "7 rows", f, x)
+            build("g", "7 rows", g, x)
+            build("broken", "7 rows", broken, x)
+        assert f.pending and g.pending and broken.pending  # left building
+        seconds = log.seconds
+        with log.program("first calls") as calls:
+            np.testing.assert_allclose(f(x), np.tanh(x) * 5.0 - x, atol=1e-5)
+            np.testing.assert_allclose(g(x), np.exp(-x) + 2.0 * x, atol=1e-5)
+        assert calls.compiles == 0 and not f.pending and not g.pending
+        with pytest.raises(RuntimeError, match="no memory left to compile"):
+            broken(x)
+        with pytest.raises(RuntimeError, match="no memory left to compile"):
+            log.wait()  # waits for them all; the failed build's error again
+    finally:
+        log.close()
+    assert order[:2] == [("f", "start"), ("f", "end")]  # the first alone
+    assert {name for name, _ in order[2:]} == {"g", "broken"}
+    assert log.seconds == seconds == 0.0
+    assert sorted(line.split(" (")[0] for line in lines) == ["compiling f", "compiling g"]
+    assert not any(line.startswith("programs ready") for line in lines)  # one build failed
