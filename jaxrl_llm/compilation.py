@@ -256,12 +256,13 @@ class CompileLog:
         store, program, args, kwargs = save
         with (
             self.program(name, detail, traced_s, background=background) as record,
-            executables.cache_reads() as reads,
+            executables.cache_held() as held,
         ):
             compiled = lowered.compile()
-            # An executable that XLA's persistent cache answered is stored as the cache
-            # held it (reloaded, it would serialize without its kernels).
-            cached = reads[0] if record.cache_hits and len(reads) == 1 else None
+            # Stored as XLA's persistent cache holds it: the bytes it just wrote (no
+            # second serialization before the program's first call can run it), or those
+            # it answered with (reloaded, it would serialize without its kernels).
+            cached = held[0] if len(held) == 1 else None
             if store is not None and (cached is not None or not record.cache_hits):
                 program.install(store.save(name, program, args, kwargs, compiled, cached))
             elif isinstance(program, executables.Program):

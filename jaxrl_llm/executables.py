@@ -207,15 +207,18 @@ class Store:
         """Writes a compiled program (atomically; a program that cannot be serialized is
         not stored) -> (signature, compiled) for `Program.install`.
 
-        cached: the serialized executable that XLA's persistent cache gave for `compiled`
-        (`cache_reads`), stored in its place: an executable loaded from that cache
-        serializes without its kernels, so it would not run once loaded again."""
+        cached: the serialized executable as XLA's persistent cache wrote or read it for
+        `compiled` (`cache_held`), stored as the program's executable instead of
+        serializing it again: a second serialization of a fresh compile costs as long as
+        the first, and an executable loaded from that cache serializes without its
+        kernels, so it would not run once loaded again."""
         sig = program.signature(args, kwargs)
         path = self._path(name, sig)
         try:
-            blob, in_tree, out_tree = serialize_executable.serialize(compiled)
             if cached is not None:
-                blob = _with_executable(blob, cached)
+                blob, in_tree, out_tree = _serialize_with(compiled, cached)
+            else:
+                blob, in_tree, out_tree = serialize_executable.serialize(compiled)
             out_info = jax.tree.map(
                 lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type),
                 compiled.out_info,
@@ -253,78 +256,89 @@ class Store:
             total -= size
 
 
-class _Executable:
-    """Where a serialized program's pickle holds its executable, while it is rewritten."""
-
-
-def _with_executable(blob: bytes, serialized: bytes) -> bytes:
-    """`blob` (from `serialize_executable.serialize`) with the bytes of its one executable
-    replaced by `serialized`; ValueError where that cannot be done."""
-
-    class Reader(serialize_executable._JaxPjrtUnpickler):
-        def persistent_load(self, pid):
-            return _Executable() if pid[0] == "exec" else super().persistent_load(pid)
-
+def _serialize_with(compiled, serialized: bytes):
+    """`serialize_executable.serialize(compiled)` with `serialized` pickled as its one
+    executable's bytes (the executable itself is not serialized); ValueError where that
+    cannot be done."""
     found = []
 
     class Writer(serialize_executable._JaxPjrtPickler):
         def persistent_id(self, obj):
-            if isinstance(obj, _Executable):
+            if isinstance(obj, (serialize_executable.xc.LoadedExecutable,
+                                serialize_executable._jax.Executable)):  # fmt: skip
                 found.append(obj)
                 return ("exec", serialized)
             return super().persistent_id(obj)
 
-    try:
-        tree = Reader(io.BytesIO(blob), jax.devices()[0].client).load()
+    try:  # the steps of `serialize`, with the writer above
+        unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+        mut = getattr(unloaded, "mut", None)
+        if unloaded is None or compiled._params.const_args or (mut and mut.in_mut):
+            raise ValueError("jax does not serialize this program")
+        args_info, in_tree = jax.tree.flatten(compiled.args_info)
         with io.BytesIO() as out:
-            Writer(out).dump(tree)
+            Writer(out).dump((unloaded, args_info, compiled._no_kwargs))
             data = out.getvalue()
-    except Exception as err:  # jax's private pickling classes changed: not stored
-        raise ValueError(f"cannot rewrite the serialized program: {err}") from err
+    except Exception as err:  # jax's private serialization changed: not stored
+        raise ValueError(f"cannot serialize the program with the cache's bytes: {err}") from err
     if len(found) != 1:
         raise ValueError(f"{len(found)} executables in one serialized program")
-    return data
+    return data, in_tree, compiled.out_tree
 
 
-_READS = threading.local()
+_HELD = threading.local()
 
 
 @contextlib.contextmanager
-def cache_reads():
+def cache_held():
     """-> a list that collects, in this block and thread, the serialized executables that
-    XLA's persistent cache answers with (for `Store.save`'s `cached`).
+    XLA's persistent cache writes (a compile) or answers with (a cache hit), for
+    `Store.save`'s `cached`.
 
-    jax deserializes a cache entry in the thread that compiles; its reader
-    (`jax._src.compilation_cache.extract_executable_and_time`) is wrapped once to hand
-    the bytes to the block. A jax without that function collects nothing: a program
-    XLA's cache answers is then not stored."""
-    _wrap_cache_reader()
-    _READS.reads = reads = []
+    jax serializes and deserializes cache entries in the thread that compiles; its two
+    helpers (`jax._src.compilation_cache.combine_executable_and_time` and
+    `extract_executable_and_time`) are wrapped once to hand the bytes to the block. A jax
+    without them collects nothing: a program is then serialized again to be stored, and
+    one that XLA's cache answers is not stored."""
+    _wrap_cache_io()
+    _HELD.held = held = []
     try:
-        yield reads
+        yield held
     finally:
-        _READS.reads = None
+        _HELD.held = None
+
+
+def _hold(serialized: bytes) -> None:
+    held = getattr(_HELD, "held", None)
+    if held is not None:
+        held.append(serialized)
 
 
 @functools.cache
-def _wrap_cache_reader() -> None:
+def _wrap_cache_io() -> None:
     try:
         from jax._src import compilation_cache
     except ImportError:
         return
     read = getattr(compilation_cache, "extract_executable_and_time", None)
-    if read is None:
-        return
+    combine = getattr(compilation_cache, "combine_executable_and_time", None)
+    if read is not None:
 
-    @functools.wraps(read)
-    def extract_executable_and_time(data):
-        serialized, compile_time = read(data)
-        reads = getattr(_READS, "reads", None)
-        if reads is not None:
-            reads.append(serialized)
-        return serialized, compile_time
+        @functools.wraps(read)
+        def extract_executable_and_time(data):
+            serialized, compile_time = read(data)
+            _hold(serialized)
+            return serialized, compile_time
 
-    compilation_cache.extract_executable_and_time = extract_executable_and_time
+        compilation_cache.extract_executable_and_time = extract_executable_and_time
+    if combine is not None:
+
+        @functools.wraps(combine)
+        def combine_executable_and_time(serialized, compile_time):
+            _hold(serialized)
+            return combine(serialized, compile_time)
+
+        compilation_cache.combine_executable_and_time = combine_executable_and_time
 
 
 def _remove(path: str) -> None:

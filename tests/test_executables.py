@@ -68,31 +68,45 @@ def test_loaded_program_equals_the_jitted_one_on_a_permuted_mesh(tmp_path):
     assert len(fresh.installed) == 1
 
 
-def test_a_program_from_xla_cache_is_stored_as_the_cache_held_it(tmp_path):
-    """An executable that XLA's persistent cache answers re-serializes without its kernels
-    (`NOT_FOUND: Function ... not found` when run after loading); the store keeps the
-    bytes the cache held instead, and they load and run."""
+def _cumsum(x):
+    return jnp.cumsum(x * jnp.arange(x.shape[1], dtype=jnp.float32)[None], axis=1)
 
-    def f(x):
-        return jnp.cumsum(x * jnp.arange(x.shape[1], dtype=jnp.float32)[None], axis=1)
 
+def _saved_from_cache(tmp_path, compiled, held):
+    """The program saved with the bytes XLA's cache held, loaded into a fresh Program."""
+    assert len(held) == 1
+    x = np.arange(16 * 64, dtype=np.float32).reshape(16, 64) / 100
+    program = executables.Program(jax.jit(_cumsum))
+    store = executables.Store(str(tmp_path / "store"), "context")
+    store.save("f", program, (x,), {}, compiled, cached=held[0])
+    fresh = executables.Program(jax.jit(_cumsum))
+    fresh.install(store.read("f", fresh, (x,), {}).load())
+    np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(jax.jit(_cumsum)(x)))
+
+
+def test_a_program_from_xla_cache_is_stored_as_the_cache_held_it(tmp_path, monkeypatch):
+    """A fresh compile is stored with the bytes XLA's persistent cache wrote (serializing
+    it again would cost as long, before its first call could run); an executable that
+    the cache answers re-serializes without its kernels (`NOT_FOUND: Function ... not
+    found` when run after loading), so the store keeps the bytes the cache held. Both
+    load and run."""
     x = np.arange(16 * 64, dtype=np.float32).reshape(16, 64) / 100
     previous = jax.config.jax_compilation_cache_dir  # the test session's (conftest)
     compilation.use_cache(str(tmp_path / "xla"))
     try:
-        executables.Program(jax.jit(f)).lower(x).compile()  # XLA compiles, the cache keeps it
+        jax.clear_caches()
+        with executables.cache_held() as written:  # XLA compiles, the cache keeps it
+            compiled = executables.Program(jax.jit(_cumsum)).lower(x).compile()
         jax.clear_caches()  # as a new process would: only the persistent cache is left
-        program = executables.Program(jax.jit(f))
-        with executables.cache_reads() as reads:
-            compiled = program.lower(x).compile()
+        with executables.cache_held() as reads:
+            from_cache = executables.Program(jax.jit(_cumsum)).lower(x).compile()
     finally:
         compilation.use_cache(previous or "")
-    assert len(reads) == 1
-    store = executables.Store(str(tmp_path / "store"), "context")
-    store.save("f", program, (x,), {}, compiled, cached=reads[0])
-    fresh = executables.Program(jax.jit(f))
-    fresh.install(store.read("f", fresh, (x,), {}).load())
-    np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(jax.jit(f)(x)))
+    assert written == reads  # the cache answers with the bytes it was given
+    with monkeypatch.context() as m:  # nothing is serialized again
+        m.setattr(executables.serialize_executable, "serialize", None)
+        _saved_from_cache(tmp_path / "written", compiled, written)
+    _saved_from_cache(tmp_path / "read", from_cache, reads)
 
 
 def test_a_different_context_or_signature_misses_and_a_damaged_file_is_replaced(tmp_path):
