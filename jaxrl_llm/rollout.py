@@ -13,6 +13,7 @@ the first B mixed groups of all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -126,13 +127,16 @@ def merge_mixed_groups(parts, num_generations: int, num_groups: int, mesh=None):
         prompt_lengths=np.concatenate([s.prompt_lengths for _, s in parts])[rows],
         details=parts[0][1].details,  # the step's first batch: every row of it scored
     )
-    return _select_rows(outs, index), scored
+    rows_on = None if mesh is None else NamedSharding(mesh, PartitionSpec(parallel.BATCH_AXES))
+    return _select_rows(outs, index, rows_on), scored
 
 
-@jax.jit
-def _select_rows(outs: list[sampling.SampleOutput], index: jax.Array) -> sampling.SampleOutput:
+@functools.partial(jax.jit, static_argnums=2)
+def _select_rows(outs: list[sampling.SampleOutput], index: jax.Array, rows_on=None):
     """Concatenates SampleOutputs (left-padding shorter prompt buckets, padding masked)
-    and keeps the rows in `index`; jitted, so no constant is transferred implicitly."""
+    and keeps the rows in `index`; jitted, so no constant is transferred implicitly.
+    rows_on: the rows' sharding (the sampler's), so that the reference and the update
+    compiled for a rollout of these shapes serve the merged one (None: XLA's choice)."""
     P = max(o.prompt_tokens.shape[1] for o in outs)
     T = max(o.tokens.shape[1] for o in outs)
 
@@ -148,7 +152,10 @@ def _select_rows(outs: list[sampling.SampleOutput], index: jax.Array) -> samplin
         )  # fmt: skip
         for o in outs
     ]
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs)[index], *outs)
+    merged = jax.tree.map(lambda *xs: jnp.concatenate(xs)[index], *outs)
+    if rows_on is None:
+        return merged
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows_on), merged)
 
 
 def _global_rows(rows: np.ndarray, parts, mesh) -> np.ndarray:

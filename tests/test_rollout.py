@@ -6,9 +6,9 @@ import types
 import jax
 import numpy as np
 import pytest
-from tiny_run import TOKENIZER
+from tiny_run import TOKENIZER, tiny_model_config
 
-from jaxrl_llm import rollout, sampling, verifiers
+from jaxrl_llm import parallel, rollout, sampling, verifiers
 
 G, T = 2, 6
 
@@ -116,3 +116,13 @@ def test_merge_keeps_the_first_mixed_groups_of_all_rounds(tokenizer):
         assert int(np.asarray(out.prompt_mask)[r].sum()) == 4 + 2 * p
     assert out.prompt_tokens.shape == (6, 8) and out.num_generations == G
     assert rollout.mixed_groups(scored, G) == 3
+    # On a mesh the merged rows keep the sampler's layout, so the reference and the
+    # update compiled for a rollout of these shapes serve them (no second compile).
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    rows_on = sampling.Sampler(tiny_model_config(), mesh).row_sharding
+    on_mesh = [(jax.device_put(o, rows_on), s) for o, s in parts]
+    sharded, _ = rollout.merge_mixed_groups(on_mesh, G, 3, mesh)
+    for name, x in vars(sharded).items():
+        if isinstance(x, jax.Array):
+            assert x.sharding.is_equivalent_to(rows_on, x.ndim), name
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(getattr(out, name)), name)
