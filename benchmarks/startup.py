@@ -12,6 +12,8 @@ records are timestamped as they appear) and its output lines:
 - start-up: launch -> the first step begins (imports, model, programs compiled before the
   first step, and an evaluation at step 0 when the config schedules one);
 - first step: its `perf/step_s`; start-up + first step is the time to the first update;
+  with --steps >= 2 also the time to the second (the reference of a fresh run is built
+  once the first step is done: its update does not read it);
 - compile: the start-up compilation's wall time (its summary line), or XLA compile time
   inside the first step (`perf/compile_s`) for a trainer that compiles there;
 - per program: the trainer's "compiling NAME (DETAIL)... S s" lines (warm: "loading
@@ -124,6 +126,8 @@ def run_once(args, src, config, cache, workdir, extra, xla_flags=None) -> dict:
         "cache hits": hits,
         "programs": programs,
     }
+    if len(steps) > 1:  # what a program built after the first step costs the second
+        out["to second update s"] = steps[1][0] - launch
     later = [r["perf/step_s"] for _, r in steps[1:]]
     if later:
         out["later steps s"] = float(np.median(later))

@@ -94,6 +94,7 @@ class CompileLog:
         self._lock = threading.Lock()
         self._listening = False
         self._background: list[concurrent.futures.Future] = []
+        self._gates: list[Gate] = []
 
     def listen(self, write=None) -> CompileLog:
         """Starts listening to XLA's compile events (and writing lines with `write`,
@@ -108,7 +109,10 @@ class CompileLog:
 
     def close(self) -> None:
         """Stops listening, once the programs still building in the background are done
-        (their errors are left to the calls that wait for them)."""
+        (their errors are left to the calls that wait for them); builds waiting for a
+        `Gate` are dropped."""
+        for gate in self._gates:
+            gate.close()
         for future in self._background:
             future.cancel()
         concurrent.futures.wait(self._background)
@@ -182,11 +186,14 @@ class CompileLog:
         rest side by side once it is done, while this thread traces them; a
         `executables.Program`'s first call with the built arguments waits for its own
         build (and raises its error). The "programs ready" line comes when the last is
-        done; `wait()` waits for them."""
+        done; `wait()` waits for them. `build(..., gate=g)` (background only): that
+        program's build starts when the `Gate` g opens, and is dropped unbuilt if `close`
+        comes first (a program the first step does not run, built once that step is
+        done)."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=4 if side_by_side else 1)
         futures, start_all = [], time.perf_counter()
 
-        def build(name: str, detail: str, program, *args, **kwargs):
+        def build(name: str, detail: str, program, *args, gate: Gate | None = None, **kwargs):
             start = time.perf_counter()
             keep = store if isinstance(program, executables.Program) else None
             if keep is not None and (entry := keep.read(name, program, args, kwargs)):
@@ -200,7 +207,11 @@ class CompileLog:
                 out_info = lowered.out_info
             if background:
                 job = (*job, True)
-                if futures:
+                if gate is not None:
+                    with self._lock:
+                        self._gates.append(gate)
+                    job = (_gated, gate, *job)
+                elif futures:
                     job = (_after, futures[0], *job)
             futures.append(pool.submit(*job))
             if background and isinstance(program, executables.Program):
@@ -290,6 +301,34 @@ class CompileLog:
         return record
 
 
+class Gate:
+    """When a build of `CompileLog.ahead_of_time` may start: `open()` starts it; `close()`
+    (from `CompileLog.close`) drops it if it has not opened."""
+
+    def __init__(self):
+        self._event, self._opened = threading.Event(), False
+
+    def open(self) -> None:
+        if not self._event.is_set():
+            self._opened = True
+            self._event.set()
+
+    def close(self) -> None:
+        self._event.set()
+
+    def wait(self) -> bool:
+        """Blocks until open (True) or closed (False)."""
+        self._event.wait()
+        return self._opened
+
+
+def _gated(gate: Gate, job, *args):
+    """`job(*args)` once `gate` opens; cancelled if it is closed instead."""
+    if not gate.wait():
+        raise concurrent.futures.CancelledError("the run ended before this program was needed")
+    return job(*args)
+
+
 def _after(first: concurrent.futures.Future, job, *args):
     """`job(*args)` once `first` is done (whether it failed or not)."""
     concurrent.futures.wait([first])
@@ -306,7 +345,11 @@ def shaped(out_info, sharding):
 
 
 def precompile_step(
-    run, side_by_side: bool = True, background: bool = False, evaluate_first: bool = False
+    run,
+    side_by_side: bool = True,
+    background: bool = False,
+    evaluate_first: bool = False,
+    step: int = 0,
 ) -> None:
     """Compiles a `train.Run`'s sampler, reference and update before its first step, at
     the shapes of the batch that step will read, and evaluation's sampler programs when
@@ -315,7 +358,12 @@ def precompile_step(
     evaluate_first: evaluation's come first, for a run that evaluates before its first
     step). The rollouts and log-probs are pinned to row sharding
     (`Sampler.row_sharding`), so the reference and the update can be compiled from the
-    sampler's output shapes alone. Other prompt buckets compile when they first come."""
+    sampler's output shapes alone. Other prompt buckets compile when they first come.
+    step: the first step to run. When its update does not read the reference's log-probs
+    (`Run.reads_reference`: a fresh run whose reference is the initial policy), the
+    reference is built after the update, in the background once that step is done (or
+    the reference is first called: `Run.reference_gate`), so it does not share the
+    cores with the first step's programs."""
     from jaxrl_llm import parallel, rl
 
     position = run.data_iter.state()
@@ -331,13 +379,18 @@ def precompile_step(
             params, batch.prompt_ids, batch.prompt_mask, run.spec
         )
         out, ref = shaped(build("sampler", bucket, program, *args, **kwargs), rows), None
-        if run.ref_logprobs is not None:
-            ref = shaped(build("reference", bucket, run.ref_logprobs, run.ref_params, out), rows)
+        later = background and run.ref_logprobs is not None and not run.reads_reference(step)
+        if run.ref_logprobs is not None:  # later: the update's input of that shape, unread
+            ref = out.logprobs if later else shaped(build("reference", bucket,
+                run.ref_logprobs, run.ref_params, out), rows)  # fmt: skip
         local_rows = out.tokens.shape[0] // jax.process_count()
         rewards = parallel.shard_local_batch(np.zeros(local_rows, np.float32), run.mesh)
         rollouts = rl.RolloutBatch.from_sample(out, rewards, ref)
         program, args = run.update.program(run.state, rollouts)
         build("update", bucket, program, *args)
+        if later:
+            build("reference", bucket, run.ref_logprobs, run.ref_params, out,
+                  gate=run.reference_gate)  # fmt: skip
         if run.eval_batches and not evaluate_first:
             _evaluation(run, build, params)
 

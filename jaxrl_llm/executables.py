@@ -25,6 +25,7 @@ of the devices (a deserialized executable runs on the devices it is given).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -60,7 +61,10 @@ class Program:
         if self.installed or self.pending:
             sig = self.signature(args, kwargs)
             if (future := self.pending.get(sig)) is not None:
-                future.result()  # still being built: wait for it (its error raises here)
+                try:  # still being built: wait for it (its error raises here)
+                    future.result()
+                except concurrent.futures.CancelledError:  # dropped unbuilt: jit compiles
+                    pass
                 self.pending.pop(sig, None)
             if (executable := self.installed.get(sig)) is not None:
                 return executable(*args, **self._dynamic(kwargs))

@@ -36,14 +36,16 @@ class RolloutModes:
             item = self.rollout_thread.take(step)  # waits while the thread is behind
             clock.mark("learner_wait")
             out = jax.device_put(item.out, self.row_sharding)  # rollout -> training mesh
-            ref = self.reference(out)
+            ref = self.reference(out, step)
             clock.wait("reference", ref)
             self._check_verifiers(item.scored, step)
             rewards = parallel.shard_local_batch(item.scored.rewards, self.mesh)
             batch = rl.RolloutBatch.from_sample(out, rewards, ref)
             with self.compile_log.program("update", f"bucket {out.prompt_tokens.shape[1]}"):
                 self.state, self.last_update_metrics = self.update(self.state, batch)
+            self.updated = True
             clock.wait("update", self.state)
+            self.reference_gate.open()
             self.rollout_thread.publish(self.sampler_params(), step + 1)
         self.last_scored, self.last_prompt_width = item.scored, out.prompt_tokens.shape[1]
         clock.seconds |= {"sample": item.sample_s, "score": item.score_s}

@@ -124,14 +124,16 @@ class Run(RolloutModes):
         self.base_cfg = self.model_cfg
         if (lora_cfg := run_config.lora_config(c)) is not None:
             self.model_cfg = self.model_cfg.replace(lora=lora_cfg)
-        self.ref_params = None
+        self.ref_params, self.ref_is_initial = None, False
         if self.algo.needs_ref and lora_cfg is not None and not c.model.ref_path:
             self.ref_params = params  # the frozen base itself: no second load, no copy
+            self.ref_is_initial = True  # with the adapters' B = 0, the initial policy
         elif self.algo.needs_ref:
             ref_path = run_config.resolve_model_path(
                 c.model.ref_path or self.model_path, "model.ref_path"
             )
             _, self.ref_params = models.builtin.load_model(ref_path, self.mesh, c.model.dtype)
+            self.ref_is_initial = ref_path == self.model_path
         return params
 
     # ------------------------------------------------------------------------- Rollout
@@ -204,8 +206,11 @@ class Run(RolloutModes):
             self.model_cfg, self.algo, opt, self.spec, micro_batches=o.micro_batches,
             mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk,
             critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
-            seed=c.train.seed,
+            seed=c.train.seed, reference_is_initial=self.ref_is_initial,
         )  # fmt: skip
+        self.updated = False  # whether this Run has applied an update (`reads_reference`)
+        # Opens the reference's build when its log-probs are first needed (`precompile_step`).
+        self.reference_gate = compilation.Gate()
         self.ref_logprobs = None
         if self.algo.needs_ref:  # the update's row slices bound its memory the same way
             self.ref_logprobs = rl.make_logprob_fn(
@@ -260,22 +265,24 @@ class Run(RolloutModes):
             if self.env_rollout is not None:  # multi-turn: the turn loop, then the reference
                 batch, version = next(self.data_iter), step
                 out, scored = self.play(batch, step, clock)
-                ref = self.reference(out)
+                ref = self.reference(out, step)
             else:
                 batch, out, version = self._rollout(step)  # device arrays, dispatched
-                ref = None if dynamic else self.reference(out)  # dispatched, no wait
+                ref = None if dynamic else self.reference(out, step)  # dispatched, no wait
                 self._sample_ahead(step)  # overlap: step + 1's rollout, by these parameters
                 scored = self.score(out, batch, clock)  # host, overlapping the device work
             if dynamic:  # DAPO: degenerate groups replaced, then the reference
                 out, scored = self.refill(out, scored, step, clock)
-                ref = self.reference(out)
+                ref = self.reference(out, step)
             clock.wait("reference", ref)
             self._check_verifiers(scored, step)
             rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
             batch = rl.RolloutBatch.from_sample(out, rewards, ref)
             with self.compile_log.program("update", _bucket(out)):
                 self.state, self.last_update_metrics = self.update(self.state, batch)
+            self.updated = True
             clock.wait("update", self.state)
+        self.reference_gate.open()  # the next step's reference may build now
         self.last_scored, self.last_prompt_width = scored, out.prompt_tokens.shape[1]
         metrics = self._metrics(out, scored, clock) | staleness(step - version)
         return parallel.host_mean(metrics)  # each process saw its own rows
@@ -312,10 +319,24 @@ class Run(RolloutModes):
         clock.mark("score")
         return out, scored
 
-    def reference(self, out):
-        """Dispatches the reference log-probs [N, T] (async); None when beta = 0."""
+    def reads_reference(self, step: int) -> bool:
+        """Whether `step`'s update reads the reference model's log-probs: not at a fresh
+        run's step 0 when the reference is the initial policy (the params are then the
+        reference's, and the update takes the policy's own: `rl.make_update_fn`)."""
+        return self.ref_logprobs is not None and not (
+            self.ref_is_initial and step == 0 and not self.updated
+        )
+
+    def reference(self, out, step: int):
+        """Dispatches the reference log-probs [N, T] (async); None when beta = 0. A step
+        whose update does not read them (`reads_reference`) gets the rollout's log-probs
+        in their place, an input of the same shape and sharding (the update compiled for
+        one serves both): no reference forward runs."""
         if self.ref_logprobs is None:
             return None
+        if not self.reads_reference(step):  # a copy only where the rows are laid out apart
+            return jax.device_put(out.logprobs, self.row_sharding)
+        self.reference_gate.open()
         with self.compile_log.program("reference", _bucket(out)):
             return self.ref_logprobs(self.ref_params, out)
 

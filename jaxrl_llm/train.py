@@ -179,7 +179,7 @@ def _steps(run: Run, ckpt, writer, progress, stop, start: int) -> dict:
     evaluate_first = bool(c.eval.every and c.eval.at_start and start == 0)
     if run.env_rollout is None:  # multi-turn prompts come from resets: compiled at use
         # The first step starts while the later programs still compile.
-        compilation.precompile_step(run, background=True, evaluate_first=evaluate_first)
+        compilation.precompile_step(run, background=True, evaluate_first=evaluate_first, step=start)
     if evaluate_first:  # the initial policy's point
         writer.write(0, last := run.evaluate(0))
     for step in range(start, c.train.num_steps):

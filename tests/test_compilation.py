@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from concurrent.futures import CancelledError
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +60,15 @@ def test_second_run_loads_every_program_stored_and_the_cache_backs_it(model_dir,
     cache = tmp_path / "xla"
     cold = _train(model_dir, tmp_path / "cold", cache)
     names = [line.split(" (")[0] for line in cold]
-    # tiny_run: GRPO (a reference model), 16-token prompt bucket, no evaluation.
-    assert sorted(names) == ["compiling reference", "compiling sampler", "compiling update"]
+    # tiny_run: GRPO (a reference model: the initial policy), 16-token prompt bucket, no
+    # evaluation. The first update reads no reference log-probs: the reference is built
+    # last, once the first step is done, for the second.
+    assert names == ["compiling sampler", "compiling update", "compiling reference"]
     assert all("(bucket 16)" in line and "compilation cache" not in line for line in cold)
-    first = read_metrics(tmp_path / "cold" / "metrics.jsonl")[0]
-    assert first["perf/compile_s"] == 0.0  # compiled before the first step, not in it
+    first, second = read_metrics(tmp_path / "cold" / "metrics.jsonl")
+    assert first["perf/compile_s"] == second["perf/compile_s"] == 0.0  # none in the steps
+    assert first["perf/reference_s"] < 0.01 and first["policy/kl_ref"] == 0.0
+    assert second["policy/kl_ref"] != 0.0  # the reference forward's, off the moved policy
     stored = sorted(os.listdir(cache / "executables"))
     assert len(stored) == 3
 
@@ -203,3 +209,31 @@ def test_background_builds_serve_their_first_calls_and_raise_their_errors():
     assert log.seconds == seconds == 0.0
     assert sorted(line.split(" (")[0] for line in lines) == ["compiling f", "compiling g"]
     assert not any(line.startswith("programs ready") for line in lines)  # one build failed
+
+
+def test_a_gated_build_starts_when_its_gate_opens_and_is_dropped_if_it_never_does():
+    """build(..., gate=): the program is traced at once but compiles only once the gate
+    opens (its first call then finds it installed); a gate that never opens before
+    `close` drops its build, and `close` does not wait for it."""
+    lines = []
+    x = np.arange(5, dtype=np.float32)
+    f = executables.Program(jax.jit(lambda x: jnp.sinh(x) - 3.0 * x))
+    g = executables.Program(jax.jit(lambda x: jnp.cosh(x) + 4.0 * x))
+    opened, never = compilation.Gate(), compilation.Gate()
+    log = compilation.CompileLog(write=lines.append).listen()
+    try:
+        with log.ahead_of_time(background=True) as build:
+            build("f", "5 rows", f, x, gate=opened)
+            build("g", "5 rows", g, x, gate=never)
+        time.sleep(0.5)
+        assert lines == [] and f.pending and g.pending  # neither has started
+        opened.open()
+        with log.program("first call") as call:
+            np.testing.assert_allclose(f(x), np.sinh(x) - 3.0 * x, rtol=1e-5)
+        assert call.compiles == 0 and lines[0].startswith("compiling f (5 rows)... ")
+    finally:
+        log.close()
+    assert all(future.cancelled() or isinstance(future.exception(), CancelledError)
+               for future in g.pending.values())  # fmt: skip
+    assert [line.split(" (")[0] for line in lines] == ["compiling f"]  # g was dropped
+    np.testing.assert_allclose(g(x), np.cosh(x) + 4.0 * x, rtol=1e-5)  # compiles at use

@@ -117,7 +117,7 @@ def _optimizer_step(s: Setup, step, policy_on, frozen, dropout, carry: Carry, xs
     dropout: the pass's LoRA dropout key (mini-batch j folds in j), or None."""
     rows, j = xs
     key = None if dropout is None else jax.random.fold_in(dropout, j)
-    grads, metrics = gradients(s, carry, rows, frozen, key)
+    grads, metrics = gradients(s, carry, rows, frozen, key, _at_start(s, step))
     norm = optax.tree.norm(grads["policy"])
     finite = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(norm)
     metrics["optim/grad_norm"] = norm
@@ -144,6 +144,12 @@ def _optimizer_step(s: Setup, step, policy_on, frozen, dropout, carry: Carry, xs
     return new, metrics
 
 
+def _at_start(s: Setup, step):
+    """True (a bool scalar) while the params are the reference's: `Setup.ref_is_initial`
+    and no update applied yet; None when the batch's reference log-probs are always read."""
+    return step == 0 if s.ref_is_initial and s.algo.needs_ref else None
+
+
 def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
     """Steps 1-2 of the module doc: pi_old, V_old (no gradient) and the advantages."""
     k = s.micro_batches * s.mini_batches  # the forward of one micro-batch at a time
@@ -160,9 +166,12 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
         old_values = _sg(map_rows(lambda r: values(*r), inputs, k))
+    ref_logp, at_start = batch.ref_logprobs, _at_start(s, state.step)
+    if at_start is not None and old_logp is not None:  # pi_old is the reference: read it
+        ref_logp = jnp.where(at_start, old_logp, ref_logp)
     adv = compute_advantages(
         s.algo, batch.rewards, batch.loss_mask, G, old_logp=old_logp,
-        ref_logp=batch.ref_logprobs, values=old_values,
+        ref_logp=ref_logp, values=old_values,
     )  # fmt: skip
     return Rows(
         *inputs,
@@ -170,7 +179,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
         behaviour_logp=batch.behaviour_logprobs,
         advantages=adv.advantages,
         old_logp=old_logp,
-        ref_logp=batch.ref_logprobs,
+        ref_logp=ref_logp,
         returns=adv.returns,
         old_values=old_values,
         groups=batch.group_ids if grouped and s.shares_prompts else None,
@@ -245,6 +254,7 @@ def make_update_fn(
     skip_nonfinite: bool = False,
     seed: int = 0,
     share_prompts: bool = True,
+    reference_is_initial: bool = False,
 ) -> UpdateFn:
     """The jitted `update(state, batch) -> (state, metrics)`; state is donated.
 
@@ -260,6 +270,12 @@ def make_update_fn(
     seed: the mini-batch permutations derive from (seed, step) (`train.seed`).
     share_prompts: False makes every row read its own prompt (the same result up to float
     rounding, more compute; a reference for the shared path).
+    reference_is_initial: the reference model is the initial policy (beta > 0). At
+    state.step 0 the params are then the reference's, so the update reads the policy's
+    own log-probs as the reference's (sg(logp), or pi_old where it is recomputed): the
+    KL is exactly 0 with its exact gradient, and the batch's `ref_logprobs`, of the right
+    shape, are not read (the first step runs no reference forward). The same program
+    serves every step.
     """
     if micro_batches < 1 or mini_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}, mini_batches={mini_batches}: >= 1")
@@ -269,7 +285,7 @@ def make_update_fn(
     setup = Setup(
         model_cfg, algo_cfg, opt, critic_optimizer if algo_cfg.uses_critic else None, spec,
         int(micro_batches), int(mini_batches), int(chunk_size), bool(skip_nonfinite), int(seed),
-        bool(share_prompts),
+        bool(share_prompts), bool(reference_is_initial),
     )  # fmt: skip
     return UpdateFn(setup)
 
