@@ -7,6 +7,9 @@
   `rollout.max_staleness` versions ahead (`_split_step`); parameters move to the rollout
   mesh device to device (`sampler_params`), rollouts to the training mesh.
 
+DAPO's dynamic sampling adds rounds to any of them: `refill` samples more batches until
+the step has B mixed-reward groups.
+
 `RolloutModes` is a part of `run.Run` (its methods read the run's sampler, data iterator
 and programs); docs/async.md describes the modes.
 """
@@ -18,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxrl_llm import parallel, perf, rl, sampling
+from jaxrl_llm import parallel, perf, rl, rollout, sampling
 from jaxrl_llm.rollout_thread import RolloutThread
 
 
@@ -73,6 +76,27 @@ class RolloutModes:
         batch = next(self.data_iter)
         out = self.sample(batch, step + 1, version=step)
         self._ahead = _Ahead(step + 1, batch, out, step, position)
+
+    def refill(self, out, scored, step: int, clock):
+        """DAPO's dynamic sampling: up to `algo.max_resample_rounds` more batches until
+        every process has B mixed-reward groups (the sampler is collective, so all
+        processes sample while any is short)."""
+        G, parts = self.spec.num_generations, [(out, scored)]
+        groups = len(scored.rewards) // G
+        mixed = rollout.mixed_groups(scored, G)
+        while (
+            parallel.host_max(int(mixed < groups)) and len(parts) <= self.algo.max_resample_rounds
+        ):
+            batch = next(self.data_iter)
+            more = self.sample(batch, step, round=len(parts))
+            parts.append((more, self.score(more, batch, clock)))
+            mixed += rollout.mixed_groups(parts[-1][1], G)
+        degenerate_frac = 1.0 - min(mixed, groups) / groups
+        if len(parts) > 1:
+            out, scored = rollout.merge_mixed_groups(parts, G, groups, self.mesh)
+        scored.metrics["rollout/degenerate_frac"] = degenerate_frac
+        scored.metrics["rollout/dynamic_rounds"] = float(len(parts) - 1)
+        return out, scored
 
     def data_state(self):
         """The data position after the batches consumed so far (a rollout sampled ahead

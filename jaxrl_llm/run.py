@@ -346,27 +346,6 @@ class Run(RolloutModes):
         clock.mark("score")
         return scored
 
-    def refill(self, out, scored, step: int, clock):
-        """DAPO's dynamic sampling: up to `algo.max_resample_rounds` more batches until
-        every process has B mixed-reward groups (the sampler is collective, so all
-        processes sample while any is short)."""
-        G, parts = self.spec.num_generations, [(out, scored)]
-        groups = len(scored.rewards) // G
-        mixed = rollout.mixed_groups(scored, G)
-        while (
-            parallel.host_max(int(mixed < groups)) and len(parts) <= self.algo.max_resample_rounds
-        ):
-            batch = next(self.data_iter)
-            more = self.sample(batch, step, round=len(parts))
-            parts.append((more, self.score(more, batch, clock)))
-            mixed += rollout.mixed_groups(parts[-1][1], G)
-        degenerate_frac = 1.0 - min(mixed, groups) / groups
-        if len(parts) > 1:
-            out, scored = rollout.merge_mixed_groups(parts, G, groups, self.mesh)
-        scored.metrics["rollout/degenerate_frac"] = degenerate_frac
-        scored.metrics["rollout/dynamic_rounds"] = float(len(parts) - 1)
-        return out, scored
-
     def _check_verifiers(self, scored, step: int) -> None:
         """Warns on a step where a verifier failed too often; stops the run after
         train.max_failed_steps such steps in a row (every host decides on the mean)."""
