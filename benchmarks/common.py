@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxrl_llm import models
 from jaxrl_llm.parallel import allocator
-from jaxrl_llm.perf import matmul_peak, measure_matmul_peak  # noqa: F401  (re-exported)
+from jaxrl_llm.startup.peak import matmul_peak, measure_matmul_peak  # noqa: F401  (re-exported)
 
 PRESETS = {
     # ~25M Qwen3-like: the sampler / GRPO-step benchmarks.

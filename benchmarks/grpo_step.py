@@ -15,7 +15,7 @@ Reported, as medians over --steps measured steps after --warmup steps (compilati
 seconds per step and per phase (sample = prefill + decode + transfer of the ids;
 reference = the wait for its log-probs after scoring, i.e. what did not overlap; score =
 decode to text + verifiers; update = the GRPO step), tokens/s, peak memory, and the FLOP
-floor: model FLOPs of each phase (`jaxrl_llm.perf.step_flops`: real prompt and
+floor: model FLOPs of each phase (`jaxrl_llm.trainer.perf.step_flops`: real prompt and
 completion tokens only, attention included; the prefill, the reference forward and the
 update read each prompt once per group, as they run) over the float32 / bfloat16 matmul
 peak measured before every step (the best of those; --peak-gflops fixes it instead).
@@ -45,15 +45,17 @@ from common import (  # noqa: E402
     uptime,
 )
 
-from jaxrl_llm import models, perf, run_config, sampling  # noqa: E402
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models, sampling  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 from jaxrl_llm.parallel import allocator, xla_flags  # noqa: E402
+from jaxrl_llm.trainer import perf
 
-TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
+TOKENIZER = os.path.join(os.path.dirname(config_lib.__file__), "assets", "arithmetic_tokenizer")
 
 
 def make_config(args, model_dir: str):
-    c = run_config.base_config()
+    c = config_lib.base_config()
     c.model.path = model_dir
     c.model.dtype = args.dtype
     c.model.remat = args.remat
@@ -117,7 +119,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         models.save_hf(cfg, models.init_params(cfg, seed=0), model_dir, tokenizer_dir=TOKENIZER)
-        run = train_lib.Run(make_config(args, model_dir), os.path.join(tmp, "run"))
+        run = train_lib.Run.build(make_config(args, model_dir), os.path.join(tmp, "run"))
         try:
             steps = []
             for i in range(args.warmup + args.steps):
@@ -127,14 +129,15 @@ def main():
                 peak = measure_matmul_peak(args.dtype, repeats=3)
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 steal = cpu_steal_s()
-                host = run.step(i)
+                result = run.step(i)
+                host = dict(result.host)
                 steal = cpu_steal_s() - steal
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 host["page_faults"] = float(faults)
-                scored = run.last_scored
+                scored = result.scored
                 host["prompt_len"] = float(scored.prompt_lengths.mean())
                 host["new_tokens"] = float(scored.lengths.mean())
-                host["padded_len"] = run.last_prompt_width
+                host["padded_len"] = host["rollout/prompt_width"]
                 host["peak"] = peak
                 print(
                     f"step {i}{' (warmup)' if i < args.warmup else ''}: "
@@ -146,7 +149,7 @@ def main():
                 if i >= args.warmup:
                     steps.append(host)
         finally:
-            run.pool.close()
+            run.close()
 
     rows_n = args.prompts * args.generations
     peak = args.peak_gflops * 1e9 or max(s["peak"] for s in steps)

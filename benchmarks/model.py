@@ -23,8 +23,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, matmul_peak, peak_memory, preset_config, table, time_fn  # noqa: E402
 
-from jaxrl_llm import models, perf, rl  # noqa: E402
+from jaxrl_llm import models, rl  # noqa: E402
 from jaxrl_llm.parallel import allocator, xla_flags  # noqa: E402
+from jaxrl_llm.trainer import perf
 
 
 def loss_fn(cfg, params, ids):

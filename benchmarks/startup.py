@@ -144,7 +144,8 @@ def programs_child(argv: list[str]) -> None:
     from jaxrl_llm.parallel import xla_flags
 
     xla_flags.set_cpu_defaults()
-    from jaxrl_llm import compilation, train
+    from jaxrl_llm import train
+    from jaxrl_llm.startup import compilation, precompile
 
     config_flags.DEFINE_config_file("config", None, "run config", lock_config=False)
     flags.FLAGS([sys.argv[0], *argv])
@@ -152,11 +153,11 @@ def programs_child(argv: list[str]) -> None:
     config.train.compilation_cache_dir = ""
     compilation.use_cache("")
     with tempfile.TemporaryDirectory() as workdir:
-        run = train.Run(config, workdir)
+        run = train.Run.build(config, workdir)
         print(run.tuning_line, flush=True)
         run.compile_log.listen(lambda line: print(line, flush=True))
-        compilation.precompile_step(run, side_by_side=False)
-        run.pool.close()
+        precompile.precompile_step(run, side_by_side=False)
+        run.close()
 
 
 def separately(args, src: str, config: str, extra: list[str]) -> None:

@@ -48,9 +48,10 @@ from common import (  # noqa: E402
     uptime,
 )
 
-from jaxrl_llm import models, perf, rl, sampling  # noqa: E402
+from jaxrl_llm import models, rl, sampling  # noqa: E402
 from jaxrl_llm.parallel import allocator  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
+from jaxrl_llm.trainer import perf
 
 
 def random_batch(cfg, n: int, prompt_len: int, completion_len: int, group: int,

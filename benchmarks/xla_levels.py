@@ -56,7 +56,8 @@ def main() -> None:
     from absl import flags
     from ml_collections import config_flags
 
-    from jaxrl_llm import compilation, parallel, rl, train
+    from jaxrl_llm import parallel, rl, train
+    from jaxrl_llm.startup import compilation
 
     config_flags.DEFINE_config_file("config", None, "run config", lock_config=False)
     flags.FLAGS([sys.argv[0], f"--config={args.config}", *extra])
@@ -65,11 +66,11 @@ def main() -> None:
     compilation.use_cache("")
     print(f"device: {device_name()}; {uptime()}", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
-        run = train.Run(config, workdir)
+        run = train.Run.build(config, workdir)
         print(run.tuning_line, flush=True)
-        batch = next(run.data_iter)
-        params, rows = run.sampler_params(), run.row_sharding
-        sampler, s_args, s_kwargs = run.sampler.sample_program(
+        batch = next(run.sampling.data)
+        params, rows = run.sampler_params(), run.sampling.row_sharding
+        sampler, s_args, s_kwargs = run.sampling.sampler.sample_program(
             params, batch.prompt_ids, batch.prompt_mask, run.spec
         )
         s_dynamic = {k: v for k, v in s_kwargs.items() if k != "spec"}
@@ -132,7 +133,7 @@ def main() -> None:
         for row in rows_out:
             key = (row["program"], row["level"])
             row["run s"] = _spread(timed[key]) if key in timed else ""
-        run.pool.close()
+        run.close()
     print(f"\n{uptime()}")
     print(table(rows_out, ["program", "level", "compile s", "run s"]))
 

@@ -11,7 +11,7 @@ unprompted, so the system prompt shows it; `env/tool_calls` (calls per trajector
 `env/calculator/correct` are the curves to watch.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 SYSTEM = (
     "You can use a calculator: write <calc>expression</calc> and stop; the result comes "

@@ -19,7 +19,7 @@ cores with the compilation cache warm (~1.5 minutes cold on busy ones). The curv
 the README.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config():

@@ -11,7 +11,7 @@ overlong penalty. Expected: the format reward saturates first, then eval/pass@1 
 held-out split climbs; not yet measured on this exact configuration.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config():

@@ -21,7 +21,7 @@ over the first hundred steps; not yet measured on this configuration, so compare
 the step-0 evaluation of your own run.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config():

@@ -11,7 +11,7 @@ base model answers roughly a third to a half of GSM8K); not yet measured on this
 configuration, so compare your curve against the first eval point of your own run.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config():

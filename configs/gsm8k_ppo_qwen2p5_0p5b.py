@@ -10,7 +10,7 @@ explained_var should climb above 0 within the first tens of steps. Not yet measu
 this exact configuration.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config():

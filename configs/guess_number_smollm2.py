@@ -13,7 +13,7 @@ of trajectories that find the number) and `reward/mean` are the curves to watch,
 `env/turns_mean` shows how many guesses the policy spends.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config():

@@ -13,7 +13,7 @@ answer equivalence (math-verify). Expected: eval/pass@1 on held-out MATH rises o
 first hundred steps; not yet measured (no pod was available when this was written).
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config():

@@ -13,7 +13,7 @@ Expected: not yet measured on this configuration; watch `env/tool_calls`,
 `env/tool_errors` and `env/python_tool/correct` next to `reward/mean`.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 SYSTEM = (
     "You can run Python: write a ```python code block and stop; its printed output comes "

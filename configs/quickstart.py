@@ -14,7 +14,7 @@ from 0.28 (the shipped model) to ~0.49 by step 50 and 0.50-0.53 after; the curve
 the README.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config():

@@ -12,7 +12,7 @@ included), 0.72 / 0.73 / 0.70 at steps 20 / 30 / 40; ~12.5 s a step. Curve in th
 and docs/smollm2.md.
 """
 
-from jaxrl_llm.run_config import base_config
+from jaxrl_llm.config import base_config
 
 
 def get_config(task="add_2"):

@@ -7,7 +7,7 @@
         cli_main(lambda: app.run(main))   # any exception -> "error: ..." on stderr, exit 2
 
 `UserError` is the base of every error whose message already says what is wrong and what
-to do (`run_config.ConfigError`, `data.BadRow`, the model loaders' errors, ...).
+to do (`config_lib.ConfigError`, `data.BadRow`, the model loaders' errors, ...).
 `format_error` turns ANY exception into one line `error: <key or file>: <what>; <fix>`:
 user errors as they are, common library exceptions (missing files, permissions, a full or
 read-only disk, a missing package, device out of memory) rewritten to name the path and

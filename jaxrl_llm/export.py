@@ -32,9 +32,9 @@ import shutil
 import jax
 
 from jaxrl_llm import models, parallel
-from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.models import builtin
 from jaxrl_llm.models.params import unflatten
+from jaxrl_llm.trainer.checkpoint import Checkpointer
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_CONFIG = "config.json"

@@ -34,9 +34,10 @@ def _session_compilation_cache():
     """In-process tests compile through the session's cache too, not only the trainer's
     runs (which turn it on themselves); a test that turns it off or elsewhere is followed
     by ones that use whatever it left, as with any process-wide jax option."""
-    from jaxrl_llm import compilation, run_config
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.startup import compilation
 
-    compilation.use_cache(run_config.default_compilation_cache_dir())
+    compilation.use_cache(config_lib.default_compilation_cache_dir())
     yield
 
 

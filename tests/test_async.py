@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 from tiny_run import make_model_dir, signal_config
 
-from jaxrl_llm import checkpoint, data, parallel, rl, sampling, train
-from jaxrl_llm.metrics import read_metrics
-from jaxrl_llm.rollout_thread import RolloutThread
-from jaxrl_llm.run import Run
-from jaxrl_llm.run_config import ConfigError, validate
+from jaxrl_llm import data, parallel, rl, sampling, train
+from jaxrl_llm.config import ConfigError, validate
+from jaxrl_llm.trainer import checkpoint
+from jaxrl_llm.trainer.metrics import read_metrics
+from jaxrl_llm.trainer.rollout_thread import RolloutThread
+from jaxrl_llm.trainer.run import Run
+from jaxrl_llm.trainer.sources import SampledAhead
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,28 +55,31 @@ def test_overlap_equals_a_loop_sampling_with_the_parameters_before_the_update(mo
     """Step t's rollout comes from the parameters before update t - 1 (step 0's from the
     initial ones): the run's parameters after 4 steps equal those of a plain loop that
     does exactly that, bit for bit, and the staleness metric says 0, 1, 1, 1."""
-    run = Run(overlap_config(model_dir), str(tmp_path))
-    initial, position = _copy(run.state), run.data_iter.state()
-    staleness = [run.step(t)["rollout/staleness_max"] for t in range(4)]
+    run = Run.build(overlap_config(model_dir), str(tmp_path))
+    s = run.sampling
+    initial, position = _copy(run.state), s.data.state()
+    staleness = [run.step(t).host["rollout/staleness_max"] for t in range(4)]
     got = _copy(run.state.params)
     assert staleness == [0.0, 1.0, 1.0, 1.0]
 
     run.state, history = initial, [_copy(initial.params)]
-    run.data_iter.restore(position)
+    s.data.restore(position)
     for t in range(4):
-        batch = next(run.data_iter)
+        batch = next(s.data)
         version = max(t - 1, 0)
-        out = run.sampler.sample(history[version], batch.prompt_ids, batch.prompt_mask,
-                                 run.spec, t, version=version)  # fmt: skip
-        ref = run.ref_logprobs(run.ref_params, out)
-        rewards = parallel.shard_local_batch(run.scorer(out, batch).rewards, run.mesh)
+        out = s.sampler.sample(history[version], batch.prompt_ids, batch.prompt_mask,
+                               run.spec, t, version=version)  # fmt: skip
+        # The reference is the initial policy: step 0's update reads the rollout's
+        # behaviour log-probs in its place (`Run.reads_reference`), later ones its forward.
+        ref = out.logprobs if t == 0 else run.ref_logprobs(run.ref_params, out)
+        rewards = parallel.shard_local_batch(s.scorer(out, batch).rewards, run.mesh)
         run.state, _ = run.update(run.state, rl.RolloutBatch.from_sample(out, rewards, ref))
         history.append(_copy(run.state.params))
         assert np.all(np.asarray(out.policy_version) == version)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(run.state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # The version matters: the newest parameters would have sampled something else.
-    newest = run.sampler.sample(history[3], batch.prompt_ids, batch.prompt_mask, run.spec, 3)
+    newest = s.sampler.sample(history[3], batch.prompt_ids, batch.prompt_mask, run.spec, 3)
     assert not np.array_equal(np.asarray(newest.logprobs), np.asarray(out.logprobs))
     run.pool.close()
 
@@ -95,12 +100,12 @@ def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkey
     rollouts are in flight; the resumed run samples their prompts again, so the prompts
     trained on, step by step, are those of a synchronous run (none twice, none skipped)."""
     seen = []
-    rollout, take, step = Run._rollout, RolloutThread.take, Run.step
+    rollout, take, step = SampledAhead.next, RolloutThread.take, Run.step
 
-    def recording(self, t):
-        batch, out, version = rollout(self, t)
-        seen.append((t, batch.prompts[0]))
-        return batch, out, version
+    def recording(self, t, params, clock):
+        ro = rollout(self, t, params, clock)
+        seen.append((t, ro.batch.prompts[0]))
+        return ro
 
     def taking(self, t):
         item = take(self, t)
@@ -113,7 +118,7 @@ def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkey
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(Run, "_rollout", recording)
+    monkeypatch.setattr(SampledAhead, "next", recording)
     monkeypatch.setattr(RolloutThread, "take", taking)
     monkeypatch.setattr(Run, "step", step_then_sigterm)
     c = overlap_config(model_dir, steps=5) if mode == "overlap" else split_config(model_dir, 5, 2)

@@ -16,8 +16,8 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm.checkpoint import Checkpointer, install_sigterm_handler, with_shardings
 from jaxrl_llm.parallel import make_mesh
+from jaxrl_llm.trainer.checkpoint import Checkpointer, install_sigterm_handler, with_shardings
 
 
 @struct.dataclass
@@ -153,7 +153,7 @@ def test_errors_name_the_problem(tmp_path):
 _KILLED_MID_SAVE = """
 import os, signal, sys
 import jax.numpy as jnp
-from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.trainer.checkpoint import Checkpointer
 ckpt = Checkpointer(sys.argv[1], save_interval_steps=10)
 ckpt.save(10, {"x": jnp.full((4,), 10.0)})
 ckpt.wait()
@@ -204,7 +204,7 @@ import jax, numpy as np
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-from jaxrl_llm.checkpoint import Checkpointer, install_sigterm_handler
+from jaxrl_llm.trainer.checkpoint import Checkpointer, install_sigterm_handler
 from jaxrl_llm.parallel import make_mesh, shard_batch
 flag = install_sigterm_handler()
 ckpt = Checkpointer(directory, save_interval_steps=1000)

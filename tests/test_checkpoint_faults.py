@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from tiny_run import make_model_dir
 
-from jaxrl_llm import checkpoint
-from jaxrl_llm.checkpoint import Checkpointer, DiskFullError, install_sigterm_handler
+from jaxrl_llm.trainer import checkpoint
+from jaxrl_llm.trainer.checkpoint import Checkpointer, DiskFullError, install_sigterm_handler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +85,7 @@ def test_disk_full_is_one_error_and_the_last_checkpoint_survives(small_disk, cap
 _FILL = """
 import sys
 import jax
-from jaxrl_llm.checkpoint import Checkpointer
+from jaxrl_llm.trainer.checkpoint import Checkpointer
 from jaxrl_llm.errors import cli_main
 
 def main():

@@ -1,24 +1,20 @@
 """Start-up compilation: the programs are compiled before the first step, each says so in
-one line, and a second run in a fresh process loads them stored (or from XLA's cache, and
-stores them then)."""
+one line, and a second run in a fresh process loads them from XLA's persistent cache."""
 
-import copy
 import os
 import re
 import subprocess
 import sys
 import time
-from concurrent.futures import CancelledError
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tiny_run
 from tiny_run import make_model_dir
 
-from jaxrl_llm import compilation, executables, run
-from jaxrl_llm.metrics import read_metrics
+from jaxrl_llm.startup import compilation
+from jaxrl_llm.trainer.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,72 +52,29 @@ def _learning(workdir) -> list[dict]:
     ]
 
 
-def test_second_run_loads_every_program_stored_and_the_cache_backs_it(model_dir, tmp_path):
+def test_the_first_step_compiles_nothing_and_a_rerun_loads_from_the_cache(model_dir, tmp_path):
     cache = tmp_path / "xla"
     cold = _train(model_dir, tmp_path / "cold", cache)
     names = [line.split(" (")[0] for line in cold]
     # tiny_run: GRPO (a reference model: the initial policy), 16-token prompt bucket, no
-    # evaluation. The first update reads no reference log-probs: the reference is built
+    # evaluation. The first update reads no reference forward: the reference is built
     # last, once the first step is done, for the second.
     assert names == ["compiling sampler", "compiling update", "compiling reference"]
     assert all("(bucket 16)" in line and "compilation cache" not in line for line in cold)
     first, second = read_metrics(tmp_path / "cold" / "metrics.jsonl")
     assert first["perf/compile_s"] == second["perf/compile_s"] == 0.0  # none in the steps
-    assert first["perf/reference_s"] < 0.01 and first["policy/kl_ref"] == 0.0
-    assert second["policy/kl_ref"] != 0.0  # the reference forward's, off the moved policy
-    stored = sorted(os.listdir(cache / "executables"))
-    assert len(stored) == 3
+    # Step 0: the behaviour log-probs stand in for the reference's (the same model).
+    assert first["perf/reference_s"] < 0.01 and abs(first["policy/kl_ref"]) < 1e-6
+    assert abs(second["policy/kl_ref"]) > 1e-6  # the reference forward, off the moved policy
 
-    # A rerun loads the three executables: nothing is traced, lowered or compiled; one
-    # more step and another checkpoint setting (keys no program reads) do not matter.
+    # A rerun finds every program in XLA's persistent cache; one more step and another
+    # checkpoint setting change nothing of what the first two steps compute.
     warm = _train(model_dir, tmp_path / "warm", cache, "--config.train.num_steps=3",
                   "--config.checkpoint.keep=1")  # fmt: skip
-    expected = sorted(name.replace("compiling", "loading") for name in names)
-    assert sorted(line.split(" (")[0] for line in warm) == expected, warm
-    assert all(line.endswith("(stored executable)") for line in warm), warm
+    assert sorted(line.split(" (")[0] for line in warm) == sorted(names), warm
+    assert all(line.endswith("(compilation cache)") for line in warm), warm
     assert _learning(tmp_path / "warm")[:2] == _learning(tmp_path / "cold")
     assert len(_learning(tmp_path / "warm")) == 3
-    assert sorted(os.listdir(cache / "executables")) == stored
-
-    # Without the stored executables XLA's cache answers, and what it answered is stored
-    # as the cache held it: the next run loads all three again.
-    for name in stored:
-        os.remove(cache / "executables" / name)
-    cached = _train(model_dir, tmp_path / "cached", cache)
-    assert sorted(line.split(" (")[0] for line in cached) == sorted(names), cached
-    assert all(line.endswith("(compilation cache)") for line in cached), cached
-    assert _learning(tmp_path / "cached") == _learning(tmp_path / "cold")
-    assert len(os.listdir(cache / "executables")) == 3
-    again = _train(model_dir, tmp_path / "again", cache)
-    assert sorted(line.split(" (")[0] for line in again) == expected, again
-    assert all(line.endswith("(stored executable)") for line in again), again
-    assert _learning(tmp_path / "again") == _learning(tmp_path / "cold")
-
-
-def test_the_stored_programs_key_leaves_out_only_keys_no_program_reads():
-    base = tiny_run.signal_config("model-dir")
-    key = run.store_context(base)
-
-    def changed(**keys):
-        c = copy.deepcopy(base)
-        for dotted, value in keys.items():
-            section, name = dotted.split("__")
-            c[section][name] = value
-        return run.store_context(c)
-
-    assert base.optim.schedule == "constant"
-    same = {"train__num_steps": 1000, "train__log_every": 7, "checkpoint__every": 3,
-            "eval__every": 5, "train__verifier_workers": 2, "logging__wandb": True}  # fmt: skip
-    for dotted, value in same.items():
-        assert changed(**{dotted: value}) == key, dotted
-    other = {"train__seed": 1, "optim__learning_rate": 0.5, "optim__warmup_steps": 2,
-             "train__logprob_chunk": 8, "eval__num_prompts": 3,
-             "rollout__max_new_tokens": 5}  # fmt: skip
-    for dotted, value in other.items():
-        assert changed(**{dotted: value}) != key, dotted
-    # A decaying schedule reads the number of steps.
-    cosine = changed(optim__schedule="cosine")
-    assert changed(optim__schedule="cosine", train__num_steps=1000) != cosine
 
 
 def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
@@ -152,30 +105,28 @@ def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
 
 
 class _Failing:
-    """A lowered program whose compile fails (as XLA running out of memory would)."""
+    """A jitted function whose compile fails (as XLA running out of memory would)."""
 
-    out_info = jax.ShapeDtypeStruct((7,), np.float32)
+    class _Lowered:
+        out_info = jax.ShapeDtypeStruct((7,), np.float32)
 
-    def compile(self):
-        raise RuntimeError("no memory left to compile")
+        def compile(self):
+            raise RuntimeError("no memory left to compile")
+
+    def lower(self, *args, **kwargs):
+        return self._Lowered()
 
 
 def test_background_builds_serve_their_first_calls_and_raise_their_errors():
-    """background=True: the block ends with the programs still building; the first call
-    of each waits for its own build and runs the executable it installed (no compile of
-    its own); a build's error raises in the call that waits for it. The first program
-    builds alone, the others once it is done; their compiles are start-up's, not in
-    `seconds` (a step's perf/compile_s)."""
+    """background=True: the block ends with the programs still building; a call inside
+    `program(name)` waits for the builds serving `name` and then runs what they compiled
+    (no compile of its own); a build's error raises where a call waits for it. The first
+    program builds alone, the others once it is done; their compiles are start-up's, not
+    in `seconds` (a step's perf/compile_s)."""
     lines, order = [], []
     x = np.arange(7, dtype=np.float32)
-    f = executables.Program(jax.jit(lambda x: jnp.tanh(x) * 5.0 - x))
-    g = executables.Program(jax.jit(lambda x: jnp.exp(-x) + 2.0 * x))
-
-    class Broken(executables.Program):
-        def lower(self, *args, **kwargs):
-            return _Failing()
-
-    broken = Broken(jax.jit(lambda x: x + 1.0))
+    f = jax.jit(lambda x: jnp.tanh(x) * 5.0 - x)
+    g = jax.jit(lambda x: jnp.exp(-x) + 2.0 * x)
     log = compilation.CompileLog(write=lines.append).listen()
     compile_f = log._compile
 
@@ -191,15 +142,16 @@ def test_background_builds_serve_their_first_calls_and_raise_their_errors():
         with log.ahead_of_time(background=True) as build:
             build("f", "7 rows", f, x)
             build("g", "7 rows", g, x)
-            build("broken", "7 rows", broken, x)
-        assert f.pending and g.pending and broken.pending  # left building
+            build("broken", "7 rows", _Failing(), x)
         seconds = log.seconds
-        with log.program("first calls") as calls:
+        with log.program("f") as call_f:
             np.testing.assert_allclose(f(x), np.tanh(x) * 5.0 - x, atol=1e-5)
+        with log.program("g") as call_g:
             np.testing.assert_allclose(g(x), np.exp(-x) + 2.0 * x, atol=1e-5)
-        assert calls.compiles == 0 and not f.pending and not g.pending
+        assert call_f.compiles == call_g.compiles == 0
         with pytest.raises(RuntimeError, match="no memory left to compile"):
-            broken(x)
+            with log.program("broken"):
+                pass
         with pytest.raises(RuntimeError, match="no memory left to compile"):
             log.wait()  # waits for them all; the failed build's error again
     finally:
@@ -211,29 +163,37 @@ def test_background_builds_serve_their_first_calls_and_raise_their_errors():
     assert not any(line.startswith("programs ready") for line in lines)  # one build failed
 
 
-def test_a_gated_build_starts_when_its_gate_opens_and_is_dropped_if_it_never_does():
-    """build(..., gate=): the program is traced at once but compiles only once the gate
-    opens (its first call then finds it installed); a gate that never opens before
-    `close` drops its build, and `close` does not wait for it."""
+def test_a_deferred_build_starts_when_asked_or_needed_and_is_dropped_if_never():
+    """build(..., deferred=True): the program is traced at once but compiles only at
+    `start_deferred()` or when a call it serves waits for it; one that neither starts
+    before `close` is dropped, and `close` does not wait for it."""
     lines = []
     x = np.arange(5, dtype=np.float32)
-    f = executables.Program(jax.jit(lambda x: jnp.sinh(x) - 3.0 * x))
-    g = executables.Program(jax.jit(lambda x: jnp.cosh(x) + 4.0 * x))
-    opened, never = compilation.Gate(), compilation.Gate()
+    f = jax.jit(lambda x: jnp.sinh(x) - 3.0 * x)
+    g = jax.jit(lambda x: jnp.cosh(x) + 4.0 * x)
+    h = jax.jit(lambda x: jnp.tanh(x) + 5.0 * x)
     log = compilation.CompileLog(write=lines.append).listen()
     try:
         with log.ahead_of_time(background=True) as build:
-            build("f", "5 rows", f, x, gate=opened)
-            build("g", "5 rows", g, x, gate=never)
+            build("f", "5 rows", f, x, deferred=True)
+            build("g", "5 rows", g, x, deferred=True)
         time.sleep(0.5)
-        assert lines == [] and f.pending and g.pending  # neither has started
-        opened.open()
-        with log.program("first call") as call:
+        assert lines == []  # neither has started
+        with log.program("f") as call:  # needed: started and waited for
             np.testing.assert_allclose(f(x), np.sinh(x) - 3.0 * x, rtol=1e-5)
         assert call.compiles == 0 and lines[0].startswith("compiling f (5 rows)... ")
+        with log.ahead_of_time(background=True) as build:
+            build("h", "5 rows", h, x, deferred=True)
+        log.start_deferred()  # the first step is done: g and h build now
+        log.wait()
+        built = sorted(line.split(" (")[0] for line in lines if line.startswith("compiling"))
+        assert built == ["compiling f", "compiling g", "compiling h"]
     finally:
         log.close()
-    assert all(future.cancelled() or isinstance(future.exception(), CancelledError)
-               for future in g.pending.values())  # fmt: skip
-    assert [line.split(" (")[0] for line in lines] == ["compiling f"]  # g was dropped
-    np.testing.assert_allclose(g(x), np.cosh(x) + 4.0 * x, rtol=1e-5)  # compiles at use
+    # A deferred build that neither starts before `close` is dropped, unbuilt.
+    dropped = []
+    log = compilation.CompileLog(write=dropped.append).listen()
+    with log.ahead_of_time(background=True) as build:
+        build("k", "5 rows", jax.jit(lambda x: jnp.cosh(x) - 6.0 * x), x, deferred=True)
+    log.close()
+    assert dropped == []

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from jaxrl_llm import models, run_config
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models
 from jaxrl_llm.models import builtin
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -84,15 +85,15 @@ def test_every_config_loads_and_validates(path, tiny_model_dir):
 
         sft.check_config(config)
         return
-    assert keys(config.to_dict()) <= keys(run_config.base_config().to_dict()), "unknown keys"
+    assert keys(config.to_dict()) <= keys(config_lib.base_config().to_dict()), "unknown keys"
     if config.model.path not in builtin.BUILTIN_MODELS or not installed(config.model.path):
         config.model.path = tiny_model_dir
-    run_config.validate(config, num_devices=8)
+    config_lib.validate(config, num_devices=8)
 
 
 @pytest.fixture
 def base(tiny_model_dir):
-    c = run_config.base_config()
+    c = config_lib.base_config()
     c.model.path = tiny_model_dir
     c.data.name = "arithmetic/digits_1"
     c.data.max_prompt_len = 64
@@ -150,10 +151,10 @@ def base(tiny_model_dir):
     ],
 )
 def test_validation_errors_name_the_key(base, change, message):
-    run_config.validate(base, num_devices=8)  # the unchanged base is valid
+    config_lib.validate(base, num_devices=8)  # the unchanged base is valid
     change(base)
     with pytest.raises(ValueError, match=message):
-        run_config.validate(base, num_devices=8)
+        config_lib.validate(base, num_devices=8)
 
 
 @pytest.mark.parametrize(
@@ -186,15 +187,15 @@ def test_unknown_keys_in_a_config_file_are_refused(base, change, message):
     """A typo inside a config file (not only on the command line) is one line naming the
     key and the closest known one; `rewards` and `data.fields` take the user's names."""
     change(base)
-    with pytest.raises(run_config.ConfigError) as err:
-        run_config.validate(base, num_devices=8)
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.validate(base, num_devices=8)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
 def test_free_form_sections_take_any_name(base):
     base.rewards = {"my_label": {"name": "gsm8k", "weight": 1.0}}
     base.data.fields = {"question": "problem"}
-    run_config.validate(base, num_devices=8)
+    config_lib.validate(base, num_devices=8)
 
 
 def test_validation_never_touches_the_network(base, monkeypatch):
@@ -207,10 +208,10 @@ def test_validation_never_touches_the_network(base, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
     base.model.path = "Qwen/Qwen2.5-0.5B-Instruct"
-    run_config.validate(base, num_devices=8)
+    config_lib.validate(base, num_devices=8)
     base.model.path = "/nonexistent/model"
-    with pytest.raises(run_config.ConfigError, match="no config.json"):
-        run_config.validate(base, num_devices=8)
+    with pytest.raises(config_lib.ConfigError, match="no config.json"):
+        config_lib.validate(base, num_devices=8)
 
 
 def test_a_failed_hub_download_names_model_path(monkeypatch):
@@ -220,8 +221,8 @@ def test_a_failed_hub_download_names_model_path(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your network")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(run_config.ConfigError) as err:
-        run_config.resolve_model_path("org/missing-model")
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.resolve_model_path("org/missing-model")
     message = str(err.value)
     assert message.startswith("model.path='org/missing-model': not a local directory and the")
     assert "couldn't connect" in message and "\n" not in message

@@ -219,7 +219,8 @@ def test_trainer_runs_the_docs_environment_on_the_mesh(tmp_path):
     samples.jsonl holds whole trajectories turn by turn."""
     from tiny_run import make_model_dir, tiny_config
 
-    from jaxrl_llm import metrics, train
+    from jaxrl_llm import train
+    from jaxrl_llm.trainer import metrics
 
     c = tiny_config(make_model_dir(str(tmp_path / "model")))
     c.rewards = {}
@@ -250,8 +251,9 @@ def test_env_evaluation_plays_greedy_trajectories(tmp_path, tok):
     characters, which a plain greedy `Sampler.sample` of the same prompts reproduces."""
     from tiny_run import tiny_config
 
-    from jaxrl_llm import assets, evaluation
-    from jaxrl_llm.envs.runner import EnvRollout
+    from jaxrl_llm import assets
+    from jaxrl_llm.trainer import evaluation
+    from jaxrl_llm.trainer.played import EnvRollout
 
     c = tiny_config(assets.QUICKSTART_MODEL)  # trained: greedy answers of varied lengths
     c.data.name = "arithmetic/digits_2"
@@ -284,7 +286,8 @@ def test_calculator_demo_learns_to_call_its_tool(tmp_path):
     (docs/envs.md: 0.25 -> 0.45 calls, pass@1 0.16 -> 0.33 at step 20)."""
     import importlib.util
 
-    from jaxrl_llm import metrics, train
+    from jaxrl_llm import train
+    from jaxrl_llm.trainer import metrics
 
     path = os.path.join(os.path.dirname(TEST_ENVS), "..", "configs", "calculator_tiny.py")
     spec = importlib.util.spec_from_file_location("calculator_tiny", path)

@@ -5,7 +5,8 @@ import os
 import pytest
 from tiny_run import TOKENIZER
 
-from jaxrl_llm import envs, run_config
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import envs
 from jaxrl_llm.envs import calculator, schedule
 from jaxrl_llm.envs.python_tool import PythonTool
 
@@ -224,7 +225,7 @@ def test_python_tool_survives_hostile_snippets():
 
 def test_env_config_is_checked_up_front():
     def config(**env):
-        c = run_config.base_config()
+        c = config_lib.base_config()
         c.model.path = "quickstart"
         c.data.max_prompt_len = 32
         c.env.max_total_tokens = 128
@@ -234,7 +235,7 @@ def test_env_config_is_checked_up_front():
             c.env[k] = v
         return c
 
-    run_config.validate(config(max_turns="2@0,4@10"), num_devices=1)
+    config_lib.validate(config(max_turns="2@0,4@10"), num_devices=1)
     cases = [
         (dict(name="nope"), "env.name: unknown environment 'nope'"),
         (dict(options={"verifer": "gsm8k"}), "has no option 'verifer'"),
@@ -242,13 +243,13 @@ def test_env_config_is_checked_up_front():
         (dict(max_total_tokens=8), "env.max_total_tokens=8 is below one turn"),
     ]
     for env, message in cases:
-        with pytest.raises(run_config.ConfigError, match=message):
-            run_config.validate(config(**env), num_devices=1)
+        with pytest.raises(config_lib.ConfigError, match=message):
+            config_lib.validate(config(**env), num_devices=1)
     c = config()
     c.rewards = {"gsm8k": 1.0}
-    with pytest.raises(run_config.ConfigError, match="rewards: with env.name set"):
-        run_config.validate(c, num_devices=1)
+    with pytest.raises(config_lib.ConfigError, match="rewards: with env.name set"):
+        config_lib.validate(c, num_devices=1)
     c = config()
     c.env.max_turn = 3
-    with pytest.raises(run_config.ConfigError, match="env.max_turn: unknown key; did you mean"):
-        run_config.validate(c, num_devices=1)
+    with pytest.raises(config_lib.ConfigError, match="env.max_turn: unknown key; did you mean"):
+        config_lib.validate(c, num_devices=1)

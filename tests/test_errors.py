@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from jaxrl_llm import data, errors, models, run_config, sft
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import data, errors, models, sft
 from jaxrl_llm.errors import UserError, format_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +50,7 @@ def test_user_error_formats_where_what_fix():
 
 def test_the_errors_users_meet_are_user_errors_and_keep_their_old_types():
     for cls in (
-        run_config.ConfigError,
+        config_lib.ConfigError,
         data.BadRow,
         models.hf_io.CheckpointError,
         models.config.UnsupportedModelError,
@@ -57,7 +58,7 @@ def test_the_errors_users_meet_are_user_errors_and_keep_their_old_types():
         err = cls("rollout.batch_size=0: must be >= 1")
         assert isinstance(err, UserError) and isinstance(err, ValueError), cls
         assert format_error(err) == "error: rollout.batch_size=0: must be >= 1"
-    assert sft.config.ConfigError is run_config.ConfigError  # one config error for RL and SFT
+    assert sft.config.ConfigError is config_lib.ConfigError  # one config error for RL and SFT
 
 
 def test_os_errors_name_the_path_and_the_fix(tmp_path):
@@ -116,17 +117,20 @@ def test_library_failures_become_one_line():
 
 
 def test_metrics_plot_failures_are_one_line(tmp_path):
-    proc = run_cli(["jaxrl_llm.metrics", "plot", "--metrics=nope.jsonl", "--out=a.png"], tmp_path)
+    proc = run_cli(
+        ["jaxrl_llm.trainer.metrics", "plot", "--metrics=nope.jsonl", "--out=a.png"], tmp_path
+    )
     assert proc.returncode == 2
     assert one_line(proc) == "error: nope.jsonl: no such file or directory; check the path"
     (tmp_path / "m.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
     proc = run_cli(
-        ["jaxrl_llm.metrics", "plot", "--metrics=m.jsonl", "--out=a.png", "--keys=x"], tmp_path
+        ["jaxrl_llm.trainer.metrics", "plot", "--metrics=m.jsonl", "--out=a.png", "--keys=x"],
+        tmp_path,
     )
     assert proc.returncode == 2
     assert one_line(proc) == "error: m.jsonl: none of ['x'] found; keys: ['reward/mean']"
     args = [
-        "jaxrl_llm.metrics",
+        "jaxrl_llm.trainer.metrics",
         "plot",
         "--metrics=m.jsonl",
         "--out=no/dir/a.png",
@@ -136,7 +140,7 @@ def test_metrics_plot_failures_are_one_line(tmp_path):
 
 
 def test_debug_flag_or_environment_shows_the_traceback(tmp_path):
-    args = ["jaxrl_llm.metrics", "plot", "--metrics=nope.jsonl", "--out=a.png"]
+    args = ["jaxrl_llm.trainer.metrics", "plot", "--metrics=nope.jsonl", "--out=a.png"]
     for proc in (
         run_cli([*args, "--debug"], tmp_path),
         run_cli(args, tmp_path, env={errors.DEBUG_ENV: "1"}),
@@ -154,7 +158,9 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path):
     )
     (tmp_path / "m.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
     proc = run_cli(
-        ["jaxrl_llm.metrics", "plot", "--metrics=m.jsonl", "--out=a.png"], tmp_path, [str(hide)]
+        ["jaxrl_llm.trainer.metrics", "plot", "--metrics=m.jsonl", "--out=a.png"],
+        tmp_path,
+        [str(hide)],
     )
     assert proc.returncode == 2
     assert one_line(proc) == (

@@ -18,9 +18,9 @@ from tokenizers import Tokenizer
 from tokenizers import models as tok_models
 
 from jaxrl_llm import models
-from jaxrl_llm.checkpoint import Checkpointer
 from jaxrl_llm.export import export
 from jaxrl_llm.models.params import unflatten
+from jaxrl_llm.trainer.checkpoint import Checkpointer
 
 
 @struct.dataclass

@@ -12,9 +12,10 @@ import time
 import pytest
 from tiny_run import make_model_dir, tiny_config
 
-from jaxrl_llm import data, models, train, verifiers, workdir
+from jaxrl_llm import data, models, train, verifiers
 from jaxrl_llm.errors import UserError
-from jaxrl_llm.metrics import read_metrics
+from jaxrl_llm.trainer import workdir
+from jaxrl_llm.trainer.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

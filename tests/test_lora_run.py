@@ -19,8 +19,10 @@ import transformers
 from hf_reference import hf_logits, hf_model, padded_batch
 from tiny_run import make_model_dir, signal_config
 
-from jaxrl_llm import checkpoint, export, models, run_config, train
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import export, models, train
 from jaxrl_llm.models import lora
+from jaxrl_llm.trainer import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,15 +55,15 @@ def lora_config(model_dir, **algo):
 def test_bad_lora_settings_name_the_key(model_dir, key, value, message):
     c = lora_config(model_dir)
     c.model.lora[key] = value
-    with pytest.raises(run_config.ConfigError, match=re.escape(message)):
-        run_config.validate(c, num_devices=8)
+    with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
+        config_lib.validate(c, num_devices=8)
 
 
 def test_unknown_lora_key_is_refused(model_dir):
     c = lora_config(model_dir)
     c.model.lora.rnak = 4
-    with pytest.raises(run_config.ConfigError, match="model.lora.rnak: unknown key; did you mean"):
-        run_config.validate(c, num_devices=8)
+    with pytest.raises(config_lib.ConfigError, match="model.lora.rnak: unknown key; did you mean"):
+        config_lib.validate(c, num_devices=8)
 
 
 @pytest.mark.parametrize("targets", [lora.PEFT_MODULES, ("q", "v", "down")], ids=["all", "qvd"])

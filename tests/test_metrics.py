@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import metrics
-from jaxrl_llm.metrics import MetricWriter, Progress, plot_metrics, read_metrics
+from jaxrl_llm.trainer import metrics
+from jaxrl_llm.trainer.metrics import MetricWriter, Progress, plot_metrics, read_metrics
 
 
 def _strict_lines(path):

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from tiny_run import make_model_dir, signal_config
 
-from jaxrl_llm import checkpoint, train
-from jaxrl_llm.metrics import read_metrics
+from jaxrl_llm import train
 from jaxrl_llm.parallel import allocator
+from jaxrl_llm.trainer import checkpoint
+from jaxrl_llm.trainer.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

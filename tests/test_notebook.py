@@ -11,8 +11,9 @@ import re
 
 import pytest
 
-from jaxrl_llm import models, run_config
-from jaxrl_llm.metrics import read_metrics
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models
+from jaxrl_llm.trainer.metrics import read_metrics
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -123,7 +124,7 @@ def test_notebook_runs_shortened(tmp_path):
     assert "nothing to install" in _text(cells["install"])
     assert "rollout.num_generations = 4" in _text(cells["config"])
     assert "data.name = 'arithmetic/digits_2'" in _text(cells["config"])
-    model_cfg = models.ModelConfig.from_hf_dir(run_config.resolve_model_path("quickstart"))
+    model_cfg = models.ModelConfig.from_hf_dir(config_lib.resolve_model_path("quickstart"))
     summary = _text(cells["summary"])
     assert f"{model_cfg.num_params():,} parameters" in summary
     assert "devices: 1 x" in summary

@@ -1,13 +1,14 @@
-"""Model-FLOP accounting (`jaxrl_llm.perf`) against a count made by walking the matmuls."""
+"""Model-FLOP accounting (`jaxrl_llm.trainer.perf`) against a count made by walking the matmuls."""
 
 import numpy as np
 import pytest
 from tiny_run import tiny_model_config
 
-from jaxrl_llm import perf
 from jaxrl_llm.rl import update as U
 from jaxrl_llm.rl.algos import preset
 from jaxrl_llm.sampling import RolloutSpec
+from jaxrl_llm.startup import peak
+from jaxrl_llm.trainer import perf
 
 
 def count_forward(cfg, context_lens, projected: int) -> float:
@@ -106,14 +107,15 @@ def test_kept_matmul_peak_is_measured_once_and_read_back(tmp_path, monkeypatch):
         measured.append((dtype, n))
         return 1e9 * len(measured)
 
-    monkeypatch.setattr(perf, "matmul_peak", measure)
+    monkeypatch.setattr(peak, "matmul_peak", measure)
+    kept_matmul_peak = peak.kept_matmul_peak
     directory = str(tmp_path / "cache")
-    assert perf.kept_matmul_peak("float32", 64, directory) == 1e9
-    assert perf.kept_matmul_peak("float32", 64, directory) == 1e9  # read back, not measured
-    assert perf.kept_matmul_peak("bfloat16", 64, directory) == 2e9  # another key
+    assert kept_matmul_peak("float32", 64, directory) == 1e9
+    assert kept_matmul_peak("float32", 64, directory) == 1e9  # read back, not measured
+    assert kept_matmul_peak("bfloat16", 64, directory) == 2e9  # another key
     assert measured == [("float32", 64), ("bfloat16", 64)]
     with open(tmp_path / "cache" / "matmul_peak.json", "w") as f:
         f.write("{not json")  # damaged: measured again and the file replaced
-    assert perf.kept_matmul_peak("float32", 64, directory) == 3e9
-    assert perf.kept_matmul_peak("float32", 64, directory) == 3e9
+    assert kept_matmul_peak("float32", 64, directory) == 3e9
+    assert kept_matmul_peak("float32", 64, directory) == 3e9
     assert len(measured) == 3

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from tiny_run import TOKENIZER, tiny_model_config
 
-from jaxrl_llm import parallel, rollout, sampling, verifiers
+from jaxrl_llm import parallel, sampling, verifiers
+from jaxrl_llm.trainer import scoring
 
 G, T = 2, 6
 
@@ -62,7 +63,7 @@ def test_scorer_adds_the_overlong_penalty_of_the_sampled_token_counts(tokenizer,
     out = fake_output(tokenizer, completions)
     batch = fake_batch([12, 7, 55], [3, 5, 8])
     spec = sampling.RolloutSpec(G, T, stop_ids=())
-    scorer = rollout.Scorer(tokenizer, pool, verifiers.parse_specs({"gsm8k": 1.0}), spec,
+    scorer = scoring.Scorer(tokenizer, pool, verifiers.parse_specs({"gsm8k": 1.0}), spec,
                             overlong_buffer=3)  # fmt: skip
     scored = scorer(out, batch)
     lengths = np.array([len(c) for c in completions])  # one token per digit
@@ -76,7 +77,7 @@ def test_scorer_adds_the_overlong_penalty_of_the_sampled_token_counts(tokenizer,
     assert scored.completions == completions
     assert scored.prompts == ["p0", "p0", "p1", "p1", "p2", "p2"]
     np.testing.assert_array_equal(scored.prompt_lengths, [3, 3, 5, 5, 8, 8])
-    plain = rollout.Scorer(tokenizer, pool, scorer.specs, spec)(out, batch)
+    plain = scoring.Scorer(tokenizer, pool, scorer.specs, spec)(out, batch)
     np.testing.assert_allclose(plain.rewards, correct)
     assert "reward/overlong" not in plain.metrics
 
@@ -91,7 +92,7 @@ def test_merge_keeps_the_first_mixed_groups_of_all_rounds(tokenizer):
     for p, rewards in enumerate(patterns):
         completions = [str(rng.integers(1, 99)) for _ in rewards]
         out = fake_output(tokenizer, completions, prompt_width=4 + 2 * p)
-        scored = rollout.Scored(
+        scored = scoring.Scored(
             rewards=np.asarray(rewards, np.float32), metrics={"reward/x": float(p)},
             completions=completions, prompts=[f"{p}:{i // G}" for i in range(6)],
             examples=[{} for _ in range(6)], lengths=np.asarray(out.lengths),
@@ -99,7 +100,7 @@ def test_merge_keeps_the_first_mixed_groups_of_all_rounds(tokenizer):
         )  # fmt: skip
         parts.append((out, scored))
         rows += [(p, i) for i in range(6)]
-    out, scored = rollout.merge_mixed_groups(parts, G, 3)
+    out, scored = scoring.merge_mixed_groups(parts, G, 3)
     # Naive: scan the groups in order, mixed first, then the degenerate ones.
     groups = [rows[i : i + G] for i in range(0, len(rows), G)]
     rewards = [[patterns[p][i] for p, i in g] for g in groups]
@@ -115,13 +116,13 @@ def test_merge_keeps_the_first_mixed_groups_of_all_rounds(tokenizer):
         np.testing.assert_array_equal(tokens[r], np.asarray(parts[p][0].tokens)[i])
         assert int(np.asarray(out.prompt_mask)[r].sum()) == 4 + 2 * p
     assert out.prompt_tokens.shape == (6, 8) and out.num_generations == G
-    assert rollout.mixed_groups(scored, G) == 3
+    assert scoring.mixed_groups(scored, G) == 3
     # On a mesh the merged rows keep the sampler's layout, so the reference and the
     # update compiled for a rollout of these shapes serve them (no second compile).
     mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
     rows_on = sampling.Sampler(tiny_model_config(), mesh).row_sharding
     on_mesh = [(jax.device_put(o, rows_on), s) for o, s in parts]
-    sharded, _ = rollout.merge_mixed_groups(on_mesh, G, 3, mesh)
+    sharded, _ = scoring.merge_mixed_groups(on_mesh, G, 3, mesh)
     for name, x in vars(sharded).items():
         if isinstance(x, jax.Array):
             assert x.sharding.is_equivalent_to(rows_on, x.ndim), name

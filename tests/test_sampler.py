@@ -11,7 +11,8 @@ import torch
 from hf_reference import VOCAB, hf_model
 from tiny_run import tiny_model_config
 
-from jaxrl_llm import models, parallel, run_config, sampling
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models, parallel, sampling
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42, 43, 44]]
 
@@ -244,7 +245,7 @@ def test_cache_lengths():
     assert sampling.cache_lengths(16, 20, 1) == (36,)
     assert sampling.cache_lengths(16, 3, 8) == (19,)  # rounded past the full length: one
     assert sampling.cache_lengths(16, 1, 4) == (17,)  # no decode step
-    assert run_config.base_config().rollout.cache_segments == sampling.CACHE_SEGMENTS
+    assert config_lib.base_config().rollout.cache_segments == sampling.CACHE_SEGMENTS
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])

@@ -17,12 +17,13 @@ import torch
 import transformers
 from hf_reference import VOCAB, hf_model
 
-from jaxrl_llm import assets, models, rl, run_config, sft, verifiers
+from jaxrl_llm import assets, models, rl, sft, verifiers
+from jaxrl_llm import config as config_lib
 from jaxrl_llm.assets import build_tokenizer
-from jaxrl_llm.metrics import read_metrics
 from jaxrl_llm.sft import config as sft_config
 from jaxrl_llm.sft import data as sft_data
 from jaxrl_llm.sft import trainer
+from jaxrl_llm.trainer.metrics import read_metrics
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 # Greedy accuracy of the shipped model on the first 200 `arithmetic/digits_2` test prompts
@@ -147,7 +148,7 @@ def test_config_errors_name_the_key(data_dir, name, value, message):
     c = _tiny_config(data_dir)
     sft.check_config(c)  # the unchanged config is valid
     _set(c, name, value)
-    with pytest.raises(run_config.ConfigError, match=message):
+    with pytest.raises(config_lib.ConfigError, match=message):
         sft.check_config(c)
 
 
@@ -155,14 +156,14 @@ def test_config_types_and_context_are_checked(data_dir):
     with pytest.raises(TypeError, match=r"num_steps"):  # ConfigDict types its fields
         _tiny_config(data_dir).train.num_steps = "10"
     plain = ml_collections.ConfigDict({"train": {"num_steps": "10"}})  # not from defaults
-    with pytest.raises(run_config.ConfigError, match=r"^train\.num_steps: expected int"):
+    with pytest.raises(config_lib.ConfigError, match=r"^train\.num_steps: expected int"):
         sft.check_config(plain)
     c = sft.check_config(_tiny_config(data_dir))
     sizes = dict(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2)
     short = models.ModelConfig(
         "LlamaForCausalLM", 33, **sizes, head_dim=8, max_position_embeddings=23
     )
-    with pytest.raises(run_config.ConfigError, match=r"sft\.completion\.max_len = 24 exceeds"):
+    with pytest.raises(config_lib.ConfigError, match=r"sft\.completion\.max_len = 24 exceeds"):
         sft_config.check_lengths(c, short)
 
 

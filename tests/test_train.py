@@ -11,8 +11,9 @@ import torch
 import transformers
 from tiny_run import make_model_dir, tiny_config
 
-from jaxrl_llm import checkpoint, export, models, train
-from jaxrl_llm.metrics import read_metrics
+from jaxrl_llm import export, models, train
+from jaxrl_llm.trainer import checkpoint
+from jaxrl_llm.trainer.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +122,16 @@ def test_export_after_training_loads_in_transformers(model_dir, tmp_path):
 
 def test_nonfinite_update_stops_naming_the_step(model_dir, tmp_path, monkeypatch):
     c = tiny_config(model_dir)
-    from jaxrl_llm import rollout
+    from jaxrl_llm.trainer import scoring
 
-    original = rollout.Scorer.__call__
+    original = scoring.Scorer.__call__
 
     def nan_rewards(*args, **kwargs):
         scored = original(*args, **kwargs)
         scored.rewards[:] = np.nan
         return scored
 
-    monkeypatch.setattr(rollout.Scorer, "__call__", nan_rewards)
+    monkeypatch.setattr(scoring.Scorer, "__call__", nan_rewards)
     with pytest.raises(train.NonFiniteError, match=r"step 0: non-finite loss or gradient"):
         train.train(c, str(tmp_path / "stop"))
     c.train.skip_nonfinite = True

@@ -4,14 +4,14 @@ worked out by hand, explicit settings left alone, what the trainer records."""
 import pytest
 from tiny_run import tiny_model_config
 
-from jaxrl_llm import run_config, tuning
-from jaxrl_llm.run_config import ConfigError
+from jaxrl_llm import config as config_lib
+from jaxrl_llm.config import ConfigError, tuning
 
 W1 = dict(intermediate_size=768, vocab_size=512, num_layers=4)
 
 
 def _config(batch=16, generations=8, prompt=24, new=64, mini=1):
-    c = run_config.base_config()
+    c = config_lib.base_config()
     c.rollout.batch_size, c.rollout.num_generations = batch, generations
     c.data.max_prompt_len, c.rollout.max_new_tokens = prompt, new
     c.optim.mini_batches = mini
@@ -104,15 +104,15 @@ def test_micro_batches_always_divide_the_rows():
     ],
 )
 def test_bad_explicit_values_name_the_key(key, value, message):
-    c = run_config.base_config()
+    c = config_lib.base_config()
     section, name = key.split(".")
     c[section][name] = value
     with pytest.raises(ConfigError, match=message):
-        run_config.validate(c, num_devices=1)
+        config_lib.validate(c, num_devices=1)
 
 
 def test_unset_values_pass_validation():
-    c = run_config.base_config()
+    c = config_lib.base_config()
     c.data.max_prompt_len = 64  # the shipped model's context is 256
     assert all(tuning._get(c, key) is None for key in tuning.KEYS)
-    run_config.validate(c, num_devices=1)
+    config_lib.validate(c, num_devices=1)

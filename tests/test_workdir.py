@@ -11,20 +11,21 @@ import textwrap
 
 import pytest
 
-from jaxrl_llm import run_config, workdir
+from jaxrl_llm import config as config_lib
 from jaxrl_llm.errors import UserError
+from jaxrl_llm.trainer import workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HOLD = """
 import sys, time
-from jaxrl_llm import workdir
+from jaxrl_llm.trainer import workdir
 workdir.lock(sys.argv[1])
 print("locked", flush=True)
 time.sleep(600)
 """
 _TAKE = """
 import sys
-from jaxrl_llm import workdir
+from jaxrl_llm.trainer import workdir
 from jaxrl_llm.errors import cli_main
 cli_main(lambda: workdir.lock(sys.argv[1]))
 print("taken")
@@ -104,7 +105,7 @@ def test_read_only_workdir_and_parent(read_only_dir):
 
 def _config(**changes):
     """The default config as code without `train.max_failed_steps` wrote it, with changes."""
-    c = run_config.base_config()
+    c = config_lib.base_config()
     for key, value in changes.items():
         section, name = key.split(".")
         c[section][name] = value
@@ -194,7 +195,7 @@ def test_config_json_from_before_the_history_is_kept(tmp_path):
     ],
 )
 def test_which_keys_change_what_the_run_means(key, meaningful):
-    c = run_config.base_config().to_dict()
+    c = config_lib.base_config().to_dict()
     assert workdir.meaningful(key, c, c) is meaningful
 
 

@@ -3,9 +3,10 @@ the multi-process test's child processes, which import this file by path)."""
 
 import os
 
-from jaxrl_llm import models, run_config
+from jaxrl_llm import assets, models
+from jaxrl_llm import config as config_lib
 
-TOKENIZER = os.path.join(os.path.dirname(run_config.__file__), "assets", "arithmetic_tokenizer")
+TOKENIZER = os.path.join(os.path.dirname(assets.__file__), "arithmetic_tokenizer")
 
 
 def tiny_model_config(**overrides) -> models.ModelConfig:
@@ -33,7 +34,7 @@ def make_model_dir(path: str) -> str:
 
 def tiny_config(model_dir: str, **algo):
     """2 GRPO steps of 4 prompts x 4 samples, sharded over 8 devices (fsdp 4 x tensor 2)."""
-    c = run_config.base_config()
+    c = config_lib.base_config()
     c.model.path = model_dir
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 4, 2
     c.data.name = "arithmetic/digits_1"

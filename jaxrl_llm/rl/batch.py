@@ -24,7 +24,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm import executables, models
+from jaxrl_llm import models
 from jaxrl_llm.parallel.mesh import BATCH_AXES
 from jaxrl_llm.rl.logprobs import token_logprobs
 
@@ -214,7 +214,7 @@ def shared_prompt_logprobs(
 
 def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None):
     """Jitted (params, rows) -> logp [N, T] (no gradient), rows a `sampling.SampleOutput`
-    or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask); an `executables.Program`.
+    or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask).
 
     For the reference model and old-policy recomputes, at the spec's temperature; the G =
     spec.num_generations rows of a group share their prompt, which is read once
@@ -230,9 +230,9 @@ def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int =
         return batch_logprobs(model_cfg, params, *inputs, **kw)
 
     if mesh is None:
-        return executables.Program(jax.jit(logprobs))
+        return jax.jit(logprobs)
     rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    return executables.Program(jax.jit(logprobs, out_shardings=rows))
+    return jax.jit(logprobs, out_shardings=rows)
 
 
 def batch_logprobs(

@@ -72,10 +72,6 @@ class Setup:
     skip_nonfinite: bool
     seed: int
     share_prompts: bool = True
-    # The reference model is the initial policy: at state.step 0 (no update applied yet)
-    # the reference log-probs are the policy's own, taken from the update's forward, and
-    # the batch's `ref_logprobs` are not read (`rl.make_update_fn`).
-    ref_is_initial: bool = False
 
     @property
     def num_generations(self) -> int:
@@ -106,12 +102,10 @@ class Setup:
         return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
 
 
-def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, at_start=None):
+def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None):
     """-J of one micro-batch (divided by the mini-batch denominator) and its metrics.
     prefix: the groups' prompts already run (`prompt_prefix`), or None. dropout: the
-    micro-batch's LoRA dropout key, or None. at_start: a bool scalar, true when the
-    params are the reference's (`Setup.ref_is_initial`): the KL then reads sg(logp) as the
-    reference log-probs, a constant equal to them (None: always r.ref_logp)."""
+    micro-batch's LoRA dropout key, or None."""
     kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size, dropout=dropout)
     if prefix is None:
         logp, entropy = sequence_logprobs(
@@ -124,11 +118,8 @@ def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, at_s
     if not s.algo.entropy_coef:  # the bonus is off: its gradient need not be traced
         entropy = _sg(entropy)
     old = None if s.on_policy else r.old_logp
-    ref = r.ref_logp
-    if at_start is not None and ref is not None and r.old_logp is None:  # else _prepare did
-        ref = jnp.where(at_start, _sg(logp), ref)
     return policy_objective(
-        s.algo, logp, old, r.behaviour_logp, ref, r.advantages, r.loss_mask, entropy,
+        s.algo, logp, old, r.behaviour_logp, r.ref_logp, r.advantages, r.loss_mask, entropy,
         denominator=den, max_len=s.spec.max_new_tokens,
     )  # fmt: skip
 
@@ -151,7 +142,7 @@ def _add(acc, grads):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
-def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None, at_start=None):
+def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
     """Summed float32 gradients of one mini-batch over its micro-batches, and metrics.
 
     With shared prompts the prompts run once, before the micro-batches; each micro-batch
@@ -159,8 +150,7 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None, at_
     one backward through the prompts' forward after the last adds their gradient.
     frozen: LoRA's base weights; the model reads base + carry.params (the adapters) and
     only the adapters are differentiated. dropout: the mini-batch's LoRA dropout key
-    (the prompts fold in 0, micro-batch i folds in i + 1), or None. at_start: see
-    `_policy_loss`."""
+    (the prompts fold in 0, micro-batch i folds in i + 1), or None."""
     den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.spec.max_new_tokens)
     use_critic = carry.critic_params is not None
     full = functools.partial(lora.combine, frozen)
@@ -179,10 +169,10 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None, at_
         r, i = xs
         key = fold(i + 1)
         if prefix is None:
-            loss = lambda p: _policy_loss(s, full(p), r, den, None, key, at_start)  # noqa: E731
+            loss = lambda p: _policy_loss(s, full(p), r, den, None, key)  # noqa: E731
             (_, metrics), g = jax.value_and_grad(loss, has_aux=True)(carry.params)
         else:
-            loss = lambda p, pre: _policy_loss(s, full(p), r, den, pre, key, at_start)  # noqa: E731
+            loss = lambda p, pre: _policy_loss(s, full(p), r, den, pre, key)  # noqa: E731
             pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
             (_, metrics), (g, g_prefix) = pgrad(carry.params, prefix)
             acc = dict(acc, prefix=_add(acc["prefix"], g_prefix))

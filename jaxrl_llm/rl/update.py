@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_llm import executables, models
+from jaxrl_llm import models
 from jaxrl_llm.models import lora
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.advantages import compute_advantages
@@ -117,7 +117,7 @@ def _optimizer_step(s: Setup, step, policy_on, frozen, dropout, carry: Carry, xs
     dropout: the pass's LoRA dropout key (mini-batch j folds in j), or None."""
     rows, j = xs
     key = None if dropout is None else jax.random.fold_in(dropout, j)
-    grads, metrics = gradients(s, carry, rows, frozen, key, _at_start(s, step))
+    grads, metrics = gradients(s, carry, rows, frozen, key)
     norm = optax.tree.norm(grads["policy"])
     finite = jnp.isfinite(metrics["loss/total"]) & jnp.isfinite(norm)
     metrics["optim/grad_norm"] = norm
@@ -144,12 +144,6 @@ def _optimizer_step(s: Setup, step, policy_on, frozen, dropout, carry: Carry, xs
     return new, metrics
 
 
-def _at_start(s: Setup, step):
-    """True (a bool scalar) while the params are the reference's: `Setup.ref_is_initial`
-    and no update applied yet; None when the batch's reference log-probs are always read."""
-    return step == 0 if s.ref_is_initial and s.algo.needs_ref else None
-
-
 def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
     """Steps 1-2 of the module doc: pi_old, V_old (no gradient) and the advantages."""
     k = s.micro_batches * s.mini_batches  # the forward of one micro-batch at a time
@@ -166,12 +160,9 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
         old_values = _sg(map_rows(lambda r: values(*r), inputs, k))
-    ref_logp, at_start = batch.ref_logprobs, _at_start(s, state.step)
-    if at_start is not None and old_logp is not None:  # pi_old is the reference: read it
-        ref_logp = jnp.where(at_start, old_logp, ref_logp)
     adv = compute_advantages(
         s.algo, batch.rewards, batch.loss_mask, G, old_logp=old_logp,
-        ref_logp=ref_logp, values=old_values,
+        ref_logp=batch.ref_logprobs, values=old_values,
     )  # fmt: skip
     return Rows(
         *inputs,
@@ -179,7 +170,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
         behaviour_logp=batch.behaviour_logprobs,
         advantages=adv.advantages,
         old_logp=old_logp,
-        ref_logp=ref_logp,
+        ref_logp=batch.ref_logprobs,
         returns=adv.returns,
         old_values=old_values,
         groups=batch.group_ids if grouped and s.shares_prompts else None,
@@ -254,7 +245,6 @@ def make_update_fn(
     skip_nonfinite: bool = False,
     seed: int = 0,
     share_prompts: bool = True,
-    reference_is_initial: bool = False,
 ) -> UpdateFn:
     """The jitted `update(state, batch) -> (state, metrics)`; state is donated.
 
@@ -270,12 +260,6 @@ def make_update_fn(
     seed: the mini-batch permutations derive from (seed, step) (`train.seed`).
     share_prompts: False makes every row read its own prompt (the same result up to float
     rounding, more compute; a reference for the shared path).
-    reference_is_initial: the reference model is the initial policy (beta > 0). At
-    state.step 0 the params are then the reference's, so the update reads the policy's
-    own log-probs as the reference's (sg(logp), or pi_old where it is recomputed): the
-    KL is exactly 0 with its exact gradient, and the batch's `ref_logprobs`, of the right
-    shape, are not read (the first step runs no reference forward). The same program
-    serves every step.
     """
     if micro_batches < 1 or mini_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}, mini_batches={mini_batches}: >= 1")
@@ -283,10 +267,18 @@ def make_update_fn(
         raise ValueError(f"algo.advantage={algo_cfg.advantage!r} needs critic_optimizer")
     check_num_generations(algo_cfg, spec.num_generations)
     setup = Setup(
-        model_cfg, algo_cfg, opt, critic_optimizer if algo_cfg.uses_critic else None, spec,
-        int(micro_batches), int(mini_batches), int(chunk_size), bool(skip_nonfinite), int(seed),
-        bool(share_prompts), bool(reference_is_initial),
-    )  # fmt: skip
+        model_cfg=model_cfg,
+        algo=algo_cfg,
+        opt=opt,
+        critic_opt=critic_optimizer if algo_cfg.uses_critic else None,
+        spec=spec,
+        micro_batches=int(micro_batches),
+        mini_batches=int(mini_batches),
+        chunk_size=int(chunk_size),
+        skip_nonfinite=bool(skip_nonfinite),
+        seed=int(seed),
+        share_prompts=bool(share_prompts),
+    )
     return UpdateFn(setup)
 
 
@@ -316,7 +308,7 @@ class UpdateFn:
             else:
                 scalars = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
             jitted = jax.jit(self._traced, donate_argnums=0, out_shardings=(shardings, scalars))
-            self._jitted[key] = executables.Program(jitted)
+            self._jitted[key] = jitted
         return self._jitted[key]
 
     def _traced(self, state: TrainState, frozen, batch: RolloutBatch):
@@ -350,6 +342,6 @@ class UpdateFn:
         return program.lower(*args)
 
     def program(self, state: TrainState, batch: RolloutBatch):
-        """The program for this state's layout (an `executables.Program`) and the
-        arguments a call with this state and batch gives it."""
+        """The jitted program for this state's layout and the arguments a call with this
+        state and batch gives it (what start-up lowers and compiles ahead of the call)."""
         return self._for(state), (state.replace(frozen=None), state.frozen, batch)

@@ -31,7 +31,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_llm import executables
 from jaxrl_llm.parallel import mesh as mesh_lib
 from jaxrl_llm.sampling import decode as D
 from jaxrl_llm.sampling.spec import RolloutSpec
@@ -98,8 +97,7 @@ class Sampler:
         # The rollouts come out sharded by rows, pinned: the programs that read them (the
         # reference, the update) can then be compiled before the first rollout exists.
         rows = {} if mesh is None else {"out_shardings": self.row_sharding}
-        sample = jax.jit(self._sample_program, static_argnames="spec", **rows)
-        self._sample = executables.Program(sample, static_argnames=("spec",))
+        self._sample = jax.jit(self._sample_program, static_argnames="spec", **rows)
         self._decode = jax.jit(self._decode_program, static_argnums=(2, 3), donate_argnums=1)
         self._append = jax.jit(self._append_program, donate_argnums=1)
         self._result = jax.jit(functools.partial(D.result, pad_id=self.pad_id))
@@ -124,8 +122,8 @@ class Sampler:
         return program.lower(*args, **kwargs)
 
     def sample_program(self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int = 0):
-        """`sample`'s program (an `executables.Program`) and the arguments a call with
-        these prompts gives it: what start-up compiles or loads ahead of the first call."""
+        """`sample`'s jitted program and the arguments a call with these prompts gives it:
+        what start-up lowers and compiles ahead of the first call."""
         ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, 0)
         return self._sample, (params, ids, mask, seed_index), {"spec": spec}
 

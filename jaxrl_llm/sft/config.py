@@ -4,7 +4,7 @@
     config.model.tokenizer = assets.ARITHMETIC_TOKENIZER  # model.path "" = a new model
     config = check_config(config)  # ConfigError naming the key, before anything loads
 
-The shared sections mean what they mean for the RL trainer (`run_config.base_config`):
+The shared sections mean what they mean for the RL trainer (`config_lib.base_config`):
 
     model    path ("" = a new random model sized by sft.new_model), tokenizer, dtype,
              remat, scan_layers
@@ -18,7 +18,7 @@ The shared sections mean what they mean for the RL trainer (`run_config.base_con
              max_new_tokens, top_k, top_p, stop_tokens, bucket_steps, cache_segments
 
 The RL trainer's other keys (`RL_ONLY`) are not part of this config: setting one is an
-error that says so. The section checks are `config_checks`' own, run on the config seen
+error that says so. The section checks are `config.checks`' own, run on the config seen
 as a run config (`_as_run_config`), so both trainers word an error the same way.
 """
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from jaxrl_llm import run_config
-from jaxrl_llm.run_config import ConfigError
+from jaxrl_llm import config as config_lib
+from jaxrl_llm.config import ConfigError, checks
 
 # RL trainer keys that SFT does not read (no algorithm, reference, checkpoint or resume).
 RL_ONLY = (
@@ -47,9 +47,9 @@ SHARED = ("model", "mesh", "data", "rollout", "optim", "rewards", "train", "eval
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """Every SFT knob with its default: `run_config.base_config()` without `RL_ONLY`, SFT's
+    """Every SFT knob with its default: `config_lib.base_config()` without `RL_ONLY`, SFT's
     defaults where they differ, and the `sft` section."""
-    c = run_config.base_config()
+    c = config_lib.base_config()
     for name in RL_ONLY:
         section, _, key = name.rpartition(".")
         del (c[section] if section else c)[key]
@@ -112,23 +112,21 @@ def check_config(config, num_devices: int | None = None, process_count: int = 1)
     is checked here for a local model and by `check_lengths` once a new one is sized."""
     import jax
 
-    from jaxrl_llm import config_checks, models
+    from jaxrl_llm import models
 
     _refuse_rl_only(config)
-    config_checks.check_keys(config, default_config())
+    checks.check_keys(config, default_config())
     c = _filled(config)
-    mesh_shape = config_checks.check_mesh(
-        c, jax.device_count() if num_devices is None else num_devices
-    )
+    mesh_shape = checks.check_mesh(c, jax.device_count() if num_devices is None else num_devices)
     path = _check_model(c)
     _check_sft(c, mesh_shape, process_count)
     run = _as_run_config(c)
-    config_checks.check_rollout(run, mesh_shape, process_count)
-    config_checks.check_optim(run)
-    labels = config_checks.check_rewards(run, run_config.algo_config(run))
-    config_checks.check_train(run)
-    config_checks.check_eval(run, labels)
-    config_checks.check_data(run)
+    checks.check_rollout(run, mesh_shape, process_count)
+    checks.check_optim(run)
+    labels = checks.check_rewards(run, config_lib.algo_config(run))
+    checks.check_train(run)
+    checks.check_eval(run, labels)
+    checks.check_data(run)
     if path is not None:
         check_lengths(c, models.builtin.model_config(path))
     return c
@@ -136,7 +134,6 @@ def check_config(config, num_devices: int | None = None, process_count: int = 1)
 
 def check_lengths(config, model_cfg) -> None:
     """Training sequences and evaluation (prompt bucket + budget) fit the model's context."""
-    from jaxrl_llm import config_checks
 
     length = config.data.max_prompt_len + config.sft.completion.max_len
     _check(
@@ -144,7 +141,7 @@ def check_lengths(config, model_cfg) -> None:
         f"data.max_prompt_len + sft.completion.max_len = {length} exceeds the model's "
         f"max_position_embeddings {model_cfg.max_position_embeddings}",
     )
-    config_checks.check_context(config, model_cfg)
+    checks.check_context(config, model_cfg)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -164,7 +161,7 @@ def _refuse_rl_only(config) -> None:
 
 def _filled(config, prefix: str = "", into=None) -> ml_collections.ConfigDict:
     """default_config() with the given keys set (free-form sections replaced whole)."""
-    from jaxrl_llm.config_checks import FREE_FORM
+    from jaxrl_llm.config.checks import FREE_FORM
 
     into = default_config() if into is None else into
     for key, value in config.items():
@@ -181,25 +178,23 @@ def _filled(config, prefix: str = "", into=None) -> ml_collections.ConfigDict:
 
 def _check_model(config) -> str | None:
     """-> the local model directory (None for a new model or a hub name)."""
-    from jaxrl_llm import config_checks
     from jaxrl_llm.models.config import REMAT_POLICIES
 
     m = config.model
     if m.path:
-        return config_checks.check_model(_as_run_config(config))
+        return checks.check_model(_as_run_config(config))
     _check(bool(m.tokenizer), "model.tokenizer: required when model.path is '' (a new model)")
-    run_config.resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
-    dtypes = config_checks.DTYPES
+    config_lib.resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
+    dtypes = checks.DTYPES
     _check(m.dtype in dtypes, f"model.dtype={m.dtype!r}: expected one of {dtypes}")
     _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
     return None
 
 
 def _check_sft(config, mesh_shape, process_count: int) -> None:
-    from jaxrl_llm import config_checks
 
     s, comp = config.sft, config.sft.completion
-    config_checks.check_batch_size("sft.batch_size", s.batch_size, mesh_shape, process_count)
+    checks.check_batch_size("sft.batch_size", s.batch_size, mesh_shape, process_count)
     _check(comp.max_len >= 1, f"sft.completion.max_len={comp.max_len}: must be >= 1")
     _check(0 <= comp.alt_prob <= 1, f"sft.completion.alt_prob={comp.alt_prob}: must be in [0, 1]")
     _check(
@@ -211,7 +206,7 @@ def _check_sft(config, mesh_shape, process_count: int) -> None:
 def _as_run_config(config) -> ml_collections.ConfigDict:
     """The SFT config as a run config: its shared sections over `base_config()`, so the
     RL-only keys keep their defaults (which pass every check)."""
-    run = run_config.base_config()
+    run = config_lib.base_config()
     for section in SHARED:
         if section == "rewards":  # free-form: replaced, not merged
             run.rewards = config.rewards

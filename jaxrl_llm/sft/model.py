@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 
-from jaxrl_llm import models, run_config
-from jaxrl_llm.run_config import ConfigError
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models
+from jaxrl_llm.config import ConfigError
 from jaxrl_llm.sft.config import check_lengths
 
 
@@ -23,7 +24,7 @@ def load_tokenizer(config):
         key, path = "model.tokenizer", m.tokenizer
     else:
         key, path = "model.path", m.path
-    path = run_config.resolve_model_path(path, key, need_config=False)
+    path = config_lib.resolve_model_path(path, key, need_config=False)
     tokenizer = models.builtin.load_tokenizer(path, key)
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"{key}: the tokenizer in {path} has no EOS to end completions with")
@@ -61,7 +62,7 @@ def init_model(config, tokenizer, mesh):
     m = config.model
     runtime = dict(remat=m.remat, scan_layers=bool(m.scan_layers))
     if m.path:
-        path = run_config.resolve_model_path(m.path)
+        path = config_lib.resolve_model_path(m.path)
         check_lengths(config, models.builtin.model_config(path))
         return models.builtin.load_model(path, mesh=mesh, dtype=m.dtype, **runtime)
     try:

@@ -27,10 +27,12 @@ import ml_collections
 import numpy as np
 import optax
 
-from jaxrl_llm import data, evaluation, models, parallel, rl, rollout, run_config, sampling
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import data, models, parallel, rl, sampling
 from jaxrl_llm.sft import data as sft_data
 from jaxrl_llm.sft import model as sft_model
 from jaxrl_llm.sft.config import check_config
+from jaxrl_llm.trainer import evaluation, scoring
 
 # --------------------------------------------------------------------- loss and update
 
@@ -83,7 +85,7 @@ class HeldOutEval:
     them with `evaluation.evaluate` (as the RL trainer does)."""
 
     sampler: sampling.Sampler
-    scorer: rollout.Scorer
+    scorer: scoring.Scorer
     batches: list  # [data.Batch]: the first eval.num_prompts of eval.split, unshuffled
     correct_label: str  # the reward term that decides correctness
     eval_config: ml_collections.ConfigDict  # the `eval` section
@@ -107,13 +109,13 @@ def held_out_eval(config, model_cfg, tokenizer, pool, mesh=None) -> HeldOutEval:
     r = c.rollout
     spec = sampling.RolloutSpec(
         max_new_tokens=r.max_new_tokens, top_k=r.top_k, top_p=r.top_p,
-        stop_ids=run_config.stop_ids(tokenizer, r.stop_tokens),
+        stop_ids=config_lib.stop_ids(tokenizer, r.stop_tokens),
     )  # fmt: skip
     sampler = sampling.Sampler(
         model_cfg, mesh, seed=c.train.seed, pad_id=data.pad_id(tokenizer),
         bucket_steps=r.bucket_steps, cache_segments=r.cache_segments,
     )  # fmt: skip
-    scorer = rollout.Scorer(tokenizer, pool, verifiers.parse_specs(c.rewards), spec, mesh=mesh)
+    scorer = scoring.Scorer(tokenizer, pool, verifiers.parse_specs(c.rewards), spec, mesh=mesh)
     return HeldOutEval(
         sampler=sampler,
         scorer=scorer,
@@ -131,11 +133,12 @@ def run(config, workdir: str) -> dict:
 
     Writes `metrics.jsonl` (and TensorBoard / W&B per `logging`) in the workdir; a rerun
     starts over (there is no resume: SFT runs here are minutes long)."""
-    from jaxrl_llm import metrics, verifiers
+    from jaxrl_llm import verifiers
+    from jaxrl_llm.trainer import metrics
 
     # ---- Config, mesh, tokenizer, model
     c = config = check_config(config, process_count=jax.process_count())
-    mesh = parallel.make_mesh(run_config.mesh_axes(c.mesh))
+    mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh))
     tokenizer, tokenizer_dir = sft_model.load_tokenizer(c)
     model_cfg, params = sft_model.init_model(c, tokenizer, mesh)
     # ---- Optimizer, state, update step

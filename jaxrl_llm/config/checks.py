@@ -1,6 +1,6 @@
 """The checks of a run config, one per section, run before anything is loaded or compiled.
 
-    run_config.validate(config)   # raises ConfigError naming the key, e.g.
+    config.validate(raw)   # raises ConfigError naming the key, e.g.
     # rollout.batch_size=6 is not divisible by mesh data x fsdp = 4
     # rollout.batchsize: unknown key; did you mean rollout.batch_size?
 
@@ -17,9 +17,10 @@ import difflib
 import jax
 import ml_collections
 
-from jaxrl_llm import tuning
+from jaxrl_llm.config import tuning
+from jaxrl_llm.config.defaults import base_config
+from jaxrl_llm.config.derived import ConfigError, algo_config, mesh_axes, resolve_model_path
 from jaxrl_llm.data import config as data_config
-from jaxrl_llm.run_config import ConfigError, algo_config, base_config, resolve_model_path
 
 # Sections whose keys are the user's own names.
 FREE_FORM = ("rewards", "data.fields", "env.options")
@@ -40,8 +41,9 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(config, num_devices: int | None = None, process_count: int = 1) -> None:
-    """Every section's check; raises ConfigError naming the first bad key."""
+def validate(config, num_devices: int | None = None, process_count: int = 1):
+    """Every section's check; raises ConfigError naming the first bad key. -> the model's
+    `models.ModelConfig` where the model is local (read once, for `prepare`), else None."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     check_keys(config, base_config())
     mesh_shape = check_mesh(config, num_devices)
@@ -55,10 +57,13 @@ def validate(config, num_devices: int | None = None, process_count: int = 1) -> 
     check_eval(config, labels)
     check_checkpoint(config)
     check_data(config)
-    if path is not None:
-        from jaxrl_llm import models
+    if path is None:
+        return None
+    from jaxrl_llm import models
 
-        check_context(config, models.builtin.model_config(path))
+    model_cfg = models.builtin.model_config(path)
+    check_context(config, model_cfg)
+    return model_cfg
 
 
 def check_keys(config, defaults, prefix: str = "") -> None:
@@ -81,7 +86,6 @@ def check_keys(config, defaults, prefix: str = "") -> None:
 def check_mesh(config, num_devices: int) -> tuple[int, ...]:
     """-> the training mesh's shape (in split mode, also checks the rollout mesh's)."""
     from jaxrl_llm import parallel
-    from jaxrl_llm.run_config import mesh_axes
 
     m, split = config.mesh, config.get("rollout", {}).get("mode") == "split"
     n = m.get("rollout_devices", 0)
@@ -185,7 +189,6 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     if r.mode == "split":
         _check(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")
         from jaxrl_llm import parallel
-        from jaxrl_llm.run_config import mesh_axes
 
         m = config.mesh
         shape = parallel.mesh_shape(mesh_axes(m.rollout), m.rollout_devices)

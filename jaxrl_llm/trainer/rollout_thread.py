@@ -1,10 +1,11 @@
 """rollout.mode='split': a thread that samples and scores on the rollout mesh, ahead of
-the learner by at most `rollout.max_staleness` parameter versions.
+the learner by at most `rollout.max_staleness` parameter versions; `Threaded` is the
+rollout source (`sources`) over it.
 
-    thread = RolloutThread(run, start=step, params=run.sampler_params(), version=step)
+    thread = RolloutThread(sampling, config, start=step, params=params, version=step)
     item = thread.take(step)                  # the learner: step's rollout, scored
     ...update...
-    thread.publish(run.sampler_params(), version=step + 1)
+    thread.publish(new_params, version=step + 1)
     thread.close()
 
 The thread produces the rollouts of steps start, start + 1, ... in order. Before it draws
@@ -34,6 +35,9 @@ import time
 import jax
 import numpy as np
 
+from jaxrl_llm import parallel
+from jaxrl_llm.trainer.sources import Rollout, Sampling
+
 
 @dataclasses.dataclass
 class Item:
@@ -53,10 +57,14 @@ class Item:
 
 
 class RolloutThread:
-    def __init__(self, run, start: int, params, version: int):
-        self.run, self.max_staleness = run, run.config.rollout.max_staleness
-        self.num_steps = run.config.train.num_steps
-        self.consumed = run.data_iter.state()
+    """Samples and scores steps start, start + 1, ... with `s` (a `sources.Sampling` on
+    the rollout mesh), within the staleness bound of `config.rollout`."""
+
+    def __init__(self, s: Sampling, config, start: int, params, version: int):
+        r = config.rollout
+        self.s, self.max_staleness, self.num_steps = s, r.max_staleness, config.train.num_steps
+        self.partial_chunk = r.partial_chunk if r.partial else 0
+        self.consumed = s.data.state()
         self._params, self._version = params, version
         self._items: dict[int, Item] = {}
         self._error: BaseException | None = None
@@ -91,9 +99,8 @@ class RolloutThread:
         self._thread.join()
 
     def _loop(self, start: int) -> None:
-        run = self.run
         try:
-            with run._transfer_guard():
+            with self.s.guard():
                 for step in range(start, self.num_steps):
                     waited = time.perf_counter()
                     with self._cond:
@@ -110,20 +117,22 @@ class RolloutThread:
                 self._cond.notify_all()
 
     def _produce(self, step: int, params, version: int, wait_s: float) -> None:
-        run = self.run
-        batch = next(run.data_iter)
-        position = run.data_iter.state()
+        batch = next(self.s.data)
+        position = self.s.data.state()
         start = time.perf_counter()
-        if run.config.rollout.partial:
+        if self.partial_chunk:
             out, columns = self._partial(batch, step, params, version)
         else:
-            out = run.sample(batch, step, version=version, params=params)
-            columns = np.full(run.spec.max_new_tokens, version)
+            out = self.s.sample(params, batch, step, version=version)
+            columns = np.full(self.s.spec.max_new_tokens, version)
         jax.block_until_ready(out.tokens)
         sampled = time.perf_counter()
-        scored = run.scorer(out, batch)
-        item = Item(step, batch, out, scored, version, position, wait_s,
-                    sampled - start, time.perf_counter() - sampled, columns)  # fmt: skip
+        scored = self.s.scorer(out, batch)
+        item = Item(
+            step=step, batch=batch, out=out, scored=scored, version=version,
+            position=position, wait_s=wait_s, sample_s=sampled - start,
+            score_s=time.perf_counter() - sampled, token_versions=columns,
+        )  # fmt: skip
         with self._cond:
             self._items[step] = item
             self._cond.notify_all()
@@ -131,10 +140,10 @@ class RolloutThread:
     def _partial(self, batch, step: int, params, version: int):
         """The rollout decoded partial_chunk tokens at a time, switching to the newest
         parameters between chunks -> (output, version of each column)."""
-        run, sampler = self.run, self.run.sampler
-        T, chunk = run.spec.max_new_tokens, run.config.rollout.partial_chunk
+        sampler, spec = self.s.sampler, self.s.spec
+        T, chunk = spec.max_new_tokens, self.partial_chunk
         columns = np.full(T, version)
-        state = sampler.start(params, batch.prompt_ids, batch.prompt_mask, run.spec, step,
+        state = sampler.start(params, batch.prompt_ids, batch.prompt_mask, spec, step,
                               version=version)  # fmt: skip
         for first in range(0, T, chunk):
             with self._cond:
@@ -146,3 +155,45 @@ class RolloutThread:
             columns[first:] = version
             state = sampler.decode(params, state, min(chunk, T - first))
         return sampler.result(state), columns
+
+
+class Threaded:
+    """rollout.mode='split' as a rollout source: the thread starts at the first step with
+    the parameters given; each later step publishes the parameters it is given (moved to
+    the rollout mesh device to device) before it takes its rollout, which moves to the
+    training mesh."""
+
+    def __init__(self, s: Sampling, config):
+        self.s, self.config, self.thread = s, config, None
+
+    def next(self, step: int, params, clock) -> Rollout:
+        params = parallel.to_mesh(params, self.s.rollout_mesh)
+        if self.thread is None:
+            self.thread = RolloutThread(self.s, self.config, step, params, step)
+        else:
+            self.thread.publish(params, step)
+        item = self.thread.take(step)  # waits while the thread is behind
+        clock.mark("learner_wait")
+        clock.seconds |= {"sample": item.sample_s, "score": item.score_s}
+        out = jax.device_put(item.out, self.s.row_sharding)  # rollout -> training mesh
+        metrics = {"perf/rollout_wait_s": item.wait_s,
+                   "perf/learner_wait_s": clock.seconds["learner_wait"]}  # fmt: skip
+        metrics |= token_staleness(step, item)
+        return Rollout(out, item.batch, item.version, item.position, item.scored, metrics)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.close()
+
+
+def token_staleness(step: int, item: Item) -> dict:
+    """The mean staleness over completion tokens, and the fraction of rows with tokens of
+    a newer version than the one that started them (partial rollouts)."""
+    lengths = np.asarray(item.scored.lengths)
+    per_token = [step - item.token_versions[:n] for n in lengths]
+    tokens = np.concatenate(per_token) if per_token else np.zeros(0)
+    later = [bool((item.token_versions[:n] > item.version).any()) for n in lengths]
+    return {
+        "rollout/token_staleness_mean": float(tokens.mean()) if tokens.size else 0.0,
+        "rollout/partial_frac": float(np.mean(later)) if later else 0.0,
+    }

@@ -5,7 +5,7 @@
     writer.write_samples(step, [{"prompt": p, "completion": c, "reward": r}])
     writer.close()
 
-    python -m jaxrl_llm.metrics plot --metrics=DIR/metrics.jsonl --out=curve.png
+    python -m jaxrl_llm.trainer.metrics plot --metrics=DIR/metrics.jsonl --out=curve.png
 
 Files, all under the workdir and written by process 0 only:
   metrics.jsonl   one JSON object per `write`: {"step": 10, "reward/mean": 0.5, ...}
@@ -376,7 +376,7 @@ def plot_metrics(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.metrics")
+    parser = argparse.ArgumentParser(prog="python -m jaxrl_llm.trainer.metrics")
     commands = parser.add_subparsers(dest="command", required=True)
     plot = commands.add_parser("plot", help="plot metrics.jsonl keys against step into a PNG")
     plot.add_argument("--metrics", required=True, help="path to a run's metrics.jsonl")

@@ -4,7 +4,7 @@
     # line: "cpu defaults: micro_batches=4 (32 rows x 88 tokens: 8.2 MiB per MLP
     #        activation), logprob_chunk=32, scan_layers=False (4 layers), bucket_steps=4"
 
-Four keys default to None in `run_config.base_config()`; a value set in the config (an
+Four keys default to None in `config_lib.base_config()`; a value set in the config (an
 experiment file or `--config.KEY=...`) is never changed. None of them changes what is
 computed, only how fast and in how much memory:
 

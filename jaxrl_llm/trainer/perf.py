@@ -1,81 +1,20 @@
 """Throughput accounting: model FLOPs and a matmul peak measured on the device in use.
 
-MFU everywhere in jaxrl_llm = model FLOPs / seconds / `matmul_peak()`, where model FLOPs
+MFU everywhere in jaxrl_llm = model FLOPs / seconds / the measured matmul peak
+(`startup.peak.matmul_peak`), where model FLOPs
 count the matmuls of the parameters (2 per parameter per token forward, 6 forward +
 backward), the attention scores and values, and the unembedding only at the positions
 whose log-probs are used; the peak is measured on the device in use, so the ratio says how
 close a step is to what this device's matmul unit can do, not to a datasheet number. The
-trainer keeps the measurement next to its compilation cache (`kept_matmul_peak`): a
-rerun on the same machine starts without measuring, and its MFU has the same denominator.
+trainer keeps the measurement next to its compilation cache (`startup.peak`): a rerun on
+the same machine starts without measuring, and its MFU has the same denominator.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import os
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-
-
-def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
-    """Measured dense matmul FLOP/s of the default device at this dtype (a fresh
-    measurement; `matmul_peak` is the same, measured once per process)."""
-    # Drawn on the host: jax.random here would be programs to compile at start-up.
-    rng = np.random.default_rng(0)
-    a, b = (jax.device_put(rng.standard_normal((n, n), np.float32).astype(jnp.dtype(dtype)))
-            for _ in range(2))  # fmt: skip
-    f = jax.jit(lambda a, b: (a @ b) @ b)  # two matmuls per call amortise dispatch
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * 2 * n**3 / float(np.median(times))
-
-
-matmul_peak = functools.lru_cache(maxsize=4)(measure_matmul_peak)
-
-KEPT_PEAKS = 32  # measurements kept in a directory's matmul_peak.json, the latest
-
-
-def kept_matmul_peak(dtype: str, n: int, directory: str) -> float:
-    """`matmul_peak(dtype, n)`, measured once for this machine and software and kept in
-    `directory`/matmul_peak.json, keyed by `executables.fingerprint()` (devices, host
-    CPU, jax, jax's options and XLA_FLAGS, this package's source): a later process with
-    the same key reads it instead of measuring again. A file that cannot be read or
-    written only costs the measurement."""
-    from jaxrl_llm import executables
-
-    path = os.path.join(directory, "matmul_peak.json")
-    key = f"{executables.fingerprint()} {dtype} {n}"
-    try:
-        with open(path, encoding="utf-8") as f:
-            kept = json.load(f)
-    except (OSError, ValueError):
-        kept = {}
-    if not isinstance(kept, dict):
-        kept = {}
-    value = kept.get(key)
-    if isinstance(value, (int, float)) and value > 0:
-        return float(value)
-    peak = matmul_peak(dtype, n)
-    kept.pop(key, None)
-    kept[key] = peak
-    kept = dict(list(kept.items())[-KEPT_PEAKS:])
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(kept, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return peak
 
 
 class PhaseClock:

@@ -83,7 +83,7 @@ def evaluate(sampler, params, batches, scorer, *, correct_label: str, pass_k: in
              temperature: float, step: int = 0) -> dict[str, float]:  # fmt: skip
     """Metrics `eval/*` over the fixed evaluation batches.
 
-    sampler: a `sampling.Sampler`; scorer: a `rollout.Scorer` (its spec gives the budget
+    sampler: a `sampling.Sampler`; scorer: a `scoring.Scorer` (its spec gives the budget
     and stop ids; greedy and sampled draws replace G and the temperature)."""
     greedy, sampled = specs(scorer.spec, pass_k, temperature)
     correct1, correct_k, lengths, truncated, per_label = [], [], [], [], {}

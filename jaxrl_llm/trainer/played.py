@@ -1,7 +1,7 @@
 """The trainer's multi-turn rollout: data rows -> resets -> prompts -> turns -> rewards.
 
     env_rollout = EnvRollout(config, tokenizer, sampler, spec, mesh)
-    out, scored = env_rollout(params, batch, step)   # sampling.SampleOutput, rollout.Scored
+    out, scored = env_rollout(params, batch, step)   # sampling.SampleOutput, scoring.Scored
     metrics = env_rollout.evaluate(params, eval_batches, pass_k=8, temperature=1.0)
 
 Each prompt's environment is reset once (in the pool) and its state copied to the G
@@ -20,20 +20,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl_llm import evaluation, sampling
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import parallel, sampling
 from jaxrl_llm.data import prompts as prompts_lib
 from jaxrl_llm.envs.loop import TurnSettings, play
 from jaxrl_llm.envs.pool import EnvPool, replicate
 from jaxrl_llm.envs.render import Renderer
 from jaxrl_llm.envs.schedule import turns_at
+from jaxrl_llm.trainer import evaluation, scoring
+from jaxrl_llm.trainer.sources import Rollout, Sampling
 
 
 class EnvRollout:
     """Environments, renderer and turn settings of a run (`config.env`)."""
 
     def __init__(self, config, tokenizer, sampler, spec: sampling.RolloutSpec, mesh=None):
-        from jaxrl_llm import run_config
-
         e, d = config.env, config.data
         self.config, self.tokenizer, self.sampler, self.spec, self.mesh = (
             config, tokenizer, sampler, spec, mesh)  # fmt: skip
@@ -45,7 +46,7 @@ class EnvRollout:
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         self.renderer = Renderer(tokenizer, has_chat and d.chat_template != "never",
                                  d.system_prompt)  # fmt: skip
-        tool_stops = run_config.stop_ids(tokenizer, tuple(e.stop_tokens)) if e.stop_tokens else ()
+        tool_stops = config_lib.stop_ids(tokenizer, tuple(e.stop_tokens)) if e.stop_tokens else ()
         self.stop_ids = tuple(dict.fromkeys(spec.stop_ids + tool_stops))
         self.label = e.name.rpartition(":")[2].removesuffix(".py")
 
@@ -103,8 +104,6 @@ class EnvRollout:
 
     def __call__(self, params, batch, step: int, *, settings: TurnSettings | None = None):
         """This process's prompts of `batch` played to the end -> (out, scored)."""
-        from jaxrl_llm import rollout
-
         G = self.spec.num_generations
         settings = settings or self.settings(step)
         out, trajs, turns, prompt_ids, tokens, lengths = self._play(
@@ -114,7 +113,7 @@ class EnvRollout:
         texts = [[(kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=kind == "model"))
                   for kind, a, b in turns.spans[i]] for i in range(len(trajs))]  # fmt: skip
         rewards = np.array([t.reward(self.config.env.turn_reward_discount) for t in trajs])
-        return out, rollout.Scored(
+        return out, scoring.Scored(
             rewards=rewards.astype(np.float32),
             metrics=self.metrics(trajs, turns, lengths),
             completions=["".join(text for _, text in row) for row in texts],
@@ -162,6 +161,23 @@ class EnvRollout:
 
 
 def _local(out, mesh):
-    from jaxrl_llm import parallel
-
     return parallel.local_rows((out.tokens, out.lengths), mesh)
+
+
+class Played:
+    """Multi-turn rollouts (env.name) as a rollout source: the step's prompts played to
+    the end by the current parameters, scored by their environments."""
+
+    def __init__(self, s: Sampling, env_rollout: EnvRollout):
+        self.s, self.env_rollout = s, env_rollout
+
+    def next(self, step: int, params, clock) -> Rollout:
+        batch = next(self.s.data)
+        with self.s.compile_log.program("sampler", "multi-turn", runs=True):
+            out, scored = self.env_rollout(params, batch, step)
+        clock.mark("sample")
+        clock.mark("score")
+        return Rollout(out, batch, step, self.s.data.state(), scored)
+
+    def close(self) -> None:
+        self.env_rollout.close()

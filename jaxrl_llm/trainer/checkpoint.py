@@ -359,6 +359,6 @@ def install_sigterm_handler() -> PreemptionFlag:
 
 
 def _preemption_service_running() -> bool:
-    from jax._src import distributed  # the only place the service's handle lives
-
-    return distributed.global_state.preemption_sync_manager is not None
+    """jax starts its preemption sync service with the distributed runtime (several
+    processes) when `jax_enable_preemption_service` is on (its default)."""
+    return jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)

@@ -1,0 +1,240 @@
+"""The run config: every knob of `python -m jaxrl_llm.train` with its default (what the
+trainer derives from it is in `derived.py`).
+
+Experiment files in `configs/` start from `base_config()` and change what they need
+(big_vision style); any key can be overridden on the command line
+(`--config.algo.beta=0.0`). `algo.*` fields other than `name` are typed placeholders:
+left at None they take the preset's value (`rl.preset(algo.name)`), set they override it.
+`checks.validate` stops a bad config before anything is loaded or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ml_collections
+from ml_collections import config_dict
+
+from jaxrl_llm.data import config as data_config
+
+_ALGO_TYPES = {bool: bool, int: int, float: float, str: str}
+
+
+def _algo_defaults() -> ml_collections.ConfigDict:
+    """`name` + one typed None placeholder per AlgoConfig field."""
+    from jaxrl_llm.rl.algos import AlgoConfig
+
+    algo = ml_collections.ConfigDict()
+    algo.name = "grpo"  # grpo | dr_grpo | dapo | gspo | rloo | reinforce_pp | ppo
+    for field in dataclasses.fields(AlgoConfig):
+        if field.name == "name":
+            continue
+        default = field.default
+        kind = _ALGO_TYPES.get(type(default), float)
+        if field.name == "reward_weights":
+            algo[field.name] = config_dict.placeholder(tuple)
+        else:
+            algo[field.name] = config_dict.placeholder(kind)
+    return algo
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key of a run with its default, one section per concern (`config_checks` has
+    one checker per section)."""
+    c = ml_collections.ConfigDict()
+    c.model = model_defaults()
+    c.mesh = mesh_defaults()
+    c.data = data_config.default_config()
+    c.rollout = rollout_defaults()
+    c.algo = _algo_defaults()
+    c.optim = optim_defaults()
+    # label -> weight | {name, weight, options}
+    c.rewards = ml_collections.ConfigDict({"gsm8k": 1.0})
+    c.env = env_defaults()
+    c.train = train_defaults()
+    c.eval = eval_defaults()
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 50  # steps; 0 = only at the end and on SIGTERM
+    c.checkpoint.keep = 3
+    c.checkpoint.async_save = True
+    c.logging = ml_collections.ConfigDict()
+    c.logging.tensorboard = True
+    c.logging.wandb = False
+    c.logging.wandb_project = "jaxrl_llm"
+    c.logging.run_name = ""
+    return c
+
+
+def model_defaults() -> ml_collections.ConfigDict:
+    m = ml_collections.ConfigDict()
+    # HF model dir, .gguf file, hub name or built-in name (models.builtin.BUILTIN_MODELS:
+    # quickstart, smollm2-135m-instruct)
+    m.path = "quickstart"
+    m.tokenizer = ""  # tokenizer dir or .gguf file; "" = model.path
+    m.ref_path = ""  # reference model (as model.path); "" = the initial policy
+    m.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
+    m.remat = "none"  # none | full | dots | dots_no_batch
+    # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
+    # grows with depth, sampling holds a second copy of the layer weights). None: picked at
+    # start-up (`tuning`): False on CPU up to 8 layers, else True.
+    m.scan_layers = config_dict.placeholder(bool)
+    m.lora = lora_defaults()
+    return m
+
+
+def mesh_defaults() -> ml_collections.ConfigDict:
+    m = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
+    # rollout.mode='split': the last rollout_devices devices form the rollout mesh (shape
+    # `rollout`), the others the training mesh (shape data / fsdp / tensor above).
+    m.rollout_devices = 0
+    m.rollout = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+    return m
+
+
+def lora_defaults() -> ml_collections.ConfigDict:
+    """LoRA (docs/lora.md): only low-rank adapters train; the base weights are loaded once
+    and shared by the policy, the reference (adapters off) and the sampler."""
+    lora = ml_collections.ConfigDict()
+    lora.rank = 0  # r; 0 = off (every weight trains)
+    lora.alpha = 16.0  # the update is scaled by alpha / rank
+    # Adapted projections, any of q, k, v, o, gate, up, down (all attention and MLP ones).
+    lora.targets = ("q", "k", "v", "o", "gate", "up", "down")
+    lora.dropout = 0.0  # dropout on the adapters' input in the update's forward (PEFT's)
+    # How the sampler applies the adapters: "merged" (W + (alpha/r) A B once per step, a
+    # transient weight set), "unmerged" (x W + (x A) B per token) or "auto" (docs/lora.md).
+    lora.sampler = "auto"
+    return lora
+
+
+def rollout_defaults() -> ml_collections.ConfigDict:
+    r = ml_collections.ConfigDict()
+    r.batch_size = 8  # B: prompts per step (global, all hosts)
+    r.num_generations = 8  # G: completions per prompt
+    r.max_new_tokens = 64
+    r.temperature = 1.0
+    r.top_k = 0
+    r.top_p = 1.0
+    r.stop_tokens = ("<eos>",)  # token strings; "<eos>" = the tokenizer's EOS
+    # Prompts are left-padded to a bucket length, one compiled sampler / reference / update
+    # per bucket: bucket_steps lengths per doubling (1: 16, 32, 64 ...; 2: 16, 24, 32, 48
+    # ...; 4: 16, 20, 24, 28, 32, 40 ...; 8). More steps, less padding, more programs.
+    # None: picked at start-up (`tuning`): 4 on CPU, 2 elsewhere.
+    r.bucket_steps = config_dict.placeholder(int)
+    # The decode loop runs in this many segments, each over a KV cache just long enough for
+    # its tokens (grown in between): a token's attention reads the filled slots plus at most
+    # a segment's worth, not the whole prompt + max_new_tokens cache, for that many compiled
+    # loop bodies (1 = one loop). Pays off most for long generations at large batch. While
+    # the cache grows the old and new one coexist: peak KV memory under 2x one full cache.
+    r.cache_segments = 4  # = sampling.CACHE_SEGMENTS
+    # sync: each step samples with the parameters it updates. overlap: the next step's
+    # rollout is dispatched with the current parameters before this step's scoring and
+    # update, so the devices sample while the host scores; every batch is then one policy
+    # version old (`algo.off_policy` weighs it; docs/async.md). split: a rollout mesh of
+    # its own (`mesh.rollout_devices`) samples and scores in a thread, up to
+    # `max_staleness` versions ahead of the training mesh.
+    r.mode = "sync"
+    # split: a batch sampled by parameter version v trains update u only if u - v <= this
+    # (the sampler waits otherwise); 0 reproduces sync.
+    r.max_staleness = 1
+    # split: a generation in flight when newer parameters arrive goes on with them (its KV
+    # cache recomputed by them), checked every partial_chunk tokens; each token keeps the
+    # log-prob of the version that drew it.
+    r.partial = False
+    r.partial_chunk = 16
+    return r
+
+
+def env_defaults() -> ml_collections.ConfigDict:
+    """Multi-turn environments (docs/envs.md); env.name "" = single-turn completions."""
+    e = ml_collections.ConfigDict()
+    # calculator | guess_number | python_tool | path/to/file.py:Class | package.module:Class
+    e.name = ""
+    e.options = ml_collections.ConfigDict()  # the environment's __init__ keywords
+    # Model turns per trajectory: a number, or a schedule over training steps
+    # "turns@step,..." (e.g. "2@0,4@100,8@300": more turns as training goes on).
+    e.max_turns = config_dict.FieldReference(4, field_type=object)
+    # Completion tokens of a trajectory (its turns and the observations between them): the
+    # width the reference and the update see. rollout.max_new_tokens is one turn's budget.
+    e.max_total_tokens = 256
+    # Token strings that end a turn besides rollout.stop_tokens (a tool-call closing tag
+    # that is one token, e.g. Qwen's "</tool_call>").
+    e.stop_tokens = ()
+    # Reward = final turn's + sum over earlier turns of discount^(turns from the end) x
+    # theirs; 0 = the final reward only.
+    e.turn_reward_discount = 0.0
+    e.step_timeout_s = 10.0  # one reset / step call; past it the worker is killed
+    e.trajectory_timeout_s = 60.0  # a trajectory's calls together
+    e.workers = 0  # environment worker processes; 0 = CPU count
+    e.memory_mb = 2048  # address space an environment worker may add; 0 = no cap
+    return e
+
+
+def optim_defaults() -> ml_collections.ConfigDict:
+    o = ml_collections.ConfigDict()
+    o.learning_rate = 1e-6
+    o.schedule = "constant"  # constant | cosine | linear (after warmup)
+    o.warmup_steps = 0
+    o.end_lr_ratio = 0.0  # cosine / linear decay to learning_rate * this
+    o.weight_decay = 0.0
+    o.b1 = 0.9
+    o.b2 = 0.999
+    o.eps = 1e-8
+    o.max_grad_norm = 1.0
+    # Gradient accumulation per optimizer step (memory; the result does not depend on it).
+    # None: picked at start-up (`tuning`): on CPU from a memory budget, else 1.
+    o.micro_batches = config_dict.placeholder(int)
+    o.mini_batches = 1  # optimizer steps per pass over a rollout batch
+    o.critic_learning_rate = 1e-5  # PPO
+    return o
+
+
+def train_defaults() -> ml_collections.ConfigDict:
+    t = ml_collections.ConfigDict()
+    t.num_steps = 100
+    t.seed = 0
+    t.log_every = 1
+    t.print_samples_every = 10  # 0 = never
+    t.num_printed_samples = 2
+    t.skip_nonfinite = False  # False: a NaN/inf loss or gradient stops the run
+    # Sequence chunk of the chunked log-prob computation. None: picked at start-up
+    # (`tuning`): 32 on CPU, else 128.
+    t.logprob_chunk = config_dict.placeholder(int)
+    t.verifier_workers = 0  # 0 = CPU count
+    t.verifier_timeout_s = 10.0
+    # Address space a verifier worker may take beyond what loading the verifiers took
+    # (MiB); a reward that needs more fails for its sample, not the run. 0 = no cap.
+    t.verifier_memory_mb = 2048
+    # A step fails when some verifier errs on more than this fraction of its calls (one
+    # warning line naming the first error); max_failed_steps such steps in a row stop the
+    # run with that error (0 = never stop).
+    t.max_verifier_error_rate = 0.5
+    t.max_failed_steps = 3
+    t.transfer_guard = True  # jax.transfer_guard("disallow") around the step body
+    # Resume even when the config changes what the run means (model, data, algorithm,
+    # optimizer, batch, G, rewards, seed); the differences are listed either way.
+    t.allow_config_change = False
+    # XLA's persistent compilation cache: a rerun, a resume or another run of the same
+    # programs loads them instead of compiling (process-wide while the run lasts); the
+    # measured matmul peak (MFU) is kept there too. "" = off.
+    t.compilation_cache_dir = default_compilation_cache_dir()
+    return t
+
+
+def default_compilation_cache_dir() -> str:
+    """$XDG_CACHE_HOME/jaxrl_llm/xla (default ~/.cache/jaxrl_llm/xla)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxrl_llm", "xla")
+
+
+def eval_defaults() -> ml_collections.ConfigDict:
+    e = ml_collections.ConfigDict()
+    e.every = 0  # steps; 0 = never (the final step is always evaluated when > 0)
+    e.at_start = True  # with eval.every > 0: also evaluate the initial policy (step 0)
+    e.split = "test"  # TFDS split of the held-out prompts
+    e.path = ""  # held-out JSONL file when data.source="jsonl"
+    e.num_prompts = 64
+    e.pass_k = 8
+    e.temperature = 1.0
+    e.correct_reward = ""  # reward label that decides pass@k; "" = the first one
+    return e
