@@ -347,11 +347,9 @@ class Run(RolloutModes):
         return scored
 
     def _check_verifiers(self, scored, step: int) -> None:
-        """Warns on a step where a verifier failed too often; stops the run after
-        train.max_failed_steps such steps in a row (every host decides on the mean)."""
+        """Warns on a step where a verifier or the environment failed too often; stops the
+        run after train.max_failed_steps such steps in a row (hosts decide on the mean)."""
         rates = None
-        if scored.details is None:  # environments: failures end trajectories, never the run
-            return
         if jax.process_count() > 1:
             rates = parallel.host_mean(scored.details.error_rates())
         self.warning = self.budget.check(scored.details, step, rates=rates)
