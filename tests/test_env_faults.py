@@ -307,3 +307,32 @@ def test_env_stop_tokens_errors_name_env_stop_tokens():
     tok = builtin.load_tokenizer(TOKENIZER)
     with pytest.raises(run_config.ConfigError, match="^env.stop_tokens: '<nope>' is not a"):
         EnvRollout(c, tok, None, spec)
+
+
+def test_trainer_warns_then_stops_on_a_failing_environment(env_file, tmp_path, capfd):
+    """Row 1 through the trainer: an environment that fails on every call prints the
+    warning line each step and stops the run after train.max_failed_steps, its error
+    text in samples.jsonl (it used to train on reward 0 with nothing on the console)."""
+    from tiny_run import make_model_dir, tiny_config
+
+    from jaxrl_llm import metrics, train
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards, c.env.name, c.env.workers = {}, f"{env_file}:Faulty", 1
+    c.data.template = "{question}="
+    c.env.max_turns, c.env.max_total_tokens = 1, 8
+    c.rollout.cache_segments, c.model.scan_layers, c.algo.beta = 1, True, 0.0
+    c.train.num_steps, c.train.max_failed_steps, c.train.print_samples_every = 3, 2, 1
+    c.data.name = "arithmetic/digits_1"
+    with pytest.raises(verifiers.VerifierFailure) as err:
+        # The rows have no "mode": reset raises KeyError in every worker call.
+        train.train(c, str(tmp_path / "run"))
+    assert str(err.value).startswith("env.name: 100% of ")
+    assert "first error: Faulty trajectory 0: reset: KeyError: 'mode'" in str(err.value)
+    assert "(2 steps in a row); fix the environment" in str(err.value)
+    assert "env.name: 100% of " in capfd.readouterr().err  # the first step's warning
+    samples = metrics.read_metrics(tmp_path / "run" / "samples.jsonl")
+    assert samples and samples[0]["turns"][-1] == {
+        "role": "error",
+        "text": "error: reset: KeyError: 'mode'",
+    }
