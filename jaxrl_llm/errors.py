@@ -172,17 +172,36 @@ def cli_main(main: Callable[[], object]) -> None:
 def run_absl(main: Callable) -> None:
     """absl's `app.run(main)` for a program with ml_collections `--config` flags: a bad
     override, which ml_collections reports as an exception while absl parses the flags,
-    becomes the one line it means (`error: --config: bad override: ...`)."""
+    becomes the one line it means (`error: --config: bad override: ...`), and so does a
+    value of the wrong type (`parse_flags`)."""
     from absl import app, flags
 
     try:
-        app.run(main)
+        app.run(main, flags_parser=parse_flags)
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         if flags.FLAGS.is_parsed():
             raise  # a failure of the program itself, not of the command line
         text = str(err).replace("\\n", " ").replace("\\", "").replace("'", "")
         raise UserError(
             "--config", f"bad override: {' '.join(text.split())}", "check the key and its type"
+        ) from None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a value it cannot parse (`--config.model.lora.rank=4.5`,
+    `--lora=pefft`) or an unknown flag reported as a `UserError`, one line and exit 2 like
+    a key typo, instead of absl's "FATAL Flags parsing error" and exit 1."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        text = " ".join(str(err).split())
+        where, sep, what = text.removeprefix("flag ").partition(": ")
+        if not sep or not where.startswith("--"):
+            where, what = "command line", text
+        raise UserError(
+            where, what, "check the value and its type (--helpfull lists the flags)"
         ) from None
 
 

@@ -32,6 +32,7 @@ import shutil
 import jax
 
 from jaxrl_llm import models, parallel
+from jaxrl_llm.errors import UserError
 from jaxrl_llm.models import builtin
 from jaxrl_llm.models.params import unflatten
 from jaxrl_llm.trainer.checkpoint import Checkpointer
@@ -56,6 +57,7 @@ def export(
     """
     workdir = os.fspath(workdir)
     run_config = _read_json(os.path.join(workdir, RUN_CONFIG))
+    check_out(os.fspath(out))
     model = run_config.get("model") or {}
     cfg = model_config(workdir, run_config)
     lora_cfg = _lora_config(model, lora, workdir)
@@ -81,6 +83,28 @@ def export(
         _copy_extras(model.get("path"), tokenizer, tokenizer_dir, os.fspath(out))
     logging.info("exported step %d of %s to %s", step, workdir, out)
     return step
+
+
+def check_out(out: str) -> None:
+    """Refuses an `--out` that would overwrite something: a file, a run directory (its
+    config.json would become the HF one and a resume would bypass the config check), or
+    any directory that is not empty."""
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise UserError(out, "--out is a file", "give --out a new or empty directory")
+    entries = sorted(os.listdir(out))
+    if CHECKPOINT_DIR in entries or "trainer.lock" in entries:
+        raise UserError(
+            out, "--out is a run directory; exporting there would overwrite its config.json",
+            "give --out a new or empty directory",
+        )  # fmt: skip
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise UserError(
+            out, f"--out is not empty ({len(entries)} entries: {shown})",
+            "give --out a new or empty directory, or empty it first",
+        )  # fmt: skip
 
 
 def _lora_config(model: dict, lora: str | None, workdir: str):
@@ -164,10 +188,13 @@ def _read_json(path: str) -> dict:
 
 def main(argv) -> None:
     from absl import app, flags
+    from absl import logging as absl_logging
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
+    if not f["verbosity"].present:  # orbax logs its restore at INFO and WARNING
+        absl_logging.set_verbosity(absl_logging.ERROR)
     step = export(f.workdir, f.out, step=f.step, dtype=f.dtype, lora=f.lora)
     print(f"exported step {step} of {f.workdir} to {f.out}")
 
@@ -189,10 +216,7 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
-
-    from jaxrl_llm.errors import cli_main
+    from jaxrl_llm.errors import cli_main, run_absl
 
     _define_flags()
-    logging.getLogger().setLevel(logging.INFO)
-    cli_main(lambda: app.run(main))
+    cli_main(lambda: run_absl(main))

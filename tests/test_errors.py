@@ -176,3 +176,25 @@ def test_export_of_a_missing_run_is_one_line(tmp_path):
         "directory?"
     )
     assert not (tmp_path / "hf").exists()
+
+
+def test_overrides_of_the_wrong_type_are_one_line(tmp_path):
+    """Issue 40 row 14: a value absl cannot parse is the `error:` line and exit 2, like a
+    key typo, not absl's "FATAL Flags parsing error" and exit 1."""
+    config = os.path.join(REPO, "configs", "quickstart.py")
+    train = ["jaxrl_llm.train", f"--config={config}", f"--workdir={tmp_path / 'run'}"]
+    cases = [
+        ([*train, "--config.model.lora.rank=4.5"],
+         "error: --config.model.lora.rank=4.5: invalid literal for int() with base 10: '4.5'"),
+        ([*train, "--config.rollout.batch_size=abc"],
+         "error: --config.rollout.batch_size=abc: invalid literal for int() with base 10"),
+        (["jaxrl_llm.export", "--workdir=w", "--out=o", "--lora=pefft"],
+         "error: --lora=pefft: value should be one of <merged|peft>"),
+    ]  # fmt: skip
+    for args, start in cases:
+        proc = run_cli(args, tmp_path)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        line = one_line(proc)
+        assert line.startswith(start) and line.endswith("check the value and its type "
+                                                        "(--helpfull lists the flags)")  # fmt: skip
+    assert not (tmp_path / "run").exists()

@@ -121,3 +121,41 @@ def test_errors_name_the_problem(run_dir, tmp_path):
     other = _sibling_run(workdir, tmp_path / "run", {**cfg.to_hf_dict(), "hidden_size": 32})
     with pytest.raises(ValueError, match=r"params\.embed has shape \[96, 64\], the model config"):
         export(other, tmp_path / "hf")
+
+
+def test_export_refuses_an_out_that_would_overwrite(run_dir, tmp_path):
+    """Issue 40 row 6: the run's own directory (its config.json would become the HF one),
+    a non-empty directory and a file are refused before anything is written."""
+    from jaxrl_llm.errors import UserError
+
+    _, workdir, _ = run_dir
+    before = (workdir / "config.json").read_text()
+    with pytest.raises(UserError, match="--out is a run directory; exporting there would"):
+        export(workdir, workdir)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"--out is not empty \(1 entries: notes.txt\)"):
+        export(workdir, tmp_path / "full")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="--out is a file"):
+        export(workdir, tmp_path / "file")
+    assert (workdir / "config.json").read_text() == before
+    (tmp_path / "empty").mkdir()
+    assert export(workdir, tmp_path / "empty") == 4
+
+
+def test_export_command_prints_only_its_own_lines(run_dir, tmp_path):
+    """Issue 40 row 15: one line on success, one `error:` line on failure; no orbax log."""
+    _, workdir, _ = run_dir
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": repo}
+    args = [sys.executable, "-m", "jaxrl_llm.export", f"--workdir={workdir}"]
+    ok = subprocess.run([*args, f"--out={tmp_path / 'hf'}"], env=env, capture_output=True,
+                        text=True, timeout=300)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.stdout.strip() == f"exported step 4 of {workdir} to {tmp_path / 'hf'}"
+    assert ok.stderr.strip() == ""
+    bad = subprocess.run([*args, "--out=x", "--step=3"], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr[-2000:]

@@ -380,3 +380,27 @@ def test_smollm2_config_runs_two_steps(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1])
     assert last["step"] == 2 and np.isfinite(last["loss/total"])
+
+
+def test_truncated_gguf_files_say_truncated(tmp_path):
+    """Issue 40 row 15: a file cut short anywhere says so, not numpy's message."""
+    whole = tmp_path / "whole.gguf"
+    write_model(hf_model("qwen2"), whole, "qwen2", Q.F32)
+    data = whole.read_bytes()
+    for k, frac in enumerate((0.001, 0.05, 0.5, 0.99)):
+        path = tmp_path / f"cut{k}.gguf"
+        path.write_bytes(data[: int(len(data) * frac)])
+        with pytest.raises(models.CheckpointError) as err:
+            models.load_gguf(path)
+        assert f"cut{k}.gguf: the GGUF file is truncated or damaged" in one_line(err)
+        assert "download or copy it again" in one_line(err)
+
+
+def test_head_count_that_does_not_divide_the_width_says_so():
+    """Issue 40 row 15: head_count=5 with width 64 and no key_length: the head size is
+    unknown (it was reported as partial_rotary_factor=0.78 not supported)."""
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64,
+            "llama.attention.head_count": 5, "llama.rope.dimension_count": 16}  # fmt: skip
+    with pytest.raises(models.CheckpointError, match=r"m\.gguf: llama\.attention\.head_count=5 "
+                       r"does not divide llama\.embedding_length=64"):  # fmt: skip
+        gguf_io.hf_config_dict(meta, {}, "m.gguf")

@@ -114,6 +114,15 @@ def get(name: str, **options):
 
 
 def check_options(name: str, options: dict) -> None:
-    """Raises ValueError naming the environment when `options` do not fit its class."""
+    """Raises ValueError naming the environment when `options` do not fit its class: an
+    option its `__init__` does not take, or one it needs (no default) that is missing."""
     params = list(inspect.signature(resolve(name)).parameters.values())
     check_keywords(f"environment {name!r}", params, options)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    missing = [p.name for p in params
+               if p.kind in named and p.default is p.empty and p.name not in options]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"environment {name!r} needs option(s) {', '.join(map(repr, missing))}; set them "
+            f"in env.options, e.g. env.options={{{missing[0]!r}: ...}}"
+        )

@@ -8,7 +8,9 @@ tool-call stop id) or spent `settings.turn_tokens`; the host reads the new token
 live row, decodes them as the action, steps all live environments in parallel
 (`EnvPool.step`), renders each observation as the next turn's ids (`Renderer.turn`: the
 new turn only) and `Sampler.append`s them to the KV cache. A trajectory ends when its
-environment says done, fails, or would pass `max_turns` or `max_total_tokens`; its row
+environment says done, fails, or would pass `max_turns` or `max_total_tokens` (an
+observation longer than the tokens left, bounded in characters before it leaves the
+worker, ends it as `long_observation`); its row
 gets nothing appended and is marked stopped (`Sampler.stop`), so the next turn's decode
 draws nothing for it and ends as soon as the live rows have stopped.
 
@@ -72,11 +74,19 @@ def play(sampler, params, prompt_ids, prompt_mask, spec, settings: TurnSettings,
             turns.model_turns[i] += 1
             actions[i] = tokenizer.decode(ids, skip_special_tokens=True)
         lengths = new_lengths
-        observations = pool.step(trajs, actions)
-        if turn == s.max_turns - 1:
+        # Tokens left for the observation; its text may have as many characters as that
+        # many tokens can cover (more stays in the worker, `long_observation`).
+        room = {i: s.max_total_tokens - int(lengths[i]) - s.turn_tokens for i in actions}
+        last = turn == s.max_turns - 1
+        bounds = {i: -1 if last or r < 1 else renderer.max_chars(r) for i, r in room.items()}
+        observations = pool.step(trajs, actions, bounds)
+        if last:
             for i in observations:
                 trajs[i].finish("max_turns")
             break
+        for i in [i for i in observations if room[i] < 1]:  # no room whatever it says
+            trajs[i].finish("max_total_tokens")
+            del observations[i]
         appended = _render(observations, trajs, tokens, lengths, renderer, s)
         # Every process appends the same width (or none): the programs are collective.
         width = parallel.host_max(-(-max(map(len, appended.values()), default=0) // 8) * 8)
@@ -97,9 +107,10 @@ def play(sampler, params, prompt_ids, prompt_mask, spec, settings: TurnSettings,
 
 
 def _render(observations, trajs, tokens, lengths, renderer, s: TurnSettings) -> dict:
-    """The ids of each observation that goes on; a trajectory whose next turn would pass
-    max_total_tokens ends here (no observation is cut: the policy never sees half a tool
-    output), one whose observation cannot be rendered fails."""
+    """The ids of each observation that goes on; a trajectory whose observation and next
+    turn would pass max_total_tokens ends here (`long_observation`: no observation is cut,
+    the policy never sees half a tool output), one whose observation cannot be rendered
+    fails."""
     out = {}
     for i, obs in observations.items():
         last = int(tokens[i, lengths[i] - 1]) if lengths[i] else None
@@ -111,7 +122,7 @@ def _render(observations, trajs, tokens, lengths, renderer, s: TurnSettings) -> 
         if not ids:
             trajs[i].finish("error", "render: the observation has no tokens")
         elif lengths[i] + len(ids) + s.turn_tokens > s.max_total_tokens:
-            trajs[i].finish("max_total_tokens")
+            trajs[i].finish("long_observation")
         else:
             out[i] = ids
     return out

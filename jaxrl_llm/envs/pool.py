@@ -9,7 +9,13 @@ Each call runs in a verifier-pool worker (`VerifierPool.call`, `remote.call`) wi
 environment's pickled state. An exception, a crash (the worker dies), a step past
 `step_timeout_s`, a trajectory whose calls together pass `trajectory_timeout_s`, or an
 answer the trainer cannot use ends that trajectory with reward 0, counted in
-`env/errors` or `env/timeouts`; the others go on.
+`env/errors` or `env/timeouts`; the others go on. Calls that time out or kill their
+worker `BREAKER_AFTER` times in a row, across calls, trip the breaker of that operation
+(reset or step): each later call sends one probe, and the rest of the batch fails at
+once, until a probe answers. An observation longer than the trajectory's room in
+characters (`max_chars`) stays in the worker and ends the trajectory
+(`long_observation`). At most `MAX_INFO_KEYS` distinct `info` keys are kept over the
+pool's life; values under other keys are dropped and counted (`Trajectory.info_dropped`).
 """
 
 from __future__ import annotations
@@ -17,11 +23,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
+
 from jaxrl_llm.envs import base
-from jaxrl_llm.verifiers import VerifierPool
+from jaxrl_llm.verifiers import ScoreDetails, VerifierPool
 from jaxrl_llm.verifiers import worker as wire
 
 _REMOTE = "jaxrl_llm.envs.remote:call"
+BREAKER_AFTER = 5
+MAX_INFO_KEYS, MAX_KEY_CHARS = 32, 64
 
 
 @dataclasses.dataclass
@@ -32,10 +42,12 @@ class Trajectory:
     live: bool = True
     rewards: list = dataclasses.field(default_factory=list)  # per stepped turn
     turns: int = 0  # actions the environment answered
-    end: str = ""  # done | max_turns | max_total_tokens | context | error | timeout
+    # done | max_turns | max_total_tokens | long_observation | context | error | timeout
+    end: str = ""
     error: str = ""
     env_s: float = 0.0
     info: dict = dataclasses.field(default_factory=dict)  # summed over its steps
+    info_dropped: int = 0  # info values past the pool's MAX_INFO_KEYS keys
 
     def finish(self, why: str, error: str = "") -> None:
         self.live, self.state = False, None
@@ -71,6 +83,8 @@ class EnvPool:
         base.check_options(name, self.options)  # also: the class resolves, here and now
         self.trajectory_timeout_s = trajectory_timeout_s
         self.pool = VerifierPool(workers, timeout_s=step_timeout_s, memory_mb=memory_mb)
+        self.info_keys: set[str] = set()
+        self.costly_in_a_row = {"reset": 0, "step": 0}  # the breaker, per operation
 
     def __enter__(self) -> EnvPool:
         return self
@@ -83,13 +97,22 @@ class EnvPool:
 
     def _call(self, op: str, texts, requests):
         base_request = {"env": self.name, "options": self.options, "op": op}
-        return self.pool.call(_REMOTE, texts, [base_request | r for r in requests])
+        breaker = max(1, BREAKER_AFTER - self.costly_in_a_row[op])  # tripped: one probe
+        results = self.pool.call(_REMOTE, texts, [base_request | r for r in requests], breaker)
+        for _, status, message in results:
+            if message.startswith("not called:"):
+                continue  # skipped by the breaker: says nothing new
+            costly = status == wire.TIMEOUT or message.startswith("worker died")
+            self.costly_in_a_row[op] = self.costly_in_a_row[op] + 1 if costly else 0
+        return results
 
-    def reset(self, examples) -> tuple[list[Trajectory], list]:
+    def reset(self, examples, max_chars: int | None = None) -> tuple[list[Trajectory], list]:
         """One trajectory per example and its first observation (None: the row's prompt,
-        also where reset failed, which ends that trajectory)."""
+        also where reset failed, which ends that trajectory). A prompt longer than
+        `max_chars` characters fails its trajectory (it is never sent back)."""
         results = self._call("reset", [""] * len(examples),
-                             [{"state": None, "example": dict(ex)} for ex in examples])  # fmt: skip
+                             [{"state": None, "example": dict(ex), "max_chars": max_chars}
+                              for ex in examples])  # fmt: skip
         trajs, observations = [], []
         for value, status, message in results:
             traj = Trajectory()
@@ -97,13 +120,16 @@ class EnvPool:
             trajs.append(traj)
         return trajs, observations
 
-    def step(self, trajs: list[Trajectory], actions: dict[int, str]) -> dict[int, object]:
+    def step(self, trajs: list[Trajectory], actions: dict[int, str],
+             max_chars: dict[int, int] | None = None) -> dict[int, object]:  # fmt: skip
         """Steps trajectory i with actions[i] for every i, in parallel -> the observation
-        of each one that goes on (the others are finished: done, failed or timed out)."""
+        of each one that goes on (the others are finished: done, failed, timed out, or
+        its observation was longer than `max_chars[i]` characters; -1: not wanted)."""
         order = [i for i in actions if trajs[i].live]
-        results = self._call(
-            "step", [actions[i] for i in order], [{"state": trajs[i].state} for i in order]
-        )
+        bounds = max_chars or {}
+        results = self._call("step", [actions[i] for i in order],
+                             [{"state": trajs[i].state, "max_chars": bounds.get(i)}
+                              for i in order])  # fmt: skip
         observations = {}
         for i, (value, status, message) in zip(order, results, strict=True):
             observation = self._absorb(trajs[i], value, status, message, "step")
@@ -119,20 +145,32 @@ class EnvPool:
         if status != wire.OK:
             traj.finish("error", f"{op}: {message}")
             return None
-        state, observation, reward, done, info, seconds = value
+        state, observation, reward, done, info, seconds, refused = value
         traj.env_s += seconds
         if op == "step":
             traj.turns += 1
             traj.rewards.append(reward)
-            for k, v in info.items():
-                traj.info[k] = traj.info.get(k, 0.0) + v
+            self._add_info(traj, info)
         if traj.env_s > self.trajectory_timeout_s:
             traj.finish("timeout", f"{op}: over the trajectory's {self.trajectory_timeout_s:g} s")
         elif done:
             traj.finish("done")
+        elif refused:  # the text stayed in the worker; a limit, not a failure
+            traj.finish("long_observation")
         else:
             traj.state = state
         return observation
+
+    def _add_info(self, traj: Trajectory, info: dict) -> None:
+        """Sums `info` into the trajectory's; keys past the first MAX_INFO_KEYS the pool
+        has seen (or longer than MAX_KEY_CHARS) are dropped and counted."""
+        for k, v in info.items():
+            if k not in self.info_keys:
+                if len(self.info_keys) >= MAX_INFO_KEYS or len(k) > MAX_KEY_CHARS:
+                    traj.info_dropped += 1
+                    continue
+                self.info_keys.add(k)
+            traj.info[k] = traj.info.get(k, 0.0) + v
 
 
 def replicate(trajs: list[Trajectory], observations: list, times: int):
@@ -140,3 +178,35 @@ def replicate(trajs: list[Trajectory], observations: list, times: int):
     the G trajectories of a prompt start from its one reset."""
     out_t = [copy.deepcopy(t) for t in trajs for _ in range(times)]
     return out_t, [o for o in observations for _ in range(times)]
+
+
+FAILED = ("error", "timeout")  # the ends that count against the run's error budget
+
+
+def score(trajs: list[Trajectory], discount: float, name: str) -> tuple[np.ndarray, ScoreDetails]:
+    """[n] float32 rewards of finished trajectories, and their failures as the verifiers'
+    `ScoreDetails` (label `name`, key `env.name`), which `verifiers.ErrorBudget` judges: a
+    step where most trajectories failed warns with the first error, `train.max_failed_steps`
+    such steps in a row stop the run. A reward that overflows float32 fails its trajectory."""
+    rewards = np.zeros(len(trajs), np.float32)
+    for i, t in enumerate(trajs):
+        r = t.reward(discount)
+        if abs(r) > 3.4028234663852886e38:  # finite in float64, inf as the trainer's float32
+            t.end, t.error, t.rewards = "error", f"reward {r:g} overflows float32", []
+            r = 0.0
+        rewards[i] = r
+    failed = [i for i, t in enumerate(trajs) if t.end in FAILED]
+    first = f"{name} trajectory {failed[0]}: {trajs[failed[0]].error}" if failed else None
+    return rewards, ScoreDetails(
+        per_verifier={name: rewards.astype(np.float64)},
+        weights={name: 1.0},
+        errors={name: sum(t.end == "error" for t in trajs)},
+        timeouts={name: sum(t.end == "timeout" for t in trajs)},
+        messages=[f"trajectory {i}: {trajs[i].error}" for i in failed[:8]],
+        failed={name: len(failed)},
+        num_samples=len(trajs),
+        first_error=first,
+        key="env.name",
+        unit="trajectories",
+        fix="fix the environment (its failures end their trajectories with reward 0)",
+    )

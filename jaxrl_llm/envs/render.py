@@ -15,11 +15,21 @@ token's text (which the template writes after the assistant message) is not repe
 Without a chat template the plain format is the observation on its own lines:
 `"\\n" + observation + "\\n"` (a list of messages: their contents joined by newlines),
 tokenized without special tokens.
+
+An environment's text never becomes a control token: its contents are tokenized with
+special tokens split (`<|im_end|>` in a tool's output is the characters, not the id that
+ends a turn), so no observation can close its turn and forge the assistant's. Only the
+template's own markers, rendered around a placeholder for each content, are parsed as
+special tokens.
 """
 
 from __future__ import annotations
 
+import re
+
 _SENTINEL = "\u2063JAXRL-TURN\u2063"
+_CONTENT = "\u2063JAXRL-CONTENT-{}\u2063"
+_CONTENT_RE = re.compile("\u2063JAXRL-CONTENT-([0-9]+)\u2063")
 
 
 class Renderer:
@@ -37,19 +47,42 @@ class Renderer:
             raise ValueError("env: the tokenizer has no chat template to render turns with")
         self.tokenizer, self.use_chat, self.system_prompt = tokenizer, use_chat, system_prompt
         self.role = "tool" if "tool" in template else "user"
+        from jaxrl_llm.data.prompts import max_token_chars  # not in the workers' imports
+
+        self.token_chars = max_token_chars(tokenizer)
+
+    def max_chars(self, tokens: int) -> int | None:
+        """The most characters an observation of at most `tokens` tokens can have (no
+        token covers more than the vocabulary's longest); None: unknown."""
+        return None if self.token_chars is None else max(tokens, 0) * self.token_chars
 
     def _ids(self, text: str, special: bool = False) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+        """Ids of an environment's text: special tokens split into ordinary ones."""
+        return list(
+            self.tokenizer(text, add_special_tokens=special, split_special_tokens=True)["input_ids"]
+        )
+
+    def _template_ids(self, messages: list, render) -> list[int]:
+        """Ids of `render(placeholder messages)` (the template's text, whose markers are
+        parsed as special tokens) with each message's content tokenized as an
+        environment's text in place of its placeholder."""
+        held = [m | {"content": _CONTENT.format(k)} for k, m in enumerate(messages)]
+        pieces = _CONTENT_RE.split(render(held))
+        ids = []
+        for j, piece in enumerate(pieces):
+            if j % 2:  # a content placeholder
+                ids += self._ids(messages[int(piece)]["content"])
+            elif piece:
+                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
 
     def prompt(self, observation) -> list[int]:
         """The prompt of a trajectory from `reset`'s observation (text or messages)."""
         if isinstance(observation, list):
             if not self.use_chat:
                 return self._ids("\n".join(m["content"] for m in observation), special=True)
-            text = self.tokenizer.apply_chat_template(
-                observation, tokenize=False, add_generation_prompt=True
-            )
-            return self._ids(text)
+            return self._template_ids(observation, lambda held: self.tokenizer.apply_chat_template(
+                held, tokenize=False, add_generation_prompt=True))  # fmt: skip
         if not self.use_chat:
             text = f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
             return self._ids(text, special=True)
@@ -64,6 +97,10 @@ class Renderer:
             text = "\n".join(m["content"] for m in messages) if messages else observation
             return self._ids(f"\n{text}\n")
         messages = messages or [{"role": self.role, "content": observation}]
+        return self._template_ids(messages, lambda held: self._delta(held, closed_by))
+
+    def _delta(self, messages: list, closed_by: int | None) -> str:
+        """The text the template adds for `messages` after an assistant message."""
         before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
         full = self.tokenizer.apply_chat_template(
             before + messages, tokenize=False, add_generation_prompt=True
@@ -76,4 +113,4 @@ class Renderer:
             closing = self.tokenizer.decode([closed_by])
             if closing and delta.startswith(closing):
                 delta = delta[len(closing) :]
-        return self._ids(delta)
+        return delta

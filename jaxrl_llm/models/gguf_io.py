@@ -99,10 +99,17 @@ def _open(path: str) -> _File:
 def _parse(path: str, mtime_ns: int, size: int) -> _File:
     import gguf
 
-    del mtime_ns, size  # cache key only
+    del mtime_ns  # cache key only
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError) as err:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":  # its header says GGUF: numpy ran out of bytes reading it
+            raise CheckpointError(
+                f"{path}: the GGUF file is truncated or damaged (it ends at {size:,} bytes, "
+                "before its header or tensors do); download or copy it again"
+            ) from None
         raise CheckpointError(f"{path}: not a readable GGUF file ({err})") from None
     meta = {key: field.contents() for key, field in reader.fields.items()}
     tensors = {
@@ -139,6 +146,12 @@ def hf_config_dict(meta: dict, tensors: dict, source: str) -> dict:
         return value
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    if f"{arch}.attention.key_length" not in meta and (heads < 1 or hidden % heads):
+        raise CheckpointError(
+            f"{source}: {arch}.attention.head_count={heads} does not divide "
+            f"{arch}.embedding_length={hidden} and the file gives no attention.key_length, "
+            "so the head size is unknown; the metadata is inconsistent: convert the model again"
+        )
     head_dim = int(get("attention.key_length", hidden // heads))
     tokens = meta.get("tokenizer.ggml.tokens") or ()
     embedding = tensors.get("token_embd.weight")

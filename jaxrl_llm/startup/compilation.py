@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -222,13 +223,14 @@ class CompileLog:
         def build(name, detail, jitted, *args, serves=None, deferred=False, **kwargs):
             start = time.perf_counter()
             lowered = jitted.lower(*args, **kwargs)
-            job = [self._compile, name, detail, lowered, time.perf_counter() - start, background]
+            traced_s = time.perf_counter() - start
+            job = functools.partial(self._compile, name, detail, lowered, traced_s, background)
             event = threading.Event() if background and deferred else None
-            if event is not None:
-                job = [_when_set, event, self._closing, *job]
-            elif background and futures:
-                job = [_after, futures[0], *job]
-            futures.append(pool.submit(*job))
+            if event is not None:  # starts when asked, or dropped at close
+                job = functools.partial(_when_set, event, self._closing, job)
+            elif background and futures:  # after the first program, which builds alone
+                job = functools.partial(_after, futures[0], job)
+            futures.append(pool.submit(job))
             with self._lock:
                 self._builds.append(_Build(futures[-1], serves or name, event))
             if not side_by_side:
@@ -276,18 +278,18 @@ class CompileLog:
         return record
 
 
-def _when_set(event: threading.Event, closing: threading.Event, job, *args):
-    """`job(*args)` once `event` is set; cancelled if the log closed before it was."""
+def _when_set(event: threading.Event, closing: threading.Event, job):
+    """`job()` once `event` is set; cancelled if the log closed before it was."""
     event.wait()
     if closing.is_set():
         raise concurrent.futures.CancelledError("the run ended before this program was needed")
-    return job(*args)
+    return job()
 
 
-def _after(first: concurrent.futures.Future, job, *args):
-    """`job(*args)` once `first` is done (whether it failed or not)."""
+def _after(first: concurrent.futures.Future, job):
+    """`job()` once `first` is done (whether it failed or not)."""
     concurrent.futures.wait([first])
-    return job(*args)
+    return job()
 
 
 def shaped(out_info, sharding):

@@ -24,7 +24,7 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.data import prompts as prompts_lib
 from jaxrl_llm.envs.loop import TurnSettings, play
-from jaxrl_llm.envs.pool import EnvPool, replicate
+from jaxrl_llm.envs.pool import FAILED, EnvPool, replicate, score
 from jaxrl_llm.envs.render import Renderer
 from jaxrl_llm.envs.schedule import turns_at
 from jaxrl_llm.trainer import evaluation, scoring
@@ -46,7 +46,10 @@ class EnvRollout:
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         self.renderer = Renderer(tokenizer, has_chat and d.chat_template != "never",
                                  d.system_prompt)  # fmt: skip
-        tool_stops = config_lib.stop_ids(tokenizer, tuple(e.stop_tokens)) if e.stop_tokens else ()
+        try:
+            tool_stops = config_lib.stop_ids(tokenizer, tuple(e.stop_tokens))
+        except config_lib.ConfigError as err:  # its message names rollout.stop_tokens
+            raise config_lib.ConfigError(str(err).replace("rollout.", "env.", 1)) from None
         self.stop_ids = tuple(dict.fromkeys(spec.stop_ids + tool_stops))
         self.label = e.name.rpartition(":")[2].removesuffix(".py")
 
@@ -64,7 +67,8 @@ class EnvRollout:
     def _play(self, params, batch, spec, settings: TurnSettings, step: int):
         """This process's prompts of `batch`, spec.num_generations trajectories each,
         played to the end -> (out, trajectories, turns, prompt ids, tokens, lengths)."""
-        trajs, observations = self.pool.reset(batch.examples)
+        bound = self.renderer.max_chars(self.config.data.max_prompt_len)
+        trajs, observations = self.pool.reset(batch.examples, bound)
         prompt_ids = [self._prompt(batch, i, obs, trajs[i]) for i, obs in enumerate(observations)]
         ids, mask = prompts_lib.collate(prompt_ids, self.sampler.pad_id, 1, 0)
         trajs, _ = replicate(trajs, observations, spec.num_generations)
@@ -112,16 +116,19 @@ class EnvRollout:
         # Model turns as the environment read them; observations with the template's markers.
         texts = [[(kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=kind == "model"))
                   for kind, a, b in turns.spans[i]] for i in range(len(trajs))]  # fmt: skip
-        rewards = np.array([t.reward(self.config.env.turn_reward_discount) for t in trajs])
+        rewards, details = score(trajs, self.config.env.turn_reward_discount, self.label)
+        for row, t in zip(texts, trajs, strict=True):  # samples.jsonl shows why it failed
+            row += [("error", f"{t.end}: {t.error}")] if t.end in FAILED else []
         return out, scoring.Scored(
-            rewards=rewards.astype(np.float32),
+            rewards=rewards,
             metrics=self.metrics(trajs, turns, lengths),
-            completions=["".join(text for _, text in row) for row in texts],
+            completions=["".join(text for k, text in row if k != "error") for row in texts],
             prompts=[self.tokenizer.decode(p) for p in prompt_ids for _ in range(G)],
             examples=[ex for ex in batch.examples for _ in range(G)],
             lengths=lengths,
             prompt_lengths=np.repeat([len(p) for p in prompt_ids], G),
             turns=[[{"role": k, "text": t} for k, t in row] for row in texts],
+            details=details,
         )
 
     def _prompt(self, batch, i: int, observation, traj) -> list[int]:
@@ -148,6 +155,8 @@ class EnvRollout:
             "env/tool_errors": mean([t.info.get("tool_errors", 0.0) for t in trajs]),
             "env/errors": float(sum(t.end == "error" for t in trajs)),
             "env/timeouts": float(sum(t.end == "timeout" for t in trajs)),
+            "env/long_observations": float(sum(t.end == "long_observation" for t in trajs)),
+            "env/info_dropped": float(sum(t.info_dropped for t in trajs)),
             "env/obs_tokens": mean(turns.obs_tokens),
             "env/done_frac": mean([t.end == "done" for t in trajs]),
             "env/seconds": mean([t.env_s for t in trajs]),

@@ -254,10 +254,9 @@ class Run:
         return params if self.merge is None else self.merge(params)
 
     def _check_verifiers(self, scored, step: int) -> str | None:
-        """The warning line of a step where a verifier failed too often; stops the run
-        after train.max_failed_steps such steps in a row (every host decides on the mean)."""
-        if scored.details is None:  # environments: failures end trajectories, never the run
-            return None
+        """The warning line of a step where a verifier or the environment failed too
+        often; stops the run after train.max_failed_steps such steps in a row (every host
+        decides on the mean)."""
         rates = None
         if jax.process_count() > 1:
             rates = parallel.host_mean(scored.details.error_rates())

@@ -9,8 +9,9 @@ it, replaces dead workers, and puts the rest of their batch back in the queue.
 Failures cost at most a bounded amount: a verifier whose calls keep killing their worker
 or timing out (`breaker_after` in a row) is not called again for the rest of the batch;
 its remaining samples score 0, each counted as an error, and `ScoreDetails.tripped` says
-why. Workers cap their memory (`memory_mb`) and kill whatever processes a call leaves
-behind (see worker.py). `ErrorBudget` (report.py) turns a batch's failures into the
+why. Workers cap their memory (`memory_mb`); a worker whose call ran out of it is replaced
+(a leak stays with the old one). Workers kill whatever processes a call leaves behind
+(see worker.py). `ErrorBudget` (report.py) turns a batch's failures into the
 trainer's warning or stop.
 
 Items go out in small chunks (fewer round trips for fast verifiers like `gsm8k`); a worker
@@ -158,16 +159,19 @@ class VerifierPool:
                         w.kill()  # replaced by the next score
                         self._workers[i] = None
 
-    def call(self, name: str, texts: Sequence[str], examples: Sequence[Mapping]) -> list:
+    def call(self, name: str, texts: Sequence[str], examples: Sequence[Mapping],
+             breaker_after: int | None = None) -> list:  # fmt: skip
         """Calls the function `name` (`(text, example) -> any picklable value`, named as a
         verifier is) once per input, with the pool's timeouts, memory cap and crash
         isolation -> [(value, status, message)] in input order; status is `worker.OK`,
-        `ERROR` or `TIMEOUT`, value None unless OK. What the environments run on."""
+        `ERROR` or `TIMEOUT`, value None unless OK. What the environments run on.
+        `breaker_after`: this call's breaker (default the pool's)."""
         if not self._finalizer.alive:
             raise RuntimeError("VerifierPool.call after close()")
         spec = parse_specs([name])[0]
         examples = check_inputs(texts, examples, None)
-        batch = WorkBatch([spec], list(texts), examples, self.breaker_after, raw=True)
+        breaker_after = breaker_after or self.breaker_after
+        batch = WorkBatch([spec], list(texts), examples, breaker_after, raw=True)
         wire_specs = [(spec.name, {}, True)]
         with self._lock:
             try:
@@ -278,6 +282,8 @@ class VerifierPool:
             batch.record(item, value, status, text, costly=status == wire.TIMEOUT)
             w.done += 1
             w.since = time.monotonic()
+            if status == wire.ERROR and text.startswith("MemoryError"):
+                self._retire(w, batch)  # what it leaked stays with it; its queue goes back
         return 0
 
     def _wait_s(self, active) -> float:

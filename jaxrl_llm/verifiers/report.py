@@ -40,6 +40,11 @@ class ScoreDetails:
       first_error: the first failure counted in `failed`, `"<label> sample <i>: <error>"`.
       tripped: label -> why the breaker stopped calling it for the rest of the batch.
       messages: the first few failures of any kind, for the logs.
+      key: the config key a label is named under in the warning and the stop
+        (`rewards.<label>`; environments: `env.name`, their label the name).
+      unit: what one of the `num_samples` calls is ("calls"; environments:
+        "trajectories").
+      fix: what to do, in the stop's line (empty: the verifiers' advice).
     """
 
     per_verifier: dict[str, np.ndarray]
@@ -51,6 +56,9 @@ class ScoreDetails:
     num_samples: int = 0
     first_error: str | None = None
     tripped: dict[str, str] = dataclasses.field(default_factory=dict)
+    key: str = "rewards.{label}"
+    unit: str = "calls"
+    fix: str = ""
 
     def error_rates(self) -> dict[str, float]:
         """label -> fraction of its calls in `failed` (0 for an empty batch)."""
@@ -114,21 +122,24 @@ class ErrorBudget:
         self.failed_in_a_row += 1
         label = max(over, key=over.get)
         what = _describe(details, label, over[label], local)
+        key = details.key.format(label=label)
         if self.max_failed_steps and self.failed_in_a_row >= self.max_failed_steps:
             raise VerifierFailure(
-                f"rewards.{label}",
+                key,
                 f"{what} ({self.failed_in_a_row} steps in a row)",
-                "fix the verifier or the rows it reads (train.max_verifier_error_rate and "
-                "train.max_failed_steps set what is tolerated)",
+                (details.fix or "fix the verifier or the rows it reads")
+                + " (train.max_verifier_error_rate and train.max_failed_steps set what is "
+                "tolerated)",
             )
         where = f"step {step}: " if step is not None else ""
         left = self.max_failed_steps - self.failed_in_a_row
         until = f"; the run stops after {left} more such steps" if self.max_failed_steps else ""
-        return f"warning: {where}rewards.{label}: {what}{until}"
+        return f"warning: {where}{key}: {what}{until}"
 
 
 def _describe(details: ScoreDetails, label: str, rate: float, local: bool) -> str:
-    calls = f"{details.num_samples} calls" if local else "calls on all hosts"
+    unit = details.unit
+    calls = f"{details.num_samples} {unit}" if local else f"{unit} on all hosts"
     tripped = details.tripped.get(label)
     return (
         f"{rate:.0%} of {calls} failed"
