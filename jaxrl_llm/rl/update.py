@@ -283,10 +283,19 @@ def make_update_fn(
         raise ValueError(f"algo.advantage={algo_cfg.advantage!r} needs critic_optimizer")
     check_num_generations(algo_cfg, spec.num_generations)
     setup = Setup(
-        model_cfg, algo_cfg, opt, critic_optimizer if algo_cfg.uses_critic else None, spec,
-        int(micro_batches), int(mini_batches), int(chunk_size), bool(skip_nonfinite), int(seed),
-        bool(share_prompts), bool(reference_is_initial),
-    )  # fmt: skip
+        model_cfg=model_cfg,
+        algo=algo_cfg,
+        opt=opt,
+        critic_opt=critic_optimizer if algo_cfg.uses_critic else None,
+        spec=spec,
+        micro_batches=int(micro_batches),
+        mini_batches=int(mini_batches),
+        chunk_size=int(chunk_size),
+        skip_nonfinite=bool(skip_nonfinite),
+        seed=int(seed),
+        share_prompts=bool(share_prompts),
+        ref_is_initial=bool(reference_is_initial),
+    )
     return UpdateFn(setup)
 
 
