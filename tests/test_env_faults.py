@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from tiny_run import TOKENIZER
 
+from jaxrl_llm import assets, envs, verifiers
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import envs, verifiers
 from jaxrl_llm.envs import pool as pool_lib
 from jaxrl_llm.models import builtin
 
-ASSETS = os.path.join(os.path.dirname(config_lib.__file__), "assets")
+ASSETS = os.path.dirname(assets.__file__)
 
 FAULTY = """
 import os, sys, threading, time

@@ -403,8 +403,57 @@ def test_key_from_seed_and_step(tiny):
     np.testing.assert_array_equal(run(seed=0, step=3), run(seed=0, step=3))
     assert not np.array_equal(run(seed=0, step=3), run(seed=0, step=4))
     assert not np.array_equal(run(seed=0, step=3), run(seed=1, step=3))
-    # Without a step, successive calls draw fresh samples.
-    assert not np.array_equal(run(seed=9), run(seed=9))
+    # Without a step, a call draws as step 0: no counter of calls moves the key.
+    np.testing.assert_array_equal(run(seed=9), run(seed=9, step=0))
+    assert not np.array_equal(run(seed=9, step=0), run(seed=9, step=1))
+
+
+def test_generate_with_another_seed_compiles_nothing(tiny):
+    """The seed is an argument of the sampler's program, not what selects it: a second
+    `generate` with another seed traces, lowers and compiles nothing (no event of JAX's
+    compile pipeline), and draws other tokens."""
+    _, cfg, params = tiny("qwen2")
+    kw = dict(max_new_tokens=6, num_samples=2, step=0, cache_segments=5)  # no other test's
+    events = []
+
+    def listen(event, duration_secs, **_):
+        if event.startswith("/jax/core/compile/"):
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = np.asarray(sampling.generate(cfg, params, PROMPTS, seed=1, **kw).tokens)
+        first_events, events[:] = list(events), []
+        second = np.asarray(sampling.generate(cfg, params, PROMPTS, seed=2, **kw).tokens)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert "/jax/core/compile/jaxpr_trace_duration" in first_events  # the listener hears
+    assert events == []
+    assert not np.array_equal(first, second)
+
+
+def test_same_seed_and_step_draw_the_same_whatever_came_between(tiny):
+    """No random state outlives a call: the same `generate` call returns the same tokens
+    after calls with other seeds, other steps and none; a `seed=` given to a call draws
+    as a sampler made with that seed (`sample`, and `start` + `decode`)."""
+    _, cfg, params = tiny("qwen2")
+    run = lambda **kw: np.asarray(  # noqa: E731
+        sampling.generate(cfg, params, PROMPTS, 8, num_samples=2, **kw).tokens
+    )
+    before = run(seed=7, step=2)
+    for kw in (dict(seed=7), dict(seed=7, step=3), dict(seed=8, step=2), dict(seed=7)):
+        run(**kw)
+    np.testing.assert_array_equal(run(seed=7, step=2), before)
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=8)
+    ids, mask = sampling.pad_prompts(PROMPTS, 0)
+    own = np.asarray(sampling.Sampler(cfg, seed=3).sample(params, ids, mask, spec, 1).tokens)
+    sampler = sampling.Sampler(cfg, seed=0)
+    given = sampler.sample(params, ids, mask, spec, 1, seed=3)
+    resumed = sampler.result(
+        sampler.decode(params, sampler.start(params, ids, mask, spec, 1, seed=3))
+    )
+    np.testing.assert_array_equal(np.asarray(given.tokens), own)
+    np.testing.assert_array_equal(np.asarray(resumed.tokens), own)
 
 
 @pytest.mark.parametrize(

@@ -238,7 +238,7 @@ def test_user_verifier_from_file_and_module(tmp_path, monkeypatch):
     assert by_module("#### 3", {"answer": "3"}) == 1.0
     with pytest.raises(ValueError, match="not a function"):
         verifiers.get("my_rewards.py:nothing")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match=r"verifier 'missing.py:fn': file .* does not exist"):
         verifiers.get("missing.py:fn")
 
 

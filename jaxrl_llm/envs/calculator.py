@@ -90,6 +90,6 @@ class Calculator(Env):
             score = verifiers.get(self.verifier, answer_key=self.answer_key)(action, self.example)
             return Step(reward=float(score), done=True, info={"correct": float(score > 0.5)})
         try:
-            return Step(show(evaluate(calls[0])), info={"tool_calls": 1.0})
+            return Step(observation=show(evaluate(calls[0])), info={"tool_calls": 1.0})
         except ValueError as err:
-            return Step(f"error: {err}", info={"tool_calls": 1.0, "tool_errors": 1.0})
+            return Step(observation=f"error: {err}", info={"tool_calls": 1.0, "tool_errors": 1.0})

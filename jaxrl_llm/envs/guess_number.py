@@ -43,10 +43,10 @@ class GuessNumber(Env):
         self.guesses += 1
         numbers = _NUMBER.findall(action)
         if not numbers:
-            return Step("Answer with a number.", info={"invalid": 1.0})
+            return Step(observation="Answer with a number.", info={"invalid": 1.0})
         guess = int(numbers[-1])
         if guess == self.secret:
             reward = self.decay ** (self.guesses - 1)
-            return Step("", reward=reward, done=True,
+            return Step(observation="", reward=reward, done=True,
                         info={"found": 1.0, "guesses": float(self.guesses)})  # fmt: skip
-        return Step("higher" if guess < self.secret else "lower")
+        return Step(observation="higher" if guess < self.secret else "lower")

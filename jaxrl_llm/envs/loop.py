@@ -57,7 +57,8 @@ class Turns:
 
 def play(sampler, params, prompt_ids, prompt_mask, spec, settings: TurnSettings, pool, trajs,
          renderer, tokenizer, *, step=None, version: int = 0, mesh=None):  # fmt: skip
-    """Plays every trajectory to its end -> (SampleOutput [n, max_total_tokens], Turns)."""
+    """Plays every trajectory to its end -> (SampleOutput [n, max_total_tokens], Turns).
+    step: the random key's (`Sampler.start`; None draws as step 0)."""
     n, s = len(trajs), settings
     state = sampler.start(params, prompt_ids, prompt_mask, spec, step, version=version)
     state = sampler.stop(state, [not t.live for t in trajs])  # reset failed: no turn

@@ -58,7 +58,7 @@ class PythonTool(Env):
             score = verifiers.get(self.verifier, answer_key=self.answer_key)(action, self.example)
             return Step(reward=float(score), done=True, info={"correct": float(score > 0.5)})
         output, failed = self.run(blocks[-1])
-        return Step(output, info={"tool_calls": 1.0, "tool_errors": float(failed)})
+        return Step(observation=output, info={"tool_calls": 1.0, "tool_errors": float(failed)})
 
     def run(self, code: str) -> tuple[str, bool]:
         """(what the code printed, or why it stopped; whether it failed)."""

@@ -57,7 +57,10 @@ def read_header(file: str) -> dict[str, TensorInfo]:
             )
         begin, _ = entry["data_offsets"]
         out[name] = TensorInfo(
-            file, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + size + begin
+            file=file,
+            dtype=DTYPES[entry["dtype"]],
+            shape=tuple(entry["shape"]),
+            offset=8 + size + begin,
         )
     return out
 

@@ -1,4 +1,4 @@
-"""The rollout sampler: a class that owns its compiled programs, counters and settings.
+"""The rollout sampler: a class that owns its compiled programs, trace counts and settings.
 
     sampler = Sampler(model_cfg, mesh, seed=0, pad_id=pad)
     out = sampler.sample(params, prompt_ids, prompt_mask, spec, step)     # one program
@@ -13,9 +13,12 @@ Prompts come as `data` produces them: left-padded host arrays [B, W]. They are c
 left-padded) to a bucket length (16, 24, 32, 48, 64, ... by default: `bucket_length`), so
 a run compiles a bounded number of programs. The parameters are read in whatever sharding
 they have (the training sharding); the batch, the KV cache and the outputs are sharded
-over ('data', 'fsdp'). Randomness: the key is fold_in(key(seed), step); `step` is given
-by the caller (the trainer passes its step, so a resumed run draws the same samples) or
-counted by the sampler. The device programs are in `decode.py`.
+over ('data', 'fsdp'). Randomness: the key is fold_in(key(seed), step), both given per
+call (the trainer passes its step, so a resumed run draws the same samples; a call without
+`step` draws as step 0, without `seed` with the sampler's). The sampler keeps no random
+state: the same call draws the same samples whatever came before it, and the seed is an
+argument of the compiled programs, so another seed compiles nothing. The device programs
+are in `decode.py`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import itertools
 import warnings
 
 import jax
@@ -66,7 +68,8 @@ class Sampler:
     Args:
       model_cfg: the `models.ModelConfig`.
       mesh: the device mesh (None: one device).
-      seed: the sampling seed; the key of a call is fold_in(key(seed), step).
+      seed: the default sampling seed (a call's `seed=` overrides it); the key of a call
+        is fold_in(key(seed), step).
       pad_id: the padding token of prompts and completions.
       bucket_steps: prompt-length buckets per doubling (`bucket_length`).
       cache_segments: decode loops over a growing KV cache (`decode.cache_lengths`).
@@ -92,7 +95,6 @@ class Sampler:
         self.seed, self.pad_id = int(seed), int(pad_id)
         self.bucket_steps, self.cache_segments = bucket_steps, cache_segments
         self.traces: collections.Counter = collections.Counter()
-        self._calls = itertools.count()
         self._start = jax.jit(self._start_program, static_argnames="spec")
         # The rollouts come out sharded by rows, pinned: the programs that read them (the
         # reference, the update) can then be compiled before the first rollout exists.
@@ -107,12 +109,14 @@ class Sampler:
 
     # ------------------------------------------------------------------ public programs
     def sample(
-        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step=None, *, version: int = 0
-    ) -> D.SampleOutput:
+        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int | None = None, *,
+        version: int = 0, seed: int | None = None,
+    ) -> D.SampleOutput:  # fmt: skip
         """start + decode(spec.max_new_tokens) + result, as ONE program (the single-turn
-        rollout: the KV cache never leaves it). version: the parameters' version, recorded
-        per row as `policy_version`."""
-        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, version)
+        rollout: the KV cache never leaves it). step / seed: the random key's (None: step 0,
+        the sampler's seed). version: the parameters' version, recorded per row as
+        `policy_version`."""
+        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, version, seed)
         return self._sample(params, ids, mask, seed_index, spec=spec)
 
     def lower(self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int = 0):
@@ -121,10 +125,13 @@ class Sampler:
         program, args, kwargs = self.sample_program(params, prompt_ids, prompt_mask, spec, step)
         return program.lower(*args, **kwargs)
 
-    def sample_program(self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int = 0):
+    def sample_program(
+        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int = 0, *,
+        seed: int | None = None,
+    ):  # fmt: skip
         """`sample`'s jitted program and the arguments a call with these prompts gives it:
         what start-up lowers and compiles ahead of the first call."""
-        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, 0)
+        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, 0, seed)
         return self._sample, (params, ids, mask, seed_index), {"spec": spec}
 
     @property
@@ -133,10 +140,12 @@ class Sampler:
         return None if self.mesh is None else NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
 
     def start(
-        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step=None, *, version: int = 0
-    ) -> D.DecodeState:
-        """Prefills B prompts once for their G rows -> a `DecodeState` (nothing drawn yet)."""
-        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, version)
+        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int | None = None, *,
+        version: int = 0, seed: int | None = None,
+    ) -> D.DecodeState:  # fmt: skip
+        """Prefills B prompts once for their G rows -> a `DecodeState` (nothing drawn yet).
+        step / seed / version: as in `sample`."""
+        ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, version, seed)
         return self._start(params, ids, mask, seed_index, spec=spec)
 
     def decode(
@@ -231,8 +240,9 @@ class Sampler:
         put = mesh_lib.shard_local_batch if self._multi() else mesh_lib.shard_batch
         return put(arrays, self.mesh)
 
-    def _inputs(self, prompt_ids, prompt_mask, spec, step, version):
-        """Prompts at their bucket width on the mesh, and seed_index (seed, step, version)."""
+    def _inputs(self, prompt_ids, prompt_mask, spec, step, version, seed):
+        """Prompts at their bucket width on the mesh, and seed_index (seed, step, version):
+        a device array, not a static value, so any seed and step share one program."""
         self._check_stops(spec.stop_ids)
         if isinstance(prompt_ids, jax.Array):  # already placed: the caller chose the width
             ids, mask = prompt_ids, prompt_mask
@@ -248,8 +258,8 @@ class Sampler:
                 )
             ids, mask = self._put((ids, mask))
         self._check_length(width + spec.max_new_tokens, "prompt bucket + max_new_tokens")
-        index = next(self._calls) if step is None else int(step)
-        seed_index = np.array([self.seed, index, version], np.uint32)
+        seed = self.seed if seed is None else int(seed)
+        seed_index = np.array([seed, 0 if step is None else int(step), version], np.uint32)
         replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
         return ids, mask, jax.device_put(seed_index, replicated)
 
@@ -305,10 +315,10 @@ def _growing():
 
 
 @functools.lru_cache(maxsize=32)
-def _shared_sampler(cfg, mesh, seed, pad_id, bucket_steps, cache_segments) -> Sampler:
-    """One `Sampler` per setting for `generate`: its programs compile once, and its call
-    counter gives successive calls without `step` fresh samples."""
-    return Sampler(cfg, mesh, seed=seed, pad_id=pad_id, bucket_steps=bucket_steps,
+def _shared_sampler(cfg, mesh, pad_id, bucket_steps, cache_segments) -> Sampler:
+    """One `Sampler` per setting for `generate`, so its programs compile once. The seed is
+    not a setting: `generate` passes it per call, and the sampler holds no random state."""
+    return Sampler(cfg, mesh, pad_id=pad_id, bucket_steps=bucket_steps,
                    cache_segments=cache_segments)  # fmt: skip
 
 
@@ -366,18 +376,28 @@ def generate(
     """Samples `num_samples` (G) completions per prompt: `Sampler.sample` over token-id
     lists. See `decode.SampleOutput` for the result.
 
-    prompts: list of token-id lists. temperature 0 = greedy. step: the call index the
-    random key is derived from (default: a per-setting counter of calls). With several
+    prompts: list of token-id lists. temperature 0 = greedy. The random key is
+    fold_in(key(seed), step), step 0 when not given: the same call draws the same tokens
+    whatever came before it (pass successive steps for fresh samples). One sampler serves
+    every call with the same model config, mesh, pad_id, bucket_steps and cache_segments,
+    whatever the seed and step: a new seed compiles nothing. With several
     JAX processes, each passes its own share of the prompts (the same count on every
     process) and gets the global output; `parallel.local_rows` fetches its own rows.
     """
-    spec = RolloutSpec(num_samples, max_new_tokens, temperature, top_k, top_p, tuple(stop_ids))
-    sampler = _shared_sampler(cfg, mesh, int(seed), int(pad_id), bucket_steps, cache_segments)
+    spec = RolloutSpec(
+        num_generations=num_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_ids=tuple(stop_ids),
+    )
+    sampler = _shared_sampler(cfg, mesh, int(pad_id), bucket_steps, cache_segments)
     multi = sampler._multi()
     ids, mask = pad_prompts(prompts, sampler.pad_id,
                             1 if multi else mesh_lib.batch_size_multiple(mesh), cfg.vocab_size,
                             bucket_steps=bucket_steps)  # fmt: skip
-    out = sampler.sample(params, ids, mask, spec, step)
+    out = sampler.sample(params, ids, mask, spec, step, seed=int(seed))
     n = len(prompts) * spec.num_generations
     if not multi and out.tokens.shape[0] != n:  # dummy rows that made B divide the mesh
         out = jax.tree.map(lambda x: x[:n], out)

@@ -166,11 +166,14 @@ def _parse(data: bytes, nonce: str, total: int, timed_out: bool) -> SandboxResul
             isolation = {"namespaces": fields["namespaces"] == "1", "uid": int(fields["uid"])}
     count = len(passed & set(range(total)))
     if timed_out:
-        return SandboxResult("timeout", count, total, "wall-clock limit", isolation)
-    if not finished:
-        return SandboxResult("crashed", count, total, exit_info or "no report", isolation)
-    status = "passed" if count == total and not message else "failed"
-    return SandboxResult(status, count, total, message, isolation)
+        status, message = "timeout", "wall-clock limit"
+    elif not finished:
+        status, message = "crashed", exit_info or "no report"
+    else:
+        status = "passed" if count == total and not message else "failed"
+    return SandboxResult(
+        status=status, passed=count, total=total, message=message, isolation=isolation
+    )
 
 
 def run_python(
