@@ -165,7 +165,10 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
         ref_logp=batch.ref_logprobs, values=old_values,
     )  # fmt: skip
     return Rows(
-        *inputs,
+        prompt_tokens=batch.prompt_tokens,
+        prompt_mask=batch.prompt_mask,
+        tokens=batch.tokens,
+        mask=batch.mask,
         loss_mask=batch.loss_mask,
         behaviour_logp=batch.behaviour_logprobs,
         advantages=adv.advantages,
@@ -218,7 +221,12 @@ def _update(s: Setup, state: TrainState, batch: RolloutBatch, frozen=None):
         xs = (split_rows(r, s.mini_batches), jnp.arange(s.mini_batches))
         return jax.lax.scan(step, carry, xs)
 
-    carry = Carry(state.params, state.opt_state, state.critic_params, state.critic_opt_state)
+    carry = Carry(
+        params=state.params,
+        opt_state=state.opt_state,
+        critic_params=state.critic_params,
+        critic_opt_state=state.critic_opt_state,
+    )
     carry, metrics = jax.lax.scan(one_pass, carry, jnp.arange(s.algo.num_iterations))
     metrics = reduce_metrics(metrics, sum_losses=False)
     metrics.update(_batch_metrics(rows.advantages, rows.loss_mask, rows.returns, rows.old_values))

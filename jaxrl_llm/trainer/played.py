@@ -186,7 +186,9 @@ class Played:
             out, scored = self.env_rollout(params, batch, step)
         clock.mark("sample")
         clock.mark("score")
-        return Rollout(out, batch, step, self.s.data.state(), scored)
+        return Rollout(
+            out=out, batch=batch, version=step, position=self.s.data.state(), scored=scored
+        )
 
     def close(self) -> None:
         self.env_rollout.close()

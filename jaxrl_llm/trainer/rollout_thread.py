@@ -179,7 +179,8 @@ class Threaded:
         metrics = {"perf/rollout_wait_s": item.wait_s,
                    "perf/learner_wait_s": clock.seconds["learner_wait"]}  # fmt: skip
         metrics |= token_staleness(step, item)
-        return Rollout(out, item.batch, item.version, item.position, item.scored, metrics)
+        return Rollout(out=out, batch=item.batch, version=item.version,
+                       position=item.position, scored=item.scored, metrics=metrics)  # fmt: skip
 
     def close(self) -> None:
         if self.thread is not None:

@@ -219,7 +219,8 @@ class Run:
             self.fresh = False
             clock.wait("update", self.state)
         host = self._metrics(ro.out, scored, clock) | ro.metrics | staleness(step - ro.version)
-        return StepResult(parallel.host_mean(host), device, scored, warning, ro.position)
+        return StepResult(host=parallel.host_mean(host), device=device, scored=scored,
+                          warning=warning, data_position=ro.position)  # fmt: skip
 
     def reads_reference(self, step: int) -> bool:
         """Whether `step`'s update needs the reference model's forward: not at a fresh

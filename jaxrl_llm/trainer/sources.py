@@ -82,7 +82,12 @@ class Sampling:
         """The next batch of prompts, sampled: a `Rollout` not yet scored."""
         batch = next(self.data)
         out = self.sample(params, batch, step, version=version)
-        return Rollout(out, batch, step if version is None else version, self.data.state())
+        return Rollout(
+            out=out,
+            batch=batch,
+            version=step if version is None else version,
+            position=self.data.state(),
+        )
 
     def score(self, out, batch, clock) -> scoring.Scored:
         """`out` scored on the host (`scoring.Scorer`), charged to the clock's phases."""
