@@ -22,10 +22,10 @@ if __name__ == "__main__":  # the command line re-runs itself under tcmalloc (wh
 import jax
 from absl import logging as absl_logging
 
-from jaxrl_llm.trainer.loop import train
+from jaxrl_llm.trainer.loop import NonFiniteError, train
 from jaxrl_llm.trainer.run import Run
 
-__all__ = ["Run", "train"]
+__all__ = ["NonFiniteError", "Run", "train"]
 
 
 def main(argv):

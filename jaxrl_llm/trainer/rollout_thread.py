@@ -35,7 +35,6 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm import parallel
 from jaxrl_llm.trainer.sources import Rollout, Sampling
 
 
@@ -159,15 +158,14 @@ class RolloutThread:
 
 class Threaded:
     """rollout.mode='split' as a rollout source: the thread starts at the first step with
-    the parameters given; each later step publishes the parameters it is given (moved to
-    the rollout mesh device to device) before it takes its rollout, which moves to the
-    training mesh."""
+    the parameters given (already on the rollout mesh: `Run.sampler_params`); each later
+    step publishes the parameters it is given before it takes its rollout, which moves to
+    the training mesh."""
 
     def __init__(self, s: Sampling, config):
         self.s, self.config, self.thread = s, config, None
 
     def next(self, step: int, params, clock) -> Rollout:
-        params = parallel.to_mesh(params, self.s.rollout_mesh)
         if self.thread is None:
             self.thread = RolloutThread(self.s, self.config, step, params, step)
         else:

@@ -248,11 +248,15 @@ class Run:
         self.pool.close()
 
     def sampler_params(self):
-        """What the sampler reads: the policy's params; with LoRA base + adapters, merged
-        into a transient weight set (one merge per call) or left unmerged (`self.merge`
-        is None; the sampler's model then applies them)."""
+        """The policy's params as the sampler reads them, where it runs: with LoRA, base +
+        adapters merged into a transient weight set (one merge per call) or left unmerged
+        (`self.merge` is None; the sampler's model then applies them); in split mode moved
+        to the rollout mesh (device to device)."""
         params = self.state.policy_params()
-        return params if self.merge is None else self.merge(params)
+        params = params if self.merge is None else self.merge(params)
+        if self.sampling.rollout_mesh is self.mesh:
+            return params
+        return parallel.to_mesh(params, self.sampling.rollout_mesh)
 
     def _check_verifiers(self, scored, step: int) -> str | None:
         """The warning line of a step where a verifier or the environment failed too
