@@ -1,6 +1,7 @@
 """Start-up compilation: the programs are compiled before the first step, each says so in
 one line, and a second run in a fresh process loads them from XLA's persistent cache."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -128,16 +129,20 @@ def test_background_builds_serve_their_first_calls_and_raise_their_errors():
     f = jax.jit(lambda x: jnp.tanh(x) * 5.0 - x)
     g = jax.jit(lambda x: jnp.exp(-x) + 2.0 * x)
     log = compilation.CompileLog(write=lines.append).listen()
-    compile_f = log._compile
+    program = log.program
 
-    def recorded(name, *args):
-        order.append((name, "start"))
+    @contextlib.contextmanager
+    def recorded(name, *args, background=False, **kwargs):  # a build's compile
+        if background:
+            order.append((name, "start"))
         try:
-            return compile_f(name, *args)
+            with program(name, *args, background=background, **kwargs) as record:
+                yield record
         finally:
-            order.append((name, "end"))
+            if background:
+                order.append((name, "end"))
 
-    log._compile = recorded
+    log.program = recorded
     try:
         with log.ahead_of_time(background=True) as build:
             build("f", "7 rows", f, x)

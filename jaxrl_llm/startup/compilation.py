@@ -202,40 +202,41 @@ class CompileLog:
     @contextlib.contextmanager
     def ahead_of_time(self, side_by_side: bool = True, background: bool = False):
         """Yields `build(name, detail, jitted, *args, serves=name, deferred=False,
-        **kwargs) -> out_info` (the program's output shapes, which shape the next
-        program's inputs). `build` traces and lowers the program here (tracing holds the
-        GIL) and compiles it in a thread of its own: XLA compiles outside the GIL, so the
-        programs share the cores; jax then serves the program's first call with the same
-        shapes and shardings without compiling. serves: the `program(name)` calls that
-        wait for this build.
+        shapes=False, **kwargs) -> out_info` (the program's output shapes, which shape the
+        next program's inputs). `build` traces and lowers the program here (tracing holds
+        the GIL) and compiles it in a thread of its own: XLA compiles outside the GIL, so
+        the programs share the cores; jax then serves the program's first call with the
+        same shapes and shardings without compiling. serves: the `program(name)` calls
+        that wait for this build.
 
         The block ends when every program is ready; side_by_side=False: each is ready
-        before `build` returns. background=True: the block ends once every program is
-        traced and its build started, so the first step runs while later programs still
-        compile: the first program built compiles alone (the step needs it first), the
-        rest side by side once it is done. The "programs ready" line comes when the last
-        is done. deferred=True (background only): that program's build starts at
-        `start_deferred()` or when a call it serves first waits for it, and is dropped
-        unbuilt if `close` comes first (a program the first step does not run)."""
+        before `build` returns. background=True: the block ends once every build has
+        started, so the first step runs while later programs still build: the first
+        program built compiles alone (the step needs it first), the rest side by side
+        once it is done, each traced and lowered in its own thread too (the first step's
+        device work leaves the GIL to them) unless `shapes=True` asks for its output
+        shapes here; `build` then returns None for them. The "programs ready" line comes
+        when the last is done. deferred=True (background only): that program's build
+        starts at `start_deferred()` or when a call it serves first waits for it, and is
+        dropped unbuilt if `close` comes first (a program the first step does not run)."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=4 if side_by_side else 1)
         futures, start_all = [], time.perf_counter()
 
-        def build(name, detail, jitted, *args, serves=None, deferred=False, **kwargs):
-            start = time.perf_counter()
-            lowered = jitted.lower(*args, **kwargs)
-            traced_s = time.perf_counter() - start
-            job = functools.partial(self._compile, name, detail, lowered, traced_s, background)
-            event = threading.Event() if background and deferred else None
-            if event is not None:  # starts when asked, or dropped at close
-                job = functools.partial(_when_set, event, self._closing, job)
-            elif background and futures:  # after the first program, which builds alone
-                job = functools.partial(_after, futures[0], job)
+        def build(name, detail, jitted, *args, serves=None, deferred=False, shapes=False,
+                  **kwargs):  # fmt: skip
+            lowering = _Lowering(jitted, args, kwargs)
+            here = shapes or not (background and futures)
+            if here:
+                lowering()
+            start = threading.Event() if background and deferred else None
+            after = futures[0] if background and futures and start is None else None
+            job = functools.partial(self._build, name, detail, lowering, background, after, start)
             futures.append(pool.submit(job))
             with self._lock:
-                self._builds.append(_Build(futures[-1], serves or name, event))
+                self._builds.append(_Build(futures[-1], serves or name, start))
             if not side_by_side:
                 futures[-1].result()
-            return lowered.out_info
+            return lowering.lowered.out_info if here else None
 
         try:
             yield build
@@ -272,24 +273,36 @@ class CompileLog:
         for future in futures:
             future.add_done_callback(ready)
 
-    def _compile(self, name, detail, lowered, traced_s, background=False) -> Compiled:
-        with self.program(name, detail, traced_s, background=background) as record:
+    def _build(self, name, detail, lowering, background=False, after=None, start=None):
+        """One build: waits for `start` (a deferred build; cancelled if the log closes
+        first), lowers the program (if it was not lowered where `build` was called), waits
+        for `after` (the first program, which compiles alone) and compiles -> Compiled."""
+        if start is not None:
+            start.wait()
+            if self._closing.is_set():
+                raise concurrent.futures.CancelledError("the run ended before it was needed")
+        lowered = lowering()
+        if after is not None:
+            concurrent.futures.wait([after])
+        with self.program(name, detail, lowering.seconds, background=background) as record:
             lowered.compile()
         return record
 
 
-def _when_set(event: threading.Event, closing: threading.Event, job):
-    """`job()` once `event` is set; cancelled if the log closed before it was."""
-    event.wait()
-    if closing.is_set():
-        raise concurrent.futures.CancelledError("the run ended before this program was needed")
-    return job()
+class _Lowering:
+    """A program's lowering for given arguments, done once, where it is first called;
+    `seconds` is what tracing and lowering took."""
 
+    def __init__(self, jitted, args, kwargs):
+        self.jitted, self.args, self.kwargs = jitted, args, kwargs
+        self.lowered, self.seconds = None, 0.0
 
-def _after(first: concurrent.futures.Future, job):
-    """`job()` once `first` is done (whether it failed or not)."""
-    concurrent.futures.wait([first])
-    return job()
+    def __call__(self):
+        if self.lowered is None:
+            start = time.perf_counter()
+            self.lowered = self.jitted.lower(*self.args, **self.kwargs)
+            self.seconds = time.perf_counter() - start
+        return self.lowered
 
 
 def shaped(out_info, sharding):

@@ -43,11 +43,12 @@ def precompile_step(
         program, args, kwargs = sampler.sample_program(
             params, batch.prompt_ids, batch.prompt_mask, run.spec
         )
-        out, ref = shaped(build("sampler", bucket, program, *args, **kwargs), rows), None
+        out = shaped(build("sampler", bucket, program, *args, shapes=True, **kwargs), rows)
         later = background and run.ref_logprobs is not None and not run.reads_reference(step)
-        if run.ref_logprobs is not None:  # later: the update's input of that shape, unread
-            ref = out.logprobs if later else shaped(build("reference", bucket,
-                run.ref_logprobs, run.ref_params, out), rows)  # fmt: skip
+        # The reference's log-probs are shaped and placed like the rollout's (rows, float32).
+        ref = None if run.ref_logprobs is None else out.logprobs
+        if run.ref_logprobs is not None and not later:
+            build("reference", bucket, run.ref_logprobs, run.ref_params, out)
         local_rows = out.tokens.shape[0] // jax.process_count()
         rewards = parallel.shard_local_batch(np.zeros(local_rows, np.float32), run.mesh)
         rollouts = rl.RolloutBatch.from_sample(out, rewards, ref)
