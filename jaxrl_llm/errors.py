@@ -22,7 +22,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 DEBUG_FLAG = "--debug"
@@ -154,7 +156,9 @@ def cli_main(main: Callable[[], object]) -> None:
     sys.argv[1:] = [arg for arg in sys.argv[1:] if arg != DEBUG_FLAG]
     try:
         main()
+        _one_line_ctrl_c_at_exit()
     except SystemExit:
+        _one_line_ctrl_c_at_exit()
         raise
     except BaseException as err:
         if debug:
@@ -167,6 +171,20 @@ def cli_main(main: Callable[[], object]) -> None:
             # writers each step; a half-written checkpoint is deleted on the next start.
             os._exit(EXIT_INTERRUPTED)
         sys.exit(EXIT_ERROR)
+
+
+def _one_line_ctrl_c_at_exit() -> None:
+    """A Ctrl-C while the interpreter exits (atexit: jax's backend cleanup, orbax's
+    threads) ends with the one line and 130, not a traceback from inside them."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def _exit_interrupted(signum, frame) -> None:
+    sys.stdout.flush()
+    # os.write: the signal may have cut a write to stderr that print would re-enter.
+    os.write(2, (format_error(KeyboardInterrupt()) + "\n").encode())
+    os._exit(EXIT_INTERRUPTED)
 
 
 def run_absl(main: Callable) -> None:

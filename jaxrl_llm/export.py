@@ -7,7 +7,9 @@ A LoRA run (`model.lora.rank` > 0) checkpoints only its adapters. `--lora=merged
 default for such a run) reads the base model from `model.path` and writes base + adapters
 merged (W + (alpha/r) A B) as a full HF model; `--lora=peft` writes the adapters alone,
 `adapter_config.json` + `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained`
-loads onto the base model.
+loads onto the base model. A run whose `model.path` is a `.gguf` file gets its base written
+too, dequantized, as the HF directory `ADAPTER_DIR/base`, which `adapter_config.json` names
+(by absolute path: `AutoPeftModelForCausalLM.from_pretrained(ADAPTER_DIR)` loads both).
 
 What it reads from the run directory DIR (the trainer writes all of it):
   DIR/checkpoints/<step>/   orbax checkpoints; only `state.params` is read, so neither the
@@ -40,6 +42,7 @@ from jaxrl_llm.trainer.checkpoint import Checkpointer
 CHECKPOINT_DIR = "checkpoints"
 RUN_CONFIG = "config.json"
 HF_CONFIG = "hf_config.json"
+BASE_DIR = "base"  # --lora=peft of a GGUF-based run: the dequantized base, inside --out
 
 
 LORA_MODES = ("merged", "peft")
@@ -68,7 +71,10 @@ def export(
             raise FileNotFoundError(f"{ckpt.directory}: no checkpoint to export")
         params = restore_params(ckpt, cfg.replace(lora=lora_cfg), step, mesh)
     if lora_cfg is not None and lora == "peft":
-        models.lora.save_peft(cfg.replace(lora=lora_cfg), params, out, model["path"], dtype)
+        base_model = model["path"]
+        if base_model.endswith(".gguf"):  # peft loads its base with transformers
+            base_model = _write_base(cfg, model, params, mesh, dtype, os.fspath(out))
+        models.lora.save_peft(cfg.replace(lora=lora_cfg), params, out, base_model, dtype)
         logging.info("exported the adapters of step %d of %s to %s", step, workdir, out)
         return step
     if lora_cfg is not None:
@@ -83,6 +89,20 @@ def export(
         _copy_extras(model.get("path"), tokenizer, tokenizer_dir, os.fspath(out))
     logging.info("exported step %d of %s to %s", step, workdir, out)
     return step
+
+
+def _write_base(cfg, model: dict, adapters, mesh, dtype, out: str) -> str:
+    """A GGUF base, dequantized, as the HF model directory `out/base` (with its tokenizer):
+    `adapter_config.json` names it, as `AutoPeftModelForCausalLM` cannot load a `.gguf`
+    file. -> its absolute path."""
+    base_dir = os.path.abspath(os.path.join(out, BASE_DIR))
+    _, base = builtin.load_model(model["path"], mesh, jax.tree.leaves(adapters)[0].dtype)
+    tokenizer = model.get("tokenizer") or model["path"]
+    tokenizer_dir = tokenizer if os.path.isdir(tokenizer) else None
+    models.save_hf(cfg, base, base_dir, tokenizer_dir=tokenizer_dir, dtype=dtype)
+    if jax.process_index() == 0:
+        _copy_extras(model["path"], tokenizer, tokenizer_dir, base_dir)
+    return base_dir
 
 
 def check_out(out: str) -> None:

@@ -2,6 +2,7 @@
 in process and through `python -m jaxrl_llm.train`; a disk that fills up mid-save."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -218,3 +219,78 @@ def test_second_ctrl_c_aborts_with_one_line(model_dir, tmp_path):
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1].startswith("error: interrupted; ")
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_second_ctrl_c_during_the_stops_save_announces_nothing(model_dir, tmp_path, capfd):
+    """Issue 40 row 7: a Ctrl-C that lands while the stop's save is being finished (here:
+    as the trainer waits for it) aborts without the "saved step" line, which would be
+    false, and without orbax's logged traceback; the resume point is a complete step."""
+    from tiny_run import signal_config
+
+    from jaxrl_llm import train
+    from jaxrl_llm.trainer import run as run_lib
+
+    step, wait = run_lib.Run.step, Checkpointer.wait
+
+    def first_ctrl_c(self, i):
+        out = step(self, i)
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the flag's handler: stop after this step
+        return out
+
+    def second_ctrl_c(self):
+        os.kill(os.getpid(), signal.SIGINT)  # the handler raises KeyboardInterrupt
+        wait(self)
+
+    c = signal_config(model_dir)
+    c.train.num_steps, c.checkpoint.every = 10, 1
+    pytest.MonkeyPatch.setattr(mp := pytest.MonkeyPatch(), run_lib.Run, "step", first_ctrl_c)
+    try:
+        mp.setattr(Checkpointer, "wait", second_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            train.train(c, str(tmp_path / "run"))
+    finally:
+        mp.undo()
+    err = capfd.readouterr().err
+    assert "press Ctrl-C again" in err and "saved step" not in err, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    # Read-only: in process, the abandoned save may still be writing step 2 (the command
+    # line exits at once); either way the latest step is a complete one.
+    with Checkpointer(tmp_path / "run" / "checkpoints", read_only=True) as ckpt:
+        assert ckpt.latest_step() in (1, 2)
+        assert ckpt.restore(ckpt.latest_step())[1]["step"] == ckpt.latest_step()
+
+
+def test_orbax_records_of_an_abort_are_dropped():
+    """A Ctrl-C that cuts orbax's wait for a save is logged by orbax with its traceback;
+    the one line of `errors.cli_main` reports it instead."""
+    try:
+        raise KeyboardInterrupt("second Ctrl-C")
+    except KeyboardInterrupt:
+        record = logging.LogRecord(
+            "absl", logging.ERROR, "/x/orbax/checkpoint/checkpoint_manager.py", 1,
+            "Save Finalize thread (save_finalize) failed.", (), sys.exc_info(),
+        )  # fmt: skip
+    assert not checkpoint._REPORTED_FILTER.filter(record)
+
+
+def test_ctrl_c_while_the_trainer_exits_is_one_line(tmp_path):
+    """A Ctrl-C after the run returned, while the interpreter exits (jax's atexit clean-up
+    runs there), ends with the one line and 130, not a traceback from an atexit hook."""
+    code = textwrap.dedent(
+        """
+        import atexit, os, signal, time
+        from jaxrl_llm.errors import cli_main
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))
+        cli_main(lambda: print("trained"))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout == "trained\n"
+    assert proc.stderr.strip().splitlines() == [
+        "error: interrupted; work since the last checkpoint is lost"
+    ]

@@ -101,6 +101,18 @@ def base(tiny_model_dir):
     return c
 
 
+def test_split_mode_on_one_cpu_device_says_what_to_do(base):
+    """Issue 40 row 13: one device cannot hold a training and a rollout mesh; the line says
+    two or more and, on CPU, the XLA flag that makes them."""
+    base.rollout.mode = "split"
+    base.mesh.data, base.mesh.fsdp, base.mesh.tensor, base.mesh.rollout_devices = 1, 1, 1, 1
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.validate(base, num_devices=1)
+    assert "needs two devices or more" in str(err.value)
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize(
     "change,message",
     [

@@ -159,3 +159,46 @@ def test_export_command_prints_only_its_own_lines(run_dir, tmp_path):
                          text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and bad.stdout == ""
     assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr[-2000:]
+
+
+def test_peft_export_of_a_gguf_based_run_loads_in_peft(tmp_path):
+    """Issue 40 row 15: a LoRA run whose model.path is a GGUF file. The adapters' config
+    must name a base that peft can load: the dequantized base, written beside them.
+    Reference: transformers' GGUF loader for the base, peft for the adapters."""
+    import peft
+    from gguf import GGMLQuantizationType as Q
+    from gguf_reference import write_model
+    from hf_reference import hf_model
+    from tiny_run import TOKENIZER
+
+    tiny = dict(vocab_size=33, hidden_size=32, intermediate_size=64, head_dim=8)
+    gguf_path = tmp_path / "t.gguf"
+    write_model(hf_model("qwen3", tie_word_embeddings=True, **tiny), gguf_path, "qwen3", Q.F32)
+    cfg, base = models.load_gguf(gguf_path)
+    lcfg = cfg.replace(lora=models.LoraConfig(rank=4, alpha=8.0))
+    rng = np.random.RandomState(0)
+    adapters = {
+        path: 0.1 * rng.standard_normal(spec.shape).astype(np.float32)
+        for path, spec in models.param_specs(lcfg).items()
+        if models.lora.is_adapter(path[-1])
+    }
+    adapters = jax.tree.map(jnp.asarray, unflatten(adapters))
+    workdir = tmp_path / "run"
+    with Checkpointer(workdir / "checkpoints", save_interval_steps=1) as ckpt:
+        ckpt.save(1, {"params": adapters}, {"step": 1})
+    lora = {"rank": 4, "alpha": 8.0, "targets": list(lcfg.lora.targets), "dropout": 0.0}
+    model = {"path": str(gguf_path), "tokenizer": TOKENIZER, "lora": lora}
+    (workdir / "config.json").write_text(json.dumps({"model": model}))
+    (workdir / "hf_config.json").write_text(json.dumps(cfg.to_hf_dict()))
+
+    assert export(workdir, tmp_path / "adapter", lora="peft") == 1
+    named = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert named["base_model_name_or_path"] == str(tmp_path / "adapter" / "base")
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+
+    ids = np.array([[5, 6, 14, 7, 18, 3]])
+    mask = np.ones_like(ids, dtype=bool)
+    ours = np.asarray(models.logits(lcfg, models.lora.combine(base, adapters), ids))
+    np.testing.assert_allclose(hf_logits(loaded, ids, mask), ours, atol=1e-4, rtol=0)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "adapter" / "base")
+    assert len(tok) == 33

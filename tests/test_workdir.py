@@ -192,6 +192,17 @@ def test_config_json_from_before_the_history_is_kept(tmp_path):
         ("eval.every", False),
         ("checkpoint.keep", False),
         ("logging.wandb", False),
+        ("env.name", True),
+        ("env.options", True),
+        ("env.options.secret", True),
+        ("env.max_turns", True),
+        ("env.max_total_tokens", True),
+        ("env.stop_tokens", True),
+        ("env.turn_reward_discount", True),
+        ("env.step_timeout_s", False),
+        ("env.trajectory_timeout_s", False),
+        ("env.workers", False),
+        ("env.memory_mb", False),
     ],
 )
 def test_which_keys_change_what_the_run_means(key, meaningful):
@@ -203,3 +214,24 @@ def test_num_steps_matters_only_under_a_decaying_schedule():
     constant, cosine = _config(), _config(**{"optim.schedule": "cosine"})
     assert not workdir.meaningful("train.num_steps", constant, constant)
     assert workdir.meaningful("train.num_steps", cosine, cosine)
+
+
+def test_an_environment_change_refuses_the_resume(tmp_path):
+    """Issue 40 row 8: the environment is the run's reward function. Its name or an option
+    (added or changed) refuses the resume like a `rewards` change; its workers' limits are
+    listed only."""
+    first = config_lib.base_config()
+    first.env.name = "calculator"
+    workdir.save_config(tmp_path, first)
+    for key, value in [("name", "guess_number"), ("options", {"secret": 3})]:
+        changed = config_lib.base_config()
+        changed.env.name = "calculator"
+        setattr(changed.env, key, value)
+        with pytest.raises(UserError, match=rf"changes what the run means \(env\.{key}"):
+            workdir.check_resume(tmp_path, changed)
+    limits = config_lib.base_config()
+    limits.env.name, limits.env.step_timeout_s, limits.env.workers = "calculator", 30.0, 2
+    assert workdir.check_resume(tmp_path, limits) == [
+        "env.step_timeout_s: 10.0 -> 30.0",
+        "env.workers: 0 -> 2",
+    ]

@@ -89,6 +89,15 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
 
     m, split = config.mesh, config.get("rollout", {}).get("mode") == "split"
     n = m.get("rollout_devices", 0)
+    if split and num_devices < 2:
+        on_cpu = jax.default_backend() == "cpu"
+        raise ConfigError(
+            f"rollout.mode='split': needs two devices or more (the update on some, the "
+            f"sampler on mesh.rollout_devices others); this process has {num_devices}; "
+            + ("on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count=N "
+               "(N >= 2) in the environment, or use rollout.mode='sync'" if on_cpu
+               else "run on more devices, or use rollout.mode='sync'")
+        )  # fmt: skip
     _check(
         isinstance(n, int) and (0 < n < num_devices if split else n == 0),
         f"mesh.rollout_devices={n!r}: "

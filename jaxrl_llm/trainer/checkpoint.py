@@ -64,18 +64,21 @@ def _disk_full(err: BaseException | None) -> bool:
     return False
 
 
-class _DiskFullRecords(logging.Filter):
-    """Drops orbax's log records of a full disk (a traceback per writer thread); the
-    Checkpointer reports it once, as DiskFullError. Other records pass."""
+class _ReportedRecords(logging.Filter):
+    """Drops orbax's log records of what is reported elsewhere in one line: a full disk (a
+    traceback per writer thread; the Checkpointer raises DiskFullError once) and a second
+    Ctrl-C that cut a wait for a save (`errors.cli_main`'s line). Other records pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "orbax" not in record.pathname:
             return True
         error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, KeyboardInterrupt):
+            return False
         return not (_disk_full(error) or _disk_full(Exception(record.getMessage())))
 
 
-_DISK_FULL_FILTER = _DiskFullRecords()
+_REPORTED_FILTER = _ReportedRecords()
 
 
 class Checkpointer:
@@ -103,7 +106,7 @@ class Checkpointer:
         self.save_interval_steps = save_interval_steps
         self.read_only = read_only
         self._failed: DiskFullError | None = None
-        logging.getLogger("absl").addFilter(_DISK_FULL_FILTER)  # orbax logs through absl
+        logging.getLogger("absl").addFilter(_REPORTED_FILTER)  # orbax logs through absl
         if read_only:
             options = ocp.CheckpointManagerOptions(
                 read_only=True,

@@ -170,6 +170,9 @@ def _steps(run: Run, ckpt, writer, progress, stop, start: int) -> dict:
         extra = {"step": done, "data": position}
         if stop.stop_at(done):
             ckpt.save(done, rl.checkpointed(run.state), extra, force=True)
+            # Announced once final (orbax renamed its temp directory): a second Ctrl-C
+            # before that aborts here, and the previous checkpoint stays the resume point.
+            ckpt.wait()
             progress.write(f"{stop.reason}: saved step {done} in {ckpt.directory}, exiting")
             break
         ckpt.save(done, rl.checkpointed(run.state), extra, force=done == c.train.num_steps)

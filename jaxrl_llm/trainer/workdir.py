@@ -43,8 +43,13 @@ MISSING = "<absent>"  # a key one of the two configs does not have
 
 # What the run optimises, on which data, with which model and sampling distribution:
 # changing any of these mid-run makes its steps mean something else.
-MEANINGFUL_SECTIONS = ("model.", "data.", "rollout.", "algo.", "optim.", "rewards.")
-MEANINGFUL_KEYS = ("train.seed", "rewards")  # seed: the sampling keys derive from it
+# env.*: the environment is the reward function and the trajectories' shape (its name and
+# options, turns, tokens, stop tokens, the turns' discount).
+MEANINGFUL_SECTIONS = ("model.", "data.", "rollout.", "algo.", "optim.", "rewards.", "env.")
+MEANINGFUL_KEYS = ("train.seed", "rewards", "env.options")  # seed: sampling keys derive from it
+# Sections whose keys are names the user picks: a key added or removed there (a reward, an
+# environment option) changes the run as much as a changed value does.
+FREE_FORM = ("rewards", "env.options")
 # ...except these, which change how it is computed, where files live, or how long it runs
 # (and some are the very fix for a stopped run: a prompt limit, skipping bad rows, memory).
 NOT_MEANINGFUL = frozenset(
@@ -60,6 +65,10 @@ NOT_MEANINGFUL = frozenset(
         "rollout.bucket_steps",  # prompt padding buckets: masked
         "rollout.cache_segments",  # KV cache layout of the decode loop
         "optim.micro_batches",  # gradient accumulation: the same gradient, less memory
+        "env.step_timeout_s",  # limits of the environment's workers: how long, how
+        "env.trajectory_timeout_s",  # many and how much memory; raising one is the fix
+        "env.workers",  # for a run stopped by timeouts or memory errors
+        "env.memory_mb",
     }
 )
 
@@ -212,6 +221,10 @@ def meaningful(key: str, saved: Mapping, new: Mapping) -> bool:
     return key in MEANINGFUL_KEYS or key.startswith(MEANINGFUL_SECTIONS)
 
 
+def _free_form(key: str) -> bool:
+    return any(key == s or key.startswith(s + ".") for s in FREE_FORM)
+
+
 def read_config(workdir: str | os.PathLike) -> dict | None:
     """The config of the run's latest start (`config.json`), or None for a new run."""
     path = os.path.join(workdir, CONFIG_FILE)
@@ -278,7 +291,8 @@ def check_resume(workdir: str | os.PathLike, config, allow: bool = False) -> lis
     Returns one line per difference (`optim.learning_rate: 1e-06 -> 3e-06`) for the
     trainer to print; [] for a new run or the same config. Raises UserError listing the
     differences in `meaningful` keys unless `allow`. Keys that only one config has (added
-    to or removed from the code since) are listed, never refused.
+    to or removed from the code since) are listed, never refused, except in the FREE_FORM
+    sections, where the user names the keys (a reward or an environment option added).
     """
     saved = read_config(workdir)
     if saved is None:
@@ -288,7 +302,7 @@ def check_resume(workdir: str | os.PathLike, config, allow: bool = False) -> lis
     refused = [
         line
         for line, (key, old, new) in zip(lines, changes, strict=True)
-        if MISSING not in (old, new) and meaningful(key, saved, config)
+        if (MISSING not in (old, new) or _free_form(key)) and meaningful(key, saved, config)
     ]
     if refused and not allow:
         raise UserError(
