@@ -274,7 +274,7 @@ def _load_config(path):
     return module.get_config()
 
 
-def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkeypatch):
+def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkeypatch, capfd):
     """rollout.partial with a slow sampler (each decode call of 1 token sleeps): newer
     parameters arrive while a generation is in flight, it goes on with them, and the
     metrics see it (rows with tokens of a newer version, token staleness below the rows')."""
@@ -294,3 +294,8 @@ def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkey
     assert max(m["rollout/staleness_max"] for m in logged) <= 1.0
     assert any(m["rollout/partial_frac"] > 0 for m in logged)
     assert any(m["rollout/token_staleness_mean"] < m["rollout/staleness_mean"] for m in logged)
+    # Each chunk's decode program says it compiles, with its time (6 chunks of 1 token).
+    lines = [x for x in capfd.readouterr().err.replace("\r", "\n").splitlines()
+             if "partial tokens" in x and "compiling sampler" in x]  # fmt: skip
+    chunks = {x.split("partial tokens ")[1].split(")")[0] for x in lines}
+    assert 1 <= len(chunks) <= 6 and all(x.endswith(" s") for x in lines), lines

@@ -113,6 +113,19 @@ def test_split_mode_on_one_cpu_device_says_what_to_do(base):
     assert "\n" not in str(err.value)
 
 
+def test_partial_rollouts_in_too_many_chunks_are_refused(base):
+    """Issue 40 row 10: each chunk of a partial rollout is a decode program to compile
+    (200 of them for partial_chunk=1 and 200 new tokens); the line gives the smallest
+    chunk that keeps them to MAX_PARTIAL_CHUNKS."""
+    base.rollout.mode, base.rollout.partial = "split", True
+    base.mesh.data, base.mesh.fsdp, base.mesh.tensor, base.mesh.rollout_devices = 1, 2, 2, 4
+    base.rollout.max_new_tokens, base.rollout.partial_chunk = 200, 1
+    with pytest.raises(config_lib.ConfigError, match=r"into 200 chunks.*partial_chunk >= 7 "):
+        config_lib.validate(base, num_devices=8)
+    base.rollout.partial_chunk = 7
+    config_lib.validate(base, num_devices=8)
+
+
 @pytest.mark.parametrize(
     "change,message",
     [

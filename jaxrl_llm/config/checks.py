@@ -25,6 +25,8 @@ from jaxrl_llm.data import config as data_config
 # Sections whose keys are the user's own names.
 FREE_FORM = ("rewards", "data.fields", "env.options")
 DTYPES = ("float32", "bfloat16", "float16")
+# Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
+MAX_PARTIAL_CHUNKS = 32
 
 
 def check_batch_size(key: str, size: int, mesh_shape, process_count: int) -> None:
@@ -194,6 +196,14 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     _check(
         isinstance(r.partial_chunk, int) and r.partial_chunk >= 1,
         f"rollout.partial_chunk={r.partial_chunk!r}: must be an integer >= 1",
+    )
+    chunks = -(-r.max_new_tokens // r.partial_chunk)
+    _check(
+        not r.partial or chunks <= MAX_PARTIAL_CHUNKS,
+        f"rollout.partial_chunk={r.partial_chunk} cuts rollout.max_new_tokens="
+        f"{r.max_new_tokens} into {chunks} chunks, each a decode program to compile; use "
+        f"rollout.partial_chunk >= {-(-r.max_new_tokens // MAX_PARTIAL_CHUNKS)} "
+        f"(at most {MAX_PARTIAL_CHUNKS} chunks)",
     )
     if r.mode == "split":
         _check(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")

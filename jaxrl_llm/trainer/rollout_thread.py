@@ -35,7 +35,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm.trainer.sources import Rollout, Sampling
+from jaxrl_llm.trainer.sources import Rollout, Sampling, bucket
 
 
 @dataclasses.dataclass
@@ -139,7 +139,7 @@ class RolloutThread:
     def _partial(self, batch, step: int, params, version: int):
         """The rollout decoded partial_chunk tokens at a time, switching to the newest
         parameters between chunks -> (output, version of each column)."""
-        sampler, spec = self.s.sampler, self.s.spec
+        sampler, spec, log = self.s.sampler, self.s.spec, self.s.compile_log
         T, chunk = spec.max_new_tokens, self.partial_chunk
         columns = np.full(T, version)
         state = sampler.start(params, batch.prompt_ids, batch.prompt_mask, spec, step,
@@ -147,12 +147,16 @@ class RolloutThread:
         for first in range(0, T, chunk):
             with self._cond:
                 newest, newest_version = self._params, self._version
-            if newest_version != version and first:
-                if bool(jax.device_get(state.done).all()):
-                    break  # every row has stopped: nothing left to draw
-                state, params, version = sampler.refresh(newest, state), newest, newest_version
-            columns[first:] = version
-            state = sampler.decode(params, state, min(chunk, T - first))
+            # Each chunk's cache width is a program of its own, compiled at first use (at
+            # most MAX_PARTIAL_CHUNKS of them, `config.checks`): each says so in a line.
+            detail = f"{bucket(state)}, partial tokens {first}-{min(first + chunk, T)}"
+            with log.program("sampler", detail, runs=True):
+                if newest_version != version and first:
+                    if bool(jax.device_get(state.done).all()):
+                        break  # every row has stopped: nothing left to draw
+                    state, params, version = sampler.refresh(newest, state), newest, newest_version
+                columns[first:] = version
+                state = sampler.decode(params, state, min(chunk, T - first))
         return sampler.result(state), columns
 
 
