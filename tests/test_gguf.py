@@ -452,6 +452,32 @@ def test_gemma3_270m_logits_and_tokenizer_match_transformers():
     assert diff <= 2e-4, diff
 
 
+@needs_gemma3
+def test_gemma3_config_runs_two_steps(tmp_path):
+    """configs/gemma3_arithmetic_cpu.py through the command line, shrunk: 2 steps of 2
+    prompts x 2 samples, 4 new tokens, layers scanned, no eval (a smoke run, not the
+    learning curve)."""
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_arithmetic_cpu.py")
+    overrides = {
+        "train.num_steps": 2,
+        "rollout.batch_size": 2,
+        "rollout.num_generations": 2,
+        "rollout.max_new_tokens": 4,
+        "optim.micro_batches": 1,
+        "model.scan_layers": True,
+        "eval.every": 0,
+        "train.print_samples_every": 0,
+        "logging.tensorboard": False,
+    }
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={tmp_path}"]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and np.isfinite(last["loss/total"])
+
+
 def test_gemma3_270m_without_the_package_names_what_to_install(monkeypatch):
     def missing(name, *args):
         raise ImportError(name)
