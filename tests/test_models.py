@@ -45,7 +45,7 @@ def test_logits_match_transformers(saved, arch, sharded):
     assert cfg.architecture == type(model).__name__
     ids, mask = padded_batch()
     diff = max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask)
-    assert diff <= ATOL, diff
+    assert diff <= (1e-5 if arch == "gemma3" else ATOL), diff  # issue 39 asks 1e-5 of Gemma
 
 
 def test_tied_embeddings(saved):
@@ -71,7 +71,7 @@ def test_sharded_params_on_2x4_mesh(saved, arch):
     assert ids_d.sharding.spec[0] == ("data", "fsdp")
     out = models.logits(cfg, params, ids_d, mask_d)
     diff = max_diff(out, hf_logits(model, ids, mask), mask)
-    assert diff <= ATOL, diff
+    assert diff <= (1e-5 if arch == "gemma3" else ATOL), diff
 
 
 @pytest.mark.parametrize(
