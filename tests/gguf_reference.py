@@ -14,9 +14,16 @@ ARCHS = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
 }
 # Byte offsets of the fp16 scale fields in one block (ggml-common.h block_q*).
-_HALF_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+_HALF_FIELDS = {
+    Q.Q5_0: (0,),
+    Q.Q8_0: (0,),
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q4_K: (0, 2),
+    Q.Q6_K: (208,),
+}
 # Scale magnitudes that keep dequantized values O(0.1) (max |quant x sub-scale| per type).
-_HALF_SCALE = {Q.Q8_0: 1e-3, Q.Q4_0: 1e-2, Q.Q4_1: 1e-2, Q.Q4_K: 1e-4, Q.Q6_K: 2e-5}
+_HALF_SCALE = {Q.Q5_0: 1e-2, Q.Q8_0: 1e-3, Q.Q4_0: 1e-2, Q.Q4_1: 1e-2, Q.Q4_K: 1e-4, Q.Q6_K: 2e-5}
 
 
 def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

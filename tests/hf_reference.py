@@ -29,6 +29,24 @@ ARCHS = {
         transformers.MistralForCausalLM,
         {"sliding_window": None},
     ),
+    # 3 layers: sliding, sliding, global (the 270M model's pattern is 5 + 1); a window of 4
+    # tokens so the tests' sequences run past it; each layer kind its own RoPE base.
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "sliding_window": 4,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            "pad_token_id": 0,
+        },
+    ),
 }
 
 
@@ -58,8 +76,9 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     model = model_cls(hf_config(arch, **overrides)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # Gemma's norms scale by 1 + weight
+                offset = 0.0 if arch == "gemma3" else 1.0
+                p.copy_(offset + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
             else:

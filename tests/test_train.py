@@ -38,6 +38,16 @@ def test_every_algorithm_runs_two_steps(model_dir, tmp_path, name):
         assert "loss/value" in last
 
 
+def test_gemma3_grpo_two_steps(tmp_path):
+    """A tiny Gemma 3 (sliding window 4 < prompt + completion) through the trainer: the
+    sampler, the reference (beta > 0) and the update read its layer pattern."""
+    c = tiny_config(make_model_dir(str(tmp_path / "gemma3"), gemma3=True), beta=0.04)
+    last = train.train(c, str(tmp_path / "run"))
+    assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0
+    assert np.isfinite(last["loss/kl"])  # the reference model ran
+
+
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_bfloat16_model_trains_and_resumes(model_dir, tmp_path, name):
     """model.dtype=bfloat16 (the GPU / TPU configs): bf16 parameters with a float32 master

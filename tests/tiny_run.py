@@ -13,6 +13,7 @@ def tiny_model_config(**overrides) -> models.ModelConfig:
     """The tests' tiny random Qwen3 (2 layers, hidden 32, GQA 4/2 heads, QK-norm, vocab 64);
     `overrides` replace any `models.ModelConfig` field."""
     fields = dict(
+        architecture="Qwen3ForCausalLM",
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -22,12 +23,27 @@ def tiny_model_config(**overrides) -> models.ModelConfig:
         head_dim=8,
         qk_norm=True,
     )
-    return models.ModelConfig("Qwen3ForCausalLM", **(fields | overrides))
+    return models.ModelConfig(**(fields | overrides))
 
 
-def make_model_dir(path: str) -> str:
-    """A random tiny Qwen3 (vocab = the arithmetic tokenizer's 33 tokens) saved as HF."""
-    cfg = tiny_model_config(vocab_size=33, tie_word_embeddings=True, max_position_embeddings=256)
+def tiny_gemma3_config(**overrides) -> models.ModelConfig:
+    """A tiny random Gemma 3: 3 layers (sliding, sliding, global), a window of 4 tokens."""
+    fields = dict(
+        architecture="Gemma3ForCausalLM",
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+        num_layers=3,
+        sliding_window=4,
+        rope_theta=1e6,
+        query_pre_attn_scalar=8.0,
+    )
+    return tiny_model_config(**(fields | overrides))
+
+
+def make_model_dir(path: str, gemma3: bool = False) -> str:
+    """A random tiny Qwen3 (or `tiny_gemma3_config`; vocab = the arithmetic tokenizer's 33
+    tokens) saved as HF."""
+    config = tiny_gemma3_config if gemma3 else tiny_model_config
+    cfg = config(vocab_size=33, tie_word_embeddings=True, max_position_embeddings=256)
     models.save_hf(cfg, models.init_params(cfg, seed=0), path, tokenizer_dir=TOKENIZER)
     return path
 

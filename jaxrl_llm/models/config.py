@@ -1,10 +1,11 @@
 """ModelConfig: the decoder's hyperparameters, read from a Hugging Face `config.json`.
 
 One config class covers every supported architecture; the differences between them are a
-handful of flags (qkv bias, q/k RMSNorm, tied embeddings, RoPE scaling). Anything the
-decoder does not implement (sliding-window attention, MoE, other activations, other RoPE
-variants) is refused here with one line naming the option, so a checkpoint never loads
-into a model that silently computes something else.
+handful of flags (qkv bias, q/k RMSNorm, tied embeddings, RoPE scaling) and, for Gemma 3,
+its layer pattern (sliding-window and global layers, each kind with its own RoPE base).
+Anything the decoder does not implement (sliding windows outside Gemma 3, MoE, other
+activations, other RoPE variants, logit soft-capping) is refused here with one line naming
+the option, so a checkpoint never loads into a model that silently computes something else.
 
 Reads both the transformers 4.x layout (`rope_theta` + `rope_scaling`) and the 5.x layout
 (`rope_parameters`).
@@ -24,11 +25,14 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (Gemma 3 `layer_types`)
+GEMMA3 = "Gemma3ForCausalLM"
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -90,8 +94,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 (always), Llama/Qwen3 with attention_bias
     o_bias: bool = False  # Llama/Qwen3 with attention_bias
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k before RoPE
     initializer_range: float = 0.02
+    # Gemma 3: `layer_types[i]` is "sliding_attention" (a key is seen only from queries
+    # fewer than `sliding_window` positions later; RoPE base `rope_local_theta`, never
+    # scaled) or "full_attention" (RoPE base `rope_theta` with `rope_scaling`). None: every
+    # layer is full attention. `query_pre_attn_scalar`: scores scale by its -1/2 power
+    # instead of head_dim's (None: head_dim).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float = 10000.0
+    query_pre_attn_scalar: float | None = None
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # False: the layer loop is unrolled instead of scanned. Teacher-forced forward (update,
@@ -124,10 +137,34 @@ class ModelConfig:
                 f"rope type {scaling['rope_type']!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        types = self.layer_types
+        if types is None:
+            return
+        if len(types) != self.num_layers or set(types) - set(LAYER_TYPES):
+            raise ValueError(
+                f"layer_types={list(types)}: expected {self.num_layers} of {LAYER_TYPES}"
+            )
+        if "sliding_attention" in types and not (self.sliding_window or 0) > 0:
+            raise ValueError(f"sliding_window={self.sliding_window}: sliding layers need >= 1")
 
     @property
     def model_type(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's fixed traits: embeddings times sqrt(hidden), RMSNorm scaling by
+        (1 + weight), norms after attention and after the MLP as well as before, GeGLU
+        (tanh-approximated GELU) instead of SwiGLU."""
+        return self.architecture == GEMMA3
+
+    @property
+    def windowed(self) -> bool:
+        """Some layers attend within a sliding window (then each layer reads its kind)."""
+        return self.layer_types is not None and "sliding_attention" in self.layer_types
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -139,7 +176,7 @@ class ModelConfig:
         attn += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         attn += d if self.o_bias else 0
         attn += 2 * h if self.qk_norm else 0
-        layer = attn + 3 * d * f + 2 * d
+        layer = attn + 3 * d * f + (4 if self.gemma else 2) * d
         n = self.num_layers * layer + d
         if include_embeddings:
             n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
@@ -168,8 +205,8 @@ class ModelConfig:
         _refuse_unsupported(d, arch, source)
         try:
             hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-            rope_theta, scaling = _rope(d)
-            return cls(
+            rope_theta, scaling = (None, None) if arch == GEMMA3 else _rope(d)
+            fields = dict(
                 architecture=arch,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
@@ -182,14 +219,16 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == GEMMA3)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
                 o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
                 initializer_range=float(d.get("initializer_range", 0.02)),
                 hf_config=json.dumps(d, sort_keys=True),
-                **runtime,
             )
+            if arch == GEMMA3:
+                fields |= _gemma3_fields(d, source)
+            return cls(**fields, **runtime)
         except KeyError as e:
             raise ValueError(f"{source}: required key {e.args[0]!r} is missing") from None
 
@@ -221,7 +260,28 @@ class ModelConfig:
             raise ValueError("Qwen2 has qkv bias and no output bias; cannot express this config")
         if self.architecture == "MistralForCausalLM":
             d["sliding_window"] = None
+        if self.gemma:
+            del d["hidden_act"], d["rope_theta"], d["rope_scaling"]
+            full = {"rope_type": "default", "rope_theta": self.rope_theta}
+            d |= {
+                "hidden_activation": "gelu_pytorch_tanh",
+                "sliding_window": self.sliding_window,
+                "layer_types": list(self.layer_types or ["full_attention"] * self.num_layers),
+                "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar or self.head_dim),
+                "rope_parameters": {
+                    "full_attention": full | dict(self.rope_scaling or ()),
+                    "sliding_attention": {
+                        "rope_type": "default",
+                        "rope_theta": self.rope_local_theta,
+                    },
+                },
+            }
         return d
+
+
+def _int_if_whole(x: float) -> int | float:
+    """transformers' strict config fields want an int where the value is one."""
+    return int(x) if float(x).is_integer() else x
 
 
 def _architecture(d: dict, source: str) -> str:
@@ -247,6 +307,9 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
     def refuse(what: str):
         raise UnsupportedModelError(f"{source}: {what} is not supported ({arch})")
 
+    if arch == GEMMA3:
+        _refuse_gemma3_options(d, refuse)
+        return
     if d.get("hidden_act", "silu") not in ("silu", "swish"):
         refuse(f"hidden_act={d['hidden_act']!r} (only silu)")
     if d.get("mlp_bias"):
@@ -280,3 +343,55 @@ def _rope(d: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     if merged["rope_type"] == "default" and len(merged) == 1:
         return theta, None
     return theta, tuple(sorted(merged.items()))
+
+
+def _refuse_gemma3_options(d: dict, refuse) -> None:
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        refuse(f"hidden_activation={act!r} (only gelu_pytorch_tanh)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:  # Gemma 3 checkpoints set neither
+            refuse(f"{key}={d[key]}")
+    if d.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention=true")
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        refuse("attention_bias / mlp_bias")
+    if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+        refuse(f"partial_rotary_factor={d['partial_rotary_factor']}")
+
+
+def _gemma3_fields(d: dict, source: str) -> dict:
+    """Gemma 3's layer pattern, window, local RoPE base and query scale from a HF dict.
+
+    `layer_types` (newer configs) or `sliding_window_pattern` (every pattern-th layer is
+    global, as transformers derives it); RoPE from the 5.x per-layer-type
+    `rope_parameters` or from 4.x `rope_theta` / `rope_local_base_freq` / `rope_scaling`.
+    """
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        pattern = int(d.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    params = d.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
+        if local.get("rope_type", "default") != "default" or len(local) > 1:
+            raise UnsupportedModelError(
+                f"{source}: RoPE scaling of the sliding layers ({local}) is not supported"
+            )
+        full.setdefault("rope_type", "default")
+        scaling = None if full == {"rope_type": "default"} else tuple(sorted(full.items()))
+    else:
+        theta, scaling = _rope({**d, "rope_theta": d.get("rope_theta", 1e6)})
+        local_theta = d.get("rope_local_base_freq", 1e4)
+    window = d.get("sliding_window")
+    return {
+        "layer_types": tuple(types),
+        "sliding_window": None if window is None else int(window),
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
+        "rope_local_theta": float(local_theta),
+        "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
+    }

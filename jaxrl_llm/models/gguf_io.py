@@ -10,11 +10,15 @@ read with the `gguf` package (numpy, memory-mapped; no torch):
 
 - Config: the metadata becomes an HF config dict and goes through
   `ModelConfig.from_hf_dict`, so an option the decoder lacks is refused exactly as from a
-  config.json. Architectures: llama, qwen2, qwen3; any other is refused naming it.
+  config.json. Architectures: llama, qwen2, qwen3, gemma3; any other is refused naming
+  it. Gemma 3's files carry no layer pattern, local RoPE base or query scale: llama.cpp
+  fixes them (every 6th layer global, base 10,000, head_dim), and so does the loader.
 - Tensors: each is dequantized to float32 by `gguf.quants.dequantize` (types in
   `SUPPORTED_TYPES`; a tensor of any other type is refused naming the type). llama.cpp
   permutes the Q and K rows of Llama within each head (its rotary pairs are adjacent rows,
-  HF's are half a head apart); the permutation is undone, which gives the HF layout. From
+  HF's are half a head apart); the permutation is undone, which gives the HF layout.
+  llama.cpp stores Gemma's norm weights plus one (its RMSNorm multiplies by the weight,
+  Gemma's by 1 + weight); the one is taken off again. From
   there `hf_io.load_params` reads the tensors into their target sharding one by one, as
   for safetensors. A quantized row is only readable whole, so each device shard is cut
   from the dequantized tensor; the last `num_layers` dequantized tensors are kept, so a
@@ -38,16 +42,29 @@ from jaxrl_llm.models import hf_io
 from jaxrl_llm.models.config import ModelConfig, UnsupportedModelError
 from jaxrl_llm.models.hf_io import CheckpointError
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# What llama.cpp assumes for Gemma 3 rather than reading from the file (llama-model.cpp).
+GEMMA3_DEFAULTS = {
+    "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window_pattern": 6,
+    "rope_local_base_freq": 10000.0,
 }
 # Architectures llama.cpp runs with rotary pairs in adjacent rows ("NORM" RoPE): their
 # converter permutes HF's Q and K rows, so the loader permutes them back.
 _PERMUTED_QK = ("llama",)
-# HF tensor-name pieces -> llama.cpp's, applied in order to `hf_io.mappings` names.
+# HF tensor-name pieces -> llama.cpp's, applied in order to `hf_io.mappings` names
+# (Gemma's own norms first: its post_attention_layernorm is not Llama's pre-MLP norm).
+_GEMMA_NAMES = (
+    ("post_attention_layernorm.", "post_attention_norm."),
+    ("pre_feedforward_layernorm.", "ffn_norm."),
+    ("post_feedforward_layernorm.", "post_ffw_norm."),
+)
 _NAMES = (
     ("model.embed_tokens.", "token_embd."),
     ("model.norm.", "output_norm."),
@@ -165,13 +182,16 @@ def hf_config_dict(meta: dict, tensors: dict, source: str) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "hidden_act": "silu",
         "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": _f32(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length")),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
     }
+    if arch == "gemma3":
+        d |= GEMMA3_DEFAULTS | {"model_type": "gemma3_text", "query_pre_attn_scalar": head_dim}
+    else:
+        d["hidden_act"] = "silu"
     for name in ("bos_token", "eos_token", "pad_token"):  # for generation after export
         key = f"tokenizer.ggml.{_SPECIAL_TOKENS[name]}"
         if key in meta:
@@ -195,7 +215,8 @@ def _options(meta: dict, arch: str, get, head_dim: int, source: str) -> dict:
     if f"{arch}.expert_count" in meta:
         d["num_experts"] = int(get("expert_count"))
     if f"{arch}.attention.sliding_window" in meta:
-        d["use_sliding_window"] = True
+        if arch != "gemma3":  # Gemma 3's windows are its own: no switch
+            d["use_sliding_window"] = True
         d["sliding_window"] = int(get("attention.sliding_window"))
     return d
 
@@ -207,9 +228,9 @@ def gguf_config(path, **runtime) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config_dict(f.meta, f.tensors, path), path, **runtime)
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, gemma: bool = False) -> str:
     """`model.layers.{i}.self_attn.q_proj.weight` -> `blk.{i}.attn_q.weight`."""
-    for hf, ours in _NAMES:
+    for hf, ours in (_GEMMA_NAMES if gemma else ()) + _NAMES:
         hf_name = hf_name.replace(hf, ours)
     return hf_name
 
@@ -227,10 +248,16 @@ class GGUFTensors:
     """A GGUF file's tensors under their GGUF names, each read as float32 in HF layout.
 
     The tensor source `hf_io.load_params` reads from. `permuted_heads`: {name: heads} of
-    the tensors whose rows llama.cpp permuted; the last `cache_size` dequantized tensors
-    are kept."""
+    the tensors whose rows llama.cpp permuted; `shifted`: names of the tensors stored
+    plus one (Gemma's norms); the last `cache_size` dequantized tensors are kept."""
 
-    def __init__(self, path, permuted_heads: dict[str, int] | None = None, cache_size: int = 1):
+    def __init__(
+        self,
+        path,
+        permuted_heads: dict[str, int] | None = None,
+        cache_size: int = 1,
+        shifted: frozenset[str] = frozenset(),
+    ):
         path = os.fspath(path)
         f = _open(path)
         for name, info in f.tensors.items():
@@ -242,6 +269,7 @@ class GGUFTensors:
         self.tensors: dict[str, TensorInfo] = f.tensors
         self._data = {t.name: t for t in f.reader.tensors}
         self._permuted = permuted_heads or {}
+        self._shifted = shifted
         self._cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self._cache_size = max(cache_size, 1)
 
@@ -263,6 +291,8 @@ class GGUFTensors:
         x = x.reshape(self.tensors[name].shape)
         if name in self._permuted:
             x = unpermute_rows(x, self._permuted[name])
+        if name in self._shifted:
+            x = x - np.float32(1.0)
         self._cache[name] = x
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -294,10 +324,17 @@ def load_gguf(path, mesh=None, dtype="float32", rules=None, **runtime):
     """
     path = os.fspath(path)
     cfg = gguf_config(path, **runtime)
-    tensors = GGUFTensors(path, _permuted_heads(cfg), cache_size=cfg.num_layers)
     maps = {
-        p: dataclasses.replace(m, name=gguf_name(m.name)) for p, m in hf_io.mappings(cfg).items()
+        p: dataclasses.replace(m, name=gguf_name(m.name, cfg.gemma))
+        for p, m in hf_io.mappings(cfg).items()
     }
+    shifted = frozenset(  # Gemma's norms, every layer's
+        m.name.format(i=i)
+        for m in maps.values()
+        if cfg.gemma and m.name.endswith("norm.weight")
+        for i in range(cfg.num_layers)
+    )
+    tensors = GGUFTensors(path, _permuted_heads(cfg), cfg.num_layers, shifted)
     params = hf_io.load_params(
         cfg, tensors, maps, path, mesh, dtype, rules, config_name="the GGUF metadata"
     )

@@ -108,6 +108,10 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         ("layers", "up"): (layer + "mlp.up_proj.weight", transpose),
         ("layers", "down"): (layer + "mlp.down_proj.weight", transpose),
     }
+    if cfg.gemma:  # norms before and after both the attention and the MLP
+        table[("layers", "post_attn_norm")] = (layer + "post_attention_layernorm.weight", same)
+        table[("layers", "mlp_norm")] = (layer + "pre_feedforward_layernorm.weight", same)
+        table[("layers", "post_mlp_norm")] = (layer + "post_feedforward_layernorm.weight", same)
     specs = param_specs(cfg)
     return {path: dataclasses.replace(table[path][1], name=table[path][0]) for path in specs}
 

@@ -1,5 +1,10 @@
-"""The decoder's modules (Llama 3 / Mistral / Qwen2 / Qwen3) in Flax NNX: RMSNorm, the dense
-matmul with its backward written out, rotary embeddings, one decoder layer and the model.
+"""The decoder's modules (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3) in Flax NNX: RMSNorm,
+the dense matmul with its backward written out, rotary embeddings, one decoder layer and
+the model.
+
+Gemma 3's layers differ by kind (sliding-window or global attention, each with its own
+RoPE base). The kind is data, not code: `layer_kinds(cfg)` gives per-layer arrays that the
+layer scan reads like the stacked parameters, so one traced layer serves both kinds.
 
 The modules only declare parameters (with logical axis names) and the math of one layer;
 `transformer.py` holds the functional API that merges a plain params dict into them.
@@ -38,6 +43,18 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return scale * y.astype(x.dtype)
+
+
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF Gemma3RMSNorm: normalise and scale by (1 + weight) in float32, then cast back."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The architecture's RMSNorm (Gemma stores weight - 1, Llama / Qwen the scale)."""
+    return (gemma_rms_norm if cfg.gemma else rms_norm)(x, weight, cfg.rms_norm_eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -96,11 +113,13 @@ def adapter_dropout(key: jax.Array, rate: float, x: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------------------ rope, attention
 @functools.lru_cache(maxsize=64)
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim / 2], float32, with `linear` / `llama3` scaling."""
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2], float32, with `linear` / `llama3` scaling.
+    local: those of Gemma 3's sliding-window layers (base `rope_local_theta`, unscaled)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = dict(cfg.rope_scaling or ())
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = {} if local else dict(cfg.rope_scaling or ())
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
@@ -115,6 +134,25 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = np.where(medium, smoothed, scaled)
     return inv_freq.astype(np.float32)
+
+
+def layer_kinds(cfg: ModelConfig) -> dict | None:
+    """Per-layer data of a model whose layers differ by kind, stacked on a leading axis
+    like the layer parameters: {"local": bool [L] (sliding-window attention), "inv_freq":
+    float32 [L, head_dim / 2] (that layer's RoPE)}. None when every layer is alike."""
+    if not cfg.windowed:
+        return None
+    local = np.array([t == "sliding_attention" for t in cfg.layer_types])
+    freqs = np.stack([rope_frequencies(cfg, bool(flag)) for flag in local])
+    return {"local": local, "inv_freq": freqs}
+
+
+def layer_mask(mask, kind: dict | None) -> jax.Array:
+    """The [B,T,S] mask of one layer. `mask` is one mask for every layer, or for a
+    windowed model the pair (full, window) of which `kind["local"]` picks one."""
+    if kind is None:
+        return mask
+    return jnp.where(kind["local"], mask[1], mask[0])
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -138,7 +176,8 @@ class Block(nnx.Module):
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         normal = functools.partial(_normal, rngs, std=cfg.initializer_range, dtype=dtype)
-        self.attn_norm = _const(1.0, (L, D), ("layers", "norm"), dtype)
+        one = 0.0 if cfg.gemma else 1.0  # a norm's identity weight (Gemma scales by 1 + w)
+        self.attn_norm = _const(one, (L, D), ("layers", "norm"), dtype)
         self.q = normal((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
         self.k = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
         self.v = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
@@ -150,9 +189,12 @@ class Block(nnx.Module):
         if cfg.o_bias:
             self.o_bias = _const(0.0, (L, D), ("layers", "norm"), dtype)
         if cfg.qk_norm:
-            self.q_norm = _const(1.0, (L, H), ("layers", "head_dim"), dtype)
-            self.k_norm = _const(1.0, (L, H), ("layers", "head_dim"), dtype)
-        self.mlp_norm = _const(1.0, (L, D), ("layers", "norm"), dtype)
+            self.q_norm = _const(one, (L, H), ("layers", "head_dim"), dtype)
+            self.k_norm = _const(one, (L, H), ("layers", "head_dim"), dtype)
+        if cfg.gemma:  # norms of the attention's and the MLP's outputs
+            self.post_attn_norm = _const(one, (L, D), ("layers", "norm"), dtype)
+            self.post_mlp_norm = _const(one, (L, D), ("layers", "norm"), dtype)
+        self.mlp_norm = _const(one, (L, D), ("layers", "norm"), dtype)
         self.gate = normal((L, D, F), ("layers", "embed", "mlp"))
         self.up = normal((L, D, F), ("layers", "embed", "mlp"))
         self.down = normal((L, F, D), ("layers", "mlp", "embed"))
@@ -196,10 +238,12 @@ class Block(nnx.Module):
         )
 
     def __call__(
-        self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None
-    ):
-        """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool. dropout: this
-        layer's key for LoRA dropout (`adapter_dropout`), None in inference.
+        self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None,
+        kind=None,
+    ):  # fmt: skip
+        """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool (or the pair of
+        `layer_mask`). dropout: this layer's key for LoRA dropout (`adapter_dropout`),
+        None in inference. kind: this layer's slice of `layer_kinds(cfg)`, or None.
 
         prefix: (k, v) [B,P,K,H] of P earlier tokens that x attends to before itself
         (S = P + T, no cache); the layer then returns its own (k, v) [B,T,K,H].
@@ -211,15 +255,18 @@ class Block(nnx.Module):
         S = T. Returns (x [B,T,D], the updated (k, v) or None).
         """
         cfg = self.cfg
-        h = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps)
+        mask = layer_mask(mask, kind)
+        h = norm(cfg, x, self.attn_norm[...])
         q, k, v = (self._proj(n, h, dropout) for n in ("q", "k", "v"))
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        inv_freq = rope_frequencies(cfg)
+            q, k = norm(cfg, q, self.q_norm[...]), norm(cfg, k, self.k_norm[...])
+        inv_freq = rope_frequencies(cfg) if kind is None else kind["inv_freq"]
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim:
+            # attention scales scores by head_dim^-1/2; Gemma by query_pre_attn_scalar^-1/2
+            q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, q.dtype)
         if prefix is not None:
             # Keys/values of earlier tokens ([B, P, K, H] each, e.g. a shared prompt's) come
             # first; this layer's own (after RoPE) are returned for a later suffix.
@@ -248,13 +295,19 @@ class Block(nnx.Module):
             else:
                 k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
             a = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-        x = x + self._proj("o", a, dropout)
+        a = self._proj("o", a, dropout)
         if cfg.o_bias:
-            x = x + self.o_bias[...]
-        h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+            a = a + self.o_bias[...]
+        if cfg.gemma:
+            a = norm(cfg, a, self.post_attn_norm[...])
+        x = x + a
+        h = norm(cfg, x, self.mlp_norm[...])
         gate, up = self._proj("gate", h, dropout), self._proj("up", h, dropout)
-        x = x + self._proj("down", jax.nn.silu(gate) * up, dropout)
-        return x, kv
+        act = jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)
+        y = self._proj("down", act * up, dropout)
+        if cfg.gemma:
+            y = norm(cfg, y, self.post_mlp_norm[...])
+        return x + y, kv
 
 
 class Transformer(nnx.Module):
@@ -264,7 +317,7 @@ class Transformer(nnx.Module):
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = _normal(rngs, (V, D), ("vocab", "embed"), cfg.initializer_range, dtype)
         self.layers = Block(cfg, rngs, dtype)
-        self.final_norm = _const(1.0, (D,), ("norm",), dtype)
+        self.final_norm = _const(0.0 if cfg.gemma else 1.0, (D,), ("norm",), dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _normal(rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype)
         self.cfg = cfg
@@ -277,30 +330,41 @@ class Transformer(nnx.Module):
         dropout: a key for LoRA dropout (layer i folds in i), or None.
         """
         cfg = self.cfg
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = self.embed_tokens(tokens)
         graphdef, stacked = nnx.split(self.layers)
+        kinds = layer_kinds(cfg)
 
         def layer(carry, xs):
             x, kv = carry
-            layer_state, i = xs
+            layer_state, i, kind = xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, layer_state)
-            return block(x, positions, mask, kv, index, i, dropout=key), None
+            return block(x, positions, mask, kv, index, i, dropout=key, kind=kind), None
 
         if cache is not None and isinstance(cache[0], tuple):  # one cache array per layer
             kv = []
             for i in range(cfg.num_layers):
                 state = jax.tree.map(lambda a, i=i: a[i], stacked) if layers is None else layers[i]
+                kind = jax.tree.map(lambda a, i=i: a[i], kinds)
                 block = nnx.merge(graphdef, state)
-                x, layer_kv = block(x, positions, mask, (cache[0][i], cache[1][i]), index)
+                cache_i = (cache[0][i], cache[1][i])
+                x, layer_kv = block(x, positions, mask, cache_i, index, kind=kind)
                 kv.append(layer_kv)
             kv = tuple(tuple(c) for c in zip(*kv, strict=True))
-            return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+            return norm(cfg, x, self.final_norm[...]), kv
         layer = _remat(layer, cfg.remat)
         unroll = cfg.num_layers if cache is None and not cfg.scan_layers else 1
-        xs = (stacked, jnp.arange(cfg.num_layers))
+        xs = (stacked, jnp.arange(cfg.num_layers), kinds)
         (x, kv), _ = jax.lax.scan(layer, (x, cache), xs, unroll=unroll)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+        return norm(cfg, x, self.final_norm[...]), kv
+
+    def embed_tokens(self, tokens) -> jax.Array:
+        """tokens [B,T] -> [B,T,D]; Gemma scales by sqrt(D), rounded to the embedding's
+        dtype first (as HF does)."""
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.cfg.gemma:
+            x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
+        return x
 
     def with_prefix(self, tokens, positions, mask, prefix, dropout=None):
         """tokens [B,T] after a prefix of P tokens whose per-layer keys/values are given ->
@@ -312,20 +376,20 @@ class Transformer(nnx.Module):
         `__call__`.
         """
         cfg = self.cfg
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = self.embed_tokens(tokens)
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, xs):
-            layer_state, pk, pv, i = xs
+            layer_state, pk, pv, i, kind = xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, layer_state)
-            return block(x, positions, mask, prefix=(pk, pv), dropout=key)
+            return block(x, positions, mask, prefix=(pk, pv), dropout=key, kind=kind)
 
         layer = _remat(layer, cfg.remat)
         unroll = 1 if cfg.scan_layers else cfg.num_layers
-        xs = (stacked, *prefix, jnp.arange(cfg.num_layers))
+        xs = (stacked, *prefix, jnp.arange(cfg.num_layers), layer_kinds(cfg))
         x, kv = jax.lax.scan(layer, x, xs, unroll=unroll)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), kv
+        return norm(cfg, x, self.final_norm[...]), kv
 
 
 def _remat(fn, policy: str):

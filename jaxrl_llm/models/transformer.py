@@ -16,7 +16,10 @@ Three paths share the layer code (`layers.Block`):
   decoding is `extend` of one token per row.
 
 Position ids default to the number of real tokens before each token, so a left-padded
-row gets the same positions as its unpadded self (as in HF `generate`). With a per-layer
+row gets the same positions as its unpadded self (as in HF `generate`). Sliding-window
+layers (Gemma 3) see a key only from queries fewer than `cfg.sliding_window` positions
+after it (`windowed`): position ids, not slots, so padding never narrows the window; with
+a KV cache every slot is kept and the window is a mask over the full-length cache. With a per-layer
 cache (`cfg.scan_layers=False`) the caller may slice each layer's parameters once
 (`layer_params`) instead of in every decode step.
 """
@@ -37,6 +40,16 @@ Params = dict
 
 
 # ------------------------------------------------------------------------ functional API
+def windowed(cfg: ModelConfig, mask, q_pos, k_pos):
+    """The layers' mask: `mask` [B,T,S], or for a model with sliding-window layers the
+    pair (mask, mask within the window) that each layer picks from by its kind.
+    q_pos [B,T], k_pos [B,S]: position ids of the queries and of the keys."""
+    if not cfg.windowed:
+        return mask
+    near = q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window
+    return mask, mask & near
+
+
 @functools.lru_cache(maxsize=32)
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
     """(graphdef, abstract state) of the model; no arrays are allocated."""
@@ -88,6 +101,7 @@ def forward(
     if segment_ids is not None:
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
     mask |= jnp.eye(T, dtype=bool)[None]  # a padding query attends to itself: no empty rows
+    mask = windowed(cfg, mask, positions, positions)
     hidden, _ = _model(cfg, params)(tokens, positions, mask, dropout=dropout)
     return hidden
 
@@ -120,6 +134,8 @@ def forward_after_prefix(
     own = (causal[None] & attention_mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
     earlier = jnp.broadcast_to(prefix_mask[:, None, :], (B, T, prefix_mask.shape[1]))
     mask = jnp.concatenate([earlier, own], axis=-1)
+    prefix_pos = jnp.maximum(jnp.cumsum(prefix_mask, -1, dtype=jnp.int32) - 1, 0)
+    mask = windowed(cfg, mask, positions, jnp.concatenate([prefix_pos, positions], -1))
     return _model(cfg, params).with_prefix(tokens, positions, mask, prefix, dropout)
 
 
@@ -165,6 +181,9 @@ def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCa
     query_slot = cache.index + jnp.arange(T)
     mask = valid[:, None, :] & (slots[None, None, :] <= query_slot[None, :, None])
     mask |= slots[None, None, :] == query_slot[None, :, None]
+    # a valid slot's position id: the real tokens written before it (as `pos` counts them)
+    slot_pos = jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1
+    mask = windowed(cfg, mask, positions, slot_pos)
     hidden, (k, v) = _model(cfg, params)(
         tokens, positions, mask, (cache.k, cache.v), cache.index, layers
     )

