@@ -43,7 +43,7 @@ def precompile_step(
         program, args, kwargs = sampler.sample_program(
             params, batch.prompt_ids, batch.prompt_mask, run.spec
         )
-        out = shaped(build("sampler", bucket, program, *args, shapes=True, **kwargs), rows)
+        out = shaped(build("sampler", bucket, program, *args, **kwargs), rows)
         later = background and run.ref_logprobs is not None and not run.reads_reference(step)
         # The reference's log-probs are shaped and placed like the rollout's (rows, float32).
         ref = None if run.ref_logprobs is None else out.logprobs
