@@ -45,13 +45,13 @@ from common import (  # noqa: E402
     uptime,
 )
 
-from jaxrl_llm import config as config_lib
-from jaxrl_llm import models, sampling  # noqa: E402
+from jaxrl_llm import assets, models, sampling  # noqa: E402
+from jaxrl_llm import config as config_lib  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 from jaxrl_llm.parallel import allocator, xla_flags  # noqa: E402
-from jaxrl_llm.trainer import perf
+from jaxrl_llm.trainer import perf  # noqa: E402
 
-TOKENIZER = os.path.join(os.path.dirname(config_lib.__file__), "assets", "arithmetic_tokenizer")
+TOKENIZER = os.path.join(os.path.dirname(assets.__file__), "arithmetic_tokenizer")
 
 
 def make_config(args, model_dir: str):
