@@ -392,12 +392,11 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_path):
     assert ours.eos_token == "<|im_end|>"
 
 
-@needs_smollm2
-def test_smollm2_config_runs_two_steps(tmp_path):
-    """configs/smollm2_arithmetic_cpu.py through the command line, shrunk: 2 steps of 2
-    prompts x 2 samples, 4 new tokens, one CPU device, the layers scanned (one compiled
-    layer instead of 30) and no eval."""
-    config = os.path.join(os.path.dirname(__file__), "..", "configs", "smollm2_arithmetic_cpu.py")
+def _two_steps(config_name: str, tmp_path) -> None:
+    """configs/<config_name> through the command line, shrunk: 2 steps of 2 prompts x 2
+    samples, 4 new tokens, one CPU device, the layers scanned (one compiled layer instead
+    of one per layer) and no eval; a smoke run, not the learning curve."""
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", config_name)
     overrides = {
         "train.num_steps": 2,
         "rollout.batch_size": 2,
@@ -414,9 +413,13 @@ def test_smollm2_config_runs_two_steps(tmp_path):
     cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    last = json.loads(lines[-1])
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 2 and np.isfinite(last["loss/total"])
+
+
+@needs_smollm2
+def test_smollm2_config_runs_two_steps(tmp_path):
+    _two_steps("smollm2_arithmetic_cpu.py", tmp_path)
 
 
 # --------------------------------------------------------------------------- Gemma 3 270M
@@ -454,28 +457,7 @@ def test_gemma3_270m_logits_and_tokenizer_match_transformers():
 
 @needs_gemma3
 def test_gemma3_config_runs_two_steps(tmp_path):
-    """configs/gemma3_arithmetic_cpu.py through the command line, shrunk: 2 steps of 2
-    prompts x 2 samples, 4 new tokens, layers scanned, no eval (a smoke run, not the
-    learning curve)."""
-    config = os.path.join(os.path.dirname(__file__), "..", "configs", "gemma3_arithmetic_cpu.py")
-    overrides = {
-        "train.num_steps": 2,
-        "rollout.batch_size": 2,
-        "rollout.num_generations": 2,
-        "rollout.max_new_tokens": 4,
-        "optim.micro_batches": 1,
-        "model.scan_layers": True,
-        "eval.every": 0,
-        "train.print_samples_every": 0,
-        "logging.tensorboard": False,
-    }
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={tmp_path}"]
-    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == 2 and np.isfinite(last["loss/total"])
+    _two_steps("gemma3_arithmetic_cpu.py", tmp_path)
 
 
 def test_gemma3_270m_without_the_package_names_what_to_install(monkeypatch):
