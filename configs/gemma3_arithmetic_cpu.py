@@ -14,7 +14,9 @@ pass@1 are still to be measured (issue 39).
 
 from jaxrl_llm.config import base_config
 
-FEW_SHOT = "Q: What is 12 + 7?\nA: 19\nQ: What is 30 + 45?\nA: 75\nQ: {question}\nA:"
+# A base model continues a pattern: three worked sums, then the question's expression.
+# (A "Q: What is 58 + 63?\nA:" prompt gets 0-3% greedy from this model, this one 12%.)
+FEW_SHOT = "12 + 7 = 19\n30 + 45 = 75\n61 + 18 = 79\n{expression} ="
 
 
 def get_config(task="add_2"):
@@ -31,20 +33,20 @@ def get_config(task="add_2"):
     c.rollout.bucket_steps = 4
     c.rollout.batch_size = 8  # prompts per step
     c.rollout.num_generations = 8  # G
-    c.rollout.max_new_tokens = 8  # " 65" and a newline: a few tokens (digits are single)
+    c.rollout.max_new_tokens = 6  # " 121" and a newline: a few tokens (digits are single)
     # The answer line ends at the newline; without it a base model writes the next "Q:".
     c.rollout.stop_tokens = ("<eos>", "\n")
     c.algo.name = "grpo"
     c.algo.beta = 0.0  # no reference model: half the forward passes
-    c.optim.learning_rate = 1e-5
+    c.optim.learning_rate = 1e-6
     c.optim.micro_batches = 4  # bounded memory: the 262k-wide log-softmax per chunk
     c.train.logprob_chunk = 16  # the unembedding (640 x 262,144) dominates: small chunks
     c.rewards = {"gsm8k": 1.0}  # the last number in the completion must equal the sum
-    c.train.num_steps = 40
+    c.train.num_steps = 120
     c.train.log_every = 1
     c.train.print_samples_every = 10
     c.train.verifier_workers = 1
-    c.eval.every = 10
+    c.eval.every = 20
     c.eval.split = "test"
     c.eval.num_prompts = 128
     c.eval.pass_k = 1  # greedy pass@1 only
