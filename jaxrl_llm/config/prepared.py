@@ -40,12 +40,13 @@ def prepare(raw: ml_collections.ConfigDict, devices=None, process_count: int | N
     uses (default all); process_count: default jax's."""
     devices = jax.devices() if devices is None else list(devices)
     processes = jax.process_count() if process_count is None else process_count
-    model_cfg = checks.validate(raw, len(devices), processes)
+    model_cfg = checks.validate(raw, len(devices), processes)  # its context checked too
     model_path = resolve_model_path(raw.model.path)
     tokenizer_path = resolve_model_path(
         raw.model.tokenizer or model_path, "model.tokenizer", need_config=False
     )
-    if model_cfg is None:  # a hub model: its config came with the download
+    hub = model_cfg is None
+    if hub:  # a hub model: its config came with the download
         from jaxrl_llm import models
 
         model_cfg = models.builtin.model_config(model_path)
@@ -57,7 +58,8 @@ def prepare(raw: ml_collections.ConfigDict, devices=None, process_count: int | N
     config, line = tuning.resolve(raw, model_cfg, backend, batch_shards=shape[0] * shape[1])
     if backend == "cpu" and (level := xla_flags.named(xla_flags.LEVEL)):
         line = "; ".join(filter(None, [line, f"XLA_FLAGS: {xla_flags.LEVEL}={level}"]))
-    checks.check_context(config, model_cfg)
+    if hub:  # the context of a local model was checked with the rest (same buckets)
+        checks.check_context(config, model_cfg)
     return Prepared(
         config=config,
         tuning_line=line,
