@@ -26,7 +26,7 @@ def _algo_defaults() -> ml_collections.ConfigDict:
     from jaxrl_llm.rl.algos import AlgoConfig
 
     algo = ml_collections.ConfigDict()
-    algo.name = "grpo"  # grpo | dr_grpo | dapo | gspo | rloo | reinforce_pp | ppo
+    algo.name = "grpo"  # grpo | dr_grpo | dapo | gspo | sapo | gmpo | rloo | reinforce_pp | ppo
     for field in dataclasses.fields(AlgoConfig):
         if field.name == "name":
             continue
