@@ -13,6 +13,7 @@ anything compiles.
 from __future__ import annotations
 
 import difflib
+import math
 
 import jax
 import ml_collections
@@ -51,6 +52,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1):
     mesh_shape = check_mesh(config, num_devices)
     path = check_model(config)
     check_rollout(config, mesh_shape, process_count)
+    check_teacher(config)  # before the algo, which takes teacher.weight
     algo = check_algo(config)
     check_optim(config)
     labels = check_rewards(config, algo)
@@ -231,6 +233,20 @@ def check_algo(config):
         f"{algo.name!r}: its extra sampling rounds need this step's rewards); use mode='sync'",
     )
     return algo
+
+
+def check_teacher(config) -> None:
+    """teacher.path resolves (its tokenizer is compared with the student's when the run
+    loads them: `trainer.run`); teacher.weight > 0."""
+    t = config.teacher
+    if not t.path:
+        return
+    resolve_model_path(t.path, "teacher.path", download=False)
+    w = t.weight
+    _check(
+        isinstance(w, int | float) and math.isfinite(w) and w > 0,
+        f"teacher.weight={w!r}: must be a finite number > 0",
+    )
 
 
 def check_optim(config) -> None:

@@ -28,7 +28,7 @@ def _algo_defaults() -> ml_collections.ConfigDict:
     algo = ml_collections.ConfigDict()
     algo.name = "grpo"  # grpo | dr_grpo | dapo | gspo | sapo | gmpo | rloo | reinforce_pp | ppo
     for field in dataclasses.fields(AlgoConfig):
-        if field.name == "name":
+        if field.name in ("name", "distill_coef"):  # distill_coef: teacher.weight
             continue
         default = field.default
         kind = _ALGO_TYPES.get(type(default), float)
@@ -48,6 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = data_config.default_config()
     c.rollout = rollout_defaults()
     c.algo = _algo_defaults()
+    c.teacher = teacher_defaults()
     c.optim = optim_defaults()
     # label -> weight | {name, weight, options}
     c.rewards = ml_collections.ConfigDict({"gsm8k": 1.0})
@@ -64,6 +65,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.logging.wandb_project = "jaxrl_llm"
     c.logging.run_name = ""
     return c
+
+
+def teacher_defaults() -> ml_collections.ConfigDict:
+    """On-policy distillation (docs/teachers_and_judges.md): a teacher scores every token
+    the policy samples; each token's advantage gains weight * (log pi_T - log pi_S)."""
+    t = ml_collections.ConfigDict()
+    t.path = ""  # teacher model (as model.path; the student's tokenizer); "" = no teacher
+    t.weight = 1.0  # w of the distillation advantage (task rewards keep their own weights)
+    return t
 
 
 def model_defaults() -> ml_collections.ConfigDict:

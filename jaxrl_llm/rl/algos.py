@@ -74,6 +74,9 @@ class AlgoConfig:
       kl_cov_ratio, kl_cov_coef: the fraction of tokens (largest covariance) KL-Cov
         penalises and the penalty's coefficient.
       ratio_cap: C of DPPO's truncated weight sg(min(rho, C)).
+      distill_coef: w of the on-policy distillation advantage w (log pi_T - log pi_S)
+        added to every sampled token (advantages.py); 0 = no teacher. The trainer sets it
+        from `teacher.weight` when `teacher.path` is set.
       dual_clip: c > 1 caps the loss of A < 0 tokens at -c A; None = off.
       off_policy: the weight of each token for the policy that sampled it (the behaviour
         policy) differing from pi_old: none | tis | icepop | decoupled (`losses` module doc;
@@ -117,6 +120,7 @@ class AlgoConfig:
     kl_cov_ratio: float = 2e-4
     kl_cov_coef: float = 0.1
     ratio_cap: float = 20.0
+    distill_coef: float = 0.0
     off_policy: str = "tis"
     tis_cap: float | None = 2.0
     icepop_low: float = 0.5
@@ -193,6 +197,7 @@ def _errors(cfg: AlgoConfig):
         ("kl_cov_ratio", 0 < cfg.kl_cov_ratio <= 1, "must be in (0, 1]"),
         ("kl_cov_coef", cfg.kl_cov_coef >= 0, "must be >= 0"),
         ("ratio_cap", cfg.ratio_cap > 0, "must be > 0"),
+        ("distill_coef", cfg.distill_coef >= 0, "must be >= 0"),
         ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "must be > 0 or None"),
         (
             "tis_cap",

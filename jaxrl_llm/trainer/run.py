@@ -117,7 +117,23 @@ class Run:
             )
             _, self.ref_params = models.builtin.load_model(ref_path, self.mesh, c.model.dtype)
             self.ref_is_initial = ref_path == self.model_path
+        self._load_teacher()
         return params
+
+    def _load_teacher(self) -> None:
+        """teacher.path (on-policy distillation): its tokenizer must be the student's
+        (checked before its weights are read), then its config and params on the mesh."""
+        c = self.config
+        self.teacher_cfg = self.teacher_params = None
+        if not self.algo.distill_coef:
+            return
+        path = config_lib.resolve_model_path(c.teacher.path, "teacher.path")
+        check_same_tokenizer(
+            self.tokenizer, models.builtin.load_tokenizer(path, "teacher.path"), path
+        )
+        self.teacher_cfg, self.teacher_params = models.builtin.load_model(
+            path, self.mesh, c.model.dtype
+        )
 
     # ------------------------------------------------------------------------- Rollout
     def _build_rollout(self, rollout_mesh) -> None:
@@ -194,6 +210,12 @@ class Run:
             critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
             seed=c.train.seed,
         )  # fmt: skip
+        self.teacher_logprobs = None
+        if self.teacher_cfg is not None:  # the reference's program, over the teacher
+            self.teacher_logprobs = rl.make_logprob_fn(
+                self.teacher_cfg, self.spec, chunk_size=c.train.logprob_chunk,
+                micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
+            )  # fmt: skip
         self.ref_logprobs = None
         if self.algo.needs_ref:  # the update's row slices bound its memory the same way
             self.ref_logprobs = rl.make_logprob_fn(
@@ -208,13 +230,14 @@ class Run:
         with self.transfer_guard():
             ro = self.source.next(step, self.sampler_params(), clock)
             ref = self.reference(ro.out, step)  # dispatched, no wait
+            teacher = self.teacher(ro.out)  # dispatched, no wait
             scored = ro.scored or self.sampling.score(ro.out, ro.batch, clock)  # host
-            clock.wait("reference", ref)
+            clock.wait("reference", (ref, teacher))
             warning = self._check_verifiers(scored, step)
             rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
             with self.compile_log.program("update", bucket(ro.out)):
                 self.state, device = self.update(
-                    self.state, rl.RolloutBatch.from_sample(ro.out, rewards, ref)
+                    self.state, rl.RolloutBatch.from_sample(ro.out, rewards, ref, teacher)
                 )
             self.fresh = False
             clock.wait("update", self.state)
@@ -240,6 +263,14 @@ class Run:
             return jax.device_put(out.logprobs, self.sampling.row_sharding)
         with self.compile_log.program("reference", bucket(out)):
             return self.ref_logprobs(self.ref_params, out)
+
+    def teacher(self, out):
+        """Dispatches the teacher's log-probs of the sampled tokens [N, T] (async), by the
+        reference's program over the teacher's params; None without a teacher."""
+        if self.teacher_logprobs is None:
+            return None
+        with self.compile_log.program("teacher", bucket(out)):
+            return self.teacher_logprobs(self.teacher_params, out)
 
     def close(self) -> None:
         """Stops the rollout source (the rollout thread, the environments) and the
@@ -320,6 +351,20 @@ class Run:
                 "rollout/prompt_width": float(P),
             }
         )
+
+
+def check_same_tokenizer(student, teacher, path: str) -> None:
+    """ConfigError (one line) unless the teacher's tokenizer maps every token to the
+    student's id: the teacher scores the student's token ids as they are."""
+    a, b = student.get_vocab(), teacher.get_vocab()
+    if a == b:
+        return
+    differ = sum(1 for tok in a.keys() | b.keys() if a.get(tok) != b.get(tok))
+    raise config_lib.ConfigError(
+        f"teacher.path={path!r}: its tokenizer is not the student's ({len(b)} tokens "
+        f"against {len(a)}, {differ} with different ids); the teacher must share the "
+        "student's tokenizer"
+    )
 
 
 def make_source(config, s: Sampling, algo, env_rollout: EnvRollout | None = None):
