@@ -287,6 +287,7 @@ def check_rewards(config, algo) -> list[str]:
     except ValueError as e:
         raise ConfigError(str(e) if str(e).startswith("rewards") else f"rewards: {e}") from None
     _check(bool(labels), "rewards: at least one verifier is needed")
+    check_judges(config)
     if algo.decouple_rewards or algo.reward_weights:
         _check(
             algo.reward_weights is None or len(algo.reward_weights) == len(labels),
@@ -294,6 +295,29 @@ def check_rewards(config, algo) -> list[str]:
             f"{len(labels)} rewards",
         )
     return labels
+
+
+def check_judges(config) -> None:
+    """Judge reward entries (verifiers/judge.py): their options, a model path that
+    resolves, and the sync rollout mode (a judge samples on the training mesh in the
+    step's scoring; the asynchronous modes score elsewhere)."""
+    from jaxrl_llm import verifiers
+    from jaxrl_llm.verifiers import judge
+
+    for spec in verifiers.parse_specs(config.rewards):
+        if not judge.is_judge(spec):
+            continue
+        where = f"rewards.{spec.label}.options"
+        try:
+            judge.check_options(spec.options, where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        resolve_model_path(spec.options["model"], f"{where}.model", download=False)
+        _check(
+            config.rollout.mode == "sync",
+            f"rewards.{spec.label}: a judge entry needs rollout.mode='sync' (got "
+            f"{config.rollout.mode!r}); the asynchronous modes score outside the step",
+        )
 
 
 def check_env(config, algo) -> None:

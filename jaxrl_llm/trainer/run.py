@@ -30,7 +30,7 @@ import jax
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, sampling, verifiers
 from jaxrl_llm.startup import compilation, peak
-from jaxrl_llm.trainer import evaluation, perf, scoring
+from jaxrl_llm.trainer import evaluation, judges, perf, scoring
 from jaxrl_llm.trainer.played import EnvRollout, Played
 from jaxrl_llm.trainer.rollout_thread import Threaded
 from jaxrl_llm.trainer.sources import (
@@ -164,10 +164,13 @@ class Run:
         overlong = 0  # DAPO's L_c in tokens (0: no overlong penalty)
         if self.algo.overlong_penalty:
             overlong = max(1, round(self.algo.overlong_buffer_frac * self.spec.max_new_tokens))
+        # Judge entries: a model each on the training mesh, with its own sampler.
+        self.judges = judges.make_judges(specs, self.mesh, c.model.dtype, c.train.seed)
         scorer = scoring.Scorer(self.tokenizer, self.pool, specs, self.spec,
-                                overlong_buffer=overlong, mesh=self.mesh)  # fmt: skip
-        if specs:
-            self.pool.prepare(specs)  # the workers load while the programs build
+                                overlong_buffer=overlong, mesh=self.mesh,
+                                judges=self.judges)  # fmt: skip
+        if scorer.pool_specs:
+            self.pool.prepare(scorer.pool_specs)  # the workers load while the programs build
         hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
         rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
         self.sampling = Sampling(
