@@ -7,6 +7,9 @@
 """
 
 import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +20,11 @@ from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
 
 from jaxrl_llm import assets, config, models, rl
 from jaxrl_llm.trainer import perf
+from jaxrl_llm.trainer.metrics import read_metrics
 from jaxrl_llm.trainer.run import Run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 def _numpy_grpo_distill(rewards, mask, teacher, student, G, coef, eps=1e-6):
@@ -116,21 +123,27 @@ def test_teacher_logprobs_equal_its_own_forward(dirs, tmp_path):
 
 
 def test_teacher_equal_to_student_gives_no_signal(dirs, tmp_path):
-    """teacher.path = model.path: the teacher's log-probs are the sampler's (up to float
-    rounding), so the distillation term adds nothing to the advantages."""
+    """The command line with teacher.path = model.path: the teacher's program is compiled
+    before the first step beside the others (no compile inside a step), and at step 0,
+    where teacher and student are one model, the distillation signal is 0 (the teacher's
+    log-probs are the sampler's up to float rounding); at step 1 the student has moved."""
     student, _ = dirs
-    run = _run(student, student, tmp_path, weight=1.0)
-    try:
-        with run.transfer_guard():
-            ro = run.source.next(0, run.sampler_params(), perf.PhaseClock())
-            teacher = run.teacher(ro.out)
-        valid = np.asarray(ro.out.loss_mask)
-        gap = (np.asarray(ro.out.logprobs) - np.asarray(teacher))[valid]
-        assert np.max(np.abs(gap)) < 1e-5, np.max(np.abs(gap))
-        result = run.step(0)
-        assert abs(float(result.device["distill/reverse_kl"])) < 1e-6
-    finally:
-        run.close()
+    env = dict(os.environ, TINY_MODEL_DIR=student, PYTHONPATH=os.pathsep.join([ROOT, HERE]),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrl_llm.train", f"--config={HERE}/tiny_run.py",
+         f"--workdir={tmp_path / 'run'}", "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
+         f"--config.teacher.path={student}", "--config.algo.beta=0.0",
+         f"--config.train.compilation_cache_dir={tmp_path / 'xla'}"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [m.group(0) for m in re.finditer(r"compiling \w+", proc.stderr)]
+    assert lines == ["compiling sampler", "compiling teacher", "compiling update"], lines
+    first, second = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert first["perf/compile_s"] == second["perf/compile_s"] == 0.0
+    assert abs(first["distill/reverse_kl"]) < 1e-6, first["distill/reverse_kl"]
+    assert abs(second["distill/reverse_kl"]) > abs(first["distill/reverse_kl"])
 
 
 def test_teacher_with_another_tokenizer_is_one_line(dirs, tmp_path):
