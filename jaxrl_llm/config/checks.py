@@ -24,7 +24,7 @@ from jaxrl_llm.config.derived import ConfigError, algo_config, mesh_axes, resolv
 from jaxrl_llm.data import config as data_config
 
 # Sections whose keys are the user's own names.
-FREE_FORM = ("rewards", "data.fields", "env.options")
+FREE_FORM = ("rewards", "data.fields", "env.options", "teacher.paths")
 DTYPES = ("float32", "bfloat16", "float16")
 # Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
 MAX_PARTIAL_CHUNKS = 32
@@ -239,9 +239,19 @@ def check_teacher(config) -> None:
     """teacher.path resolves (its tokenizer is compared with the student's when the run
     loads them: `trainer.run`); teacher.weight > 0."""
     t = config.teacher
-    if not t.path:
+    paths = dict(t.paths)
+    _check(
+        bool(t.field) == bool(paths),
+        f"teacher.field={t.field!r} and teacher.paths ({len(paths)} entries): several "
+        "teachers need both (the row field that names a row's teacher, and name -> path)",
+    )
+    if not t.path and not paths:
         return
-    resolve_model_path(t.path, "teacher.path", download=False)
+    if t.path:
+        resolve_model_path(t.path, "teacher.path", download=False)
+    for name, path in paths.items():
+        _check(isinstance(path, str) and bool(path), f"teacher.paths.{name}: expected a path")
+        resolve_model_path(path, f"teacher.paths.{name}", download=False)
     w = t.weight
     _check(
         isinstance(w, int | float) and math.isfinite(w) and w > 0,

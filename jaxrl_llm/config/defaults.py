@@ -73,6 +73,10 @@ def teacher_defaults() -> ml_collections.ConfigDict:
     t = ml_collections.ConfigDict()
     t.path = ""  # teacher model (as model.path; the student's tokenizer); "" = no teacher
     t.weight = 1.0  # w of the distillation advantage (task rewards keep their own weights)
+    # Several teachers: each row's teacher is paths[row[field]] (rows whose value is not
+    # there use teacher.path, which may be "" only if every row names one).
+    t.field = ""  # the data row field naming a row's teacher; "" = one teacher for all
+    t.paths = ml_collections.ConfigDict()  # teacher name -> model path
     return t
 
 

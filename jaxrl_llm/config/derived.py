@@ -60,7 +60,7 @@ def algo_config(config):
 
     overrides = {k: v for k, v in config.algo.items() if k != "name" and v is not None}
     teacher = config.get("teacher")
-    if teacher is not None and teacher.path:  # on-policy distillation
+    if teacher is not None and (teacher.path or teacher.get("paths")):  # distillation
         overrides["distill_coef"] = float(teacher.weight)
     return rl.preset(config.algo.name, **overrides)
 

@@ -51,8 +51,9 @@ def precompile_step(
         if run.ref_logprobs is not None and not later:
             build("reference", bucket, run.ref_logprobs, run.ref_params, out)
         teacher = None  # on-policy distillation: the teacher's log-probs, shaped the same
-        if run.teacher_logprobs is not None:
-            build("teacher", bucket, run.teacher_logprobs, run.teacher_params, out)
+        for (label, _, params), program in zip(run.teachers, run.teacher_programs,
+                                               strict=True):  # fmt: skip
+            build(label, bucket, program, params, out)
             teacher = out.logprobs
         local_rows = out.tokens.shape[0] // jax.process_count()
         rewards = parallel.shard_local_batch(np.zeros(local_rows, np.float32), run.mesh)

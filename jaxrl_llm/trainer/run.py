@@ -26,6 +26,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, sampling, verifiers
@@ -121,19 +122,31 @@ class Run:
         return params
 
     def _load_teacher(self) -> None:
-        """teacher.path (on-policy distillation): its tokenizer must be the student's
-        (checked before its weights are read), then its config and params on the mesh."""
+        """teacher.path and teacher.paths (on-policy distillation): each teacher's
+        tokenizer must be the student's (checked before any teacher weight is read), then
+        its config and params on the mesh, once per distinct path. `self.teachers`:
+        [(label, cfg, params)]; `self.teacher_index`: teacher name -> its index (the
+        default teacher, teacher.path, is named "")."""
         c = self.config
-        self.teacher_cfg = self.teacher_params = None
+        self.teachers, self.teacher_index = [], {}
         if not self.algo.distill_coef:
             return
-        path = config_lib.resolve_model_path(c.teacher.path, "teacher.path")
-        check_same_tokenizer(
-            self.tokenizer, models.builtin.load_tokenizer(path, "teacher.path"), path
-        )
-        self.teacher_cfg, self.teacher_params = models.builtin.load_model(
-            path, self.mesh, c.model.dtype
-        )
+        t = c.teacher
+        named = ([("", "teacher.path", t.path)] if t.path else []) + [
+            (name, f"teacher.paths.{name}", path) for name, path in dict(t.paths).items()
+        ]
+        paths = {}  # resolved path -> index
+        for name, key, path in named:
+            path = config_lib.resolve_model_path(path, key)
+            if path not in paths:
+                check_same_tokenizer(
+                    self.tokenizer, models.builtin.load_tokenizer(path, key), path, key
+                )
+                paths[path] = len(paths)
+            self.teacher_index[name] = paths[path]
+        for path, i in paths.items():
+            cfg, params = models.builtin.load_model(path, self.mesh, c.model.dtype)
+            self.teachers.append(("teacher" + (f" {i}" if i else ""), cfg, params))
 
     # ------------------------------------------------------------------------- Rollout
     def _build_rollout(self, rollout_mesh) -> None:
@@ -213,12 +226,18 @@ class Run:
             critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
             seed=c.train.seed,
         )  # fmt: skip
-        self.teacher_logprobs = None
-        if self.teacher_cfg is not None:  # the reference's program, over the teacher
-            self.teacher_logprobs = rl.make_logprob_fn(
-                self.teacher_cfg, self.spec, chunk_size=c.train.logprob_chunk,
-                micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
+        # The reference's program, over each teacher.
+        self.teacher_programs = [
+            rl.make_logprob_fn(
+                cfg,
+                self.spec,
+                chunk_size=c.train.logprob_chunk,
+                micro_batches=o.micro_batches * o.mini_batches,
+                mesh=self.mesh,
             )  # fmt: skip
+            for _, cfg, _ in self.teachers
+        ]
+        self.pick_teacher = jax.jit(_pick_rows, out_shardings=parallel.batch_sharding(self.mesh, 2))
         self.ref_logprobs = None
         if self.algo.needs_ref:  # the update's row slices bound its memory the same way
             self.ref_logprobs = rl.make_logprob_fn(
@@ -233,7 +252,7 @@ class Run:
         with self.transfer_guard():
             ro = self.source.next(step, self.sampler_params(), clock)
             ref = self.reference(ro.out, step)  # dispatched, no wait
-            teacher = self.teacher(ro.out)  # dispatched, no wait
+            teacher = self.teacher(ro)  # dispatched, no wait
             scored = ro.scored or self.sampling.score(ro.out, ro.batch, clock)  # host
             clock.wait("reference", (ref, teacher))
             warning = self._check_verifiers(scored, step)
@@ -267,13 +286,47 @@ class Run:
         with self.compile_log.program("reference", bucket(out)):
             return self.ref_logprobs(self.ref_params, out)
 
-    def teacher(self, out):
-        """Dispatches the teacher's log-probs of the sampled tokens [N, T] (async), by the
-        reference's program over the teacher's params; None without a teacher."""
-        if self.teacher_logprobs is None:
+    def teacher(self, ro):
+        """Dispatches the teacher's log-probs of the rollout's sampled tokens [N, T]
+        (async), by the reference's program over the teacher's params; None without a
+        teacher. Several teachers (teacher.field): every one runs over the batch and each
+        row keeps its own teacher's (`teacher_rows`)."""
+        if not self.teachers:
             return None
-        with self.compile_log.program("teacher", bucket(out)):
-            return self.teacher_logprobs(self.teacher_params, out)
+        out = ro.out
+        logps = []
+        for (label, _, params), program in zip(self.teachers, self.teacher_programs,
+                                               strict=True):  # fmt: skip
+            with self.compile_log.program(label, bucket(out)):
+                logps.append(program(params, out))
+        if not self.config.teacher.field:
+            return logps[0]
+        rows = parallel.shard_local_batch(self.teacher_rows(ro), self.mesh)
+        with self.compile_log.program("teacher rows", bucket(out)):
+            return self.pick_teacher(rows, *logps)
+
+    def teacher_rows(self, ro) -> np.ndarray:
+        """[n] int32: the index into `self.teachers` of each of this process's rows,
+        named by its data row's teacher.field (teacher.path where it names none)."""
+        t, index = self.config.teacher, self.teacher_index
+        G = ro.out.num_generations
+        examples = ro.scored.examples if ro.scored is not None else [
+            ex for ex in ro.batch.examples for _ in range(G)
+        ]  # fmt: skip
+        rows = []
+        for ex in examples:
+            value = ex.get(t.field)
+            value = value if isinstance(value, str) else str(value)
+            if value not in index or value == "":
+                if "" not in index:
+                    raise config_lib.ConfigError(
+                        f"teacher.field={t.field!r}: a row's value {ex.get(t.field)!r} "
+                        f"names no teacher in teacher.paths ({', '.join(sorted(index))})"
+                        " and teacher.path is not set"
+                    )
+                value = ""
+            rows.append(index[value])
+        return np.asarray(rows, np.int32)
 
     def close(self) -> None:
         """Stops the rollout source (the rollout thread, the environments) and the
@@ -356,7 +409,14 @@ class Run:
         )
 
 
-def check_same_tokenizer(student, teacher, path: str) -> None:
+def _pick_rows(rows, *logps):
+    """Row i of logps[rows[i]]: [N] int32, K x [N, T] -> [N, T]."""
+    stacked = jax.numpy.stack(logps)
+    chosen = rows[None, :, None] == jax.numpy.arange(len(logps))[:, None, None]
+    return jax.numpy.sum(jax.numpy.where(chosen, stacked, 0.0), axis=0)
+
+
+def check_same_tokenizer(student, teacher, path: str, key: str = "teacher.path") -> None:
     """ConfigError (one line) unless the teacher's tokenizer maps every token to the
     student's id: the teacher scores the student's token ids as they are."""
     a, b = student.get_vocab(), teacher.get_vocab()
@@ -364,7 +424,7 @@ def check_same_tokenizer(student, teacher, path: str) -> None:
         return
     differ = sum(1 for tok in a.keys() | b.keys() if a.get(tok) != b.get(tok))
     raise config_lib.ConfigError(
-        f"teacher.path={path!r}: its tokenizer is not the student's ({len(b)} tokens "
+        f"{key}={path!r}: its tokenizer is not the student's ({len(b)} tokens "
         f"against {len(a)}, {differ} with different ids); the teacher must share the "
         "student's tokenizer"
     )
