@@ -84,15 +84,24 @@ def _config(student, judge, **options):
     return c
 
 
-def test_judge_rewards_through_the_trainer(dirs, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "overlap", "split"])
+def test_judge_rewards_through_the_trainer(dirs, tmp_path, mode):
+    """Every rollout mode: sync and overlap score in the step, on the one mesh; split on
+    the rollout thread, with the judge on the rollout mesh."""
     student, judge = dirs
-    run = Run.build(_config(student, judge), str(tmp_path))
+    c = _config(student, judge)
+    c.rollout.mode = mode
+    if mode == "split":  # training mesh 4 devices (fsdp 2 x tensor 2), rollout mesh 4
+        c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
+    run = Run.build(c, str(tmp_path))
     try:
         (j,) = run.judges
+        assert j.sampler.mesh is run.sampling.rollout_mesh
         seen = {"errors": 0, "marked": 0, "rows": 0}
         for step in range(2):
             scored = run.step(step).scored
-            assert j.calls == step + 1  # one batched sampler call per step
+            # One batched sampler call per step (the rollout thread may score ahead).
+            assert j.calls == step + 1 or (mode == "split" and j.calls >= step + 1)
             rows = zip(scored.completions, scored.examples, scored.prompts, strict=True)
             want = [_expected(j.tokenizer, c, ex, p) for c, ex, p in rows]
             scores = np.array([w[0] for w in want])
@@ -114,6 +123,7 @@ def test_judge_rewards_through_the_trainer(dirs, tmp_path):
         assert seen["errors"] + seen["marked"] < seen["rows"], seen
     finally:
         run.close()
+    assert j.calls == run.sampling.scorer.calls  # one per scoring call, ahead ones too
 
 
 @pytest.mark.parametrize(
@@ -148,11 +158,3 @@ def test_judge_options_are_checked(dirs, options, match):
     with pytest.raises(config.ConfigError, match=match) as err:
         config.prepare(_config(student, judge, **options), devices=jax.devices())
     assert "\n" not in str(err.value) and str(err.value).startswith("rewards.judge.options")
-
-
-def test_judge_refuses_the_async_modes(dirs):
-    student, judge = dirs
-    c = _config(student, judge)
-    c.rollout.mode = "overlap"
-    with pytest.raises(config.ConfigError, match=r"^rewards.judge: a judge entry needs"):
-        config.prepare(c, devices=jax.devices())

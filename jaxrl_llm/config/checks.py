@@ -308,9 +308,8 @@ def check_rewards(config, algo) -> list[str]:
 
 
 def check_judges(config) -> None:
-    """Judge reward entries (verifiers/judge.py): their options, a model path that
-    resolves, and the sync rollout mode (a judge samples on the training mesh in the
-    step's scoring; the asynchronous modes score elsewhere)."""
+    """Judge reward entries (verifiers/judge.py): their options and a model path that
+    resolves."""
     from jaxrl_llm import verifiers
     from jaxrl_llm.verifiers import judge
 
@@ -323,11 +322,6 @@ def check_judges(config) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         resolve_model_path(spec.options["model"], f"{where}.model", download=False)
-        _check(
-            config.rollout.mode == "sync",
-            f"rewards.{spec.label}: a judge entry needs rollout.mode='sync' (got "
-            f"{config.rollout.mode!r}); the asynchronous modes score outside the step",
-        )
 
 
 def check_env(config, algo) -> None:

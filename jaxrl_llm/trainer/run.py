@@ -177,8 +177,9 @@ class Run:
         overlong = 0  # DAPO's L_c in tokens (0: no overlong penalty)
         if self.algo.overlong_penalty:
             overlong = max(1, round(self.algo.overlong_buffer_frac * self.spec.max_new_tokens))
-        # Judge entries: a model each on the training mesh, with its own sampler.
-        self.judges = judges.make_judges(specs, self.mesh, c.model.dtype, c.train.seed)
+        # Judge entries: a model each, with its own sampler, on the mesh that scores (the
+        # rollout mesh in split mode, where the rollout thread scores; else the one mesh).
+        self.judges = judges.make_judges(specs, rollout_mesh, c.model.dtype, c.train.seed)
         scorer = scoring.Scorer(self.tokenizer, self.pool, specs, self.spec,
                                 overlong_buffer=overlong, mesh=self.mesh,
                                 judges=self.judges)  # fmt: skip

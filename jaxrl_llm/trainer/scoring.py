@@ -59,7 +59,7 @@ class Scorer:
         self.overlong_buffer, self.mesh = overlong_buffer, mesh
         self.judges = list(judges)
         self.pool_specs = [s for s in specs if not is_judge(s)]
-        self.calls = 0  # scoring calls (a judge samples once in each)
+        self.calls = 0  # scoring calls done (a judge samples once in each)
 
     def decode(self, out: sampling.SampleOutput):
         """This process's completion ids -> (texts, lengths, finish); the one device->host
@@ -103,7 +103,6 @@ class Scorer:
     def _score(self, texts, examples, prompts, lengths):
         """The pool's entries, then each judge's (one batched sampler call each): the
         weighted sum [n] and the merged `verifiers.ScoreDetails`."""
-        self.calls += 1
         if self.pool_specs:
             rewards, details = self.pool.score(
                 self.pool_specs, texts, examples, num_tokens=lengths.tolist()
@@ -115,7 +114,7 @@ class Scorer:
                 num_samples=len(texts),
             )  # fmt: skip
         for judge in self.judges:
-            scores, errors = judge(texts, examples, prompts, step=self.calls)
+            scores, errors = judge(texts, examples, prompts, step=self.calls + 1)
             label = judge.label
             weight = next(s.weight for s in self.specs if s.label == label)
             rewards = rewards + weight * scores
@@ -127,6 +126,7 @@ class Scorer:
                 first = f"{label} sample {errors[0][0]}: {errors[0][1]}"
                 details.first_error = details.first_error or first
                 details.messages.extend(f"{label} sample {i}: {m}" for i, m in errors[:3])
+        self.calls += 1
         return rewards, details
 
 
