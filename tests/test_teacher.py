@@ -100,30 +100,11 @@ def _hf_completion_logprobs(path, out, temperature):
     return logp.gather(-1, tokens[..., None])[..., 0].numpy()
 
 
-def test_teacher_logprobs_equal_its_own_forward(dirs, tmp_path):
-    """A teacher other than the student: the log-probs the run dispatches equal the
-    teacher's HF PyTorch forward, and differ from the student's."""
-    student, teacher = dirs
-    run = _run(student, teacher, tmp_path)
-    try:
-        assert run.algo.distill_coef == 0.5 and run.teachers[0][1].hidden_size == 48
-        with run.transfer_guard():
-            ro = run.source.next(0, run.sampler_params(), perf.PhaseClock())
-            got = run.teacher(ro)
-        want = _hf_completion_logprobs(teacher, ro.out, run.spec.logprob_temperature)
-        valid = np.asarray(ro.out.loss_mask)
-        assert valid.sum() > 10
-        np.testing.assert_allclose(np.asarray(got)[valid], want[valid], atol=1e-5, rtol=0)
-        gap = np.abs(np.asarray(ro.out.logprobs) - want)[valid]
-        assert np.mean(gap) > 0.1  # another model: a real distillation signal
-    finally:
-        run.close()
-
-
 def test_several_teachers_chosen_by_a_data_field(dirs, tmp_path):
-    """teacher.field='answer': rows whose answer is even are scored by the wide teacher
-    (teacher.paths, ten names for one model: loaded once), the others by teacher.path
-    (here the student); each row's log-probs are its own teacher's HF forward."""
+    """The teacher's log-probs in a run equal its own HF PyTorch forward, with two
+    teachers chosen by teacher.field='answer': rows whose answer is even are scored by
+    the wide teacher (teacher.paths, ten names for one model: loaded once), the others
+    by teacher.path (here the student)."""
     student, teacher = dirs
     c = tiny_config(student, beta=0.0)
     c.rewards = {"format": {"weight": 1.0, "options": {"pattern": "[0-9].*"}}}
@@ -146,7 +127,10 @@ def test_several_teachers_chosen_by_a_data_field(dirs, tmp_path):
             _hf_completion_logprobs(student, ro.out, t),
         )
         valid = np.asarray(ro.out.loss_mask)
+        assert valid.sum() > 10
         np.testing.assert_allclose(got[valid], want[valid], atol=1e-5, rtol=0)
+        gap = np.abs(np.asarray(ro.out.logprobs) - want)[valid & even[:, None]]
+        assert np.mean(gap) > 0.1  # the wide teacher is another model: a real signal
     finally:
         run.close()
 
@@ -162,13 +146,13 @@ def test_teacher_equal_to_student_gives_no_signal(dirs, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxrl_llm.train", f"--config={HERE}/tiny_run.py",
          f"--workdir={tmp_path / 'run'}", "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
-         f"--config.teacher.path={student}", "--config.algo.beta=0.0",
-         f"--config.train.compilation_cache_dir={tmp_path / 'xla'}"],
+         f"--config.teacher.path={student}", "--config.algo.beta=0.0"],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [m.group(0) for m in re.finditer(r"compiling \w+", proc.stderr)]
-    assert lines == ["compiling sampler", "compiling teacher", "compiling update"], lines
+    # Compiled, or loaded from the test session's compilation cache.
+    lines = [m.group(1) for m in re.finditer(r"(?:compiling|loading) (\w+)", proc.stderr)]
+    assert lines == ["sampler", "teacher", "update"], lines
     first, second = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert first["perf/compile_s"] == second["perf/compile_s"] == 0.0
     assert abs(first["distill/reverse_kl"]) < 1e-6, first["distill/reverse_kl"]

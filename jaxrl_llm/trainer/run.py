@@ -10,9 +10,11 @@ and the host in between:
     params = run.sampler_params()                     # the policy as the sampler reads it
     ro = source.next(step, params, clock)             # a rollout source per mode (`sources`)
     ref = ref_logprobs(ref_params, ro.out)            # jitted, dispatched, no wait
-    scored = ro.scored or score(ro)                   # host: ids -> text -> verifiers,
-                                                      # overlapping the reference forward
-    state, metrics = update(state, RolloutBatch.from_sample(ro.out, rewards, ref))  # jitted
+    teacher = teacher_logprobs(teacher_params, ro.out)  # (teacher.path) the same program
+    scored = ro.scored or score(ro)                   # host: ids -> text -> verifiers
+                                                      # (and judges, on the mesh),
+                                                      # overlapping the two forwards
+    state, metrics = update(state, RolloutBatch.from_sample(ro.out, rewards, ref, teacher))
 
 `jax.transfer_guard("disallow")` holds around the step body: the only transfers are the
 explicit ones (completion ids out, rewards in, metrics at log steps).
