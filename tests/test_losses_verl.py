@@ -67,6 +67,14 @@ def _ours(cfg, d):
         return float(loss), np.asarray(grad)
 
 
+def _metrics(cfg, d) -> dict:
+    with jax.enable_x64(True):
+        args = [jnp.asarray(d[k]) for k in ("logp", "old")]
+        _, metrics = L.policy_objective(cfg, *args, None, None, jnp.asarray(d["adv"]),
+                                        jnp.asarray(d["mask"]))  # fmt: skip
+        return {k: float(v) for k, v in metrics.items()}
+
+
 def _verl(fn, d, *args, **kwargs):
     """(loss, d loss / d logp, per-token matrix) of a verl function, float64."""
     logp = torch.tensor(d["logp"], requires_grad=True)
@@ -176,6 +184,8 @@ def test_clip_cov_matches_verl(mode):
     assert 2 <= picked.sum() < int(0.6 * d["mask"].sum())  # all candidates, under budget
     _check(ours, ref[:2], _norm_factor(d, mode))
     assert np.all(ours[1][picked] == 0.0)
+    m = d["mask"] > 0
+    np.testing.assert_allclose(_metrics(cfg, d)["policy/masked_frac"], picked[m].mean(), **TOL)
 
 
 def test_clip_cov_draws_the_budget_among_candidates():
@@ -236,6 +246,12 @@ def test_dppo_matches_verl(mode, kind, eps, cap):
     m = d["mask"] > 0
     dropped = (mat.detach().numpy() == 0) & m & (d["adv"] != 0)
     assert 0 < dropped.sum() < m.sum()  # the trust region masks some tokens, not all
+    # policy/masked_frac is verl's pg_clipfrac, the masked mean of 1 - valid_mask: with no
+    # A = 0 token, exactly the valid tokens whose loss verl zeroes.
+    d["adv"] = np.where(d["adv"] == 0, 0.5, d["adv"])
+    mat = _verl(fn, d, mode, *eps, clip_ratio_c=cap, loss_scale_factor=MAX_LEN)[2]
+    masked = (mat.detach().numpy() == 0)[m]
+    np.testing.assert_allclose(_metrics(cfg, d)["policy/masked_frac"], masked.mean(), **TOL)
 
 
 @pytest.mark.parametrize("name", ["sapo", "gmpo"])

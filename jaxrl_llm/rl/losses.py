@@ -241,9 +241,29 @@ def _policy_metrics(cfg, logp, old_logp, ratio, adv, mask) -> dict:
         "adv/min": a_min,
         "adv/max": a_max,
     }
-    if cfg.dual_clip is not None and cfg.policy_loss != "cispo":
+    if cfg.dual_clip is not None and cfg.policy_loss in ("ppo", "gspo"):
         metrics["policy/clipfrac_dual"] = masked_mean((adv < 0) & (ratio > cfg.dual_clip), valid)
+    metrics |= _extra_metrics(cfg, logp, old_logp, adv, valid)
     return metrics
+
+
+def _extra_metrics(cfg, logp, old_logp, adv, valid) -> dict:
+    """The token fractions the covariance and DPPO losses act on (verl's pg_clipfrac):
+    `policy/masked_frac` (DPPO: outside the trust region; Clip-Cov: detached) and
+    `policy/kl_cov_frac` (KL-Cov: penalised)."""
+    kind = cfg.policy_loss
+    lp, olp = _sg(_f32(logp)), _f32(old_logp)
+    x = clamp_log_ratio(log_ratio(lp, olp, valid))
+    if kind in ("dppo_tv", "dppo_kl"):
+        keep = extra.dppo_keep(kind[5:], lp, olp, adv, valid, cfg.eps_low, cfg.eps_high)
+        return {"policy/masked_frac": masked_mean(~keep, valid)}
+    if kind == "clip_cov":
+        selected = extra.clip_cov_selected(x, lp, olp, adv, valid, cfg)
+        return {"policy/masked_frac": masked_mean(selected, valid)}
+    if kind == "kl_cov":
+        selected = extra.kl_cov_selected(lp, adv, valid, cfg.kl_cov_ratio)
+        return {"policy/kl_cov_frac": masked_mean(selected, valid)}
+    return {}
 
 
 def policy_term(cfg: AlgoConfig, logp, old_logp, advantages, mask):
