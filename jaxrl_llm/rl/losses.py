@@ -229,9 +229,13 @@ def _policy_metrics(cfg, logp, old_logp, ratio, adv, mask) -> dict:
     r_min, r_max = _extremes(ratio, valid)
     a_min, a_max = _extremes(adv, valid)
     a_mean = masked_mean(adv, valid)
-    metrics = {
-        "policy/clipfrac_low": masked_mean(low, valid),
-        "policy/clipfrac_high": masked_mean(high, valid),
+    clipped = {}  # the ratio clip's fractions, for the losses that clip the ratio
+    if cfg.policy_loss in ("ppo", "gspo", "cispo", "clip_cov"):
+        clipped = {
+            "policy/clipfrac_low": masked_mean(low, valid),
+            "policy/clipfrac_high": masked_mean(high, valid),
+        }
+    metrics = clipped | {
         "policy/approx_kl": masked_mean(jnp.expm1(x) - x, valid),
         "policy/ratio_mean": masked_mean(ratio, valid),
         "policy/ratio_min": r_min,
