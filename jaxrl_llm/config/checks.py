@@ -307,8 +307,11 @@ def check_env(config, algo) -> None:
     _check(e.workers >= 0, f"env.workers={e.workers}: must be >= 0 (0 = CPU count)")
     _check(e.memory_mb >= 0, f"env.memory_mb={e.memory_mb}: must be >= 0 (0 = no cap)")
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with env.name yet")
-    _check(config.rollout.mode == "sync", f"rollout.mode={config.rollout.mode!r}: multi-turn "
-           "rollouts (env.name) run in 'sync' mode")  # fmt: skip
+    _check(
+        config.rollout.mode != "overlap" or jax.process_count() == 1,
+        "rollout.mode='overlap' with env.name runs on one host (its trajectories are played "
+        "by a thread); use 'sync'",
+    )
 
 
 def check_train(config) -> None:

@@ -138,8 +138,8 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # (the sampler waits otherwise); 0 reproduces sync.
     r.max_staleness = 1
     # split: a generation in flight when newer parameters arrive goes on with them (its KV
-    # cache recomputed by them), checked every partial_chunk tokens; each token keeps the
-    # log-prob of the version that drew it.
+    # cache recomputed by them), checked every partial_chunk tokens (with env.name: before
+    # each turn); each token keeps the log-prob of the version that drew it.
     r.partial = False
     r.partial_chunk = 16
     return r

@@ -162,7 +162,7 @@ class Run:
         )  # fmt: skip
         self.env_rollout = None
         if c.env.name:  # multi-turn: the environments give the reward
-            self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, self.mesh)
+            self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
         self.source = make_source(c, self.sampling, self.algo, self.env_rollout)
         e = c.eval
         self.eval_batches = []
@@ -323,10 +323,17 @@ class Run:
 
 
 def make_source(config, s: Sampling, algo, env_rollout: EnvRollout | None = None):
-    """The run's rollout source: the environments' (env.name), else the one of
-    rollout.mode, with DAPO's dynamic sampling around it."""
+    """The run's rollout source: the environments' (env.name: played in the step in
+    'sync', by the rollout thread in 'split', and in 'overlap' by the thread on the
+    training mesh one version behind), else the one of rollout.mode, with DAPO's dynamic
+    sampling around it."""
     if env_rollout is not None:
-        return Played(s, env_rollout)
+        mode = config.rollout.mode
+        if mode == "sync":
+            return Played(s, env_rollout)
+        if mode == "split":
+            return Threaded(s, config, player=env_rollout)
+        return Threaded(s, config, player=env_rollout, max_staleness=1, copy=True)
     source = SOURCES[config.rollout.mode](s, config)
     if algo.dynamic_sampling:
         source = Refilled(source, s, algo.max_resample_rounds)
