@@ -57,7 +57,11 @@ setup(
             "nbformat",
             "nbclient",
             "ipykernel",
+            "openai",  # the gateway's tests run agents written against the openai client
+            "aiohttp",  # the gateway's HTTP server (agent.entry)
         ],
+        # agent.entry: the OpenAI-compatible gateway (aiohttp) and the client agents use.
+        "agents": ["aiohttp", "openai"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "wandb": ["wandb"],

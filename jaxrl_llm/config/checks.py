@@ -23,7 +23,7 @@ from jaxrl_llm.config.derived import ConfigError, algo_config, mesh_axes, resolv
 from jaxrl_llm.data import config as data_config
 
 # Sections whose keys are the user's own names.
-FREE_FORM = ("rewards", "data.fields", "env.options")
+FREE_FORM = ("rewards", "data.fields", "env.options", "agent.options")
 DTYPES = ("float32", "bfloat16", "float16")
 # Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
 MAX_PARTIAL_CHUNKS = 32
@@ -55,6 +55,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1):
     check_optim(config)
     labels = check_rewards(config, algo)
     check_env(config, algo)
+    check_agent(config, algo, process_count)
     check_train(config)
     check_eval(config, labels)
     check_checkpoint(config)
@@ -266,6 +267,13 @@ def check_rewards(config, algo) -> list[str]:
             "an env.options entry); set config.rewards = {}",
         )
         return []
+    if config.agent.entry:
+        _check(
+            not config.rewards,
+            "rewards: with agent.entry set the agent's return value is the reward; set "
+            "config.rewards = {}",
+        )
+        return []
     try:
         labels = [s.label for s in verifiers.parse_specs(config.rewards)]
     except ValueError as e:
@@ -312,6 +320,34 @@ def check_env(config, algo) -> None:
         "rollout.mode='overlap' with env.name runs on one host (its trajectories are played "
         "by a thread); use 'sync'",
     )
+
+
+def check_agent(config, algo, process_count: int) -> None:
+    """Agents through the gateway (only read when agent.entry is set)."""
+    a = config.agent
+    if not a.entry:
+        return
+    from jaxrl_llm.gateway import agents
+
+    _check(not config.env.name, "agent.entry and env.name: set one of them")
+    try:
+        agents.check(a.entry, dict(a.options))
+    except ValueError as err:
+        message = str(err)
+        raise ConfigError(
+            message if "agent.options" in message else f"agent.entry: {message}"
+        ) from None
+    _check(
+        a.max_total_tokens >= config.rollout.max_new_tokens,
+        f"agent.max_total_tokens={a.max_total_tokens} is below one response "
+        f"(rollout.max_new_tokens={config.rollout.max_new_tokens})",
+    )
+    _check(a.timeout_s > 0, f"agent.timeout_s={a.timeout_s}: must be > 0")
+    _check(a.batch_wait_s >= 0, f"agent.batch_wait_s={a.batch_wait_s}: must be >= 0")
+    _check(process_count == 1, "agent.entry: the gateway runs on one host")
+    _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with agent.entry")
+    _check(config.eval.every == 0, "eval.every: held-out evaluation of agents is not "
+           "available yet; set eval.every=0")  # fmt: skip
 
 
 def check_train(config) -> None:
@@ -377,6 +413,8 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
     key, budget = "rollout.max_new_tokens", r.max_new_tokens
     if "env" in config and config.env.name:
         key, budget = "env.max_total_tokens", config.env.max_total_tokens
+    if "agent" in config and config.agent.entry:
+        key, budget = "agent.max_total_tokens", config.agent.max_total_tokens
     _check(
         bucket + budget <= model_cfg.max_position_embeddings,
         f"data.max_prompt_len={prompt_len} (bucket {bucket}) + {key}="

@@ -29,6 +29,7 @@ import jax
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, sampling, verifiers
+from jaxrl_llm.gateway.rollout import AgentRollout
 from jaxrl_llm.startup import compilation, peak
 from jaxrl_llm.trainer import evaluation, perf, scoring
 from jaxrl_llm.trainer.played import EnvRollout, Played
@@ -163,6 +164,8 @@ class Run:
         self.env_rollout = None
         if c.env.name:  # multi-turn: the environments give the reward
             self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
+        elif c.agent.entry:  # agents through the gateway: their return value is the reward
+            self.env_rollout = AgentRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
         self.source = make_source(c, self.sampling, self.algo, self.env_rollout)
         e = c.eval
         self.eval_batches = []
@@ -322,11 +325,12 @@ class Run:
         )
 
 
-def make_source(config, s: Sampling, algo, env_rollout: EnvRollout | None = None):
-    """The run's rollout source: the environments' (env.name: played in the step in
-    'sync', by the rollout thread in 'split', and in 'overlap' by the thread on the
-    training mesh one version behind), else the one of rollout.mode, with DAPO's dynamic
-    sampling around it."""
+def make_source(config, s: Sampling, algo, env_rollout=None):
+    """The run's rollout source: the environments' or the agents' (env.name /
+    agent.entry, an `EnvRollout` / `AgentRollout`: played in the step in 'sync', by the
+    rollout thread in 'split', and in 'overlap' by the thread on the training mesh one
+    version behind), else the one of rollout.mode, with DAPO's dynamic sampling around
+    it."""
     if env_rollout is not None:
         mode = config.rollout.mode
         if mode == "sync":
