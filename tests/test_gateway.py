@@ -157,3 +157,39 @@ def test_tool_calls_in_the_model_formats():
                            "<tool_call>{oops</tool_call>")  # fmt: skip
     assert bad.calls == [] and bad.errors == 2 and "{oops" in bad.content
     assert parse_tool_calls("just text").calls == []
+
+
+def test_tools_render_through_the_chat_template(tok):
+    """A request's `tools` reach the chat template (`tools=`); the message contents are
+    tokenized as text, the template's markers as its own."""
+    saved = tok.chat_template
+    tok.chat_template = (
+        "{% if tools %}{% for t in tools %}{{ t.function.name }}+{% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m.content }}={% endfor %}"
+    )
+    try:
+        chat = envs.Renderer(tok, use_chat=True)
+        tools = [{"type": "function", "function": {"name": "12", "parameters": {}}}]
+        with_tools = chat.prompt([{"role": "user", "content": "3+4"}], tools=tools)
+        without = chat.prompt([{"role": "user", "content": "3+4"}])
+    finally:
+        tok.chat_template = saved
+    assert tok.decode(with_tools) == "12+3+4=" and tok.decode(without) == "3+4="
+
+
+@pytest.mark.parametrize(
+    "entry, options, message",
+    [
+        ("missing_file.py:run", {}, "agent.entry: agent 'missing_file.py:run'"),
+        (f"{AGENTS}:openai", {}, "is not an async function"),
+        (f"{AGENTS}:two_turns", {"tries": 2}, "agent.options"),
+    ],
+)
+def test_bad_agent_names_are_one_line(tmp_path_factory, entry, options, message):
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path_factory.mktemp("model"))))
+    c.rewards, c.agent.entry, c.agent.options = {}, entry, options
+    with pytest.raises(ConfigError) as err:
+        validate(c, 8)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -327,15 +327,20 @@ def check_agent(config, algo, process_count: int) -> None:
     a = config.agent
     if not a.entry:
         return
+    import importlib.util
+
     from jaxrl_llm.gateway import agents
 
     _check(not config.env.name, "agent.entry and env.name: set one of them")
+    missing = [p for p in ("aiohttp", "openai") if importlib.util.find_spec(p) is None]
+    _check(not missing, f"agent.entry: the gateway needs {' and '.join(missing)}: "
+           "pip install 'jaxrl_llm[agents]'")  # fmt: skip
     try:
         agents.check(a.entry, dict(a.options))
     except ValueError as err:
         message = str(err)
         raise ConfigError(
-            message if "agent.options" in message else f"agent.entry: {message}"
+            f"agent.options: {message}" if " option" in message else f"agent.entry: {message}"
         ) from None
     _check(
         a.max_total_tokens >= config.rollout.max_new_tokens,
