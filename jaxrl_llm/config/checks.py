@@ -290,13 +290,13 @@ def check_rewards(config, algo) -> list[str]:
 
 def check_env(config, algo) -> None:
     """Multi-turn settings (only read when env.name is set)."""
-    from jaxrl_llm.envs import base, schedule
+    from jaxrl_llm.envs import hubs, schedule
 
     e = config.env
     if not e.name:
         return
     try:
-        base.check_options(e.name, dict(e.options))
+        hubs.check_options(e.name, dict(e.options))
         most = schedule.most(e.max_turns)
     except ValueError as err:
         message = str(err)

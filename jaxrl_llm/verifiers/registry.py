@@ -41,6 +41,7 @@ VERIFIERS = Registry(
         "format": "jaxrl_llm.verifiers.fmt:format_match",
         "countdown": "jaxrl_llm.verifiers.countdown:countdown",
         "python_tests": "jaxrl_llm.verifiers.code:python_tests",
+        "reasoning_gym": "jaxrl_llm.data.reasoning_gym:score",  # the task's own scorer
     },
     kind="function",
     check=callable,
