@@ -193,3 +193,27 @@ def test_bad_agent_names_are_one_line(tmp_path_factory, entry, options, message)
     with pytest.raises(ConfigError) as err:
         validate(c, 8)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+class Adder(envs.ToolEnv):
+    """An environment with one tool; the answer 3 wins."""
+
+    tools = {"add": lambda a, b: a + b}
+
+    def answer(self, text):
+        return float(text.strip() == "3")
+
+
+def test_env_tools_are_called_in_the_model_format():
+    """ToolEnv: well-formed calls run and answer tool messages; a malformed call is an
+    error observation, counted; a turn without a call is the final answer."""
+    env = Adder()
+    step = env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert step.observation == [{"role": "tool", "content": "3"}] and not step.done
+    assert step.info == {"tool_calls": 1.0}
+    step = env.step('<tool_call>{"name": "mul", "arguments": {}}</tool_call>')
+    assert step.observation[0]["content"].startswith("error: no tool 'mul'")
+    step = env.step("<tool_call>{add(1, 2)}</tool_call>")
+    assert step.observation.startswith("error: 1 malformed") and step.info["tool_errors"] == 1
+    step = env.step("3")
+    assert step.done and step.reward == 1.0

@@ -21,8 +21,11 @@ from jaxrl_llm.envs.hubs import check_options
 from jaxrl_llm.envs.pool import EnvPool, Trajectory, replicate
 from jaxrl_llm.envs.render import Renderer
 from jaxrl_llm.envs.schedule import turns_at
+from jaxrl_llm.envs.tool_calls import ToolEnv, parse_tool_calls
 
 __all__ = [
+    "ToolEnv",
+    "parse_tool_calls",
     "BUILTINS",
     "Env",
     "EnvPool",

@@ -5,10 +5,10 @@ client are trained through it (docs/agents.md).
     out, scored, versions = agents(params, batch, step)
 
 `server.Server` is the HTTP endpoint (aiohttp, localhost), `episodes.Episode` keeps one
-episode's exact tokens, `tools.parse_tool_calls` reads tool calls in the model's format.
+episode's exact tokens, `envs.tool_calls.parse_tool_calls` reads tool calls in the model's format.
 """
 
+from jaxrl_llm.envs.tool_calls import ParsedCalls, parse_tool_calls
 from jaxrl_llm.gateway.episodes import Episode, group_rows
-from jaxrl_llm.gateway.tools import ParsedCalls, parse_tool_calls
 
 __all__ = ["Episode", "ParsedCalls", "group_rows", "parse_tool_calls"]

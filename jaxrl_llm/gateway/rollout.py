@@ -31,10 +31,10 @@ import numpy as np
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.data import prompts as prompts_lib
 from jaxrl_llm.envs.render import Renderer
+from jaxrl_llm.envs.tool_calls import parse_tool_calls
 from jaxrl_llm.gateway import agents as agents_lib
 from jaxrl_llm.gateway.episodes import Episode, group_rows
 from jaxrl_llm.gateway.server import Server
-from jaxrl_llm.gateway.tools import parse_tool_calls
 from jaxrl_llm.trainer import scoring
 from jaxrl_llm.verifiers import ScoreDetails
 

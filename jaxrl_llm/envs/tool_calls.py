@@ -1,4 +1,5 @@
-"""Tool calls in the model's own format -> OpenAI `tool_calls`.
+"""Tool calls in the model's own format -> OpenAI `tool_calls` (the gateway's responses)
+and calls of an environment's tools (`ToolEnv`).
 
     parsed = parse_tool_calls(text)     # ParsedCalls(content, calls, errors)
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+
+from jaxrl_llm.envs.base import Env, Step
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -87,3 +90,40 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedCalls:
         ],  # fmt: skip
         errors=errors,
     )
+
+
+class ToolEnv(Env):
+    """An environment whose tools the model calls in its own format (Hermes / Qwen
+    `<tool_call>` blocks, a Llama 3.1 JSON turn): subclass it, give `tools` (name ->
+    function of keyword arguments returning text) and `answer(text) -> reward`.
+
+    Each turn with well-formed calls runs them and answers their results as `tool`
+    messages (one per call, in order); a call of an unknown tool or one that raises
+    answers `error: ...` as its result. A turn with a malformed call answers an error
+    observation naming it, and counts it in `info["tool_errors"]`; a turn with no call is
+    the final answer, scored by `answer`. `info["tool_calls"]` counts the calls run."""
+
+    tools: dict = {}
+
+    def answer(self, text: str) -> float:
+        raise NotImplementedError(f"{type(self).__name__} does not define answer(text)")
+
+    def step(self, action: str):
+        parsed = parse_tool_calls(action)
+        if parsed.errors:
+            return Step(f"error: {parsed.errors} malformed tool call(s); write "
+                        '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+                        info={"tool_errors": float(parsed.errors)})  # fmt: skip
+        if not parsed.calls:
+            return Step(reward=float(self.answer(action)), done=True)
+        results = [{"role": "tool", "content": self._run(c["function"])} for c in parsed.calls]
+        return Step(results, info={"tool_calls": float(len(results))})
+
+    def _run(self, function: dict) -> str:
+        tool = self.tools.get(function["name"])
+        if tool is None:
+            return f"error: no tool {function['name']!r}; tools: {', '.join(self.tools)}"
+        try:
+            return str(tool(**json.loads(function["arguments"])))
+        except Exception as err:  # the model's call failed: it reads why
+            return f"error: {type(err).__name__}: {err}"[:500]
