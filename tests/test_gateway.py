@@ -1,7 +1,8 @@
 """The OpenAI-compatible gateway: agents written against the `openai` client only
 (tests/agents_for_tests.py) trained through it. Exact tokens against a reference loop
 that re-prefills the conversation with HF `generate` every turn; loss masks; history
-rewrites counted; 64 concurrent episodes batched; failures cost their episode only."""
+rewrites counted; 64 concurrent episodes batched; failures cost their episode only;
+tool calls in the model's formats."""
 
 import os
 import types
@@ -75,12 +76,12 @@ def test_agent_episodes_keep_the_tokens_the_model_produced(tiny, tok):
     prompt + completion) equals the reference loop's tokens; model tokens have loss mask
     1 and the sampler's log-probs (equal to a teacher-forced forward), the user turns
     between them loss mask 0; the rewriting episodes are counted and trained on their
-    last segment; the failing one scores 0 and the others do not."""
+    last segment; the failing ones (an agent that raises, a request past
+    agent.max_total_tokens) score 0, are counted, and train on nothing."""
     model, cfg, params = tiny
-    agents, spec = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=3, G=2)
-    questions = ["1+2=", "12*3=", "7-4="]
-    examples = [{"question": questions[0]}, {"question": questions[1], "rewrite": True},
-                {"question": questions[2], "fail": True}]  # fmt: skip
+    agents, spec = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=4, G=2)
+    examples = [{"question": "1+2="}, {"question": "12*3=", "rewrite": True},
+                {"question": "7-4=", "fail": True}, {"question": "1" * 60}]  # fmt: skip
     try:
         out, scored, versions = agents(params, types.SimpleNamespace(examples=examples), 3)
     finally:
@@ -88,7 +89,7 @@ def test_agent_episodes_keep_the_tokens_the_model_produced(tiny, tok):
     tokens, mask, loss_mask, logprobs, lengths, prompt, prompt_mask = (np.asarray(x) for x in (
         out.tokens, out.mask, out.loss_mask, out.logprobs, out.lengths, out.prompt_tokens,
         out.prompt_mask))  # fmt: skip
-    for i, ex in enumerate(examples):
+    for i, ex in enumerate(examples[:3]):
         reference = hf_turns(model, tok, ex["question"], bool(ex.get("rewrite")))
         for row in (2 * i, 2 * i + 1):
             got = prompt[row][prompt_mask[row]].tolist() + tokens[row, : lengths[row]].tolist()
@@ -101,10 +102,11 @@ def test_agent_episodes_keep_the_tokens_the_model_produced(tiny, tok):
     assert not logprobs[~loss_mask].any()
     m = scored.metrics
     assert m["gateway/retokenized"] == 2.0 and m["gateway/errors"] == 2.0
-    assert scored.rewards[4:].tolist() == [0.0, 0.0]
+    assert m["gateway/over_limit"] == 2.0 and not loss_mask[6:].any()
+    assert scored.rewards[4:].tolist() == [0.0] * 4
     assert scored.details.first_error.startswith("agent episode 4: RuntimeError")
-    assert m["gateway/requests"] == 2 * 2 + 2 * 3 + 2 * 2
-    assert np.asarray(out.policy_version).tolist() == [3] * 6
+    assert m["gateway/requests"] == 2 * 2 + 2 * 3 + 2 * 2  # the refused ones not counted
+    assert np.asarray(out.policy_version).tolist() == [3] * 8
 
 
 def test_64_concurrent_episodes_are_batched(tiny, tok):

@@ -213,7 +213,7 @@ class AgentRollout:
         rewards = np.zeros(len(order), np.float32)
         ends, errors = [], []
         for i, (e, (reward, error, end)) in enumerate(zip(order, results, strict=True)):
-            if end == "done" and e in over:
+            if e in over:  # whatever the agent did with the refusal
                 end, error = "max_total_tokens", "the episode passed agent.max_total_tokens"
             rewards[i] = reward if end == "done" else 0.0
             ends.append(end)
