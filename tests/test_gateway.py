@@ -77,7 +77,7 @@ def test_agent_episodes_keep_the_tokens_the_model_produced(tiny, tok):
     1 and the sampler's log-probs (equal to a teacher-forced forward), the user turns
     between them loss mask 0; the rewriting episodes are counted and trained on their
     last segment; the failing ones (an agent that raises, a request past
-    agent.max_total_tokens) score 0, are counted, and train on nothing."""
+    agent.max_total_tokens) score 0 and are counted."""
     model, cfg, params = tiny
     agents, spec = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=4, G=2)
     examples = [{"question": "1+2="}, {"question": "12*3=", "rewrite": True},

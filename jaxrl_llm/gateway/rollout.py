@@ -58,6 +58,7 @@ class AgentRollout:
         self.timeout_s, self.wait_s = a.timeout_s, a.batch_wait_s
         self.server: Server | None = None
         self.label = "agent"
+        self._tool_errors = 0  # malformed tool calls since the last rollout
 
     def close(self) -> None:
         if self.server is not None:
@@ -205,8 +206,6 @@ class AgentRollout:
         choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         return choice, message, ids, logprobs, version
 
-    _tool_errors = 0
-
     def _rollout(self, order, episodes, results, over, batch, stats, seconds, version):
         """The episodes as the step's rows (prompt-major), with rewards and metrics."""
         G = self.spec.num_generations
@@ -243,23 +242,7 @@ class AgentRollout:
         prompts = [decode(p[m]) for p, m in zip(rows["prompt_tokens"], rows["prompt_mask"],
                                                  strict=True)]  # fmt: skip
         n = len(order)
-        calls = max(stats["calls"], 1)
-        metrics = {
-            "gateway/requests": float(stats["requests"]),
-            "gateway/sampler_calls": float(stats["calls"]),
-            "gateway/batch_mean": stats["requests"] / calls,
-            "gateway/batch_max": float(stats["batch_max"]),
-            "gateway/retokenized": float(sum(ep.retokenized for ep in episodes.values())),
-            "gateway/temperature_ignored": float(stats["temperature_ignored"]),
-            "gateway/tool_call_errors": float(self._take_tool_errors()),
-            "gateway/errors": float(ends.count("error")),
-            "gateway/timeouts": float(ends.count("timeout")),
-            "gateway/over_limit": float(ends.count("max_total_tokens")),
-            "gateway/turns_mean": float(np.mean([episodes[e].turns for e in order])),
-            "gateway/seconds": seconds,
-            "rollout/length_mean": float(rows["lengths"].mean()),
-            "rollout/length_max": float(rows["lengths"].max()),
-        }
+        metrics = self._metrics(stats, episodes, ends, rows["lengths"], seconds)
         failed = [i for i, end in enumerate(ends) if end != "done"]
         details = ScoreDetails(
             per_verifier={self.label: rewards.astype(np.float64)}, weights={self.label: 1.0},
@@ -279,9 +262,26 @@ class AgentRollout:
         )  # fmt: skip
         return out, scored, versions
 
-    def _take_tool_errors(self) -> int:
-        count, self._tool_errors = self._tool_errors, 0
-        return count
+    def _metrics(self, stats, episodes, ends, lengths, seconds) -> dict:
+        """gateway/* counters of one rollout (docs/agents.md)."""
+        calls = max(stats["calls"], 1)
+        tool_errors, self._tool_errors = self._tool_errors, 0
+        return {
+            "gateway/requests": float(stats["requests"]),
+            "gateway/sampler_calls": float(stats["calls"]),
+            "gateway/batch_mean": stats["requests"] / calls,
+            "gateway/batch_max": float(stats["batch_max"]),
+            "gateway/retokenized": float(sum(ep.retokenized for ep in episodes.values())),
+            "gateway/temperature_ignored": float(stats["temperature_ignored"]),
+            "gateway/tool_call_errors": float(tool_errors),
+            "gateway/errors": float(ends.count("error")),
+            "gateway/timeouts": float(ends.count("timeout")),
+            "gateway/over_limit": float(ends.count("max_total_tokens")),
+            "gateway/turns_mean": float(np.mean([ep.turns for ep in episodes.values()])),
+            "gateway/seconds": seconds,
+            "rollout/length_mean": float(lengths.mean()),
+            "rollout/length_max": float(lengths.max()),
+        }
 
 
 def _response(episode: str, turn: int, choices: list, prompt_tokens: int) -> dict:
