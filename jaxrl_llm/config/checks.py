@@ -24,7 +24,7 @@ from jaxrl_llm.config.derived import ConfigError, algo_config, mesh_axes, resolv
 from jaxrl_llm.data import config as data_config
 
 # Sections whose keys are the user's own names.
-FREE_FORM = ("rewards", "data.fields", "env.options", "teacher.paths")
+FREE_FORM = ("rewards", "data.fields", "env.options", "teacher.paths", "agent.options")
 DTYPES = ("float32", "bfloat16", "float16")
 # Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
 MAX_PARTIAL_CHUNKS = 32
@@ -57,6 +57,7 @@ def validate(config, num_devices: int | None = None, process_count: int = 1):
     check_optim(config)
     labels = check_rewards(config, algo)
     check_env(config, algo)
+    check_agent(config, algo, process_count)
     check_train(config)
     check_eval(config, labels)
     check_checkpoint(config)
@@ -292,6 +293,13 @@ def check_rewards(config, algo) -> list[str]:
             "an env.options entry); set config.rewards = {}",
         )
         return []
+    if config.agent.entry:
+        _check(
+            not config.rewards,
+            "rewards: with agent.entry set the agent's return value is the reward; set "
+            "config.rewards = {}",
+        )
+        return []
     try:
         labels = [s.label for s in verifiers.parse_specs(config.rewards)]
     except ValueError as e:
@@ -326,13 +334,13 @@ def check_judges(config) -> None:
 
 def check_env(config, algo) -> None:
     """Multi-turn settings (only read when env.name is set)."""
-    from jaxrl_llm.envs import base, schedule
+    from jaxrl_llm.envs import hubs, schedule
 
     e = config.env
     if not e.name:
         return
     try:
-        base.check_options(e.name, dict(e.options))
+        hubs.check_options(e.name, dict(e.options))
         most = schedule.most(e.max_turns)
     except ValueError as err:
         message = str(err)
@@ -351,8 +359,44 @@ def check_env(config, algo) -> None:
     _check(e.workers >= 0, f"env.workers={e.workers}: must be >= 0 (0 = CPU count)")
     _check(e.memory_mb >= 0, f"env.memory_mb={e.memory_mb}: must be >= 0 (0 = no cap)")
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with env.name yet")
-    _check(config.rollout.mode == "sync", f"rollout.mode={config.rollout.mode!r}: multi-turn "
-           "rollouts (env.name) run in 'sync' mode")  # fmt: skip
+    _check(
+        config.rollout.mode != "overlap" or jax.process_count() == 1,
+        "rollout.mode='overlap' with env.name runs on one host (its trajectories are played "
+        "by a thread); use 'sync'",
+    )
+
+
+def check_agent(config, algo, process_count: int) -> None:
+    """Agents through the gateway (only read when agent.entry is set)."""
+    a = config.agent
+    if not a.entry:
+        return
+    import importlib.util
+
+    from jaxrl_llm.gateway import agents
+
+    _check(not config.env.name, "agent.entry and env.name: set one of them")
+    missing = [p for p in ("aiohttp", "openai") if importlib.util.find_spec(p) is None]
+    _check(not missing, f"agent.entry: the gateway needs {' and '.join(missing)}: "
+           "pip install 'jaxrl_llm[agents]'")  # fmt: skip
+    try:
+        agents.check(a.entry, dict(a.options))
+    except ValueError as err:
+        message = str(err)
+        raise ConfigError(
+            f"agent.options: {message}" if " option" in message else f"agent.entry: {message}"
+        ) from None
+    _check(
+        a.max_total_tokens >= config.rollout.max_new_tokens,
+        f"agent.max_total_tokens={a.max_total_tokens} is below one response "
+        f"(rollout.max_new_tokens={config.rollout.max_new_tokens})",
+    )
+    _check(a.timeout_s > 0, f"agent.timeout_s={a.timeout_s}: must be > 0")
+    _check(a.batch_wait_s >= 0, f"agent.batch_wait_s={a.batch_wait_s}: must be >= 0")
+    _check(process_count == 1, "agent.entry: the gateway runs on one host")
+    _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with agent.entry")
+    _check(config.eval.every == 0, "eval.every: held-out evaluation of agents is not "
+           "available yet; set eval.every=0")  # fmt: skip
 
 
 def check_train(config) -> None:
@@ -418,6 +462,8 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
     key, budget = "rollout.max_new_tokens", r.max_new_tokens
     if "env" in config and config.env.name:
         key, budget = "env.max_total_tokens", config.env.max_total_tokens
+    if "agent" in config and config.agent.entry:
+        key, budget = "agent.max_total_tokens", config.agent.max_total_tokens
     _check(
         bucket + budget <= model_cfg.max_position_embeddings,
         f"data.max_prompt_len={prompt_len} (bucket {bucket}) + {key}="

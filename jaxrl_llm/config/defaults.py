@@ -53,6 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
     # label -> weight | {name, weight, options}
     c.rewards = ml_collections.ConfigDict({"gsm8k": 1.0})
     c.env = env_defaults()
+    c.agent = agent_defaults()
     c.train = train_defaults()
     c.eval = eval_defaults()
     c.checkpoint = ml_collections.ConfigDict()
@@ -152,8 +153,8 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # (the sampler waits otherwise); 0 reproduces sync.
     r.max_staleness = 1
     # split: a generation in flight when newer parameters arrive goes on with them (its KV
-    # cache recomputed by them), checked every partial_chunk tokens; each token keeps the
-    # log-prob of the version that drew it.
+    # cache recomputed by them), checked every partial_chunk tokens (with env.name: before
+    # each turn); each token keeps the log-prob of the version that drew it.
     r.partial = False
     r.partial_chunk = 16
     return r
@@ -182,6 +183,24 @@ def env_defaults() -> ml_collections.ConfigDict:
     e.workers = 0  # environment worker processes; 0 = CPU count
     e.memory_mb = 2048  # address space an environment worker may add; 0 = no cap
     return e
+
+
+def agent_defaults() -> ml_collections.ConfigDict:
+    """Agents through the OpenAI-compatible gateway (docs/agents.md); "" = none."""
+    a = ml_collections.ConfigDict()
+    # path/to/file.py:run | package.module:run: `async def run(client, example) -> float`,
+    # client an openai.AsyncOpenAI on the gateway; each episode is one trajectory.
+    a.entry = ""
+    a.options = ml_collections.ConfigDict()  # the agent's keywords after (client, example)
+    # Tokens of an episode after its prompt (its turns and the messages added between
+    # them): the width the reference and the update see; a request that would pass it is
+    # refused and its episode scores 0. rollout.max_new_tokens caps one response.
+    a.max_total_tokens = 256
+    a.timeout_s = 120.0  # one episode, its requests included; past it the episode scores 0
+    # How long the batcher waits for more requests once one is pending (every running
+    # episode having one ends the wait at once).
+    a.batch_wait_s = 0.05
+    return a
 
 
 def optim_defaults() -> ml_collections.ConfigDict:

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, sampling, verifiers
+from jaxrl_llm.gateway.rollout import AgentRollout
 from jaxrl_llm.startup import compilation, peak
 from jaxrl_llm.trainer import evaluation, judges, perf, scoring
 from jaxrl_llm.trainer.played import EnvRollout, Played
@@ -197,7 +198,9 @@ class Run:
         )  # fmt: skip
         self.env_rollout = None
         if c.env.name:  # multi-turn: the environments give the reward
-            self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, self.mesh)
+            self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
+        elif c.agent.entry:  # agents through the gateway: their return value is the reward
+            self.env_rollout = AgentRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
         self.source = make_source(c, self.sampling, self.algo, self.env_rollout)
         e = c.eval
         self.eval_batches = []
@@ -433,11 +436,19 @@ def check_same_tokenizer(student, teacher, path: str, key: str = "teacher.path")
     )
 
 
-def make_source(config, s: Sampling, algo, env_rollout: EnvRollout | None = None):
-    """The run's rollout source: the environments' (env.name), else the one of
-    rollout.mode, with DAPO's dynamic sampling around it."""
+def make_source(config, s: Sampling, algo, env_rollout=None):
+    """The run's rollout source: the environments' or the agents' (env.name /
+    agent.entry, an `EnvRollout` / `AgentRollout`: played in the step in 'sync', by the
+    rollout thread in 'split', and in 'overlap' by the thread on the training mesh one
+    version behind), else the one of rollout.mode, with DAPO's dynamic sampling around
+    it."""
     if env_rollout is not None:
-        return Played(s, env_rollout)
+        mode = config.rollout.mode
+        if mode == "sync":
+            return Played(s, env_rollout)
+        if mode == "split":
+            return Threaded(s, config, player=env_rollout)
+        return Threaded(s, config, player=env_rollout, max_staleness=1, copy=True)
     source = SOURCES[config.rollout.mode](s, config)
     if algo.dynamic_sampling:
         source = Refilled(source, s, algo.max_resample_rounds)

@@ -11,6 +11,7 @@
 | `SampledAhead` | overlap | sampled during step s - 1, before its update | 1 |
 | `Threaded` | split | sampled and scored by a thread on the rollout mesh | <= bound |
 | `Played` | sync + env | multi-turn trajectories with environments | 0 |
+| `Threaded` + player | overlap / split + env | trajectories played by the thread | <= bound |
 | `Refilled` | sync + DAPO | `Sampled`, then more batches until B mixed groups | 0 |
 
 (`Threaded` is in rollout_thread.py, `Played` in played.py; the bound is

@@ -44,6 +44,7 @@ VERIFIERS = Registry(
         "python_tests": "jaxrl_llm.verifiers.code:python_tests",
         # A model on the mesh, run by the trainer (verifiers/judge.py, trainer/judges.py).
         "judge": "jaxrl_llm.verifiers.judge:judge",
+        "reasoning_gym": "jaxrl_llm.data.reasoning_gym:score",  # the task's own scorer
     },
     kind="function",
     check=callable,
