@@ -236,6 +236,9 @@ class PagedSampler:
         self._decode = jax.jit(self._decode_program, static_argnames=("steps", "spec"),
                                donate_argnums=(1, 2))  # fmt: skip
         self._prefill = jax.jit(self._prefill_program, donate_argnums=(1, 2))
+        # The pool is made on device (zeros from the host would be an implicit transfer).
+        where = None if mesh is None else NamedSharding(mesh, P())
+        self._pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3), out_shardings=where)
 
     # ----------------------------------------------------------- Sampler's interface
     @property
@@ -288,8 +291,10 @@ class PagedSampler:
         if budgets.shape != (N,) or budgets.min() < 1 or budgets.max() > T:
             raise ValueError(f"budgets: expected [{N}] values in [1, {T}]")
         seed = self.seed if seed is None else int(seed)
-        key = jax.random.fold_in(jax.random.key(seed), 0 if step is None else int(step))
-        run = _Run(self, params, ids, mask, spec, budgets, key)
+        # (seed, step) go to the device as numbers and the key is made there: a key built
+        # on the host would be an implicit transfer (refused under the trainer's guard).
+        seed_step = self._put(np.array([seed, 0 if step is None else int(step)], np.uint32))
+        run = _Run(self, params, ids, mask, spec, budgets, seed_step)
         drawn, logprobs, stopped = run.all()
         self.stats = run.stats
         return self._output(ids, mask, spec, drawn, logprobs, stopped, version)
@@ -314,8 +319,10 @@ class PagedSampler:
         return jax.tree.map(lambda x: jax.device_put(x, sharding), out)
 
     # ----------------------------------------------------------------- device programs
-    def _decode_program(self, params, pages, slots, prompt_logits, key, stops, *, steps, spec):
+    def _decode_program(self, params, pages, slots, prompt_logits, seed_step, stops, *, steps,
+                        spec):  # fmt: skip
         self.traces["decode", slots.tokens.shape, pages.k.shape] += 1
+        key = jax.random.fold_in(jax.random.key(seed_step[0]), seed_step[1])
         return decode_chunk(self.cfg, params, pages, slots, prompt_logits, key, stops, steps,
                             spec)  # fmt: skip
 
@@ -376,7 +383,7 @@ class _Run:
         )  # fmt: skip
         e = engine
         dtype = params["embed"].dtype
-        self.pages = e._put(init_pages(e.cfg, total, PS, dtype))  # noqa: SLF001
+        self.pages = e._pool(e.cfg, total, PS, dtype)  # noqa: SLF001
         self.prompt_logits = e._put(np.zeros((B + 1, e.cfg.vocab_size), np.float32))  # noqa: SLF001
         self.scratch = B  # prompt_logits row of a resumed row's prefill (not read)
         self.stops = e._put(np.asarray(spec.stop_ids or (-1,), np.int32))  # noqa: SLF001
