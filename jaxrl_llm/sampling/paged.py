@@ -342,8 +342,8 @@ class PagedSampler:
 class _Run:
     """One `PagedSampler.sample` call's host side: the queue, the page lists, the slots."""
 
-    def __init__(self, engine: PagedSampler, params, ids, mask, spec, budgets, key):
-        self.e, self.params, self.spec, self.key = engine, params, spec, key
+    def __init__(self, engine: PagedSampler, params, ids, mask, spec, budgets, seed_step):
+        self.e, self.params, self.spec, self.seed_step = engine, params, spec, seed_step
         self.ids, self.mask, self.budgets = ids, mask, budgets
         B, width = ids.shape
         G, T, C, PS = (
@@ -392,6 +392,10 @@ class _Run:
     def _take(self, count: int) -> list:
         return [self.free.pop() for _ in range(count)]
 
+    def _width(self, pages: int) -> int:
+        """Page-table columns a program reads: a power of two >= pages, at most M."""
+        return min(self.M, 1 << max(1, pages - 1).bit_length())
+
     def _in_use(self) -> int:
         return self.pages.k.shape[1] - 1 - len(self.free)
 
@@ -407,7 +411,7 @@ class _Run:
         if count > len(self.free):
             return None
         pages = [NULL_PAGE] * first + self._take(count)
-        table = np.zeros((1, self.M), np.int32)
+        table = np.zeros((1, self._width(len(pages))), np.int32)
         table[0, : len(pages)] = pages
         seq = np.full(padded, self.e.pad_id, np.int32)
         seq[start:] = tokens
@@ -517,20 +521,26 @@ class _Run:
             self._grow()
             if not self.order:
                 raise RuntimeError("paged engine: no sequence fits the page pool")
-            slots = e._put(Slots(**{k: h[k] for k in names}))  # noqa: SLF001
+            # The table is cut to the most pages any slot holds (a power of two: a few
+            # programs), so a step gathers about as many slots as are filled.
+            held = max(self.owner[s][3] for s in self.order)
+            cut = dict(h, table=h["table"][:, : self._width(held)])
+            slots = e._put(Slots(**{k: cut[k] for k in names}))  # noqa: SLF001
             self.pages, slots = e._decode(  # noqa: SLF001
                 self.params,
                 self.pages,
                 slots,
                 self.prompt_logits,
-                self.key,
+                self.seed_step,
                 self.stops,
                 steps=e.chunk_steps,
                 spec=self.spec,
             )
             self.stats["decode_chunks"] += 1
             got = jax.device_get(slots)
+            table = h["table"]
             self.host = h = {k: np.array(getattr(got, k)) for k in names}
+            h["table"] = table
             for s in list(self.order):
                 if not h["live"][s]:
                     row, n = self.owner[s][0], int(h["n"][s])
