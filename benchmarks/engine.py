@@ -3,7 +3,7 @@ length mix, side by side in one process (runs interleaved: static, paged, static
 
     python benchmarks/engine.py                       # CPU: ~25M Qwen3-like, 128 rows
     python benchmarks/engine.py --preset 100m --rows 512 --batch 128 --new 512 \\
-        --scales 1,2,4,8 --page-size 64 --chunk-steps 32    # GPU / TPU (same script)
+        --scales 1,2,4,8 --page-size 64 --chunk-steps 8,32    # GPU / TPU (same script)
 
 Lengths. A random model never stops where we want, so each row's completion length is
 forced: drawn log-normal (median --new / 10, sigma 1, clipped to [1, --new]), so the
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=128, help="max_new_tokens")
     ap.add_argument("--scales", default="1,2,4,8", help="max_new_tokens multiples (budget)")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--chunk-steps", type=int, default=16)
+    ap.add_argument("--chunk-steps", default="4,16", help="engines compared (the first: budget)")
     ap.add_argument("--prefill-chunk", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
@@ -80,12 +80,15 @@ def main(argv=None) -> None:
           f"mean {lengths.mean():.1f}, max {lengths.max()}; KV {kv_tokens} tokens "
           f"({pages} pages of {args.page_size})")  # fmt: skip
 
-    def engine(slots=batch):
-        return sampling.PagedSampler(cfg, slots=slots, pages=pages, page_size=args.page_size,
-                                     chunk_steps=args.chunk_steps,
-                                     prefill_chunk=args.prefill_chunk)  # fmt: skip
+    chunks = [int(x) for x in args.chunk_steps.split(",")]
 
-    paged = engine()
+    def engine(chunk=chunks[0]):
+        return sampling.PagedSampler(
+            cfg, slots=batch, pages=pages, page_size=args.page_size, chunk_steps=chunk,
+            prefill_chunk=args.prefill_chunk,
+        )  # fmt: skip
+
+    engines = {f"paged, chunk {c}": engine(c) for c in chunks}
     per = batch // G  # prompts per static batch
 
     def run_static():
@@ -95,21 +98,22 @@ def main(argv=None) -> None:
                                 spec.replace(max_new_tokens=longest), step=b)  # fmt: skip
             block(out.tokens)
 
-    def run_paged(eng=paged, mix=lengths, s=spec):
+    def run_paged(eng, mix=lengths, s=spec):
         out = eng.sample(params, ids, mask, s, budgets=mix)
         block(out.tokens)
         assert (np.asarray(out.lengths) == mix).all()
 
     useful = int(lengths.sum())
-    for fn in (run_static, run_paged):  # compile
+    runs = {"static": run_static}
+    runs |= {name: (lambda e=e: run_paged(e)) for name, e in engines.items()}
+    for fn in runs.values():  # compile
         fn()
-    times = {"static": [], "paged": []}
+    times = {name: [] for name in runs}
     for _ in range(args.repeats):
-        for name, fn in (("static", run_static), ("paged", run_paged)):
+        for name, fn in runs.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    ratios = [s / p for s, p in zip(times["static"], times["paged"], strict=True)]
     rows = [
         dict(engine=name, **{"median s": f"{statistics.median(t):.2f}",
              "spread s": f"{min(t):.2f}-{max(t):.2f}",
@@ -117,9 +121,11 @@ def main(argv=None) -> None:
         for name, t in times.items()
     ]  # fmt: skip
     print(table(rows, ["engine", "median s", "spread s", "useful tok/s"]))
-    pairs = ", ".join(f"{r:.2f}" for r in ratios)
-    print(f"paged / static useful tokens/s: median {statistics.median(ratios):.2f}x "
-          f"(pairs: {pairs}); paged stats {paged.stats}")  # fmt: skip
+    for name, eng in engines.items():
+        ratios = [s / p for s, p in zip(times["static"], times[name], strict=True)]
+        pairs = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"{name} / static useful tokens/s: median {statistics.median(ratios):.2f}x "
+              f"(pairs: {pairs}); {eng.stats}")  # fmt: skip
 
     rows = []
     for scale in (int(x) for x in args.scales.split(",")):

@@ -437,6 +437,15 @@ class _Run:
             item = self.waiting[0]
             b = item.row // self.G
             real = self.ids[b][self.mask[b]]
+            # Admitted only with pages for its prefill and first chunk left over after the
+            # next chunk of the rows already in: a row taken in only to be preempted at
+            # once would cost a prefill for nothing.
+            fresh_prompt = not item.drawn and b not in self.prompt_pages
+            cost = self._pages_of(len(real) + len(item.drawn)) if item.drawn or fresh_prompt else 0
+            cost += -(-self.e.chunk_steps // self.PS) + 1
+            reserve = sum(self._need(t) for t in self.order)
+            if self.order and cost + reserve > len(self.free):
+                return
             if item.drawn:  # preempted: its prompt and tokens so far, recomputed
                 got = self._prefill(np.concatenate([real, item.drawn[:-1]]), self.scratch)
                 if got is None:
@@ -492,17 +501,27 @@ class _Run:
         self.waiting.appendleft(item)
         self.stats["preempted"] += 1
 
+    def _pages_of(self, tokens: int) -> int:
+        """Pages a prefill of `tokens` tokens takes (those of padding only are null)."""
+        padded = -(-tokens // self.C) * self.C
+        return padded // self.PS - (padded - tokens) // self.PS
+
+    def _need(self, s: int) -> int:
+        """Pages slot s lacks for its next chunk of steps."""
+        h = self.host
+        end = int(h["length"][s]) + int(h["budget"][s]) - int(h["n"][s])
+        want = min(int(h["length"][s]) + self.e.chunk_steps, end)
+        return max(0, -(-want // self.PS) - self.owner[s][3])
+
     def _grow(self) -> None:
         """Pages for the next chunk of every live slot, oldest first; the youngest are
         preempted when the pool runs short, so the oldest always advances."""
-        h, PS, K = self.host, self.PS, self.e.chunk_steps
+        h, PS = self.host, self.PS
         for s in list(self.order):
             if self.owner[s] is None:
                 continue
             row, mine, shared, held = self.owner[s]
-            end = int(h["length"][s]) + int(h["budget"][s]) - int(h["n"][s])
-            want = min(int(h["length"][s]) + K, end)
-            need = max(0, -(-want // PS) - held)
+            need = self._need(s)
             while need > len(self.free) and self.order[-1] != s:
                 self._preempt(self.order[-1])
             got = min(need, len(self.free))
