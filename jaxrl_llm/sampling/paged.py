@@ -14,7 +14,8 @@ of a prompt's G rows holds a copy of the prompt's keys and values. This engine i
   padding mapped to the null page) and its pages are shared, read-only, by its G rows:
   reference-counted, returned when the last of them ends. A row's own tokens go to pages
   taken as it grows (before each decode chunk, for that chunk's steps) and returned when
-  it ends.
+  it ends. A waiting row is admitted only when the pool keeps, besides its prefill and
+  first chunk, the pages the rows already in need for their next chunk.
 - decodes `slots` sequences at once in a `lax.while_loop` of `chunk_steps` steps on
   device; between chunks the host returns the pages of finished rows, gives their slots
   to the next waiting rows (prefilling their prompts, chunk by chunk) and takes pages for
@@ -31,7 +32,10 @@ are the static sampler's: log softmax(logits / temperature) of the drawn token.
 
 Results come back in request order as a `SampleOutput` (tokens, masks, log-probs, lengths,
 finish reasons, prompts at their bucket width, policy version), rows on the mesh like the
-static sampler's. Single-turn rollouts only (no `append` / `refresh`).
+static sampler's. A row whose prompt has no real token (a dummy row that makes the batch
+divide the mesh) draws nothing (length 0). Single-turn rollouts only (no `append` /
+`refresh`), on one process. The engine's small state (slots, page pool) is replicated
+over the mesh; the parameters are read in their own sharding.
 """
 
 from __future__ import annotations

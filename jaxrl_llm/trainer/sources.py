@@ -14,7 +14,8 @@
 | `Refilled` | sync + DAPO | `Sampled`, then more batches until B mixed groups | 0 |
 
 (`Threaded` is in rollout_thread.py, `Played` in played.py; the bound is
-`rollout.max_staleness`.)
+`rollout.max_staleness`.) Every source samples with the engine `make_sampler` builds:
+`rollout.engine` static (`sampling.Sampler`) or paged (`sampling.PagedSampler`).
 
 `next(step, params, clock)` gets the current policy parameters as the sampler reads them
 (version `step`: `step` updates applied) and the step's `perf.PhaseClock`; it returns the
