@@ -163,6 +163,7 @@ def check_lora(lora) -> None:
 
 
 ROLLOUT_MODES = ("sync", "overlap", "split")
+ENGINES = ("static", "paged")  # rollout.engine
 
 
 def check_rollout(config, mesh_shape, process_count: int) -> None:
@@ -208,6 +209,7 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         f"rollout.partial_chunk >= {-(-r.max_new_tokens // MAX_PARTIAL_CHUNKS)} "
         f"(at most {MAX_PARTIAL_CHUNKS} chunks)",
     )
+    check_engine(config, process_count)
     if r.mode == "split":
         _check(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")
         from jaxrl_llm import parallel
@@ -215,6 +217,38 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         m = config.mesh
         shape = parallel.mesh_shape(mesh_axes(m.rollout), m.rollout_devices)
         check_batch_size("rollout.batch_size", r.batch_size, shape, 1)
+
+
+def check_engine(config, process_count: int) -> None:
+    """rollout.engine and, for 'paged', its settings and what it does not combine with yet."""
+    r = config.rollout
+    _check(
+        r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
+    )
+    if r.engine != "paged":
+        return
+    p = r.paged
+    for key in ("slots", "pages"):
+        value = p[key]
+        ok = isinstance(value, int) and value >= 0
+        _check(ok, f"rollout.paged.{key}={value!r}: must be an integer >= 0 (0 = automatic)")
+    for key in ("page_size", "chunk_steps", "prefill_chunk"):
+        value = p[key]
+        _check(isinstance(value, int) and value >= 1,
+               f"rollout.paged.{key}={value!r}: must be an integer >= 1")  # fmt: skip
+    _check(p.prefill_chunk % p.page_size == 0,
+           f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
+           f"rollout.paged.page_size={p.page_size}")  # fmt: skip
+    _check(
+        r.mode == "sync", f"rollout.engine='paged' runs with rollout.mode='sync' (got {r.mode!r})"
+    )
+    _check(not config.env.name,
+           f"rollout.engine='paged' samples single-turn rollouts; env.name={config.env.name!r} "
+           "needs rollout.engine='static'")  # fmt: skip
+    _check(not config.agent.entry,
+           f"rollout.engine='paged' samples single-turn rollouts; agent.entry="
+           f"{config.agent.entry!r} needs rollout.engine='static'")  # fmt: skip
+    _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
 
 
 def check_algo(config):

@@ -157,6 +157,20 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # each turn); each token keeps the log-prob of the version that drew it.
     r.partial = False
     r.partial_chunk = 16
+    # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
+    # KV cache until the batch's longest row stops. paged: continuous batching over a paged
+    # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand
+    # their slot and pages to waiting ones and a prompt's G rows share its pages; pays off
+    # when completion lengths are long-tailed. sync mode, single-turn, one process.
+    r.engine = "static"
+    r.paged = ml_collections.ConfigDict()
+    r.paged.slots = 0  # sequences decoded at once; 0 = the batch's rows (B * G)
+    # KV pages in the pool (the null page included); 0 = the static sampler's cache size,
+    # B * G * (prompt bucket + max_new_tokens) tokens
+    r.paged.pages = 0
+    r.paged.page_size = 16  # tokens per page
+    r.paged.chunk_steps = 16  # decode steps on device between host checks
+    r.paged.prefill_chunk = 64  # prompt tokens per prefill program (a multiple of page_size)
     return r
 
 

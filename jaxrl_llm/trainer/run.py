@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import data, models, parallel, rl, sampling, verifiers
+from jaxrl_llm import data, models, parallel, rl, verifiers
 from jaxrl_llm.gateway.rollout import AgentRollout
 from jaxrl_llm.startup import compilation, peak
 from jaxrl_llm.trainer import evaluation, judges, perf, scoring
@@ -43,6 +43,7 @@ from jaxrl_llm.trainer.sources import (
     SampledAhead,
     Sampling,
     bucket,
+    make_sampler,
     staleness,
 )
 
@@ -165,10 +166,7 @@ class Run:
                 self.merge = models.lora.make_merge_fn(self.model_cfg, self.mesh)
                 sampler_cfg = self.base_cfg
         pad = data.prompts.pad_id(self.tokenizer)
-        sampler = sampling.Sampler(
-            sampler_cfg, rollout_mesh, seed=c.train.seed, pad_id=pad,
-            bucket_steps=c.rollout.bucket_steps, cache_segments=c.rollout.cache_segments,
-        )  # fmt: skip
+        sampler = make_sampler(c, sampler_cfg, rollout_mesh, pad)  # rollout.engine
         self.pool = verifiers.VerifierPool(
             c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s,
             memory_mb=c.train.verifier_memory_mb,
