@@ -197,7 +197,10 @@ def test_config_refuses_what_the_paged_engine_does_not_do(tmp_path):
     c.rollout.mode, c.env.name = "sync", "calculator"
     with pytest.raises(config_lib.ConfigError, match="single-turn"):
         checks.check_engine(c, 1)
-    c.env.name, c.rollout.paged.prefill_chunk = "", 20
+    c.env.name, c.agent.entry = "", "agent.py:run"
+    with pytest.raises(config_lib.ConfigError, match="agent.entry='agent.py:run'"):
+        checks.check_engine(c, 1)
+    c.agent.entry, c.rollout.paged.prefill_chunk = "", 20
     with pytest.raises(config_lib.ConfigError, match="multiple of rollout.paged.page_size"):
         checks.check_engine(c, 1)
     c.rollout.engine = "vllm"
