@@ -75,6 +75,11 @@ def model_defaults() -> ml_collections.ConfigDict:
     m.ref_path = ""  # reference model (as model.path); "" = the initial policy
     m.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
     m.remat = "none"  # none | full | dots | dots_no_batch
+    # Attention (docs/long_context.md): auto | xla | blockwise | cudnn | pallas. auto: GPU
+    # cuDNN, TPU Pallas splash, CPU the full score matrix for short sequences and
+    # blockwise (memory linear in the length) for long ones. xla: the full [T, S] matrix.
+    m.attention = "auto"
+    m.attention_block = 512  # query / key block of blockwise and pallas (tokens)
     # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
     # grows with depth, sampling holds a second copy of the layer weights). None: picked at
     # start-up (`tuning`): False on CPU up to 8 layers, else True.

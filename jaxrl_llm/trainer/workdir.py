@@ -56,6 +56,8 @@ NOT_MEANINGFUL = frozenset(
     {
         "model.remat",  # recompute vs store activations: same math
         "model.scan_layers",  # scanned vs unrolled layers: same math
+        "model.attention",  # attention implementation: same math
+        "model.attention_block",
         "data.data_dir",  # where TFDS files live
         "data.download",
         "data.skip_bad_rows",  # the fix for a run stopped by a bad row
