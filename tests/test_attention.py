@@ -168,3 +168,36 @@ def test_auto_picks_by_backend_and_length():
     assert A.resolve("auto", "cpu", 256, 256) == "xla"
     assert A.resolve("auto", "cpu", 16384, 16384) == "blockwise"
     assert A.resolve("blockwise", "gpu") == "blockwise"
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma3"])
+def test_chunked_prefill_equals_one_shot(gemma):
+    """Prefill in chunks of 4 tokens (two full chunks and a remainder; blockwise attention
+    over the cache in blocks of 4) gives the one-shot prefill's logits and cache."""
+    from tiny_run import tiny_gemma3_config, tiny_model_config
+
+    cfg = (tiny_gemma3_config if gemma else tiny_model_config)(attention="xla")
+    params = models.init_params(cfg, seed=0)
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 11)), jnp.int32)
+    mask = np.ones((3, 11), bool)
+    mask[1, :6] = False  # left padding past the first chunk
+    mask[2, 9:] = False  # the remainder chunk is padding only
+    mask = jnp.asarray(mask)
+
+    def run(cfg):
+        cache = models.init_cache(cfg, 3, 16)
+        return jax.jit(models.prefill, static_argnums=0)(cfg, params, ids, mask, cache)
+
+    want_logits, want = run(cfg)
+    got_logits, got = run(cfg.replace(prefill_chunk=4, attention="blockwise", attention_block=4))
+    np.testing.assert_allclose(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(got.valid, want.valid)
+    np.testing.assert_array_equal(got.pos, want.pos)
+    assert int(got.index) == int(want.index) == 11
+    valid = np.asarray(want.valid)
+    gk, wk = np.asarray(got.k), np.asarray(want.k)  # [L,B,K,H,S]: compared on valid slots
+    for b in range(3):
+        np.testing.assert_allclose(gk[:, b][..., valid[b]], wk[:, b][..., valid[b]], atol=1e-5)
+        gv, wv = np.asarray(got.v)[:, b], np.asarray(want.v)[:, b]  # [L,K,S,H]
+        np.testing.assert_allclose(gv[:, :, valid[b]], wv[:, :, valid[b]], atol=1e-5)

@@ -190,6 +190,10 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         f"rollout.cache_segments={r.cache_segments!r}: must be an integer >= 1 (1 = one loop)",
     )
     _check(
+        isinstance(r.prefill_chunk, int) and r.prefill_chunk >= 0,
+        f"rollout.prefill_chunk={r.prefill_chunk!r}: must be an integer >= 0 (0 = one shot)",
+    )
+    _check(
         r.mode in ROLLOUT_MODES,
         f"rollout.mode={r.mode!r}: expected one of {', '.join(ROLLOUT_MODES)}",
     )

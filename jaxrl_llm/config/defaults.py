@@ -132,6 +132,9 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # loop bodies (1 = one loop). Pays off most for long generations at large batch. While
     # the cache grows the old and new one coexist: peak KV memory under 2x one full cache.
     r.cache_segments = 4  # = sampling.CACHE_SEGMENTS
+    # Prefill long prompts in chunks of this many tokens (0 = the whole prompt at once):
+    # peak activations of one chunk, the same cache and logits (docs/long_context.md).
+    r.prefill_chunk = 0
     # sync: each step samples with the parameters it updates. overlap: the next step's
     # rollout is dispatched with the current parameters before this step's scoring and
     # update, so the devices sample while the host scores; every batch is then one policy

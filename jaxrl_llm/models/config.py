@@ -113,6 +113,8 @@ class ModelConfig:
     # query / key block of the blockwise and Pallas paths.
     attention: str = "auto"
     attention_block: int = 512
+    # Sampler prefill in chunks of this many prompt tokens (0: the whole prompt at once).
+    prefill_chunk: int = 0
     # False: the layer loop is unrolled instead of scanned. Teacher-forced forward (update,
     # reference): no stacked per-layer residuals to zero-fill and copy into. Sampling: one
     # KV-cache array per layer, read in place instead of copied out of an [L, ...] array.
@@ -153,6 +155,8 @@ class ModelConfig:
             )
         if self.attention_block < 1:
             raise ValueError(f"model.attention_block={self.attention_block}: must be >= 1")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"rollout.prefill_chunk={self.prefill_chunk}: must be >= 0")
         if self.attention == "pallas" and self.windowed:
             raise UnsupportedModelError(
                 "model.attention='pallas' cannot do sliding-window layers (this model has "

@@ -195,9 +195,32 @@ def last_hidden(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
 
 
 def prefill(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache):
-    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V], cache)."""
-    hidden, cache = extend(cfg, params, tokens, attention_mask, cache)
-    return project(cfg, params, last_hidden(hidden, attention_mask)), cache
+    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V], cache).
+
+    With `cfg.prefill_chunk` = C > 0 and T > C the prompt goes in as chunks of C tokens
+    (a `lax.scan` of `extend`, then the remainder), each attending to the cache so far:
+    the activations of one chunk instead of the whole prompt, the same cache and logits.
+    """
+    C, (B, T) = cfg.prefill_chunk, tokens.shape
+    if not C or T <= C:
+        hidden, cache = extend(cfg, params, tokens, attention_mask, cache)
+        return project(cfg, params, last_hidden(hidden, attention_mask)), cache
+    attention_mask = attention_mask.astype(bool)
+
+    def chunk(carry, xs):
+        cache, last = carry
+        hidden, cache = extend(cfg, params, xs[0], xs[1], cache)
+        seen = xs[1].any(-1)[:, None]  # rows with a real token here: their latest so far
+        return (cache, jnp.where(seen, last_hidden(hidden, xs[1]), last)), None
+
+    n = T // C
+    split = lambda x: x[:, : n * C].reshape(B, n, C).swapaxes(0, 1)  # noqa: E731
+    last = jnp.zeros((B, cfg.hidden_size), params["embed"].dtype)
+    carry, _ = jax.lax.scan(chunk, (cache, last), (split(tokens), split(attention_mask)))
+    if n * C < T:
+        carry, _ = chunk(carry, (tokens[:, n * C :], attention_mask[:, n * C :]))
+    cache, last = carry
+    return project(cfg, params, last), cache
 
 
 def decode_step(cfg: ModelConfig, params: Params, tokens, cache: KVCache, layers=None, real=None):

@@ -61,7 +61,8 @@ def init_model(config, tokenizer, mesh):
     (seed `train.seed`). Raises ConfigError when the sequences do not fit its context."""
     m = config.model
     runtime = dict(remat=m.remat, scan_layers=bool(m.scan_layers), attention=m.attention,
-                   attention_block=m.attention_block)  # fmt: skip
+                   attention_block=m.attention_block,
+                   prefill_chunk=config.rollout.prefill_chunk)  # fmt: skip
     if m.path:
         path = config_lib.resolve_model_path(m.path)
         check_lengths(config, models.builtin.model_config(path))

@@ -100,7 +100,8 @@ class Run:
             print(rows.summary(), file=sys.stderr, flush=True)
         m = c.model
         runtime = dict(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                       attention_block=m.attention_block)  # fmt: skip
+                       attention_block=m.attention_block,
+                       prefill_chunk=c.rollout.prefill_chunk)  # fmt: skip
         self.model_cfg, params = models.builtin.load_model(
             self.model_path, self.mesh, c.model.dtype, **runtime
         )
