@@ -268,8 +268,16 @@ def _pad_mask(mask: Mask, tp: int, sp: int) -> Mask:
     )
 
 
-def _block_mask(mask: Mask, i, j, bq: int, bk: int) -> jax.Array:
-    """The dense mask [B,bq,bk] of query block i and key block j (traced indices)."""
+def _block_mask(mask: Mask, i, j, bq: int, bk: int, anchor) -> jax.Array:
+    """The dense mask [B,bq,bk] of query block i and key block j (traced indices).
+
+    anchor: an array of this block's data. Autodiff of the layer scan hoists loop-invariant
+    work out of it: the masks of every (i, j) pair, which depend only on the mask, would
+    be computed once and stacked, [nq, nk, B, bq, bk] (quadratic in T). Indices that
+    depend on the block's data (i + 0 * anything, as integers) keep that work here."""
+    first = anchor.reshape(-1)[0]
+    zero = jnp.logical_and(first != first, False).astype(jnp.int32)
+    i, j = i + zero, j + zero
 
     def take(x, n, start):
         return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, n, axis=x.ndim - 1)
@@ -299,7 +307,7 @@ def _blockwise_forward(qb, kb, vb, mask):
         qi = qb[i]
 
         def k_step(carry, j):
-            m = _block_mask(mask, i, j, bq, bk)
+            m = _block_mask(mask, i, j, bq, bk, qi)
 
             def visit(carry):
                 mx, total, acc = carry
@@ -347,7 +355,7 @@ def _blockwise_bwd(res, g):
         qi, gi, lse_i, delta_i = qb[i], g[i], lse[i], delta[i]
 
         def k_step(dq, j):
-            m = _block_mask(mask, i, j, bq, bk)
+            m = _block_mask(mask, i, j, bq, bk, gi)
 
             def visit(dq):
                 p = jnp.exp(_block_scores(qi, kb[j], m, scale) - lse_i)
