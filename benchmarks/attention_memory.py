@@ -31,16 +31,26 @@ from jaxrl_llm.rl import update as U  # noqa: E402
 
 GiB = 2**30
 PROMPT = 256
+# Qwen3-1.7B as it is (configs/math_grpo_qwen3_1p7b_16k_tpu.py).
+QWEN3_1P7B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+    num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True, rope_theta=1e6,
+    max_position_embeddings=40960,
+)  # fmt: skip
+MODELS = {
+    "qwen2.5-0.5b": ("Qwen2ForCausalLM", QWEN2P5_0P5B),
+    "qwen3-1.7b": ("Qwen3ForCausalLM", QWEN3_1P7B),
+}
 
 
-def compiled_temporaries(cfg, new: int) -> int:
-    """Temporaries (bytes) of the compiled update over two rows of PROMPT + new tokens."""
+def compiled_temporaries(cfg, new: int, prompt: int = PROMPT) -> int:
+    """Temporaries (bytes) of the compiled update over two rows of prompt + new tokens."""
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     opt = U.make_optimizer(learning_rate=1e-6)
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=new)
     update = U.make_update_fn(cfg, rl.preset("grpo", beta=0.04), opt, spec, micro_batches=2)
     state = abstract_state(cfg, opt, jnp.dtype(jnp.bfloat16), sharding)
-    batch = abstract_batch(2, PROMPT, new, 2, sharding)
+    batch = abstract_batch(2, prompt, new, 2, sharding)
     return update.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -49,26 +59,28 @@ def main():
     ap.add_argument("--lengths", default="1024,4096,16384,32768", help="T, comma-separated")
     ap.add_argument("--paths", default="xla,blockwise")
     ap.add_argument("--block", type=int, default=512, help="model.attention_block")
+    ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens per row")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     paths = args.paths.split(",")
     print(
-        f"device {device_name()}; Qwen2.5-0.5B shapes, bfloat16, remat full; GRPO update, "
-        f"one row of {PROMPT} + T tokens per micro-batch; compiled, not run; "
+        f"device {device_name()}; {args.model} shapes, bfloat16, remat full; GRPO update, "
+        f"one row of {args.prompt} + T tokens per micro-batch; compiled, not run; "
         f"block {args.block}",
         flush=True,
     )
     rows = []
     for t in lengths:
-        new = t - PROMPT if t >= 32768 else t
-        row = {"T": t, "tokens/row": PROMPT + new}
+        new = t - args.prompt if t >= 32768 else t
+        row = {"T": t, "tokens/row": args.prompt + new}
         for path in paths:
+            arch, shapes = MODELS[args.model]
             cfg = models.ModelConfig(
-                "Qwen2ForCausalLM", remat="full", attention=path, attention_block=args.block,
-                **QWEN2P5_0P5B,
-            )  # fmt: skip
+                arch, remat="full", attention=path, attention_block=args.block, **shapes
+            )
             start = time.perf_counter()
-            row[f"{path} GiB"] = compiled_temporaries(cfg, new) / GiB
+            row[f"{path} GiB"] = compiled_temporaries(cfg, new, args.prompt) / GiB
             print(f"  T={t} {path}: {row[f'{path} GiB']:.2f} GiB temporaries "
                   f"({time.perf_counter() - start:.0f} s to compile)", flush=True)  # fmt: skip
         rows.append(row)
