@@ -71,7 +71,7 @@ class Sizes:
 
 SIZES = {
     "0.5b": Sizes("bfloat16", 16, 8, 512, (1, 64), 256, (4096, 16384), (14, 2, 64)),
-    "tiny": Sizes("float32", 8, 2, 8, (1, 4), 8, (128, 256), (4, 2, 16)),
+    "tiny": Sizes("float32", 8, 2, 8, (2,), 8, (128,), (4, 2, 16)),
 }
 XLA_MAX_SCORE_BYTES = 8 * 2**30  # the xla path's [N, T, T] float32 scores, at most
 

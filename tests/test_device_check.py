@@ -15,13 +15,7 @@ def test_device_check_tiny_preset_writes_its_tables(tmp_path):
     for title in ("## GRPO step", "## Decode", "## Attention", "## Packed vs padded update"):
         assert title in text, title
     assert "| sample " in text and "| update " in text
-    # the attention table: xla against blockwise, float32, at each length
-    rows = [
-        line for line in text.splitlines() if line.startswith("| 128 ") or line.startswith("| 256 ")
-    ]
-    diffs = [
-        float(r.split("|")[-2])
-        for r in rows
-        if "e-" in r.split("|")[-2] or "e+" in r.split("|")[-2]
-    ]
-    assert len(diffs) == 4 and max(diffs) <= 1e-5, rows
+    # the attention table at T = 128: xla and blockwise, float32, as equal as rounding
+    rows = [line for line in text.splitlines() if line.startswith("| 128 ")]
+    diffs = [float(r.split("|")[-2]) for r in rows]
+    assert len(diffs) == 2 and max(diffs) <= 1e-5, rows
