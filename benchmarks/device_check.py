@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PRESETS, device_name, measure_matmul_peak, preset_config, table  # noqa: E402
+from common import device_name, measure_matmul_peak, preset_config, table  # noqa: E402
 from grpo_step import TOKENIZER, make_config  # noqa: E402
 
 from jaxrl_llm import config as config_lib  # noqa: E402
@@ -48,11 +48,6 @@ from jaxrl_llm import models, sampling  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 from jaxrl_llm.models import attention as A  # noqa: E402
 from jaxrl_llm.trainer import perf  # noqa: E402
-
-TINY = dict(
-    vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=16,
-)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,10 +206,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     sizes = SIZES[args.preset]
     start = time.perf_counter()
-    if args.preset in PRESETS:
-        cfg = preset_config(args.preset).replace(remat="full")
-    else:
-        cfg = dataclasses.replace(preset_config("25m"), remat="full", **TINY)
+    cfg = preset_config(args.preset).replace(remat="full")
     peak = measure_matmul_peak(sizes.dtype, repeats=3)
     bw = bandwidth()
     head = (

@@ -12,12 +12,15 @@ prompt + 16,384 response tokens per row. What makes the length fit
 of every layer, log-probs in chunks of 256 positions, and one row per chip in each
 micro-batch (256 rows in 16 micro-batches of 16, FSDP over the 16 chips).
 Memory budget, from XLA's analysis of the compiled update (benchmarks/attention_memory.py
---model=qwen3-1.7b --prompt=1024 --lengths=16384 --paths=blockwise, CPU, one device, one
-row of 1,024 + 16,384 tokens per micro-batch, the portable blockwise attention): see
-docs/long_context.md, "The 16k config". Parameters, gradients and fp32 Adam state
-(~27 GB in all for 1.7B) are split 16 ways by FSDP; the KV cache of the sampler holds
-256 rows x 17,408 slots x 28 layers x 8 kv heads x 128 x 2 (k, v) in bf16 = 51 GB, 3.2 GB
-a chip. Expected: eval/pass@1 on held-out MATH rises over the first hundred steps, and
+--model=qwen3-1.7b --prompt=1024 --lengths=16384 --paths=blockwise: CPU, one unsharded
+device, one row of 1,024 + 16,384 tokens per micro-batch, the portable blockwise
+attention): 32.6 GiB of temporaries, of which 26.8 GiB are there at 1,024 + 1,024 tokens
+too (parameter-sized: the float32 gradient and the optimizer's update, which FSDP splits
+16 ways) and 5.8 GiB grow with the row's tokens (a chip's share: one row). Parameters
+and fp32 Adam state (~27 GB for 1.7B) are split 16 ways as well; the sampler's KV cache holds
+at most 256 rows x 17,408 slots x 28 layers x 8 kv heads x 128 x 2 (k, v) in bf16 =
+511 GB, 32 GB a chip (the decode loop grows it in segments: the full length only at the
+end). Expected: eval/pass@1 on held-out MATH rises over the first hundred steps, and
 the mean response length grows; not yet measured (no slice was available when this
 was written).
 """
