@@ -77,7 +77,7 @@ def grpo_step(preset: str, sizes: Sizes, model_dir: str, workdir: str, peak: flo
         dtype=sizes.dtype, remat="full", scan_layers=preset == "tiny", beta=0.04,
         prompts=sizes.prompts, generations=sizes.generations, new_tokens=sizes.new_tokens,
         bucket_steps=4, cache_segments=sampling.CACHE_SEGMENTS, micro_batches=2,
-        logprob_chunk=128, warmup=1, steps=1,
+        logprob_chunk=128, warmup=1, steps=1, ignore_eos=True,
     )  # fmt: skip
     run = train_lib.Run.build(make_config(args, model_dir), workdir)
     try:
@@ -228,9 +228,11 @@ def main(argv=None):
             f"{sizes.new_tokens} new tokens, beta 0.04, remat full)", step,
         ))  # fmt: skip
         print(sections[-1][0] + "\n" + table(step, list(step[0])) + "\n", flush=True)
+    print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
     rows = decode(cfg, params, sizes, bw)
     sections.append((f"## Decode ({sizes.decode_tokens} tokens after a 16-token prompt)", rows))
     print(sections[-1][0] + "\n" + table(rows, list(rows[0])) + "\n", flush=True)
+    print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
     rows = attention(sizes)
     sections.append(("## Attention, forward + backward, causal + left padding", rows))
     print(sections[-1][0] + "\n" + table(rows, _columns(rows)) + "\n", flush=True)
