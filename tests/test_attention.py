@@ -156,6 +156,20 @@ def test_model_logits_blockwise_match_hf(tmp_path, arch):
     assert diff <= 1e-4, diff
 
 
+def test_model_logits_blockwise_sharded_match_hf(tmp_path):
+    """blockwise on a 2 x 4 mesh (weights over fsdp and tensor, the batch over fsdp)."""
+    from jaxrl_llm import parallel
+
+    model = hf_model("qwen3")
+    model.save_pretrained(tmp_path)
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    cfg, params = models.load_hf(tmp_path, mesh=mesh, attention="blockwise", attention_block=4)
+    ids, mask = padded_batch(seed=2, batch=4)
+    got = models.logits(cfg, params, *parallel.shard_batch((ids, mask), mesh))
+    diff = np.abs(np.asarray(got) - hf_logits(model, ids, mask))[mask].max()
+    assert diff <= 1e-4, diff
+
+
 def test_pallas_refuses_sliding_window(tmp_path):
     hf_model("gemma3").save_pretrained(tmp_path)
     with pytest.raises(models.UnsupportedModelError, match="model.attention='pallas'"):
