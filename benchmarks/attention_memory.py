@@ -2,9 +2,10 @@
 
     python benchmarks/attention_memory.py                         # 1k 4k 16k 32k, xla + blockwise
     python benchmarks/attention_memory.py --lengths=1024,4096 --paths=blockwise
+    python benchmarks/attention_memory.py --model=qwen3-1.7b --prompt=1024 --lengths=16384
 
 Compiles (never runs) the trainer's update program (`rl.make_update_fn`) for Qwen2.5-0.5B
-shapes in bfloat16 with remat full, GRPO beta = 0.04, one row of 256 prompt + T
+(or --model) shapes in bfloat16 with remat full, GRPO beta = 0.04, one row of 256 prompt + T
 completion tokens per micro-batch (two rows, two micro-batches), from abstract arrays
 (`lora_memory.abstract_state`): nothing is allocated, so lengths far beyond this
 machine's memory compile. Prints XLA's `memory_analysis()` temporaries for each path and

@@ -25,7 +25,8 @@ Implementations (`IMPLEMENTATIONS`), each equal to `xla` within rounding:
 - `pallas`: the TPU splash-attention kernel (`jax.experimental.pallas.ops.tpu`), with
   padding and segments as segment ids and causality as its block-sparse causal mask
   (`interpret=True` runs it on CPU, for tests). No sliding window (refused).
-`auto` picks by backend (`resolve`). `cached_attention` is the forward over one layer of
+`auto` picks by backend (`resolve`; on GPU `blockwise` for float32 inputs, on TPU for a
+sliding window). `cached_attention` is the forward over one layer of
 the sampler's KV cache in its stored layout (`kv_cache.KVCache`); a query block of
 prefill over a long cache goes through `blockwise` (`cached_blockwise`). Scores and
 softmax are float32 whatever the input dtype.
@@ -44,6 +45,7 @@ DEFAULT_BLOCK = 512  # query and key block of `blockwise`
 # sequences), blockwise above (benchmarks/RESULTS.md, "attention memory").
 CPU_XLA_MAX_PAIRS = 2048 * 2048
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked score: finite, so no NaN rows
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 @struct.dataclass
@@ -123,6 +125,8 @@ def attention(q, k, v, mask, implementation: str = "xla", block: int = DEFAULT_B
     name = resolve(implementation, jax.default_backend(), q.shape[1], k.shape[1])
     if implementation == "auto" and name == "pallas" and mask.window is not None:
         name = "blockwise"  # splash has no position-based window
+    if implementation == "auto" and name == "cudnn" and q.dtype not in _CUDNN_DTYPES:
+        name = "blockwise"  # cuDNN's fused attention takes 16-bit inputs only
     if name == "xla":
         return _attention_vjp(q, k, v, mask.dense())
     if name == "blockwise":
