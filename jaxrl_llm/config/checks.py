@@ -119,7 +119,7 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
 
 def check_model(config) -> str | None:
     """-> the local model directory (None for a hub name, fetched when the run starts)."""
-    from jaxrl_llm.models.config import REMAT_POLICIES
+    from jaxrl_llm.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 
     m = config.model
     path = resolve_model_path(m.path, download=False)
@@ -129,6 +129,14 @@ def check_model(config) -> str | None:
         resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
     _check(m.dtype in DTYPES, f"model.dtype={m.dtype!r}: expected one of {DTYPES}")
     _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
+    _check(
+        m.attention in ATTENTION_IMPLEMENTATIONS,
+        f"model.attention={m.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}",
+    )
+    _check(
+        isinstance(m.attention_block, int) and m.attention_block >= 1,
+        f"model.attention_block={m.attention_block!r}: must be an int >= 1",
+    )
     check_lora(m.lora)
     return path
 
@@ -184,6 +192,10 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     _check(
         isinstance(r.cache_segments, int) and r.cache_segments >= 1,
         f"rollout.cache_segments={r.cache_segments!r}: must be an integer >= 1 (1 = one loop)",
+    )
+    _check(
+        isinstance(r.prefill_chunk, int) and r.prefill_chunk >= 0,
+        f"rollout.prefill_chunk={r.prefill_chunk!r}: must be an integer >= 0 (0 = one shot)",
     )
     _check(
         r.mode in ROLLOUT_MODES,

@@ -90,6 +90,11 @@ def model_defaults() -> ml_collections.ConfigDict:
     m.ref_path = ""  # reference model (as model.path); "" = the initial policy
     m.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
     m.remat = "none"  # none | full | dots | dots_no_batch
+    # Attention (docs/long_context.md): auto | xla | blockwise | cudnn | pallas. auto: GPU
+    # cuDNN, TPU Pallas splash, CPU the full score matrix for short sequences and
+    # blockwise (memory linear in the length) for long ones. xla: the full [T, S] matrix.
+    m.attention = "auto"
+    m.attention_block = 512  # query / key block of blockwise and pallas (tokens)
     # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
     # grows with depth, sampling holds a second copy of the layer weights). None: picked at
     # start-up (`tuning`): False on CPU up to 8 layers, else True.
@@ -142,6 +147,9 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # loop bodies (1 = one loop). Pays off most for long generations at large batch. While
     # the cache grows the old and new one coexist: peak KV memory under 2x one full cache.
     r.cache_segments = 4  # = sampling.CACHE_SEGMENTS
+    # Prefill long prompts in chunks of this many tokens (0 = the whole prompt at once):
+    # peak activations of one chunk, the same cache and logits (docs/long_context.md).
+    r.prefill_chunk = 0
     # sync: each step samples with the parameters it updates. overlap: the next step's
     # rollout is dispatched with the current parameters before this step's scoring and
     # update, so the devices sample while the host scores; every batch is then one policy

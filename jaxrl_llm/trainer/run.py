@@ -103,7 +103,10 @@ class Run:
         rows = data.check_rows(c.data, self.tokenizer)
         if rows.bad and jax.process_index() == 0:
             print(rows.summary(), file=sys.stderr, flush=True)
-        runtime = dict(remat=c.model.remat, scan_layers=c.model.scan_layers)
+        m = c.model
+        runtime = dict(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                       attention_block=m.attention_block,
+                       prefill_chunk=c.rollout.prefill_chunk)  # fmt: skip
         self.model_cfg, params = models.builtin.load_model(
             self.model_path, self.mesh, c.model.dtype, **runtime
         )
