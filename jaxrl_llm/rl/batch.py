@@ -27,6 +27,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl_llm import models
 from jaxrl_llm.parallel.mesh import BATCH_AXES
 from jaxrl_llm.rl.logprobs import token_logprobs
+from jaxrl_llm.rl.packing import (
+    DEFAULT_CAPACITY,
+    pack,
+    packed_seqs,
+    plan_packing,
+    resolve_packing,
+    unpack_completion,
+)
 
 
 @struct.dataclass
@@ -100,19 +108,64 @@ def completion_hidden(
 
 def sequence_logprobs(
     model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, temperature=1.0,
-    chunk_size=128, dropout=None,
+    chunk_size=128, dropout=None, packing=0.0,
 ):  # fmt: skip
     """Teacher-forced log pi(token) and entropy of each completion token.
 
     [N, P], [N, P], [N, T], [N, T] -> (logp [N, T], entropy [N, T]) float32, 0 off-mask.
     Chunked over T (never [N, T, V]); differentiable w.r.t. params. dropout: a LoRA
-    dropout key (the update's gradient forward), or None.
+    dropout key (the update's gradient forward), or None. packing: the packed capacity
+    (`rl.packing.packed_seqs`; 0 = padded rows): the rows run packed
+    (`packed_sequence_logprobs`) when that makes fewer sequences than rows.
     """
+    n = tokens.shape[0]
+    if packing and packed_seqs(n, packing) < n:
+        return packed_sequence_logprobs(
+            model_cfg, params, prompt_tokens, prompt_mask, tokens, mask,
+            num_seqs=packed_seqs(n, packing), temperature=temperature,
+            chunk_size=chunk_size, dropout=dropout,
+        )  # fmt: skip
     hidden = completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout)
+    return _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size)
+
+
+def _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size):
+    """hidden [N, T, D] (`completion_hidden`) -> (logp, entropy) [N, T], 0 off-mask."""
     w = models.unembed_matrix(model_cfg, params)
     logp, ent = token_logprobs(hidden, w, tokens, temperature=temperature, chunk_size=chunk_size)
     valid = mask.astype(bool)
     return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
+
+
+def packed_sequence_logprobs(
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, num_seqs,
+    temperature=1.0, chunk_size=128, dropout=None,
+):  # fmt: skip
+    """`sequence_logprobs` with the rows packed into `num_seqs` sequences of width P + T
+    (`rl.packing`): the layers run over the packed sequences only, and the hidden states
+    return to the [N, T] row layout before the log-probs, so what follows (advantages,
+    loss, aggregation) is the padded path's. A micro-batch whose rows do not fit runs
+    padded (a `lax.cond`: both programs are compiled, one runs). With LoRA dropout the
+    packed forward draws its masks over the packed layout (other masks, same law)."""
+    plan = plan_packing(prompt_mask, mask, num_seqs)
+    p, t = prompt_tokens.shape[1], tokens.shape[1]
+
+    def packed(params):
+        ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
+        attend = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+        ids, attend, positions, segments = pack(plan, ids, attend)
+        hidden = models.forward(
+            model_cfg, params, ids, attend, positions, segments, dropout=dropout
+        )
+        return unpack_completion(plan, hidden, p, t)
+
+    def padded(params):
+        return completion_hidden(
+            model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout
+        )
+
+    hidden = jax.lax.cond(plan.fits, packed, padded, params)
+    return _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size)
 
 
 def split_rows(tree, k: int):
@@ -212,7 +265,10 @@ def shared_prompt_logprobs(
     return map_rows(one, (prompt_mask, tokens, mask, groups), micro_batches)
 
 
-def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None):
+def make_logprob_fn(
+    model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None,
+    packing="auto", packing_capacity: float = DEFAULT_CAPACITY,
+):  # fmt: skip
     """Jitted (params, rows) -> logp [N, T] (no gradient), rows a `sampling.SampleOutput`
     or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask).
 
@@ -221,9 +277,13 @@ def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int =
     (`shared_prompt_logprobs`). micro_batches bounds the memory of the forward (N must be
     a multiple of it). mesh: the log-probs come out sharded by rows over its ('data',
     'fsdp'), pinned, so the update that reads them can be compiled before they exist.
+    packing: 'auto' | 'on' | 'off' (`rl.packing.resolve_packing`): rows that each read
+    their own prompt (G == 1) run packed into packing_capacity of the padded sequences.
     """
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     kw = dict(num_generations=spec.num_generations, micro_batches=micro_batches,
-              temperature=spec.logprob_temperature, chunk_size=chunk_size)  # fmt: skip
+              temperature=spec.logprob_temperature, chunk_size=chunk_size,
+              packing=resolve_packing(packing, packing_capacity, shards))  # fmt: skip
 
     def logprobs(params, rows):
         inputs = (rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
@@ -237,10 +297,11 @@ def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int =
 
 def batch_logprobs(
     model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, num_generations,
-    micro_batches, temperature, chunk_size,
+    micro_batches, temperature, chunk_size, packing=0.0,
 ):  # fmt: skip
     """`make_logprob_fn`'s function, unjitted (the update's old-policy recompute):
-    log-probs [N, T] one row slice at a time, each prompt read once when G > 1."""
+    log-probs [N, T] one row slice at a time, each prompt read once when G > 1, else
+    each slice packed (`sequence_logprobs`' packing: a capacity, 0 = padded)."""
     rows = (prompt_tokens, prompt_mask, tokens, mask)
     kw = dict(temperature=temperature, chunk_size=chunk_size)
     if num_generations > 1 and tokens.shape[1] > 1:
@@ -249,6 +310,6 @@ def batch_logprobs(
             micro_batches=micro_batches, **kw,
         )  # fmt: skip
     else:
-        one = lambda r: sequence_logprobs(model_cfg, params, *r, **kw)[0]  # noqa: E731
+        one = lambda r: sequence_logprobs(model_cfg, params, *r, **kw, packing=packing)[0]  # noqa: E731
         logp = map_rows(one, rows, micro_batches)
     return jax.lax.stop_gradient(logp)

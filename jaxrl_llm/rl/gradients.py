@@ -72,6 +72,7 @@ class Setup:
     skip_nonfinite: bool
     seed: int
     share_prompts: bool = True
+    packing: float = 0.0  # packed capacity of the full-row forwards (rl.packing); 0 = off
 
     @property
     def num_generations(self) -> int:
@@ -109,7 +110,14 @@ def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None):
     kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size, dropout=dropout)
     if prefix is None:
         logp, entropy = sequence_logprobs(
-            s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask, **kw
+            s.model_cfg,
+            params,
+            r.prompt_tokens,
+            r.prompt_mask,
+            r.tokens,
+            r.mask,
+            **kw,
+            packing=s.packing,
         )
     else:
         logp, entropy = prefix_logprobs(

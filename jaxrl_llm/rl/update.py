@@ -42,6 +42,7 @@ each slice keeps an even share of every device's rows when the batch is sharded 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import jax
@@ -66,6 +67,7 @@ from jaxrl_llm.rl.batch import (
 from jaxrl_llm.rl.gradients import Carry, Rows, Setup, gradients, reduce_metrics
 from jaxrl_llm.rl.losses import masked_mean
 from jaxrl_llm.rl.optim import Optimizer, make_optimizer
+from jaxrl_llm.rl.packing import DEFAULT_CAPACITY, resolve_packing
 from jaxrl_llm.rl.state import TrainState, init_train_state
 from jaxrl_llm.sampling.spec import RolloutSpec
 
@@ -156,6 +158,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
             s.model_cfg, lora.combine(frozen, state.params), *inputs,
             num_generations=s.prompt_group, micro_batches=k,
             temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size,
+            packing=s.packing,
         )  # fmt: skip
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
@@ -253,6 +256,8 @@ def make_update_fn(
     skip_nonfinite: bool = False,
     seed: int = 0,
     share_prompts: bool = True,
+    packing="auto",
+    packing_capacity: float = DEFAULT_CAPACITY,
 ) -> UpdateFn:
     """The jitted `update(state, batch) -> (state, metrics)`; state is donated.
 
@@ -268,7 +273,12 @@ def make_update_fn(
     seed: the mini-batch permutations derive from (seed, step) (`train.seed`).
     share_prompts: False makes every row read its own prompt (the same result up to float
     rounding, more compute; a reference for the shared path).
+    packing: 'auto' | 'on' | 'off': the forwards that run whole rows (every row reading
+    its own prompt) pack each micro-batch's rows into packing_capacity of its padded
+    sequences (`rl.packing`; the same result up to float rounding); 'auto' packs when
+    the batch's rows are on one device (`rl.packing.resolve_packing`, per layout).
     """
+    resolve_packing(packing, packing_capacity, 1)  # a bad mode or capacity fails here
     if micro_batches < 1 or mini_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}, mini_batches={mini_batches}: >= 1")
     if algo_cfg.uses_critic and critic_optimizer is None:
@@ -287,7 +297,7 @@ def make_update_fn(
         seed=int(seed),
         share_prompts=bool(share_prompts),
     )
-    return UpdateFn(setup)
+    return UpdateFn(setup, packing, float(packing_capacity))
 
 
 class UpdateFn:
@@ -299,8 +309,9 @@ class UpdateFn:
     jitted program is kept per input layout; `traces` counts compilations by [N, T].
     """
 
-    def __init__(self, setup: Setup):
+    def __init__(self, setup: Setup, packing="off", packing_capacity: float = DEFAULT_CAPACITY):
         self._setup = setup
+        self._packing = (packing, packing_capacity)
         self._jitted: dict = {}
         self.traces: collections.Counter = collections.Counter()
 
@@ -315,13 +326,23 @@ class UpdateFn:
                 scalars = NamedSharding(first.mesh, PartitionSpec())
             else:
                 scalars = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
-            jitted = jax.jit(self._traced, donate_argnums=0, out_shardings=(shardings, scalars))
+            setup = self._layout_setup(first)
+            traced = functools.partial(self._traced, setup)
+            jitted = jax.jit(traced, donate_argnums=0, out_shardings=(shardings, scalars))
             self._jitted[key] = jitted
         return self._jitted[key]
 
-    def _traced(self, state: TrainState, frozen, batch: RolloutBatch):
+    def _layout_setup(self, sharding) -> Setup:
+        """The setup with packing resolved for this layout (rows over data x fsdp)."""
+        shards = 1
+        if isinstance(sharding, NamedSharding):
+            shards = sharding.mesh.shape["data"] * sharding.mesh.shape["fsdp"]
+        capacity = resolve_packing(*self._packing, shards)
+        return dataclasses.replace(self._setup, packing=capacity)
+
+    def _traced(self, setup: Setup, state: TrainState, frozen, batch: RolloutBatch):
         self.traces[batch.tokens.shape] += 1
-        return _update(self._setup, state, batch, frozen)
+        return _update(setup, state, batch, frozen)
 
     def __call__(self, state: TrainState, batch: RolloutBatch):
         frozen = state.frozen
