@@ -143,7 +143,13 @@ def test_rows_that_do_not_fit_run_padded(params):
 
 
 def test_packed_reference_logprobs_equal_the_padded_ones(params):
+    """With 8 more prompt columns, S (P + T) > n T: the log-probs are taken over the
+    rows' completion steps (hidden states gathered back), not over the packed layout."""
     rows = rows_of()
+    wider = lambda x: np.pad(x, ((0, 0), (8, 0)))  # noqa: E731
+    rows = rows.replace(
+        prompt_tokens=wider(rows.prompt_tokens), prompt_mask=wider(rows.prompt_mask)
+    )
     spec = sampling.RolloutSpec(num_generations=1, max_new_tokens=T, temperature=0.7)
     out = [
         rl.make_logprob_fn(CFG, spec, chunk_size=8, micro_batches=2, packing=mode)(params, rows)

@@ -108,25 +108,35 @@ def completion_hidden(
 
 def sequence_logprobs(
     model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, temperature=1.0,
-    chunk_size=128, dropout=None, packing=0.0,
+    chunk_size=128, dropout=None, packing=None,
 ):  # fmt: skip
     """Teacher-forced log pi(token) and entropy of each completion token.
 
     [N, P], [N, P], [N, T], [N, T] -> (logp [N, T], entropy [N, T]) float32, 0 off-mask.
     Chunked over T (never [N, T, V]); differentiable w.r.t. params. dropout: a LoRA
-    dropout key (the update's gradient forward), or None. packing: the packed capacity
-    (`rl.packing.packed_seqs`; 0 = padded rows): the rows run packed
-    (`packed_sequence_logprobs`) when that makes fewer sequences than rows.
+    dropout key (the update's gradient forward), or None. packing: a `rl.packing.PackPlan`
+    of these rows that fits (`packed_sequence_logprobs`), or None: padded rows.
     """
-    n = tokens.shape[0]
-    if packing and packed_seqs(n, packing) < n:
+    if packing is not None:
         return packed_sequence_logprobs(
-            model_cfg, params, prompt_tokens, prompt_mask, tokens, mask,
-            num_seqs=packed_seqs(n, packing), temperature=temperature,
-            chunk_size=chunk_size, dropout=dropout,
+            model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, packing,
+            temperature=temperature, chunk_size=chunk_size, dropout=dropout,
         )  # fmt: skip
     hidden = completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout)
     return _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size)
+
+
+def packed_or_padded(fn, prompt_mask, mask, capacity: float):
+    """fn(plan) with the rows' `rl.packing.PackPlan` when they fit in ceil(n * capacity)
+    sequences, else fn(None) (padded): a `lax.cond` on the plan, both compiled, one
+    run. Wrap the whole forward AND backward (the update's micro-batch gradient), not a
+    differentiated function: under autodiff a cond's two branches would each carry the
+    other's residuals. capacity 0, or no fewer sequences than rows: fn(None) alone."""
+    n = mask.shape[0]
+    if not capacity or packed_seqs(n, capacity) >= n:
+        return fn(None)
+    plan = plan_packing(prompt_mask, mask, packed_seqs(n, capacity))
+    return jax.lax.cond(plan.fits, lambda: fn(plan), lambda: fn(None))
 
 
 def _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size):
@@ -138,34 +148,33 @@ def _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, c
 
 
 def packed_sequence_logprobs(
-    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, num_seqs,
-    temperature=1.0, chunk_size=128, dropout=None,
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, plan, *, temperature=1.0,
+    chunk_size=128, dropout=None,
 ):  # fmt: skip
-    """`sequence_logprobs` with the rows packed into `num_seqs` sequences of width P + T
-    (`rl.packing`): the layers run over the packed sequences only, and the hidden states
-    return to the [N, T] row layout before the log-probs, so what follows (advantages,
-    loss, aggregation) is the padded path's. A micro-batch whose rows do not fit runs
-    padded (a `lax.cond`: both programs are compiled, one runs). With LoRA dropout the
-    packed forward draws its masks over the packed layout (other masks, same law)."""
-    plan = plan_packing(prompt_mask, mask, num_seqs)
-    p, t = prompt_tokens.shape[1], tokens.shape[1]
-
-    def packed(params):
-        ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
-        attend = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-        ids, attend, positions, segments = pack(plan, ids, attend)
-        hidden = models.forward(
-            model_cfg, params, ids, attend, positions, segments, dropout=dropout
-        )
-        return unpack_completion(plan, hidden, p, t)
-
-    def padded(params):
-        return completion_hidden(
-            model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout
-        )
-
-    hidden = jax.lax.cond(plan.fits, packed, padded, params)
-    return _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size)
+    """`sequence_logprobs` with the rows packed as `plan` (`rl.packing.plan_packing`, which
+    must fit) says: the layers run over the packed sequences only. The log-probs are
+    taken where there are fewer positions: over the packed [S, P + T] (the target of a
+    position is the next packed token, the same as in its row) or over the rows' [N, T]
+    completion steps (hidden states gathered back); either way they return to the
+    [N, T] row layout, so what follows (advantages, loss, aggregation) is the padded
+    path's. With LoRA dropout the packed forward draws its masks over the packed layout
+    (other masks, the same law)."""
+    n, p = prompt_tokens.shape
+    t = tokens.shape[1]
+    kw = dict(temperature=temperature, chunk_size=chunk_size)
+    ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    attend = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+    ids, attend, positions, segments = pack(plan, ids, attend)
+    hidden = models.forward(model_cfg, params, ids, attend, positions, segments, dropout=dropout)
+    w = models.unembed_matrix(model_cfg, params)
+    if plan.num_seqs * (p + t) < n * t:
+        targets = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+        out = token_logprobs(hidden, w, targets, **kw)
+        logp, ent = (unpack_completion(plan, x, p, t) for x in out)
+    else:
+        logp, ent = token_logprobs(unpack_completion(plan, hidden, p, t), w, tokens, **kw)
+    valid = mask.astype(bool)
+    return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
 
 
 def split_rows(tree, k: int):
@@ -310,6 +319,10 @@ def batch_logprobs(
             micro_batches=micro_batches, **kw,
         )  # fmt: skip
     else:
-        one = lambda r: sequence_logprobs(model_cfg, params, *r, **kw, packing=packing)[0]  # noqa: E731
+
+        def one(r):
+            run = lambda plan: sequence_logprobs(model_cfg, params, *r, **kw, packing=plan)  # noqa: E731
+            return packed_or_padded(run, r[1], r[3], packing)[0]
+
         logp = map_rows(one, rows, micro_batches)
     return jax.lax.stop_gradient(logp)

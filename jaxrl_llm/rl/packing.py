@@ -122,16 +122,23 @@ def pack(plan: PackPlan, ids, attend):
     return scatter(ids), scatter(attend), scatter(positions), scatter(segments)
 
 
-def unpack_completion(plan: PackPlan, hidden, prompt_len: int, completion_len: int):
-    """Packed hidden states [S, W, D] -> the row layout's completion states [n, T, D]:
-    row i, step t reads the state at its column P - 1 + t (the one that predicts
-    completion token t, as `rl.batch.completion_hidden`). Steps past the row's span read
-    a clamped neighbour: their log-probs are masked out."""
-    s, width, d = hidden.shape
+def completion_index(plan: PackPlan, prompt_len: int, completion_len: int) -> jax.Array:
+    """[n, T] flat index into the packed [S * W] of the position whose state predicts
+    row i's completion token t (its column P - 1 + t, as `rl.batch.completion_hidden`),
+    the token itself being the next packed one. Steps past the row's span point at a
+    clamped neighbour: their log-probs are masked out."""
+    width = prompt_len + completion_len
     col = prompt_len - 1 + jnp.arange(completion_len, dtype=jnp.int32)[None, :]
     src = plan.seq[:, None] * width + plan.offset[:, None] + col - plan.start[:, None]
-    src = jnp.clip(src, 0, s * width - 1)
-    return jnp.take(hidden.reshape(s * width, d), src, axis=0)
+    return jnp.clip(src, 0, plan.num_seqs * width - 1)
+
+
+def unpack_completion(plan: PackPlan, packed, prompt_len: int, completion_len: int):
+    """Packed per-position values [S, W, ...] (hidden states, log-probs) -> the row
+    layout's completion steps [n, T, ...] (`completion_index`)."""
+    s, width = packed.shape[:2]
+    src = completion_index(plan, prompt_len, completion_len)
+    return jnp.take(packed.reshape(s * width, *packed.shape[2:]), src, axis=0)
 
 
 PACKING_MODES = ("auto", "on", "off")
