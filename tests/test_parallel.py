@@ -43,7 +43,7 @@ def test_mesh_shape_errors(sizes, message):
 
 def test_mesh_axes_are_auto():
     mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
     assert all(t == AxisType.Auto for t in mesh.axis_types)
 
 

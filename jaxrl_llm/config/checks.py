@@ -234,6 +234,14 @@ def check_algo(config):
 
 
 def check_optim(config) -> None:
+    _check(
+        config.optim.packing in ("auto", "on", "off"),
+        f"optim.packing={config.optim.packing!r}: one of 'auto', 'on', 'off'",
+    )
+    _check(
+        0.0 < config.optim.packing_capacity <= 1.0,
+        f"optim.packing_capacity={config.optim.packing_capacity}: must be in (0, 1]",
+    )
     o, rows = config.optim, config.rollout.batch_size * config.rollout.num_generations
     _check(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate}: must be > 0")
     _check(
@@ -365,7 +373,8 @@ def check_data(config) -> None:
 
 
 def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
-    """The longest prompt's bucket + the completion budget fits the model's context."""
+    """The longest prompt's bucket + the completion budget fits the model's context, and
+    mesh.context divides its attention heads."""
     from jaxrl_llm.sampling import bucket_length
 
     r = config.rollout
@@ -374,6 +383,12 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
     key, budget = "rollout.max_new_tokens", r.max_new_tokens
     if "env" in config and config.env.name:
         key, budget = "env.max_total_tokens", config.env.max_total_tokens
+    context = config.mesh.get("context", 1)
+    _check(
+        model_cfg.num_heads % context == 0,
+        f"mesh.context={context}: context parallelism splits the attention heads over it, "
+        f"and the model's {model_cfg.num_heads} heads are not divisible by {context}",
+    )
     _check(
         bucket + budget <= model_cfg.max_position_embeddings,
         f"data.max_prompt_len={prompt_len} (bucket {bucket}) + {key}="

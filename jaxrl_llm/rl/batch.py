@@ -18,6 +18,8 @@ sequence, bounding the memory of a no-gradient forward.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,6 +276,17 @@ def shared_prompt_logprobs(
     return map_rows(one, (prompt_mask, tokens, mask, groups), micro_batches)
 
 
+def context_mesh(mesh_or_sharding):
+    """The context of a trace on this mesh (a Mesh, a NamedSharding or None): its
+    abstract mesh is set when its `context` axis is > 1, so that the model's forward
+    splits the sequence over it (`models.partitioning.shard_sequence`); otherwise
+    nothing."""
+    mesh = getattr(mesh_or_sharding, "mesh", mesh_or_sharding)
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.shape.get("context", 1) == 1:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def make_logprob_fn(
     model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None,
     packing="auto", packing_capacity: float = DEFAULT_CAPACITY,
@@ -296,7 +309,8 @@ def make_logprob_fn(
 
     def logprobs(params, rows):
         inputs = (rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
-        return batch_logprobs(model_cfg, params, *inputs, **kw)
+        with context_mesh(mesh):
+            return batch_logprobs(model_cfg, params, *inputs, **kw)
 
     if mesh is None:
         return jax.jit(logprobs)

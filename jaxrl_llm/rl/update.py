@@ -59,6 +59,7 @@ from jaxrl_llm.rl.batch import (
     RolloutBatch,
     batch_logprobs,
     check_groups,
+    context_mesh,
     make_logprob_fn,
     map_rows,
     sequence_logprobs,
@@ -342,7 +343,8 @@ class UpdateFn:
 
     def _traced(self, setup: Setup, state: TrainState, frozen, batch: RolloutBatch):
         self.traces[batch.tokens.shape] += 1
-        return _update(setup, state, batch, frozen)
+        with context_mesh(jax.tree.leaves(state.params)[0].sharding):
+            return _update(setup, state, batch, frozen)
 
     def __call__(self, state: TrainState, batch: RolloutBatch):
         frozen = state.frozen
