@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tiny_run import tiny_model_config
 
-from jaxrl_llm import models, parallel
+from jaxrl_llm import models, parallel, rl, sampling
 from jaxrl_llm.rl import batch as B
 
 P, T = 16, 4080  # 4,096 tokens a row
@@ -64,3 +64,27 @@ def test_heads_not_divisible_by_the_context_axis_are_refused():
     with jax.set_mesh(parallel.make_mesh({"context": 8})):
         with pytest.raises(ValueError, match=r"mesh.context=8: .* 4 query heads"):
             jax.eval_shape(lambda p, x: models.forward(CFG, p, x), params, ids)
+
+
+def test_update_and_reference_split_sequences_on_a_context_mesh():
+    """The jitted update and reference set the mesh around their trace: on fsdp = 2 x
+    context = 4 their programs carry the split by positions (lowered, not compiled: the
+    numbers are the forward's, tested above)."""
+    n, t = 4, 28
+    prompt, prompt_mask, tokens, mask = rows(n, seed=2)
+    batch = rl.RolloutBatch(
+        prompt_tokens=prompt, prompt_mask=prompt_mask, tokens=tokens[:, :t], mask=mask[:, :t],
+        loss_mask=mask[:, :t], behaviour_logprobs=np.zeros((n, t), np.float32),
+        rewards=np.zeros(n, np.float32), policy_version=np.zeros(n, np.int32),
+        num_generations=2,
+    )  # fmt: skip
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=t)
+    opt = rl.make_optimizer(learning_rate=0.1)
+    mesh = parallel.make_mesh({"fsdp": 2, "context": 4})
+    params = models.init_params(CFG, seed=0, mesh=mesh)
+    batch = parallel.shard_batch(batch, mesh)
+    update = rl.make_update_fn(CFG, rl.preset("grpo", beta=0.0), opt, spec, chunk_size=8)
+    split = '{"fsdp"}, {"context"}, {}]'  # [rows over fsdp, positions over context, D]
+    assert split in update.lower(rl.init_train_state(params, opt), batch).as_text()
+    ref = rl.make_logprob_fn(CFG, spec, chunk_size=8, mesh=mesh)
+    assert split in ref.lower(params, batch).as_text()

@@ -289,7 +289,7 @@ def context_mesh(mesh_or_sharding):
 
 def make_logprob_fn(
     model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None,
-    packing="auto", packing_capacity: float = DEFAULT_CAPACITY,
+    packing="off", packing_capacity: float = DEFAULT_CAPACITY,
 ):  # fmt: skip
     """Jitted (params, rows) -> logp [N, T] (no gradient), rows a `sampling.SampleOutput`
     or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask).

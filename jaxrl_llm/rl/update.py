@@ -257,7 +257,7 @@ def make_update_fn(
     skip_nonfinite: bool = False,
     seed: int = 0,
     share_prompts: bool = True,
-    packing="auto",
+    packing="off",
     packing_capacity: float = DEFAULT_CAPACITY,
 ) -> UpdateFn:
     """The jitted `update(state, batch) -> (state, metrics)`; state is donated.
@@ -328,7 +328,7 @@ class UpdateFn:
             else:
                 scalars = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
             setup = self._layout_setup(first)
-            traced = functools.partial(self._traced, setup)
+            traced = functools.partial(self._traced, setup, first)
             jitted = jax.jit(traced, donate_argnums=0, out_shardings=(shardings, scalars))
             self._jitted[key] = jitted
         return self._jitted[key]
@@ -341,9 +341,9 @@ class UpdateFn:
         capacity = resolve_packing(*self._packing, shards)
         return dataclasses.replace(self._setup, packing=capacity)
 
-    def _traced(self, setup: Setup, state: TrainState, frozen, batch: RolloutBatch):
+    def _traced(self, setup: Setup, sharding, state: TrainState, frozen, batch: RolloutBatch):
         self.traces[batch.tokens.shape] += 1
-        with context_mesh(jax.tree.leaves(state.params)[0].sharding):
+        with context_mesh(sharding):  # the mesh's `context` axis, if > 1, splits sequences
             return _update(setup, state, batch, frozen)
 
     def __call__(self, state: TrainState, batch: RolloutBatch):
