@@ -1,7 +1,7 @@
 """Packed against padded rows: the GRPO update and the reference forward, side by side.
 
     python benchmarks/packing.py                        # 25M model, CPU, 16 rows x 448 tokens
-    python benchmarks/packing.py --repeats=7 --padding=0.5
+    python benchmarks/packing.py --repeats=7 --full=false   # the long-tailed batch only
 
 A long-tailed batch: prompts of 16-64 tokens, completions whose lengths follow a
 geometric law capped at --completion-len, a few rows at the cap, scaled so that about
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import block, device_name, preset_config, table, uptime  # noqa: E402
+from common import block, bool_flag, device_name, preset_config, table, uptime  # noqa: E402
 
 from jaxrl_llm import models, rl, sampling  # noqa: E402
 from jaxrl_llm.rl import packing  # noqa: E402
@@ -123,6 +123,7 @@ def main():
     p.add_argument("--padding", type=float, default=0.5)
     p.add_argument("--chunk-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--full", type=bool_flag, default=True, help="also the full batch")
     args = p.parse_args()
     cfg = preset_config(args.preset)
     batch = long_tailed_batch(cfg, args.seqs, args.prompt_len, args.completion_len, args.padding)
@@ -140,8 +141,9 @@ def main():
           f"{packing.packed_seqs(n, packing.DEFAULT_CAPACITY)} packed; padding {pad:.2f}; "
           f"micro-batches packed: {fits}")  # fmt: skip
     rows = measure(cfg, args, batch, f"long-tailed ({pad:.0%} padding)")
-    full = long_tailed_batch(cfg, args.seqs, args.prompt_len, args.completion_len, 0, full=True)
-    rows += measure(cfg, args, full, "full (0% padding, not packed)")
+    if args.full:
+        full = long_tailed_batch(cfg, args.seqs, args.prompt_len, args.completion_len, 0, True)
+        rows += measure(cfg, args, full, "full (0% padding, not packed)")
     print(table(rows, list(rows[0])))
     print(uptime())
 

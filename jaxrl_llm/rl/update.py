@@ -31,6 +31,12 @@ forward + backward: the prompts run once before the micro-batches, each micro-ba
 completions attend to their group's keys/values, the keys/values' cotangents are summed
 over the micro-batches and one backward through the prompts follows.
 
+Packing (`packing`, docs/packing.md): the forwards that run whole rows (no shared prompt)
+lay each micro-batch's rows end to end in fewer sequences (`rl.packing`) and gather the
+log-probs back to the rows, so the loss is computed on the same [N, T] arrays. Context
+parallelism: on a mesh whose `context` axis is > 1 the program is traced with that mesh
+set, so the model's forward splits each sequence over it (docs/sharding.md).
+
 Optimizer steps per call = num_iterations * mini_batches; the learning rate is
 opt.schedule(state.step) for all of them (see optim.py).
 
