@@ -154,6 +154,12 @@ def test_partial_rollouts_in_too_many_chunks_are_refused(base):
             r"optim\.micro_batches=3 does not divide the 64 rows",
         ),
         (lambda c: setattr(c.optim, "end_lr_ratio", -0.1), r"optim\.end_lr_ratio=-0\.1: must be"),
+        (lambda c: setattr(c.optim, "packing", "yes"), r"optim\.packing='yes': one of"),
+        (lambda c: setattr(c.optim, "packing_capacity", 0.0), r"optim\.packing_capacity=0\.0"),
+        (
+            lambda c: c.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, "context": 8}),
+            r"mesh\.context=8: context parallelism .* heads are not divisible by 8",
+        ),
         (lambda c: setattr(c.eval, "correct_reward", "nope"), r"eval\.correct_reward='nope'"),
         (lambda c: setattr(c.rollout, "temperature", 0.0), r"rollout\.temperature=0\.0"),
         (

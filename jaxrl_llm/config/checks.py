@@ -383,11 +383,13 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
     key, budget = "rollout.max_new_tokens", r.max_new_tokens
     if "env" in config and config.env.name:
         key, budget = "env.max_total_tokens", config.env.max_total_tokens
-    context = config.mesh.get("context", 1)
+    context, tensor = config.mesh.get("context", 1), config.mesh.get("tensor", 1)
+    split = context * max(tensor, 1)  # tensor=-1 (the rest) is checked at trace time
     _check(
-        model_cfg.num_heads % context == 0,
-        f"mesh.context={context}: context parallelism splits the attention heads over it, "
-        f"and the model's {model_cfg.num_heads} heads are not divisible by {context}",
+        context == 1 or model_cfg.num_heads % split == 0,
+        f"mesh.context={context}: context parallelism splits the attention heads over it "
+        f"(times mesh.tensor), and the model's {model_cfg.num_heads} heads are not "
+        f"divisible by {split}",
     )
     _check(
         bucket + budget <= model_cfg.max_position_embeddings,

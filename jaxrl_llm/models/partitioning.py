@@ -133,16 +133,18 @@ def shard_heads(x: jax.Array, kind: str = "query") -> jax.Array:
     """Attention's q / k / v / output [B, T, heads, H] with every position and the heads
     split over ('tensor', 'context'): between `shard_sequence`d activations and this
     layout XLA moves the data with an all-to-all over `context` (Ulysses), and each
-    device attends with its heads over the whole sequence. Query heads must divide
-    (ValueError naming mesh.context); key / value heads that do not stay whole on every
-    device (GQA: replicated over the context group). Unchanged without context > 1."""
+    device attends with its heads over the whole sequence. The query heads must be
+    divisible by tensor x context (ValueError naming mesh.context); key / value heads
+    that are not stay whole on every device (GQA: replicated over the context group).
+    Unchanged without context > 1."""
     c = context_size()
     if c == 1:
         return x
-    heads = x.shape[2]
-    if kind == "query" and heads % c:
+    heads, split = x.shape[2], c * int(jax.sharding.get_abstract_mesh().shape.get("tensor", 1))
+    if kind == "query" and heads % split:
         raise ValueError(
-            f"mesh.context={c}: context parallelism splits the attention heads over it, "
-            f"and the model's {heads} query heads are not divisible by {c}"
+            f"mesh.context={c}: context parallelism splits the attention heads over it "
+            f"(times mesh.tensor), and the model's {heads} query heads are not divisible "
+            f"by {split}"
         )
     return _constrain(x, ("batch", None, "act_heads", None))
