@@ -161,12 +161,18 @@ def test_partial_rollouts_in_too_many_chunks_are_refused(base):
         (lambda c: setattr(c.algo, "name", "trpo"), r"algo\.name='trpo': unknown preset"),
         (lambda c: setattr(c.algo, "eps_low", 1.5), r"algo\.eps_low=1\.5"),
         (lambda c: setattr(c, "rewards", {"gsm9k": 1.0}), r"rewards"),
-        (lambda c: setattr(c.mesh, "tensor", 3), r"mesh: data x fsdp x tensor = 12"),
+        (lambda c: setattr(c.mesh, "tensor", 3), r"mesh: data x fsdp x context x tensor = 12"),
         (
             lambda c: setattr(c.optim, "micro_batches", 3),
             r"optim\.micro_batches=3 does not divide the 64 rows",
         ),
         (lambda c: setattr(c.optim, "end_lr_ratio", -0.1), r"optim\.end_lr_ratio=-0\.1: must be"),
+        (lambda c: setattr(c.optim, "packing", "yes"), r"optim\.packing='yes': one of"),
+        (lambda c: setattr(c.optim, "packing_capacity", 0.0), r"optim\.packing_capacity=0\.0"),
+        (
+            lambda c: c.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, "context": 8}),
+            r"mesh\.context=8: context parallelism .* heads are not divisible by 8",
+        ),
         (lambda c: setattr(c.eval, "correct_reward", "nope"), r"eval\.correct_reward='nope'"),
         (lambda c: setattr(c.rollout, "temperature", 0.0), r"rollout\.temperature=0\.0"),
         (

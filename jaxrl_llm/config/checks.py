@@ -307,6 +307,14 @@ def check_teacher(config) -> None:
 
 
 def check_optim(config) -> None:
+    _check(
+        config.optim.packing in ("auto", "on", "off"),
+        f"optim.packing={config.optim.packing!r}: one of 'auto', 'on', 'off'",
+    )
+    _check(
+        0.0 < config.optim.packing_capacity <= 1.0,
+        f"optim.packing_capacity={config.optim.packing_capacity}: must be in (0, 1]",
+    )
     o, rows = config.optim, config.rollout.batch_size * config.rollout.num_generations
     _check(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate}: must be > 0")
     _check(
@@ -499,7 +507,8 @@ def check_data(config) -> None:
 
 
 def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
-    """The longest prompt's bucket + the completion budget fits the model's context."""
+    """The longest prompt's bucket + the completion budget fits the model's context, and
+    mesh.context divides its attention heads."""
     from jaxrl_llm.sampling import bucket_length
 
     r = config.rollout
@@ -510,6 +519,14 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
         key, budget = "env.max_total_tokens", config.env.max_total_tokens
     if "agent" in config and config.agent.entry:
         key, budget = "agent.max_total_tokens", config.agent.max_total_tokens
+    context, tensor = config.mesh.get("context", 1), config.mesh.get("tensor", 1)
+    split = context * max(tensor, 1)  # tensor=-1 (the rest) is checked at trace time
+    _check(
+        context == 1 or model_cfg.num_heads % split == 0,
+        f"mesh.context={context}: context parallelism splits the attention heads over it "
+        f"(times mesh.tensor), and the model's {model_cfg.num_heads} heads are not "
+        f"divisible by {split}",
+    )
     _check(
         bucket + budget <= model_cfg.max_position_embeddings,
         f"data.max_prompt_len={prompt_len} (bucket {bucket}) + {key}="

@@ -105,6 +105,10 @@ def model_defaults() -> ml_collections.ConfigDict:
 
 def mesh_defaults() -> ml_collections.ConfigDict:
     m = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
+    # Context parallelism: one sequence's tokens split over this many devices in the
+    # update and the reference forward (heads all-to-all; docs/sharding.md). The model's
+    # attention heads must be divisible by it.
+    m.context = 1
     # rollout.mode='split': the last rollout_devices devices form the rollout mesh (shape
     # `rollout`), the others the training mesh (shape data / fsdp / tensor above).
     m.rollout_devices = 0
@@ -240,6 +244,13 @@ def optim_defaults() -> ml_collections.ConfigDict:
     # None: picked at start-up (`tuning`): on CPU from a memory budget, else 1.
     o.micro_batches = config_dict.placeholder(int)
     o.mini_batches = 1  # optimizer steps per pass over a rollout batch
+    # Sequence packing (docs/packing.md): auto | on | off. The update's and the reference's
+    # forwards over whole rows pack each micro-batch's rows into fewer sequences (no
+    # padding computed; the same numbers). auto: when the rows are on one device.
+    o.packing = "auto"
+    # Packed sequences per micro-batch row, in (0, 1]; a micro-batch whose rows do not
+    # fit in that many runs padded (both forms are compiled into the one program).
+    o.packing_capacity = 0.625
     o.critic_learning_rate = 1e-5  # PPO
     return o
 

@@ -12,11 +12,12 @@ class ConfigError(UserError, ValueError):
     """A run config that cannot work; the message names the key."""
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 
 def mesh_axes(mesh_config) -> dict:
-    """{'data': .., 'fsdp': .., 'tensor': ..} of a mesh section (or its `rollout` part)."""
+    """{'data': .., 'fsdp': .., 'context': .., 'tensor': ..} of a mesh section (or its
+    `rollout` part); the axes it leaves out are 1."""
     return {a: mesh_config[a] for a in MESH_AXES if a in mesh_config}
 
 

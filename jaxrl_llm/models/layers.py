@@ -27,6 +27,7 @@ import numpy as np
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import attention, cached_attention, cached_blockwise, resolve
 from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig
+from jaxrl_llm.models.partitioning import shard_heads, shard_sequence
 
 
 # ------------------------------------------------------------------------------ modules
@@ -166,6 +167,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
+# ------------------------------------------------------------------ context parallelism
+def context_attention(q, k, v, *args, **kwargs) -> jax.Array:
+    """`attention` with the mesh's `context` axis (if > 1) moved from the sequence to the
+    heads around it: q, k, v go to every position of a share of the heads (an
+    all-to-all over `context`, `partitioning.shard_heads`), the output back to a share
+    of the positions (`shard_sequence`). Without a context axis this is `attention`."""
+    q, k, v = shard_heads(q), shard_heads(k, "kv"), shard_heads(v, "kv")
+    return shard_sequence(attention(q, k, v, *args, **kwargs))
+
+
 class Block(nnx.Module):
     """All decoder layers' parameters, stacked on a leading `layers` axis.
 
@@ -274,10 +285,10 @@ class Block(nnx.Module):
             own = (k, v)
             k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
             v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
-            a = attention(q, k, v, mask, cfg.attention, cfg.attention_block)
+            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block)
             kv = own
         elif kv is None:
-            a = attention(q, k, v, mask, cfg.attention, cfg.attention_block)
+            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block)
         else:
             # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache): at
             # [layer] of an [L, ...] cache (scanned layers), or into this layer's own arrays.
@@ -340,7 +351,7 @@ class Transformer(nnx.Module):
         dropout: a key for LoRA dropout (layer i folds in i), or None.
         """
         cfg = self.cfg
-        x = self.embed_tokens(tokens)
+        x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
         graphdef, stacked = nnx.split(self.layers)
         kinds = layer_kinds(cfg)
 
@@ -386,7 +397,7 @@ class Transformer(nnx.Module):
         `__call__`.
         """
         cfg = self.cfg
-        x = self.embed_tokens(tokens)
+        x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, xs):

@@ -3,11 +3,15 @@
 Every parameter of the decoder carries a tuple of logical axis names (its `axes`
 metadata, e.g. `('layers', 'embed', 'mlp')`). `DEFAULT_RULES` maps each logical name to
 a mesh axis (or a tuple of mesh axes, or None = replicated) of the mesh
-`('data', 'fsdp', 'tensor')`:
+`('data', 'fsdp', 'context', 'tensor')`:
 
 - weights are sharded FSDP-style over `fsdp` on their `embed` dimension and
-  Megatron-style over `tensor` on heads / mlp / vocab;
-- the batch is sharded over `('data', 'fsdp')` (see `jaxrl_llm.parallel.mesh`).
+  Megatron-style over `tensor` on heads / mlp / vocab; they are replicated over
+  `context`;
+- the batch is sharded over `('data', 'fsdp')` (see `jaxrl_llm.parallel.mesh`);
+- activations of the full-sequence forward (`shard_sequence`, `shard_heads`): the
+  sequence over `context`, and around attention the heads over `('tensor', 'context')`
+  (context parallelism by an all-to-all over heads; docs/sharding.md).
 
 A dimension that a mesh axis does not divide (e.g. 2 KV heads on a 4-way tensor axis) is
 replicated over that axis instead; `logical_to_spec` reports it once through `logging`.
@@ -34,8 +38,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "mlp": "tensor",
     "norm": None,
     "lora": None,  # the rank of a LoRA adapter (small: replicated)
-    "seq": None,
+    "seq": "context",  # activations' sequence axis (context parallelism)
     "cache_seq": None,
+    "act_heads": ("tensor", "context"),  # attention's q / k / v / output heads
 }
 
 _reported: set[tuple] = set()
@@ -99,3 +104,47 @@ def logical_to_sharding(
     if mesh is None:
         return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
+
+
+# --------------------------------------------------------------- context parallelism
+def context_size() -> int:
+    """The `context` axis of the mesh set around the trace (`jax.set_mesh`), 1 if none."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "context" not in mesh.axis_names:
+        return 1
+    return int(mesh.shape["context"])
+
+
+def _constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
+
+
+def shard_sequence(x: jax.Array) -> jax.Array:
+    """Activations [B, T, ...] with T split over the mesh's `context` axis (rows over
+    ('data', 'fsdp')); unchanged without a context axis > 1. Token-wise layers (norms,
+    projections, MLP) then run on each device's share of the positions."""
+    if context_size() == 1:
+        return x
+    return _constrain(x, ("batch", "seq") + (None,) * (x.ndim - 2))
+
+
+def shard_heads(x: jax.Array, kind: str = "query") -> jax.Array:
+    """Attention's q / k / v / output [B, T, heads, H] with every position and the heads
+    split over ('tensor', 'context'): between `shard_sequence`d activations and this
+    layout XLA moves the data with an all-to-all over `context` (Ulysses), and each
+    device attends with its heads over the whole sequence. The query heads must be
+    divisible by tensor x context (ValueError naming mesh.context); key / value heads
+    that are not stay whole on every device (GQA: replicated over the context group).
+    Unchanged without context > 1."""
+    c = context_size()
+    if c == 1:
+        return x
+    heads, split = x.shape[2], c * int(jax.sharding.get_abstract_mesh().shape.get("tensor", 1))
+    if kind == "query" and heads % split:
+        raise ValueError(
+            f"mesh.context={c}: context parallelism splits the attention heads over it "
+            f"(times mesh.tensor), and the model's {heads} query heads are not divisible "
+            f"by {split}"
+        )
+    return _constrain(x, ("batch", None, "act_heads", None))

@@ -1,4 +1,4 @@
-"""Device mesh ('data', 'fsdp', 'tensor') and batch sharding (`mesh`, whose names are
+"""Device mesh ('data', 'fsdp', 'context', 'tensor') and batch sharding (`mesh`, whose names are
 also this package's), the host allocator, XLA's flags on CPU, multi-host start-up.
 
 The mesh names are imported on first use: `from jaxrl_llm.parallel import allocator,

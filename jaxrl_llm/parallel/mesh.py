@@ -1,4 +1,11 @@
-"""The device mesh `('data', 'fsdp', 'tensor')` and helpers to put a batch on it.
+"""The device mesh `('data', 'fsdp', 'context', 'tensor')` and helpers to put a batch on it.
+
+`context` splits one sequence's tokens over devices in the training forward and backward
+(context parallelism, `models.partitioning.shard_sequence` / `shard_heads`,
+docs/sharding.md); the batch's rows are sharded over ('data', 'fsdp') only, so the
+devices of one context group hold the same rows and each computes its share of their
+positions. It sits between fsdp and tensor: its all-to-alls run every layer, so its
+devices are placed close together.
 
 Axis types: every mesh axis is `AxisType.Auto`. Since JAX 0.7, `jax.make_mesh` defaults to
 `Explicit` axes, under which each op's output sharding must follow from its inputs without
@@ -16,14 +23,15 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 
 def mesh_shape(
     sizes: Mapping[str, int], num_devices: int, key_prefix: str = "mesh"
 ) -> tuple[int, ...]:
-    """Resolves `{'data': 1, 'fsdp': -1, 'tensor': 1}` (-1 = the rest) to a full shape."""
+    """Resolves `{'data': 1, 'fsdp': -1, 'tensor': 1}` (-1 = the rest; a missing axis is
+    1) to a full shape in MESH_AXES order."""
     unknown = set(sizes) - set(MESH_AXES)
     if unknown:
         raise ValueError(f"{key_prefix}: unknown mesh axis {sorted(unknown)}; axes: {MESH_AXES}")
@@ -44,7 +52,7 @@ def mesh_shape(
         shape[MESH_AXES.index(free[0])] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"{key_prefix}: data x fsdp x tensor = {fixed} but there are {num_devices} devices"
+            f"{key_prefix}: {' x '.join(MESH_AXES)} = {fixed} but there are {num_devices} devices"
         )
     return tuple(shape)
 

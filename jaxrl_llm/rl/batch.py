@@ -18,6 +18,8 @@ sequence, bounding the memory of a no-gradient forward.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl_llm import models
 from jaxrl_llm.parallel.mesh import BATCH_AXES
 from jaxrl_llm.rl.logprobs import token_logprobs
+from jaxrl_llm.rl.packing import (
+    DEFAULT_CAPACITY,
+    pack,
+    packed_seqs,
+    plan_packing,
+    resolve_packing,
+    unpack_completion,
+)
 
 
 @struct.dataclass
@@ -102,17 +112,71 @@ def completion_hidden(
 
 def sequence_logprobs(
     model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, temperature=1.0,
-    chunk_size=128, dropout=None,
+    chunk_size=128, dropout=None, packing=None,
 ):  # fmt: skip
     """Teacher-forced log pi(token) and entropy of each completion token.
 
     [N, P], [N, P], [N, T], [N, T] -> (logp [N, T], entropy [N, T]) float32, 0 off-mask.
     Chunked over T (never [N, T, V]); differentiable w.r.t. params. dropout: a LoRA
-    dropout key (the update's gradient forward), or None.
+    dropout key (the update's gradient forward), or None. packing: a `rl.packing.PackPlan`
+    of these rows that fits (`packed_sequence_logprobs`), or None: padded rows.
     """
+    if packing is not None:
+        return packed_sequence_logprobs(
+            model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, packing,
+            temperature=temperature, chunk_size=chunk_size, dropout=dropout,
+        )  # fmt: skip
     hidden = completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout)
+    return _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size)
+
+
+def packed_or_padded(fn, prompt_mask, mask, capacity: float):
+    """fn(plan) with the rows' `rl.packing.PackPlan` when they fit in ceil(n * capacity)
+    sequences, else fn(None) (padded): a `lax.cond` on the plan, both compiled, one
+    run. Wrap the whole forward AND backward (the update's micro-batch gradient), not a
+    differentiated function: under autodiff a cond's two branches would each carry the
+    other's residuals. capacity 0, or no fewer sequences than rows: fn(None) alone."""
+    n = mask.shape[0]
+    if not capacity or packed_seqs(n, capacity) >= n:
+        return fn(None)
+    plan = plan_packing(prompt_mask, mask, packed_seqs(n, capacity))
+    return jax.lax.cond(plan.fits, lambda: fn(plan), lambda: fn(None))
+
+
+def _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size):
+    """hidden [N, T, D] (`completion_hidden`) -> (logp, entropy) [N, T], 0 off-mask."""
     w = models.unembed_matrix(model_cfg, params)
     logp, ent = token_logprobs(hidden, w, tokens, temperature=temperature, chunk_size=chunk_size)
+    valid = mask.astype(bool)
+    return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
+
+
+def packed_sequence_logprobs(
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, plan, *, temperature=1.0,
+    chunk_size=128, dropout=None,
+):  # fmt: skip
+    """`sequence_logprobs` with the rows packed as `plan` (`rl.packing.plan_packing`, which
+    must fit) says: the layers run over the packed sequences only. The log-probs are
+    taken where there are fewer positions: over the packed [S, P + T] (the target of a
+    position is the next packed token, the same as in its row) or over the rows' [N, T]
+    completion steps (hidden states gathered back); either way they return to the
+    [N, T] row layout, so what follows (advantages, loss, aggregation) is the padded
+    path's. With LoRA dropout the packed forward draws its masks over the packed layout
+    (other masks, the same law)."""
+    n, p = prompt_tokens.shape
+    t = tokens.shape[1]
+    kw = dict(temperature=temperature, chunk_size=chunk_size)
+    ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    attend = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+    ids, attend, positions, segments = pack(plan, ids, attend)
+    hidden = models.forward(model_cfg, params, ids, attend, positions, segments, dropout=dropout)
+    w = models.unembed_matrix(model_cfg, params)
+    if plan.num_seqs * (p + t) < n * t:
+        targets = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+        out = token_logprobs(hidden, w, targets, **kw)
+        logp, ent = (unpack_completion(plan, x, p, t) for x in out)
+    else:
+        logp, ent = token_logprobs(unpack_completion(plan, hidden, p, t), w, tokens, **kw)
     valid = mask.astype(bool)
     return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
 
@@ -214,7 +278,21 @@ def shared_prompt_logprobs(
     return map_rows(one, (prompt_mask, tokens, mask, groups), micro_batches)
 
 
-def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None):
+def context_mesh(mesh_or_sharding):
+    """The context of a trace on this mesh (a Mesh, a NamedSharding or None): its
+    abstract mesh is set when its `context` axis is > 1, so that the model's forward
+    splits the sequence over it (`models.partitioning.shard_sequence`); otherwise
+    nothing."""
+    mesh = getattr(mesh_or_sharding, "mesh", mesh_or_sharding)
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.shape.get("context", 1) == 1:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def make_logprob_fn(
+    model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None,
+    packing="off", packing_capacity: float = DEFAULT_CAPACITY,
+):  # fmt: skip
     """Jitted (params, rows) -> logp [N, T] (no gradient), rows a `sampling.SampleOutput`
     or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask).
 
@@ -223,13 +301,18 @@ def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int =
     (`shared_prompt_logprobs`). micro_batches bounds the memory of the forward (N must be
     a multiple of it). mesh: the log-probs come out sharded by rows over its ('data',
     'fsdp'), pinned, so the update that reads them can be compiled before they exist.
+    packing: 'auto' | 'on' | 'off' (`rl.packing.resolve_packing`): rows that each read
+    their own prompt (G == 1) run packed into packing_capacity of the padded sequences.
     """
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     kw = dict(num_generations=spec.num_generations, micro_batches=micro_batches,
-              temperature=spec.logprob_temperature, chunk_size=chunk_size)  # fmt: skip
+              temperature=spec.logprob_temperature, chunk_size=chunk_size,
+              packing=resolve_packing(packing, packing_capacity, shards))  # fmt: skip
 
     def logprobs(params, rows):
         inputs = (rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
-        return batch_logprobs(model_cfg, params, *inputs, **kw)
+        with context_mesh(mesh):
+            return batch_logprobs(model_cfg, params, *inputs, **kw)
 
     if mesh is None:
         return jax.jit(logprobs)
@@ -239,10 +322,11 @@ def make_logprob_fn(model_cfg, spec, chunk_size: int = 128, micro_batches: int =
 
 def batch_logprobs(
     model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, num_generations,
-    micro_batches, temperature, chunk_size,
+    micro_batches, temperature, chunk_size, packing=0.0,
 ):  # fmt: skip
     """`make_logprob_fn`'s function, unjitted (the update's old-policy recompute):
-    log-probs [N, T] one row slice at a time, each prompt read once when G > 1."""
+    log-probs [N, T] one row slice at a time, each prompt read once when G > 1, else
+    each slice packed (`sequence_logprobs`' packing: a capacity, 0 = padded)."""
     rows = (prompt_tokens, prompt_mask, tokens, mask)
     kw = dict(temperature=temperature, chunk_size=chunk_size)
     if num_generations > 1 and tokens.shape[1] > 1:
@@ -251,6 +335,10 @@ def batch_logprobs(
             micro_batches=micro_batches, **kw,
         )  # fmt: skip
     else:
-        one = lambda r: sequence_logprobs(model_cfg, params, *r, **kw)[0]  # noqa: E731
+
+        def one(r):
+            run = lambda plan: sequence_logprobs(model_cfg, params, *r, **kw, packing=plan)  # noqa: E731
+            return packed_or_padded(run, r[1], r[3], packing)[0]
+
         logp = map_rows(one, rows, micro_batches)
     return jax.lax.stop_gradient(logp)

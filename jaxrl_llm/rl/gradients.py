@@ -23,7 +23,13 @@ from jaxrl_llm import models
 from jaxrl_llm.models import lora
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.algos import AlgoConfig
-from jaxrl_llm.rl.batch import prefix_logprobs, prompt_prefix, sequence_logprobs, split_rows
+from jaxrl_llm.rl.batch import (
+    packed_or_padded,
+    prefix_logprobs,
+    prompt_prefix,
+    sequence_logprobs,
+    split_rows,
+)
 from jaxrl_llm.rl.losses import loss_denominator, policy_objective, value_objective
 from jaxrl_llm.rl.optim import Optimizer
 from jaxrl_llm.sampling.spec import RolloutSpec
@@ -72,6 +78,7 @@ class Setup:
     skip_nonfinite: bool
     seed: int
     share_prompts: bool = True
+    packing: float = 0.0  # packed capacity of the full-row forwards (rl.packing); 0 = off
 
     @property
     def num_generations(self) -> int:
@@ -102,14 +109,22 @@ class Setup:
         return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
 
 
-def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None):
+def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, plan=None):
     """-J of one micro-batch (divided by the mini-batch denominator) and its metrics.
     prefix: the groups' prompts already run (`prompt_prefix`), or None. dropout: the
-    micro-batch's LoRA dropout key, or None."""
+    micro-batch's LoRA dropout key, or None. plan: the rows' packing (`rl.packing`), or
+    None."""
     kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size, dropout=dropout)
     if prefix is None:
         logp, entropy = sequence_logprobs(
-            s.model_cfg, params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask, **kw
+            s.model_cfg,
+            params,
+            r.prompt_tokens,
+            r.prompt_mask,
+            r.tokens,
+            r.mask,
+            **kw,
+            packing=plan,
         )
     else:
         logp, entropy = prefix_logprobs(
@@ -169,8 +184,12 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
         r, i = xs
         key = fold(i + 1)
         if prefix is None:
-            loss = lambda p: _policy_loss(s, full(p), r, den, None, key)  # noqa: E731
-            (_, metrics), g = jax.value_and_grad(loss, has_aux=True)(carry.params)
+
+            def run(plan):  # packed (plan) or padded (None): one forward and backward
+                loss = lambda p: _policy_loss(s, full(p), r, den, None, key, plan)  # noqa: E731
+                return jax.value_and_grad(loss, has_aux=True)(carry.params)
+
+            (_, metrics), g = packed_or_padded(run, r.prompt_mask, r.mask, s.packing)
         else:
             loss = lambda p, pre: _policy_loss(s, full(p), r, den, pre, key)  # noqa: E731
             pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)

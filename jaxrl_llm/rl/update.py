@@ -31,6 +31,12 @@ forward + backward: the prompts run once before the micro-batches, each micro-ba
 completions attend to their group's keys/values, the keys/values' cotangents are summed
 over the micro-batches and one backward through the prompts follows.
 
+Packing (`packing`, docs/packing.md): the forwards that run whole rows (no shared prompt)
+lay each micro-batch's rows end to end in fewer sequences (`rl.packing`) and gather the
+log-probs back to the rows, so the loss is computed on the same [N, T] arrays. Context
+parallelism: on a mesh whose `context` axis is > 1 the program is traced with that mesh
+set, so the model's forward splits each sequence over it (docs/sharding.md).
+
 Optimizer steps per call = num_iterations * mini_batches; the learning rate is
 opt.schedule(state.step) for all of them (see optim.py).
 
@@ -42,6 +48,7 @@ each slice keeps an even share of every device's rows when the batch is sharded 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import jax
@@ -58,6 +65,7 @@ from jaxrl_llm.rl.batch import (
     RolloutBatch,
     batch_logprobs,
     check_groups,
+    context_mesh,
     make_logprob_fn,
     map_rows,
     sequence_logprobs,
@@ -66,6 +74,7 @@ from jaxrl_llm.rl.batch import (
 from jaxrl_llm.rl.gradients import Carry, Rows, Setup, gradients, reduce_metrics
 from jaxrl_llm.rl.losses import masked_mean
 from jaxrl_llm.rl.optim import Optimizer, make_optimizer
+from jaxrl_llm.rl.packing import DEFAULT_CAPACITY, resolve_packing
 from jaxrl_llm.rl.state import TrainState, init_train_state
 from jaxrl_llm.sampling.spec import RolloutSpec
 
@@ -156,6 +165,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
             s.model_cfg, lora.combine(frozen, state.params), *inputs,
             num_generations=s.prompt_group, micro_batches=k,
             temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size,
+            packing=s.packing,
         )  # fmt: skip
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
@@ -258,6 +268,8 @@ def make_update_fn(
     skip_nonfinite: bool = False,
     seed: int = 0,
     share_prompts: bool = True,
+    packing="off",
+    packing_capacity: float = DEFAULT_CAPACITY,
 ) -> UpdateFn:
     """The jitted `update(state, batch) -> (state, metrics)`; state is donated.
 
@@ -273,7 +285,12 @@ def make_update_fn(
     seed: the mini-batch permutations derive from (seed, step) (`train.seed`).
     share_prompts: False makes every row read its own prompt (the same result up to float
     rounding, more compute; a reference for the shared path).
+    packing: 'auto' | 'on' | 'off': the forwards that run whole rows (every row reading
+    its own prompt) pack each micro-batch's rows into packing_capacity of its padded
+    sequences (`rl.packing`; the same result up to float rounding); 'auto' packs when
+    the batch's rows are on one device (`rl.packing.resolve_packing`, per layout).
     """
+    resolve_packing(packing, packing_capacity, 1)  # a bad mode or capacity fails here
     if micro_batches < 1 or mini_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}, mini_batches={mini_batches}: >= 1")
     if algo_cfg.uses_critic and critic_optimizer is None:
@@ -292,7 +309,7 @@ def make_update_fn(
         seed=int(seed),
         share_prompts=bool(share_prompts),
     )
-    return UpdateFn(setup)
+    return UpdateFn(setup, packing, float(packing_capacity))
 
 
 class UpdateFn:
@@ -304,8 +321,9 @@ class UpdateFn:
     jitted program is kept per input layout; `traces` counts compilations by [N, T].
     """
 
-    def __init__(self, setup: Setup):
+    def __init__(self, setup: Setup, packing="off", packing_capacity: float = DEFAULT_CAPACITY):
         self._setup = setup
+        self._packing = (packing, packing_capacity)
         self._jitted: dict = {}
         self.traces: collections.Counter = collections.Counter()
 
@@ -320,13 +338,24 @@ class UpdateFn:
                 scalars = NamedSharding(first.mesh, PartitionSpec())
             else:
                 scalars = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)))
-            jitted = jax.jit(self._traced, donate_argnums=0, out_shardings=(shardings, scalars))
+            setup = self._layout_setup(first)
+            traced = functools.partial(self._traced, setup, first)
+            jitted = jax.jit(traced, donate_argnums=0, out_shardings=(shardings, scalars))
             self._jitted[key] = jitted
         return self._jitted[key]
 
-    def _traced(self, state: TrainState, frozen, batch: RolloutBatch):
+    def _layout_setup(self, sharding) -> Setup:
+        """The setup with packing resolved for this layout (rows over data x fsdp)."""
+        shards = 1
+        if isinstance(sharding, NamedSharding):
+            shards = sharding.mesh.shape["data"] * sharding.mesh.shape["fsdp"]
+        capacity = resolve_packing(*self._packing, shards)
+        return dataclasses.replace(self._setup, packing=capacity)
+
+    def _traced(self, setup: Setup, sharding, state: TrainState, frozen, batch: RolloutBatch):
         self.traces[batch.tokens.shape] += 1
-        return _update(self._setup, state, batch, frozen)
+        with context_mesh(sharding):  # the mesh's `context` axis, if > 1, splits sequences
+            return _update(setup, state, batch, frozen)
 
     def __call__(self, state: TrainState, batch: RolloutBatch):
         frozen = state.frozen

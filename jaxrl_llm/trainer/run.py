@@ -231,7 +231,7 @@ class Run:
             self.model_cfg, self.algo, opt, self.spec, micro_batches=o.micro_batches,
             mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk,
             critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
-            seed=c.train.seed,
+            seed=c.train.seed, packing=o.packing, packing_capacity=o.packing_capacity,
         )  # fmt: skip
         # The reference's program, over each teacher.
         self.teacher_programs = [
@@ -250,6 +250,7 @@ class Run:
             self.ref_logprobs = rl.make_logprob_fn(
                 self.base_cfg, self.spec, chunk_size=c.train.logprob_chunk,
                 micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
+                packing=o.packing, packing_capacity=o.packing_capacity,
             )  # fmt: skip
 
     # ---------------------------------------------------------------------- the step
