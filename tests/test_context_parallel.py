@@ -2,6 +2,8 @@
 the 8 fake CPU devices, composed with fsdp = 2 over the rows) gives the loss and the
 gradients of the same computation on one device."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,9 +28,9 @@ def rows(n=2, seed=0):
     return prompt, prompt_mask, tokens, mask
 
 
-def loss(params, prompt, prompt_mask, tokens, mask):
+def loss(params, prompt, prompt_mask, tokens, mask, cfg=CFG):
     """A weighted sum of the teacher-forced log-probs and entropies (the update's forward)."""
-    logp, ent = B.sequence_logprobs(CFG, params, prompt, prompt_mask, tokens, mask, chunk_size=512)
+    logp, ent = B.sequence_logprobs(cfg, params, prompt, prompt_mask, tokens, mask, chunk_size=512)
     return jnp.sum(logp * jnp.linspace(0.0, 1.0, T)) + 0.1 * jnp.sum(ent)
 
 
@@ -36,26 +38,55 @@ def host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-def test_context_parallel_equals_one_device():
-    params = models.init_params(CFG, seed=0)
+@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+def test_context_parallel_equals_one_device(implementation):
+    """Both attention paths: the full score matrix and the blockwise loops (the FLOPs
+    XLA reports count a loop's body once, so there the unrolled log-prob chunks and the
+    layer's matmuls weigh most)."""
+    cfg = dataclasses.replace(CFG, attention=implementation)
+    params = models.init_params(cfg, seed=0)
     batch = rows()
-    fn = jax.jit(jax.value_and_grad(loss))
+    fn = jax.jit(jax.value_and_grad(lambda *args: loss(*args, cfg=cfg)))
     want = host(fn(params, *batch))
     one_device = fn.lower(params, *batch).compile().cost_analysis()["flops"]
     mesh = parallel.make_mesh({"fsdp": 2, "context": 4})
-    sharded = jax.device_put(params, models.param_shardings(CFG, mesh))
+    sharded = jax.device_put(params, models.param_shardings(cfg, mesh))
     with jax.set_mesh(mesh):
         compiled = fn.lower(sharded, *parallel.shard_batch(batch, mesh)).compile()
         got = host(compiled(sharded, *parallel.shard_batch(batch, mesh)))
     # each device computes its share: a row (fsdp) and a quarter of its heads' attention
     # and positions (context), not the whole row
     assert compiled.cost_analysis()["flops"] < one_device / 6
+    # q / k / v and the output move between the splits by all-to-all (Ulysses), not by
+    # gathering whole tensors onto every device
+    assert " all-to-all(" in compiled.as_text()
     assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
     for path, g, w in zip(
         jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(got[1]),
         jax.tree.leaves(want[1]), strict=True,
     ):  # fmt: skip
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=str(path[0]))
+
+
+@pytest.mark.parametrize("heads", [(6, 3), (8, 2)])
+def test_key_value_heads_the_axis_does_not_divide(heads):
+    """Query heads split over context = 2 (times tensor = 2 for 8 heads) with key / value
+    heads that the split does not divide: each device takes the kv heads its query heads
+    read (the one kv head of 8 / 2 heads on 4 devices, one per query head for 6 / 3 heads
+    on 2), and the forward equals one device's."""
+    n, k = heads
+    cfg = tiny_model_config(num_layers=1, num_heads=n, num_kv_heads=k, head_dim=4,
+                            attention="blockwise", attention_block=8)  # fmt: skip
+    params = models.init_params(cfg, seed=1)
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(1, 64, (2, 24)), jnp.int32)
+    fn = jax.jit(lambda p, x: models.forward(cfg, p, x))
+    want = np.asarray(fn(params, ids))
+    tensor = 2 if n == 8 else 1
+    mesh = parallel.make_mesh({"context": 2, "tensor": tensor}, jax.devices()[: 2 * tensor])
+    with jax.set_mesh(mesh):
+        got = np.asarray(fn(jax.device_put(params, models.param_shardings(cfg, mesh)), ids))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_heads_not_divisible_by_the_context_axis_are_refused():

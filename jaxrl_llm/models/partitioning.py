@@ -120,6 +120,23 @@ def _constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
 
 
+def heads_spec(shape: Sequence[int]) -> PartitionSpec:
+    """The `shard_heads` layout of an array [B, T, heads, H] on the mesh set around the
+    trace: rows over the batch axes, heads over ('tensor', 'context') where they divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return logical_to_spec(("batch", None, "act_heads", None), shape, mesh)
+
+
+def rows_spec(shape: Sequence[int]) -> PartitionSpec:
+    """An array [B, ...] split by rows over the batch axes of the mesh set around the
+    trace (where they divide B); arrays of fewer than 2 dimensions (shared by the
+    rows: mask indices, a window) are replicated."""
+    if len(shape) < 2:
+        return PartitionSpec()
+    mesh = jax.sharding.get_abstract_mesh()
+    return logical_to_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh)
+
+
 def shard_sequence(x: jax.Array) -> jax.Array:
     """Activations [B, T, ...] with T split over the mesh's `context` axis (rows over
     ('data', 'fsdp')); unchanged without a context axis > 1. Token-wise layers (norms,
@@ -147,4 +164,4 @@ def shard_heads(x: jax.Array, kind: str = "query") -> jax.Array:
             f"(times mesh.tensor), and the model's {heads} query heads are not divisible "
             f"by {split}"
         )
-    return _constrain(x, ("batch", None, "act_heads", None))
+    return jax.lax.with_sharding_constraint(x, heads_spec(x.shape))

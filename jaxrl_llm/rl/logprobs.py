@@ -28,6 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models.partitioning import context_size
+
 SAVE_LOGITS_BYTES = 512 * 2**20  # remat=None: keep the logits for the backward up to this
 UNROLL_CHUNKS = 16  # logits kept: up to this many chunks run as straight-line code
 
@@ -95,6 +97,15 @@ def _chunk_bwd(temperature, save_logits, res, cotangents):
 _chunk_logprobs.defvjp(_chunk_fwd, _chunk_bwd)
 
 
+def _chunks(x: jax.Array, n_chunks: int, c: int, strided: bool) -> jax.Array:
+    """[N, n_chunks * c, ...] -> [n_chunks, N, c, ...]: chunk i holds positions
+    i*c .. i*c + c - 1, or (strided) positions i, i + n_chunks, i + 2 n_chunks, ..."""
+    n, rest = x.shape[0], x.shape[2:]
+    if strided:
+        return jnp.moveaxis(x.reshape(n, c, n_chunks, *rest), 2, 0)
+    return x.reshape(n, n_chunks, c, *rest).swapaxes(0, 1)
+
+
 def token_logprobs(
     hidden: jax.Array,
     unembed: jax.Array,
@@ -132,8 +143,13 @@ def token_logprobs(
     if pad:
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    h_chunks = hidden.reshape(n, n_chunks, c, d).swapaxes(0, 1)
-    t_chunks = targets.reshape(n, n_chunks, c).swapaxes(0, 1)
+    # Chunk i: positions i*c .. i*c + c - 1; with the positions split over a mesh
+    # `context` axis, positions i, i + n_chunks, ... instead, so that every chunk spans
+    # all the devices' shares and each device computes its positions of every chunk (a
+    # contiguous chunk lies on one device's share, and the partitioner has each of the
+    # devices compute all of it).
+    strided = context_size() > 1
+    h_chunks, t_chunks = (_chunks(x, n_chunks, c, strided) for x in (hidden, targets))
 
     def one_chunk(xs):
         return _chunk_logprobs(xs[0], unembed, xs[1], temperature, not remat)
@@ -147,7 +163,8 @@ def token_logprobs(
     else:
         logp, entropy = jax.lax.map(one_chunk, (h_chunks, t_chunks))
 
-    def unchunk(x):
-        return x.swapaxes(0, 1).reshape(n, n_chunks * c)[:, :t]
+    def unchunk(x):  # [n_chunks, N, C] -> [N, T]
+        x = x.transpose(1, 2, 0) if strided else x.swapaxes(0, 1)
+        return x.reshape(n, n_chunks * c)[:, :t]
 
     return unchunk(logp), unchunk(entropy)
