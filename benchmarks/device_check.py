@@ -22,8 +22,11 @@ Sections, each a markdown table in --out (and printed):
    causal with left padding): forward + backward seconds of each path this backend runs
    (`xla` only where its [T, T] scores fit, `blockwise`, `cudnn` on GPU, `pallas` on TPU)
    and its largest difference from `blockwise`.
-4. The packed update against the padded one, where this checkout has sequence packing
-   (else one line says it is skipped).
+4. The GRPO update and the reference forward with sequence packing (`optim.packing`)
+   against padded rows, on a long-tailed batch (about half its positions padding) at the
+   preset's model shapes: median seconds of interleaved padded / packed pairs, the
+   speed-up, the loss of each update, and whether every micro-batch packed
+   (`benchmarks/packing.py`'s functions).
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, measure_matmul_peak, preset_config, table  # noqa: E402
 from grpo_step import TOKENIZER, make_config  # noqa: E402
+from packing import long_tailed_batch, measure, packed_micro_batches, padding_fraction  # noqa: E402
 
-from jaxrl_llm import config as config_lib  # noqa: E402
 from jaxrl_llm import models, sampling  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 from jaxrl_llm.models import attention as A  # noqa: E402
@@ -62,12 +65,16 @@ class Sizes:
     decode_tokens: int
     attention_lengths: tuple[int, ...]
     heads: tuple[int, int, int]  # N, K, H of the attention section
+    packing: tuple[int, int, int, int]  # rows, prompt and completion length, timed pairs
 
 
 SIZES = {
-    "0.5b": Sizes("bfloat16", 16, 8, 512, (1, 64), 256, (4096, 16384), (14, 2, 64)),
-    "tiny": Sizes("float32", 8, 2, 8, (2,), 8, (128,), (4, 2, 16)),
+    "0.5b": Sizes(
+        "bfloat16", 16, 8, 512, (1, 64), 256, (4096, 16384), (14, 2, 64), (32, 64, 960, 5)
+    ),
+    "tiny": Sizes("float32", 8, 2, 8, (2,), 8, (128,), (4, 2, 16), (8, 16, 48, 2)),
 }
+PACKING_MICRO_BATCHES = 2
 XLA_MAX_SCORE_BYTES = 8 * 2**30  # the xla path's [N, T, T] float32 scores, at most
 
 
@@ -200,8 +207,21 @@ def attention(sizes: Sizes) -> list[dict]:
     return out
 
 
-def packing_available() -> bool:
-    return "pack" in config_lib.base_config().train or "pack" in config_lib.base_config().optim
+def packed_vs_padded(cfg, params, sizes: Sizes) -> list[dict]:
+    """Section 4: padded against packed update and reference forward on a long-tailed
+    batch, in interleaved pairs; each row says whether every micro-batch packed."""
+    rows_n, prompt_len, completion_len, repeats = sizes.packing
+    batch = long_tailed_batch(cfg, rows_n, prompt_len, completion_len, padding=0.5)
+    args = argparse.Namespace(
+        completion_len=completion_len, micro_batches=PACKING_MICRO_BATCHES, chunk_size=128,
+        repeats=repeats,
+    )  # fmt: skip
+    fits = packed_micro_batches(batch, PACKING_MICRO_BATCHES)
+    label = f"{rows_n} x {prompt_len} + {completion_len}, {padding_fraction(batch):.0%} padding"
+    out = measure(cfg, args, batch, label, params=params)
+    for row in out:
+        row["micro-batches packed"] = f"{sum(fits)}/{len(fits)}"
+    return out
 
 
 def main(argv=None):
@@ -241,17 +261,20 @@ def main(argv=None):
     rows = attention(sizes)
     sections.append(("## Attention, forward + backward, causal + left padding", rows))
     print(sections[-1][0] + "\n" + table(rows, _columns(rows)) + "\n", flush=True)
+    print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
+    rows = packed_vs_padded(cfg, params, sizes)
+    sections.append((
+        f"## Packed vs padded update ({PACKING_MICRO_BATCHES} micro-batches, "
+        f"{sizes.packing[3]} interleaved pairs; s per call)", rows,
+    ))  # fmt: skip
+    print(sections[-1][0] + "\n" + table(rows, _columns(rows)) + "\n", flush=True)
     text = head
     for title, rows in sections:
         text += f"\n{title}\n\n{table(rows, _columns(rows))}\n"
-    if packing_available():
-        text += "\n## Packed vs padded update\n\nnot measured by this script yet\n"
-    else:
-        text += "\n## Packed vs padded update\n\nskipped: this checkout has no sequence packing\n"
     text += f"\n{time.perf_counter() - start:.0f} s in all\n"
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(text)
-    print(text[text.index("## Packed") :], flush=True)
+    print(f"{time.perf_counter() - start:.0f} s in all; wrote {args.out}", flush=True)
 
 
 def _columns(rows: list[dict]) -> list[str]:

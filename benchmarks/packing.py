@@ -80,8 +80,32 @@ def programs(cfg, args, mode):
     return update, ref
 
 
-def measure(cfg, args, batch, label) -> list[dict]:
-    params = models.init_params(cfg, seed=0)
+def packed_micro_batches(batch, micro_batches) -> list[bool]:
+    """Whether each micro-batch's rows first-fit into its packed sequences (else the
+    packed program runs its padded branch for it)."""
+    n = batch.mask.shape[0] // micro_batches
+    seqs = packing.packed_seqs(n, packing.DEFAULT_CAPACITY)
+    return [
+        bool(packing.plan_packing(pm, m, seqs).fits)
+        for pm, m in zip(
+            *(split_rows(x, micro_batches) for x in (batch.prompt_mask, batch.mask)),
+            strict=True,
+        )
+    ]  # fmt: skip
+
+
+def padding_fraction(batch) -> float:
+    """The fraction of the [N, P + T] positions that are padding."""
+    return 1 - float(np.mean(np.concatenate([batch.prompt_mask, batch.mask], 1)))
+
+
+def measure(cfg, args, batch, label, params=None) -> list[dict]:
+    """Rows of median seconds per update and per reference forward, padded and packed,
+    timed in interleaved pairs (the first round, which compiles, is dropped). `args` needs
+    completion_len, micro_batches, chunk_size and repeats; `params` defaults to a random
+    float32 model of `cfg`."""
+    if params is None:
+        params = models.init_params(cfg, seed=0)
     opt = U.make_optimizer(learning_rate=1e-6)
     runs = {mode: programs(cfg, args, mode) for mode in ("off", "on")}
     states = {mode: U.init_train_state(jax.tree.map(jnp.copy, params), opt) for mode in runs}
@@ -109,6 +133,7 @@ def measure(cfg, args, batch, label) -> list[dict]:
             "packed s (median)": f"{np.median(on):.3f} [{on.min():.3f}-{on.max():.3f}]",
             "speed-up (median of pairs)": f"{np.median(off / on):.2f}x",
         })  # fmt: skip
+    rows[0]["loss padded / packed"] = f"{losses['off'][0]:.5g} / {losses['on'][0]:.5g}"
     print(f"{label}: loss / grad norm padded {losses['off']}, packed {losses['on']}")
     return rows
 
@@ -128,14 +153,8 @@ def main():
     cfg = preset_config(args.preset)
     batch = long_tailed_batch(cfg, args.seqs, args.prompt_len, args.completion_len, args.padding)
     n = args.seqs // args.micro_batches
-    pad = 1 - float(np.mean(np.concatenate([batch.prompt_mask, batch.mask], 1)))
-    fits = [
-        bool(packing.plan_packing(pm, m, packing.packed_seqs(n, packing.DEFAULT_CAPACITY)).fits)
-        for pm, m in zip(
-            *(split_rows(x, args.micro_batches) for x in (batch.prompt_mask, batch.mask)),
-            strict=True,
-        )
-    ]  # fmt: skip
+    pad = padding_fraction(batch)
+    fits = packed_micro_batches(batch, args.micro_batches)
     print(f"{device_name()}; {args.preset}, {args.seqs} rows x {args.prompt_len} + "
           f"{args.completion_len}, {args.micro_batches} micro-batches of {n} rows -> "
           f"{packing.packed_seqs(n, packing.DEFAULT_CAPACITY)} packed; padding {pad:.2f}; "

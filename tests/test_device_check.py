@@ -6,6 +6,18 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 
+def _section(text: str, title: str) -> list[list[str]]:
+    """The cells of the data rows of the markdown table under the heading `title`."""
+    lines = text[text.index(title) :].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if rows and not line.startswith("|"):
+            break
+        if line.startswith("| ") and not line.startswith("|-"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows[1:]  # the header row off
+
+
 def test_device_check_tiny_preset_writes_its_tables(tmp_path):
     import device_check
 
@@ -19,3 +31,14 @@ def test_device_check_tiny_preset_writes_its_tables(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| 128 ")]
     diffs = [float(r.split("|")[-2]) for r in rows]
     assert len(diffs) == 2 and max(diffs) <= 1e-5, rows
+    # packed vs padded: measured seconds for the update and the reference, every
+    # micro-batch of the long-tailed batch packed, and the two updates' losses equal
+    packed = _section(text, "## Packed vs padded update")
+    assert [r[1] for r in packed] == ["update", "reference"], packed
+    assert "50% padding" in packed[0][0], packed
+    for r in packed:
+        padded_s, packed_s = (float(c.split()[0]) for c in r[2:4])
+        assert padded_s > 0 and packed_s > 0 and float(r[4].rstrip("x")) > 0, r
+        assert r[-1] == "2/2", r
+    loss_padded, loss_packed = (float(x) for x in packed[0][5].split("/"))
+    assert abs(loss_padded - loss_packed) <= 1e-3 * abs(loss_padded) + 1e-7, packed[0]
