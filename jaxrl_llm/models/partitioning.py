@@ -34,6 +34,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "mlp": "tensor",
     "norm": None,
     "lora": None,  # the rank of a LoRA adapter (small: replicated)
+    "router": None,  # an MoE router's output (one logit per expert): replicated
+    "expert": "expert",  # the experts of an MoE layer: expert parallelism
+    "expert_mlp": "tensor",  # an expert's hidden width, like a dense MLP's
     "seq": None,
     "cache_seq": None,
 }

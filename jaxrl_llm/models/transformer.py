@@ -87,9 +87,14 @@ def forward(
     positions=None,
     segment_ids=None,
     dropout=None,
-) -> jax.Array:
+    routes=None,
+    with_routes: bool = False,
+):
     """Full-sequence forward: tokens [B,T] -> final-normed hidden states [B,T,D].
-    dropout: a key for LoRA dropout (`cfg.lora.dropout` > 0), None for none."""
+    dropout: a key for LoRA dropout (`cfg.lora.dropout` > 0), None for none.
+    routes: [B,T,L,k] experts for the MoE layers to use instead of their own top-k
+    (routing replay), None for their own. with_routes: return (hidden, the MoE layers' own
+    top-k [B,T,L,k] int32, or None for a dense model)."""
     B, T = tokens.shape
     if attention_mask is None:
         attention_mask = jnp.ones((B, T), bool)
@@ -102,13 +107,25 @@ def forward(
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
     mask |= jnp.eye(T, dtype=bool)[None]  # a padding query attends to itself: no empty rows
     mask = windowed(cfg, mask, positions, positions)
-    hidden, _ = _model(cfg, params)(tokens, positions, mask, dropout=dropout)
-    return hidden
+    hidden, _, own = _model(cfg, params)(
+        tokens, positions, mask, dropout=dropout, routes=layer_major(routes)
+    )
+    return (hidden, token_major(own)) if with_routes else hidden
+
+
+def layer_major(routes):
+    """Recorded routes [B,T,L,k] -> the layer scan's [L,B,T,k] (None stays None)."""
+    return None if routes is None else jnp.moveaxis(routes, 2, 0)
+
+
+def token_major(routes):
+    """The layer scan's [L,B,T,k] -> [B,T,L,k] (None stays None)."""
+    return None if routes is None else jnp.moveaxis(routes, 0, 2)
 
 
 def forward_after_prefix(
     cfg: ModelConfig, params: Params, tokens, attention_mask, prefix=None, prefix_mask=None,
-    dropout=None,
+    dropout=None, routes=None, with_routes: bool = False,
 ):  # fmt: skip
     """`forward` of tokens that follow a prefix already run: (hidden [B,T,D], keys/values).
 
@@ -118,7 +135,8 @@ def forward_after_prefix(
     hidden equals `forward` of the concatenation [prefix, tokens] at the tokens'
     positions. Returns the keys/values of `tokens` ([L,B,T,K,H] each) for a later suffix.
     Differentiable w.r.t. params and prefix; e.g. a prompt run once for the G samples of
-    its GRPO group (`rl.batch.prefix_logprobs`). dropout: as in `forward`.
+    its GRPO group (`rl.batch.prefix_logprobs`). dropout, routes [B,T,L,k], with_routes
+    (then a third result, the own top-k [B,T,L,k]): as in `forward`.
     """
     B, T = tokens.shape
     attention_mask = attention_mask.astype(bool)
@@ -136,7 +154,10 @@ def forward_after_prefix(
     mask = jnp.concatenate([earlier, own], axis=-1)
     prefix_pos = jnp.maximum(jnp.cumsum(prefix_mask, -1, dtype=jnp.int32) - 1, 0)
     mask = windowed(cfg, mask, positions, jnp.concatenate([prefix_pos, positions], -1))
-    return _model(cfg, params).with_prefix(tokens, positions, mask, prefix, dropout)
+    hidden, kv, own = _model(cfg, params).with_prefix(
+        tokens, positions, mask, prefix, dropout, layer_major(routes)
+    )
+    return (hidden, kv, token_major(own)) if with_routes else (hidden, kv)
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
@@ -164,11 +185,15 @@ def logits(
     return project(cfg, params, hidden)
 
 
-def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache, layers=None):
+def extend(
+    cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache, layers=None,
+    with_routes: bool = False,
+):  # fmt: skip
     """Appends tokens [B,T] (attention_mask [B,T]) to the cache.
 
-    Returns (hidden [B,T,D], new cache). Slots index..index+T-1 are written; a token
-    attends to the cache's valid slots up to and including its own. layers: optional
+    Returns (hidden [B,T,D], new cache), and with_routes the MoE layers' top-k experts of
+    the tokens [B,T,L,k] (None for a dense model). Slots index..index+T-1 are written; a
+    token attends to the cache's valid slots up to and including its own. layers: optional
     `layer_params(params)` for a per-layer cache (`init_cache`).
     """
     B, T = tokens.shape
@@ -184,7 +209,7 @@ def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCa
     # a valid slot's position id: the real tokens written before it (as `pos` counts them)
     slot_pos = jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1
     mask = windowed(cfg, mask, positions, slot_pos)
-    hidden, (k, v) = _model(cfg, params)(
+    hidden, (k, v), own = _model(cfg, params)(
         tokens, positions, mask, (cache.k, cache.v), cache.index, layers
     )
     new_cache = KVCache(
@@ -194,7 +219,7 @@ def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCa
         pos=cache.pos + attention_mask.sum(-1, dtype=jnp.int32),
         index=cache.index + T,
     )
-    return hidden, new_cache
+    return (hidden, new_cache, token_major(own)) if with_routes else (hidden, new_cache)
 
 
 def last_hidden(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
