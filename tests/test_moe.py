@@ -1,14 +1,20 @@
 """Mixture-of-experts decoder (Qwen3-MoE) against Hugging Face and a per-expert loop."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_learning as learning
 from hf_reference import hf_logits, hf_model, padded_batch
 from test_sampler import PROMPTS, hf_greedy
+from tiny_run import tiny_model_config
 
-from jaxrl_llm import models, parallel, sampling
+from jaxrl_llm import models, parallel, rl, sampling
 from jaxrl_llm.models import moe
+from jaxrl_llm.rl import batch as rl_batch
+from jaxrl_llm.rl import update as rl_update
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +129,135 @@ def test_refused_options_name_the_key():
     with pytest.raises(ValueError, match="lora targets"):
         cfg.replace(lora=models.LoraConfig(rank=2))
     cfg.replace(lora=models.LoraConfig(rank=2, targets=("q", "v")))
+
+
+# ------------------------------------------------------------------------ routing replay
+def tie_sensitive(cfg, params, eps=1e-6):
+    """The router's columns made equal up to eps: its logits are near-ties that float
+    rounding decides, so the sampler's and the trainer's forwards route differently."""
+    router = params["layers"]["router"]
+    layers = dict(params["layers"], router=router[..., :1] + eps * router)
+    return dict(params, layers=layers)
+
+
+def tiny_moe(**overrides):
+    fields = dict(
+        architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, initializer_range=0.2,
+    )  # fmt: skip
+    return tiny_model_config(**(fields | overrides))
+
+
+def test_sampler_records_the_routes_a_full_forward_takes(qwen3_moe):
+    """Every token read by the sampler (prompt, fed completion tokens) has its experts
+    recorded, equal to the full forward's own top-k; only each row's last token is not."""
+    _, _, cfg, params = qwen3_moe
+    out = sampling.generate(cfg, params, PROMPTS, 6, num_samples=2, temperature=1.0, seed=1)
+    N, P = out.prompt_tokens.shape
+    assert out.routes.shape == (N, P + 6, cfg.num_layers, 2) and out.routes.dtype == jnp.int16
+    ids = jnp.concatenate([out.prompt_tokens, out.tokens], 1)
+    mask = jnp.concatenate([out.prompt_mask, out.mask], 1)
+    _, own = models.forward(cfg, params, ids, mask, with_routes=True)
+    recorded = np.asarray(out.routes)
+    seen = recorded[..., 0] >= 0
+    np.testing.assert_array_equal(np.asarray(own)[seen], recorded[seen])
+    last = P + np.asarray(out.lengths) - 1
+    expected = np.asarray(mask).copy()
+    expected[np.arange(N), last] = False
+    np.testing.assert_array_equal(seen[:, :, 0] | ~np.asarray(mask), expected | ~np.asarray(mask))
+
+
+def test_replay_makes_trainer_logprobs_equal_behaviour():
+    """Near-tied router: without replay the trainer's log-probs (each prompt read once
+    per group, or per row) differ from the sampler's on some tokens; replaying the
+    recorded experts makes them equal on every token. Vocabulary 16: log-probs near -3,
+    whose float32 spacing (2.4e-7) leaves the 1e-6 bound room for rounding."""
+    cfg = tiny_moe(vocab_size=16)
+    params = tie_sensitive(cfg, models.init_params(cfg, seed=1))
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [3, 1, 4, 1, 5]]
+    out = sampling.generate(cfg, params, prompts, 10, num_samples=2, temperature=1.0, seed=1)
+    rows = (out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    sampled = np.asarray(out.loss_mask)
+    for groups in (2, 1):
+        kw = dict(num_generations=groups, micro_batches=1, temperature=1.0, chunk_size=128)
+        gaps = {}
+        logprobs = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))
+        for name, routes in (("none", None), ("rollout", out.routes)):
+            logp = logprobs(params, *rows, routes=routes)
+            gaps[name] = np.abs(np.asarray(logp) - np.asarray(out.logprobs))[sampled]
+        assert np.sum(gaps["none"] > 1e-2) >= 5, (groups, gaps["none"])
+        assert gaps["rollout"].max() <= 1e-6, (groups, gaps["rollout"].max())
+
+
+def plain_replayed_moe(cfg, h, weights, routes):
+    """The MoE block with the experts given, each token's expert weights gathered:
+    w = softmax(h W_r) at those experts (renormalised over them when norm_topk_prob),
+    y = sum_j w_j expert_{routes_j}(h)."""
+    x, ids = h.reshape(-1, h.shape[-1]), routes.reshape(-1, routes.shape[-1])
+    p = jax.nn.softmax(x @ weights["router"])
+    w = jnp.take_along_axis(p, ids, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / jnp.sum(w, axis=1, keepdims=True)
+    y = 0.0
+    for j in range(ids.shape[1]):
+        gate, up, down = (weights[n][ids[:, j]] for n in ("gate", "up", "down"))
+        act = jax.nn.silu(jnp.einsum("nd,ndf->nf", x, gate)) * jnp.einsum("nd,ndf->nf", x, up)
+        y = y + w[:, j, None] * jnp.einsum("nf,nfd->nd", act, down)
+    return y.reshape(h.shape)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_replayed_gates_differentiate_the_router(norm_topk_prob):
+    """With replayed experts (here ones the router would not pick) the output and its
+    gradients w.r.t. the router, the input and the experts equal the plain block's."""
+    cfg = tiny_moe(norm_topk_prob=norm_topk_prob)
+    D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    keys = jax.random.split(jax.random.key(4), 5)
+    h = jax.random.normal(keys[0], (2, 3, D))
+    weights = {
+        "router": jax.random.normal(keys[1], (D, E)) / 4,
+        "gate": jax.random.normal(keys[2], (E, D, F)) / 4,
+        "up": jax.random.normal(keys[3], (E, D, F)) / 4,
+        "down": jax.random.normal(keys[4], (E, F, D)) / 4,
+    }
+    _, own = moe.moe_mlp(cfg, h, weights)
+    routes = (own[..., ::-1] + 3) % E  # other experts, in another order
+
+    def loss(f):
+        fn = lambda h, w: jnp.sum(jnp.sin(f(h, w)))  # noqa: E731
+        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(h, weights)
+
+    value, grads = loss(lambda h, w: moe.moe_mlp(cfg, h, w, routes)[0])
+    value_ref, grads_ref = loss(lambda h, w: plain_replayed_moe(cfg, h, w, routes))
+    np.testing.assert_allclose(value, value_ref, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-5)
+    assert float(jnp.abs(grads[1]["router"]).max()) > 1e-3
+
+
+# ------------------------------------------------------------------------------ learning
+@pytest.mark.parametrize("replay", ["none", "rollout"])
+def test_grpo_learns_target_token(replay):
+    """test_learning's task (reward 1 iff the first token is the target) on a tiny MoE,
+    the reference and the update routing by themselves or replaying the sampler's
+    experts; the routing metrics come out of the update."""
+    cfg = tiny_moe(vocab_size=learning.VOCAB, initializer_range=0.02)
+    algo = rl.preset("grpo", routing_replay=replay)
+    params = models.init_params(cfg, seed=0)
+    ref_params = jax.tree.map(jnp.copy, params)
+    opt = rl_update.make_optimizer(learning_rate=1e-2, max_grad_norm=1.0)
+    state = rl_update.init_train_state(params, opt)
+    update = rl_update.make_update_fn(cfg, algo, opt, learning.SPEC)
+    ref_fn = rl.make_logprob_fn(cfg, learning.SPEC, replay=replay == "rollout")
+    sampler = sampling.Sampler(cfg, seed=0)
+    ids, mask = sampling.pad_prompts(learning.PROMPTS, pad_id=0)
+    curve = []
+    for step in range(24):
+        out = sampler.sample(state.params, ids, mask, learning.SPEC, step)
+        rewards = learning.first_token_reward(out)
+        curve.append(float(rewards.mean()))
+        batch = rl.RolloutBatch.from_sample(out, rewards, ref_fn(ref_params, out))
+        state, metrics = update(state, batch)
+    assert 0.9 <= float(metrics["moe/router_agreement"]) <= 1.0
+    assert 1.0 <= float(metrics["moe/layer0/load_max"]) <= cfg.num_experts
+    learning.check_learned(curve)

@@ -44,9 +44,13 @@ def select(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """probs [N, E] -> (experts used [N, k] int32, their weights [N, k] float32, the
     router's own top-k [N, k] int32). routes [N, k]: experts to use instead of the own top-k
-    (replay); the weights are then the current probabilities at those experts."""
+    (replay), -1 in a row: that token keeps its own; the weights are then the current
+    probabilities at the experts used."""
     _, own = jax.lax.top_k(probs, cfg.num_experts_per_tok)
-    ids = own if routes is None else routes.astype(jnp.int32)
+    ids = own
+    if routes is not None:  # a token without a recorded route (-1) keeps its own top-k
+        recorded = jnp.all(routes >= 0, axis=-1, keepdims=True)
+        ids = jnp.where(recorded, routes.astype(jnp.int32), own)
     weights = jnp.take_along_axis(probs, ids, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -112,3 +116,21 @@ def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
     y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"])
     k = cfg.num_experts_per_tok
     return y.reshape(B, T, D), own.reshape(B, T, k)
+
+
+def router_agreement(own: jax.Array, recorded: jax.Array, mask: jax.Array) -> jax.Array:
+    """Fraction of (token, layer) selections where the router's own top-k equals the
+    recorded one as a set: own, recorded [N, T, L, k], mask [N, T] (tokens counted; those
+    without a recorded route are skipped). -> [] float32."""
+    same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(recorded.astype(own.dtype), axis=-1), -1)
+    counted = mask[:, :, None] & jnp.all(recorded >= 0, axis=-1)
+    total = jnp.maximum(jnp.sum(counted), 1)
+    return jnp.sum(same & counted) / total
+
+
+def expert_load(own: jax.Array, mask: jax.Array, num_experts: int) -> jax.Array:
+    """Share of the k selections of the masked tokens that went to each expert, per layer:
+    own [N, T, L, k], mask [N, T] -> [L, E] float32 (each row sums to 1; uniform is 1/E)."""
+    onehot = jax.nn.one_hot(own, num_experts, dtype=jnp.float32)  # [N, T, L, k, E]
+    counts = jnp.einsum("ntlke,nt->le", onehot, mask.astype(jnp.float32))
+    return counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)

@@ -232,17 +232,27 @@ def last_hidden(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
 
 
-def prefill(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache):
-    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V], cache)."""
-    hidden, cache = extend(cfg, params, tokens, attention_mask, cache)
-    return project(cfg, params, last_hidden(hidden, attention_mask)), cache
+def prefill(
+    cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache,
+    with_routes: bool = False,
+):  # fmt: skip
+    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V],
+    cache), and with_routes the MoE layers' top-k of the prompt tokens [B,T,L,k]."""
+    hidden, cache, own = extend(cfg, params, tokens, attention_mask, cache, with_routes=True)
+    logits = project(cfg, params, last_hidden(hidden, attention_mask))
+    return (logits, cache, own) if with_routes else (logits, cache)
 
 
-def decode_step(cfg: ModelConfig, params: Params, tokens, cache: KVCache, layers=None, real=None):
+def decode_step(
+    cfg: ModelConfig, params: Params, tokens, cache: KVCache, layers=None, real=None,
+    with_routes: bool = False,
+):  # fmt: skip
     """One new token per row, tokens [B] -> (logits [B,V], cache). layers: see `extend`.
 
     real [B] bool (default all): rows whose token is real; the others take the slot
-    without being attended to later (e.g. rows that have finished)."""
+    without being attended to later (e.g. rows that have finished). with_routes: a third
+    result, the MoE layers' top-k of the tokens [B,1,L,k] (None for a dense model)."""
     mask = jnp.ones_like(tokens[:, None], bool) if real is None else real[:, None]
-    hidden, cache = extend(cfg, params, tokens[:, None], mask, cache, layers)
-    return project(cfg, params, hidden[:, 0]), cache
+    hidden, cache, own = extend(cfg, params, tokens[:, None], mask, cache, layers, True)
+    logits = project(cfg, params, hidden[:, 0])
+    return (logits, cache, own) if with_routes else (logits, cache)

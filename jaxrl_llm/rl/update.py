@@ -156,6 +156,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
             s.model_cfg, lora.combine(frozen, state.params), *inputs,
             num_generations=s.prompt_group, micro_batches=k,
             temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size,
+            routes=s.replayed(batch.routes),
         )  # fmt: skip
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
@@ -177,6 +178,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
         returns=adv.returns,
         old_values=old_values,
         groups=batch.group_ids if grouped and s.shares_prompts else None,
+        routes=batch.routes,
     )
 
 

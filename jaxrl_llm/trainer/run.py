@@ -199,6 +199,7 @@ class Run:
             self.ref_logprobs = rl.make_logprob_fn(
                 self.base_cfg, self.spec, chunk_size=c.train.logprob_chunk,
                 micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
+                replay=self.algo.routing_replay == "rollout",
             )  # fmt: skip
 
     # ---------------------------------------------------------------------- the step
