@@ -1,7 +1,7 @@
 """The checks of a run config, one per section, run before anything is loaded or compiled.
 
     config.validate(raw)   # raises ConfigError naming the key, e.g.
-    # rollout.batch_size=6 is not divisible by mesh data x fsdp = 4
+    # rollout.batch_size=6 is not divisible by mesh data x fsdp x expert = 4
     # rollout.batchsize: unknown key; did you mean rollout.batch_size?
 
 No check touches the network: a hub model name is accepted by its form, and what needs the
@@ -32,9 +32,12 @@ MAX_PARTIAL_CHUNKS = 32
 def check_batch_size(key: str, size: int, mesh_shape, process_count: int) -> None:
     """A global batch of `size` rows (prompts) splits over the mesh's batch axes and over
     the processes."""
-    multiple = mesh_shape[0] * mesh_shape[1]
+    multiple = mesh_shape[0] * mesh_shape[1] * mesh_shape[2]  # parallel.BATCH_AXES
     _check(size >= 1, f"{key}={size}: must be >= 1")
-    _check(size % multiple == 0, f"{key}={size} is not divisible by mesh data x fsdp = {multiple}")
+    _check(
+        size % multiple == 0,
+        f"{key}={size} is not divisible by mesh data x fsdp x expert = {multiple}",
+    )
     _check(size % process_count == 0, f"{key}={size} is not divisible by {process_count} processes")
 
 

@@ -84,11 +84,13 @@ def model_defaults() -> ml_collections.ConfigDict:
 
 
 def mesh_defaults() -> ml_collections.ConfigDict:
-    m = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
+    # -1 = the rest. expert: shards the experts of a mixture-of-experts model (and is one
+    # more batch axis for everything else; docs/moe.md); 1 for a dense model.
+    m = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1})
     # rollout.mode='split': the last rollout_devices devices form the rollout mesh (shape
     # `rollout`), the others the training mesh (shape data / fsdp / tensor above).
     m.rollout_devices = 0
-    m.rollout = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+    m.rollout = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1})
     return m
 
 

@@ -3,11 +3,12 @@
 Every parameter of the decoder carries a tuple of logical axis names (its `axes`
 metadata, e.g. `('layers', 'embed', 'mlp')`). `DEFAULT_RULES` maps each logical name to
 a mesh axis (or a tuple of mesh axes, or None = replicated) of the mesh
-`('data', 'fsdp', 'tensor')`:
+`('data', 'fsdp', 'expert', 'tensor')`:
 
 - weights are sharded FSDP-style over `fsdp` on their `embed` dimension and
   Megatron-style over `tensor` on heads / mlp / vocab;
-- the batch is sharded over `('data', 'fsdp')` (see `jaxrl_llm.parallel.mesh`).
+- the experts of an MoE layer over `expert` (expert parallelism);
+- the batch is sharded over `('data', 'fsdp', 'expert')` (see `jaxrl_llm.parallel.mesh`).
 
 A dimension that a mesh axis does not divide (e.g. 2 KV heads on a 4-way tensor axis) is
 replicated over that axis instead; `logical_to_spec` reports it once through `logging`.
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MeshAxes = str | tuple[str, ...] | None
 
 DEFAULT_RULES: dict[str, MeshAxes] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "layers": None,
     "vocab": "tensor",
     "embed": "fsdp",

@@ -1,4 +1,8 @@
-"""The device mesh `('data', 'fsdp', 'tensor')` and helpers to put a batch on it.
+"""The device mesh `('data', 'fsdp', 'expert', 'tensor')` and helpers to put a batch on it.
+
+`expert` (size 1 unless a mixture-of-experts run sets it) shards the experts of MoE
+layers; for everything else it is one more batch axis, so the batch is sharded over
+`BATCH_AXES` = ('data', 'fsdp', 'expert') (docs/moe.md).
 
 Axis types: every mesh axis is `AxisType.Auto`. Since JAX 0.7, `jax.make_mesh` defaults to
 `Explicit` axes, under which each op's output sharding must follow from its inputs without
@@ -16,8 +20,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def mesh_shape(
@@ -44,7 +48,7 @@ def mesh_shape(
         shape[MESH_AXES.index(free[0])] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"{key_prefix}: data x fsdp x tensor = {fixed} but there are {num_devices} devices"
+            f"{key_prefix}: {' x '.join(MESH_AXES)} = {fixed} but there are {num_devices} devices"
         )
     return tuple(shape)
 
@@ -91,7 +95,7 @@ def to_mesh(tree, mesh: Mesh):
 
 def batch_size_multiple(mesh: Mesh | None) -> int:
     """The global batch must be a multiple of this."""
-    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
 def shard_batch(tree, mesh: Mesh | None):
@@ -104,7 +108,7 @@ def shard_batch(tree, mesh: Mesh | None):
         x = np.asarray(x)
         if x.shape[0] % multiple:
             raise ValueError(
-                f"batch size {x.shape[0]} is not divisible by data x fsdp = {multiple}"
+                f"batch size {x.shape[0]} is not divisible by data x fsdp x expert = {multiple}"
             )
         return jax.device_put(x, batch_sharding(mesh, x.ndim))
 
