@@ -83,7 +83,8 @@ def test_shard_batch():
     assert y.sharding.spec == PartitionSpec(("data", "fsdp", "expert"), None)
     assert y.addressable_shards[0].data.shape == (2, 3)
     np.testing.assert_array_equal(y, x)
-    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by data x fsdp x expert = 4"):
+    message = r"batch size 6 is not divisible by data x fsdp x expert = 4"
+    with pytest.raises(ValueError, match=message):
         parallel.shard_batch(np.zeros((6, 3)), mesh)
 
 
