@@ -325,3 +325,16 @@ def test_lora_on_attention_of_an_moe_model():
     assert float(metrics["optim/nonfinite"]) == 0.0
     moved = tree_diff(new.params, adapters)["layers"]
     assert moved["q_lora_b"] > 0 and moved["v_lora_b"] > 0  # (A's gradient is 0 while B = 0)
+
+
+def test_flops_count_the_active_parameters():
+    """Model FLOPs of an MoE token: its matmul parameters as `active_params` counts them
+    (router + k experts, not the idle ones), twice."""
+    from jaxrl_llm.trainer import perf
+
+    cfg = tiny_moe()
+    one_token = perf.forward_flops(cfg, positions=1, context=0, unembedded=0)
+    matmuls = cfg.active_params(include_embeddings=False) - cfg.hidden_size  # final norm
+    matmuls -= cfg.num_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim)  # layer norms
+    matmuls -= cfg.vocab_size * cfg.hidden_size  # the unembedding, counted apart
+    assert one_token == 2 * matmuls
