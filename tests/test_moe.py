@@ -40,7 +40,7 @@ def loop_experts(x, ids, weights, gate, up, down):
     return out
 
 
-@pytest.mark.parametrize("impl", ["ragged", "dense"])
+@pytest.mark.parametrize("impl", ["ragged", "blocked", "dense"])
 def test_experts_values_and_gradients_equal_per_expert_loop(impl):
     """The grouped matmul (and the all-experts path) against a per-expert loop: outputs and
     gradients w.r.t. input, gating weights and every expert weight (one expert unused)."""
@@ -59,9 +59,12 @@ def test_experts_values_and_gradients_equal_per_expert_loop(impl):
             y = f(x, ids, w, g, u, d)
             return jnp.sum(y * jnp.cos(y)), y
 
-        return jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
+        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4), has_aux=True))(*args)
 
-    (_, y), grads = loss(moe.EXPERT_IMPLS[impl])
+    f = moe.EXPERT_IMPLS[impl]
+    if impl == "blocked":  # blocks of 4 rows: several per expert, padding in most
+        f = functools.partial(f, block=4)
+    (_, y), grads = loss(f)
     (_, y_ref), grads_ref = loss(loop_experts)
     np.testing.assert_allclose(y, y_ref, atol=1e-5)
     for g, r in zip(grads, grads_ref, strict=True):
@@ -69,7 +72,7 @@ def test_experts_values_and_gradients_equal_per_expert_loop(impl):
     assert float(jnp.abs(grads[2][E - 1]).max()) == 0.0
 
 
-@pytest.mark.parametrize("impl", ["ragged", "dense"])
+@pytest.mark.parametrize("impl", ["ragged", "blocked", "dense"])
 def test_logits_equal_transformers(qwen3_moe, impl):
     """Padded batch (left, right, none), checkpoint split over several files."""
     model, d, cfg, params = qwen3_moe

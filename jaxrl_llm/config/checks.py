@@ -119,7 +119,7 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
 
 def check_model(config) -> str | None:
     """-> the local model directory (None for a hub name, fetched when the run starts)."""
-    from jaxrl_llm.models.config import REMAT_POLICIES
+    from jaxrl_llm.models.config import MOE_IMPLS, REMAT_POLICIES
 
     m = config.model
     path = resolve_model_path(m.path, download=False)
@@ -129,6 +129,7 @@ def check_model(config) -> str | None:
         resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
     _check(m.dtype in DTYPES, f"model.dtype={m.dtype!r}: expected one of {DTYPES}")
     _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
+    _check(m.moe_impl in MOE_IMPLS, f"model.moe_impl={m.moe_impl!r}: expected one of {MOE_IMPLS}")
     check_lora(m.lora)
     return path
 

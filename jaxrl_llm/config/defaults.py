@@ -79,6 +79,10 @@ def model_defaults() -> ml_collections.ConfigDict:
     # grows with depth, sampling holds a second copy of the layer weights). None: picked at
     # start-up (`tuning`): False on CPU up to 8 layers, else True.
     m.scan_layers = config_dict.placeholder(bool)
+    # Mixture-of-experts models (docs/moe.md): how the experts run. ragged: grouped matmul
+    # (`ragged_dot`; TPU / GPU). blocked: batched matmuls over blocks of one expert's rows
+    # (CPU, whose ragged_dot computes every group). dense: every expert on every token.
+    m.moe_impl = "ragged"
     m.lora = lora_defaults()
     return m
 

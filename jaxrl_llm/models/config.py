@@ -36,7 +36,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoR
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (Gemma 3 `layer_types`)
 GEMMA3 = "Gemma3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
-MOE_IMPLS = ("ragged", "dense")  # models.moe.EXPERT_IMPLS
+MOE_IMPLS = ("ragged", "blocked", "dense")  # models.moe.EXPERT_IMPLS
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -129,8 +129,10 @@ class ModelConfig:
     # the HF checkpoint's; `replace(lora=None)` is the same model without the adapters.
     lora: LoraConfig | None = None
     # How the experts run: "ragged" (grouped matmul over the tokens sorted by expert, each
-    # token through its k experts only) or "dense" (every expert on every token, E/k times
-    # the FLOPs; the reference and benchmark baseline). See `MOE_IMPLS`.
+    # token through its k experts only; `ragged_dot`, for TPU / GPU), "blocked" (the same
+    # as batched matmuls over blocks of one expert's rows; for CPU, whose `ragged_dot` is
+    # dense) or "dense" (every expert on every token, E/k times the FLOPs; the reference
+    # and benchmark baseline). See `MOE_IMPLS`.
     moe_impl: str = "ragged"
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 

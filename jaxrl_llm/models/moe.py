@@ -84,6 +84,43 @@ def grouped_experts(x, ids, weights, gate, up, down) -> jax.Array:
     return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
 
 
+BLOCK_ROWS = 128  # rows per block of `blocked_experts`
+
+
+def blocked_experts(x, ids, weights, gate, up, down, block: int = BLOCK_ROWS) -> jax.Array:
+    """`grouped_experts` as batched matmuls over blocks of rows, for backends without a
+    grouped-matmul kernel (XLA:CPU computes `ragged_dot` densely over all groups).
+
+    The (token, expert) pairs sorted by expert are laid out with each expert's rows padded
+    to a multiple of `block`, so every block belongs to one expert: at most N*k + E*(block-1)
+    rows, rounded up to whole blocks (static). Each block multiplies its expert's weights
+    (gathered per block), so the FLOPs are those of the routed rows plus the padding."""
+    n, k = ids.shape
+    num_experts = gate.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts)
+    padded = (sizes + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    sorted_experts = flat[order]
+    rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank  # row of each sorted pair
+    num_blocks = -(-(n * k + num_experts * (block - 1)) // block)
+    rows = jnp.zeros((num_blocks * block, x.shape[1]), x.dtype)
+    rows = rows.at[dest].set(jnp.take(x, order // k, axis=0))
+    starts = jnp.arange(num_blocks) * block
+    owner = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), num_experts - 1)
+    xb = rows.reshape(num_blocks, block, -1)
+
+    def matmul(a, w):  # a [B, block, in], w [E, in, out] -> [B, block, out]
+        return jnp.einsum("bri,bio->bro", a, jnp.take(w, owner, axis=0).astype(a.dtype))
+
+    yb = _swiglu(xb, gate, up, down, matmul).reshape(num_blocks * block, -1)
+    ys = jnp.take(yb, dest, axis=0)  # sorted order
+    ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
+
+
 def dense_experts(x, ids, weights, gate, up, down) -> jax.Array:
     """`grouped_experts` computed densely: every expert on every token [N, E, D], then the
     weighted sum over each token's k selected experts (zero weight elsewhere)."""
@@ -99,7 +136,7 @@ def dense_experts(x, ids, weights, gate, up, down) -> jax.Array:
     return jnp.einsum("end,ne->nd", ys, combine.astype(ys.dtype))
 
 
-EXPERT_IMPLS = {"ragged": grouped_experts, "dense": dense_experts}
+EXPERT_IMPLS = {"ragged": grouped_experts, "blocked": blocked_experts, "dense": dense_experts}
 
 
 def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):

@@ -98,7 +98,9 @@ class Run:
         rows = data.check_rows(c.data, self.tokenizer)
         if rows.bad and jax.process_index() == 0:
             print(rows.summary(), file=sys.stderr, flush=True)
-        runtime = dict(remat=c.model.remat, scan_layers=c.model.scan_layers)
+        runtime = dict(
+            remat=c.model.remat, scan_layers=c.model.scan_layers, moe_impl=c.model.moe_impl
+        )
         self.model_cfg, params = models.builtin.load_model(
             self.model_path, self.mesh, c.model.dtype, **runtime
         )
