@@ -152,22 +152,31 @@ def tiny_moe(**overrides):
 
 
 def test_sampler_records_the_routes_a_full_forward_takes(qwen3_moe):
-    """Every token read by the sampler (prompt, fed completion tokens) has its experts
-    recorded, equal to the full forward's own top-k; only each row's last token is not."""
+    """Every token the sampler reads (prompt, fed completion tokens, tokens appended in a
+    second turn) has its experts recorded, equal to the full forward's own top-k; only
+    each row's last drawn token, never fed, is not."""
     _, _, cfg, params = qwen3_moe
-    out = sampling.generate(cfg, params, PROMPTS, 6, num_samples=2, temperature=1.0, seed=1)
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=3, temperature=1.0)
+    sampler = sampling.Sampler(cfg, seed=1)
+    state = sampler.start(params, *sampling.pad_prompts(PROMPTS, 0), spec, step=0)
+    state = sampler.decode(params, state)
+    tool = [[30 + i] * (i % 3) for i in range(8)]  # 0, 1 or 2 appended tokens per row
+    width = max(map(len, tool))
+    ids = np.array([row + [0] * (width - len(row)) for row in tool], np.int32)
+    state = sampler.append(params, state, ids, ids > 0)
+    out = sampler.result(sampler.decode(params, state))
     N, P = out.prompt_tokens.shape
-    assert out.routes.shape == (N, P + 6, cfg.num_layers, 2) and out.routes.dtype == jnp.int16
+    T = out.tokens.shape[1]
+    assert out.routes.shape == (N, P + T, cfg.num_layers, 2) and out.routes.dtype == jnp.int16
     ids = jnp.concatenate([out.prompt_tokens, out.tokens], 1)
-    mask = jnp.concatenate([out.prompt_mask, out.mask], 1)
+    mask = np.asarray(jnp.concatenate([out.prompt_mask, out.mask], 1))
     _, own = models.forward(cfg, params, ids, mask, with_routes=True)
     recorded = np.asarray(out.routes)
     seen = recorded[..., 0] >= 0
     np.testing.assert_array_equal(np.asarray(own)[seen], recorded[seen])
-    last = P + np.asarray(out.lengths) - 1
-    expected = np.asarray(mask).copy()
-    expected[np.arange(N), last] = False
-    np.testing.assert_array_equal(seen[:, :, 0] | ~np.asarray(mask), expected | ~np.asarray(mask))
+    expected = mask.copy()
+    expected[np.arange(N), P + np.asarray(out.lengths) - 1] = False
+    np.testing.assert_array_equal(seen[:, :, 0] & mask, expected)
 
 
 def test_replay_makes_trainer_logprobs_equal_behaviour():
@@ -341,3 +350,15 @@ def test_flops_count_the_active_parameters():
     matmuls -= cfg.num_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim)  # layer norms
     matmuls -= cfg.vocab_size * cfg.hidden_size  # the unembedding, counted apart
     assert one_token == 2 * matmuls
+
+
+def test_fit_routes_moves_the_columns_with_the_tokens():
+    """A rollout's prompt left-padded from 2 to 3 columns and its completion widened from
+    2 to 3 (merged rounds) or cut to 1 (a multi-turn `fit`): routes follow, -1 in new."""
+    routes = jnp.arange(2 * 4 * 1 * 2, dtype=jnp.int16).reshape(2, 4, 1, 2)
+    wide = np.asarray(sampling.fit_routes(routes, 2, 3, 3))
+    assert wide.shape == (2, 6, 1, 2)
+    np.testing.assert_array_equal(wide[:, 1:5], np.asarray(routes))
+    assert (wide[:, 0] == -1).all() and (wide[:, 5] == -1).all()
+    cut = np.asarray(sampling.fit_routes(routes, 2, 2, 1))
+    np.testing.assert_array_equal(cut, np.asarray(routes)[:, :3])

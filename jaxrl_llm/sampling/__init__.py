@@ -14,6 +14,7 @@ from jaxrl_llm.sampling.decode import (
     DecodeState,
     SampleOutput,
     cache_lengths,
+    fit_routes,
     prefill_groups,
 )
 from jaxrl_llm.sampling.sampler import (
@@ -38,6 +39,7 @@ __all__ = [
     "Sampler",
     "bucket_length",
     "cache_lengths",
+    "fit_routes",
     "generate",
     "pad_prompts",
     "prefill_groups",

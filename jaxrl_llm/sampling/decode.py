@@ -126,6 +126,21 @@ def _widen_routes(routes, columns: int):
     return jnp.pad(routes, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=-1)
 
 
+def fit_routes(routes, prompt_len: int, prompt_to: int, width: int):
+    """`SampleOutput.routes` [N, P + T, L, k] of a rollout whose prompt (P = prompt_len
+    columns) is left-padded to `prompt_to` and whose completion columns are cut or padded
+    to `width`, as its tokens are; new columns -1 (no route). None stays None."""
+    if routes is None:
+        return None
+    prompt, completion = routes[:, :prompt_len], routes[:, prompt_len : prompt_len + width]
+    pad = lambda x, cols: jnp.pad(  # noqa: E731
+        x, ((0, 0), cols, (0, 0), (0, 0)), constant_values=-1
+    )
+    prompt = pad(prompt, (prompt_to - prompt_len, 0))
+    completion = pad(completion, (0, width - completion.shape[1]))
+    return jnp.concatenate([prompt, completion], axis=1)
+
+
 def cache_lengths(start: int, count: int, segments: int) -> tuple[int, ...]:
     """KV cache length of each decode segment, for `count` draws after `start` slots; the
     last is start + count.
@@ -164,11 +179,14 @@ def constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
     )
 
 
-def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_generations: int, max_len, mesh=None):
+def prefill_groups(
+    cfg, params, prompt_ids, prompt_mask, num_generations: int, max_len, mesh=None,
+    with_routes: bool = False,
+):  # fmt: skip
     """Prefills B prompts once and repeats each cache row G times.
 
-    Returns (last-token logits [B*G, V], cache with B*G rows of length max_len, the
-    prompt tokens' MoE routes [B*G, P, L, k] int16 or None for a dense model).
+    Returns (last-token logits [B*G, V], cache with B*G rows of length max_len), and with
+    `with_routes` the prompt tokens' MoE routes [B*G, P, L, k] int16 (None: dense model).
     """
     B, G = prompt_ids.shape[0], num_generations
     cache = models.init_cache(cfg, B, max_len, params["embed"].dtype)
@@ -177,7 +195,8 @@ def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_generations: int, m
     )
     cache = models.cache_rows(cache, jnp.arange(B * G) // G)
     routes = None if own is None else jnp.repeat(own.astype(models.ROUTE_DTYPE), G, axis=0)
-    return jnp.repeat(logits, G, axis=0), constrain_cache(cache, mesh), routes
+    logits, cache = jnp.repeat(logits, G, axis=0), constrain_cache(cache, mesh)
+    return (logits, cache, routes) if with_routes else (logits, cache)
 
 
 def _widen(x, columns: int, fill):
@@ -196,7 +215,7 @@ def start(
     G, (B, P), T = spec.num_generations, prompt_ids.shape, spec.max_new_tokens
     first = cache_lengths(P, T, segments)[0]
     logits, cache, prompt_routes = prefill_groups(
-        cfg, params, prompt_ids, prompt_mask, G, first, mesh
+        cfg, params, prompt_ids, prompt_mask, G, first, mesh, with_routes=True
     )
     N = B * G
     routes = None
