@@ -57,7 +57,17 @@ setup(
             "nbformat",
             "nbclient",
             "ipykernel",
+            "openai",  # the gateway's tests run agents written against the openai client
+            "aiohttp",  # the gateway's HTTP server (agent.entry)
+            # Environment hubs, with their real packages (tests/test_hubs.py); neither
+            # moves a pinned package.
+            "reasoning-gym==0.1.25",
+            "textarena==0.7.4",
         ],
+        # data.name=reasoning_gym/<task>, env.name=textarena/<game id>.
+        "hubs": ["reasoning-gym==0.1.25", "textarena==0.7.4"],
+        # agent.entry: the OpenAI-compatible gateway (aiohttp) and the client agents use.
+        "agents": ["aiohttp", "openai"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "wandb": ["wandb"],

@@ -36,6 +36,17 @@ PRESETS = {
         num_kv_heads=4,
         head_dim=64,
     ),
+    # A tiny Qwen3-like (vocabulary 64: the arithmetic tokenizer's 33 ids fit): long
+    # sequences on CPU in seconds (device_check --preset=tiny, an 8k-token GRPO step).
+    "tiny": dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    ),
     # Qwen2.5-0.5B shapes, with Qwen3's q/k norm.
     "0.5b": dict(
         vocab_size=151936,

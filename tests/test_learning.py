@@ -9,6 +9,7 @@ would stay near chance or fall; it must instead rise above 0.9 within a few doze
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from tiny_run import tiny_model_config
 
 from jaxrl_llm import models, rl, sampling
@@ -105,3 +106,22 @@ def test_ppo_learns_target_token():
     # Critic + GAE + k1 KL in the reward; 2 critic-only warmup steps first.
     algo = rl.preset("ppo", critic_warmup_steps=2)
     check_learned(train(algo, steps=40, learning_rate=1e-2))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(name="sapo"),
+        dict(name="gmpo"),
+        dict(name="grpo", policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-1.0),
+        dict(name="grpo", policy_loss="kl_cov", kl_cov_ratio=0.05),
+        dict(name="grpo", policy_loss="dppo_tv"),
+        dict(name="grpo", policy_loss="dppo_kl"),
+    ],
+    ids=lambda o: o.get("policy_loss", o["name"]),
+)
+def test_new_policy_losses_learn_target_token(overrides):
+    """SAPO, GMPO, Clip-Cov, KL-Cov and DPPO (policy_losses.py) in the same GRPO run."""
+    overrides = dict(overrides)
+    algo = rl.preset(overrides.pop("name"), **overrides)
+    check_learned(train(algo, steps=20, learning_rate=3e-2))

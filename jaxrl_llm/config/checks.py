@@ -13,6 +13,7 @@ anything compiles.
 from __future__ import annotations
 
 import difflib
+import math
 
 import jax
 import ml_collections
@@ -23,7 +24,7 @@ from jaxrl_llm.config.derived import ConfigError, algo_config, mesh_axes, resolv
 from jaxrl_llm.data import config as data_config
 
 # Sections whose keys are the user's own names.
-FREE_FORM = ("rewards", "data.fields", "env.options")
+FREE_FORM = ("rewards", "data.fields", "env.options", "teacher.paths", "agent.options")
 DTYPES = ("float32", "bfloat16", "float16")
 # Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
 MAX_PARTIAL_CHUNKS = 32
@@ -54,10 +55,12 @@ def validate(config, num_devices: int | None = None, process_count: int = 1):
     mesh_shape = check_mesh(config, num_devices)
     path = check_model(config)
     check_rollout(config, mesh_shape, process_count)
+    check_teacher(config)  # before the algo, which takes teacher.weight
     algo = check_algo(config)
     check_optim(config)
     labels = check_rewards(config, algo)
     check_env(config, algo)
+    check_agent(config, algo, process_count)
     check_train(config)
     check_eval(config, labels)
     check_checkpoint(config)
@@ -119,7 +122,7 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
 
 def check_model(config) -> str | None:
     """-> the local model directory (None for a hub name, fetched when the run starts)."""
-    from jaxrl_llm.models.config import MOE_IMPLS, REMAT_POLICIES
+    from jaxrl_llm.models.config import ATTENTION_IMPLEMENTATIONS, MOE_IMPLS, REMAT_POLICIES
 
     m = config.model
     path = resolve_model_path(m.path, download=False)
@@ -130,6 +133,14 @@ def check_model(config) -> str | None:
     _check(m.dtype in DTYPES, f"model.dtype={m.dtype!r}: expected one of {DTYPES}")
     _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
     _check(m.moe_impl in MOE_IMPLS, f"model.moe_impl={m.moe_impl!r}: expected one of {MOE_IMPLS}")
+    _check(
+        m.attention in ATTENTION_IMPLEMENTATIONS,
+        f"model.attention={m.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}",
+    )
+    _check(
+        isinstance(m.attention_block, int) and m.attention_block >= 1,
+        f"model.attention_block={m.attention_block!r}: must be an int >= 1",
+    )
     check_lora(m.lora)
     return path
 
@@ -164,6 +175,7 @@ def check_lora(lora) -> None:
 
 
 ROLLOUT_MODES = ("sync", "overlap", "split")
+ENGINES = ("static", "paged")  # rollout.engine
 
 
 def check_rollout(config, mesh_shape, process_count: int) -> None:
@@ -184,6 +196,10 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     _check(
         isinstance(r.cache_segments, int) and r.cache_segments >= 1,
         f"rollout.cache_segments={r.cache_segments!r}: must be an integer >= 1 (1 = one loop)",
+    )
+    _check(
+        isinstance(r.prefill_chunk, int) and r.prefill_chunk >= 0,
+        f"rollout.prefill_chunk={r.prefill_chunk!r}: must be an integer >= 0 (0 = one shot)",
     )
     _check(
         r.mode in ROLLOUT_MODES,
@@ -209,6 +225,7 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         f"rollout.partial_chunk >= {-(-r.max_new_tokens // MAX_PARTIAL_CHUNKS)} "
         f"(at most {MAX_PARTIAL_CHUNKS} chunks)",
     )
+    check_engine(config, process_count)
     if r.mode == "split":
         _check(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")
         from jaxrl_llm import parallel
@@ -216,6 +233,38 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         m = config.mesh
         shape = parallel.mesh_shape(mesh_axes(m.rollout), m.rollout_devices)
         check_batch_size("rollout.batch_size", r.batch_size, shape, 1)
+
+
+def check_engine(config, process_count: int) -> None:
+    """rollout.engine and, for 'paged', its settings and what it does not combine with yet."""
+    r = config.rollout
+    _check(
+        r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
+    )
+    if r.engine != "paged":
+        return
+    p = r.paged
+    for key in ("slots", "pages"):
+        value = p[key]
+        ok = isinstance(value, int) and value >= 0
+        _check(ok, f"rollout.paged.{key}={value!r}: must be an integer >= 0 (0 = automatic)")
+    for key in ("page_size", "chunk_steps", "prefill_chunk"):
+        value = p[key]
+        _check(isinstance(value, int) and value >= 1,
+               f"rollout.paged.{key}={value!r}: must be an integer >= 1")  # fmt: skip
+    _check(p.prefill_chunk % p.page_size == 0,
+           f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
+           f"rollout.paged.page_size={p.page_size}")  # fmt: skip
+    _check(
+        r.mode == "sync", f"rollout.engine='paged' runs with rollout.mode='sync' (got {r.mode!r})"
+    )
+    _check(not config.env.name,
+           f"rollout.engine='paged' samples single-turn rollouts; env.name={config.env.name!r} "
+           "needs rollout.engine='static'")  # fmt: skip
+    _check(not config.agent.entry,
+           f"rollout.engine='paged' samples single-turn rollouts; agent.entry="
+           f"{config.agent.entry!r} needs rollout.engine='static'")  # fmt: skip
+    _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
 
 
 def check_algo(config):
@@ -235,6 +284,30 @@ def check_algo(config):
         f"{algo.name!r}: its extra sampling rounds need this step's rewards); use mode='sync'",
     )
     return algo
+
+
+def check_teacher(config) -> None:
+    """teacher.path resolves (its tokenizer is compared with the student's when the run
+    loads them: `trainer.run`); teacher.weight > 0."""
+    t = config.teacher
+    paths = dict(t.paths)
+    _check(
+        bool(t.field) == bool(paths),
+        f"teacher.field={t.field!r} and teacher.paths ({len(paths)} entries): several "
+        "teachers need both (the row field that names a row's teacher, and name -> path)",
+    )
+    if not t.path and not paths:
+        return
+    if t.path:
+        resolve_model_path(t.path, "teacher.path", download=False)
+    for name, path in paths.items():
+        _check(isinstance(path, str) and bool(path), f"teacher.paths.{name}: expected a path")
+        resolve_model_path(path, f"teacher.paths.{name}", download=False)
+    w = t.weight
+    _check(
+        isinstance(w, int | float) and math.isfinite(w) and w > 0,
+        f"teacher.weight={w!r}: must be a finite number > 0",
+    )
 
 
 def check_optim(config) -> None:
@@ -270,11 +343,19 @@ def check_rewards(config, algo) -> list[str]:
             "an env.options entry); set config.rewards = {}",
         )
         return []
+    if config.agent.entry:
+        _check(
+            not config.rewards,
+            "rewards: with agent.entry set the agent's return value is the reward; set "
+            "config.rewards = {}",
+        )
+        return []
     try:
         labels = [s.label for s in verifiers.parse_specs(config.rewards)]
     except ValueError as e:
         raise ConfigError(str(e) if str(e).startswith("rewards") else f"rewards: {e}") from None
     _check(bool(labels), "rewards: at least one verifier is needed")
+    check_judges(config)
     if algo.decouple_rewards or algo.reward_weights:
         _check(
             algo.reward_weights is None or len(algo.reward_weights) == len(labels),
@@ -284,15 +365,32 @@ def check_rewards(config, algo) -> list[str]:
     return labels
 
 
+def check_judges(config) -> None:
+    """Judge reward entries (verifiers/judge.py): their options and a model path that
+    resolves."""
+    from jaxrl_llm import verifiers
+    from jaxrl_llm.verifiers import judge
+
+    for spec in verifiers.parse_specs(config.rewards):
+        if not judge.is_judge(spec):
+            continue
+        where = f"rewards.{spec.label}.options"
+        try:
+            judge.check_options(spec.options, where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        resolve_model_path(spec.options["model"], f"{where}.model", download=False)
+
+
 def check_env(config, algo) -> None:
     """Multi-turn settings (only read when env.name is set)."""
-    from jaxrl_llm.envs import base, schedule
+    from jaxrl_llm.envs import hubs, schedule
 
     e = config.env
     if not e.name:
         return
     try:
-        base.check_options(e.name, dict(e.options))
+        hubs.check_options(e.name, dict(e.options))
         most = schedule.most(e.max_turns)
     except ValueError as err:
         message = str(err)
@@ -311,8 +409,44 @@ def check_env(config, algo) -> None:
     _check(e.workers >= 0, f"env.workers={e.workers}: must be >= 0 (0 = CPU count)")
     _check(e.memory_mb >= 0, f"env.memory_mb={e.memory_mb}: must be >= 0 (0 = no cap)")
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with env.name yet")
-    _check(config.rollout.mode == "sync", f"rollout.mode={config.rollout.mode!r}: multi-turn "
-           "rollouts (env.name) run in 'sync' mode")  # fmt: skip
+    _check(
+        config.rollout.mode != "overlap" or jax.process_count() == 1,
+        "rollout.mode='overlap' with env.name runs on one host (its trajectories are played "
+        "by a thread); use 'sync'",
+    )
+
+
+def check_agent(config, algo, process_count: int) -> None:
+    """Agents through the gateway (only read when agent.entry is set)."""
+    a = config.agent
+    if not a.entry:
+        return
+    import importlib.util
+
+    from jaxrl_llm.gateway import agents
+
+    _check(not config.env.name, "agent.entry and env.name: set one of them")
+    missing = [p for p in ("aiohttp", "openai") if importlib.util.find_spec(p) is None]
+    _check(not missing, f"agent.entry: the gateway needs {' and '.join(missing)}: "
+           "pip install 'jaxrl_llm[agents]'")  # fmt: skip
+    try:
+        agents.check(a.entry, dict(a.options))
+    except ValueError as err:
+        message = str(err)
+        raise ConfigError(
+            f"agent.options: {message}" if " option" in message else f"agent.entry: {message}"
+        ) from None
+    _check(
+        a.max_total_tokens >= config.rollout.max_new_tokens,
+        f"agent.max_total_tokens={a.max_total_tokens} is below one response "
+        f"(rollout.max_new_tokens={config.rollout.max_new_tokens})",
+    )
+    _check(a.timeout_s > 0, f"agent.timeout_s={a.timeout_s}: must be > 0")
+    _check(a.batch_wait_s >= 0, f"agent.batch_wait_s={a.batch_wait_s}: must be >= 0")
+    _check(process_count == 1, "agent.entry: the gateway runs on one host")
+    _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with agent.entry")
+    _check(config.eval.every == 0, "eval.every: held-out evaluation of agents is not "
+           "available yet; set eval.every=0")  # fmt: skip
 
 
 def check_train(config) -> None:
@@ -378,6 +512,8 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
     key, budget = "rollout.max_new_tokens", r.max_new_tokens
     if "env" in config and config.env.name:
         key, budget = "env.max_total_tokens", config.env.max_total_tokens
+    if "agent" in config and config.agent.entry:
+        key, budget = "agent.max_total_tokens", config.agent.max_total_tokens
     _check(
         bucket + budget <= model_cfg.max_position_embeddings,
         f"data.max_prompt_len={prompt_len} (bucket {bucket}) + {key}="

@@ -26,9 +26,9 @@ def _algo_defaults() -> ml_collections.ConfigDict:
     from jaxrl_llm.rl.algos import AlgoConfig
 
     algo = ml_collections.ConfigDict()
-    algo.name = "grpo"  # grpo | dr_grpo | dapo | gspo | rloo | reinforce_pp | ppo
+    algo.name = "grpo"  # grpo | dr_grpo | dapo | gspo | sapo | gmpo | rloo | reinforce_pp | ppo
     for field in dataclasses.fields(AlgoConfig):
-        if field.name == "name":
+        if field.name in ("name", "distill_coef"):  # distill_coef: teacher.weight
             continue
         default = field.default
         kind = _ALGO_TYPES.get(type(default), float)
@@ -48,10 +48,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = data_config.default_config()
     c.rollout = rollout_defaults()
     c.algo = _algo_defaults()
+    c.teacher = teacher_defaults()
     c.optim = optim_defaults()
     # label -> weight | {name, weight, options}
     c.rewards = ml_collections.ConfigDict({"gsm8k": 1.0})
     c.env = env_defaults()
+    c.agent = agent_defaults()
     c.train = train_defaults()
     c.eval = eval_defaults()
     c.checkpoint = ml_collections.ConfigDict()
@@ -66,6 +68,19 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def teacher_defaults() -> ml_collections.ConfigDict:
+    """On-policy distillation (docs/teachers_and_judges.md): a teacher scores every token
+    the policy samples; each token's advantage gains weight * (log pi_T - log pi_S)."""
+    t = ml_collections.ConfigDict()
+    t.path = ""  # teacher model (as model.path; the student's tokenizer); "" = no teacher
+    t.weight = 1.0  # w of the distillation advantage (task rewards keep their own weights)
+    # Several teachers: each row's teacher is paths[row[field]] (rows whose value is not
+    # there use teacher.path, which may be "" only if every row names one).
+    t.field = ""  # the data row field naming a row's teacher; "" = one teacher for all
+    t.paths = ml_collections.ConfigDict()  # teacher name -> model path
+    return t
+
+
 def model_defaults() -> ml_collections.ConfigDict:
     m = ml_collections.ConfigDict()
     # HF model dir, .gguf file, hub name or built-in name (models.builtin.BUILTIN_MODELS:
@@ -75,6 +90,11 @@ def model_defaults() -> ml_collections.ConfigDict:
     m.ref_path = ""  # reference model (as model.path); "" = the initial policy
     m.dtype = "float32"  # params: float32 | bfloat16 (the optimizer keeps a f32 master)
     m.remat = "none"  # none | full | dots | dots_no_batch
+    # Attention (docs/long_context.md): auto | xla | blockwise | cudnn | pallas. auto: GPU
+    # cuDNN, TPU Pallas splash, CPU the full score matrix for short sequences and
+    # blockwise (memory linear in the length) for long ones. xla: the full [T, S] matrix.
+    m.attention = "auto"
+    m.attention_block = 512  # query / key block of blockwise and pallas (tokens)
     # False: unroll the layers (update, reference and sampler; faster on CPU, compile time
     # grows with depth, sampling holds a second copy of the layer weights). None: picked at
     # start-up (`tuning`): False on CPU up to 8 layers, else True.
@@ -133,6 +153,9 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # loop bodies (1 = one loop). Pays off most for long generations at large batch. While
     # the cache grows the old and new one coexist: peak KV memory under 2x one full cache.
     r.cache_segments = 4  # = sampling.CACHE_SEGMENTS
+    # Prefill long prompts in chunks of this many tokens (0 = the whole prompt at once):
+    # peak activations of one chunk, the same cache and logits (docs/long_context.md).
+    r.prefill_chunk = 0
     # sync: each step samples with the parameters it updates. overlap: the next step's
     # rollout is dispatched with the current parameters before this step's scoring and
     # update, so the devices sample while the host scores; every batch is then one policy
@@ -144,10 +167,24 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # (the sampler waits otherwise); 0 reproduces sync.
     r.max_staleness = 1
     # split: a generation in flight when newer parameters arrive goes on with them (its KV
-    # cache recomputed by them), checked every partial_chunk tokens; each token keeps the
-    # log-prob of the version that drew it.
+    # cache recomputed by them), checked every partial_chunk tokens (with env.name: before
+    # each turn); each token keeps the log-prob of the version that drew it.
     r.partial = False
     r.partial_chunk = 16
+    # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
+    # KV cache until the batch's longest row stops. paged: continuous batching over a paged
+    # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand
+    # their slot and pages to waiting ones and a prompt's G rows share its pages; pays off
+    # when completion lengths are long-tailed. sync mode, single-turn, one process.
+    r.engine = "static"
+    r.paged = ml_collections.ConfigDict()
+    r.paged.slots = 0  # sequences decoded at once; 0 = the batch's rows (B * G)
+    # KV pages in the pool (the null page included); 0 = the static sampler's cache size,
+    # B * G * (prompt bucket + max_new_tokens) tokens
+    r.paged.pages = 0
+    r.paged.page_size = 16  # tokens per page
+    r.paged.chunk_steps = 16  # decode steps on device between host checks
+    r.paged.prefill_chunk = 64  # prompt tokens per prefill program (a multiple of page_size)
     return r
 
 
@@ -174,6 +211,24 @@ def env_defaults() -> ml_collections.ConfigDict:
     e.workers = 0  # environment worker processes; 0 = CPU count
     e.memory_mb = 2048  # address space an environment worker may add; 0 = no cap
     return e
+
+
+def agent_defaults() -> ml_collections.ConfigDict:
+    """Agents through the OpenAI-compatible gateway (docs/agents.md); "" = none."""
+    a = ml_collections.ConfigDict()
+    # path/to/file.py:run | package.module:run: `async def run(client, example) -> float`,
+    # client an openai.AsyncOpenAI on the gateway; each episode is one trajectory.
+    a.entry = ""
+    a.options = ml_collections.ConfigDict()  # the agent's keywords after (client, example)
+    # Tokens of an episode after its prompt (its turns and the messages added between
+    # them): the width the reference and the update see; a request that would pass it is
+    # refused and its episode scores 0. rollout.max_new_tokens caps one response.
+    a.max_total_tokens = 256
+    a.timeout_s = 120.0  # one episode, its requests included; past it the episode scores 0
+    # How long the batcher waits for more requests once one is pending (every running
+    # episode having one ends the wait at once).
+    a.batch_wait_s = 0.05
+    return a
 
 
 def optim_defaults() -> ml_collections.ConfigDict:

@@ -59,6 +59,9 @@ def algo_config(config):
     from jaxrl_llm import rl
 
     overrides = {k: v for k, v in config.algo.items() if k != "name" and v is not None}
+    teacher = config.get("teacher")
+    if teacher is not None and (teacher.path or teacher.get("paths")):  # distillation
+        overrides["distill_coef"] = float(teacher.weight)
     return rl.preset(config.algo.name, **overrides)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from jaxrl_llm.data import reasoning_gym
 from jaxrl_llm.data.iterator import PromptIterator
 from jaxrl_llm.data.prompts import PromptBuilder, default_template, pad_id
 from jaxrl_llm.data.sources import JsonlSource, RowFormat, TfdsSource
@@ -66,6 +67,8 @@ def check_config(cfg) -> None:
         raise ValueError(f"data.source must be 'tfds' or 'jsonl', got {cfg.source!r}")
     if cfg.source == "jsonl" and not cfg.path:
         raise ValueError("data.path: required when data.source='jsonl'")
+    if cfg.source == "tfds" and cfg.get("name", "").startswith(reasoning_gym.PREFIX):
+        reasoning_gym.check_name(cfg.name, cfg.get("split", "train"))
     for key in ("max_prompt_len", "pad_multiple"):
         if cfg[key] < 1:
             raise ValueError(f"data.{key} must be >= 1, got {cfg[key]}")
@@ -85,6 +88,8 @@ def make_source(cfg):
     cfg = _merged(cfg)
     if cfg.source == "jsonl":
         return JsonlSource(cfg.path)
+    if cfg.name.startswith(reasoning_gym.PREFIX):
+        return reasoning_gym.ReasoningGymSource(cfg.name, cfg.split)
     return TfdsSource(cfg.name, cfg.split, cfg.data_dir, cfg.download)
 
 
@@ -101,6 +106,8 @@ def prompt_builder(cfg, tokenizer) -> PromptBuilder:
     template = cfg.template or (
         default_template(cfg.name) if cfg.source == "tfds" else "{question}"
     )
+    if not cfg.template and cfg.source == "tfds" and cfg.name.startswith(reasoning_gym.PREFIX):
+        template = reasoning_gym.TEMPLATE
     return PromptBuilder(
         tokenizer, template, cfg.system_prompt, cfg.chat_template, cfg.max_prompt_len
     )

@@ -16,12 +16,16 @@ appends their observations to the sampler's KV cache. See docs/envs.md. The turn
 environment should not pay for JAX.
 """
 
-from jaxrl_llm.envs.base import BUILTINS, Env, Step, check_options, get, register, resolve
+from jaxrl_llm.envs.base import BUILTINS, Env, Step, get, register, resolve
+from jaxrl_llm.envs.hubs import check_options
 from jaxrl_llm.envs.pool import EnvPool, Trajectory, replicate
 from jaxrl_llm.envs.render import Renderer
 from jaxrl_llm.envs.schedule import turns_at
+from jaxrl_llm.envs.tool_calls import ToolEnv, parse_tool_calls
 
 __all__ = [
+    "ToolEnv",
+    "parse_tool_calls",
     "BUILTINS",
     "Env",
     "EnvPool",

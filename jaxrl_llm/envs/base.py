@@ -80,4 +80,5 @@ register = ENVS.register
 canonical = ENVS.canonical
 resolve = ENVS.resolve
 get = ENVS.get
+
 check_options = ENVS.check_options

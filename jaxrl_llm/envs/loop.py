@@ -18,6 +18,12 @@ The completion of a row is its sampled turns and the observations between them, 
 sampler saw them (loss mask 1 and a behaviour log-prob on sampled tokens only); the
 output has exactly `max_total_tokens` columns, so the reference and the update compile
 once whatever the number of turns.
+
+Partial rollouts (`refresh`, the rollout thread of the async modes): before each turn
+after the first, `refresh()` gives the newest parameters and their version; when they are
+newer than the ones the trajectories were drawn with, the KV cache is recomputed with
+them (`Sampler.refresh`) and the turn is drawn by them. `Turns.versions` records the
+version that drew each sampled token (-1 on prompt-side and observation tokens).
 """
 
 from __future__ import annotations
@@ -53,25 +59,35 @@ class Turns:
     spans: list
     obs_tokens: np.ndarray  # [n] observation tokens appended per row
     model_turns: np.ndarray  # [n] decoded turns per row
+    versions: np.ndarray  # [n, max_total_tokens] version that drew each token, else -1
 
 
 def play(sampler, params, prompt_ids, prompt_mask, spec, settings: TurnSettings, pool, trajs,
-         renderer, tokenizer, *, step=None, version: int = 0, mesh=None):  # fmt: skip
+         renderer, tokenizer, *, step=None, version: int = 0, mesh=None,
+         refresh=None):  # fmt: skip
     """Plays every trajectory to its end -> (SampleOutput [n, max_total_tokens], Turns).
-    step: the random key's (`Sampler.start`; None draws as step 0)."""
+    step: the random key's (`Sampler.start`; None draws as step 0); version: the
+    parameters'; refresh: None, or a function -> (newest params, their version), read
+    before every turn after the first."""
     n, s = len(trajs), settings
     state = sampler.start(params, prompt_ids, prompt_mask, spec, step, version=version)
     state = sampler.stop(state, [not t.live for t in trajs])  # reset failed: no turn
     lengths = np.zeros(n, np.int64)
-    turns = Turns([[] for _ in range(n)], np.zeros(n, np.int64), np.zeros(n, np.int64))
+    turns = Turns([[] for _ in range(n)], np.zeros(n, np.int64), np.zeros(n, np.int64),
+                  np.full((n, s.max_total_tokens), -1, np.int64))  # fmt: skip
     for turn in range(s.max_turns):
         live = [i for i in range(n) if trajs[i].live]
+        if refresh is not None and turn:
+            newest, newest_version = refresh()
+            if newest_version != version:  # the cache as the newer parameters compute it
+                state, params, version = sampler.refresh(newest, state), newest, newest_version
         state = sampler.decode(params, state, s.turn_tokens, s.stop_ids)
         tokens, new_lengths = _fetch(sampler.result(state), mesh)
         actions = {}
         for i in live:
             ids = tokens[i, lengths[i] : new_lengths[i]]
             turns.spans[i].append(("model", int(lengths[i]), int(new_lengths[i])))
+            turns.versions[i, lengths[i] : new_lengths[i]] = version
             turns.model_turns[i] += 1
             actions[i] = tokenizer.decode(ids, skip_special_tokens=True)
         lengths = new_lengths

@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxrl_llm.envs import base
+from jaxrl_llm.envs import base, hubs
 from jaxrl_llm.verifiers import ScoreDetails, VerifierPool
 from jaxrl_llm.verifiers import worker as wire
 
@@ -79,7 +79,8 @@ class EnvPool:
     def __init__(self, name: str, options: dict | None = None, *, workers: int | None = None,
                  step_timeout_s: float = 10.0, trajectory_timeout_s: float = 60.0,
                  memory_mb: int = 2048):  # fmt: skip
-        self.name, self.options = base.canonical(name), dict(options or {})
+        name, options = hubs.hub(name, dict(options or {}))  # textarena/<game> -> its class
+        self.name, self.options = base.canonical(name), options
         base.check_options(name, self.options)  # also: the class resolves, here and now
         self.trajectory_timeout_s = trajectory_timeout_s
         self.pool = VerifierPool(workers, timeout_s=step_timeout_s, memory_mb=memory_mb)

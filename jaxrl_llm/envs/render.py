@@ -76,13 +76,16 @@ class Renderer:
                 ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
         return ids
 
-    def prompt(self, observation) -> list[int]:
-        """The prompt of a trajectory from `reset`'s observation (text or messages)."""
+    def prompt(self, observation, tools=None) -> list[int]:
+        """The prompt of a trajectory from `reset`'s observation (text or messages);
+        `tools`: JSON schemas the chat template renders (its `tools=`)."""
         if isinstance(observation, list):
             if not self.use_chat:
-                return self._ids("\n".join(m["content"] for m in observation), special=True)
+                return self._ids("\n".join(m.get("content") or "" for m in observation),
+                                 special=True)  # fmt: skip
+            extra = {"tools": tools} if tools else {}
             return self._template_ids(observation, lambda held: self.tokenizer.apply_chat_template(
-                held, tokenize=False, add_generation_prompt=True))  # fmt: skip
+                held, tokenize=False, add_generation_prompt=True, **extra))  # fmt: skip
         if not self.use_chat:
             text = f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
             return self._ids(text, special=True)
@@ -94,7 +97,7 @@ class Renderer:
         the model's turn (None: it ran out of budget, the template closes it)."""
         messages = observation if isinstance(observation, list) else None
         if not self.use_chat:
-            text = "\n".join(m["content"] for m in messages) if messages else observation
+            text = "\n".join(m.get("content") or "" for m in messages) if messages else observation
             return self._ids(f"\n{text}\n")
         messages = messages or [{"role": self.role, "content": observation}]
         return self._template_ids(messages, lambda held: self._delta(held, closed_by))

@@ -37,6 +37,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (Gemma 3 `la
 GEMMA3 = "Gemma3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MOE_IMPLS = ("ragged", "blocked", "dense")  # models.moe.EXPERT_IMPLS
+# model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -119,6 +121,12 @@ class ModelConfig:
     norm_topk_prob: bool = False
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
+    # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
+    # query / key block of the blockwise and Pallas paths.
+    attention: str = "auto"
+    attention_block: int = 512
+    # Sampler prefill in chunks of this many prompt tokens (0: the whole prompt at once).
+    prefill_chunk: int = 0
     # False: the layer loop is unrolled instead of scanned. Teacher-forced forward (update,
     # reference): no stacked per-layer residuals to zero-fill and copy into. Sampling: one
     # KV-cache array per layer, read in place instead of copied out of an [L, ...] array.
@@ -149,6 +157,7 @@ class ModelConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
+        self._check_attention()
         scaling = dict(self.rope_scaling or ())
         if scaling.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
@@ -176,6 +185,21 @@ class ModelConfig:
             raise ValueError(
                 f"lora targets={self.lora.targets!r}: a mixture-of-experts model adapts only "
                 "its attention projections (set model.lora.targets to some of q, k, v, o)"
+            )
+
+    def _check_attention(self) -> None:
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"model.attention={self.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}"
+            )
+        if self.attention_block < 1:
+            raise ValueError(f"model.attention_block={self.attention_block}: must be >= 1")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"rollout.prefill_chunk={self.prefill_chunk}: must be >= 0")
+        if self.attention == "pallas" and self.windowed:
+            raise UnsupportedModelError(
+                "model.attention='pallas' cannot do sliding-window layers (this model has "
+                "them); use 'auto', 'blockwise' or 'xla'"
             )
 
     def _check_layer_types(self) -> None:

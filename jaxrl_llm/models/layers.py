@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models._nnx import nnx
-from jaxrl_llm.models.attention import attention, cached_attention
+from jaxrl_llm.models.attention import attention, cached_attention, cached_blockwise, resolve
 from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig
 from jaxrl_llm.models.moe import moe_mlp
 
@@ -148,12 +148,13 @@ def layer_kinds(cfg: ModelConfig) -> dict | None:
     return {"local": local, "inv_freq": freqs}
 
 
-def layer_mask(mask, kind: dict | None) -> jax.Array:
-    """The [B,T,S] mask of one layer. `mask` is one mask for every layer, or for a
-    windowed model the pair (full, window) of which `kind["local"]` picks one."""
+def layer_mask(cfg: ModelConfig, mask, kind: dict | None):
+    """The `attention.Mask` of one layer: for a windowed model, `kind["local"]` layers see
+    keys fewer than `cfg.sliding_window` positions back, the others every key."""
     if kind is None:
         return mask
-    return jnp.where(kind["local"], mask[1], mask[0])
+    far = jnp.iinfo(jnp.int32).max
+    return mask.replace(window=jnp.where(kind["local"], cfg.sliding_window, far))
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -265,9 +266,9 @@ class Block(nnx.Module):
         self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None,
         kind=None, routes=None,
     ):  # fmt: skip
-        """One layer. x [B,T,D], positions [B,T], mask [B,T,S] bool (or the pair of
-        `layer_mask`). dropout: this layer's key for LoRA dropout (`adapter_dropout`),
-        None in inference. kind: this layer's slice of `layer_kinds(cfg)`, or None.
+        """One layer. x [B,T,D], positions [B,T], mask an `attention.Mask` over the S
+        keys. dropout: this layer's key for LoRA dropout (`adapter_dropout`), None in
+        inference. kind: this layer's slice of `layer_kinds(cfg)`, or None.
 
         prefix: (k, v) [B,P,K,H] of P earlier tokens that x attends to before itself
         (S = P + T, no cache); the layer then returns its own (k, v) [B,T,K,H].
@@ -281,7 +282,7 @@ class Block(nnx.Module):
         [B,T,k] int32 or None for a dense layer).
         """
         cfg = self.cfg
-        mask = layer_mask(mask, kind)
+        mask = layer_mask(cfg, mask, kind)
         h = norm(cfg, x, self.attn_norm[...])
         q, k, v = (self._proj(n, h, dropout) for n in ("q", "k", "v"))
         if cfg.qkv_bias:
@@ -299,10 +300,10 @@ class Block(nnx.Module):
             own = (k, v)
             k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
             v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
-            a = attention(q, k, v, mask)
+            a = attention(q, k, v, mask, cfg.attention, cfg.attention_block)
             kv = own
         elif kv is None:
-            a = attention(q, k, v, mask)
+            a = attention(q, k, v, mask, cfg.attention, cfg.attention_block)
         else:
             # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache): at
             # [layer] of an [L, ...] cache (scanned layers), or into this layer's own arrays.
@@ -320,7 +321,7 @@ class Block(nnx.Module):
                 k, v = kv
             else:
                 k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
-            a = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+            a = self._cached(q, k, v, mask)
         a = self._proj("o", a, dropout)
         if cfg.o_bias:
             a = a + self.o_bias[...]
@@ -332,6 +333,15 @@ class Block(nnx.Module):
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
         return x + y, kv, chosen
+
+    def _cached(self, q, kt, v, mask):
+        """Attention over the cache: the full score matrix for decode and short prefill,
+        key blocks (`cached_blockwise`) where `cfg.attention` would not hold [T, S]."""
+        cfg = self.cfg
+        T, S = q.shape[1], v.shape[-2]
+        if T > 1 and resolve(cfg.attention, jax.default_backend(), T, S) != "xla":
+            return cached_blockwise(q, kt, v, mask, cfg.attention_block)
+        return cached_attention(q, kt.astype(q.dtype), v.astype(q.dtype), mask.dense())
 
 
 class Transformer(nnx.Module):

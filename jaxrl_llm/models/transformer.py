@@ -16,10 +16,13 @@ Three paths share the layer code (`layers.Block`):
   decoding is `extend` of one token per row.
 
 Position ids default to the number of real tokens before each token, so a left-padded
-row gets the same positions as its unpadded self (as in HF `generate`). Sliding-window
-layers (Gemma 3) see a key only from queries fewer than `cfg.sliding_window` positions
-after it (`windowed`): position ids, not slots, so padding never narrows the window; with
-a KV cache every slot is kept and the window is a mask over the full-length cache. With a per-layer
+row gets the same positions as its unpadded self (as in HF `generate`). Every path
+describes its mask by its structure (`attention.Mask`: token order, padding, segments,
+positions), never as a [B, T, S] array, so `cfg.attention` can run it in memory linear
+in T. Sliding-window layers (Gemma 3) see a key only from queries fewer than
+`cfg.sliding_window` positions after it (`layers.layer_mask`): position ids, not slots,
+so padding never narrows the window; with a KV cache every slot is kept and the window is
+a mask over the full-length cache. With a per-layer
 cache (`cfg.scan_layers=False`) the caller may slice each layer's parameters once
 (`layer_params`) instead of in every decode step.
 """
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models._nnx import nnx
+from jaxrl_llm.models.attention import Mask, causal_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import KVCache
 from jaxrl_llm.models.layers import Transformer
@@ -40,16 +44,6 @@ Params = dict
 
 
 # ------------------------------------------------------------------------ functional API
-def windowed(cfg: ModelConfig, mask, q_pos, k_pos):
-    """The layers' mask: `mask` [B,T,S], or for a model with sliding-window layers the
-    pair (mask, mask within the window) that each layer picks from by its kind.
-    q_pos [B,T], k_pos [B,S]: position ids of the queries and of the keys."""
-    if not cfg.windowed:
-        return mask
-    near = q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window
-    return mask, mask & near
-
-
 @functools.lru_cache(maxsize=32)
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
     """(graphdef, abstract state) of the model; no arrays are allocated."""
@@ -101,12 +95,7 @@ def forward(
     attention_mask = attention_mask.astype(bool)
     if positions is None:
         positions = default_positions(attention_mask, segment_ids)
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    mask = causal[None] & attention_mask[:, None, :]
-    if segment_ids is not None:
-        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask |= jnp.eye(T, dtype=bool)[None]  # a padding query attends to itself: no empty rows
-    mask = windowed(cfg, mask, positions, positions)
+    mask = causal_mask(attention_mask, positions, segment_ids)
     hidden, _, own = _model(cfg, params)(
         tokens, positions, mask, dropout=dropout, routes=layer_major(routes)
     )
@@ -148,12 +137,8 @@ def forward_after_prefix(
     prefix_mask = prefix_mask.astype(bool)
     before = prefix_mask.sum(-1, dtype=jnp.int32)[:, None]
     positions = jnp.maximum(before + jnp.cumsum(attention_mask, -1, dtype=jnp.int32) - 1, 0)
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    own = (causal[None] & attention_mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
-    earlier = jnp.broadcast_to(prefix_mask[:, None, :], (B, T, prefix_mask.shape[1]))
-    mask = jnp.concatenate([earlier, own], axis=-1)
     prefix_pos = jnp.maximum(jnp.cumsum(prefix_mask, -1, dtype=jnp.int32) - 1, 0)
-    mask = windowed(cfg, mask, positions, jnp.concatenate([prefix_pos, positions], -1))
+    mask = causal_mask(attention_mask, positions, None, prefix_mask, prefix_pos)
     hidden, kv, own = _model(cfg, params).with_prefix(
         tokens, positions, mask, prefix, dropout, layer_major(routes)
     )
@@ -202,13 +187,15 @@ def extend(
     new = jax.lax.dynamic_update_slice(jnp.zeros((B, S), bool), attention_mask, (0, cache.index))
     valid = cache.valid | new
     positions = cache.pos[:, None] + default_positions(attention_mask)
-    slots = jnp.arange(S)
-    query_slot = cache.index + jnp.arange(T)
-    mask = valid[:, None, :] & (slots[None, None, :] <= query_slot[None, :, None])
-    mask |= slots[None, None, :] == query_slot[None, :, None]
     # a valid slot's position id: the real tokens written before it (as `pos` counts them)
     slot_pos = jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1
-    mask = windowed(cfg, mask, positions, slot_pos)
+    mask = Mask(
+        q_idx=cache.index + jnp.arange(T, dtype=jnp.int32),
+        k_idx=jnp.arange(S, dtype=jnp.int32),
+        k_valid=valid,
+        q_pos=positions,
+        k_pos=slot_pos,
+    )
     hidden, (k, v), own = _model(cfg, params)(
         tokens, positions, mask, (cache.k, cache.v), cache.index, layers
     )
@@ -236,10 +223,37 @@ def prefill(
     cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache,
     with_routes: bool = False,
 ):  # fmt: skip
-    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V],
-    cache), and with_routes the MoE layers' top-k of the prompt tokens [B,T,L,k]."""
-    hidden, cache, own = extend(cfg, params, tokens, attention_mask, cache, with_routes=True)
-    logits = project(cfg, params, last_hidden(hidden, attention_mask))
+    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V], cache),
+    and with_routes the MoE layers' top-k of the prompt tokens [B,T,L,k] (None: dense).
+
+    With `cfg.prefill_chunk` = C > 0 and T > C the prompt goes in as chunks of C tokens
+    (a `lax.scan` of `extend`, then the remainder), each attending to the cache so far:
+    the activations of one chunk instead of the whole prompt, the same cache and logits.
+    """
+    C, (B, T) = cfg.prefill_chunk, tokens.shape
+    if not C or T <= C:
+        hidden, cache, own = extend(cfg, params, tokens, attention_mask, cache, with_routes=True)
+        logits = project(cfg, params, last_hidden(hidden, attention_mask))
+        return (logits, cache, own) if with_routes else (logits, cache)
+    attention_mask = attention_mask.astype(bool)
+
+    def chunk(carry, xs):
+        cache, last = carry
+        hidden, cache, own = extend(cfg, params, xs[0], xs[1], cache, with_routes=True)
+        seen = xs[1].any(-1)[:, None]  # rows with a real token here: their latest so far
+        return (cache, jnp.where(seen, last_hidden(hidden, xs[1]), last)), own
+
+    n = T // C
+    split = lambda x: x[:, : n * C].reshape(B, n, C).swapaxes(0, 1)  # noqa: E731
+    last = jnp.zeros((B, cfg.hidden_size), params["embed"].dtype)
+    carry, own = jax.lax.scan(chunk, (cache, last), (split(tokens), split(attention_mask)))
+    if own is not None:  # [n, B, C, L, k] -> [B, n * C, L, k]
+        own = own.swapaxes(0, 1).reshape(B, n * C, *own.shape[3:])
+    if n * C < T:
+        carry, rest = chunk(carry, (tokens[:, n * C :], attention_mask[:, n * C :]))
+        own = None if own is None else jnp.concatenate([own, rest], axis=1)
+    cache, last = carry
+    logits = project(cfg, params, last)
     return (logits, cache, own) if with_routes else (logits, cache)
 
 

@@ -15,6 +15,13 @@ Sequence-level estimators take rewards [N]; token-level ones take [N, T] with a 
   valid token; returns-to-go G_t = sum_{s >= t} gamma^(s - t) r_s; whitened over the batch.
 - GAE (Schulman et al. 2016): delta_t = r_t + gamma V_{t+1} - V_t,
   A_t = sum_l (gamma lambda)^l delta_{t+l}, returns R_t = A_t + V_t (reverse `lax.scan`).
+- On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models",
+  GKD with the reverse KL on student samples): the student's sampled tokens are scored by a
+  teacher, and each token's advantage gains w (log pi_T(o_t) - log pi_S(o_t)), the negated
+  per-token reverse-KL estimate, w = `distill_coef` (`teacher.weight`). log pi_S is the
+  behaviour log-prob (the policy that sampled the token). It is added AFTER the task
+  estimator: A_t = A_task + w (log pi_T - log pi_S)_t, so group normalisation and
+  whitening see the task reward alone, and the teacher term keeps its own scale.
 
 Where the code departs from the papers:
 - Every std is the sample std (ddof = 1), as the reference implementations' `torch.std`.
@@ -212,14 +219,17 @@ def compute_advantages(
     old_logp: jax.Array | None = None,
     ref_logp: jax.Array | None = None,
     values: jax.Array | None = None,
+    teacher_logp: jax.Array | None = None,
+    behaviour_logp: jax.Array | None = None,
 ) -> Advantages:
     """The advantage estimator selected by `cfg.advantage`, broadcast to tokens.
 
     rewards [N] or [N, K] (K reward functions), mask [N, T] (the loss mask); G =
     num_generations consecutive rows share a prompt (group estimators); old_logp /
     ref_logp [N, T] are needed when `cfg.kl_in_reward` and beta > 0 (k1 = old_logp -
-    ref_logp per token); values [N, T] (rollout-time critic values) for GAE. No gradient
-    flows into the result.
+    ref_logp per token); values [N, T] (rollout-time critic values) for GAE;
+    teacher_logp / behaviour_logp [N, T] when `cfg.distill_coef` > 0 (the distillation
+    term, module doc). No gradient flows into the result.
     """
     kl = None
     if cfg.kl_in_reward and cfg.beta > 0:
@@ -251,4 +261,25 @@ def compute_advantages(
             returns = jax.lax.stop_gradient(returns)
         if cfg.whiten_advantages:
             adv = whiten(adv, mask, cfg.adv_eps)
+    if cfg.distill_coef > 0:
+        if teacher_logp is None or behaviour_logp is None:
+            raise ValueError("algo.distill_coef > 0 needs teacher_logp and behaviour_logp")
+        adv = adv + distillation_advantages(teacher_logp, behaviour_logp, mask, cfg.distill_coef)
     return Advantages(jax.lax.stop_gradient(adv), returns)
+
+
+def distillation_advantages(teacher_logp, student_logp, mask, coef: float) -> jax.Array:
+    """coef (log pi_T - log pi_S) per sampled token: [N, T] each -> [N, T] float32, 0 where
+    masked (module doc: on-policy distillation)."""
+    diff = teacher_logp.astype(jnp.float32) - student_logp.astype(jnp.float32)
+    return jnp.where(mask.astype(bool), coef * diff, 0.0)
+
+
+def distillation_metrics(batch, mask) -> dict:
+    """`distill/reverse_kl`: the mean over trained tokens of log pi_S - log pi_T (the k1
+    estimate of KL(pi_S || pi_T) on the student's samples); batch: a `RolloutBatch` with
+    teacher log-probs."""
+    valid = mask.astype(bool)
+    diff = batch.behaviour_logprobs.astype(jnp.float32) - batch.teacher_logprobs
+    kl = jnp.sum(jnp.where(valid, diff, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    return {"distill/reverse_kl": jax.lax.stop_gradient(kl)}

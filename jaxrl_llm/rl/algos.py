@@ -17,6 +17,13 @@ One frozen `AlgoConfig` drives `compute_advantages` (advantages.py) and `policy_
                 batch whitening, PPO clip, token-mean.
   ppo           Ouyang et al. 2022 / Schulman et al. 2017: critic + GAE (gamma = 1,
                 lambda = 0.95), k1 KL in the reward, value clip 0.2, critic warmup.
+  sapo          Qwen team 2025, "Soft Adaptive Policy Optimization": the clip replaced by
+                a sigmoid gate (tau_pos = 1, tau_neg = 1.05), seq-mean-token-mean, beta = 0.
+  gmpo          Zhao et al. 2025, "Geometric-Mean Policy Optimization": the geometric mean
+                of token ratios clipped in log space (eps 0.4), seq-mean-token-mean, beta = 0.
+
+The policy losses clip_cov, kl_cov (Cui et al. 2025), dppo_tv and dppo_kl (DPPO) are
+`policy_loss` values over any preset (policy_losses.py).
 
     from jaxrl_llm.rl import algos
     cfg = algos.preset("dapo", entropy_coef=1e-3)
@@ -57,8 +64,20 @@ class AlgoConfig:
       reward_weights: K weights for [N, K] rewards (None = all 1).
       gamma, lam: discount and GAE lambda (token-level estimators).
       whiten_advantages: whiten token advantages over the batch (reinforce_pp, gae).
-      policy_loss: ppo | gspo | cispo.
-      eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high] of rho (or of s_i for gspo).
+      policy_loss: ppo | gspo | cispo | sapo | gmpo | clip_cov | kl_cov | dppo_tv |
+        dppo_kl (policy_losses.py for the last six).
+      eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high] of rho (or of s_i for gspo);
+        for gmpo the clip of log rho, [-eps_low, eps_high]; for dppo_tv / dppo_kl the
+        trust region's TV / binary-KL thresholds.
+      sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A <= 0.
+      clip_cov_ratio, clip_cov_lb, clip_cov_ub: the fraction of tokens Clip-Cov may
+        detach and the covariance band it draws them from.
+      kl_cov_ratio, kl_cov_coef: the fraction of tokens (largest covariance) KL-Cov
+        penalises and the penalty's coefficient.
+      ratio_cap: C of DPPO's truncated weight sg(min(rho, C)).
+      distill_coef: w of the on-policy distillation advantage w (log pi_T - log pi_S)
+        added to every sampled token (advantages.py); 0 = no teacher. The trainer sets it
+        from `teacher.weight` when `teacher.path` is set.
       dual_clip: c > 1 caps the loss of A < 0 tokens at -c A; None = off.
       off_policy: the weight of each token for the policy that sampled it (the behaviour
         policy) differing from pi_old: none | tis | icepop | decoupled (`losses` module doc;
@@ -94,6 +113,15 @@ class AlgoConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 0.1
+    ratio_cap: float = 20.0
+    distill_coef: float = 0.0
     off_policy: str = "tis"
     tis_cap: float | None = 2.0
     icepop_low: float = 0.5
@@ -168,6 +196,14 @@ def _errors(cfg: AlgoConfig):
         ("eps_low", 0 <= cfg.eps_low < 1, "must be in [0, 1)"),
         ("eps_high", cfg.eps_high >= 0, "must be >= 0"),
         ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "must be > 1 or None"),
+        ("sapo_tau_pos", cfg.sapo_tau_pos > 0, "must be > 0"),
+        ("sapo_tau_neg", cfg.sapo_tau_neg > 0, "must be > 0"),
+        ("clip_cov_ratio", 0 < cfg.clip_cov_ratio <= 1, "must be in (0, 1]"),
+        ("clip_cov_ub", cfg.clip_cov_lb < cfg.clip_cov_ub, "must be > clip_cov_lb"),
+        ("kl_cov_ratio", 0 < cfg.kl_cov_ratio <= 1, "must be in (0, 1]"),
+        ("kl_cov_coef", cfg.kl_cov_coef >= 0, "must be >= 0"),
+        ("ratio_cap", cfg.ratio_cap > 0, "must be > 0"),
+        ("distill_coef", cfg.distill_coef >= 0, "must be >= 0"),
         ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "must be > 0 or None"),
         (
             "tis_cap",
@@ -203,6 +239,8 @@ PRESETS: dict[str, dict] = {
         overlong_penalty=True,
     ),
     "gspo": dict(policy_loss="gspo", eps_low=3e-4, eps_high=4e-4, loss_agg="seq-mean-token-mean"),
+    "sapo": dict(policy_loss="sapo", loss_agg="seq-mean-token-mean", beta=0.0),
+    "gmpo": dict(policy_loss="gmpo", eps_low=0.4, eps_high=0.4, loss_agg="seq-mean-token-mean"),
     "rloo": dict(advantage="rloo", beta=0.05, kl_estimator="k1", kl_in_reward=True),
     "reinforce_pp": dict(
         advantage="reinforce_pp",

@@ -48,6 +48,7 @@ class RolloutBatch:
     rewards: jax.Array  # [N] or [N, K] float32
     policy_version: jax.Array  # [N] int32: the parameter version that sampled each row
     ref_logprobs: jax.Array | None = None  # [N, T] float32; needed iff beta > 0
+    teacher_logprobs: jax.Array | None = None  # [N, T] float32; iff algo.distill_coef > 0
     num_generations: int = struct.field(pytree_node=False, default=1)  # G
     routes: jax.Array | None = None  # [N, P + T, L, k] int16: the sampler's (MoE models)
 
@@ -58,7 +59,7 @@ class RolloutBatch:
         return jnp.arange(n, dtype=jnp.int32) // self.num_generations
 
     @classmethod
-    def from_sample(cls, out, rewards, ref_logprobs=None) -> RolloutBatch:
+    def from_sample(cls, out, rewards, ref_logprobs=None, teacher_logprobs=None) -> RolloutBatch:
         """From a `sampling.SampleOutput`; host rewards [N] / [N, K] are put on device (an
         explicit transfer, allowed under transfer_guard) sharded like the rows."""
         check_groups(out.tokens.shape[0], out.num_generations, "RolloutBatch")
@@ -72,6 +73,7 @@ class RolloutBatch:
             rewards=_rows_like(rewards, out.lengths),
             policy_version=out.policy_version,
             ref_logprobs=ref_logprobs,
+            teacher_logprobs=teacher_logprobs,
             num_generations=out.num_generations,
             routes=getattr(out, "routes", None),
         )

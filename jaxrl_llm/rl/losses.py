@@ -14,6 +14,8 @@ rho = pi_theta / pi_old per token (notation of ../../shared/ALGORITHMS.md):
   s_{i,t} = sg(s_i) pi_theta / sg(pi_theta) equals s_i in value, and its gradient is that of
   the sequence-level objective (s_i A_i grad log s_i) spread over the tokens.
 - CISPO (MiniMax 2025, "MiniMax-M1"): J = sg(clip(rho, 1 - eps_low, 1 + eps_high)) A log pi.
+- SAPO, GMPO, Clip-Cov, KL-Cov, DPPO-TV, DPPO-KL: policy_losses.py (papers and formulas
+  there).
 - Off-policy correction (`OFF_POLICY`, `off_policy_weight`). Three policies: pi_behaviour
   sampled the tokens (its log-probs come with the rollout), pi_old = pi_prox is the policy
   at the start of the update (recomputed, or sg(pi_theta) for one optimizer step), pi_theta
@@ -64,10 +66,22 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.rl import policy_losses as extra
+
 if TYPE_CHECKING:
     from jaxrl_llm.rl.algos import AlgoConfig
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
+POLICY_LOSSES = (
+    "ppo",
+    "gspo",
+    "cispo",
+    "sapo",
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+    "dppo_tv",
+    "dppo_kl",
+)
 OFF_POLICY = ("none", "tis", "icepop", "decoupled")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 MAX_LOG_RATIO = 20.0  # |log rho| above this is clamped before exp (see the module doc)
@@ -81,6 +95,11 @@ AGGREGATIONS = (
 _sg = jax.lax.stop_gradient
 
 
+def _f32(x: jax.Array) -> jax.Array:
+    """x in float32, or wider when it already is (float64 inputs stay float64)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean of x over mask (any shape, same as x); 0 when the mask is empty."""
     valid = mask.astype(bool)
@@ -89,7 +108,7 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, estimator: str):
     """Per-token KL(pi_theta || pi_ref) estimate. [N, T] each -> [N, T], 0 where masked."""
-    diff = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
+    diff = _f32(ref_logp) - _f32(logp)
     x = jnp.where(mask.astype(bool), diff, 0.0)
     if estimator == "k1":
         return -x
@@ -102,7 +121,7 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, mask: jax.Array, estimator:
 
 def log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
     """Token log rho = log pi_theta - log pi_old. [N, T] -> [N, T], 0 where masked."""
-    diff = logp.astype(jnp.float32) - old_logp.astype(jnp.float32)
+    diff = _f32(logp) - _f32(old_logp)
     return jnp.where(mask.astype(bool), diff, 0.0)
 
 
@@ -115,7 +134,7 @@ def sequence_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) ->
     lr = log_ratio(logp, old_logp, mask)
     count = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)
     log_s = jnp.sum(lr, axis=-1, keepdims=True) / count
-    token = _sg(log_s) + (logp - _sg(logp)).astype(jnp.float32)
+    token = _sg(log_s) + _f32(logp - _sg(logp))
     return jnp.where(valid, token, 0.0)
 
 
@@ -138,7 +157,7 @@ def ppo_clip_loss(ratio, advantages, eps_low: float, eps_high: float, dual_clip=
 def cispo_loss(logp, ratio, advantages, eps_low: float, eps_high: float):
     """-sg(clip(rho)) A grad-carrying 1 (pi / sg(pi)). [N, T] -> [N, T]."""
     weight = _sg(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
-    return -weight * advantages * jnp.exp(logp - _sg(logp)).astype(jnp.float32)
+    return -weight * advantages * _f32(jnp.exp(logp - _sg(logp)))
 
 
 def value_loss(values, old_values, returns, mask, clip=None) -> jax.Array:
@@ -210,9 +229,13 @@ def _policy_metrics(cfg, logp, old_logp, ratio, adv, mask) -> dict:
     r_min, r_max = _extremes(ratio, valid)
     a_min, a_max = _extremes(adv, valid)
     a_mean = masked_mean(adv, valid)
-    metrics = {
-        "policy/clipfrac_low": masked_mean(low, valid),
-        "policy/clipfrac_high": masked_mean(high, valid),
+    clipped = {}  # the ratio clip's fractions, for the losses that clip the ratio
+    if cfg.policy_loss in ("ppo", "gspo", "cispo", "clip_cov"):
+        clipped = {
+            "policy/clipfrac_low": masked_mean(low, valid),
+            "policy/clipfrac_high": masked_mean(high, valid),
+        }
+    metrics = clipped | {
         "policy/approx_kl": masked_mean(jnp.expm1(x) - x, valid),
         "policy/ratio_mean": masked_mean(ratio, valid),
         "policy/ratio_min": r_min,
@@ -222,9 +245,29 @@ def _policy_metrics(cfg, logp, old_logp, ratio, adv, mask) -> dict:
         "adv/min": a_min,
         "adv/max": a_max,
     }
-    if cfg.dual_clip is not None and cfg.policy_loss != "cispo":
+    if cfg.dual_clip is not None and cfg.policy_loss in ("ppo", "gspo"):
         metrics["policy/clipfrac_dual"] = masked_mean((adv < 0) & (ratio > cfg.dual_clip), valid)
+    metrics |= _extra_metrics(cfg, logp, old_logp, adv, valid)
     return metrics
+
+
+def _extra_metrics(cfg, logp, old_logp, adv, valid) -> dict:
+    """The token fractions the covariance and DPPO losses act on (verl's pg_clipfrac):
+    `policy/masked_frac` (DPPO: outside the trust region; Clip-Cov: detached) and
+    `policy/kl_cov_frac` (KL-Cov: penalised)."""
+    kind = cfg.policy_loss
+    lp, olp = _sg(_f32(logp)), _f32(old_logp)
+    x = clamp_log_ratio(log_ratio(lp, olp, valid))
+    if kind in ("dppo_tv", "dppo_kl"):
+        keep = extra.dppo_keep(kind[5:], lp, olp, adv, valid, cfg.eps_low, cfg.eps_high)
+        return {"policy/masked_frac": masked_mean(~keep, valid)}
+    if kind == "clip_cov":
+        selected = extra.clip_cov_selected(x, lp, olp, adv, valid, cfg)
+        return {"policy/masked_frac": masked_mean(selected, valid)}
+    if kind == "kl_cov":
+        selected = extra.kl_cov_selected(lp, adv, valid, cfg.kl_cov_ratio)
+        return {"policy/kl_cov_frac": masked_mean(selected, valid)}
+    return {}
 
 
 def policy_term(cfg: AlgoConfig, logp, old_logp, advantages, mask):
@@ -233,13 +276,29 @@ def policy_term(cfg: AlgoConfig, logp, old_logp, advantages, mask):
     logp, old_logp, advantages, mask [N, T] -> (loss [N, T], ratio [N, T]); the ratio is
     rho, or s_i on every token of row i for GSPO.
     """
-    if cfg.policy_loss == "gspo":
+    kind, valid = cfg.policy_loss, mask.astype(bool)
+    if kind == "gspo":
         x = sequence_log_ratio(logp, old_logp, mask)
     else:
         x = log_ratio(logp, old_logp, mask)
-    ratio = jnp.exp(clamp_log_ratio(x))
-    if cfg.policy_loss == "cispo":
+    x = clamp_log_ratio(x)
+    ratio = jnp.exp(x)
+    lp = _f32(logp)
+    if kind == "cispo":
         return cispo_loss(logp, ratio, advantages, cfg.eps_low, cfg.eps_high), ratio
+    if kind == "sapo":
+        return extra.sapo_loss(x, advantages, cfg.sapo_tau_pos, cfg.sapo_tau_neg), ratio
+    if kind == "gmpo":
+        s = extra.gmpo_ratio(x, advantages, valid, cfg.eps_low, cfg.eps_high)
+        return extra.gmpo_loss(x, advantages, valid, cfg.eps_low, cfg.eps_high), s
+    if kind == "clip_cov":
+        return extra.clip_cov_loss(x, lp, _f32(old_logp), advantages, valid, cfg), ratio
+    if kind == "kl_cov":
+        loss = extra.kl_cov_loss(x, lp, advantages, valid, cfg.kl_cov_ratio, cfg.kl_cov_coef)
+        return loss, ratio
+    if kind in ("dppo_tv", "dppo_kl"):
+        loss = extra.dppo_loss(kind[5:], x, lp, _f32(old_logp), advantages, valid, cfg)
+        return loss, ratio
     return ppo_clip_loss(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip), ratio
 
 
@@ -310,7 +369,7 @@ def policy_objective(
     """
     valid = loss_mask.astype(bool)
     old_logp = _sg(logp) if old_logp is None else old_logp
-    adv = _sg(advantages.astype(jnp.float32))
+    adv = _sg(_f32(advantages))
     adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, logp.shape)
     pg, ratio = policy_term(cfg, logp, old_logp, adv, valid)
     metrics = _policy_metrics(cfg, logp, old_logp, ratio, adv, valid)
@@ -333,7 +392,7 @@ def policy_objective(
         kl = metrics["loss/kl"] = agg(kl_tokens)
         total = total + cfg.beta * kl
     if entropy is not None:
-        ent = metrics["loss/entropy"] = agg(entropy.astype(jnp.float32))
+        ent = metrics["loss/entropy"] = agg(_f32(entropy))
         metrics["policy/entropy"] = masked_mean(_sg(entropy), valid)
         if cfg.entropy_coef:
             total = total - cfg.entropy_coef * ent

@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl_llm import models
 from jaxrl_llm.models import lora
 from jaxrl_llm.rl import critic as critic_lib
-from jaxrl_llm.rl.advantages import compute_advantages
+from jaxrl_llm.rl.advantages import compute_advantages, distillation_metrics
 from jaxrl_llm.rl.algos import AlgoConfig, check_num_generations
 from jaxrl_llm.rl.batch import (
     RolloutBatch,
@@ -164,6 +164,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
     adv = compute_advantages(
         s.algo, batch.rewards, batch.loss_mask, G, old_logp=old_logp,
         ref_logp=batch.ref_logprobs, values=old_values,
+        teacher_logp=batch.teacher_logprobs, behaviour_logp=batch.behaviour_logprobs,
     )  # fmt: skip
     return Rows(
         prompt_tokens=batch.prompt_tokens,
@@ -196,6 +197,8 @@ def _check(s: Setup, state: TrainState, batch: RolloutBatch) -> None:
     check_groups(n, s.num_generations, "update")
     if s.algo.needs_ref and batch.ref_logprobs is None:
         raise ValueError(f"algo.beta={s.algo.beta} > 0 needs batch.ref_logprobs")
+    if s.algo.distill_coef > 0 and batch.teacher_logprobs is None:
+        raise ValueError("algo.distill_coef > 0 (a teacher) needs batch.teacher_logprobs")
     if s.algo.uses_critic and state.critic_params is None:
         raise ValueError("algo.advantage='gae' needs a critic: init_train_state(critic_params=)")
 
@@ -232,6 +235,8 @@ def _update(s: Setup, state: TrainState, batch: RolloutBatch, frozen=None):
     carry, metrics = jax.lax.scan(one_pass, carry, jnp.arange(s.algo.num_iterations))
     metrics = reduce_metrics(metrics, sum_losses=False)
     metrics.update(_batch_metrics(rows.advantages, rows.loss_mask, rows.returns, rows.old_values))
+    if batch.teacher_logprobs is not None:  # on-policy distillation (advantages.py)
+        metrics.update(distillation_metrics(batch, rows.loss_mask))
     metrics["optim/lr"] = s.opt.schedule(state.step)
     new_state = TrainState(
         step=state.step + 1,

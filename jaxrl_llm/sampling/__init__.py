@@ -5,6 +5,7 @@ spec = sampling.RolloutSpec(num_generations=8, max_new_tokens=64, stop_ids=(eos,
 sampler = sampling.Sampler(model_cfg, mesh, seed=0, pad_id=pad)
 out = sampler.sample(params, prompt_ids, prompt_mask, spec, step)
 # out.tokens, out.mask, out.loss_mask, out.logprobs, out.lengths, out.finish (device arrays)
+engine = sampling.PagedSampler(model_cfg, mesh, seed=0, pad_id=pad, slots=32)  # paged.py
 out = sampling.generate(cfg, params, prompts, max_new_tokens=64, num_samples=8)  # lists
 """
 
@@ -17,6 +18,7 @@ from jaxrl_llm.sampling.decode import (
     fit_routes,
     prefill_groups,
 )
+from jaxrl_llm.sampling.paged import PagedSampler
 from jaxrl_llm.sampling.sampler import (
     BUCKET_STEPS,
     CACHE_SEGMENTS,
@@ -33,6 +35,7 @@ __all__ = [
     "CACHE_SEGMENTS",
     "FINISH_LENGTH",
     "FINISH_STOP",
+    "PagedSampler",
     "DecodeState",
     "RolloutSpec",
     "SampleOutput",

@@ -2,12 +2,13 @@
 
     precompile_step(run, background=True, evaluate_first=False, step=start)
 
-The sampler, the reference and the update (and evaluation's sampler programs when it is
-scheduled) are lowered here and compiled by `CompileLog.ahead_of_time`: side by side, one
-by one, or in the background beside the first step, in the order the run needs them. The
-rollouts and log-probs are pinned to row sharding (`Sampler.row_sharding`), so the
-reference and the update can be compiled from the sampler's output shapes alone. Other
-prompt buckets compile when they first come.
+The sampler, the reference, the teacher (on-policy distillation) and the update (and
+evaluation's sampler programs when it is scheduled) are lowered here and compiled by
+`CompileLog.ahead_of_time`: side by side, one by one, or in the background beside the
+first step, in the order the run needs them. The rollouts and log-probs are pinned to row
+sharding (`Sampler.row_sharding`), so the reference, the teacher and the update can be
+compiled from the sampler's output shapes alone. Other prompt buckets compile when they
+first come.
 """
 
 from __future__ import annotations
@@ -49,9 +50,14 @@ def precompile_step(
         ref = None if run.ref_logprobs is None else out.logprobs
         if run.ref_logprobs is not None and not later:
             build("reference", bucket, run.ref_logprobs, run.ref_params, out)
+        teacher = None  # on-policy distillation: the teacher's log-probs, shaped the same
+        for (label, _, params), program in zip(run.teachers, run.teacher_programs,
+                                               strict=True):  # fmt: skip
+            build(label, bucket, program, params, out)
+            teacher = out.logprobs
         local_rows = out.tokens.shape[0] // jax.process_count()
         rewards = parallel.shard_local_batch(np.zeros(local_rows, np.float32), run.mesh)
-        rollouts = rl.RolloutBatch.from_sample(out, rewards, ref)
+        rollouts = rl.RolloutBatch.from_sample(out, rewards, ref, teacher)
         program, args = run.update.program(run.state, rollouts)
         build("update", bucket, program, *args)
         if later:

@@ -1,7 +1,7 @@
 """The trainer's multi-turn rollout: data rows -> resets -> prompts -> turns -> rewards.
 
     env_rollout = EnvRollout(config, tokenizer, sampler, spec, mesh)
-    out, scored = env_rollout(params, batch, step)   # sampling.SampleOutput, scoring.Scored
+    out, scored, versions = env_rollout(params, batch, step)  # SampleOutput, Scored, [N, T]
     metrics = env_rollout.evaluate(params, eval_batches, pass_k=8, temperature=1.0)
 
 Each prompt's environment is reset once (in the pool) and its state copied to the G
@@ -64,17 +64,20 @@ class EnvRollout:
             end_of_turn_ids=self.spec.stop_ids,
         )  # fmt: skip
 
-    def _play(self, params, batch, spec, settings: TurnSettings, step: int):
+    def _play(self, params, batch, spec, settings: TurnSettings, step: int, version=None,
+              refresh=None):  # fmt: skip
         """This process's prompts of `batch`, spec.num_generations trajectories each,
-        played to the end -> (out, trajectories, turns, prompt ids, tokens, lengths)."""
+        played to the end -> (out, trajectories, turns, prompt ids, tokens, lengths).
+        version: the parameters' (default: step); refresh: `envs.play`'s."""
         bound = self.renderer.max_chars(self.config.data.max_prompt_len)
         trajs, observations = self.pool.reset(batch.examples, bound)
         prompt_ids = [self._prompt(batch, i, obs, trajs[i]) for i, obs in enumerate(observations)]
         ids, mask = prompts_lib.collate(prompt_ids, self.sampler.pad_id, 1, 0)
         trajs, _ = replicate(trajs, observations, spec.num_generations)
         out, turns = play(self.sampler, params, ids, mask, spec, settings, self.pool,
-                          trajs, self.renderer, self.tokenizer, step=step, version=step,
-                          mesh=self.mesh)  # fmt: skip
+                          trajs, self.renderer, self.tokenizer, step=step,
+                          version=step if version is None else version, mesh=self.mesh,
+                          refresh=refresh)  # fmt: skip
         tokens, lengths = (np.asarray(x) for x in _local(out, self.mesh))
         return out, trajs, turns, prompt_ids, tokens, lengths
 
@@ -106,12 +109,15 @@ class EnvRollout:
             out["eval/" + name.split("/")[1]] = float((values * weights).sum() / weights.sum())
         return out
 
-    def __call__(self, params, batch, step: int, *, settings: TurnSettings | None = None):
-        """This process's prompts of `batch` played to the end -> (out, scored)."""
+    def __call__(self, params, batch, step: int, *, settings: TurnSettings | None = None,
+                 version: int | None = None, refresh=None):  # fmt: skip
+        """This process's prompts of `batch` played to the end by `params` (whose version is
+        `version`, default step; `refresh` as in `envs.play`) -> (out, scored, the version
+        that drew each completion token [N, max_total_tokens], -1 where none did)."""
         G = self.spec.num_generations
         settings = settings or self.settings(step)
         out, trajs, turns, prompt_ids, tokens, lengths = self._play(
-            params, batch, self.spec, settings, step
+            params, batch, self.spec, settings, step, version, refresh
         )
         # Model turns as the environment read them; observations with the template's markers.
         texts = [[(kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=kind == "model"))
@@ -119,7 +125,7 @@ class EnvRollout:
         rewards, details = score(trajs, self.config.env.turn_reward_discount, self.label)
         for row, t in zip(texts, trajs, strict=True):  # samples.jsonl shows why it failed
             row += [("error", f"{t.end}: {t.error}")] if t.end in FAILED else []
-        return out, scoring.Scored(
+        scored = scoring.Scored(
             rewards=rewards,
             metrics=self.metrics(trajs, turns, lengths),
             completions=["".join(text for k, text in row if k != "error") for row in texts],
@@ -130,6 +136,7 @@ class EnvRollout:
             turns=[[{"role": k, "text": t} for k, t in row] for row in texts],
             details=details,
         )
+        return out, scored, turns.versions
 
     def _prompt(self, batch, i: int, observation, traj) -> list[int]:
         """Row i's prompt ids: the reset's observation rendered, else the data prompt."""
@@ -174,8 +181,10 @@ def _local(out, mesh):
 
 
 class Played:
-    """Multi-turn rollouts (env.name) as a rollout source: the step's prompts played to
-    the end by the current parameters, scored by their environments."""
+    """Multi-turn rollouts (env.name, rollout.mode='sync') as a rollout source: the step's
+    prompts played to the end by the current parameters, scored by their environments.
+    In 'overlap' and 'split' a rollout thread plays them (`rollout_thread.Threaded` with
+    `EnvRollout` as its player)."""
 
     def __init__(self, s: Sampling, env_rollout: EnvRollout):
         self.s, self.env_rollout = s, env_rollout
@@ -183,7 +192,7 @@ class Played:
     def next(self, step: int, params, clock) -> Rollout:
         batch = next(self.s.data)
         with self.s.compile_log.program("sampler", "multi-turn", runs=True):
-            out, scored = self.env_rollout(params, batch, step)
+            out, scored, _ = self.env_rollout(params, batch, step)
         clock.mark("sample")
         clock.mark("score")
         return Rollout(

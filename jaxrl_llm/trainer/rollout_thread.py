@@ -24,6 +24,14 @@ time; when newer parameters were published in between it recomputes the rollout'
 cache with them (`Sampler.refresh`) and decodes on with them. A row's `policy_version` is
 the version that started it; `token_versions` [T] gives the version of each completion
 column (every row's column j was drawn by the same parameters).
+
+Multi-turn (`player`: an `EnvRollout`): the thread plays step s's trajectories to the end
+with the parameters it started them with; with `rollout.partial`, before each turn after
+the first it switches to the newest published parameters (the KV cache recomputed by
+them, `envs.play`). `token_versions` is then [N, T]: the version that drew each
+completion token, -1 on observation tokens. 'overlap' with environments is this thread
+with a bound of 1 on the training mesh: step s + 1's trajectories are played while step
+s's reference and update run.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.trainer.sources import Rollout, Sampling, bucket
@@ -52,16 +61,19 @@ class Item:
     wait_s: float  # waiting for parameters within the staleness bound
     sample_s: float
     score_s: float
-    token_versions: np.ndarray  # [T] the version that drew each completion column
+    token_versions: np.ndarray  # [T] version of each column, or [N, T] (multi-turn)
 
 
 class RolloutThread:
     """Samples and scores steps start, start + 1, ... with `s` (a `sources.Sampling` on
-    the rollout mesh), within the staleness bound of `config.rollout`."""
+    the rollout mesh), within the staleness bound of `config.rollout` (or
+    `max_staleness`); with a `player` (an `EnvRollout`) it plays multi-turn trajectories."""
 
-    def __init__(self, s: Sampling, config, start: int, params, version: int):
+    def __init__(self, s: Sampling, config, start: int, params, version: int, *,
+                 player=None, max_staleness: int | None = None):  # fmt: skip
         r = config.rollout
-        self.s, self.max_staleness, self.num_steps = s, r.max_staleness, config.train.num_steps
+        self.s, self.num_steps, self.player = s, config.train.num_steps, player
+        self.max_staleness = r.max_staleness if max_staleness is None else max_staleness
         self.partial_chunk = r.partial_chunk if r.partial else 0
         self.consumed = s.data.state()
         self._params, self._version = params, version
@@ -79,6 +91,11 @@ class RolloutThread:
         with self._cond:
             self._params, self._version = params, version
             self._cond.notify_all()
+
+    def newest(self):
+        """The newest published parameters and their version."""
+        with self._cond:
+            return self._params, self._version
 
     def take(self, step: int) -> Item:
         """Step's rollout, waiting for the thread if needed."""
@@ -119,14 +136,22 @@ class RolloutThread:
         batch = next(self.s.data)
         position = self.s.data.state()
         start = time.perf_counter()
-        if self.partial_chunk:
+        if self.player is not None:  # multi-turn: the environments score as they play
+            with self.s.compile_log.program("sampler", "multi-turn", runs=True):
+                refresh = self.newest if self.partial_chunk else None
+                out, scored, columns = self.player(params, batch, step, version=version,
+                                                   refresh=refresh)  # fmt: skip
+            jax.block_until_ready(out.tokens)
+            sampled = time.perf_counter()
+        elif self.partial_chunk:
             out, columns = self._partial(batch, step, params, version)
         else:
             out = self.s.sample(params, batch, step, version=version)
             columns = np.full(self.s.spec.max_new_tokens, version)
-        jax.block_until_ready(out.tokens)
-        sampled = time.perf_counter()
-        scored = self.s.scorer(out, batch)
+        if self.player is None:
+            jax.block_until_ready(out.tokens)
+            sampled = time.perf_counter()
+            scored = self.s.scorer(out, batch)
         item = Item(
             step=step, batch=batch, out=out, scored=scored, version=version,
             position=position, wait_s=wait_s, sample_s=sampled - start,
@@ -164,14 +189,25 @@ class Threaded:
     """rollout.mode='split' as a rollout source: the thread starts at the first step with
     the parameters given (already on the rollout mesh: `Run.sampler_params`); each later
     step publishes the parameters it is given before it takes its rollout, which moves to
-    the training mesh."""
+    the training mesh.
 
-    def __init__(self, s: Sampling, config):
+    With a `player` (multi-turn) it also serves 'overlap' (`max_staleness=1`, one mesh):
+    the thread then gets a copy of the parameters (`copy=True`), since the update donates
+    the ones the step holds while the thread still plays with them."""
+
+    def __init__(self, s: Sampling, config, *, player=None, max_staleness: int | None = None,
+                 copy: bool = False):  # fmt: skip
         self.s, self.config, self.thread = s, config, None
+        self.player, self.max_staleness, self.copy = player, max_staleness, copy
 
     def next(self, step: int, params, clock) -> Rollout:
+        if self.copy:
+            params = jax.tree.map(jnp.copy, params)
         if self.thread is None:
-            self.thread = RolloutThread(self.s, self.config, step, params, step)
+            self.thread = RolloutThread(
+                self.s, self.config, step, params, step, player=self.player,
+                max_staleness=self.max_staleness,
+            )  # fmt: skip
         else:
             self.thread.publish(params, step)
         item = self.thread.take(step)  # waits while the thread is behind
@@ -187,15 +223,19 @@ class Threaded:
     def close(self) -> None:
         if self.thread is not None:
             self.thread.close()
+        if self.player is not None:
+            self.player.close()
 
 
 def token_staleness(step: int, item: Item) -> dict:
-    """The mean staleness over completion tokens, and the fraction of rows with tokens of
-    a newer version than the one that started them (partial rollouts)."""
-    lengths = np.asarray(item.scored.lengths)
-    per_token = [step - item.token_versions[:n] for n in lengths]
+    """The mean staleness over completion tokens (sampled ones, in multi-turn), and the
+    fraction of rows with tokens of a newer version than the one that started them
+    (partial rollouts)."""
+    lengths, v = np.asarray(item.scored.lengths), item.token_versions
+    rows = [v[:n] for n in lengths] if v.ndim == 1 else [r[r >= 0] for r in v]
+    per_token = [step - r for r in rows]
     tokens = np.concatenate(per_token) if per_token else np.zeros(0)
-    later = [bool((item.token_versions[:n] > item.version).any()) for n in lengths]
+    later = [bool((r > item.version).any()) for r in rows]
     return {
         "rollout/token_staleness_mean": float(tokens.mean()) if tokens.size else 0.0,
         "rollout/partial_frac": float(np.mean(later)) if later else 0.0,

@@ -10,9 +10,11 @@ and the host in between:
     params = run.sampler_params()                     # the policy as the sampler reads it
     ro = source.next(step, params, clock)             # a rollout source per mode (`sources`)
     ref = ref_logprobs(ref_params, ro.out)            # jitted, dispatched, no wait
-    scored = ro.scored or score(ro)                   # host: ids -> text -> verifiers,
-                                                      # overlapping the reference forward
-    state, metrics = update(state, RolloutBatch.from_sample(ro.out, rewards, ref))  # jitted
+    teacher = teacher_logprobs(teacher_params, ro.out)  # (teacher.path) the same program
+    scored = ro.scored or score(ro)                   # host: ids -> text -> verifiers
+                                                      # (and judges, on the mesh),
+                                                      # overlapping the two forwards
+    state, metrics = update(state, RolloutBatch.from_sample(ro.out, rewards, ref, teacher))
 
 `jax.transfer_guard("disallow")` holds around the step body: the only transfers are the
 explicit ones (completion ids out, rewards in, metrics at log steps).
@@ -26,11 +28,13 @@ import os
 import sys
 
 import jax
+import numpy as np
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm import data, models, parallel, rl, sampling, verifiers
+from jaxrl_llm import data, models, parallel, rl, verifiers
+from jaxrl_llm.gateway.rollout import AgentRollout
 from jaxrl_llm.startup import compilation, peak
-from jaxrl_llm.trainer import evaluation, perf, scoring
+from jaxrl_llm.trainer import evaluation, judges, perf, scoring
 from jaxrl_llm.trainer.played import EnvRollout, Played
 from jaxrl_llm.trainer.rollout_thread import Threaded
 from jaxrl_llm.trainer.sources import (
@@ -39,6 +43,7 @@ from jaxrl_llm.trainer.sources import (
     SampledAhead,
     Sampling,
     bucket,
+    make_sampler,
     staleness,
 )
 
@@ -98,9 +103,10 @@ class Run:
         rows = data.check_rows(c.data, self.tokenizer)
         if rows.bad and jax.process_index() == 0:
             print(rows.summary(), file=sys.stderr, flush=True)
-        runtime = dict(
-            remat=c.model.remat, scan_layers=c.model.scan_layers, moe_impl=c.model.moe_impl
-        )
+        m = c.model
+        runtime = dict(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                       attention_block=m.attention_block, moe_impl=m.moe_impl,
+                       prefill_chunk=c.rollout.prefill_chunk)  # fmt: skip
         self.model_cfg, params = models.builtin.load_model(
             self.model_path, self.mesh, c.model.dtype, **runtime
         )
@@ -119,7 +125,35 @@ class Run:
             )
             _, self.ref_params = models.builtin.load_model(ref_path, self.mesh, c.model.dtype)
             self.ref_is_initial = ref_path == self.model_path
+        self._load_teacher()
         return params
+
+    def _load_teacher(self) -> None:
+        """teacher.path and teacher.paths (on-policy distillation): each teacher's
+        tokenizer must be the student's (checked before any teacher weight is read), then
+        its config and params on the mesh, once per distinct path. `self.teachers`:
+        [(label, cfg, params)]; `self.teacher_index`: teacher name -> its index (the
+        default teacher, teacher.path, is named "")."""
+        c = self.config
+        self.teachers, self.teacher_index = [], {}
+        if not self.algo.distill_coef:
+            return
+        t = c.teacher
+        named = ([("", "teacher.path", t.path)] if t.path else []) + [
+            (name, f"teacher.paths.{name}", path) for name, path in dict(t.paths).items()
+        ]
+        paths = {}  # resolved path -> index
+        for name, key, path in named:
+            path = config_lib.resolve_model_path(path, key)
+            if path not in paths:
+                check_same_tokenizer(
+                    self.tokenizer, models.builtin.load_tokenizer(path, key), path, key
+                )
+                paths[path] = len(paths)
+            self.teacher_index[name] = paths[path]
+        for path, i in paths.items():
+            cfg, params = models.builtin.load_model(path, self.mesh, c.model.dtype)
+            self.teachers.append(("teacher" + (f" {i}" if i else ""), cfg, params))
 
     # ------------------------------------------------------------------------- Rollout
     def _build_rollout(self, rollout_mesh) -> None:
@@ -135,10 +169,7 @@ class Run:
                 self.merge = models.lora.make_merge_fn(self.model_cfg, self.mesh)
                 sampler_cfg = self.base_cfg
         pad = data.prompts.pad_id(self.tokenizer)
-        sampler = sampling.Sampler(
-            sampler_cfg, rollout_mesh, seed=c.train.seed, pad_id=pad,
-            bucket_steps=c.rollout.bucket_steps, cache_segments=c.rollout.cache_segments,
-        )  # fmt: skip
+        sampler = make_sampler(c, sampler_cfg, rollout_mesh, pad)  # rollout.engine
         self.pool = verifiers.VerifierPool(
             c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s,
             memory_mb=c.train.verifier_memory_mb,
@@ -150,10 +181,14 @@ class Run:
         overlong = 0  # DAPO's L_c in tokens (0: no overlong penalty)
         if self.algo.overlong_penalty:
             overlong = max(1, round(self.algo.overlong_buffer_frac * self.spec.max_new_tokens))
+        # Judge entries: a model each, with its own sampler, on the mesh that scores (the
+        # rollout mesh in split mode, where the rollout thread scores; else the one mesh).
+        self.judges = judges.make_judges(specs, rollout_mesh, c.model.dtype, c.train.seed)
         scorer = scoring.Scorer(self.tokenizer, self.pool, specs, self.spec,
-                                overlong_buffer=overlong, mesh=self.mesh)  # fmt: skip
-        if specs:
-            self.pool.prepare(specs)  # the workers load while the programs build
+                                overlong_buffer=overlong, mesh=self.mesh,
+                                judges=self.judges)  # fmt: skip
+        if scorer.pool_specs:
+            self.pool.prepare(scorer.pool_specs)  # the workers load while the programs build
         hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
         rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
         self.sampling = Sampling(
@@ -164,7 +199,9 @@ class Run:
         )  # fmt: skip
         self.env_rollout = None
         if c.env.name:  # multi-turn: the environments give the reward
-            self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, self.mesh)
+            self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
+        elif c.agent.entry:  # agents through the gateway: their return value is the reward
+            self.env_rollout = AgentRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
         self.source = make_source(c, self.sampling, self.algo, self.env_rollout)
         e = c.eval
         self.eval_batches = []
@@ -196,6 +233,18 @@ class Run:
             critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
             seed=c.train.seed,
         )  # fmt: skip
+        # The reference's program, over each teacher.
+        self.teacher_programs = [
+            rl.make_logprob_fn(
+                cfg,
+                self.spec,
+                chunk_size=c.train.logprob_chunk,
+                micro_batches=o.micro_batches * o.mini_batches,
+                mesh=self.mesh,
+            )  # fmt: skip
+            for _, cfg, _ in self.teachers
+        ]
+        self.pick_teacher = jax.jit(_pick_rows, out_shardings=parallel.batch_sharding(self.mesh, 2))
         self.ref_logprobs = None
         if self.algo.needs_ref:  # the update's row slices bound its memory the same way
             self.ref_logprobs = rl.make_logprob_fn(
@@ -211,13 +260,14 @@ class Run:
         with self.transfer_guard():
             ro = self.source.next(step, self.sampler_params(), clock)
             ref = self.reference(ro.out, step)  # dispatched, no wait
+            teacher = self.teacher(ro)  # dispatched, no wait
             scored = ro.scored or self.sampling.score(ro.out, ro.batch, clock)  # host
-            clock.wait("reference", ref)
+            clock.wait("reference", (ref, teacher))
             warning = self._check_verifiers(scored, step)
             rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
             with self.compile_log.program("update", bucket(ro.out)):
                 self.state, device = self.update(
-                    self.state, rl.RolloutBatch.from_sample(ro.out, rewards, ref)
+                    self.state, rl.RolloutBatch.from_sample(ro.out, rewards, ref, teacher)
                 )
             self.fresh = False
             clock.wait("update", self.state)
@@ -243,6 +293,48 @@ class Run:
             return jax.device_put(out.logprobs, self.sampling.row_sharding)
         with self.compile_log.program("reference", bucket(out)):
             return self.ref_logprobs(self.ref_params, out)
+
+    def teacher(self, ro):
+        """Dispatches the teacher's log-probs of the rollout's sampled tokens [N, T]
+        (async), by the reference's program over the teacher's params; None without a
+        teacher. Several teachers (teacher.field): every one runs over the batch and each
+        row keeps its own teacher's (`teacher_rows`)."""
+        if not self.teachers:
+            return None
+        out = ro.out
+        logps = []
+        for (label, _, params), program in zip(self.teachers, self.teacher_programs,
+                                               strict=True):  # fmt: skip
+            with self.compile_log.program(label, bucket(out)):
+                logps.append(program(params, out))
+        if not self.config.teacher.field:
+            return logps[0]
+        rows = parallel.shard_local_batch(self.teacher_rows(ro), self.mesh)
+        with self.compile_log.program("teacher rows", bucket(out)):
+            return self.pick_teacher(rows, *logps)
+
+    def teacher_rows(self, ro) -> np.ndarray:
+        """[n] int32: the index into `self.teachers` of each of this process's rows,
+        named by its data row's teacher.field (teacher.path where it names none)."""
+        t, index = self.config.teacher, self.teacher_index
+        G = ro.out.num_generations
+        examples = ro.scored.examples if ro.scored is not None else [
+            ex for ex in ro.batch.examples for _ in range(G)
+        ]  # fmt: skip
+        rows = []
+        for ex in examples:
+            value = ex.get(t.field)
+            value = value if isinstance(value, str) else str(value)
+            if value not in index or value == "":
+                if "" not in index:
+                    raise config_lib.ConfigError(
+                        f"teacher.field={t.field!r}: a row's value {ex.get(t.field)!r} "
+                        f"names no teacher in teacher.paths ({', '.join(sorted(index))})"
+                        " and teacher.path is not set"
+                    )
+                value = ""
+            rows.append(index[value])
+        return np.asarray(rows, np.int32)
 
     def close(self) -> None:
         """Stops the rollout source (the rollout thread, the environments) and the
@@ -325,11 +417,40 @@ class Run:
         )
 
 
-def make_source(config, s: Sampling, algo, env_rollout: EnvRollout | None = None):
-    """The run's rollout source: the environments' (env.name), else the one of
-    rollout.mode, with DAPO's dynamic sampling around it."""
+def _pick_rows(rows, *logps):
+    """Row i of logps[rows[i]]: [N] int32, K x [N, T] -> [N, T]."""
+    stacked = jax.numpy.stack(logps)
+    chosen = rows[None, :, None] == jax.numpy.arange(len(logps))[:, None, None]
+    return jax.numpy.sum(jax.numpy.where(chosen, stacked, 0.0), axis=0)
+
+
+def check_same_tokenizer(student, teacher, path: str, key: str = "teacher.path") -> None:
+    """ConfigError (one line) unless the teacher's tokenizer maps every token to the
+    student's id: the teacher scores the student's token ids as they are."""
+    a, b = student.get_vocab(), teacher.get_vocab()
+    if a == b:
+        return
+    differ = sum(1 for tok in a.keys() | b.keys() if a.get(tok) != b.get(tok))
+    raise config_lib.ConfigError(
+        f"{key}={path!r}: its tokenizer is not the student's ({len(b)} tokens "
+        f"against {len(a)}, {differ} with different ids); the teacher must share the "
+        "student's tokenizer"
+    )
+
+
+def make_source(config, s: Sampling, algo, env_rollout=None):
+    """The run's rollout source: the environments' or the agents' (env.name /
+    agent.entry, an `EnvRollout` / `AgentRollout`: played in the step in 'sync', by the
+    rollout thread in 'split', and in 'overlap' by the thread on the training mesh one
+    version behind), else the one of rollout.mode, with DAPO's dynamic sampling around
+    it."""
     if env_rollout is not None:
-        return Played(s, env_rollout)
+        mode = config.rollout.mode
+        if mode == "sync":
+            return Played(s, env_rollout)
+        if mode == "split":
+            return Threaded(s, config, player=env_rollout)
+        return Threaded(s, config, player=env_rollout, max_staleness=1, copy=True)
     source = SOURCES[config.rollout.mode](s, config)
     if algo.dynamic_sampling:
         source = Refilled(source, s, algo.max_resample_rounds)

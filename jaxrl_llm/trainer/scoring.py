@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import parallel, rl, sampling, verifiers
+from jaxrl_llm.verifiers.judge import is_judge
 
 
 @dataclasses.dataclass
@@ -48,12 +49,17 @@ class Scorer:
       spec: the rollout spec (G; max_new_tokens = DAPO's L_max).
       overlong_buffer: DAPO's L_c in tokens; 0 = no overlong penalty (`rl.overlong_penalty`).
       mesh: the device mesh (each process reads and scores its own rows).
+      judges: the `judges.Judge` of each judge entry of `specs` (run on the mesh; the
+        other entries go to the pool).
     """
 
     def __init__(self, tokenizer, pool, specs, spec: sampling.RolloutSpec, *,
-                 overlong_buffer: int = 0, mesh=None):  # fmt: skip
+                 overlong_buffer: int = 0, mesh=None, judges=()):  # fmt: skip
         self.tokenizer, self.pool, self.specs, self.spec = tokenizer, pool, specs, spec
         self.overlong_buffer, self.mesh = overlong_buffer, mesh
+        self.judges = list(judges)
+        self.pool_specs = [s for s in specs if not is_judge(s)]
+        self.calls = 0  # scoring calls done (a judge samples once in each)
 
     def decode(self, out: sampling.SampleOutput):
         """This process's completion ids -> (texts, lengths, finish); the one device->host
@@ -71,7 +77,8 @@ class Scorer:
         G = out.num_generations
         texts, lengths, finish = self.decode(out)
         examples = [ex for ex in batch.examples for _ in range(G)]
-        rewards, details = self.pool.score(self.specs, texts, examples, num_tokens=lengths.tolist())
+        prompts = [p for p in batch.prompts for _ in range(G)]
+        rewards, details = self._score(texts, examples, prompts, lengths)
         metrics = details.metrics()
         if self.overlong_buffer:
             penalty = rl.overlong_penalty(lengths, self.spec.max_new_tokens, self.overlong_buffer)
@@ -86,12 +93,41 @@ class Scorer:
             rewards=np.asarray(rewards, np.float32),
             metrics=metrics,
             completions=texts,
-            prompts=[p for p in batch.prompts for _ in range(G)],
+            prompts=prompts,
             examples=examples,
             lengths=lengths,
             prompt_lengths=np.repeat(np.asarray(batch.prompt_mask).sum(axis=1), G),
             details=details,
         )
+
+    def _score(self, texts, examples, prompts, lengths):
+        """The pool's entries, then each judge's (one batched sampler call each): the
+        weighted sum [n] and the merged `verifiers.ScoreDetails`."""
+        if self.pool_specs:
+            rewards, details = self.pool.score(
+                self.pool_specs, texts, examples, num_tokens=lengths.tolist()
+            )
+        else:
+            rewards = np.zeros(len(texts))
+            details = verifiers.ScoreDetails(
+                per_verifier={}, weights={}, errors={}, timeouts={}, messages=[],
+                num_samples=len(texts),
+            )  # fmt: skip
+        for judge in self.judges:
+            scores, errors = judge(texts, examples, prompts, step=self.calls + 1)
+            label = judge.label
+            weight = next(s.weight for s in self.specs if s.label == label)
+            rewards = rewards + weight * scores
+            details.per_verifier[label] = scores
+            details.weights[label] = weight
+            details.errors[label] = details.failed[label] = len(errors)
+            details.timeouts[label] = 0
+            if errors:
+                first = f"{label} sample {errors[0][0]}: {errors[0][1]}"
+                details.first_error = details.first_error or first
+                details.messages.extend(f"{label} sample {i}: {m}" for i, m in errors[:3])
+        self.calls += 1
+        return rewards, details
 
 
 def mixed_groups(scored: Scored, num_generations: int) -> int:

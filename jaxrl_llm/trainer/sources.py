@@ -11,10 +11,12 @@
 | `SampledAhead` | overlap | sampled during step s - 1, before its update | 1 |
 | `Threaded` | split | sampled and scored by a thread on the rollout mesh | <= bound |
 | `Played` | sync + env | multi-turn trajectories with environments | 0 |
+| `Threaded` + player | overlap / split + env | trajectories played by the thread | <= bound |
 | `Refilled` | sync + DAPO | `Sampled`, then more batches until B mixed groups | 0 |
 
 (`Threaded` is in rollout_thread.py, `Played` in played.py; the bound is
-`rollout.max_staleness`.)
+`rollout.max_staleness`.) Every source samples with the engine `make_sampler` builds:
+`rollout.engine` static (`sampling.Sampler`) or paged (`sampling.PagedSampler`).
 
 `next(step, params, clock)` gets the current policy parameters as the sampler reads them
 (version `step`: `step` updates applied) and the step's `perf.PhaseClock`; it returns the
@@ -56,7 +58,7 @@ class Sampling:
     rounds: key indices per step (DAPO's refill rounds draw with step * rounds + round);
     guard: the transfer guard a thread of the source holds (a context-manager factory)."""
 
-    sampler: sampling.Sampler
+    sampler: sampling.Sampler  # or a sampling.PagedSampler (`make_sampler`)
     spec: sampling.RolloutSpec
     scorer: scoring.Scorer
     data: object  # the training data iterator (`data.make_iterator`)
@@ -100,6 +102,20 @@ class Sampling:
     def row_sharding(self):
         """Rollout rows on the training mesh (what the reference and the update read)."""
         return parallel.batch_sharding(self.mesh, 1)
+
+
+def make_sampler(config, model_cfg, mesh, pad_id: int):
+    """The rollout engine `rollout.engine` names, on `mesh`: the static `sampling.Sampler`
+    or the continuous-batching `sampling.PagedSampler` (settings `rollout.paged`)."""
+    r = config.rollout
+    common = dict(seed=config.train.seed, pad_id=pad_id, bucket_steps=r.bucket_steps)
+    if r.engine == "paged":
+        p = r.paged
+        return sampling.PagedSampler(
+            model_cfg, mesh, slots=p.slots, pages=p.pages, page_size=p.page_size,
+            chunk_steps=p.chunk_steps, prefill_chunk=p.prefill_chunk, **common,
+        )  # fmt: skip
+    return sampling.Sampler(model_cfg, mesh, cache_segments=r.cache_segments, **common)
 
 
 def bucket(out) -> str:

@@ -57,6 +57,8 @@ NOT_MEANINGFUL = frozenset(
         "model.remat",  # recompute vs store activations: same math
         "model.scan_layers",  # scanned vs unrolled layers: same math
         "model.moe_impl",  # how the experts' matmuls run: same math
+        "model.attention",  # attention implementation: same math
+        "model.attention_block",
         "data.data_dir",  # where TFDS files live
         "data.download",
         "data.skip_bad_rows",  # the fix for a run stopped by a bad row
@@ -65,6 +67,7 @@ NOT_MEANINGFUL = frozenset(
         "data.max_prompt_len",  # a limit; raising it is the fix for a too-long prompt
         "rollout.bucket_steps",  # prompt padding buckets: masked
         "rollout.cache_segments",  # KV cache layout of the decode loop
+        "rollout.prefill_chunk",  # prefill in chunks: same cache
         "optim.micro_batches",  # gradient accumulation: the same gradient, less memory
         "env.step_timeout_s",  # limits of the environment's workers: how long, how
         "env.trajectory_timeout_s",  # many and how much memory; raising one is the fix

@@ -3,7 +3,8 @@
 A verifier is a plain top-level function `(completion: str, example: dict) -> float`, plus
 keyword options. A name is one of:
 
-- a built-in: `gsm8k`, `math`, `format`, `countdown`, `python_tests`;
+- a built-in: `gsm8k`, `math`, `format`, `countdown`, `python_tests`; and `judge`, a
+  model on the mesh that the trainer runs (judge.py), never the pool;
 - a name given to `register` in an importable module;
 - `path/to/file.py:function` (relative paths are resolved against the current directory
   when the config is parsed) or `package.module:function`.
@@ -41,6 +42,9 @@ VERIFIERS = Registry(
         "format": "jaxrl_llm.verifiers.fmt:format_match",
         "countdown": "jaxrl_llm.verifiers.countdown:countdown",
         "python_tests": "jaxrl_llm.verifiers.code:python_tests",
+        # A model on the mesh, run by the trainer (verifiers/judge.py, trainer/judges.py).
+        "judge": "jaxrl_llm.verifiers.judge:judge",
+        "reasoning_gym": "jaxrl_llm.data.reasoning_gym:score",  # the task's own scorer
     },
     kind="function",
     check=callable,

@@ -1,0 +1,157 @@
+"""The paged engine (`sampling.PagedSampler`) against the static sampler on a long-tailed
+length mix, side by side in one process (runs interleaved: static, paged, static, ...).
+
+    python benchmarks/engine.py                       # CPU: ~25M Qwen3-like, 128 rows
+    python benchmarks/engine.py --preset 100m --rows 512 --batch 128 --new 512 \\
+        --scales 1,2,4,8 --page-size 64 --chunk-steps 8,32    # GPU / TPU (same script)
+
+Lengths. A random model never stops where we want, so each row's completion length is
+forced: drawn log-normal (median --new / 10, sigma 1, clipped to [1, --new]), so the
+longest row is ~10x the median. The paged engine is given them as per-row budgets
+(`budgets=`). The static sampler has no per-row budget, but its cost does not depend on
+which rows stopped: its decode loop runs every row of the batch until the last one stops,
+so each static batch is sampled with max_new_tokens = the longest length in it, which is
+exactly what it spends when its rows stop at those lengths. Useful tokens are the forced
+lengths' sum, the same for both.
+
+Same KV memory: the static sampler runs the rows in batches of --batch (B * G rows), its
+cache batch * (bucket + max_new_tokens) tokens; the engine gets --batch slots and a pool
+of the same number of tokens, and streams all --rows through it.
+
+KV budget: at that fixed pool (the static cache for --new), the engine runs the same
+mix scaled to max_new_tokens = --new x each of --scales (median and longest scale too);
+the static sampler fits --new only (its cache grows with max_new_tokens). A scale
+"fits" when every row completes; preempted rows (recomputed) are counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import block, device_name, preset_config, table, uptime  # noqa: E402
+
+from jaxrl_llm import models, sampling  # noqa: E402
+
+
+def lengths_mix(rows: int, new: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(new / 10 * rng.lognormal(0.0, 1.0, rows)), 1, new).astype(int)
+
+
+def prompts(n: int, vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    lists = [rng.integers(1, vocab, rng.integers(8, 25)).tolist() for _ in range(n)]
+    return sampling.pad_prompts(lists, 0)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="25m")
+    ap.add_argument("--rows", type=int, default=128, help="completions in all (B * G)")
+    ap.add_argument("--batch", type=int, default=32, help="static batch rows = engine slots")
+    ap.add_argument("--generations", type=int, default=4, help="G")
+    ap.add_argument("--new", type=int, default=128, help="max_new_tokens")
+    ap.add_argument("--scales", default="1,2,4,8", help="max_new_tokens multiples (budget)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--chunk-steps", default="4,16", help="engines compared (the first: budget)")
+    ap.add_argument("--prefill-chunk", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    cfg = preset_config(args.preset)
+    params = models.init_params(cfg, seed=0)
+    G, N, batch = args.generations, args.rows, args.batch
+    ids, mask = prompts(N // G, cfg.vocab_size, 1)
+    bucket = sampling.bucket_length(int(mask.sum(1).max()))
+    lengths = lengths_mix(N, args.new, 2)
+    spec = sampling.RolloutSpec(num_generations=G, max_new_tokens=args.new, temperature=1.0)
+    static = sampling.Sampler(cfg)
+    kv_tokens = batch * (bucket + args.new)
+    pages = 1 + kv_tokens // args.page_size
+    print(f"{device_name()}; {uptime()}; {args.preset}, {N} rows (G={G}), prompt bucket "
+          f"{bucket}, max_new_tokens {args.new}; lengths median {int(np.median(lengths))}, "
+          f"mean {lengths.mean():.1f}, max {lengths.max()}; KV {kv_tokens} tokens "
+          f"({pages} pages of {args.page_size})")  # fmt: skip
+
+    chunks = [int(x) for x in args.chunk_steps.split(",")]
+
+    def engine(chunk=chunks[0]):
+        return sampling.PagedSampler(
+            cfg, slots=batch, pages=pages, page_size=args.page_size, chunk_steps=chunk,
+            prefill_chunk=args.prefill_chunk,
+        )  # fmt: skip
+
+    engines = {f"paged, chunk {c}": engine(c) for c in chunks}
+    per = batch // G  # prompts per static batch
+
+    def run_static():
+        for b in range(0, N // G, per):
+            longest = int(lengths[b * G : (b + per) * G].max())
+            out = static.sample(params, ids[b : b + per], mask[b : b + per],
+                                spec.replace(max_new_tokens=longest), step=b)  # fmt: skip
+            block(out.tokens)
+
+    def run_paged(eng, mix=lengths, s=spec):
+        out = eng.sample(params, ids, mask, s, budgets=mix)
+        block(out.tokens)
+        assert (np.asarray(out.lengths) == mix).all()
+
+    useful = int(lengths.sum())
+    runs = {"static": run_static}
+    runs |= {name: (lambda e=e: run_paged(e)) for name, e in engines.items()}
+    for fn in runs.values():  # compile
+        fn()
+    times = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    rows = [
+        dict(engine=name, **{"median s": f"{statistics.median(t):.2f}",
+             "spread s": f"{min(t):.2f}-{max(t):.2f}",
+             "useful tok/s": f"{useful / statistics.median(t):.0f}"})
+        for name, t in times.items()
+    ]  # fmt: skip
+    print(table(rows, ["engine", "median s", "spread s", "useful tok/s"]))
+    for name, eng in engines.items():
+        ratios = [s / p for s, p in zip(times["static"], times[name], strict=True)]
+        pairs = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"{name} / static useful tokens/s: median {statistics.median(ratios):.2f}x "
+              f"(pairs: {pairs}); {eng.stats}")  # fmt: skip
+
+    rows = []
+    for scale in (int(x) for x in args.scales.split(",")):
+        new = args.new * scale
+        mix = lengths_mix(N, new, 2)
+        eng = engine()
+        s = spec.replace(max_new_tokens=new)
+        static_fits = batch * (bucket + new) <= kv_tokens
+        try:
+            run_paged(eng, mix, s)  # compile
+            t0 = time.perf_counter()
+            run_paged(eng, mix, s)
+            took, fits = time.perf_counter() - t0, "yes"
+        except (ValueError, RuntimeError) as e:
+            took, fits = float("nan"), f"no ({e})"
+        rows.append(dict(max_new_tokens=new, median=int(np.median(mix)), longest=int(mix.max()),
+                         static=("fits" if static_fits else
+                                 f"needs {batch * (bucket + new)} tokens"),
+                         paged=fits, preempted=eng.stats.get("preempted", ""),
+                         **{"peak pages": eng.stats.get("peak_pages", ""),
+                            "useful tok/s": f"{mix.sum() / took:.0f}"}))  # fmt: skip
+        print(f"max_new_tokens {new}: {rows[-1]}", flush=True)
+    print(f"KV budget {kv_tokens} tokens, {batch} slots:")
+    print(table(rows, ["max_new_tokens", "median", "longest", "static", "paged", "preempted",
+                       "peak pages", "useful tok/s"]))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""An OpenAI-compatible gateway over the policy: agents written against the `openai`
+client are trained through it (docs/agents.md).
+
+    agents = AgentRollout(config, tokenizer, sampler, spec, mesh)   # agent.entry
+    out, scored, versions = agents(params, batch, step)
+
+`server.Server` is the HTTP endpoint (aiohttp, localhost), `episodes.Episode` keeps one
+episode's exact tokens, `envs.tool_calls.parse_tool_calls` reads tool calls in the model's format.
+"""
+
+from jaxrl_llm.envs.tool_calls import ParsedCalls, parse_tool_calls
+from jaxrl_llm.gateway.episodes import Episode, group_rows
+
+__all__ = ["Episode", "ParsedCalls", "group_rows", "parse_tool_calls"]

@@ -1,0 +1,299 @@
+"""Agents as rollouts: each step runs the user's agent once per trajectory against the
+gateway, batches the episodes' pending requests into the sampler, and turns each episode
+into one trajectory.
+
+    agents = AgentRollout(config, tokenizer, sampler, spec, mesh)   # agent.entry
+    out, scored, versions = agents(params, batch, step)   # as `EnvRollout`: a player
+
+The batching: the trainer's thread waits for requests (`Server.requests`) until every
+episode still running has one pending, or `agent.batch_wait_s` passes with no new one
+(an agent busy with something else does not hold up the others), then samples all
+pending requests in one sampler call of fixed width (rollout.batch_size x G rows, padded
+with copies of a real row whose draws are dropped; more rows than that take more calls).
+`gateway/batch_mean` and `gateway/batch_max` are the requests per sampler call.
+
+Each request re-reads its episode's whole token record (a prefill of it): the static
+sampler keeps no cache between calls. The tokens are still exact (`episodes.Episode`).
+The request's `temperature` is not used: the gateway samples at `rollout.temperature`,
+the temperature the update's log-probs are taken at (`gateway/temperature_ignored`
+counts requests that asked for another).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+
+import jax
+import numpy as np
+
+from jaxrl_llm import parallel, sampling
+from jaxrl_llm.data import prompts as prompts_lib
+from jaxrl_llm.envs.render import Renderer
+from jaxrl_llm.envs.tool_calls import parse_tool_calls
+from jaxrl_llm.gateway import agents as agents_lib
+from jaxrl_llm.gateway.episodes import Episode, group_rows
+from jaxrl_llm.gateway.server import Server
+from jaxrl_llm.trainer import scoring
+from jaxrl_llm.verifiers import ScoreDetails
+
+MAX_N = 16  # choices per request
+
+
+class AgentRollout:
+    """The gateway, the agent and the batching of a run (`config.agent`)."""
+
+    def __init__(self, config, tokenizer, sampler, spec: sampling.RolloutSpec, mesh=None):
+        a, d = config.agent, config.data
+        self.config, self.tokenizer, self.sampler, self.mesh = config, tokenizer, sampler, mesh
+        self.spec = spec
+        self.turn_spec = dataclasses.replace(spec, num_generations=1)
+        self.agent = agents_lib.load(a.entry, dict(a.options))
+        has_chat = bool(getattr(tokenizer, "chat_template", None))
+        self.renderer = Renderer(tokenizer, has_chat and d.chat_template != "never",
+                                 d.system_prompt)  # fmt: skip
+        self.rows = config.rollout.batch_size * spec.num_generations
+        self.width, self.prompt_width = a.max_total_tokens, d.max_prompt_len
+        self.timeout_s, self.wait_s = a.timeout_s, a.batch_wait_s
+        self.server: Server | None = None
+        self.label = "agent"
+        self._tool_errors = 0  # malformed tool calls since the last rollout
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def __call__(self, params, batch, step: int, *, version: int | None = None, refresh=None):
+        """The agent run on each example of `batch`, G times, to the end -> (out on the
+        mesh, scored, the version that drew each completion token [N, T], -1 elsewhere)."""
+        if self.server is None:
+            self.server = Server()
+        G, version = self.spec.num_generations, step if version is None else version
+        examples = [ex for ex in batch.examples for _ in range(G)]
+        futures = self.server.run_episodes(self.agent, examples, self.timeout_s)
+        order = list(futures)
+        episodes = {e: Episode(self.renderer, self.spec.stop_ids) for e in order}
+        over = set()  # episodes refused for passing a limit
+        stats = {"requests": 0, "calls": 0, "batch_max": 0, "temperature_ignored": 0}
+        started = time.perf_counter()
+        while pending := self._gather(futures):
+            if refresh is not None:  # partial: the newest parameters for this call
+                params, version = refresh()
+            self._answer(pending, episodes, over, params, step, version, stats)
+        results = [futures[e].result() for e in order]
+        for e in order:
+            episodes[e].close()
+        seconds = time.perf_counter() - started
+        return self._rollout(order, episodes, results, over, batch, stats, seconds, version)
+
+    def _gather(self, futures) -> list:
+        """Pending requests: once every running episode has one, or after `batch_wait_s`
+        without a new one; [] when every episode has ended."""
+        pending, requests = [], self.server.requests
+        while True:
+            running = sum(not f.done() for f in futures.values())
+            if pending and len(pending) >= running:
+                return pending
+            if not running and requests.empty():
+                return pending
+            try:
+                pending.append(requests.get(timeout=self.wait_s if pending else 0.01))
+            except queue.Empty:
+                if pending:
+                    return pending
+
+    def _answer(self, pending, episodes, over, params, step, version, stats) -> None:
+        """Renders each request's context, samples them together, replies to each."""
+        rows, asks = [], []
+        for episode, body, reply in pending:
+            try:
+                ask = self._parse(body, episodes[episode], stats)
+            except ValueError as err:  # a malformed request: that request's error only
+                reply(400, _error(str(err)))
+                continue
+            ep = episodes[episode]
+            if len(ask["ids"]) - min(ep.prompt_len, self.prompt_width) + ask["max_tokens"] > (
+                self.width
+            ):
+                over.add(episode)
+                reply(400, _error(f"the episode passes agent.max_total_tokens={self.width}",
+                                  "context_length_exceeded"))  # fmt: skip
+                continue
+            asks.append((episode, body, reply, ask, len(rows)))
+            rows += [ask["ids"]] * ask["n"]
+        if not rows:
+            return
+        drawn = self._sample(params, rows, step, stats, version)
+        for episode, body, reply, ask, first in asks:
+            prefix = f"call_{episode}_{episodes[episode].turns}"
+            choices = [self._choice(ask, *drawn[first + k], version, f"{prefix}_{k}")
+                       for k in range(ask["n"])]  # fmt: skip
+            episodes[episode].record(body["messages"], [c[1:] for c in choices])
+            reply(200, _response(episode, episodes[episode].turns, [c[0] for c in choices],
+                                 len(ask["ids"])))  # fmt: skip
+        stats["requests"] += len(asks)
+
+    def _parse(self, body: dict, ep: Episode, stats) -> dict:
+        """The request's options, checked, and its context ids."""
+        n = body.get("n") or 1
+        if not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise ValueError(f"n={n!r}: expected an integer in [1, {MAX_N}]")
+        budget = self.spec.max_new_tokens
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or budget
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens!r}: expected an integer >= 1")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if body.get("stream"):
+            raise ValueError("stream=true: the gateway answers whole responses only")
+        temperature = body.get("temperature")
+        if temperature is not None and temperature != self.spec.temperature:
+            stats["temperature_ignored"] += 1
+        try:
+            ids = ep.context(body["messages"], body.get("tools"))
+        except Exception as err:  # a message the template or the renderer refuses
+            raise ValueError(f"messages: {type(err).__name__}: {err}"[:500]) from None
+        return {"ids": ids, "n": n, "max_tokens": min(max_tokens, budget), "stop": stop,
+                "tools": bool(body.get("tools"))}  # fmt: skip
+
+    def _sample(self, params, rows: list, step: int, stats, version: int) -> list:
+        """Each row's (drawn ids, log-probs, stopped), in calls of `self.rows` rows."""
+        drawn = []
+        for first in range(0, len(rows), self.rows):
+            chunk = rows[first : first + self.rows]
+            real = len(chunk)
+            chunk += [chunk[0]] * (self.rows - real)  # fixed width: one program
+            ids, mask = prompts_lib.collate(chunk, self.sampler.pad_id, 8, 0)
+            key = step * 1024 + stats["calls"] % 1024  # a fresh draw per call
+            out = self.sampler.sample(params, ids, mask, self.turn_spec, key, version=version)
+            tokens, lengths, logprobs, finish = (np.asarray(x) for x in parallel.local_rows(
+                (out.tokens, out.lengths, out.logprobs, out.finish), self.mesh))  # fmt: skip
+            for r in range(real):
+                n = int(lengths[r])
+                stopped = int(finish[r]) == sampling.FINISH_STOP
+                drawn.append((tokens[r, :n].tolist(), logprobs[r, :n].tolist(), stopped))
+            stats["calls"] += 1
+            stats["batch_max"] = max(stats["batch_max"], real)
+        return drawn
+
+    def _choice(self, ask: dict, ids: list, logprobs: list, stopped: bool, version: int,
+                call_ids: str):  # fmt: skip
+        """-> (the response's choice, assistant message, kept ids, log-probs, version).
+        max_tokens and stop strings cut the drawn tokens; the kept ones are the trajectory's."""
+        finish = "stop" if stopped else "length"
+        if len(ids) > ask["max_tokens"]:
+            ids, logprobs, finish = (
+                ids[: ask["max_tokens"]],
+                logprobs[: ask["max_tokens"]],
+                "length",
+            )
+        if ask["stop"]:
+            for k in range(1, len(ids) + 1):  # the first token that completes a stop string
+                text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+                if any(s in text for s in ask["stop"]):
+                    ids, logprobs, finish = ids[: k - 1], logprobs[: k - 1], "stop"
+                    break
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        message = {"role": "assistant", "content": text}
+        calls = parse_tool_calls(text, call_ids) if ask["tools"] else None
+        if calls is not None and calls.calls:
+            message = {"role": "assistant", "content": calls.content or None,
+                       "tool_calls": calls.calls}  # fmt: skip
+            finish = "tool_calls"
+        self._tool_errors += bool(calls is not None and calls.errors)
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        return choice, message, ids, logprobs, version
+
+    def _rollout(self, order, episodes, results, over, batch, stats, seconds, version):
+        """The episodes as the step's rows (prompt-major), with rewards and metrics."""
+        G = self.spec.num_generations
+        rewards = np.zeros(len(order), np.float32)
+        ends, errors = [], []
+        for i, (e, (reward, error, end)) in enumerate(zip(order, results, strict=True)):
+            if e in over:  # whatever the agent did with the refusal
+                end, error = "max_total_tokens", "the episode passed agent.max_total_tokens"
+            rewards[i] = reward if end == "done" else 0.0
+            ends.append(end)
+            errors.append(error)
+        width, pad = self.width, self.sampler.pad_id
+        parts = [group_rows([episodes[e] for e in order[g : g + G]], self.prompt_width, width,
+                            pad) for g in range(0, len(order), G)]  # fmt: skip
+        rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        versions = rows.pop("versions")
+        sampled = np.where(versions >= 0, versions, np.iinfo(np.int64).max).min(axis=1)
+        host = sampling.SampleOutput(
+            tokens=rows["tokens"], mask=rows["mask"], loss_mask=rows["loss_mask"],
+            logprobs=rows["logprobs"], lengths=rows["lengths"],
+            finish=np.full(len(order), sampling.FINISH_STOP, np.int32),
+            prompt_tokens=rows["prompt_tokens"], prompt_mask=rows["prompt_mask"],
+            policy_version=np.where(versions.max(axis=1) >= 0, sampled, version).astype(np.int32),
+            num_generations=G,
+        )  # fmt: skip
+        if self.mesh is None:  # no mesh: one device
+            with jax.transfer_guard("allow"):
+                out = jax.device_put(host)
+        else:
+            out = parallel.shard_local_batch(host, self.mesh)
+        decode = self.tokenizer.decode
+        completions = [decode(t[:n], skip_special_tokens=True)
+                       for t, n in zip(rows["tokens"], rows["lengths"], strict=True)]  # fmt: skip
+        prompts = [decode(p[m]) for p, m in zip(rows["prompt_tokens"], rows["prompt_mask"],
+                                                 strict=True)]  # fmt: skip
+        n = len(order)
+        metrics = self._metrics(stats, episodes, ends, rows["lengths"], seconds)
+        failed = [i for i, end in enumerate(ends) if end != "done"]
+        details = ScoreDetails(
+            per_verifier={self.label: rewards.astype(np.float64)}, weights={self.label: 1.0},
+            errors={self.label: ends.count("error") + ends.count("max_total_tokens")},
+            timeouts={self.label: ends.count("timeout")},
+            messages=[f"episode {i}: {errors[i]}" for i in failed[:8]],
+            failed={self.label: len(failed)}, num_samples=n,
+            first_error=f"agent episode {failed[0]}: {errors[failed[0]]}" if failed else None,
+            key="agent.entry", unit="episodes",
+            fix="fix the agent (its failures end their episodes with reward 0)",
+        )  # fmt: skip
+        scored = scoring.Scored(
+            rewards=rewards, metrics=metrics, completions=completions, prompts=prompts,
+            examples=[ex for ex in batch.examples for _ in range(G)],
+            lengths=rows["lengths"].astype(np.int64),
+            prompt_lengths=rows["prompt_mask"].sum(axis=1), details=details,
+        )  # fmt: skip
+        return out, scored, versions
+
+    def _metrics(self, stats, episodes, ends, lengths, seconds) -> dict:
+        """gateway/* counters of one rollout (docs/agents.md)."""
+        calls = max(stats["calls"], 1)
+        tool_errors, self._tool_errors = self._tool_errors, 0
+        return {
+            "gateway/requests": float(stats["requests"]),
+            "gateway/sampler_calls": float(stats["calls"]),
+            "gateway/batch_mean": stats["requests"] / calls,
+            "gateway/batch_max": float(stats["batch_max"]),
+            "gateway/retokenized": float(sum(ep.retokenized for ep in episodes.values())),
+            "gateway/temperature_ignored": float(stats["temperature_ignored"]),
+            "gateway/tool_call_errors": float(tool_errors),
+            "gateway/errors": float(ends.count("error")),
+            "gateway/timeouts": float(ends.count("timeout")),
+            "gateway/over_limit": float(ends.count("max_total_tokens")),
+            "gateway/turns_mean": float(np.mean([ep.turns for ep in episodes.values()])),
+            "gateway/seconds": seconds,
+            "rollout/length_mean": float(lengths.mean()),
+            "rollout/length_max": float(lengths.max()),
+        }
+
+
+def _response(episode: str, turn: int, choices: list, prompt_tokens: int) -> dict:
+    for k, choice in enumerate(choices):
+        choice["index"] = k
+    return {
+        "id": f"chatcmpl-{episode}-{turn}", "object": "chat.completion",
+        "created": int(time.time()), "model": "jaxrl-llm", "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                  "total_tokens": prompt_tokens},
+    }  # fmt: skip
+
+
+def _error(message: str, code: str = "invalid_request") -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "code": code}}

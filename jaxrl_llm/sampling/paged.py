@@ -1,0 +1,574 @@
+"""Continuous batching over a paged KV cache: the `paged` rollout engine.
+
+    engine = PagedSampler(model_cfg, mesh, seed=0, pad_id=pad, slots=32, pages=512)
+    out = engine.sample(params, prompt_ids, prompt_mask, spec, step)   # a SampleOutput
+
+The static `Sampler` decodes a dense batch: every row keeps its slot and its KV cache
+reservation (prompt + max_new_tokens) until the slowest row of the batch stops, and each
+of a prompt's G rows holds a copy of the prompt's keys and values. This engine instead:
+
+- keeps keys/values in a pool of fixed-size pages per layer (`Pages`: [L, pages,
+  page_size, K, H]); each sequence has a page table. Page 0 is the null page: writes of
+  masked tokens go there and it is never read unmasked. A prompt is prefilled once (in
+  chunks of `prefill_chunk` tokens, left-padded to a multiple of it, pages that hold only
+  padding mapped to the null page) and its pages are shared, read-only, by its G rows:
+  reference-counted, returned when the last of them ends. A row's own tokens go to pages
+  taken as it grows (before each decode chunk, for that chunk's steps) and returned when
+  it ends. A waiting row is admitted only when the pool keeps, besides its prefill and
+  first chunk, the pages the rows already in need for their next chunk.
+- decodes `slots` sequences at once in a `lax.while_loop` of `chunk_steps` steps on
+  device; between chunks the host returns the pages of finished rows, gives their slots
+  to the next waiting rows (prefilling their prompts, chunk by chunk) and takes pages for
+  the next chunk. When the pool runs short, the youngest rows are preempted: their pages
+  are returned and they wait again; a preempted row comes back with its prompt and tokens
+  so far prefilled (recompute) and draws on with the same keys.
+
+Attention reads each row's pages through a gather over its page table (the portable path:
+`models.forward_after_prefix` over the gathered keys/values, the model's own layer code,
+so every architecture the model supports runs here). Randomness: row n's t-th draw uses
+fold_in(fold_in(fold_in(key(seed), step), n), t), independent of which slot, chunk or
+neighbours it had; greedy (temperature 0) draws the static sampler's tokens. Log-probs
+are the static sampler's: log softmax(logits / temperature) of the drawn token.
+
+Results come back in request order as a `SampleOutput` (tokens, masks, log-probs, lengths,
+finish reasons, prompts at their bucket width, policy version), rows on the mesh like the
+static sampler's. A row whose prompt has no real token (a dummy row that makes the batch
+divide the mesh) draws nothing (length 0). Single-turn rollouts only (no `append` /
+`refresh`), on one process. The engine's small state (slots, page pool) is replicated
+over the mesh; the parameters are read in their own sharding.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm import models
+from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput
+from jaxrl_llm.sampling.sampler import Sampler
+from jaxrl_llm.sampling.sampling import sample_tokens
+from jaxrl_llm.sampling.spec import RolloutSpec
+
+NULL_PAGE = 0
+
+
+@struct.dataclass
+class Pages:
+    """The page pool of every layer: k, v [L, pages, page_size, K, H] (page 0: null)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
+def init_pages(cfg, pages: int, page_size: int, dtype=jnp.float32) -> Pages:
+    shape = (cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    return Pages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
+    """The keys/values of each sequence in slot order: table [B, M] page ids ->
+    (k, v) [L, B, M * page_size, K, H]."""
+    L, _, S, K, H = pages.k.shape
+    B, M = table.shape
+
+    def gather(pool):
+        return jnp.take(pool, table, axis=1).reshape(L, B, M * S, K, H)
+
+    return gather(pages.k), gather(pages.v)
+
+
+def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length):
+    """tokens [B, T] (mask [B, T]) after each sequence's slots [start, length) in its pages
+    -> (final-normed hidden [B, T, D], pages with the real tokens' keys/values written at
+    slots length .. length + T - 1). Masked tokens write to the null page."""
+    B, T = tokens.shape
+    k, v = gather_pages(pages, table)
+    slot = jnp.arange(k.shape[2])
+    before = (slot[None] >= start[:, None]) & (slot[None] < length[:, None])
+    hidden, (new_k, new_v) = models.forward_after_prefix(
+        cfg, params, tokens, mask, (k, v), before
+    )  # new_k, new_v [L, B, T, K, H]
+    index = length[:, None] + jnp.arange(T)[None]  # [B, T] slot of each token
+    M, S = table.shape[1], pages.page_size
+    page = jnp.take_along_axis(table, jnp.minimum(index // S, M - 1), axis=1)
+    page = jnp.where(mask, page, NULL_PAGE)
+    offset = index % S
+    pages = pages.replace(
+        k=pages.k.at[:, page, offset].set(new_k.astype(pages.k.dtype)),
+        v=pages.v.at[:, page, offset].set(new_v.astype(pages.v.dtype)),
+    )
+    return hidden, pages
+
+
+@struct.dataclass
+class Slots:
+    """The decode slots (device arrays [S] unless noted); the host fills and reads them
+    between chunks."""
+
+    table: jax.Array  # [S, M] int32 page ids
+    start: jax.Array  # first valid slot (padding before it)
+    length: jax.Array  # slots written (the next token's slot)
+    cap: jax.Array  # slots the sequence's pages hold
+    last: jax.Array  # the pending token (drawn, not yet in the cache)
+    fresh: jax.Array  # bool: nothing drawn yet; the first draw reads the prompt's logits
+    live: jax.Array  # bool: drawing
+    stopped: jax.Array  # bool: ended by a stop id
+    n: jax.Array  # tokens drawn by the row
+    budget: jax.Array  # the row's max_new_tokens
+    row: jax.Array  # the row's index in the request (its random key)
+    prompt: jax.Array  # the row's prompt index (which logits a fresh slot reads)
+    tokens: jax.Array  # [S, T] int32
+    logprobs: jax.Array  # [S, T] float32
+
+
+def _draw(key, rows, counts, logits, spec: RolloutSpec):
+    """One draw per slot with its own key: fold_in(fold_in(key, row), count)."""
+    keys = jax.vmap(lambda r, c: jax.random.fold_in(jax.random.fold_in(key, r), c))(rows, counts)
+
+    def one(k, lg):
+        tok, lp = sample_tokens(k, lg[None], spec.temperature, spec.top_k, spec.top_p)
+        return tok[0], lp[0]
+
+    return jax.vmap(one)(keys, logits)
+
+
+def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops, steps, spec):
+    """Up to `steps` decode steps of every slot (a slot steps while it is live and its
+    pages have room) -> (pages, slots). One step: the pending token of each slot goes
+    through the model (fresh slots: none, they read their prompt's logits), then every
+    live slot draws its next token."""
+    S, T = s.tokens.shape
+    every = jnp.arange(S)
+
+    def body(carry):
+        i, pages, s = carry
+        feed = s.live & ~s.fresh & (s.length < s.cap)
+        hidden, pages = forward_paged(
+            cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length
+        )
+        logits = models.project(cfg, params, hidden[:, 0])
+        logits = jnp.where(s.fresh[:, None], jnp.take(prompt_logits, s.prompt, axis=0), logits)
+        draw = s.live & (s.fresh | feed)
+        tok, lp = _draw(key, s.row, s.n, logits, spec)
+        col = jnp.minimum(s.n, T - 1)
+        put = lambda buf, x: buf.at[every, col].set(jnp.where(draw, x, buf[every, col]))  # noqa: E731
+        n = s.n + draw
+        hit = draw & jnp.isin(tok, stops)
+        s = s.replace(
+            length=s.length + feed,
+            last=jnp.where(draw, tok, s.last),
+            fresh=s.fresh & ~draw,
+            live=s.live & ~hit & ~(draw & (n >= s.budget)),
+            stopped=s.stopped | hit,
+            n=n,
+            tokens=put(s.tokens, tok),
+            logprobs=put(s.logprobs, lp),
+        )
+        return i + 1, pages, s
+
+    def more(carry):
+        i, _, s = carry
+        return (i < steps) & jnp.any(s.live & (s.fresh | (s.length < s.cap)))
+
+    _, pages, s = jax.lax.while_loop(more, body, (jnp.int32(0), pages, s))
+    return pages, s
+
+
+def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
+                  length):  # fmt: skip
+    """One chunk of one sequence's prompt (tokens, mask [1, C]) into its pages; the logits
+    after its last real token go to prompt_logits[index]."""
+    hidden, pages = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
+    logits = models.project(cfg, params, models.last_hidden(hidden, mask))
+    return pages, prompt_logits.at[index].set(logits[0])
+
+
+@dataclasses.dataclass
+class _Row:
+    """A row waiting for a slot: its request index, and the tokens / log-probs it drew
+    before it was preempted (none for a fresh row)."""
+
+    row: int
+    drawn: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+
+
+class PagedSampler:
+    """A continuous-batching engine with `Sampler.sample`'s interface (single-turn).
+
+    Args:
+      model_cfg, mesh, seed, pad_id, bucket_steps: as `Sampler` (prompts come out at
+        their bucket width, as the static sampler gives them).
+      slots: sequences decoded at once (0: the request's rows, B * G).
+      pages: KV pages in the pool, the null page included (0: as many tokens as the
+        static sampler's cache for the request, B * G * (bucket + max_new_tokens)).
+      page_size: tokens per page.
+      chunk_steps: decode steps per device loop between host checks.
+      prefill_chunk: prompt tokens per prefill program (a multiple of page_size).
+
+    `traces` counts compiled programs; `stats` holds the last call's counters (decode
+    chunks, prefills, preemptions, peak pages in use).
+    """
+
+    def __init__(self, model_cfg, mesh=None, *, seed=0, pad_id=0, bucket_steps=2, slots=0,
+                 pages=0, page_size=16, chunk_steps=16, prefill_chunk=32):  # fmt: skip
+        if page_size < 1 or prefill_chunk % page_size:
+            raise ValueError(
+                f"prefill_chunk={prefill_chunk}: must be a multiple of page_size={page_size}"
+            )
+        if chunk_steps < 1 or slots < 0 or pages < 0:
+            raise ValueError("chunk_steps must be >= 1, slots and pages >= 0")
+        self.cfg, self.mesh = model_cfg, mesh
+        self.seed, self.pad_id = int(seed), int(pad_id)
+        self.slots, self.pages, self.page_size = slots, pages, page_size
+        self.chunk_steps, self.prefill_chunk = chunk_steps, prefill_chunk
+        # Bucketing, id checks and the rows' sharding are the static sampler's.
+        self.static = Sampler(model_cfg, mesh, seed=seed, pad_id=pad_id, bucket_steps=bucket_steps)
+        self.traces: collections.Counter = collections.Counter()
+        self.stats: dict = {}
+        self._decode = jax.jit(self._decode_program, static_argnames=("steps", "spec"),
+                               donate_argnums=(1, 2))  # fmt: skip
+        self._prefill = jax.jit(self._prefill_program, donate_argnums=(1, 2))
+        # The pool is made on device (zeros from the host would be an implicit transfer).
+        where = None if mesh is None else NamedSharding(mesh, P())
+        self._pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3), out_shardings=where)
+
+    # ----------------------------------------------------------- Sampler's interface
+    @property
+    def row_sharding(self):
+        return self.static.row_sharding
+
+    def bucketed(self, prompt_ids, prompt_mask):
+        return self.static.bucketed(prompt_ids, prompt_mask)
+
+    def sample_program(self, params, prompt_ids, prompt_mask, spec, step=0, *, seed=None):
+        """A program of `sample`'s output shapes (start-up compiles what reads the rollout
+        ahead from it; the engine's own programs compile at its first call)."""
+        ids, mask = self.bucketed(prompt_ids, prompt_mask)
+        N, width, T = ids.shape[0] * spec.num_generations, ids.shape[1], spec.max_new_tokens
+        G = spec.num_generations
+        rows = {} if self.mesh is None else {"out_shardings": self.row_sharding}
+
+        def shapes():
+            z = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+            return SampleOutput(
+                tokens=z((N, T), jnp.int32), mask=z((N, T), bool), loss_mask=z((N, T), bool),
+                logprobs=z((N, T), jnp.float32), lengths=z((N,), jnp.int32),
+                finish=z((N,), jnp.int32), prompt_tokens=z((N, width), jnp.int32),
+                prompt_mask=z((N, width), bool), policy_version=z((N,), jnp.int32),
+                num_generations=G,
+            )  # fmt: skip
+
+        return jax.jit(shapes, **rows), (), {}
+
+    def sample(self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step=None, *,
+               version=0, seed=None, budgets=None) -> SampleOutput:  # fmt: skip
+        """G completions of each prompt (prompt-major rows, as `Sampler.sample`).
+        budgets: optional per-row max_new_tokens [B * G] (each <= spec.max_new_tokens)."""
+        if jax.process_count() > 1:
+            raise ValueError("the paged engine runs on one process (rollout.engine='static')")
+        ids, mask = self.bucketed(prompt_ids, prompt_mask)
+        limit = self.cfg.max_position_embeddings
+        if ids.shape[1] + spec.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt bucket + max_new_tokens ({ids.shape[1] + spec.max_new_tokens}) "
+                f"exceeds the model's max_position_embeddings {limit}"
+            )
+        for s in spec.stop_ids:
+            if not 0 <= s < self.cfg.vocab_size:
+                raise ValueError(f"stop_ids: {s} is outside the vocabulary")
+        B, width = ids.shape
+        G, T = spec.num_generations, spec.max_new_tokens
+        N = B * G
+        budgets = np.full(N, T, np.int64) if budgets is None else np.asarray(budgets, np.int64)
+        if budgets.shape != (N,) or budgets.min() < 1 or budgets.max() > T:
+            raise ValueError(f"budgets: expected [{N}] values in [1, {T}]")
+        seed = self.seed if seed is None else int(seed)
+        # (seed, step) go to the device as numbers and the key is made there: a key built
+        # on the host would be an implicit transfer (refused under the trainer's guard).
+        seed_step = self._put(np.array([seed, 0 if step is None else int(step)], np.uint32))
+        run = _Run(self, params, ids, mask, spec, budgets, seed_step)
+        drawn, logprobs, stopped = run.all()
+        self.stats = run.stats
+        return self._output(ids, mask, spec, drawn, logprobs, stopped, version)
+
+    def _output(self, ids, mask, spec, drawn, logprobs, stopped, version):
+        G, T = spec.num_generations, spec.max_new_tokens
+        N = ids.shape[0] * G
+        tokens = np.full((N, T), self.pad_id, np.int32)
+        lps = np.zeros((N, T), np.float32)
+        lengths = np.array([len(d) for d in drawn], np.int32)
+        for i in range(N):
+            tokens[i, : lengths[i]] = drawn[i]
+            lps[i, : lengths[i]] = logprobs[i]
+        real = np.arange(T)[None] < lengths[:, None]
+        out = SampleOutput(
+            tokens=tokens, mask=real, loss_mask=real, logprobs=lps, lengths=lengths,
+            finish=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32),
+            prompt_tokens=np.repeat(ids, G, axis=0), prompt_mask=np.repeat(mask, G, axis=0),
+            policy_version=np.full((N,), version, np.int32), num_generations=G,
+        )  # fmt: skip
+        sharding = self.row_sharding
+        return jax.tree.map(lambda x: jax.device_put(x, sharding), out)
+
+    # ----------------------------------------------------------------- device programs
+    def _decode_program(self, params, pages, slots, prompt_logits, seed_step, stops, *, steps,
+                        spec):  # fmt: skip
+        self.traces["decode", slots.tokens.shape, pages.k.shape] += 1
+        key = jax.random.fold_in(jax.random.key(seed_step[0]), seed_step[1])
+        return decode_chunk(self.cfg, params, pages, slots, prompt_logits, key, stops, steps,
+                            spec)  # fmt: skip
+
+    def _prefill_program(self, params, pages, prompt_logits, index, tokens, mask, table, start,
+                         length):  # fmt: skip
+        self.traces["prefill", tokens.shape, pages.k.shape] += 1
+        return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
+                             table, start, length)  # fmt: skip
+
+    def _put(self, tree):
+        """Host arrays -> device, replicated over the mesh (the engine's state is small
+        next to the parameters; the pages stay where the programs put them)."""
+        where = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.tree.map(lambda x: jax.device_put(x, where), tree)
+
+
+class _Run:
+    """One `PagedSampler.sample` call's host side: the queue, the page lists, the slots."""
+
+    def __init__(self, engine: PagedSampler, params, ids, mask, spec, budgets, seed_step):
+        self.e, self.params, self.spec, self.seed_step = engine, params, spec, seed_step
+        self.ids, self.mask, self.budgets = ids, mask, budgets
+        B, width = ids.shape
+        G, T, C, PS = (
+            spec.num_generations,
+            spec.max_new_tokens,
+            engine.prefill_chunk,
+            engine.page_size,
+        )
+        self.G, self.T, self.C, self.PS = G, T, C, PS
+        N = B * G
+        self.S = engine.slots or N
+        # The longest sequence: a resumed row's prompt + drawn tokens, padded to chunks.
+        longest = -(-(width + T) // C) * C + C
+        self.M = -(-longest // PS)
+        total = engine.pages or 1 + -(-N * (width + T) // PS)
+        if total < self.M + 1:
+            raise ValueError(
+                f"pages={total}: the pool must hold one whole sequence ({self.M} pages of "
+                f"{PS} tokens) besides the null page"
+            )
+        self.free = list(range(total - 1, 0, -1))  # page 0: the null page
+        self.lengths = mask.sum(axis=1)
+        self.prompt_pages: dict = {}  # prompt -> [pages, padded length, rows still to end]
+        # Rows without a real prompt token (dummy rows) draw nothing.
+        self.waiting = collections.deque(_Row(r) for r in range(N) if self.lengths[r // G])
+        self.owner: list = [None] * self.S  # slot -> (row, own pages, shared prompt or None)
+        self.order: list = []  # occupied slots, oldest first
+        self.drawn, self.logprobs = [[] for _ in range(N)], [[] for _ in range(N)]
+        self.stopped = np.zeros(N, bool)
+        self.stats = dict(decode_chunks=0, prefills=0, preempted=0, peak_pages=0)
+        z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+        S = self.S
+        self.host = dict(
+            table=z(S, self.M), start=z(S), length=z(S), cap=z(S), last=z(S),
+            fresh=z(S, dtype=bool), live=z(S, dtype=bool), stopped=z(S, dtype=bool), n=z(S),
+            budget=z(S), row=z(S), prompt=z(S), tokens=z(S, T), logprobs=z(S, T, dtype=np.float32),
+        )  # fmt: skip
+        e = engine
+        dtype = params["embed"].dtype
+        self.pages = e._pool(e.cfg, total, PS, dtype)  # noqa: SLF001
+        self.prompt_logits = e._put(np.zeros((B + 1, e.cfg.vocab_size), np.float32))  # noqa: SLF001
+        self.scratch = B  # prompt_logits row of a resumed row's prefill (not read)
+        self.stops = e._put(np.asarray(spec.stop_ids or (-1,), np.int32))  # noqa: SLF001
+
+    # ------------------------------------------------------------------------ pages
+    def _take(self, count: int) -> list:
+        return [self.free.pop() for _ in range(count)]
+
+    def _width(self, pages: int) -> int:
+        """Page-table columns a program reads: a power of two >= pages, at most M."""
+        return min(self.M, 1 << max(1, pages - 1).bit_length())
+
+    def _in_use(self) -> int:
+        return self.pages.k.shape[1] - 1 - len(self.free)
+
+    def _prefill(self, tokens: np.ndarray, index: int) -> tuple[list, int, int] | None:
+        """Prefills a sequence (real token ids) into new pages -> (pages, padded length,
+        start), or None when the pool lacks the pages."""
+        C, PS = self.C, self.PS
+        p = len(tokens)
+        padded = -(-p // C) * C
+        start = padded - p
+        first = start // PS  # pages before it hold only padding: the null page
+        count = padded // PS - first
+        if count > len(self.free):
+            return None
+        pages = [NULL_PAGE] * first + self._take(count)
+        table = np.zeros((1, self._width(len(pages))), np.int32)
+        table[0, : len(pages)] = pages
+        seq = np.full(padded, self.e.pad_id, np.int32)
+        seq[start:] = tokens
+        real = np.arange(padded) >= start
+        e = self.e
+        put = e._put  # noqa: SLF001
+        for c in range(start // C, padded // C):
+            cut = slice(c * C, (c + 1) * C)
+            self.pages, self.prompt_logits = e._prefill(  # noqa: SLF001
+                self.params, self.pages, self.prompt_logits, put(np.int32(index)),
+                *put((seq[None, cut], real[None, cut], table, np.array([start], np.int32),
+                      np.array([c * C], np.int32))),
+            )  # fmt: skip
+        self.stats["prefills"] += 1
+        return pages, padded, start
+
+    # ------------------------------------------------------------------------ slots
+    def _admit(self) -> None:
+        """Fills free slots with waiting rows while the pool has pages for them."""
+        h = self.host
+        while self.waiting and None in self.owner:
+            s = self.owner.index(None)
+            item = self.waiting[0]
+            b = item.row // self.G
+            real = self.ids[b][self.mask[b]]
+            # Admitted only with pages for its prefill and first chunk left over after the
+            # next chunk of the rows already in: a row taken in only to be preempted at
+            # once would cost a prefill for nothing.
+            fresh_prompt = not item.drawn and b not in self.prompt_pages
+            cost = self._pages_of(len(real) + len(item.drawn)) if item.drawn or fresh_prompt else 0
+            cost += -(-self.e.chunk_steps // self.PS) + 1
+            reserve = sum(self._need(t) for t in self.order)
+            if self.order and cost + reserve > len(self.free):
+                return
+            if item.drawn:  # preempted: its prompt and tokens so far, recomputed
+                got = self._prefill(np.concatenate([real, item.drawn[:-1]]), self.scratch)
+                if got is None:
+                    return
+                own, padded, start = got
+                shared = None
+            else:
+                if b not in self.prompt_pages:
+                    got = self._prefill(real, b)
+                    if got is None:
+                        return
+                    self.prompt_pages[b] = [got[0], got[1], got[2], self.G]
+                pages, padded, start, _ = self.prompt_pages[b]
+                own, shared = list(pages), b
+            self.waiting.popleft()
+            n = len(item.drawn)
+            h["table"][s] = 0
+            h["table"][s, : len(own)] = own
+            h["start"][s], h["length"][s], h["cap"][s] = start, padded, padded
+            h["last"][s] = item.drawn[-1] if n else self.e.pad_id
+            h["fresh"][s], h["live"][s], h["stopped"][s] = n == 0, True, False
+            h["n"][s], h["budget"][s], h["row"][s], h["prompt"][s] = (
+                n, self.budgets[item.row], item.row, b,
+            )  # fmt: skip
+            h["tokens"][s] = self.e.pad_id
+            h["tokens"][s, :n] = item.drawn
+            h["logprobs"][s] = 0
+            h["logprobs"][s, :n] = item.logprobs
+            mine = [] if shared is not None else own
+            self.owner[s] = (item.row, mine, shared, len(own))
+            self.order.append(s)
+
+    def _release(self, s: int) -> None:
+        row, mine, shared, _ = self.owner[s]
+        self.free.extend(p for p in mine if p != NULL_PAGE)
+        if shared is not None:
+            entry = self.prompt_pages[shared]
+            entry[3] -= 1
+            if entry[3] == 0:
+                self.free.extend(p for p in entry[0] if p != NULL_PAGE)
+                del self.prompt_pages[shared]
+        self.owner[s] = None
+        self.order.remove(s)
+        self.host["live"][s] = False
+
+    def _preempt(self, s: int) -> None:
+        h = self.host
+        row, n = self.owner[s][0], int(h["n"][s])
+        item = _Row(row, list(h["tokens"][s, :n]), list(h["logprobs"][s, :n]))
+        if n == 0 and self.owner[s][2] is not None:
+            self.prompt_pages[self.owner[s][2]][3] += 1  # it comes back to the same prompt
+        self._release(s)
+        self.waiting.appendleft(item)
+        self.stats["preempted"] += 1
+
+    def _pages_of(self, tokens: int) -> int:
+        """Pages a prefill of `tokens` tokens takes (those of padding only are null)."""
+        padded = -(-tokens // self.C) * self.C
+        return padded // self.PS - (padded - tokens) // self.PS
+
+    def _need(self, s: int) -> int:
+        """Pages slot s lacks for its next chunk of steps."""
+        h = self.host
+        end = int(h["length"][s]) + int(h["budget"][s]) - int(h["n"][s])
+        want = min(int(h["length"][s]) + self.e.chunk_steps, end)
+        return max(0, -(-want // self.PS) - self.owner[s][3])
+
+    def _grow(self) -> None:
+        """Pages for the next chunk of every live slot, oldest first; the youngest are
+        preempted when the pool runs short, so the oldest always advances."""
+        h, PS = self.host, self.PS
+        for s in list(self.order):
+            if self.owner[s] is None:
+                continue
+            row, mine, shared, held = self.owner[s]
+            need = self._need(s)
+            while need > len(self.free) and self.order[-1] != s:
+                self._preempt(self.order[-1])
+            got = min(need, len(self.free))
+            new = self._take(got)
+            h["table"][s, held : held + got] = new
+            mine.extend(new)
+            self.owner[s] = (row, mine, shared, held + got)
+            h["cap"][s] = (held + got) * PS
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self._in_use())
+
+    def all(self):
+        e, h = self.e, self.host
+        names = [f.name for f in dataclasses.fields(Slots)]
+        while self.waiting or self.order:
+            self._admit()
+            self._grow()
+            if not self.order:
+                raise RuntimeError("paged engine: no sequence fits the page pool")
+            # The table is cut to the most pages any slot holds (a power of two: a few
+            # programs), so a step gathers about as many slots as are filled.
+            held = max(self.owner[s][3] for s in self.order)
+            cut = dict(h, table=h["table"][:, : self._width(held)])
+            slots = e._put(Slots(**{k: cut[k] for k in names}))  # noqa: SLF001
+            self.pages, slots = e._decode(  # noqa: SLF001
+                self.params,
+                self.pages,
+                slots,
+                self.prompt_logits,
+                self.seed_step,
+                self.stops,
+                steps=e.chunk_steps,
+                spec=self.spec,
+            )
+            self.stats["decode_chunks"] += 1
+            got = jax.device_get(slots)
+            table = h["table"]
+            self.host = h = {k: np.array(getattr(got, k)) for k in names}
+            h["table"] = table
+            for s in list(self.order):
+                if not h["live"][s]:
+                    row, n = self.owner[s][0], int(h["n"][s])
+                    self.drawn[row] = h["tokens"][s, :n].tolist()
+                    self.logprobs[row] = h["logprobs"][s, :n].tolist()
+                    self.stopped[row] = bool(h["stopped"][s])
+                    self._release(s)
+        return self.drawn, self.logprobs, self.stopped

@@ -1,0 +1,81 @@
+"""Judge reward entries on the mesh: a model, its tokenizer and its own `Sampler`.
+
+    judges = make_judges(specs, mesh, dtype="float32", seed=0)   # one per `judge` entry
+    scores, errors = judges[0](completions, examples, prompts, step)
+
+Each call renders the entry's template for every completion of this process
+(`verifiers.judge.render`), samples every verdict in ONE batched sampler call (greedy by
+default; `calls` counts them), decodes this process's rows and parses each verdict into a
+number (`verifiers.judge.parse_verdict`). An unparsable verdict scores 0 and is returned
+as an error `(row, message)`; `scoring.Scorer` counts it like a verifier's error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models, parallel, sampling
+from jaxrl_llm.data import prompts as prompts_lib
+from jaxrl_llm.verifiers import judge as judge_lib
+
+
+class Judge:
+    """One judge entry: its model, tokenizer and sampler on `mesh`.
+
+    Args:
+      spec: the entry (`verifiers.VerifierSpec` with name `judge`).
+      mesh: the mesh it generates on (the training mesh).
+      dtype: its params' dtype (model.dtype).
+      seed: its sampler's seed (matters only with temperature > 0).
+    """
+
+    def __init__(self, spec, mesh, dtype: str = "float32", seed: int = 0):
+        o = self.options = dict(spec.options)
+        self.label, self.mesh = spec.label, mesh
+        key = f"rewards.{spec.label}.options.model"
+        path = config_lib.resolve_model_path(o["model"], key)
+        self.tokenizer = models.builtin.load_tokenizer(path, key)
+        self.model_cfg, self.params = models.builtin.load_model(path, mesh, dtype)
+        self.pad = prompts_lib.pad_id(self.tokenizer)
+        self.sampler = sampling.Sampler(self.model_cfg, mesh, seed=seed, pad_id=self.pad)
+        eos = self.tokenizer.eos_token_id
+        self.spec = sampling.RolloutSpec(
+            num_generations=1,
+            max_new_tokens=int(o.get("max_new_tokens", 16)),
+            temperature=float(o.get("temperature", 0.0)),
+            stop_ids=() if eos is None else (int(eos),),
+        )
+        self.template = o.get("template", "{question}\n{completion}\n")
+        self.parser = o.get("parser", "number")
+        self.calls = 0  # batched sampler calls so far (one per scoring of a step)
+
+    def __call__(self, completions, examples, prompts, step: int = 0):
+        """This process's completions -> (scores [n] float64, errors [(row, message)])."""
+        texts = [
+            judge_lib.render(self.template, c, ex, p, self.options)
+            for c, ex, p in zip(completions, examples, prompts, strict=True)
+        ]
+        ids = [self.tokenizer(t)["input_ids"] for t in texts]
+        prompt_ids, prompt_mask = sampling.pad_prompts(ids, self.pad)
+        out = self.sampler.sample(self.params, prompt_ids, prompt_mask, self.spec, step)
+        self.calls += 1
+        tokens, lengths = (
+            np.asarray(x) for x in parallel.local_rows((out.tokens, out.lengths), self.mesh)
+        )
+        verdicts = self.tokenizer.batch_decode(
+            [row[:n] for row, n in zip(tokens, lengths, strict=True)], skip_special_tokens=True
+        )
+        scores, errors = np.zeros(len(verdicts)), []
+        for i, text in enumerate(verdicts):
+            try:
+                scores[i] = judge_lib.parse_verdict(text, self.parser)
+            except ValueError as err:
+                errors.append((i, str(err)))
+        self.last_verdicts = verdicts
+        return scores, errors
+
+
+def make_judges(specs, mesh, dtype: str = "float32", seed: int = 0) -> list[Judge]:
+    """A `Judge` for every judge entry of `specs`, in order."""
+    return [Judge(s, mesh, dtype, seed) for s in specs if judge_lib.is_judge(s)]

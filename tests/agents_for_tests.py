@@ -1,0 +1,35 @@
+"""Agents the gateway tests name as `tests/agents_for_tests.py:function`. They are
+written against the `openai` client only: nothing here imports jaxrl_llm."""
+
+import asyncio
+
+import openai
+
+
+async def two_turns(client: openai.AsyncOpenAI, example, rewrite: bool = False) -> float:
+    """Asks the row's question, says "again" after the answer, returns 1 when the second
+    answer starts with a digit. With `rewrite` (or the row's `rewrite`), a third request
+    drops the first answer from the history (a rewrite the gateway must detect)."""
+    messages = [{"role": "user", "content": example["question"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "7"}]  # fmt: skip
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    answer = second.choices[0].message.content
+    if rewrite or example.get("rewrite"):
+        messages = [messages[0], {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="policy", messages=messages)
+    if example.get("fail"):
+        raise RuntimeError("the agent gave up")
+    return float(answer[:1].isdigit())
+
+
+async def many(client: openai.AsyncOpenAI, example) -> float:
+    """Two requests, a short pause between them."""
+    messages = [{"role": "user", "content": example["question"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    await asyncio.sleep(0.01)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "="}]  # fmt: skip
+    await client.chat.completions.create(model="policy", messages=messages, temperature=0.7)
+    return 1.0

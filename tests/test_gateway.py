@@ -1,0 +1,221 @@
+"""The OpenAI-compatible gateway: agents written against the `openai` client only
+(tests/agents_for_tests.py) trained through it. Exact tokens against a reference loop
+that re-prefills the conversation with HF `generate` every turn; loss masks; history
+rewrites counted; 64 concurrent episodes batched; failures cost their episode only;
+tool calls in the model's formats."""
+
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import hf_model
+from tiny_run import TOKENIZER, make_model_dir, tiny_config
+
+from jaxrl_llm import envs, models, rl, sampling, train
+from jaxrl_llm.gateway import parse_tool_calls
+from jaxrl_llm.gateway.rollout import AgentRollout
+from jaxrl_llm.models import builtin
+from jaxrl_llm.trainer import metrics
+
+AGENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agents_for_tests.py")
+STOPS = (18, 22, 23, 25)  # "=" "." "," " ": the tiny model stops on some turns
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return builtin.load_tokenizer(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = hf_model("qwen3", seed=3, vocab_size=33)
+    d = tmp_path_factory.mktemp("qwen3")
+    model.save_pretrained(d)
+    return (model, *models.load_hf(d))
+
+
+def agent_rollout(cfg, tok, entry: str, batch_size: int, G: int, wait_s: float = 1.0):
+    c = tiny_config("unused")
+    c.agent.entry, c.agent.max_total_tokens, c.agent.batch_wait_s = entry, 40, wait_s
+    c.rollout.batch_size, c.data.max_prompt_len = batch_size, 16
+    spec = sampling.RolloutSpec(G, 5, 0.0, stop_ids=STOPS)
+    sampler = sampling.Sampler(cfg, None, seed=5, cache_segments=1)
+    return AgentRollout(c, tok, sampler, spec), spec
+
+
+def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5) -> list[int]:
+    """The reference loop: each request's conversation re-read from scratch by HF
+    `generate` (greedy), its tokens built as the gateway's docs say -> the trajectory
+    (prompt included)."""
+    renderer = envs.Renderer(tok, use_chat=False)
+    model.generation_config.eos_token_id = None
+
+    def generate(seq):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=budget, do_sample=False,
+                                 eos_token_id=list(STOPS), pad_token_id=0)  # fmt: skip
+        return out[0, len(seq) :].tolist()
+
+    seq = renderer.prompt([{"role": "user", "content": question}])
+    first = generate(seq)
+    seq += first + renderer.turn([{"role": "user", "content": "7"}])
+    seq += generate(seq)
+    if rewrite:  # the history the agent sent, rendered anew, then the model's answer
+        seq = renderer.prompt([{"role": "user", "content": question},
+                               {"role": "user", "content": "again"}])  # fmt: skip
+        seq += generate(seq)
+    return seq
+
+
+def test_agent_episodes_keep_the_tokens_the_model_produced(tiny, tok):
+    """Two greedy episodes per question through the HTTP gateway: each trajectory (shared
+    prompt + completion) equals the reference loop's tokens; model tokens have loss mask
+    1 and the sampler's log-probs (equal to a teacher-forced forward), the user turns
+    between them loss mask 0; the rewriting episodes are counted and trained on their
+    last segment; the failing ones (an agent that raises, a request past
+    agent.max_total_tokens) score 0 and are counted."""
+    model, cfg, params = tiny
+    agents, spec = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=4, G=2)
+    examples = [{"question": "1+2="}, {"question": "12*3=", "rewrite": True},
+                {"question": "7-4=", "fail": True}, {"question": "1" * 60}]  # fmt: skip
+    try:
+        out, scored, versions = agents(params, types.SimpleNamespace(examples=examples), 3)
+    finally:
+        agents.close()
+    tokens, mask, loss_mask, logprobs, lengths, prompt, prompt_mask = (np.asarray(x) for x in (
+        out.tokens, out.mask, out.loss_mask, out.logprobs, out.lengths, out.prompt_tokens,
+        out.prompt_mask))  # fmt: skip
+    for i, ex in enumerate(examples[:3]):
+        reference = hf_turns(model, tok, ex["question"], bool(ex.get("rewrite")))
+        for row in (2 * i, 2 * i + 1):
+            got = prompt[row][prompt_mask[row]].tolist() + tokens[row, : lengths[row]].tolist()
+            assert got == reference, (row, got, reference)
+    # Loss mask: exactly the drawn tokens; the "7" turn between them is not trained on.
+    assert (versions >= 0).tolist() == loss_mask.tolist() and (versions[loss_mask] == 3).all()
+    assert not (loss_mask & ~mask).any() and (~loss_mask & mask).any()
+    forced = np.asarray(rl.make_logprob_fn(cfg, spec, chunk_size=8)(params, out))
+    np.testing.assert_allclose(forced[loss_mask], logprobs[loss_mask], atol=1e-4)
+    assert not logprobs[~loss_mask].any()
+    m = scored.metrics
+    assert m["gateway/retokenized"] == 2.0 and m["gateway/errors"] == 2.0
+    assert m["gateway/over_limit"] == 2.0 and not loss_mask[6:].any()
+    assert scored.rewards[4:].tolist() == [0.0] * 4
+    assert scored.details.first_error.startswith("agent episode 4: RuntimeError")
+    assert m["gateway/requests"] == 2 * 2 + 2 * 3 + 2 * 2  # the refused ones not counted
+    assert np.asarray(out.policy_version).tolist() == [3] * 8
+
+
+def test_64_concurrent_episodes_are_batched(tiny, tok):
+    """64 episodes of two requests each: the sampler sees two calls of 64 requests, not
+    one request at a time; a request's temperature is counted as ignored."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:many", batch_size=32, G=2)
+    examples = [{"question": f"{i % 10}+{i // 10}="} for i in range(32)]
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=examples), 0)
+    finally:
+        agents.close()
+    m = scored.metrics
+    assert m["gateway/requests"] == 128 and m["gateway/sampler_calls"] == 2
+    assert m["gateway/batch_max"] == 64 and m["gateway/batch_mean"] == 64
+    assert m["gateway/temperature_ignored"] == 64 and scored.rewards.tolist() == [1.0] * 64
+
+
+def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):
+    """Two GRPO steps in rollout.mode='overlap' whose rollouts are the agent's episodes
+    (played by the rollout thread): rewards from the agent, gateway metrics logged, a
+    finite loss, staleness within 1."""
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards, c.rollout.mode = {}, "overlap"
+    c.rollout.batch_size, c.rollout.num_generations, c.rollout.max_new_tokens = 4, 2, 4
+    c.agent.entry, c.agent.max_total_tokens = f"{AGENTS}:two_turns", 24
+    c.rollout.cache_segments, c.model.scan_layers = 1, True
+    c.algo.beta = 0.0
+    c.train.log_every = 1
+    train.train(c, str(tmp_path / "run"))
+    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["gateway/requests"] == 16 and r["gateway/sampler_calls"] >= 2
+        assert np.isfinite(r["loss/total"]) and r["gateway/errors"] == 0
+        assert r["rollout/staleness_max"] <= 1
+
+
+def test_tool_calls_in_the_model_formats():
+    """Hermes / Qwen `<tool_call>` blocks and a Llama 3.1 JSON turn become OpenAI
+    tool_calls; malformed ones stay in the content and are counted."""
+    hermes = parse_tool_calls('Let me add.<tool_call>\n{"name": "add", "arguments": '
+                              '{"a": 1, "b": 2}}\n</tool_call>', "c")  # fmt: skip
+    assert hermes.content == "Let me add." and hermes.errors == 0
+    call = {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert hermes.calls == [{"id": "c_0", "type": "function", "function": call}]
+    llama = parse_tool_calls('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}')
+    assert llama.content == "" and llama.calls[0]["function"]["arguments"] == '{"x": "y"}'
+    bad = parse_tool_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call> and '
+                           "<tool_call>{oops</tool_call>")  # fmt: skip
+    assert bad.calls == [] and bad.errors == 2 and "{oops" in bad.content
+    assert parse_tool_calls("just text").calls == []
+
+
+def test_tools_render_through_the_chat_template(tok):
+    """A request's `tools` reach the chat template (`tools=`); the message contents are
+    tokenized as text, the template's markers as its own."""
+    saved = tok.chat_template
+    tok.chat_template = (
+        "{% if tools %}{% for t in tools %}{{ t.function.name }}+{% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m.content }}={% endfor %}"
+    )
+    try:
+        chat = envs.Renderer(tok, use_chat=True)
+        tools = [{"type": "function", "function": {"name": "12", "parameters": {}}}]
+        with_tools = chat.prompt([{"role": "user", "content": "3+4"}], tools=tools)
+        without = chat.prompt([{"role": "user", "content": "3+4"}])
+    finally:
+        tok.chat_template = saved
+    assert tok.decode(with_tools) == "12+3+4=" and tok.decode(without) == "3+4="
+
+
+@pytest.mark.parametrize(
+    "entry, options, message",
+    [
+        ("missing_file.py:run", {}, "agent.entry: agent 'missing_file.py:run'"),
+        (f"{AGENTS}:openai", {}, "is not an async function"),
+        (f"{AGENTS}:two_turns", {"tries": 2}, "agent.options"),
+    ],
+)
+def test_bad_agent_names_are_one_line(tmp_path_factory, entry, options, message):
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path_factory.mktemp("model"))))
+    c.rewards, c.agent.entry, c.agent.options = {}, entry, options
+    with pytest.raises(ConfigError) as err:
+        validate(c, 8)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+class Adder(envs.ToolEnv):
+    """An environment with one tool; the answer 3 wins."""
+
+    tools = {"add": lambda a, b: a + b}
+
+    def answer(self, text):
+        return float(text.strip() == "3")
+
+
+def test_env_tools_are_called_in_the_model_format():
+    """ToolEnv: well-formed calls run and answer tool messages; a malformed call is an
+    error observation, counted; a turn without a call is the final answer."""
+    env = Adder()
+    step = env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert step.observation == [{"role": "tool", "content": "3"}] and not step.done
+    assert step.info == {"tool_calls": 1.0}
+    step = env.step('<tool_call>{"name": "mul", "arguments": {}}</tool_call>')
+    assert step.observation[0]["content"].startswith("error: no tool 'mul'")
+    step = env.step("<tool_call>{add(1, 2)}</tool_call>")
+    assert step.observation.startswith("error: 1 malformed") and step.info["tool_errors"] == 1
+    step = env.step("3")
+    assert step.done and step.reward == 1.0

@@ -1,0 +1,120 @@
+"""Environment hubs with the real PyPI packages: reasoning-gym tasks as a data source
+with their own scorers, TextArena single-player games as environments. Each against the
+package itself, two training steps each, and bad names as one line."""
+
+import numpy as np
+import pytest
+from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
+
+from jaxrl_llm import envs, models, train
+from jaxrl_llm.config import ConfigError, validate
+from jaxrl_llm.data import reasoning_gym as rg_source
+from jaxrl_llm.trainer import metrics
+
+rg = pytest.importorskip("reasoning_gym")
+ta = pytest.importorskip("textarena")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+def small(c):
+    """2 steps of 4 prompts x 2, short turns, no reference: cheap programs."""
+    c.rollout.batch_size, c.rollout.num_generations, c.rollout.max_new_tokens = 4, 2, 4
+    c.rollout.cache_segments, c.model.scan_layers, c.algo.beta = 1, True, 0.0
+    c.train.log_every = 1
+    return c
+
+
+def test_reasoning_gym_rows_and_scores_are_the_packages():
+    """Row i of a split is the package's generator at (split seed, i); the score is the
+    task's own scorer on the text inside <answer> tags."""
+    source = rg_source.ReasoningGymSource("reasoning_gym/basic_arithmetic", "train")
+    reference = rg.create_dataset("basic_arithmetic", size=rg_source.ROWS, seed=1)
+    for i in (0, 7, 99_999):
+        row, entry = source[i], reference[i]
+        assert row["question"] == entry["question"] and row["answer"] == str(entry["answer"])
+        assert rg_source.score(f"so <answer>{entry['answer']}</answer>", row) == 1.0
+        assert rg_source.score("<answer>nope</answer>", row) == reference.score_answer(
+            answer="nope", entry=entry
+        )
+    test = rg_source.ReasoningGymSource("reasoning_gym/basic_arithmetic", "test")
+    assert [test[i]["question"] for i in range(5)] != [source[i]["question"] for i in range(5)]
+
+
+def test_reasoning_gym_task_trains_two_steps(model_dir, tmp_path):
+    c = small(tiny_config(model_dir))
+    c.data.name, c.data.max_prompt_len = "reasoning_gym/basic_arithmetic", 48
+    c.data.template = "{question}"  # short prompts (the default asks for <answer> tags)
+    c.data.skip_bad_rows = True
+    c.rewards = {"reasoning_gym": 1.0}
+    train.train(c, str(tmp_path / "run"))
+    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert len(rows) == 2 and all(np.isfinite(r["loss/total"]) for r in rows)
+    assert all("reward/reasoning_gym" in r for r in rows)
+
+
+def test_textarena_game_plays_like_the_package():
+    """Through the pool (worker processes, state pickled between calls), a game's
+    observations and final reward equal the package's own base game played with the same
+    seed and moves."""
+    moves = [f"I guess [{g}]" for g in (10, 5, 15, 3, 17, 8, 12, 1, 20, 2)]
+    with envs.EnvPool("textarena/GuessTheNumber-v0", workers=1) as pool:
+        trajs, observations = pool.reset([{"seed": 11}])
+        got, reward = [observations[0]], None
+        for move in moves:
+            obs = pool.step(trajs, {0: move})
+            if not trajs[0].live:
+                reward = trajs[0].rewards[-1]
+                break
+            got.append(obs[0])
+    game = ta.make("GuessTheNumber-v0")
+    while isinstance(game, ta.core.Wrapper):
+        game = game.env
+    game.reset(num_players=1, seed=11)
+    expected = [game.get_observation()[1][0][1].strip()]
+    for move in moves:
+        done, _ = game.step(move)
+        if done:
+            assert reward == float(game.close()[0][0])
+            break
+        expected.append(game.get_observation()[1][-1][1].strip())
+    assert got == expected and reward is not None
+
+
+def test_textarena_game_trains_two_steps(tmp_path):
+    """The game's opening text is ~450 characters: a tiny model with a longer context."""
+    cfg = tiny_model_config(vocab_size=33, tie_word_embeddings=True, max_position_embeddings=1024)
+    models.save_hf(
+        cfg, models.init_params(cfg, seed=0), str(tmp_path / "m"), tokenizer_dir=TOKENIZER
+    )
+    c = small(tiny_config(str(tmp_path / "m")))
+    c.rewards, c.data.max_prompt_len = {}, 512
+    c.env.name, c.env.max_turns, c.env.max_total_tokens = "textarena/GuessTheNumber-v0", 2, 64
+    c.env.workers = 1
+    train.train(c, str(tmp_path / "run"))
+    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert len(rows) == 2 and all(np.isfinite(r["loss/total"]) for r in rows)
+    assert all(r["env/errors"] == 0 and r["env/turns_mean"] >= 1 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("data", "name", "reasoning_gym/basic_arithmatic", "did you mean basic_arithmetic"),
+        ("data", "split", "validation", "data.split='validation'"),
+        ("env", "name", "textarena/GuessTheNumbr-v0", "did you mean GuessTheNumber-v0"),
+    ],
+)
+def test_bad_hub_names_are_one_line(model_dir, section, key, value, message):
+    c = tiny_config(model_dir)
+    if section == "data":
+        c.data.name = "reasoning_gym/basic_arithmetic"
+    else:
+        c.rewards = {}
+    c[section][key] = value
+    with pytest.raises(ConfigError) as err:
+        validate(c, 8)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
