@@ -362,3 +362,16 @@ def test_fit_routes_moves_the_columns_with_the_tokens():
     assert (wide[:, 0] == -1).all() and (wide[:, 5] == -1).all()
     cut = np.asarray(sampling.fit_routes(routes, 2, 2, 1))
     np.testing.assert_array_equal(cut, np.asarray(routes)[:, :3])
+
+
+def test_paged_engine_with_routing_replay_is_refused(tmp_path):
+    """The paged engine records no routes: replay asks for the static sampler."""
+    from tiny_run import tiny_config
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import checks
+
+    c = tiny_config(str(tmp_path))
+    c.rollout.engine, c.algo.routing_replay = "paged", "rollout"
+    with pytest.raises(config_lib.ConfigError, match="algo.routing_replay='rollout' needs"):
+        checks.check_engine(c, 1)
