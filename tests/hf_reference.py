@@ -29,6 +29,18 @@ ARCHS = {
         transformers.MistralForCausalLM,
         {"sliding_window": None},
     ),
+    # 8 experts of width 32, each token through 2 of them (renormalised weights).
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),
     # 3 layers: sliding, sliding, global (the 270M model's pattern is 5 + 1); a window of 4
     # tokens so the tests' sequences run past it; each layer kind its own RoPE base.
     "gemma3": (

@@ -144,7 +144,7 @@ def test_partial_rollouts_in_too_many_chunks_are_refused(base):
     [
         (
             lambda c: setattr(c.rollout, "batch_size", 6),
-            r"rollout\.batch_size=6 is not divisible by mesh data x fsdp = 4",
+            r"rollout\.batch_size=6 is not divisible by mesh data x fsdp x expert = 4",
         ),
         (
             lambda c: setattr(c.rollout, "num_generations", 1),
@@ -161,7 +161,10 @@ def test_partial_rollouts_in_too_many_chunks_are_refused(base):
         (lambda c: setattr(c.algo, "name", "trpo"), r"algo\.name='trpo': unknown preset"),
         (lambda c: setattr(c.algo, "eps_low", 1.5), r"algo\.eps_low=1\.5"),
         (lambda c: setattr(c, "rewards", {"gsm9k": 1.0}), r"rewards"),
-        (lambda c: setattr(c.mesh, "tensor", 3), r"mesh: data x fsdp x context x tensor = 12"),
+        (
+            lambda c: setattr(c.mesh, "tensor", 3),
+            r"mesh: data x fsdp x expert x context x tensor = 12",
+        ),
         (
             lambda c: setattr(c.optim, "micro_batches", 3),
             r"optim\.micro_batches=3 does not divide the 64 rows",

@@ -68,7 +68,7 @@ def test_sharded_params_on_2x4_mesh(saved, arch):
     assert q.addressable_shards[0].data.shape == (q.shape[0], 32, 1, q.shape[3])
     ids, mask = padded_batch(seed=2, batch=4)
     ids_d, mask_d = parallel.shard_batch((ids, mask), mesh)
-    assert ids_d.sharding.spec[0] == ("data", "fsdp")
+    assert ids_d.sharding.spec[0] == parallel.BATCH_AXES
     out = models.logits(cfg, params, ids_d, mask_d)
     diff = max_diff(out, hf_logits(model, ids, mask), mask)
     assert diff <= (1e-5 if arch == "gemma3" else ATOL), diff

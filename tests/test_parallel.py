@@ -16,11 +16,12 @@ def test_eight_fake_devices():
 @pytest.mark.parametrize(
     "sizes,expected",
     [
-        ({"fsdp": -1}, (1, 8, 1, 1)),
-        ({"data": 2, "fsdp": -1, "tensor": 2}, (2, 2, 1, 2)),
-        ({"data": 1, "fsdp": 2, "tensor": 4}, (1, 2, 1, 4)),
-        ({"tensor": -1}, (1, 1, 1, 8)),
-        ({"fsdp": -1, "context": 4}, (1, 2, 4, 1)),
+        ({"fsdp": -1}, (1, 8, 1, 1, 1)),
+        ({"data": 2, "fsdp": -1, "tensor": 2}, (2, 2, 1, 1, 2)),
+        ({"data": 1, "fsdp": 2, "tensor": 4}, (1, 2, 1, 1, 4)),
+        ({"tensor": -1}, (1, 1, 1, 1, 8)),
+        ({"fsdp": -1, "context": 4}, (1, 2, 1, 4, 1)),
+        ({"fsdp": 2, "expert": -1}, (1, 2, 4, 1, 1)),
     ],
 )
 def test_mesh_shape(sizes, expected):
@@ -32,7 +33,10 @@ def test_mesh_shape(sizes, expected):
     [
         ({"data": -1, "fsdp": -1}, r"only one axis may be -1"),
         ({"data": 3, "fsdp": -1}, r"mesh\.fsdp=-1: 8 devices are not divisible by .* 3"),
-        ({"data": 2, "fsdp": 2}, r"data x fsdp x context x tensor = 4 but there are 8 devices"),
+        (
+            {"data": 2, "fsdp": 2},
+            r"data x fsdp x expert x context x tensor = 4 but there are 8 devices",
+        ),
         ({"pipeline": 2}, r"unknown mesh axis \['pipeline'\]"),
         ({"data": 0, "fsdp": -1}, r"mesh\.data=0"),
     ],
@@ -44,7 +48,7 @@ def test_mesh_shape_errors(sizes, message):
 
 def test_mesh_axes_are_auto():
     mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
+    assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor")
     assert all(t == AxisType.Auto for t in mesh.axis_types)
 
 
@@ -80,10 +84,11 @@ def test_shard_batch():
     mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     x = np.arange(8 * 3).reshape(8, 3)
     y = parallel.shard_batch(x, mesh)
-    assert y.sharding.spec == PartitionSpec(("data", "fsdp"), None)
+    assert y.sharding.spec == PartitionSpec(("data", "fsdp", "expert"), None)
     assert y.addressable_shards[0].data.shape == (2, 3)
     np.testing.assert_array_equal(y, x)
-    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by data x fsdp = 4"):
+    message = r"batch size 6 is not divisible by data x fsdp x expert = 4"
+    with pytest.raises(ValueError, match=message):
         parallel.shard_batch(np.zeros((6, 3)), mesh)
 
 

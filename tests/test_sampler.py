@@ -204,7 +204,7 @@ def test_sharded_equals_unsharded(tiny):
     mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded_params = jax.device_put(params, models.param_shardings(cfg, mesh))
     out = sampling.generate(cfg, sharded_params, PROMPTS, mesh=mesh, **kw)
-    assert out.tokens.sharding.spec[0] == ("data", "fsdp")
+    assert out.tokens.sharding.spec[0] == parallel.BATCH_AXES
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-4)
     # 3 prompts do not divide the 4-way batch: padded with dummy rows, then dropped.

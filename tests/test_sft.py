@@ -135,7 +135,7 @@ def _set(config, name: str, value) -> None:
          r"sft\.completion\.max_len\?"),
         ("algo", {"beta": 0.1}, r"^algo: a key of the RL trainer"),
         ("rollout.num_generations", 4, r"^rollout\.num_generations: a key of the RL trainer"),
-        ("sft.batch_size", 12, r"^sft\.batch_size=12 is not divisible by mesh data x fsdp = 8"),
+        ("sft.batch_size", 12, r"^sft\.batch_size=12 is not divisible by mesh .* = 8"),
         ("rollout.batch_size", 4, r"^rollout\.batch_size=4 is not divisible by mesh"),
         ("optim.end_lr_ratio", 1.5, r"^optim\.end_lr_ratio=1\.5: must be in \[0, 1\]"),
         ("sft.completion.alt_prob", 0.5, r"^sft\.completion\.alt_template: empty"),

@@ -1,7 +1,7 @@
 """The checks of a run config, one per section, run before anything is loaded or compiled.
 
     config.validate(raw)   # raises ConfigError naming the key, e.g.
-    # rollout.batch_size=6 is not divisible by mesh data x fsdp = 4
+    # rollout.batch_size=6 is not divisible by mesh data x fsdp x expert = 4
     # rollout.batchsize: unknown key; did you mean rollout.batch_size?
 
 No check touches the network: a hub model name is accepted by its form, and what needs the
@@ -33,9 +33,12 @@ MAX_PARTIAL_CHUNKS = 32
 def check_batch_size(key: str, size: int, mesh_shape, process_count: int) -> None:
     """A global batch of `size` rows (prompts) splits over the mesh's batch axes and over
     the processes."""
-    multiple = mesh_shape[0] * mesh_shape[1]
+    multiple = mesh_shape[0] * mesh_shape[1] * mesh_shape[2]  # parallel.BATCH_AXES
     _check(size >= 1, f"{key}={size}: must be >= 1")
-    _check(size % multiple == 0, f"{key}={size} is not divisible by mesh data x fsdp = {multiple}")
+    _check(
+        size % multiple == 0,
+        f"{key}={size} is not divisible by mesh data x fsdp x expert = {multiple}",
+    )
     _check(size % process_count == 0, f"{key}={size} is not divisible by {process_count} processes")
 
 
@@ -119,7 +122,7 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
 
 def check_model(config) -> str | None:
     """-> the local model directory (None for a hub name, fetched when the run starts)."""
-    from jaxrl_llm.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+    from jaxrl_llm.models.config import ATTENTION_IMPLEMENTATIONS, MOE_IMPLS, REMAT_POLICIES
 
     m = config.model
     path = resolve_model_path(m.path, download=False)
@@ -129,6 +132,7 @@ def check_model(config) -> str | None:
         resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
     _check(m.dtype in DTYPES, f"model.dtype={m.dtype!r}: expected one of {DTYPES}")
     _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
+    _check(m.moe_impl in MOE_IMPLS, f"model.moe_impl={m.moe_impl!r}: expected one of {MOE_IMPLS}")
     _check(
         m.attention in ATTENTION_IMPLEMENTATIONS,
         f"model.attention={m.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}",
@@ -261,6 +265,9 @@ def check_engine(config, process_count: int) -> None:
            f"rollout.engine='paged' samples single-turn rollouts; agent.entry="
            f"{config.agent.entry!r} needs rollout.engine='static'")  # fmt: skip
     _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
+    _check(config.algo.routing_replay in (None, "none"),
+           "rollout.engine='paged' does not record routes; algo.routing_replay='rollout' "
+           "needs rollout.engine='static'")  # fmt: skip
 
 
 def check_algo(config):
@@ -507,10 +514,15 @@ def check_data(config) -> None:
 
 
 def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
-    """The longest prompt's bucket + the completion budget fits the model's context, and
-    mesh.context divides its attention heads."""
+    """The longest prompt's bucket + the completion budget fits the model's context,
+    mesh.context divides its attention heads, and optim.packing='on' has a dense model."""
     from jaxrl_llm.sampling import bucket_length
 
+    _check(
+        not (model_cfg.moe and config.optim.packing == "on"),
+        "optim.packing='on': a mixture-of-experts model runs its rows padded (its routes "
+        "are laid out by row); use 'auto' or 'off'",
+    )
     r = config.rollout
     prompt_len = config.data.max_prompt_len if prompt_len is None else prompt_len
     bucket = bucket_length(prompt_len, tuning.bucket_steps(config, jax.default_backend()))

@@ -99,12 +99,18 @@ def model_defaults() -> ml_collections.ConfigDict:
     # grows with depth, sampling holds a second copy of the layer weights). None: picked at
     # start-up (`tuning`): False on CPU up to 8 layers, else True.
     m.scan_layers = config_dict.placeholder(bool)
+    # Mixture-of-experts models (docs/moe.md): how the experts run. ragged: grouped matmul
+    # (`ragged_dot`; TPU / GPU). blocked: batched matmuls over blocks of one expert's rows
+    # (CPU, whose ragged_dot computes every group). dense: every expert on every token.
+    m.moe_impl = "ragged"
     m.lora = lora_defaults()
     return m
 
 
 def mesh_defaults() -> ml_collections.ConfigDict:
-    m = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1 = the rest
+    # -1 = the rest. expert: shards the experts of a mixture-of-experts model (and is one
+    # more batch axis for everything else; docs/moe.md); 1 for a dense model.
+    m = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1})
     # Context parallelism: one sequence's tokens split over this many devices in the
     # update and the reference forward (heads all-to-all; docs/sharding.md). The model's
     # attention heads must be divisible by it.
@@ -112,7 +118,7 @@ def mesh_defaults() -> ml_collections.ConfigDict:
     # rollout.mode='split': the last rollout_devices devices form the rollout mesh (shape
     # `rollout`), the others the training mesh (shape data / fsdp / tensor above).
     m.rollout_devices = 0
-    m.rollout = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+    m.rollout = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1})
     return m
 
 

@@ -12,7 +12,7 @@ class ConfigError(UserError, ValueError):
     """A run config that cannot work; the message names the key."""
 
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 def mesh_axes(mesh_config) -> dict:

@@ -55,7 +55,8 @@ def prepare(raw: ml_collections.ConfigDict, devices=None, process_count: int | N
 
     shape = parallel.mesh_shape(mesh_axes(raw.mesh), len(train_devices))
     backend = jax.default_backend()
-    config, line = tuning.resolve(raw, model_cfg, backend, batch_shards=shape[0] * shape[1])
+    shards = shape[0] * shape[1] * shape[2]  # parallel.BATCH_AXES
+    config, line = tuning.resolve(raw, model_cfg, backend, batch_shards=shards)
     if backend == "cpu" and (level := xla_flags.named(xla_flags.LEVEL)):
         line = "; ".join(filter(None, [line, f"XLA_FLAGS: {xla_flags.LEVEL}={level}"]))
     if hub:  # the context of a local model was checked with the rest (same buckets)

@@ -111,7 +111,7 @@ def resolve(
     """-> (a copy of `config` with every unset tuning key set, one line saying what was
     picked and why; "" when the config set them all).
 
-    batch_shards: the devices the batch is split over (mesh data x fsdp)."""
+    batch_shards: the devices the batch is split over (mesh data x fsdp x expert)."""
     resolved = copy.deepcopy(config)
     unset = [k for k in KEYS if _get(config, k) is None]
     if not unset:

@@ -166,6 +166,8 @@ def fit(out: sampling.SampleOutput, width: int, pad_id: int) -> sampling.SampleO
     """The completion columns cut or padded to `width` (rows are compacted to the left
     and no longer than `width`, so nothing real is cut)."""
 
+    P = out.prompt_tokens.shape[1]
+
     def fix(x, fill):
         x = x[:, :width]
         return jnp.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=fill)
@@ -175,4 +177,5 @@ def fit(out: sampling.SampleOutput, width: int, pad_id: int) -> sampling.SampleO
         mask=fix(out.mask, False),
         loss_mask=fix(out.loss_mask, False),
         logprobs=fix(out.logprobs, 0.0),
+        routes=sampling.fit_routes(out.routes, P, P, width),
     )

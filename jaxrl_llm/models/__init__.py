@@ -19,6 +19,7 @@ from jaxrl_llm.models.config import (
 from jaxrl_llm.models.gguf_io import load_gguf, load_gguf_tokenizer
 from jaxrl_llm.models.hf_io import CheckpointError, load_hf, save_hf
 from jaxrl_llm.models.kv_cache import KVCache, cache_rows, grow_cache, init_cache
+from jaxrl_llm.models.moe import ROUTE_DTYPE, router_agreement
 from jaxrl_llm.models.params import (
     ParamSpec,
     count_params,
@@ -49,6 +50,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "ParamSpec",
+    "ROUTE_DTYPE",
     "UnsupportedModelError",
     "count_params",
     "decode_step",
@@ -72,6 +74,7 @@ __all__ = [
     "param_specs",
     "prefill",
     "project",
+    "router_agreement",
     "save_hf",
     "unembed_matrix",
 ]

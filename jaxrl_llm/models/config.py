@@ -3,7 +3,8 @@
 One config class covers every supported architecture; the differences between them are a
 handful of flags (qkv bias, q/k RMSNorm, tied embeddings, RoPE scaling) and, for Gemma 3,
 its layer pattern (sliding-window and global layers, each kind with its own RoPE base).
-Anything the decoder does not implement (sliding windows outside Gemma 3, MoE, other
+Qwen3-MoE adds its mixture-of-experts MLP (`num_experts` > 0, `models.moe`).
+Anything the decoder does not implement (sliding windows outside Gemma 3, other MoE families, other
 activations, other RoPE variants, logit soft-capping) is refused here with one line naming
 the option, so a checkpoint never loads into a model that silently computes something else.
 
@@ -26,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -33,6 +35,8 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (Gemma 3 `layer_types`)
 GEMMA3 = "Gemma3ForCausalLM"
+QWEN3_MOE = "Qwen3MoeForCausalLM"
+MOE_IMPLS = ("ragged", "blocked", "dense")  # models.moe.EXPERT_IMPLS
 # model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
 
@@ -107,6 +111,14 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float = 10000.0
     query_pre_attn_scalar: float | None = None
+    # Mixture of experts (Qwen3-MoE; 0 experts: the dense MLP). Every layer's MLP is
+    # `num_experts` SwiGLU experts of width `moe_intermediate_size`; each token goes
+    # through the `num_experts_per_tok` with the highest router probability, weighted by
+    # those probabilities (renormalised over the k when `norm_topk_prob`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
@@ -124,6 +136,12 @@ class ModelConfig:
     # Low-rank adapters on the projections (None: the plain decoder). The base weights are
     # the HF checkpoint's; `replace(lora=None)` is the same model without the adapters.
     lora: LoraConfig | None = None
+    # How the experts run: "ragged" (grouped matmul over the tokens sorted by expert, each
+    # token through its k experts only; `ragged_dot`, for TPU / GPU), "blocked" (the same
+    # as batched matmuls over blocks of one expert's rows; for CPU, whose `ragged_dot` is
+    # dense) or "dense" (every expert on every token, E/k times the FLOPs; the reference
+    # and benchmark baseline). See `MOE_IMPLS`.
+    moe_impl: str = "ragged"
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
@@ -147,6 +165,27 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         self._check_layer_types()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
+        if (self.architecture == QWEN3_MOE) != self.moe:
+            raise ValueError(f"num_experts={self.num_experts} does not fit {self.architecture}")
+        if not self.moe:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok}: must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size}: must be >= 1")
+        if self.lora is not None and set(self.lora.targets) & {"gate", "up", "down"}:
+            raise ValueError(
+                f"lora targets={self.lora.targets!r}: a mixture-of-experts model adapts only "
+                "its attention projections (set model.lora.targets to some of q, k, v, o)"
+            )
 
     def _check_attention(self) -> None:
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
@@ -186,6 +225,11 @@ class ModelConfig:
         return self.architecture == GEMMA3
 
     @property
+    def moe(self) -> bool:
+        """Every layer's MLP is a mixture of experts (`models.moe`)."""
+        return self.num_experts > 0
+
+    @property
     def windowed(self) -> bool:
         """Some layers attend within a sliding window (then each layer reads its kind)."""
         return self.layer_types is not None and "sliding_attention" in self.layer_types
@@ -200,12 +244,25 @@ class ModelConfig:
         attn += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         attn += d if self.o_bias else 0
         attn += 2 * h if self.qk_norm else 0
-        layer = attn + 3 * d * f + (4 if self.gemma else 2) * d
+        layer = attn + (4 if self.gemma else 2) * d
+        if self.moe:
+            layer += d * self.num_experts + 3 * d * self.moe_intermediate_size * self.num_experts
+        else:
+            layer += 3 * d * f
         n = self.num_layers * layer + d
         if include_embeddings:
             n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         elif not self.tie_word_embeddings:
             n += self.vocab_size * d  # the output projection is a matmul, count it
+        return n
+
+    def active_params(self, include_embeddings: bool = True) -> int:
+        """Parameters one token reads: `num_params` with only k of the E experts counted
+        (all of them for a dense model). What the model FLOPs of a token are made of."""
+        n = self.num_params(include_embeddings)
+        if self.moe:
+            idle = self.num_experts - self.num_experts_per_tok
+            n -= self.num_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size
         return n
 
     # ----------------------------------------------------------------- HF conversion
@@ -246,12 +303,14 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == GEMMA3)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
                 o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias", False)),
-                qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
+                qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, QWEN3_MOE),
                 initializer_range=float(d.get("initializer_range", 0.02)),
                 hf_config=json.dumps(d, sort_keys=True),
             )
             if arch == GEMMA3:
                 fields |= _gemma3_fields(d, source)
+            if arch == QWEN3_MOE:
+                fields |= _moe_fields(d)
             return cls(**fields, **runtime)
         except KeyError as e:
             raise ValueError(f"{source}: required key {e.args[0]!r} is missing") from None
@@ -284,6 +343,15 @@ class ModelConfig:
             raise ValueError("Qwen2 has qkv bias and no output bias; cannot express this config")
         if self.architecture == "MistralForCausalLM":
             d["sliding_window"] = None
+        if self.moe:
+            d |= {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
         if self.gemma:
             del d["hidden_act"], d["rope_theta"], d["rope_scaling"]
             full = {"rope_type": "default", "rope_theta": self.rope_theta}
@@ -338,7 +406,9 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
         refuse(f"hidden_act={d['hidden_act']!r} (only silu)")
     if d.get("mlp_bias"):
         refuse("mlp_bias=true")
-    if any(k in d for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+    if arch == QWEN3_MOE:
+        _refuse_moe_options(d, refuse)
+    elif any(k in d for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         refuse("mixture-of-experts")
     if d.get("pretraining_tp", 1) not in (1, None):
         refuse(f"pretraining_tp={d['pretraining_tp']}")
@@ -352,6 +422,34 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
         refuse(f"layer_types={sorted(layer_types)} (only full_attention)")
     if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
         refuse(f"partial_rotary_factor={d['partial_rotary_factor']}")
+
+
+def _num_experts(d: dict) -> int:
+    """Qwen3-MoE's expert count: `num_experts` in its config.json (transformers 5 writes
+    `num_local_experts`)."""
+    return int(d.get("num_experts", d.get("num_local_experts", 0)) or 0)
+
+
+def _refuse_moe_options(d: dict, refuse) -> None:
+    """Qwen3-MoE checkpoints have every layer sparse; a dense-layer pattern is refused."""
+    if _num_experts(d) < 1:
+        refuse("num_experts=0")
+    if int(d.get("decoder_sparse_step", 1)) != 1:
+        refuse(f"decoder_sparse_step={d['decoder_sparse_step']} (only 1: every layer MoE)")
+    if d.get("mlp_only_layers"):
+        refuse(f"mlp_only_layers={d['mlp_only_layers']} (only []: every layer MoE)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if d.get(key):
+            refuse(f"{key}={d[key]} (shared experts)")
+
+
+def _moe_fields(d: dict) -> dict:
+    return {
+        "num_experts": _num_experts(d),
+        "num_experts_per_tok": int(d["num_experts_per_tok"]),
+        "moe_intermediate_size": int(d["moe_intermediate_size"]),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+    }
 
 
 def _rope(d: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:

@@ -56,9 +56,10 @@ class CheckpointError(UserError, ValueError):
 class Mapping:
     """How one parameter of ours relates to HF tensors.
 
-    `name` is the HF name (with `{i}` for the layer index of stacked parameters);
-    `to_ours` turns the HF array into our layout (views only: it runs on memory maps);
-    `to_hf` is its inverse.
+        `name` is the HF name (with `{i}` for the layer index of stacked parameters, and `{e}`
+    for the expert index of an MoE layer's experts, stacked [L, E, ...] on our side);
+        `to_ours` turns the HF array into our layout (views only: it runs on memory maps);
+        `to_hf` is its inverse.
     """
 
     name: str
@@ -68,6 +69,22 @@ class Mapping:
     @property
     def stacked(self) -> bool:
         return "{i}" in self.name
+
+    @property
+    def experts(self) -> bool:
+        return "{e}" in self.name
+
+    def hf_names(self, cfg: ModelConfig):
+        """(HF tensor name, our index into the parameter) for every tensor it is made of."""
+        if not self.stacked:
+            return [(self.name, ())]
+        if not self.experts:
+            return [(self.name.format(i=i), (i,)) for i in range(cfg.num_layers)]
+        return [
+            (self.name.format(i=i, e=e), (i, e))
+            for i in range(cfg.num_layers)
+            for e in range(cfg.num_experts)
+        ]
 
 
 def _identity(x):
@@ -107,6 +124,10 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         ("layers", "gate"): (layer + "mlp.gate_proj.weight", transpose),
         ("layers", "up"): (layer + "mlp.up_proj.weight", transpose),
         ("layers", "down"): (layer + "mlp.down_proj.weight", transpose),
+        ("layers", "router"): (layer + "mlp.gate.weight", transpose),
+        ("layers", "expert_gate"): (layer + "mlp.experts.{e}.gate_proj.weight", transpose),
+        ("layers", "expert_up"): (layer + "mlp.experts.{e}.up_proj.weight", transpose),
+        ("layers", "expert_down"): (layer + "mlp.experts.{e}.down_proj.weight", transpose),
     }
     if cfg.gemma:  # norms before and after both the attention and the MLP
         table[("layers", "post_attn_norm")] = (layer + "post_attention_layernorm.weight", same)
@@ -117,8 +138,8 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
 
 
 def _hf_shape(m: Mapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
-    per_layer = our_shape[1:] if m.stacked else our_shape
-    return m.to_hf(np.empty(per_layer, np.int8)).shape
+    per_tensor = our_shape[m.stacked + m.experts :]
+    return m.to_hf(np.empty(per_tensor, np.int8)).shape
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -132,9 +153,8 @@ def _validate(cfg: ModelConfig, ckpt, maps, path: str, config_name: str) -> None
     specs, expected = param_specs(cfg), {}
     for p, m in maps.items():
         hf_shape = _hf_shape(m, specs[p].shape)
-        layers = range(cfg.num_layers) if m.stacked else [None]
-        for i in layers:
-            expected[m.name.format(i=i)] = hf_shape
+        for name, _ in m.hf_names(cfg):
+            expected[name] = hf_shape
     for name, shape in expected.items():
         if name not in ckpt:
             raise CheckpointError(f"{path}: tensor {name!r} is missing from the checkpoint")
@@ -205,6 +225,19 @@ def _shard_reader(ckpt, m: Mapping, shape, dtype):
         if not m.stacked:
             return np.asarray(m.to_ours(ckpt.get(m.name))[index], dtype=dtype)
         layers = range(*index[0].indices(shape[0]))
+        if m.experts:
+            experts = range(*index[1].indices(shape[1]))
+            return np.stack(
+                [
+                    np.stack(
+                        [
+                            np.asarray(m.to_ours(ckpt.get(m.name.format(i=i, e=e)))[index[2:]])
+                            for e in experts
+                        ]
+                    ).astype(dtype)
+                    for i in layers
+                ]
+            )
         return np.stack(
             [
                 np.asarray(m.to_ours(ckpt.get(m.name.format(i=i)))[index[1:]], dtype=dtype)
@@ -242,9 +275,9 @@ def save_hf(
     for p, m in maps.items():
         leaf = params[p[0]] if len(p) == 1 else params[p[0]][p[1]]
         itemsize = np.dtype(dtype or leaf.dtype).itemsize
-        per = int(np.prod(specs[p].shape[1:] if m.stacked else specs[p].shape)) * itemsize
-        for i in range(cfg.num_layers) if m.stacked else [None]:
-            names.append((m.name.format(i=i) if m.stacked else m.name, p, i, per))
+        per = int(np.prod(specs[p].shape[m.stacked + m.experts :])) * itemsize
+        for name, index in m.hf_names(cfg):
+            names.append((name, p, index, per))
     shards, size = [[]], 0
     for entry in sorted(names):
         if shards[-1] and size + entry[3] > max_shard_bytes:
@@ -264,7 +297,7 @@ def save_hf(
         tensors = {}
         for name, p, i, _ in shard:
             leaf = params[p[0]] if len(p) == 1 else params[p[0]][p[1]]
-            x = _to_host(leaf if i is None else leaf[i])
+            x = _to_host(leaf[i] if i else leaf)
             tensors[name] = np.ascontiguousarray(maps[p].to_hf(x).astype(dtype or x.dtype))
             weight_map[name] = fn
         if write:

@@ -27,6 +27,7 @@ import numpy as np
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import attention, cached_attention, cached_blockwise, resolve
 from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig
+from jaxrl_llm.models.moe import moe_mlp
 from jaxrl_llm.models.partitioning import (
     context_size,
     heads_spec,
@@ -255,12 +256,35 @@ class Block(nnx.Module):
             self.post_attn_norm = _const(one, (L, D), ("layers", "norm"), dtype)
             self.post_mlp_norm = _const(one, (L, D), ("layers", "norm"), dtype)
         self.mlp_norm = _const(one, (L, D), ("layers", "norm"), dtype)
-        self.gate = normal((L, D, F), ("layers", "embed", "mlp"))
-        self.up = normal((L, D, F), ("layers", "embed", "mlp"))
-        self.down = normal((L, F, D), ("layers", "mlp", "embed"))
+        if cfg.moe:
+            self._add_experts(cfg, normal)
+        else:
+            self.gate = normal((L, D, F), ("layers", "embed", "mlp"))
+            self.up = normal((L, D, F), ("layers", "embed", "mlp"))
+            self.down = normal((L, F, D), ("layers", "mlp", "embed"))
         if cfg.lora is not None:
             self._add_adapters(cfg.lora, rngs, dtype)
         self.cfg = cfg
+
+    def _add_experts(self, cfg: ModelConfig, normal) -> None:
+        """Router [L, D, E] and the experts' SwiGLU weights [L, E, D, F] / [L, E, F, D]."""
+        L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.router = normal((L, D, E), ("layers", "embed", "router"))
+        self.expert_gate = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
+        self.expert_up = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
+        self.expert_down = normal((L, E, F, D), ("layers", "expert", "expert_mlp", "embed"))
+
+    def _mlp(self, h, dropout, routes):
+        """The MLP of one layer: (y [B,T,D], the router's own top-k [B,T,k] or None).
+        routes [B,T,k]: the experts to replay (MoE only; None: the router's choice)."""
+        cfg = self.cfg
+        if cfg.moe:
+            names = ("router", "gate", "up", "down")
+            weights = {n: getattr(self, n if n == "router" else "expert_" + n)[...] for n in names}
+            return moe_mlp(cfg, h, weights, routes)
+        gate, up = self._proj("gate", h, dropout), self._proj("up", h, dropout)
+        act = jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)
+        return self._proj("down", act * up, dropout), None
 
     def _add_adapters(self, lora, rngs: nnx.Rngs, dtype) -> None:
         """`<target>_lora_a` [L, *in, r] and `<target>_lora_b` [L, r, *out] per target.
@@ -299,7 +323,7 @@ class Block(nnx.Module):
 
     def __call__(
         self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None,
-        kind=None,
+        kind=None, routes=None,
     ):  # fmt: skip
         """One layer. x [B,T,D], positions [B,T], mask an `attention.Mask` over the S
         keys. dropout: this layer's key for LoRA dropout (`adapter_dropout`), None in
@@ -312,7 +336,9 @@ class Block(nnx.Module):
         scan so that it is updated in place: this layer's new keys/values are written at
         slots index..index+T of [layer] and attention runs over the layer's S slots. With
         layer=None, kv is this layer's own cache arrays (unrolled layers). Without kv,
-        S = T. Returns (x [B,T,D], the updated (k, v) or None).
+        S = T. routes [B,T,k]: experts to replay in an MoE layer (None: its own top-k).
+        Returns (x [B,T,D], the updated (k, v) or None, the MoE router's own top-k
+        [B,T,k] int32 or None for a dense layer).
         """
         cfg = self.cfg
         mask = layer_mask(cfg, mask, kind)
@@ -362,12 +388,10 @@ class Block(nnx.Module):
             a = norm(cfg, a, self.post_attn_norm[...])
         x = x + a
         h = norm(cfg, x, self.mlp_norm[...])
-        gate, up = self._proj("gate", h, dropout), self._proj("up", h, dropout)
-        act = jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)
-        y = self._proj("down", act * up, dropout)
+        y, chosen = self._mlp(h, dropout, routes)
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
-        return x + y, kv
+        return x + y, kv, chosen
 
     def _cached(self, q, kt, v, mask):
         """Attention over the cache: the full score matrix for decode and short prefill,
@@ -391,12 +415,17 @@ class Transformer(nnx.Module):
             self.lm_head = _normal(rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype)
         self.cfg = cfg
 
-    def __call__(self, tokens, positions, mask, cache=None, index=None, layers=None, dropout=None):
-        """tokens [B,T] -> final-normed hidden states [B,T,D] (and the new cache k, v).
+    def __call__(
+        self, tokens, positions, mask, cache=None, index=None, layers=None, dropout=None,
+        routes=None,
+    ):  # fmt: skip
+        """tokens [B,T] -> (final-normed hidden states [B,T,D], the new cache k, v, the MoE
+        layers' own top-k experts [L,B,T,k] int32 or None for a dense model).
 
         layers: with a per-layer cache, each layer's parameters already sliced out of the
         stacked ones (`layer_params`), e.g. once before a decode loop instead of per step.
         dropout: a key for LoRA dropout (layer i folds in i), or None.
+        routes: [L,B,T,k] experts to replay in the MoE layers (None: the router's own).
         """
         cfg = self.cfg
         x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
@@ -405,27 +434,35 @@ class Transformer(nnx.Module):
 
         def layer(carry, xs):
             x, kv = carry
-            layer_state, i, kind = xs
+            layer_state, i, kind, route = xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, layer_state)
-            return block(x, positions, mask, kv, index, i, dropout=key, kind=kind), None
+            x, kv, chosen = block(
+                x, positions, mask, kv, index, i, dropout=key, kind=kind, routes=route
+            )
+            return (x, kv), chosen
 
         if cache is not None and isinstance(cache[0], tuple):  # one cache array per layer
-            kv = []
+            kv, chosen = [], []
             for i in range(cfg.num_layers):
                 state = jax.tree.map(lambda a, i=i: a[i], stacked) if layers is None else layers[i]
                 kind = jax.tree.map(lambda a, i=i: a[i], kinds)
                 block = nnx.merge(graphdef, state)
                 cache_i = (cache[0][i], cache[1][i])
-                x, layer_kv = block(x, positions, mask, cache_i, index, kind=kind)
+                route = None if routes is None else routes[i]
+                x, layer_kv, own = block(
+                    x, positions, mask, cache_i, index, kind=kind, routes=route
+                )
                 kv.append(layer_kv)
+                chosen.append(own)
             kv = tuple(tuple(c) for c in zip(*kv, strict=True))
-            return norm(cfg, x, self.final_norm[...]), kv
+            chosen = jnp.stack(chosen) if cfg.moe else None
+            return norm(cfg, x, self.final_norm[...]), kv, chosen
         layer = _remat(layer, cfg.remat)
         unroll = cfg.num_layers if cache is None and not cfg.scan_layers else 1
-        xs = (stacked, jnp.arange(cfg.num_layers), kinds)
-        (x, kv), _ = jax.lax.scan(layer, (x, cache), xs, unroll=unroll)
-        return norm(cfg, x, self.final_norm[...]), kv
+        xs = (stacked, jnp.arange(cfg.num_layers), kinds, routes)
+        (x, kv), chosen = jax.lax.scan(layer, (x, cache), xs, unroll=unroll)
+        return norm(cfg, x, self.final_norm[...]), kv, chosen
 
     def embed_tokens(self, tokens) -> jax.Array:
         """tokens [B,T] -> [B,T,D]; Gemma scales by sqrt(D), rounded to the embedding's
@@ -435,30 +472,34 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
         return x
 
-    def with_prefix(self, tokens, positions, mask, prefix, dropout=None):
+    def with_prefix(self, tokens, positions, mask, prefix, dropout=None, routes=None):
         """tokens [B,T] after a prefix of P tokens whose per-layer keys/values are given ->
-        (final-normed hidden [B,T,D], this sequence's keys/values ([L,B,T,K,H] each)).
+        (final-normed hidden [B,T,D], this sequence's keys/values ([L,B,T,K,H] each), the
+        MoE layers' own top-k [L,B,T,k] or None).
 
         prefix: (k, v) [L,B,P,K,H] each (P may be 0), as this method returned them for the
         earlier tokens; mask [B,T,P+T]. Scanned (or unrolled) like the full forward, with
-        its remat policy and its attention backward, so it trains as fast. dropout: as in
-        `__call__`.
+        its remat policy and its attention backward, so it trains as fast. dropout, routes:
+        as in `__call__`.
         """
         cfg = self.cfg
         x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, xs):
-            layer_state, pk, pv, i, kind = xs
+            layer_state, pk, pv, i, kind, route = xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, layer_state)
-            return block(x, positions, mask, prefix=(pk, pv), dropout=key, kind=kind)
+            x, kv, chosen = block(
+                x, positions, mask, prefix=(pk, pv), dropout=key, kind=kind, routes=route
+            )
+            return x, (kv, chosen)
 
         layer = _remat(layer, cfg.remat)
         unroll = 1 if cfg.scan_layers else cfg.num_layers
-        xs = (stacked, *prefix, jnp.arange(cfg.num_layers), layer_kinds(cfg))
-        x, kv = jax.lax.scan(layer, x, xs, unroll=unroll)
-        return norm(cfg, x, self.final_norm[...]), kv
+        xs = (stacked, *prefix, jnp.arange(cfg.num_layers), layer_kinds(cfg), routes)
+        x, (kv, chosen) = jax.lax.scan(layer, x, xs, unroll=unroll)
+        return norm(cfg, x, self.final_norm[...]), kv, chosen
 
 
 def _remat(fn, policy: str):

@@ -3,12 +3,13 @@
 Every parameter of the decoder carries a tuple of logical axis names (its `axes`
 metadata, e.g. `('layers', 'embed', 'mlp')`). `DEFAULT_RULES` maps each logical name to
 a mesh axis (or a tuple of mesh axes, or None = replicated) of the mesh
-`('data', 'fsdp', 'context', 'tensor')`:
+`('data', 'fsdp', 'expert', 'context', 'tensor')`:
 
 - weights are sharded FSDP-style over `fsdp` on their `embed` dimension and
   Megatron-style over `tensor` on heads / mlp / vocab; they are replicated over
   `context`;
-- the batch is sharded over `('data', 'fsdp')` (see `jaxrl_llm.parallel.mesh`);
+- the experts of an MoE layer over `expert` (expert parallelism);
+- the batch is sharded over `('data', 'fsdp', 'expert')` (see `jaxrl_llm.parallel.mesh`);
 - activations of the full-sequence forward (`shard_sequence`, `shard_heads`): the
   sequence over `context`, and around attention the heads over `('tensor', 'context')`
   (context parallelism by an all-to-all over heads; docs/sharding.md).
@@ -28,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MeshAxes = str | tuple[str, ...] | None
 
 DEFAULT_RULES: dict[str, MeshAxes] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "layers": None,
     "vocab": "tensor",
     "embed": "fsdp",
@@ -38,6 +39,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "mlp": "tensor",
     "norm": None,
     "lora": None,  # the rank of a LoRA adapter (small: replicated)
+    "router": None,  # an MoE router's output (one logit per expert): replicated
+    "expert": "expert",  # the experts of an MoE layer: expert parallelism
+    "expert_mlp": "tensor",  # an expert's hidden width, like a dense MLP's
     "seq": "context",  # activations' sequence axis (context parallelism)
     "cache_seq": None,
     "act_heads": ("tensor", "context"),  # attention's q / k / v / output heads

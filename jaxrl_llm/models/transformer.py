@@ -81,9 +81,14 @@ def forward(
     positions=None,
     segment_ids=None,
     dropout=None,
-) -> jax.Array:
+    routes=None,
+    with_routes: bool = False,
+):
     """Full-sequence forward: tokens [B,T] -> final-normed hidden states [B,T,D].
-    dropout: a key for LoRA dropout (`cfg.lora.dropout` > 0), None for none."""
+    dropout: a key for LoRA dropout (`cfg.lora.dropout` > 0), None for none.
+    routes: [B,T,L,k] experts for the MoE layers to use instead of their own top-k
+    (routing replay), None for their own. with_routes: return (hidden, the MoE layers' own
+    top-k [B,T,L,k] int32, or None for a dense model)."""
     B, T = tokens.shape
     if attention_mask is None:
         attention_mask = jnp.ones((B, T), bool)
@@ -91,13 +96,25 @@ def forward(
     if positions is None:
         positions = default_positions(attention_mask, segment_ids)
     mask = causal_mask(attention_mask, positions, segment_ids)
-    hidden, _ = _model(cfg, params)(tokens, positions, mask, dropout=dropout)
-    return hidden
+    hidden, _, own = _model(cfg, params)(
+        tokens, positions, mask, dropout=dropout, routes=layer_major(routes)
+    )
+    return (hidden, token_major(own)) if with_routes else hidden
+
+
+def layer_major(routes):
+    """Recorded routes [B,T,L,k] -> the layer scan's [L,B,T,k] (None stays None)."""
+    return None if routes is None else jnp.moveaxis(routes, 2, 0)
+
+
+def token_major(routes):
+    """The layer scan's [L,B,T,k] -> [B,T,L,k] (None stays None)."""
+    return None if routes is None else jnp.moveaxis(routes, 0, 2)
 
 
 def forward_after_prefix(
     cfg: ModelConfig, params: Params, tokens, attention_mask, prefix=None, prefix_mask=None,
-    dropout=None,
+    dropout=None, routes=None, with_routes: bool = False,
 ):  # fmt: skip
     """`forward` of tokens that follow a prefix already run: (hidden [B,T,D], keys/values).
 
@@ -107,7 +124,8 @@ def forward_after_prefix(
     hidden equals `forward` of the concatenation [prefix, tokens] at the tokens'
     positions. Returns the keys/values of `tokens` ([L,B,T,K,H] each) for a later suffix.
     Differentiable w.r.t. params and prefix; e.g. a prompt run once for the G samples of
-    its GRPO group (`rl.batch.prefix_logprobs`). dropout: as in `forward`.
+    its GRPO group (`rl.batch.prefix_logprobs`). dropout, routes [B,T,L,k], with_routes
+    (then a third result, the own top-k [B,T,L,k]): as in `forward`.
     """
     B, T = tokens.shape
     attention_mask = attention_mask.astype(bool)
@@ -121,7 +139,10 @@ def forward_after_prefix(
     positions = jnp.maximum(before + jnp.cumsum(attention_mask, -1, dtype=jnp.int32) - 1, 0)
     prefix_pos = jnp.maximum(jnp.cumsum(prefix_mask, -1, dtype=jnp.int32) - 1, 0)
     mask = causal_mask(attention_mask, positions, None, prefix_mask, prefix_pos)
-    return _model(cfg, params).with_prefix(tokens, positions, mask, prefix, dropout)
+    hidden, kv, own = _model(cfg, params).with_prefix(
+        tokens, positions, mask, prefix, dropout, layer_major(routes)
+    )
+    return (hidden, kv, token_major(own)) if with_routes else (hidden, kv)
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
@@ -149,11 +170,15 @@ def logits(
     return project(cfg, params, hidden)
 
 
-def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache, layers=None):
+def extend(
+    cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache, layers=None,
+    with_routes: bool = False,
+):  # fmt: skip
     """Appends tokens [B,T] (attention_mask [B,T]) to the cache.
 
-    Returns (hidden [B,T,D], new cache). Slots index..index+T-1 are written; a token
-    attends to the cache's valid slots up to and including its own. layers: optional
+    Returns (hidden [B,T,D], new cache), and with_routes the MoE layers' top-k experts of
+    the tokens [B,T,L,k] (None for a dense model). Slots index..index+T-1 are written; a
+    token attends to the cache's valid slots up to and including its own. layers: optional
     `layer_params(params)` for a per-layer cache (`init_cache`).
     """
     B, T = tokens.shape
@@ -171,7 +196,7 @@ def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCa
         q_pos=positions,
         k_pos=slot_pos,
     )
-    hidden, (k, v) = _model(cfg, params)(
+    hidden, (k, v), own = _model(cfg, params)(
         tokens, positions, mask, (cache.k, cache.v), cache.index, layers
     )
     new_cache = KVCache(
@@ -181,7 +206,7 @@ def extend(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCa
         pos=cache.pos + attention_mask.sum(-1, dtype=jnp.int32),
         index=cache.index + T,
     )
-    return hidden, new_cache
+    return (hidden, new_cache, token_major(own)) if with_routes else (hidden, new_cache)
 
 
 def last_hidden(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
@@ -194,8 +219,12 @@ def last_hidden(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
 
 
-def prefill(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache):
-    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V], cache).
+def prefill(
+    cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache,
+    with_routes: bool = False,
+):  # fmt: skip
+    """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V], cache),
+    and with_routes the MoE layers' top-k of the prompt tokens [B,T,L,k] (None: dense).
 
     With `cfg.prefill_chunk` = C > 0 and T > C the prompt goes in as chunks of C tokens
     (a `lax.scan` of `extend`, then the remainder), each attending to the cache so far:
@@ -203,31 +232,41 @@ def prefill(cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVC
     """
     C, (B, T) = cfg.prefill_chunk, tokens.shape
     if not C or T <= C:
-        hidden, cache = extend(cfg, params, tokens, attention_mask, cache)
-        return project(cfg, params, last_hidden(hidden, attention_mask)), cache
+        hidden, cache, own = extend(cfg, params, tokens, attention_mask, cache, with_routes=True)
+        logits = project(cfg, params, last_hidden(hidden, attention_mask))
+        return (logits, cache, own) if with_routes else (logits, cache)
     attention_mask = attention_mask.astype(bool)
 
     def chunk(carry, xs):
         cache, last = carry
-        hidden, cache = extend(cfg, params, xs[0], xs[1], cache)
+        hidden, cache, own = extend(cfg, params, xs[0], xs[1], cache, with_routes=True)
         seen = xs[1].any(-1)[:, None]  # rows with a real token here: their latest so far
-        return (cache, jnp.where(seen, last_hidden(hidden, xs[1]), last)), None
+        return (cache, jnp.where(seen, last_hidden(hidden, xs[1]), last)), own
 
     n = T // C
     split = lambda x: x[:, : n * C].reshape(B, n, C).swapaxes(0, 1)  # noqa: E731
     last = jnp.zeros((B, cfg.hidden_size), params["embed"].dtype)
-    carry, _ = jax.lax.scan(chunk, (cache, last), (split(tokens), split(attention_mask)))
+    carry, own = jax.lax.scan(chunk, (cache, last), (split(tokens), split(attention_mask)))
+    if own is not None:  # [n, B, C, L, k] -> [B, n * C, L, k]
+        own = own.swapaxes(0, 1).reshape(B, n * C, *own.shape[3:])
     if n * C < T:
-        carry, _ = chunk(carry, (tokens[:, n * C :], attention_mask[:, n * C :]))
+        carry, rest = chunk(carry, (tokens[:, n * C :], attention_mask[:, n * C :]))
+        own = None if own is None else jnp.concatenate([own, rest], axis=1)
     cache, last = carry
-    return project(cfg, params, last), cache
+    logits = project(cfg, params, last)
+    return (logits, cache, own) if with_routes else (logits, cache)
 
 
-def decode_step(cfg: ModelConfig, params: Params, tokens, cache: KVCache, layers=None, real=None):
+def decode_step(
+    cfg: ModelConfig, params: Params, tokens, cache: KVCache, layers=None, real=None,
+    with_routes: bool = False,
+):  # fmt: skip
     """One new token per row, tokens [B] -> (logits [B,V], cache). layers: see `extend`.
 
     real [B] bool (default all): rows whose token is real; the others take the slot
-    without being attended to later (e.g. rows that have finished)."""
+    without being attended to later (e.g. rows that have finished). with_routes: a third
+    result, the MoE layers' top-k of the tokens [B,1,L,k] (None for a dense model)."""
     mask = jnp.ones_like(tokens[:, None], bool) if real is None else real[:, None]
-    hidden, cache = extend(cfg, params, tokens[:, None], mask, cache, layers)
-    return project(cfg, params, hidden[:, 0]), cache
+    hidden, cache, own = extend(cfg, params, tokens[:, None], mask, cache, layers, True)
+    logits = project(cfg, params, hidden[:, 0])
+    return (logits, cache, own) if with_routes else (logits, cache)

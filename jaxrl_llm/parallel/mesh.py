@@ -1,11 +1,15 @@
-"""The device mesh `('data', 'fsdp', 'context', 'tensor')` and helpers to put a batch on it.
+"""The device mesh `('data', 'fsdp', 'expert', 'context', 'tensor')` and helpers to put a
+batch on it.
+
+`expert` (size 1 unless a mixture-of-experts run sets it) shards the experts of MoE
+layers; for everything else it is one more batch axis, so the batch is sharded over
+`BATCH_AXES` = ('data', 'fsdp', 'expert') (docs/moe.md).
 
 `context` splits one sequence's tokens over devices in the training forward and backward
 (context parallelism, `models.partitioning.shard_sequence` / `shard_heads`,
-docs/sharding.md); the batch's rows are sharded over ('data', 'fsdp') only, so the
-devices of one context group hold the same rows and each computes its share of their
-positions. It sits between fsdp and tensor: its all-to-alls run every layer, so its
-devices are placed close together.
+docs/sharding.md); the devices of one context group hold the same rows and each computes
+its share of their positions. It sits just before tensor: its all-to-alls run every
+layer, so its devices are placed close together.
 
 Axis types: every mesh axis is `AxisType.Auto`. Since JAX 0.7, `jax.make_mesh` defaults to
 `Explicit` axes, under which each op's output sharding must follow from its inputs without
@@ -23,8 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def mesh_shape(
@@ -99,7 +103,7 @@ def to_mesh(tree, mesh: Mesh):
 
 def batch_size_multiple(mesh: Mesh | None) -> int:
     """The global batch must be a multiple of this."""
-    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
 def shard_batch(tree, mesh: Mesh | None):
@@ -112,7 +116,7 @@ def shard_batch(tree, mesh: Mesh | None):
         x = np.asarray(x)
         if x.shape[0] % multiple:
             raise ValueError(
-                f"batch size {x.shape[0]} is not divisible by data x fsdp = {multiple}"
+                f"batch size {x.shape[0]} is not divisible by data x fsdp x expert = {multiple}"
             )
         return jax.device_put(x, batch_sharding(mesh, x.ndim))
 

@@ -41,6 +41,7 @@ from jaxrl_llm.rl.advantages import ADVANTAGE_KINDS, STD_SCALES
 from jaxrl_llm.rl.losses import AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES
 
 GROUP_ESTIMATORS = ("grpo", "rloo")
+ROUTING_REPLAY = ("none", "rollout")  # AlgoConfig.routing_replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,10 @@ class AlgoConfig:
     max_resample_rounds: int = 4
     overlong_penalty: bool = False
     overlong_buffer_frac: float = 0.2
+    # Mixture-of-experts models: "rollout" replays the experts the sampler routed each
+    # token to in the reference, old-policy and update forwards (R3); "none" lets each
+    # forward route by itself (docs/moe.md).
+    routing_replay: str = "none"
 
     def __post_init__(self):
         if self.reward_weights is not None:  # lists from a command line become tuples
@@ -179,6 +184,7 @@ def _errors(cfg: AlgoConfig):
         ("kl_estimator", KL_ESTIMATORS),
         ("off_policy", OFF_POLICY),
         ("loss_agg", AGGREGATIONS),
+        ("routing_replay", ROUTING_REPLAY),
     ):
         if (error := _choice(cfg, field, options)) is not None:
             yield error

@@ -14,6 +14,11 @@ Row slices: `split_rows(tree, k)` cuts N rows into k slices BY STRIDE (slice j h
 j, j + k, ...), so that when rows are sharded over ('data', 'fsdp') every slice keeps an
 even share of each device's rows; `map_rows` runs a function over the slices in
 sequence, bounding the memory of a no-gradient forward.
+
+Routing replay (mixture-of-experts models): `routes` [N, P + T, L, k], the experts the
+sampler routed each token of concat(prompt, completion) to (`sampling.SampleOutput`),
+given to a forward makes its MoE layers use them instead of their own top-k
+(`models.moe`); None routes each token by the current router.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import models
-from jaxrl_llm.parallel.mesh import BATCH_AXES
+from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_size_multiple
 from jaxrl_llm.rl.logprobs import token_logprobs
 from jaxrl_llm.rl.packing import (
     DEFAULT_CAPACITY,
@@ -55,6 +60,7 @@ class RolloutBatch:
     ref_logprobs: jax.Array | None = None  # [N, T] float32; needed iff beta > 0
     teacher_logprobs: jax.Array | None = None  # [N, T] float32; iff algo.distill_coef > 0
     num_generations: int = struct.field(pytree_node=False, default=1)  # G
+    routes: jax.Array | None = None  # [N, P + T, L, k] int16: the sampler's (MoE models)
 
     @property
     def group_ids(self) -> jax.Array:
@@ -79,6 +85,7 @@ class RolloutBatch:
             ref_logprobs=ref_logprobs,
             teacher_logprobs=teacher_logprobs,
             num_generations=out.num_generations,
+            routes=getattr(out, "routes", None),
         )
 
 
@@ -95,39 +102,52 @@ def _rows_like(x, like: jax.Array) -> jax.Array:
 
 
 def completion_hidden(
-    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout=None
-) -> jax.Array:
+    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout=None, routes=None,
+    with_routes=False,
+):  # fmt: skip
     """Teacher-forced hidden states that predict each completion token.
 
     prompt_tokens, prompt_mask [N, P] (left-padded); tokens, mask [N, T] (right-padded) ->
     hidden [N, T, D]: row t is the final-normed state at sequence position P - 1 + t, i.e.
     after reading the prompt and tokens[:, :t]. dropout: a LoRA dropout key, or None.
+    routes: replayed experts [N, P + T, L, k] (module doc). with_routes: also the MoE
+    layers' own top-k of the completion tokens [N, T, L, k] (None for a dense model).
     """
     ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
     attention = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-    hidden = models.forward(model_cfg, params, ids, attention, dropout=dropout)
+    hidden, own = models.forward(
+        model_cfg, params, ids, attention, dropout=dropout, routes=routes, with_routes=True
+    )
     p = prompt_tokens.shape[1]
-    return hidden[:, p - 1 : -1]
+    own = None if own is None else own[:, p:]
+    return (hidden[:, p - 1 : -1], own) if with_routes else hidden[:, p - 1 : -1]
 
 
 def sequence_logprobs(
     model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, temperature=1.0,
-    chunk_size=128, dropout=None, packing=None,
+    chunk_size=128, dropout=None, routes=None, with_routes=False, packing=None,
 ):  # fmt: skip
     """Teacher-forced log pi(token) and entropy of each completion token.
 
     [N, P], [N, P], [N, T], [N, T] -> (logp [N, T], entropy [N, T]) float32, 0 off-mask.
     Chunked over T (never [N, T, V]); differentiable w.r.t. params. dropout: a LoRA
-    dropout key (the update's gradient forward), or None. packing: a `rl.packing.PackPlan`
-    of these rows that fits (`packed_sequence_logprobs`), or None: padded rows.
+    dropout key (the update's gradient forward), or None. routes, with_routes (a third
+    result, the own top-k [N, T, L, k]): as in `completion_hidden`. packing: a
+    `rl.packing.PackPlan` of these rows that fits (`packed_sequence_logprobs`; dense
+    models only, which route nothing), or None: padded rows.
     """
     if packing is not None:
-        return packed_sequence_logprobs(
+        out = packed_sequence_logprobs(
             model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, packing,
             temperature=temperature, chunk_size=chunk_size, dropout=dropout,
         )  # fmt: skip
-    hidden = completion_hidden(model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout)
-    return _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size)
+        return (*out, None) if with_routes else out
+    hidden, own = completion_hidden(
+        model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout, routes, True
+    )
+    kw = dict(temperature=temperature, chunk_size=chunk_size)
+    logp, ent = _completion_logprobs(model_cfg, params, hidden, tokens, mask, **kw)
+    return (logp, ent, own) if with_routes else (logp, ent)
 
 
 def packed_or_padded(fn, prompt_mask, mask, capacity: float):
@@ -199,23 +219,26 @@ def map_rows(fn, rows, k: int):
 
 
 def prompt_prefix(
-    model_cfg, params, prompt_tokens, prompt_mask, num_generations: int, dropout=None
-):
+    model_cfg, params, prompt_tokens, prompt_mask, num_generations: int, dropout=None,
+    routes=None,
+):  # fmt: skip
     """Each group's prompt run once: the first row of every G = `num_generations`
     consecutive rows -> (keys/values ([L, N / G, P, K, H] each), hidden state of the
     prompt's last position [N / G, D], which predicts the first completion token).
     Differentiable w.r.t. params; the input of `prefix_logprobs`. dropout: a LoRA
-    dropout key (one mask per group's prompt), or None."""
+    dropout key (one mask per group's prompt), or None. routes [N, P + T, L, k]: replayed
+    experts (module doc); the group's first row's prompt part is read."""
+    G, P = num_generations, prompt_tokens.shape[1]
     hidden, kv = models.forward_after_prefix(
-        model_cfg, params, prompt_tokens[::num_generations], prompt_mask[::num_generations],
-        dropout=dropout,
+        model_cfg, params, prompt_tokens[::G], prompt_mask[::G], dropout=dropout,
+        routes=None if routes is None else routes[::G, :P],
     )  # fmt: skip
     return kv, hidden[:, -1]  # prompts are left-padded: the last column is a real token
 
 
 def prefix_logprobs(
     model_cfg, params, prefix, prompt_mask, tokens, mask, groups, *, temperature=1.0,
-    chunk_size=128, dropout=None,
+    chunk_size=128, dropout=None, routes=None, with_routes=False,
 ):  # fmt: skip
     """`sequence_logprobs` of rows whose prompts were run by `prompt_prefix`.
 
@@ -224,18 +247,27 @@ def prefix_logprobs(
     completions read their group's keys/values; the last token, which predicts nothing,
     is not fed. -> (logp [N', T], entropy [N', T]) float32, 0 off-mask. Differentiable
     w.r.t. params and prefix (a prefix's cotangent sums over the rows of its group).
-    dropout: a LoRA dropout key for the completions' forward, or None.
+    dropout: a LoRA dropout key for the completions' forward, or None. routes
+    [N', P + T, L, k], with_routes: as in `sequence_logprobs` (the last token, not fed,
+    gets own routes -1).
     """
     kv, last = prefix
     kv_rows = jax.tree.map(lambda x: jnp.take(x, groups, axis=1), kv)
-    h, _ = models.forward_after_prefix(
-        model_cfg, params, tokens[:, :-1], mask[:, :-1], kv_rows, prompt_mask, dropout
-    )
+    P, T = prompt_mask.shape[1], tokens.shape[1]
+    h, _, own = models.forward_after_prefix(
+        model_cfg, params, tokens[:, :-1], mask[:, :-1], kv_rows, prompt_mask, dropout,
+        routes=None if routes is None else routes[:, P : P + T - 1], with_routes=True,
+    )  # fmt: skip
     h = jnp.concatenate([jnp.take(last, groups, axis=0)[:, None].astype(h.dtype), h], axis=1)
     w = models.unembed_matrix(model_cfg, params)
     logp, ent = token_logprobs(h, w, tokens, temperature=temperature, chunk_size=chunk_size)
     valid = mask.astype(bool)
-    return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
+    logp, ent = jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
+    if not with_routes:
+        return logp, ent
+    if own is not None:
+        own = jnp.pad(own, ((0, 0), (0, 1), (0, 0), (0, 0)), constant_values=-1)
+    return logp, ent, own
 
 
 def check_groups(n: int, num_generations: int, what: str) -> None:
@@ -255,6 +287,7 @@ def shared_prompt_logprobs(
     micro_batches: int = 1,
     temperature: float = 1.0,
     chunk_size: int = 128,
+    routes=None,
 ):
     """`sequence_logprobs` (log-probs only) reading each prompt once.
 
@@ -264,18 +297,19 @@ def shared_prompt_logprobs(
     (`prefix_logprobs`). The layers then run over N / G prompts instead of N: with 8
     samples per prompt, 7/8 of the prompt's share of a forward is saved. The rows
     of a group must share prompt_tokens and prompt_mask; only the group's first row's
-    prompt is read. Needs T > 1.
+    prompt is read. Needs T > 1. routes: replayed experts [N, P + T, L, k], or None.
     """
     G = num_generations
     check_groups(prompt_tokens.shape[0], G, "shared_prompt_logprobs")
-    prefix = prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, G)
+    prefix = prompt_prefix(model_cfg, params, prompt_tokens, prompt_mask, G, routes=routes)
     kw = dict(temperature=temperature, chunk_size=chunk_size)
 
     def one(rows):
-        return prefix_logprobs(model_cfg, params, prefix, *rows, **kw)[0]
+        *rows, r = rows
+        return prefix_logprobs(model_cfg, params, prefix, *rows, **kw, routes=r)[0]
 
     groups = jnp.arange(tokens.shape[0], dtype=jnp.int32) // G
-    return map_rows(one, (prompt_mask, tokens, mask, groups), micro_batches)
+    return map_rows(one, (prompt_mask, tokens, mask, groups, routes), micro_batches)
 
 
 def context_mesh(mesh_or_sharding):
@@ -291,7 +325,7 @@ def context_mesh(mesh_or_sharding):
 
 def make_logprob_fn(
     model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None,
-    packing="off", packing_capacity: float = DEFAULT_CAPACITY,
+    packing="off", packing_capacity: float = DEFAULT_CAPACITY, replay: bool = False,
 ):  # fmt: skip
     """Jitted (params, rows) -> logp [N, T] (no gradient), rows a `sampling.SampleOutput`
     or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask).
@@ -303,16 +337,19 @@ def make_logprob_fn(
     'fsdp'), pinned, so the update that reads them can be compiled before they exist.
     packing: 'auto' | 'on' | 'off' (`rl.packing.resolve_packing`): rows that each read
     their own prompt (G == 1) run packed into packing_capacity of the padded sequences.
+    replay: route with the rows' recorded `routes` (routing replay) where they have them.
     """
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = 1 if mesh is None else batch_size_multiple(mesh)
+    capacity = resolve_packing(packing, packing_capacity, shards, model_cfg.moe)
     kw = dict(num_generations=spec.num_generations, micro_batches=micro_batches,
               temperature=spec.logprob_temperature, chunk_size=chunk_size,
-              packing=resolve_packing(packing, packing_capacity, shards))  # fmt: skip
+              packing=capacity)  # fmt: skip
 
     def logprobs(params, rows):
         inputs = (rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
+        routes = getattr(rows, "routes", None) if replay else None
         with context_mesh(mesh):
-            return batch_logprobs(model_cfg, params, *inputs, **kw)
+            return batch_logprobs(model_cfg, params, *inputs, **kw, routes=routes)
 
     if mesh is None:
         return jax.jit(logprobs)
@@ -322,23 +359,27 @@ def make_logprob_fn(
 
 def batch_logprobs(
     model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, num_generations,
-    micro_batches, temperature, chunk_size, packing=0.0,
+    micro_batches, temperature, chunk_size, packing=0.0, routes=None,
 ):  # fmt: skip
     """`make_logprob_fn`'s function, unjitted (the update's old-policy recompute):
     log-probs [N, T] one row slice at a time, each prompt read once when G > 1, else
-    each slice packed (`sequence_logprobs`' packing: a capacity, 0 = padded)."""
+    each slice packed (`sequence_logprobs`' packing: a capacity, 0 = padded).
+    routes: replayed experts [N, P + T, L, k], or None."""
     rows = (prompt_tokens, prompt_mask, tokens, mask)
     kw = dict(temperature=temperature, chunk_size=chunk_size)
     if num_generations > 1 and tokens.shape[1] > 1:
         logp = shared_prompt_logprobs(
             model_cfg, params, *rows, num_generations=num_generations,
-            micro_batches=micro_batches, **kw,
+            micro_batches=micro_batches, routes=routes, **kw,
         )  # fmt: skip
     else:
 
         def one(r):
-            run = lambda plan: sequence_logprobs(model_cfg, params, *r, **kw, packing=plan)  # noqa: E731
+            *r, replayed = r
+            run = lambda plan: sequence_logprobs(  # noqa: E731
+                model_cfg, params, *r, **kw, routes=replayed, packing=plan
+            )
             return packed_or_padded(run, r[1], r[3], packing)[0]
 
-        logp = map_rows(one, rows, micro_batches)
+        logp = map_rows(one, (*rows, routes), micro_batches)
     return jax.lax.stop_gradient(logp)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxrl_llm import models
-from jaxrl_llm.models import lora
+from jaxrl_llm.models import lora, moe
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.algos import AlgoConfig
 from jaxrl_llm.rl.batch import (
@@ -53,6 +53,7 @@ class Rows:
     returns: jax.Array | None
     old_values: jax.Array | None
     groups: jax.Array | None = None  # [N] int32: each row's prompt group (shared prompts)
+    routes: jax.Array | None = None  # [N, P + T, L, k]: the sampler's experts (MoE models)
 
 
 @struct.dataclass
@@ -105,6 +106,15 @@ class Setup:
         return self.model_cfg.lora is not None and self.model_cfg.lora.dropout > 0
 
     @property
+    def replay(self) -> bool:
+        """The forwards route with the sampler's recorded experts (routing replay)."""
+        return self.algo.routing_replay == "rollout"
+
+    def replayed(self, routes):
+        """The routes a forward is given: the recorded ones under replay, else None."""
+        return routes if self.replay else None
+
+    @property
     def needs_old_logp(self) -> bool:
         return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
 
@@ -115,8 +125,9 @@ def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, plan
     micro-batch's LoRA dropout key, or None. plan: the rows' packing (`rl.packing`), or
     None."""
     kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size, dropout=dropout)
+    kw |= dict(routes=s.replayed(r.routes), with_routes=True)
     if prefix is None:
-        logp, entropy = sequence_logprobs(
+        logp, entropy, own = sequence_logprobs(
             s.model_cfg,
             params,
             r.prompt_tokens,
@@ -127,16 +138,35 @@ def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, plan
             packing=plan,
         )
     else:
-        logp, entropy = prefix_logprobs(
+        logp, entropy, own = prefix_logprobs(
             s.model_cfg, params, prefix, r.prompt_mask, r.tokens, r.mask, r.groups, **kw
         )
     if not s.algo.entropy_coef:  # the bonus is off: its gradient need not be traced
         entropy = _sg(entropy)
     old = None if s.on_policy else r.old_logp
-    return policy_objective(
+    loss, metrics = policy_objective(
         s.algo, logp, old, r.behaviour_logp, r.ref_logp, r.advantages, r.loss_mask, entropy,
         denominator=den, max_len=s.spec.max_new_tokens,
     )  # fmt: skip
+    if own is not None and r.routes is not None:
+        metrics = {**metrics, **_routing_metrics(s, own, r)}
+    return loss, metrics
+
+
+def _routing_metrics(s: Setup, own, r: Rows) -> dict:
+    """moe/router_agreement: the share of (sampled token, layer) selections where the
+    trainer's router picks the sampler's experts (1.0 whatever the replay: it compares the
+    router's own top-k); moe/layer<i>/load_max: per layer, the busiest expert's share of
+    the selections times E (1 = perfectly balanced, E = one expert takes all)."""
+    P, E = r.prompt_mask.shape[1], s.model_cfg.num_experts
+    recorded = r.routes[:, P:]
+    recorded = jnp.where(own >= 0, recorded, -1)  # the last token, never fed, is skipped
+    valid = r.loss_mask.astype(bool)
+    metrics = {"moe/router_agreement": moe.router_agreement(own, recorded, valid)}
+    load = moe.expert_load(jnp.maximum(own, 0), valid & jnp.all(own >= 0, (-2, -1)), E)
+    for i, share in enumerate(jnp.max(load, axis=-1) * E):
+        metrics[f"moe/layer{i}/load_max"] = share
+    return metrics
 
 
 def _value_loss(s: Setup, critic_params, r: Rows, den):
@@ -175,7 +205,7 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
         prefix, prefix_vjp = jax.vjp(
             lambda p: prompt_prefix(
                 s.model_cfg, full(p), rows.prompt_tokens, rows.prompt_mask, s.num_generations,
-                fold(0),
+                fold(0), routes=s.replayed(rows.routes),
             ),
             carry.params,
         )  # fmt: skip

@@ -145,11 +145,15 @@ PACKING_MODES = ("auto", "on", "off")
 DEFAULT_CAPACITY = 0.625
 
 
-def resolve_packing(mode, capacity: float, batch_shards: int) -> float:
+def resolve_packing(mode, capacity: float, batch_shards: int, moe: bool = False) -> float:
     """The packed capacity a program uses (0.0: padded rows). mode: 'on', 'off' or 'auto'
     (also True / False); 'auto' packs when the rows are on one device (batch_shards ==
     1): packing gathers tokens across the micro-batch's rows, which on a batch sharded
-    over devices would move them between devices."""
+    over devices would move them between devices. moe: a mixture-of-experts model runs
+    padded whatever the mode (its recorded and own routes are laid out by row; the
+    config check refuses 'on' for one)."""
+    if moe and mode in (True, "on", False, "off", "auto"):
+        return 0.0
     if mode is True or mode == "on":
         packed_seqs(1, capacity)  # checks the capacity
         return float(capacity)

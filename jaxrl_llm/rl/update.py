@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import models
 from jaxrl_llm.models import lora
+from jaxrl_llm.parallel.mesh import batch_size_multiple
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.advantages import compute_advantages, distillation_metrics
 from jaxrl_llm.rl.algos import AlgoConfig, check_num_generations
@@ -166,6 +167,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
             num_generations=s.prompt_group, micro_batches=k,
             temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size,
             packing=s.packing,
+            routes=s.replayed(batch.routes),
         )  # fmt: skip
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
@@ -188,6 +190,7 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
         returns=adv.returns,
         old_values=old_values,
         groups=batch.group_ids if grouped and s.shares_prompts else None,
+        routes=batch.routes,
     )
 
 
@@ -348,8 +351,8 @@ class UpdateFn:
         """The setup with packing resolved for this layout (rows over data x fsdp)."""
         shards = 1
         if isinstance(sharding, NamedSharding):
-            shards = sharding.mesh.shape["data"] * sharding.mesh.shape["fsdp"]
-        capacity = resolve_packing(*self._packing, shards)
+            shards = batch_size_multiple(sharding.mesh)
+        capacity = resolve_packing(*self._packing, shards, self._setup.model_cfg.moe)
         return dataclasses.replace(self._setup, packing=capacity)
 
     def _traced(self, setup: Setup, sharding, state: TrainState, frozen, batch: RolloutBatch):

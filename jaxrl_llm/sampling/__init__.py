@@ -15,6 +15,7 @@ from jaxrl_llm.sampling.decode import (
     DecodeState,
     SampleOutput,
     cache_lengths,
+    fit_routes,
     prefill_groups,
 )
 from jaxrl_llm.sampling.paged import PagedSampler
@@ -41,6 +42,7 @@ __all__ = [
     "Sampler",
     "bucket_length",
     "cache_lengths",
+    "fit_routes",
     "generate",
     "pad_prompts",
     "prefill_groups",

@@ -22,6 +22,13 @@ buffers are slot-aligned (column j is cache slot P + j), so a row that stopped b
 append has a hole; `result` compacts every row to its real tokens, left-aligned, which is
 what the teacher-forced recompute reads (token t predicted at the position before it).
 
+Routes (mixture-of-experts models). Every token the model reads records the experts its
+MoE layers chose for it ([L, k] per token, int16; -1 where none was recorded): the prompt
+in the group's prefill, a sampled token in the step that feeds it, appended tokens in the
+forward that appends them. The trainer can replay them (`rl.batch`, routing replay), so
+that its forwards route each token as the sampler did. A drawn token that is never fed
+(the last one) predicts nothing the trainer scores and keeps -1.
+
 Pending token. The token drawn last is not yet in the cache (its hidden state would only
 be needed to draw another one): `decode` feeds it at the start of its next step, `append`
 feeds it before the appended tokens. `maybe_pending` (static) says whether a state may
@@ -60,6 +67,10 @@ class SampleOutput:
     prompt_mask: jax.Array  # [N, P] bool
     policy_version: jax.Array  # [N] int32: the parameter version that sampled the row
     num_generations: int = struct.field(pytree_node=False, default=1)  # G
+    # MoE models: the experts each token was routed to, prompt then completion, aligned
+    # with concat(prompt_tokens, tokens); [N, P + T, L, k] int16, -1 = not recorded.
+    # None for a dense model.
+    routes: jax.Array | None = None
 
 
 @struct.dataclass
@@ -83,6 +94,8 @@ class DecodeState:
     spec: RolloutSpec = struct.field(pytree_node=False)
     end: int = struct.field(pytree_node=False)  # bound on slots used, pending included
     maybe_pending: bool = struct.field(pytree_node=False, default=False)
+    prompt_routes: jax.Array | None = None  # [N, P, L, k] int16 (MoE models)
+    routes: jax.Array | None = None  # [N, C, L, k] int16, column-aligned, -1 = none
 
 
 @struct.dataclass
@@ -96,6 +109,36 @@ class _Loop:
     last: jax.Array
     pending: jax.Array
     done: jax.Array
+    routes: jax.Array | None = None
+
+
+def _put_routes(buf, own, col):
+    """Routes [N, F, L, k] into the column-aligned buffer [N, C, L, k] at column col."""
+    if buf is None:
+        return None
+    return jax.lax.dynamic_update_slice(buf, own.astype(buf.dtype), (0, col, 0, 0))
+
+
+def _widen_routes(routes, columns: int):
+    if routes is None:
+        return None
+    pad = max(0, columns - routes.shape[1])
+    return jnp.pad(routes, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=-1)
+
+
+def fit_routes(routes, prompt_len: int, prompt_to: int, width: int):
+    """`SampleOutput.routes` [N, P + T, L, k] of a rollout whose prompt (P = prompt_len
+    columns) is left-padded to `prompt_to` and whose completion columns are cut or padded
+    to `width`, as its tokens are; new columns -1 (no route). None stays None."""
+    if routes is None:
+        return None
+    prompt, completion = routes[:, :prompt_len], routes[:, prompt_len : prompt_len + width]
+    pad = lambda x, cols: jnp.pad(  # noqa: E731
+        x, ((0, 0), cols, (0, 0), (0, 0)), constant_values=-1
+    )
+    prompt = pad(prompt, (prompt_to - prompt_len, 0))
+    completion = pad(completion, (0, width - completion.shape[1]))
+    return jnp.concatenate([prompt, completion], axis=1)
 
 
 def cache_lengths(start: int, count: int, segments: int) -> tuple[int, ...]:
@@ -136,18 +179,24 @@ def constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
     )
 
 
-def prefill_groups(cfg, params, prompt_ids, prompt_mask, num_generations: int, max_len, mesh=None):
+def prefill_groups(
+    cfg, params, prompt_ids, prompt_mask, num_generations: int, max_len, mesh=None,
+    with_routes: bool = False,
+):  # fmt: skip
     """Prefills B prompts once and repeats each cache row G times.
 
-    Returns (last-token logits [B*G, V], cache with B*G rows of length max_len).
+    Returns (last-token logits [B*G, V], cache with B*G rows of length max_len), and with
+    `with_routes` the prompt tokens' MoE routes [B*G, P, L, k] int16 (None: dense model).
     """
     B, G = prompt_ids.shape[0], num_generations
     cache = models.init_cache(cfg, B, max_len, params["embed"].dtype)
-    logits, cache = models.prefill(
-        cfg, params, prompt_ids, prompt_mask, constrain_cache(cache, mesh)
+    logits, cache, own = models.prefill(
+        cfg, params, prompt_ids, prompt_mask, constrain_cache(cache, mesh), with_routes=True
     )
     cache = models.cache_rows(cache, jnp.arange(B * G) // G)
-    return jnp.repeat(logits, G, axis=0), constrain_cache(cache, mesh)
+    routes = None if own is None else jnp.repeat(own.astype(models.ROUTE_DTYPE), G, axis=0)
+    logits, cache = jnp.repeat(logits, G, axis=0), constrain_cache(cache, mesh)
+    return (logits, cache, routes) if with_routes else (logits, cache)
 
 
 def _widen(x, columns: int, fill):
@@ -165,8 +214,13 @@ def start(
     key = jax.random.fold_in(jax.random.key(seed_index[0]), seed_index[1])
     G, (B, P), T = spec.num_generations, prompt_ids.shape, spec.max_new_tokens
     first = cache_lengths(P, T, segments)[0]
-    logits, cache = prefill_groups(cfg, params, prompt_ids, prompt_mask, G, first, mesh)
+    logits, cache, prompt_routes = prefill_groups(
+        cfg, params, prompt_ids, prompt_mask, G, first, mesh, with_routes=True
+    )
     N = B * G
+    routes = None
+    if prompt_routes is not None:
+        routes = jnp.full((N, T, *prompt_routes.shape[2:]), -1, prompt_routes.dtype)
     return DecodeState(
         cache=cache,
         prompt_tokens=jnp.repeat(prompt_ids, G, axis=0),
@@ -184,6 +238,8 @@ def start(
         policy_version=jnp.full((N,), seed_index[2], jnp.int32),
         spec=spec,
         end=P,
+        prompt_routes=prompt_routes,
+        routes=routes,
     )
 
 
@@ -240,7 +296,7 @@ def decode(
     loop = _Loop(
         n=jnp.int32(0), t=state.t, cache=state.cache, tokens=widen(state.tokens, pad_id),
         mask=widen(state.mask, False), logprobs=widen(state.logprobs, 0.0), last=state.last,
-        pending=state.pending, done=state.done,
+        pending=state.pending, done=state.done, routes=_widen_routes(state.routes, need - P),
     )  # fmt: skip
     if not state.maybe_pending:  # the next token's logits are known: draw it now
         loop = _draw(state, loop, state.logits, stops, pad_id)
@@ -250,8 +306,11 @@ def decode(
 
     def body(loop: _Loop) -> _Loop:
         real = None if final else loop.pending
-        logits, cache = models.decode_step(cfg, params, loop.last, loop.cache, layers, real)
-        loop = loop.replace(cache=constrain_cache(cache, mesh))
+        logits, cache, own = models.decode_step(
+            cfg, params, loop.last, loop.cache, layers, real, with_routes=True
+        )
+        routes = _put_routes(loop.routes, own, loop.cache.index - P)  # the fed token's
+        loop = loop.replace(cache=constrain_cache(cache, mesh), routes=routes)
         return _draw(state, loop, logits, stops, pad_id)
 
     # One loop per cache segment: a step feeds the pending token at slot `index`, so a
@@ -268,6 +327,7 @@ def decode(
         cache=loop.cache, tokens=loop.tokens, mask=loop.mask,
         appended=widen(state.appended, False), logprobs=loop.logprobs, last=loop.last,
         pending=loop.pending, done=loop.done, t=loop.t, end=need, maybe_pending=True,
+        routes=loop.routes,
     )  # fmt: skip
 
 
@@ -288,7 +348,9 @@ def append(
         feed = jnp.concatenate([state.last[:, None], token_ids], axis=1)
         feed_mask = jnp.concatenate([state.pending[:, None], token_mask], axis=1)
     col = cache.index + feed.shape[1] - A - P
-    hidden, cache = models.extend(cfg, params, feed, feed_mask, cache)
+    routes = _widen_routes(state.routes, need - P)
+    routes_col = cache.index - P  # the feed's first column (the pending token's, if any)
+    hidden, cache, own = models.extend(cfg, params, feed, feed_mask, cache, with_routes=True)
     fed = jnp.any(feed_mask, axis=1)
     logits = models.project(cfg, params, models.last_hidden(hidden, feed_mask))
     put = lambda buf, x, fill: jax.lax.dynamic_update_slice(  # noqa: E731
@@ -305,6 +367,7 @@ def append(
         done=state.done & ~jnp.any(token_mask, axis=1),
         end=need,
         maybe_pending=False,
+        routes=_put_routes(routes, own, routes_col),
     )
 
 
@@ -335,6 +398,12 @@ def result(state: DecodeState, pad_id) -> SampleOutput:
     take = lambda x: jnp.take_along_axis(x, order, axis=1)  # noqa: E731
     mask = take(state.mask)
     sampled = mask & ~take(state.appended)
+    routes = None
+    if state.routes is not None:
+        order4 = order[:, :, None, None]
+        completion = jnp.take_along_axis(state.routes, order4, axis=1)
+        completion = jnp.where(mask[:, :, None, None], completion, -1)
+        routes = jnp.concatenate([state.prompt_routes, completion], axis=1)
     return SampleOutput(
         tokens=jnp.where(mask, take(state.tokens), pad_id),
         mask=mask,
@@ -346,4 +415,5 @@ def result(state: DecodeState, pad_id) -> SampleOutput:
         prompt_mask=state.prompt_mask,
         policy_version=state.policy_version,
         num_generations=state.spec.num_generations,
+        routes=routes,
     )

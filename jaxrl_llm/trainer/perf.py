@@ -1,13 +1,14 @@
 """Throughput accounting: model FLOPs and a matmul peak measured on the device in use.
 
 MFU everywhere in jaxrl_llm = model FLOPs / seconds / the measured matmul peak
-(`startup.peak.matmul_peak`), where model FLOPs
-count the matmuls of the parameters (2 per parameter per token forward, 6 forward +
-backward), the attention scores and values, and the unembedding only at the positions
-whose log-probs are used; the peak is measured on the device in use, so the ratio says how
-close a step is to what this device's matmul unit can do, not to a datasheet number. The
-trainer keeps the measurement next to its compilation cache (`startup.peak`): a rerun on
-the same machine starts without measuring, and its MFU has the same denominator.
+(`startup.peak.matmul_peak`), where model FLOPs count the matmuls of the parameters (2
+per parameter per token forward, 6 forward + backward; for a mixture of experts the
+active parameters only: router and k experts), the attention scores and values, and the
+unembedding only at the positions whose log-probs are used; the peak is measured on the
+device in use, so the ratio says how close a step is to what this device's matmul unit
+can do, not to a datasheet number. The trainer keeps the measurement next to its
+compilation cache (`startup.peak`): a rerun on the same machine starts without
+measuring, and its MFU has the same denominator.
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ class PhaseClock:
 
 
 def layer_matmul_params(model_cfg) -> int:
-    """Parameters of the decoder layers that take part in matmuls (no norms, no biases)."""
+    """Parameters of the decoder layers that take part in a token's matmuls (no norms, no
+    biases). Mixture of experts: the active ones, the router and the k experts a token
+    goes through (not the E - k idle ones), so MoE FLOPs and MFU count the work done."""
     c = model_cfg
     attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    if getattr(c, "moe", False):
+        experts = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+        return c.num_layers * (attn + c.hidden_size * c.num_experts + experts)
     return c.num_layers * (attn + 3 * c.hidden_size * c.intermediate_size)
 
 

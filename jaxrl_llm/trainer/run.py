@@ -105,7 +105,7 @@ class Run:
             print(rows.summary(), file=sys.stderr, flush=True)
         m = c.model
         runtime = dict(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                       attention_block=m.attention_block,
+                       attention_block=m.attention_block, moe_impl=m.moe_impl,
                        prefill_chunk=c.rollout.prefill_chunk)  # fmt: skip
         self.model_cfg, params = models.builtin.load_model(
             self.model_path, self.mesh, c.model.dtype, **runtime
@@ -251,6 +251,7 @@ class Run:
                 self.base_cfg, self.spec, chunk_size=c.train.logprob_chunk,
                 micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
                 packing=o.packing, packing_capacity=o.packing_capacity,
+                replay=self.algo.routing_replay == "rollout",
             )  # fmt: skip
 
     # ---------------------------------------------------------------------- the step

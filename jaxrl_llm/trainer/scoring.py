@@ -185,6 +185,7 @@ def _select_rows(outs: list[sampling.SampleOutput], index: jax.Array, rows_on=No
             prompt_tokens=widen(o.prompt_tokens, True),
             prompt_mask=widen(o.prompt_mask, True),
             **{f: widen(getattr(o, f), False) for f in ("tokens", "mask", "loss_mask", "logprobs")},
+            routes=sampling.fit_routes(o.routes, o.prompt_tokens.shape[1], P, T),
         )  # fmt: skip
         for o in outs
     ]

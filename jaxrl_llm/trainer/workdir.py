@@ -56,6 +56,7 @@ NOT_MEANINGFUL = frozenset(
     {
         "model.remat",  # recompute vs store activations: same math
         "model.scan_layers",  # scanned vs unrolled layers: same math
+        "model.moe_impl",  # how the experts' matmuls run: same math
         "model.attention",  # attention implementation: same math
         "model.attention_block",
         "data.data_dir",  # where TFDS files live

@@ -1,0 +1,173 @@
+"""Mixture-of-experts MLP (Qwen3-MoE): a router picks k of E SwiGLU experts per token.
+
+For a token h [D] with router weight W_r [D, E] (Qwen3-MoE, `transformers`
+Qwen3MoeSparseMoeBlock):
+
+    p = softmax(h W_r)                     (float32, over the E experts)
+    S = top_k(p)                           (the k selected experts)
+    w_e = p_e  (e in S),   w_e = p_e / sum_{j in S} p_j  when norm_topk_prob
+    y = sum_{e in S} w_e * down_e(silu(gate_e(h)) * up_e(h))
+
+Dropless: every token reaches all k of its experts (no capacity factor, no token dropped
+when an expert is popular). The experts run as one grouped matmul (`jax.lax.ragged_dot`)
+over the N*k (token, expert) pairs sorted by expert, so each expert multiplies exactly the
+rows routed to it; `dense_experts` is the same function with every expert applied to every
+token (E/k times the FLOPs), the reference the grouped path is tested against and the
+baseline of `benchmarks/moe.py`.
+
+Routing replay (R3): `routes` [N, k] gives the experts to use instead of the router's own
+top-k (the ones the sampler chose for that token). The gating weights are still read from
+the current router's probabilities at those experts, so the router gets its gradient
+through them exactly as without replay; only the discrete choice is fixed. The router's own
+top-k is always returned too, for the agreement metric and for the sampler to record.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.models.config import ModelConfig
+
+ROUTE_DTYPE = jnp.int16  # recorded expert ids: E <= 32767 (the largest models have 256)
+
+
+def router_probs(h: jax.Array, router: jax.Array) -> jax.Array:
+    """h [N, D], router [D, E] -> softmax(h W_r) [N, E] float32. The logits are computed in
+    h's dtype (as HF's F.linear does), the softmax in float32."""
+    logits = jnp.matmul(h, router.astype(h.dtype))
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def select(
+    cfg: ModelConfig, probs: jax.Array, routes: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """probs [N, E] -> (experts used [N, k] int32, their weights [N, k] float32, the
+    router's own top-k [N, k] int32). routes [N, k]: experts to use instead of the own top-k
+    (replay), -1 in a row: that token keeps its own; the weights are then the current
+    probabilities at the experts used."""
+    _, own = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    ids = own
+    if routes is not None:  # a token without a recorded route (-1) keeps its own top-k
+        recorded = jnp.all(routes >= 0, axis=-1, keepdims=True)
+        ids = jnp.where(recorded, routes.astype(jnp.int32), own)
+    weights = jnp.take_along_axis(probs, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights, own
+
+
+def _swiglu(x, gate, up, down, matmul):
+    return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
+
+
+def grouped_experts(x, ids, weights, gate, up, down) -> jax.Array:
+    """Dropless grouped-matmul experts: x [N, D], ids/weights [N, k], gate/up [E, D, F],
+    down [E, F, D] -> [N, D] = sum_j weights[n, j] * expert_{ids[n, j]}(x[n]).
+
+    The N*k (token, expert) pairs are sorted by expert (stable), each expert's contiguous
+    rows go through its own weights in one `ragged_dot`, and the outputs are gathered
+    back to token order and summed over the k choices with their weights."""
+    n, k = ids.shape
+    num_experts = gate.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = jnp.take(x, order // k, axis=0)  # [N*k, D]
+
+    def matmul(a, w):
+        return jax.lax.ragged_dot(a, w.astype(a.dtype), sizes)
+
+    ys = _swiglu(xs, gate, up, down, matmul)
+    inverse = jnp.argsort(order)
+    ys = jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
+
+
+BLOCK_ROWS = 128  # rows per block of `blocked_experts`
+
+
+def blocked_experts(x, ids, weights, gate, up, down, block: int = BLOCK_ROWS) -> jax.Array:
+    """`grouped_experts` as batched matmuls over blocks of rows, for backends without a
+    grouped-matmul kernel (XLA:CPU computes `ragged_dot` densely over all groups).
+
+    The (token, expert) pairs sorted by expert are laid out with each expert's rows padded
+    to a multiple of `block`, so every block belongs to one expert: at most N*k + E*(block-1)
+    rows, rounded up to whole blocks (static). Each block multiplies its expert's weights
+    (gathered per block), so the FLOPs are those of the routed rows plus the padding."""
+    n, k = ids.shape
+    num_experts = gate.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts)
+    padded = (sizes + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    sorted_experts = flat[order]
+    rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank  # row of each sorted pair
+    num_blocks = -(-(n * k + num_experts * (block - 1)) // block)
+    rows = jnp.zeros((num_blocks * block, x.shape[1]), x.dtype)
+    rows = rows.at[dest].set(jnp.take(x, order // k, axis=0))
+    starts = jnp.arange(num_blocks) * block
+    owner = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), num_experts - 1)
+    xb = rows.reshape(num_blocks, block, -1)
+
+    def matmul(a, w):  # a [B, block, in], w [E, in, out] -> [B, block, out]
+        return jnp.einsum("bri,bio->bro", a, jnp.take(w, owner, axis=0).astype(a.dtype))
+
+    yb = _swiglu(xb, gate, up, down, matmul).reshape(num_blocks * block, -1)
+    ys = jnp.take(yb, dest, axis=0)  # sorted order
+    ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
+
+
+def dense_experts(x, ids, weights, gate, up, down) -> jax.Array:
+    """`grouped_experts` computed densely: every expert on every token [N, E, D], then the
+    weighted sum over each token's k selected experts (zero weight elsewhere)."""
+    num_experts = gate.shape[0]
+
+    def matmul(a, w):  # a [N, D] or [E, N, F]
+        spec = "nd,edf->enf" if a.ndim == 2 else "enf,efd->end"
+        return jnp.einsum(spec, a, w.astype(a.dtype))
+
+    ys = _swiglu(x, gate, up, down, matmul)  # [E, N, D]
+    onehot = jax.nn.one_hot(ids, num_experts, dtype=weights.dtype)  # [N, k, E]
+    combine = jnp.einsum("nke,nk->ne", onehot, weights)
+    return jnp.einsum("end,ne->nd", ys, combine.astype(ys.dtype))
+
+
+EXPERT_IMPLS = {"ragged": grouped_experts, "blocked": blocked_experts, "dense": dense_experts}
+
+
+def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
+    """The MoE block of one layer: h [B, T, D] -> (y [B, T, D], own top-k [B, T, k] int32).
+
+    weights: {"router" [D, E], "gate"/"up" [E, D, F], "down" [E, F, D]} of this layer.
+    routes [B, T, k]: replayed experts (None: the router's own top-k)."""
+    B, T, D = h.shape
+    x = h.reshape(B * T, D)
+    probs = router_probs(x, weights["router"])
+    flat_routes = None if routes is None else routes.reshape(B * T, -1)
+    ids, w, own = select(cfg, probs, flat_routes)
+    experts = EXPERT_IMPLS[cfg.moe_impl]
+    y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"])
+    k = cfg.num_experts_per_tok
+    return y.reshape(B, T, D), own.reshape(B, T, k)
+
+
+def router_agreement(own: jax.Array, recorded: jax.Array, mask: jax.Array) -> jax.Array:
+    """Fraction of (token, layer) selections where the router's own top-k equals the
+    recorded one as a set: own, recorded [N, T, L, k], mask [N, T] (tokens counted; those
+    without a recorded route are skipped). -> [] float32."""
+    same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(recorded.astype(own.dtype), axis=-1), -1)
+    counted = mask[:, :, None] & jnp.all(recorded >= 0, axis=-1)
+    total = jnp.maximum(jnp.sum(counted), 1)
+    return jnp.sum(same & counted) / total
+
+
+def expert_load(own: jax.Array, mask: jax.Array, num_experts: int) -> jax.Array:
+    """Share of the k selections of the masked tokens that went to each expert, per layer:
+    own [N, T, L, k], mask [N, T] -> [L, E] float32 (each row sums to 1; uniform is 1/E)."""
+    onehot = jax.nn.one_hot(own, num_experts, dtype=jnp.float32)  # [N, T, L, k, E]
+    counts = jnp.einsum("ntlke,nt->le", onehot, mask.astype(jnp.float32))
+    return counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
