@@ -136,8 +136,12 @@ def test_unsupported_options_refused(arch, change, message):
         models.ModelConfig.from_hf_dict(d)
 
 
-def test_moe_architecture_refused():
-    with pytest.raises(models.UnsupportedModelError, match=r"'Qwen3MoeForCausalLM'"):
+def test_moe_architectures_refused_or_checked():
+    """Another MoE family is refused naming it (and the supported list); a Qwen3-MoE
+    config without experts is refused naming the key."""
+    with pytest.raises(models.UnsupportedModelError, match=r"'MixtralForCausalLM'.*Qwen3Moe"):
+        models.ModelConfig.from_hf_dict({"architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(models.UnsupportedModelError, match=r"num_experts=0 .*Qwen3Moe"):
         models.ModelConfig.from_hf_dict({"architectures": ["Qwen3MoeForCausalLM"]})
 
 
