@@ -152,7 +152,8 @@ def resolve_packing(mode, capacity: float, batch_shards: int, moe: bool = False)
     over devices would move them between devices. moe: a mixture-of-experts model runs
     padded whatever the mode (its recorded and own routes are laid out by row; the
     config check refuses 'on' for one)."""
-    if moe and mode in (True, "on", False, "off", "auto"):
+    if moe:
+        resolve_packing(mode, capacity, batch_shards)  # a bad mode or capacity still fails
         return 0.0
     if mode is True or mode == "on":
         packed_seqs(1, capacity)  # checks the capacity
