@@ -203,6 +203,7 @@ def test_tpu_pod_run_check_stop_on_a_worker(fake_bin, tmp_path):
             *EXTRA_ARGV,
             *TAIL_ARGV,
         ]
+        wait_for(tmp_path / "env")  # the fake trainer writes it after argv
         assert (tmp_path / "env").read_text().split() == ["1", str(tmp_path / "jaxrl_llm")]
 
         again = on_worker(tmp_path, tools, remote_command(fake_bin, "run"))
