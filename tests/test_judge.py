@@ -16,6 +16,7 @@ import pytest
 from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
 
 from jaxrl_llm import config, models
+from jaxrl_llm.startup.precompile import precompile_step
 from jaxrl_llm.trainer.run import Run
 from jaxrl_llm.verifiers import judge as J
 
@@ -87,16 +88,21 @@ def _config(student, judge, **options):
 @pytest.mark.parametrize("mode", ["sync", "overlap", "split"])
 def test_judge_rewards_through_the_trainer(dirs, tmp_path, mode):
     """Every rollout mode: sync and overlap score in the step, on the one mesh; split on
-    the rollout thread, with the judge on the rollout mesh."""
+    the rollout thread, with the judge on the rollout mesh. The judge's sampler is
+    compiled ahead of the first step, at the one width every step's prompts pad to."""
     student, judge = dirs
     c = _config(student, judge)
     c.rollout.mode = mode
     if mode == "split":  # training mesh 4 devices (fsdp 2 x tensor 2), rollout mesh 4
         c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
     run = Run.build(c, str(tmp_path))
+    run.compile_log.listen()
     try:
         (j,) = run.judges
         assert j.sampler.mesh is run.sampling.rollout_mesh
+        precompile_step(run, side_by_side=False)
+        (ahead,) = [p for p in run.compile_log.programs if p.name == j.name]
+        assert ahead.compiles >= 1 and ahead.detail == f"bucket {j.width}"
         seen = {"errors": 0, "marked": 0, "rows": 0}
         for step in range(2):
             scored = run.step(step).scored
@@ -121,7 +127,10 @@ def test_judge_rewards_through_the_trainer(dirs, tmp_path, mode):
         # The random student's completions exercise every branch of the judge.
         assert seen["errors"] > 0 and seen["marked"] > 0, seen
         assert seen["errors"] + seen["marked"] < seen["rows"], seen
+        # The steps' judge calls compiled nothing: the one record is the ahead build.
+        assert [p for p in run.compile_log.programs if p.name == j.name] == [ahead]
     finally:
+        run.compile_log.close()
         run.close()
     assert j.calls == run.sampling.scorer.calls  # one per scoring call, ahead ones too
 
@@ -151,6 +160,7 @@ def test_unparsable_verdict_raises(text, parser):
         (dict(parser="xml"), "parser='xml'"),
         (dict(max_new_tokens=0), "max_new_tokens=0"),
         (dict(temperature=-1.0), "temperature=-1.0"),
+        (dict(prompt_len=-1), "prompt_len=-1"),
     ],
 )
 def test_judge_options_are_checked(dirs, options, match):

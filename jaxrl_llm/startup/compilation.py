@@ -156,14 +156,15 @@ class CompileLog:
 
     @contextlib.contextmanager
     def program(self, name: str, detail: str = "", traced_s: float = 0.0, runs: bool = False,
-                background: bool = False):  # fmt: skip
+                background: bool = False, wait: bool = True):  # fmt: skip
         """Attributes the compiles of this thread inside the block to `name`; on exit,
         when any happened, records the program and writes its line. Before the block, the
-        builds ahead of time that serve `name` are waited for (a deferred one started).
+        builds ahead of time that serve `name` are waited for (a deferred one started),
+        unless `wait` is False (a build's own block: it would wait for itself).
         traced_s: tracing and lowering time spent before the block, added to its wall
         time. runs: the block also waits for programs to run, so its line gives XLA's
         compile seconds instead of the block's wall time."""
-        if not background:
+        if wait and not background:
             self.wait(name)
         record = Compiled(name, detail, background=background)
         outer = getattr(self._local, "current", None)
@@ -283,7 +284,8 @@ class CompileLog:
         lowered = lowering()
         if after is not None:
             concurrent.futures.wait([after])
-        with self.program(name, detail, lowering.seconds, background=background) as record:
+        with self.program(name, detail, lowering.seconds, background=background,
+                          wait=False) as record:  # fmt: skip
             lowered.compile()
         return record
 

@@ -2,8 +2,9 @@
 
     precompile_step(run, background=True, evaluate_first=False, step=start)
 
-The sampler, the reference, the teacher (on-policy distillation) and the update (and
-evaluation's sampler programs when it is scheduled) are lowered here and compiled by
+The sampler, the reference, the teacher (on-policy distillation), each judge's sampler
+(judge reward entries, at their fixed prompt width), and the update (and evaluation's
+sampler programs when it is scheduled) are lowered here and compiled by
 `CompileLog.ahead_of_time`: side by side, one by one, or in the background beside the
 first step, in the order the run needs them. The rollouts and log-probs are pinned to row
 sharding (`Sampler.row_sharding`), so the reference, the teacher and the update can be
@@ -56,6 +57,9 @@ def precompile_step(
             build(label, bucket, program, params, out)
             teacher = out.logprobs
         local_rows = out.tokens.shape[0] // jax.process_count()
+        for judge in run.judges:  # scores this process's rows, after the reference
+            program, args, kwargs = judge.program(local_rows)
+            build(judge.name, f"bucket {judge.width}", program, *args, **kwargs)
         rewards = parallel.shard_local_batch(np.zeros(local_rows, np.float32), run.mesh)
         rollouts = rl.RolloutBatch.from_sample(out, rewards, ref, teacher)
         program, args = run.update.program(run.state, rollouts)

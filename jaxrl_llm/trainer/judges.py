@@ -1,6 +1,7 @@
 """Judge reward entries on the mesh: a model, its tokenizer and its own `Sampler`.
 
-    judges = make_judges(specs, mesh, dtype="float32", seed=0)   # one per `judge` entry
+    judges = make_judges(specs, mesh, dtype="float32", seed=0,
+                         prompt_budget=64 + 16)      # one per `judge` entry
     scores, errors = judges[0](completions, examples, prompts, step)
 
 Each call renders the entry's template for every completion of this process
@@ -8,9 +9,17 @@ Each call renders the entry's template for every completion of this process
 default; `calls` counts them), decodes this process's rows and parses each verdict into a
 number (`verifiers.judge.parse_verdict`). An unparsable verdict scores 0 and is returned
 as an error `(row, message)`; `scoring.Scorer` counts it like a verifier's error.
+
+The prompts are padded to one width (`width`: the entry's `prompt_len`, else the
+template's tokens + the question's and the completion's budgets), not to each step's
+longest prompt, so the judge's sampler is one program, which start-up compiles ahead of
+the first step (`program`, `startup.precompile`). A step whose prompts are longer takes
+its own bucket, compiled when it comes (its line printed).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -28,9 +37,14 @@ class Judge:
       mesh: the mesh it generates on (the training mesh).
       dtype: its params' dtype (model.dtype).
       seed: its sampler's seed (matters only with temperature > 0).
+      prompt_budget: the question's and the completion's token budgets together
+        (data.max_prompt_len + rollout.max_new_tokens): with the template's own tokens,
+        the prompts' width when the entry sets no `prompt_len`.
+      compile_log: the run's `startup.compilation.CompileLog` (None: compiles unnamed).
     """
 
-    def __init__(self, spec, mesh, dtype: str = "float32", seed: int = 0):
+    def __init__(self, spec, mesh, dtype: str = "float32", seed: int = 0,
+                 prompt_budget: int = 0, compile_log=None):  # fmt: skip
         o = self.options = dict(spec.options)
         self.label, self.mesh = spec.label, mesh
         key = f"rewards.{spec.label}.options.model"
@@ -48,7 +62,28 @@ class Judge:
         )
         self.template = o.get("template", "{question}\n{completion}\n")
         self.parser = o.get("parser", "number")
+        self.compile_log = compile_log
+        self.name = f"{self.label} sampler"  # its program's name in the compile log
+        width = int(o.get("prompt_len", 0))
+        if not width:
+            empty = self.template.format(completion="", question="", answer="")
+            width = len(self.tokenizer(empty)["input_ids"]) + int(prompt_budget)
+        self.width = sampling.bucket_length(width, self.sampler.bucket_steps)
         self.calls = 0  # batched sampler calls so far (one per scoring of a step)
+
+    def program(self, rows: int):
+        """The sampler's jitted program and its arguments for `rows` prompts at `width`:
+        what start-up compiles ahead of the first call."""
+        ids = np.full((rows, self.width), self.pad, np.int32)
+        ids[:, -1] = 0 if self.pad else 1  # one real token a row: only the shapes matter
+        mask = np.zeros((rows, self.width), bool)
+        mask[:, -1] = True
+        return self.sampler.sample_program(self.params, *self._place(ids, mask), self.spec)
+
+    def _place(self, ids, mask):
+        """This process's padded prompts -> the global batch on the mesh, at their width
+        (placed arrays: the sampler keeps the width it is given)."""
+        return parallel.shard_local_batch((ids, mask), self.mesh)
 
     def __call__(self, completions, examples, prompts, step: int = 0):
         """This process's completions -> (scores [n] float64, errors [(row, message)])."""
@@ -57,8 +92,13 @@ class Judge:
             for c, ex, p in zip(completions, examples, prompts, strict=True)
         ]
         ids = [self.tokenizer(t)["input_ids"] for t in texts]
-        prompt_ids, prompt_mask = sampling.pad_prompts(ids, self.pad)
-        out = self.sampler.sample(self.params, prompt_ids, prompt_mask, self.spec, step)
+        longest = sampling.bucket_length(max(map(len, ids)), self.sampler.bucket_steps)
+        width = max(self.width, parallel.host_max(longest))  # every host, one width
+        placed = self._place(*sampling.pad_prompts(ids, self.pad, bucket=width))
+        compiling = (contextlib.nullcontext() if self.compile_log is None
+                     else self.compile_log.program(self.name, f"bucket {width}"))  # fmt: skip
+        with compiling:
+            out = self.sampler.sample(self.params, *placed, self.spec, step)
         self.calls += 1
         tokens, lengths = (
             np.asarray(x) for x in parallel.local_rows((out.tokens, out.lengths), self.mesh)
@@ -76,6 +116,11 @@ class Judge:
         return scores, errors
 
 
-def make_judges(specs, mesh, dtype: str = "float32", seed: int = 0) -> list[Judge]:
-    """A `Judge` for every judge entry of `specs`, in order."""
-    return [Judge(s, mesh, dtype, seed) for s in specs if judge_lib.is_judge(s)]
+def make_judges(specs, mesh, dtype: str = "float32", seed: int = 0, prompt_budget: int = 0,
+                compile_log=None) -> list[Judge]:  # fmt: skip
+    """A `Judge` for every judge entry of `specs`, in order (arguments as `Judge`'s)."""
+    return [
+        Judge(s, mesh, dtype, seed, prompt_budget, compile_log)
+        for s in specs
+        if judge_lib.is_judge(s)
+    ]

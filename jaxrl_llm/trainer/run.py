@@ -183,7 +183,11 @@ class Run:
             overlong = max(1, round(self.algo.overlong_buffer_frac * self.spec.max_new_tokens))
         # Judge entries: a model each, with its own sampler, on the mesh that scores (the
         # rollout mesh in split mode, where the rollout thread scores; else the one mesh).
-        self.judges = judges.make_judges(specs, rollout_mesh, c.model.dtype, c.train.seed)
+        self.judges = judges.make_judges(
+            specs, rollout_mesh, c.model.dtype, c.train.seed,
+            prompt_budget=c.data.max_prompt_len + c.rollout.max_new_tokens,
+            compile_log=self.compile_log,
+        )  # fmt: skip
         scorer = scoring.Scorer(self.tokenizer, self.pool, specs, self.spec,
                                 overlong_buffer=overlong, mesh=self.mesh,
                                 judges=self.judges)  # fmt: skip

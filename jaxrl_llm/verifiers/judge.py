@@ -45,6 +45,7 @@ def judge(
     temperature: float = 0.0,
     question_field: str = "question",
     answer_field: str = "answer",
+    prompt_len: int = 0,
 ) -> float:
     """The options of a `judge` reward entry (module doc). Not callable as a verifier: the
     trainer runs the judge on the mesh.
@@ -58,6 +59,11 @@ def judge(
         the whole match, as a number).
       max_new_tokens: the verdict's token budget (the judge stops at its EOS).
       temperature: 0 = greedy.
+      prompt_len: the judge prompts' width in the judge's tokens, rounded up to a bucket:
+        one sampler program for every step whose prompts fit it, compiled before the
+        first step. 0 = the template's tokens + data.max_prompt_len +
+        rollout.max_new_tokens (the question and the completion at their budgets); a
+        step with a longer prompt compiles its own bucket when it comes.
     """
     raise RuntimeError(
         "the judge reward entry runs on the mesh (trainer.judges), not in the verifier pool"
@@ -99,6 +105,9 @@ def check_options(options: dict, where: str) -> None:
     temp = options.get("temperature", 0.0)
     if isinstance(temp, bool) or not isinstance(temp, int | float) or not temp >= 0:
         raise ValueError(f"{where}.temperature={temp!r}: must be >= 0 (0 = greedy)")
+    width = options.get("prompt_len", 0)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"{where}.prompt_len={width!r}: must be an integer >= 0 (0 = derived)")
 
 
 def render(template: str, completion: str, example: dict, prompt: str, options: dict) -> str:
