@@ -173,8 +173,9 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
         cfg.tie_word_embeddings and name == "lm_head.weight"
     ):
         return True
-    if cfg.mtp_layers and name.startswith("model.layers."):
-        return int(name.split(".")[2]) >= cfg.num_layers
+    for prefix in ("model.layers.", "blk."):  # HF's and GGUF's layer names
+        if cfg.mtp_layers and name.startswith(prefix):
+            return int(name[len(prefix) :].split(".")[0]) >= cfg.num_layers
     return False
 
 

@@ -227,7 +227,9 @@ def router_agreement(own: jax.Array, recorded: jax.Array, mask: jax.Array) -> ja
 
 def expert_load(own: jax.Array, mask: jax.Array, num_experts: int) -> jax.Array:
     """Share of the k selections of the masked tokens that went to each expert, per layer:
-    own [N, T, L, k], mask [N, T] -> [L, E] float32 (each row sums to 1; uniform is 1/E)."""
+    own [N, T, L, k], mask [N, T] -> [L, E] float32 (each row sums to 1; uniform is 1/E).
+    A negative id (a dense-MLP layer, a token not routed) counts nowhere: a layer without
+    any selection has a row of zeros."""
     onehot = jax.nn.one_hot(own, num_experts, dtype=jnp.float32)  # [N, T, L, k, E]
     counts = jnp.einsum("ntlke,nt->le", onehot, mask.astype(jnp.float32))
     return counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
