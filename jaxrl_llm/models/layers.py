@@ -1,10 +1,13 @@
-"""The decoder's modules (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3) in Flax NNX: RMSNorm,
-the dense matmul with its backward written out, rotary embeddings, one decoder layer and
-the model.
+"""The decoder's modules (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3 / Qwen3-MoE / GLM-4.5)
+in Flax NNX: RMSNorm, the dense matmul with its backward written out, rotary embeddings,
+one decoder layer and the model.
 
 Gemma 3's layers differ by kind (sliding-window or global attention, each with its own
 RoPE base). The kind is data, not code: `layer_kinds(cfg)` gives per-layer arrays that the
 layer scan reads like the stacked parameters, so one traced layer serves both kinds.
+An MoE model's layers may differ in their MLP (experts or dense, `cfg.dense_layers`): that
+is code, so each run of consecutive alike layers is one scan over its kind's parameters
+(`ModelConfig.layer_segments`); a model whose layers are all alike is one scan.
 
 The modules only declare parameters (with logical axis names) and the math of one layer;
 `transformer.py` holds the functional API that merges a plain params dict into them.
@@ -294,7 +297,10 @@ def layer_slice(cfg: ModelConfig, per_index: dict, i: int) -> dict:
 
 
 class Block(nnx.Module):
-    """All decoder layers' parameters, stacked on a leading `layers` axis.
+    """All decoder layers' parameters, stacked on a leading `layers` axis: over every
+    layer, except in an MoE model with dense-MLP layers (`cfg.dense_layers`), where the
+    MLP's parameters are stacked over the layers of their kind (`mlp_kind`) and the layer
+    loop scans each run of alike layers (`segment_params`).
 
     `__call__` computes ONE layer and must be given one layer's slice of the parameters
     (the scan in `Transformer` does that by merging a sliced state).
