@@ -284,7 +284,7 @@ def test_unsupported_architecture_names_it(tmp_path):
         models.load_gguf(path)
     assert one_line(err) == (
         f"{path}: GGUF architecture 'gemma2' is not supported; supported: llama, qwen2, "
-        "qwen3, gemma3"
+        "qwen3, gemma3, qwen3moe, glm4moe"
     )
 
 

@@ -161,7 +161,7 @@ def test_replayed_gates_differentiate_the_router():
     """Replayed experts (ones the router would not pick): output and gradients w.r.t.
     the router, the input, the experts and the shared expert equal the plain block's;
     the selection bias gets no gradient."""
-    cfg = tiny_glm()
+    cfg = tiny_glm(moe_impl="dense")  # the expert paths are tested in test_moe.py
     D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     keys = jax.random.split(jax.random.key(4), 9)
     h = jax.random.normal(keys[0], (2, 3, D))
