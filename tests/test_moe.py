@@ -117,8 +117,8 @@ def test_export_reloads_in_transformers(qwen3_moe, tmp_path):
 def test_dense_layer_pattern_equals_transformers(tmp_path):
     """`mlp_only_layers` and `decoder_sparse_step` mixed: of 4 layers only 1 and 3 are
     MoE by the step, and 3 is dense by `mlp_only_layers`: runs dense, MoE, dense (three
-    scans). Logits equal transformers; greedy with the per-layer cache (unrolled layers,
-    each layer's MLP picked from its kind's stack) equals `generate`."""
+    scans, each over its kind's stack). Logits equal transformers'. (The per-layer cache
+    over layers of two kinds: tests/test_moe_glm.py's greedy test.)"""
     model = hf_model("qwen3_moe", seed=5, num_hidden_layers=4, decoder_sparse_step=2,
                      mlp_only_layers=[3])  # fmt: skip
     model.save_pretrained(tmp_path)
@@ -130,10 +130,6 @@ def test_dense_layer_pattern_equals_transformers(tmp_path):
     assert (
         max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask) <= 1e-5
     )
-    unrolled = cfg.replace(scan_layers=False)
-    out = sampling.generate(unrolled, params, PROMPTS, max_new_tokens=6, temperature=0.0)
-    np.testing.assert_array_equal(np.asarray(out.tokens), hf_greedy(model, PROMPTS, 6))
-    assert (np.asarray(out.routes)[..., [0, 2, 3], :] < 0).all()
 
 
 def test_param_counts_equal_transformers(qwen3_moe):

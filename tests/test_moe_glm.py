@@ -53,9 +53,16 @@ def test_sharded_logits_equal_transformers(glm4_moe):
 
 
 def test_greedy_equals_hf_generate(glm4_moe):
+    """With the per-layer cache (unrolled layers, each layer's MLP parameters picked from
+    its kind's stack); the scanned cache runs in the replay test below. The dense layer
+    records no experts."""
     model, _, cfg, params = glm4_moe
-    out = sampling.generate(cfg, params, PROMPTS, max_new_tokens=8, temperature=0.0)
+    unrolled = cfg.replace(scan_layers=False)
+    out = sampling.generate(unrolled, params, PROMPTS, max_new_tokens=8, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), hf_greedy(model, PROMPTS, 8))
+    routes, P = np.asarray(out.routes), out.prompt_tokens.shape[1]
+    assert (routes[:, :, 0] == -1).all()
+    assert (routes[:, :P][np.asarray(out.prompt_mask)][:, 1:] >= 0).all()
 
 
 def test_export_reloads_in_transformers(glm4_moe, tmp_path):
