@@ -98,6 +98,64 @@ def write_model(
     _close(w)
 
 
+MOE_ARCHS = {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "glm4moe": gguf.MODEL_ARCH.GLM4_MOE}
+
+
+def write_moe_model(model, path, arch: str, nextn: int = 0) -> None:
+    """A transformers Qwen3-MoE or GLM-4.5 model as an F32 GGUF file, as llama.cpp's
+    converter writes it: each layer's experts stacked in one tensor per projection
+    (`ffn_{gate,up,down}_exps` [E, rows, cols]), the expert metadata under its keys.
+    glm4moe: `nextn` multi-token-prediction blocks counted in `block_count`, one tensor
+    of each written after the decoder's layers."""
+    c = model.config
+    layers = c.num_hidden_layers
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers + nextn)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "qwen3moe":
+        w.add_expert_count(c.num_experts)
+    else:
+        factor = c.rope_parameters.get("partial_rotary_factor", 0.5)
+        w.add_rope_dimension_count(int(c.head_dim * factor))
+        w.add_expert_count(c.n_routed_experts)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_leading_dense_block_count(c.first_k_dense_replace)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+        w.add_nextn_predict_layers(nextn)
+    names = gguf.get_tensor_name_map(MOE_ARCHS[arch], layers + nextn)
+    for name, t in model.state_dict().items():
+        x = t.float().numpy()
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, D]: gate rows, then up
+            f = x.shape[1] // 2
+            w.add_tensor(names.get_name(prefix + ".gate_proj") + ".weight", x[:, :f].copy())
+            w.add_tensor(names.get_name(prefix + ".up_proj") + ".weight", x[:, f:].copy())
+        elif name.endswith("e_score_correction_bias"):  # llama.cpp: exp_probs_b.bias
+            w.add_tensor(names.get_name(name.removesuffix("_bias")) + ".bias", x)
+        elif name.endswith("mlp.experts.down_proj"):
+            w.add_tensor(names.get_name(name) + ".weight", x)
+        else:
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
+    for k in range(nextn):  # a multi-token-prediction block the decoder does not use
+        w.add_tensor(f"blk.{layers + k}.nextn.eh_proj.weight", np.ones((4, 8), np.float32))
+    _close(w)
+
+
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"

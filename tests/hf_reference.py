@@ -41,6 +41,27 @@ ARCHS = {
             "norm_topk_prob": True,
         },
     ),
+    # DeepSeek-V3 routing (GLM-4.5): 3 layers, the first dense; 8 experts in 4 groups, the
+    # choice within the best 2 groups; a shared expert; q/k/v bias, q/k norm, half the
+    # head rotated.
+    "glm4_moe": (
+        transformers.Glm4MoeConfig,
+        transformers.Glm4MoeForCausalLM,
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "attention_bias": True,
+            "use_qk_norm": True,
+        },
+    ),
     # 3 layers: sliding, sliding, global (the 270M model's pattern is 5 + 1); a window of 4
     # tokens so the tests' sequences run past it; each layer kind its own RoPE base.
     "gemma3": (
@@ -95,6 +116,9 @@ def hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(0.3 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / np.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():  # DeepSeek-V3 routing's selection bias
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
     return model
 
 

@@ -18,6 +18,7 @@ from gguf_reference import (
     CHATML,
     random_blocks,
     write_model,
+    write_moe_model,
     write_tensors,
     write_tokenizer,
 )
@@ -167,6 +168,26 @@ def test_f32_round_trip_equals_the_hf_model(tmp_path):
     assert diff <= ATOL, diff
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe"])
+def test_moe_round_trip_equals_the_hf_model(tmp_path, arch):
+    """A tiny Qwen3-MoE / GLM-4.5 written as llama.cpp writes it (experts stacked per
+    layer; GLM with a multi-token-prediction block after its layers, which is skipped)
+    loads to the HF model's config and logits."""
+    model = hf_model("qwen3_moe" if arch == "qwen3moe" else "glm4_moe", seed=7)
+    write_moe_model(model, tmp_path / "moe.gguf", arch, nextn=int(arch == "glm4moe"))
+    cfg, params = models.load_gguf(tmp_path / "moe.gguf")
+    assert cfg.architecture == type(model).__name__ and cfg.num_layers == 2 + (arch == "glm4moe")
+    reference = models.ModelConfig.from_hf_dict(model.config.to_dict())
+    fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "router", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
+              "dense_layers", "partial_rotary_factor", "qkv_bias", "qk_norm")  # fmt: skip
+    for name in fields:
+        assert getattr(cfg, name) == getattr(reference, name), name
+    ids, mask = padded_batch(seed=4)
+    diff = max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask)
+    assert diff <= ATOL, diff
+
+
 def test_sharded_load_on_2x4_mesh(written):
     """Each device shard is cut from the dequantized tensor: q split over fsdp and tensor."""
     path = written("llama-Q8_0")
@@ -263,7 +284,7 @@ def test_unsupported_architecture_names_it(tmp_path):
         models.load_gguf(path)
     assert one_line(err) == (
         f"{path}: GGUF architecture 'gemma2' is not supported; supported: llama, qwen2, "
-        "qwen3, gemma3"
+        "qwen3, gemma3, qwen3moe, glm4moe"
     )
 
 

@@ -114,6 +114,24 @@ def test_export_reloads_in_transformers(qwen3_moe, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_dense_layer_pattern_equals_transformers(tmp_path):
+    """`mlp_only_layers` and `decoder_sparse_step` mixed: of 4 layers only 1 and 3 are
+    MoE by the step, and 3 is dense by `mlp_only_layers`: runs dense, MoE, dense (three
+    scans, each over its kind's stack). Logits equal transformers'. (The per-layer cache
+    over layers of two kinds: tests/test_moe_glm.py's greedy test.)"""
+    model = hf_model("qwen3_moe", seed=5, num_hidden_layers=4, decoder_sparse_step=2,
+                     mlp_only_layers=[3])  # fmt: skip
+    model.save_pretrained(tmp_path)
+    cfg, params = models.load_hf(tmp_path)
+    assert cfg.dense_layers == (0, 2, 3) and len(cfg.layer_segments()) == 3
+    assert params["layers"]["gate"].shape[0] == 3 and params["layers"]["router"].shape[0] == 1
+    assert cfg.num_params() == models.count_params(params) == model.num_parameters()
+    ids, mask = padded_batch(seed=1)
+    assert (
+        max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask) <= 1e-5
+    )
+
+
 def test_param_counts_equal_transformers(qwen3_moe):
     model, _, cfg, params = qwen3_moe
     total = sum(p.numel() for p in model.parameters())
@@ -125,9 +143,10 @@ def test_param_counts_equal_transformers(qwen3_moe):
 
 def test_refused_options_name_the_key():
     base = hf_model("qwen3_moe").config.to_dict()
-    for key, value in [("decoder_sparse_step", 2), ("mlp_only_layers", [0])]:
-        with pytest.raises(models.UnsupportedModelError, match=key):
-            models.ModelConfig.from_hf_dict(base | {key: value})
+    with pytest.raises(models.UnsupportedModelError, match="decoder_sparse_step"):
+        models.ModelConfig.from_hf_dict(base | {"decoder_sparse_step": 0})
+    with pytest.raises(models.UnsupportedModelError, match="shared_expert_intermediate_size"):
+        models.ModelConfig.from_hf_dict(base | {"shared_expert_intermediate_size": 8})
     cfg = models.ModelConfig.from_hf_dict(base)
     with pytest.raises(ValueError, match="lora targets"):
         cfg.replace(lora=models.LoraConfig(rank=2))

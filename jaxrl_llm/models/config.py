@@ -3,7 +3,9 @@
 One config class covers every supported architecture; the differences between them are a
 handful of flags (qkv bias, q/k RMSNorm, tied embeddings, RoPE scaling) and, for Gemma 3,
 its layer pattern (sliding-window and global layers, each kind with its own RoPE base).
-Qwen3-MoE adds its mixture-of-experts MLP (`num_experts` > 0, `models.moe`).
+Qwen3-MoE and GLM-4.5 (`Glm4MoeForCausalLM`, DeepSeek-V3's routing on GQA attention with
+partial rotary embeddings) add their mixture-of-experts MLP (`num_experts` > 0,
+`models.moe`), with the dense-MLP layers their configs name (`dense_layers`).
 Anything the decoder does not implement (sliding windows outside Gemma 3, other MoE families, other
 activations, other RoPE variants, logit soft-capping) is refused here with one line naming
 the option, so a checkpoint never loads into a model that silently computes something else.
@@ -28,6 +30,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -36,6 +39,9 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoR
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (Gemma 3 `layer_types`)
 GEMMA3 = "Gemma3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
+GLM4_MOE = "Glm4MoeForCausalLM"
+MOE_ARCHITECTURES = (QWEN3_MOE, GLM4_MOE)
+ROUTERS = ("softmax", "sigmoid")  # models.moe: Qwen3-MoE's, DeepSeek-V3's (GLM-4.5)
 MOE_IMPLS = ("ragged", "blocked", "dense")  # models.moe.EXPERT_IMPLS
 # model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
@@ -111,14 +117,33 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float = 10000.0
     query_pre_attn_scalar: float | None = None
-    # Mixture of experts (Qwen3-MoE; 0 experts: the dense MLP). Every layer's MLP is
-    # `num_experts` SwiGLU experts of width `moe_intermediate_size`; each token goes
-    # through the `num_experts_per_tok` with the highest router probability, weighted by
-    # those probabilities (renormalised over the k when `norm_topk_prob`).
+    # Mixture of experts (Qwen3-MoE, GLM-4.5; 0 experts: the dense MLP). An MoE layer's
+    # MLP is `num_experts` SwiGLU experts of width `moe_intermediate_size`; each token
+    # goes through the `num_experts_per_tok` with the highest router score, weighted by
+    # those scores (renormalised over the k when `norm_topk_prob`). `router`: "softmax"
+    # (Qwen3-MoE) or "sigmoid" (DeepSeek-V3 / GLM-4.5: sigmoid scores, a per-expert
+    # `router_bias` added for the choice only, the choice limited to the `topk_group`
+    # best of `n_group` expert groups, weights times `routed_scaling_factor`), see
+    # `models.moe`. `n_shared_experts`: a dense SwiGLU of width n * moe_intermediate_size
+    # every token goes through besides (GLM-4.5). `dense_layers`: indices of the layers
+    # whose MLP is the dense one of width `intermediate_size` (GLM-4.5's first
+    # `first_k_dense_replace`, Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    dense_layers: tuple[int, ...] = ()
+    # GLM-4.5: RoPE rotates the first head_dim * partial_rotary_factor dimensions of
+    # each head (`rotary_dim`), the rest pass unrotated.
+    partial_rotary_factor: float = 1.0
+    # GLM-4.5: multi-token-prediction layers stored after the decoder's
+    # (`model.layers.{num_layers}`..): not part of the decoder, skipped on load.
+    mtp_layers: int = 0
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
@@ -170,10 +195,35 @@ class ModelConfig:
     def _check_moe(self) -> None:
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
-        if (self.architecture == QWEN3_MOE) != self.moe:
+        if (self.architecture in MOE_ARCHITECTURES) != self.moe:
             raise ValueError(f"num_experts={self.num_experts} does not fit {self.architecture}")
+        rot = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or int(rot) % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor}: head_dim times it must "
+                "be a positive even number of dimensions"
+            )
         if not self.moe:
             return
+        if self.router not in ROUTERS:
+            raise ValueError(f"router={self.router!r}; expected one of {ROUTERS}")
+        if sorted(set(self.dense_layers)) != list(self.dense_layers) or not all(
+            0 <= i < self.num_layers for i in self.dense_layers
+        ):
+            raise ValueError(
+                f"dense_layers={list(self.dense_layers)}: expected sorted distinct layer "
+                f"indices below num_layers={self.num_layers}"
+            )
+        E, G = self.num_experts, self.n_group
+        if self.router == "sigmoid" and (
+            E % G or E // G < 2 or not 1 <= self.topk_group <= G
+            or self.num_experts_per_tok > self.topk_group * (E // G)
+        ):  # fmt: skip
+            raise ValueError(
+                f"n_group={G}, topk_group={self.topk_group}: the {E} experts must split "
+                "into n_group groups of >= 2, topk_group in [1, n_group], and the chosen "
+                f"groups must hold num_experts_per_tok={self.num_experts_per_tok} experts"
+            )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok}: must be in "
@@ -226,8 +276,42 @@ class ModelConfig:
 
     @property
     def moe(self) -> bool:
-        """Every layer's MLP is a mixture of experts (`models.moe`)."""
+        """The model has mixture-of-experts layers (`models.moe`): all of them but
+        `dense_layers`."""
         return self.num_experts > 0
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer: its MLP is the mixture of experts (else the dense one)."""
+        dense = set(self.dense_layers)
+        return tuple(self.moe and i not in dense for i in range(self.num_layers))
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    def layer_segments(self) -> tuple[tuple[int, int, bool, int], ...]:
+        """The runs of consecutive layers with the same MLP kind: (start, stop, sparse,
+        the index of `start` among the layers of its kind). One run for a model whose
+        layers are all alike. The layer loop scans each run over its parameters, which
+        the layers of one kind share in a stack of their own."""
+        runs, kinds, seen = [], self.sparse_layers, {True: 0, False: 0}
+        for i, sparse in enumerate(kinds):
+            if runs and runs[-1][2] == sparse:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1, sparse, seen[sparse]])
+            seen[sparse] += 1
+        return tuple(tuple(r) for r in runs)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head that RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
 
     @property
     def windowed(self) -> bool:
@@ -245,11 +329,13 @@ class ModelConfig:
         attn += d if self.o_bias else 0
         attn += 2 * h if self.qk_norm else 0
         layer = attn + (4 if self.gemma else 2) * d
-        if self.moe:
-            layer += d * self.num_experts + 3 * d * self.moe_intermediate_size * self.num_experts
-        else:
-            layer += 3 * d * f
-        n = self.num_layers * layer + d
+        sparse = self.num_sparse_layers
+        n = self.num_layers * layer + (self.num_layers - sparse) * 3 * d * f + d
+        if sparse:
+            E, fm = self.num_experts, self.moe_intermediate_size
+            per = d * E + 3 * d * fm * E + 3 * d * self.shared_intermediate_size
+            per += E if self.router == "sigmoid" else 0  # the selection bias
+            n += sparse * per
         if include_embeddings:
             n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         elif not self.tie_word_embeddings:
@@ -262,7 +348,7 @@ class ModelConfig:
         n = self.num_params(include_embeddings)
         if self.moe:
             idle = self.num_experts - self.num_experts_per_tok
-            n -= self.num_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size
+            n -= self.num_sparse_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size
         return n
 
     # ----------------------------------------------------------------- HF conversion
@@ -302,8 +388,10 @@ class ModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == GEMMA3)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
-                o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias", False)),
-                qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, QWEN3_MOE),
+                o_bias=arch not in ("Qwen2ForCausalLM", GLM4_MOE)
+                and bool(d.get("attention_bias", False)),
+                qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, QWEN3_MOE)
+                or (arch == GLM4_MOE and bool(d.get("use_qk_norm", False))),
                 initializer_range=float(d.get("initializer_range", 0.02)),
                 hf_config=json.dumps(d, sort_keys=True),
             )
@@ -311,6 +399,8 @@ class ModelConfig:
                 fields |= _gemma3_fields(d, source)
             if arch == QWEN3_MOE:
                 fields |= _moe_fields(d)
+            if arch == GLM4_MOE:
+                fields |= _glm4_moe_fields(d)
             return cls(**fields, **runtime)
         except KeyError as e:
             raise ValueError(f"{source}: required key {e.args[0]!r} is missing") from None
@@ -343,15 +433,17 @@ class ModelConfig:
             raise ValueError("Qwen2 has qkv bias and no output bias; cannot express this config")
         if self.architecture == "MistralForCausalLM":
             d["sliding_window"] = None
-        if self.moe:
+        if self.architecture == QWEN3_MOE:
             d |= {
                 "num_experts": self.num_experts,
                 "num_experts_per_tok": self.num_experts_per_tok,
                 "moe_intermediate_size": self.moe_intermediate_size,
                 "norm_topk_prob": self.norm_topk_prob,
                 "decoder_sparse_step": 1,
-                "mlp_only_layers": [],
+                "mlp_only_layers": list(self.dense_layers),
             }
+        if self.architecture == GLM4_MOE:
+            d |= self._glm4_moe_dict()
         if self.gemma:
             del d["hidden_act"], d["rope_theta"], d["rope_scaling"]
             full = {"rope_type": "default", "rope_theta": self.rope_theta}
@@ -369,6 +461,33 @@ class ModelConfig:
                 },
             }
         return d
+
+    def _glm4_moe_dict(self) -> dict:
+        k = len(self.dense_layers)
+        if self.dense_layers != tuple(range(k)) or self.router != "sigmoid" or self.o_bias:
+            raise ValueError(
+                "Glm4MoeForCausalLM has the sigmoid router, its first layers dense "
+                f"(dense_layers={list(self.dense_layers)}) and no output bias; cannot "
+                "express this config"
+            )
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        return {
+            "attention_bias": self.qkv_bias,
+            "use_qk_norm": self.qk_norm,
+            "n_routed_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "n_shared_experts": self.n_shared_experts,
+            "first_k_dense_replace": k,
+            "num_nextn_predict_layers": self.mtp_layers,
+            "rope_parameters": rope
+            | dict(self.rope_scaling or ())
+            | {"partial_rotary_factor": self.partial_rotary_factor},
+        }
 
 
 def _int_if_whole(x: float) -> int | float:
@@ -408,6 +527,8 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
         refuse("mlp_bias=true")
     if arch == QWEN3_MOE:
         _refuse_moe_options(d, refuse)
+    elif arch == GLM4_MOE:
+        _refuse_glm4_moe_options(d, refuse)
     elif any(k in d for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         refuse("mixture-of-experts")
     if d.get("pretraining_tp", 1) not in (1, None):
@@ -420,7 +541,7 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
     layer_types = set(d.get("layer_types") or ["full_attention"])
     if layer_types != {"full_attention"}:
         refuse(f"layer_types={sorted(layer_types)} (only full_attention)")
-    if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+    if float(d.get("partial_rotary_factor", 1.0)) != 1.0 and arch != GLM4_MOE:
         refuse(f"partial_rotary_factor={d['partial_rotary_factor']}")
 
 
@@ -431,24 +552,60 @@ def _num_experts(d: dict) -> int:
 
 
 def _refuse_moe_options(d: dict, refuse) -> None:
-    """Qwen3-MoE checkpoints have every layer sparse; a dense-layer pattern is refused."""
+    """What the Qwen3-MoE decoder lacks: shared experts, and a model without experts."""
     if _num_experts(d) < 1:
         refuse("num_experts=0")
-    if int(d.get("decoder_sparse_step", 1)) != 1:
-        refuse(f"decoder_sparse_step={d['decoder_sparse_step']} (only 1: every layer MoE)")
-    if d.get("mlp_only_layers"):
-        refuse(f"mlp_only_layers={d['mlp_only_layers']} (only []: every layer MoE)")
+    if int(d.get("decoder_sparse_step", 1)) < 1:
+        refuse(f"decoder_sparse_step={d['decoder_sparse_step']} (must be >= 1)")
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
         if d.get(key):
             refuse(f"{key}={d[key]} (shared experts)")
 
 
 def _moe_fields(d: dict) -> dict:
+    """Qwen3-MoE: layer i is sparse unless it is in `mlp_only_layers` or (i + 1) is not a
+    multiple of `decoder_sparse_step` (transformers' Qwen3MoeDecoderLayer)."""
+    n, step = int(d["num_hidden_layers"]), int(d.get("decoder_sparse_step", 1))
+    only = {int(i) for i in d.get("mlp_only_layers") or ()}
+    dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
     return {
         "num_experts": _num_experts(d),
         "num_experts_per_tok": int(d["num_experts_per_tok"]),
         "moe_intermediate_size": int(d["moe_intermediate_size"]),
         "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "dense_layers": dense,
+    }
+
+
+def _refuse_glm4_moe_options(d: dict, refuse) -> None:
+    """GLM-4.5's router is DeepSeek-V3's `noaux_tc` (sigmoid scores + selection bias)."""
+    if int(d.get("n_routed_experts", d.get("num_local_experts", 0)) or 0) < 1:
+        refuse("n_routed_experts=0")
+    if d.get("scoring_func", "sigmoid") != "sigmoid":
+        refuse(f"scoring_func={d['scoring_func']!r} (only sigmoid)")
+    if d.get("topk_method", "noaux_tc") != "noaux_tc":
+        refuse(f"topk_method={d['topk_method']!r} (only noaux_tc)")
+
+
+def _glm4_moe_fields(d: dict) -> dict:
+    """GLM-4.5: every layer from `first_k_dense_replace` on is MoE; partial rotary from
+    `rope_parameters` (5.x) or the top level (4.x); transformers' default is 0.5."""
+    n, first = int(d["num_hidden_layers"]), int(d.get("first_k_dense_replace", 1))
+    params = d.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5))
+    return {
+        "num_experts": int(d.get("n_routed_experts", d.get("num_local_experts", 0))),
+        "num_experts_per_tok": int(d["num_experts_per_tok"]),
+        "moe_intermediate_size": int(d["moe_intermediate_size"]),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", True)),
+        "router": "sigmoid",
+        "n_group": int(d.get("n_group", 1)),
+        "topk_group": int(d.get("topk_group", 1)),
+        "routed_scaling_factor": float(d.get("routed_scaling_factor", 1.0)),
+        "n_shared_experts": int(d.get("n_shared_experts", 1)),
+        "dense_layers": tuple(range(min(first, n))),
+        "partial_rotary_factor": float(factor),
+        "mtp_layers": int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0),
     }
 
 
@@ -457,6 +614,7 @@ def _rope(d: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     params = dict(d.get("rope_parameters") or {})
     scaling = dict(d.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)  # GLM-4.5: `partial_rotary_factor` field
     merged = {**scaling, **params}
     if "type" in merged and "rope_type" not in merged:  # 4.x spelling
         merged["rope_type"] = merged.pop("type")

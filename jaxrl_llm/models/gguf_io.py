@@ -10,8 +10,12 @@ read with the `gguf` package (numpy, memory-mapped; no torch):
 
 - Config: the metadata becomes an HF config dict and goes through
   `ModelConfig.from_hf_dict`, so an option the decoder lacks is refused exactly as from a
-  config.json. Architectures: llama, qwen2, qwen3, gemma3; any other is refused naming
-  it. Gemma 3's files carry no layer pattern, local RoPE base or query scale: llama.cpp
+  config.json. Architectures: llama, qwen2, qwen3, gemma3, and the mixture-of-experts
+  qwen3moe and glm4moe (GLM-4.5); any other is refused naming it. An MoE file stores each
+  layer's experts stacked in one tensor (`blk.{i}.ffn_gate_exps.weight` [E, F, D]), read
+  expert by expert into the stacked parameter. glm4moe's `block_count` includes its
+  multi-token-prediction layers (`nextn_predict_layers`), which are skipped.
+  Gemma 3's files carry no layer pattern, local RoPE base or query scale: llama.cpp
   fixes them (every 6th layer global, base 10,000, head_dim), and so does the loader.
 - Tensors: each is dequantized to float32 by `gguf.quants.dequantize` (types in
   `SUPPORTED_TYPES`; a tensor of any other type is refused naming the type). llama.cpp
@@ -39,7 +43,7 @@ import os
 import numpy as np
 
 from jaxrl_llm.models import hf_io
-from jaxrl_llm.models.config import ModelConfig, UnsupportedModelError
+from jaxrl_llm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from jaxrl_llm.models.hf_io import CheckpointError
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -48,7 +52,22 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
 }
+# GGUF metadata of the mixture-of-experts architectures -> HF config keys (llama.cpp's
+# `convert_hf_to_gguf.py` writes them from those keys).
+_MOE_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_count": "n_shared_experts",
+    "expert_weights_scale": "routed_scaling_factor",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "leading_dense_block_count": "first_k_dense_replace",
+}
+_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
 # What llama.cpp assumes for Gemma 3 rather than reading from the file (llama-model.cpp).
 GEMMA3_DEFAULTS = {
     "hidden_activation": "gelu_pytorch_tanh",
@@ -65,7 +84,21 @@ _GEMMA_NAMES = (
     ("pre_feedforward_layernorm.", "ffn_norm."),
     ("post_feedforward_layernorm.", "post_ffw_norm."),
 )
-_NAMES = (
+# GLM-4.5's norm before the MLP is llama.cpp's post_attention_norm (glm4moe).
+_GLM4_MOE_NAMES = (("post_attention_layernorm.", "post_attention_norm."),)
+# Stacked experts: one GGUF tensor [E, rows, cols] per layer; expert e of it is read as
+# `<name>/<e>` (`GGUFTensors`), the per-expert tensor of the HF layout.
+_MOE_NAMES = (
+    ("mlp.experts.{e}.gate_proj.weight", "ffn_gate_exps.weight/{e}"),
+    ("mlp.experts.{e}.up_proj.weight", "ffn_up_exps.weight/{e}"),
+    ("mlp.experts.{e}.down_proj.weight", "ffn_down_exps.weight/{e}"),
+    ("mlp.shared_experts.gate_proj.", "ffn_gate_shexp."),
+    ("mlp.shared_experts.up_proj.", "ffn_up_shexp."),
+    ("mlp.shared_experts.down_proj.", "ffn_down_shexp."),
+    ("mlp.gate.e_score_correction_bias", "exp_probs_b.bias"),
+    ("mlp.gate.weight", "ffn_gate_inp.weight"),
+)
+_NAMES = _MOE_NAMES + (
     ("model.embed_tokens.", "token_embd."),
     ("model.norm.", "output_norm."),
     ("lm_head.", "output."),
@@ -174,7 +207,7 @@ def hf_config_dict(meta: dict, tensors: dict, source: str) -> dict:
     embedding = tensors.get("token_embd.weight")
     d = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": SUPPORTED_ARCHITECTURES[ARCHITECTURES[arch]],
         "vocab_size": int(get("vocab_size", len(tokens) or embedding and embedding.shape[0])),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -189,13 +222,15 @@ def hf_config_dict(meta: dict, tensors: dict, source: str) -> dict:
         "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
     }
     if arch == "gemma3":
-        d |= GEMMA3_DEFAULTS | {"model_type": "gemma3_text", "query_pre_attn_scalar": head_dim}
+        d |= GEMMA3_DEFAULTS | {"query_pre_attn_scalar": head_dim}
     else:
         d["hidden_act"] = "silu"
     for name in ("bos_token", "eos_token", "pad_token"):  # for generation after export
         key = f"tokenizer.ggml.{_SPECIAL_TOKENS[name]}"
         if key in meta:
             d[name + "_id"] = int(meta[key])
+    if arch == "glm4moe":  # q / k norms are optional in GLM-4.5: present if stored
+        d["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
     return d | _options(meta, arch, get, head_dim, source)
 
 
@@ -214,10 +249,30 @@ def _options(meta: dict, arch: str, get, head_dim: int, source: str) -> dict:
         d["rope_scaling"] = {"rope_type": scaling, "factor": _f32(get("rope.scaling.factor"))}
     if f"{arch}.expert_count" in meta:
         d["num_experts"] = int(get("expert_count"))
+    if arch in ("qwen3moe", "glm4moe"):
+        d |= _moe_options(meta, arch, get, head_dim, rope_dim)
     if f"{arch}.attention.sliding_window" in meta:
         if arch != "gemma3":  # Gemma 3's windows are its own: no switch
             d["use_sliding_window"] = True
         d["sliding_window"] = int(get("attention.sliding_window"))
+    return d
+
+
+def _moe_options(meta: dict, arch: str, get, head_dim: int, rope_dim: int) -> dict:
+    """The experts' HF keys. Qwen3-MoE's llama.cpp graph always renormalises the top-k
+    (`expert_weights_norm` absent means true); glm4moe's router is sigmoid unless
+    `expert_gating_func` says otherwise (then refused as `scoring_func`), and its
+    `block_count` counts the multi-token-prediction layers after the decoder's."""
+    d = {hf: get(key) for key, hf in _MOE_KEYS.items() if f"{arch}.{key}" in meta}
+    d["norm_topk_prob"] = bool(meta.get(f"{arch}.expert_weights_norm", True))
+    if arch == "qwen3moe":
+        return d
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))
+    d["n_routed_experts"] = d.pop("num_experts")
+    d["num_hidden_layers"] = int(get("block_count")) - nextn
+    d["num_nextn_predict_layers"] = nextn
+    d["partial_rotary_factor"] = rope_dim / head_dim
+    d["scoring_func"] = _GATING.get(int(meta.get(f"{arch}.expert_gating_func", 2)), "other")
     return d
 
 
@@ -228,9 +283,11 @@ def gguf_config(path, **runtime) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config_dict(f.meta, f.tensors, path), path, **runtime)
 
 
-def gguf_name(hf_name: str, gemma: bool = False) -> str:
-    """`model.layers.{i}.self_attn.q_proj.weight` -> `blk.{i}.attn_q.weight`."""
-    for hf, ours in (_GEMMA_NAMES if gemma else ()) + _NAMES:
+def gguf_name(hf_name: str, gemma: bool = False, glm: bool = False) -> str:
+    """`model.layers.{i}.self_attn.q_proj.weight` -> `blk.{i}.attn_q.weight`. gemma / glm:
+    that family's own norm names first."""
+    own = _GEMMA_NAMES if gemma else _GLM4_MOE_NAMES if glm else ()
+    for hf, ours in own + _NAMES:
         hf_name = hf_name.replace(hf, ours)
     return hf_name
 
@@ -266,7 +323,14 @@ class GGUFTensors:
                     f"{path}: tensor {name!r} is stored as {info.type_name}, which is not "
                     f"supported; supported types: {', '.join(SUPPORTED_TYPES)}"
                 )
-        self.tensors: dict[str, TensorInfo] = f.tensors
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, info in f.tensors.items():  # stacked experts: one name per expert
+            if name.endswith("_exps.weight") and len(info.shape) == 3:
+                for e in range(info.shape[0]):
+                    self.tensors[f"{name}/{e}"] = TensorInfo(info.shape[1:], info.type_name)
+            else:
+                self.tensors[name] = info
+        self._shapes = {name: info.shape for name, info in f.tensors.items()}
         self._data = {t.name: t for t in f.reader.tensors}
         self._permuted = permuted_heads or {}
         self._shifted = shifted
@@ -280,7 +344,11 @@ class GGUFTensors:
         return self.tensors.keys()
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as float32 [rows, cols] (or [n]) in HF layout."""
+        """The tensor as float32 [rows, cols] (or [n]) in HF layout; `<name>/<e>`: expert
+        e of a stacked experts tensor."""
+        if "/" in name:
+            stacked, e = name.rsplit("/", 1)
+            return self.get(stacked)[int(e)]
         if name in self._cache:
             self._cache.move_to_end(name)
             return self._cache[name]
@@ -288,7 +356,7 @@ class GGUFTensors:
 
         t = self._data[name]
         x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        x = x.reshape(self.tensors[name].shape)
+        x = x.reshape(self._shapes[name])
         if name in self._permuted:
             x = unpermute_rows(x, self._permuted[name])
         if name in self._shifted:
@@ -324,8 +392,9 @@ def load_gguf(path, mesh=None, dtype="float32", rules=None, **runtime):
     """
     path = os.fspath(path)
     cfg = gguf_config(path, **runtime)
+    glm = cfg.architecture == "Glm4MoeForCausalLM"
     maps = {
-        p: dataclasses.replace(m, name=gguf_name(m.name, cfg.gemma))
+        p: dataclasses.replace(m, name=gguf_name(m.name, cfg.gemma, glm))
         for p, m in hf_io.mappings(cfg).items()
     }
     shifted = frozenset(  # Gemma's norms, every layer's

@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.models import partitioning
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.layers import mlp_kind
 from jaxrl_llm.models.params import param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
 
@@ -65,6 +66,9 @@ class Mapping:
     name: str
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    # the HF layer index of each row of a stacked parameter (None: row i is layer i); an
+    # MLP parameter of an MoE model with dense layers is stacked over its kind's layers
+    layer_ids: tuple[int, ...] | None = None
 
     @property
     def stacked(self) -> bool:
@@ -78,13 +82,22 @@ class Mapping:
         """(HF tensor name, our index into the parameter) for every tensor it is made of."""
         if not self.stacked:
             return [(self.name, ())]
+        layers = self.layers(cfg)
         if not self.experts:
-            return [(self.name.format(i=i), (i,)) for i in range(cfg.num_layers)]
+            return [(self.name.format(i=i), (row,)) for row, i in enumerate(layers)]
         return [
-            (self.name.format(i=i, e=e), (i, e))
-            for i in range(cfg.num_layers)
+            (self.name.format(i=i, e=e), (row, e))
+            for row, i in enumerate(layers)
             for e in range(cfg.num_experts)
         ]
+
+    def layers(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """The HF layer index of each row of the stacked parameter."""
+        return tuple(range(cfg.num_layers)) if self.layer_ids is None else self.layer_ids
+
+    def layers_of(self, rows) -> list[int]:
+        """The HF layer indices of these rows of the stacked parameter."""
+        return list(rows) if self.layer_ids is None else [self.layer_ids[r] for r in rows]
 
 
 def _identity(x):
@@ -128,13 +141,24 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         ("layers", "expert_gate"): (layer + "mlp.experts.{e}.gate_proj.weight", transpose),
         ("layers", "expert_up"): (layer + "mlp.experts.{e}.up_proj.weight", transpose),
         ("layers", "expert_down"): (layer + "mlp.experts.{e}.down_proj.weight", transpose),
+        ("layers", "router_bias"): (layer + "mlp.gate.e_score_correction_bias", same),
+        ("layers", "shared_gate"): (layer + "mlp.shared_experts.gate_proj.weight", transpose),
+        ("layers", "shared_up"): (layer + "mlp.shared_experts.up_proj.weight", transpose),
+        ("layers", "shared_down"): (layer + "mlp.shared_experts.down_proj.weight", transpose),
     }
     if cfg.gemma:  # norms before and after both the attention and the MLP
         table[("layers", "post_attn_norm")] = (layer + "post_attention_layernorm.weight", same)
         table[("layers", "mlp_norm")] = (layer + "pre_feedforward_layernorm.weight", same)
         table[("layers", "post_mlp_norm")] = (layer + "post_feedforward_layernorm.weight", same)
-    specs = param_specs(cfg)
-    return {path: dataclasses.replace(table[path][1], name=table[path][0]) for path in specs}
+    specs, kinds = param_specs(cfg), cfg.sparse_layers
+    out = {}
+    for path in specs:
+        kind = mlp_kind(path[-1]) if path[0] == "layers" else None
+        ids = None
+        if kind is not None and cfg.moe and cfg.dense_layers:
+            ids = tuple(i for i, sparse in enumerate(kinds) if sparse == kind)
+        out[path] = dataclasses.replace(table[path][1], name=table[path][0], layer_ids=ids)
+    return out
 
 
 def _hf_shape(m: Mapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -143,9 +167,16 @@ def _hf_shape(m: Mapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
-    return name.endswith("rotary_emb.inv_freq") or (
+    """RoPE buffers, a tied lm_head, and GLM-4.5's multi-token-prediction layers (stored
+    as layers num_layers.. after the decoder's; the decoder does not use them)."""
+    if name.endswith("rotary_emb.inv_freq") or (
         cfg.tie_word_embeddings and name == "lm_head.weight"
-    )
+    ):
+        return True
+    for prefix in ("model.layers.", "blk."):  # HF's and GGUF's layer names
+        if cfg.mtp_layers and name.startswith(prefix):
+            return int(name[len(prefix) :].split(".")[0]) >= cfg.num_layers
+    return False
 
 
 def _validate(cfg: ModelConfig, ckpt, maps, path: str, config_name: str) -> None:
@@ -224,7 +255,7 @@ def _shard_reader(ckpt, m: Mapping, shape, dtype):
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if not m.stacked:
             return np.asarray(m.to_ours(ckpt.get(m.name))[index], dtype=dtype)
-        layers = range(*index[0].indices(shape[0]))
+        layers = m.layers_of(range(*index[0].indices(shape[0])))
         if m.experts:
             experts = range(*index[1].indices(shape[1]))
             return np.stack(

@@ -1,10 +1,13 @@
-"""The decoder's modules (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3) in Flax NNX: RMSNorm,
-the dense matmul with its backward written out, rotary embeddings, one decoder layer and
-the model.
+"""The decoder's modules (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3 / Qwen3-MoE / GLM-4.5)
+in Flax NNX: RMSNorm, the dense matmul with its backward written out, rotary embeddings,
+one decoder layer and the model.
 
 Gemma 3's layers differ by kind (sliding-window or global attention, each with its own
 RoPE base). The kind is data, not code: `layer_kinds(cfg)` gives per-layer arrays that the
 layer scan reads like the stacked parameters, so one traced layer serves both kinds.
+An MoE model's layers may differ in their MLP (experts or dense, `cfg.dense_layers`): that
+is code, so each run of consecutive alike layers is one scan over its kind's parameters
+(`ModelConfig.layer_segments`); a model whose layers are all alike is one scan.
 
 The modules only declare parameters (with logical axis names) and the math of one layer;
 `transformer.py` holds the functional API that merges a plain params dict into them.
@@ -122,9 +125,9 @@ def adapter_dropout(key: jax.Array, rate: float, x: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------ rope, attention
 @functools.lru_cache(maxsize=64)
 def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
-    """Inverse frequencies [head_dim / 2], float32, with `linear` / `llama3` scaling.
+    """Inverse frequencies [rotary_dim / 2], float32, with `linear` / `llama3` scaling.
     local: those of Gemma 3's sliding-window layers (base `rope_local_theta`, unscaled)."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     scaling = {} if local else dict(cfg.rope_scaling or ())
@@ -165,7 +168,13 @@ def layer_mask(cfg: ModelConfig, mask, kind: dict | None):
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotary embedding, HF `rotate_half` layout. x [B,T,N,H], positions [B,T]."""
+    """Rotary embedding, HF `rotate_half` layout. x [B,T,N,H], positions [B,T]. With fewer
+    than H / 2 frequencies (partial rotary, GLM-4.5) only the first 2 * len(inv_freq)
+    dimensions of each head rotate; the others pass unchanged."""
+    rot = 2 * inv_freq.shape[-1]
+    if rot < x.shape[-1]:
+        rotated = apply_rope(x[..., :rot], positions, inv_freq)
+        return jnp.concatenate([rotated, x[..., rot:]], axis=-1)
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
@@ -226,8 +235,72 @@ def local_kv_heads(k, v, n: int, num_heads: int, shard) -> tuple[jax.Array, jax.
     return jnp.take(k, heads, axis=2), jnp.take(v, heads, axis=2)
 
 
+# moe.moe_mlp's weight names -> the Block parameters holding them (stacked over the MoE
+# layers only, as the dense MLP's gate / up / down are over the dense layers only).
+MOE_WEIGHTS = {
+    "router": "router",
+    "router_bias": "router_bias",
+    "gate": "expert_gate",
+    "up": "expert_up",
+    "down": "expert_down",
+    "shared_gate": "shared_gate",
+    "shared_up": "shared_up",
+    "shared_down": "shared_down",
+}
+DENSE_MLP = ("gate", "up", "down")
+
+
+def mlp_kind(name: str) -> bool | None:
+    """Whether the Block parameter `name` is stacked over the MoE layers (True), over the
+    dense-MLP layers (False, with their LoRA adapters), or over every layer (None)."""
+    if name in MOE_WEIGHTS.values():
+        return True
+    if name.split("_lora_")[0] in DENSE_MLP:
+        return False
+    return None
+
+
+def segment_params(cfg: ModelConfig, stacked: dict, segment) -> dict:
+    """The stacked parameters of one `cfg.layer_segments()` run (start, stop, sparse,
+    first): every layer's slice [start:stop], that MLP kind's [first:first + stop -
+    start], and for the other kind's parameters a placeholder of zeros [stop - start]
+    (never read by these layers; a scan needs every leaf to have their number of rows)."""
+    start, stop, sparse, first = segment
+    n, out = stop - start, {}
+    for name, a in stacked.items():
+        kind = mlp_kind(name)
+        if kind is None:
+            out[name] = a if (start, stop) == (0, a.shape[0]) else a[start:stop]
+        elif kind == sparse:
+            out[name] = a if (first, n) == (0, a.shape[0]) else a[first : first + n]
+        else:
+            out[name] = jnp.zeros((n,), a.dtype)
+    return out
+
+
+def layer_slice(cfg: ModelConfig, per_index: dict, i: int) -> dict:
+    """Layer i's parameters out of {name: each row of that stack} (`transformer.
+    layer_params`): MLP parameters at the layer's row among its kind, a zero scalar
+    placeholder for the other kind's."""
+    sparse = cfg.sparse_layers[i]
+    row = sum(1 for j in range(i) if cfg.sparse_layers[j] == sparse)
+    out = {}
+    for name, rows in per_index.items():
+        kind = mlp_kind(name)
+        if kind is None:
+            out[name] = rows[i]
+        elif kind == sparse:
+            out[name] = rows[row]
+        else:
+            out[name] = jnp.zeros((), rows[0].dtype)
+    return out
+
+
 class Block(nnx.Module):
-    """All decoder layers' parameters, stacked on a leading `layers` axis.
+    """All decoder layers' parameters, stacked on a leading `layers` axis: over every
+    layer, except in an MoE model with dense-MLP layers (`cfg.dense_layers`), where the
+    MLP's parameters are stacked over the layers of their kind (`mlp_kind`) and the layer
+    loop scans each run of alike layers (`segment_params`).
 
     `__call__` computes ONE layer and must be given one layer's slice of the parameters
     (the scan in `Transformer` does that by merging a sliced state).
@@ -256,31 +329,41 @@ class Block(nnx.Module):
             self.post_attn_norm = _const(one, (L, D), ("layers", "norm"), dtype)
             self.post_mlp_norm = _const(one, (L, D), ("layers", "norm"), dtype)
         self.mlp_norm = _const(one, (L, D), ("layers", "norm"), dtype)
-        if cfg.moe:
-            self._add_experts(cfg, normal)
-        else:
-            self.gate = normal((L, D, F), ("layers", "embed", "mlp"))
-            self.up = normal((L, D, F), ("layers", "embed", "mlp"))
-            self.down = normal((L, F, D), ("layers", "mlp", "embed"))
+        if cfg.num_sparse_layers:
+            self._add_experts(cfg, normal, dtype)
+        if cfg.num_sparse_layers < L:  # the dense MLP, in the layers that have it
+            Ld = L - cfg.num_sparse_layers
+            self.gate = normal((Ld, D, F), ("layers", "embed", "mlp"))
+            self.up = normal((Ld, D, F), ("layers", "embed", "mlp"))
+            self.down = normal((Ld, F, D), ("layers", "mlp", "embed"))
         if cfg.lora is not None:
             self._add_adapters(cfg.lora, rngs, dtype)
         self.cfg = cfg
 
-    def _add_experts(self, cfg: ModelConfig, normal) -> None:
-        """Router [L, D, E] and the experts' SwiGLU weights [L, E, D, F] / [L, E, F, D]."""
-        L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    def _add_experts(self, cfg: ModelConfig, normal, dtype) -> None:
+        """Of the Lm MoE layers: router [Lm, D, E], the experts' SwiGLU weights
+        [Lm, E, D, F] / [Lm, E, F, D], the sigmoid router's selection bias [Lm, E] (zero,
+        as HF initialises it) and the shared experts' [Lm, D, Fs] / [Lm, Fs, D]."""
+        L, D, E = cfg.num_sparse_layers, cfg.hidden_size, cfg.num_experts
+        F, Fs = cfg.moe_intermediate_size, cfg.shared_intermediate_size
         self.router = normal((L, D, E), ("layers", "embed", "router"))
         self.expert_gate = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
         self.expert_up = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
         self.expert_down = normal((L, E, F, D), ("layers", "expert", "expert_mlp", "embed"))
+        if cfg.router == "sigmoid":
+            self.router_bias = _const(0.0, (L, E), ("layers", "router"), dtype)
+        if Fs:
+            self.shared_gate = normal((L, D, Fs), ("layers", "embed", "mlp"))
+            self.shared_up = normal((L, D, Fs), ("layers", "embed", "mlp"))
+            self.shared_down = normal((L, Fs, D), ("layers", "mlp", "embed"))
 
-    def _mlp(self, h, dropout, routes):
+    def _mlp(self, h, dropout, routes, sparse):
         """The MLP of one layer: (y [B,T,D], the router's own top-k [B,T,k] or None).
-        routes [B,T,k]: the experts to replay (MoE only; None: the router's choice)."""
+        routes [B,T,k]: the experts to replay (MoE only; None: the router's choice).
+        sparse: this layer's MLP is the mixture of experts."""
         cfg = self.cfg
-        if cfg.moe:
-            names = ("router", "gate", "up", "down")
-            weights = {n: getattr(self, n if n == "router" else "expert_" + n)[...] for n in names}
+        if sparse:
+            weights = {n: getattr(self, p)[...] for n, p in MOE_WEIGHTS.items() if hasattr(self, p)}
             return moe_mlp(cfg, h, weights, routes)
         gate, up = self._proj("gate", h, dropout), self._proj("up", h, dropout)
         act = jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)
@@ -323,7 +406,7 @@ class Block(nnx.Module):
 
     def __call__(
         self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None,
-        kind=None, routes=None,
+        kind=None, routes=None, sparse=None,
     ):  # fmt: skip
         """One layer. x [B,T,D], positions [B,T], mask an `attention.Mask` over the S
         keys. dropout: this layer's key for LoRA dropout (`adapter_dropout`), None in
@@ -337,6 +420,7 @@ class Block(nnx.Module):
         slots index..index+T of [layer] and attention runs over the layer's S slots. With
         layer=None, kv is this layer's own cache arrays (unrolled layers). Without kv,
         S = T. routes [B,T,k]: experts to replay in an MoE layer (None: its own top-k).
+        sparse: the layer's MLP is the mixture of experts (None: `cfg.moe`).
         Returns (x [B,T,D], the updated (k, v) or None, the MoE router's own top-k
         [B,T,k] int32 or None for a dense layer).
         """
@@ -388,7 +472,7 @@ class Block(nnx.Module):
             a = norm(cfg, a, self.post_attn_norm[...])
         x = x + a
         h = norm(cfg, x, self.mlp_norm[...])
-        y, chosen = self._mlp(h, dropout, routes)
+        y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse)
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
         return x + y, kv, chosen
@@ -430,39 +514,72 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
         graphdef, stacked = nnx.split(self.layers)
+        stacked = nnx.to_pure_dict(stacked)
         kinds = layer_kinds(cfg)
 
-        def layer(carry, xs):
+        def layer(carry, xs, sparse):
             x, kv = carry
             layer_state, i, kind, route = xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, layer_state)
             x, kv, chosen = block(
-                x, positions, mask, kv, index, i, dropout=key, kind=kind, routes=route
-            )
+                x, positions, mask, kv, index, i, dropout=key, kind=kind, routes=route,
+                sparse=sparse,
+            )  # fmt: skip
             return (x, kv), chosen
 
         if cache is not None and isinstance(cache[0], tuple):  # one cache array per layer
             kv, chosen = [], []
+            per_index = layers or {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}
             for i in range(cfg.num_layers):
-                state = jax.tree.map(lambda a, i=i: a[i], stacked) if layers is None else layers[i]
                 kind = jax.tree.map(lambda a, i=i: a[i], kinds)
-                block = nnx.merge(graphdef, state)
+                block = nnx.merge(graphdef, layer_slice(cfg, per_index, i))
                 cache_i = (cache[0][i], cache[1][i])
                 route = None if routes is None else routes[i]
                 x, layer_kv, own = block(
-                    x, positions, mask, cache_i, index, kind=kind, routes=route
-                )
+                    x, positions, mask, cache_i, index, kind=kind, routes=route,
+                    sparse=cfg.sparse_layers[i],
+                )  # fmt: skip
                 kv.append(layer_kv)
-                chosen.append(own)
+                chosen.append(own if own is not None else self._no_routes(x))
             kv = tuple(tuple(c) for c in zip(*kv, strict=True))
             chosen = jnp.stack(chosen) if cfg.moe else None
             return norm(cfg, x, self.final_norm[...]), kv, chosen
-        layer = _remat(layer, cfg.remat)
-        unroll = cfg.num_layers if cache is None and not cfg.scan_layers else 1
-        xs = (stacked, jnp.arange(cfg.num_layers), kinds, routes)
-        (x, kv), chosen = jax.lax.scan(layer, (x, cache), xs, unroll=unroll)
-        return norm(cfg, x, self.final_norm[...]), kv, chosen
+        carry, chosen = (x, cache), []
+        for segment in cfg.layer_segments():
+            start, stop, sparse, _ = segment
+            body = _remat(functools.partial(layer, sparse=sparse), cfg.remat)
+            unroll = stop - start if cache is None and not cfg.scan_layers else 1
+            xs = (
+                segment_params(cfg, stacked, segment),
+                jnp.arange(start, stop),
+                _rows(kinds, start, stop),
+                _rows(routes, start, stop),
+            )
+            carry, own = jax.lax.scan(body, carry, xs, unroll=unroll)
+            chosen.append(own)
+        x, kv = carry
+        return norm(cfg, x, self.final_norm[...]), kv, self._join_routes(chosen, x)
+
+    def _no_routes(self, x, n: int | None = None) -> jax.Array:
+        """The routes of dense-MLP layers in an MoE model: -1 [B,T,k] (or [n,B,T,k])."""
+        shape = x.shape[:2] + (self.cfg.num_experts_per_tok,)
+        return jnp.full(shape if n is None else (n, *shape), -1, jnp.int32)
+
+    def _join_routes(self, chosen: list, x):
+        """The segments' own top-k [n,B,T,k] (None for a dense run) -> [L,B,T,k], -1 in
+        the dense layers; None for a dense model."""
+        if not self.cfg.moe:
+            return None
+        if len(chosen) == 1:
+            return chosen[0]
+        runs = self.cfg.layer_segments()
+        return jnp.concatenate(
+            [
+                self._no_routes(x, r[1] - r[0]) if c is None else c
+                for c, r in zip(chosen, runs, strict=True)
+            ]
+        )
 
     def embed_tokens(self, tokens) -> jax.Array:
         """tokens [B,T] -> [B,T,D]; Gemma scales by sqrt(D), rounded to the embedding's
@@ -485,21 +602,45 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
         graphdef, stacked = nnx.split(self.layers)
+        stacked = nnx.to_pure_dict(stacked)
+        kinds = layer_kinds(cfg)
 
-        def layer(x, xs):
+        def layer(x, xs, sparse):
             layer_state, pk, pv, i, kind, route = xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, layer_state)
             x, kv, chosen = block(
-                x, positions, mask, prefix=(pk, pv), dropout=key, kind=kind, routes=route
-            )
+                x, positions, mask, prefix=(pk, pv), dropout=key, kind=kind, routes=route,
+                sparse=sparse,
+            )  # fmt: skip
             return x, (kv, chosen)
 
-        layer = _remat(layer, cfg.remat)
-        unroll = 1 if cfg.scan_layers else cfg.num_layers
-        xs = (stacked, *prefix, jnp.arange(cfg.num_layers), layer_kinds(cfg), routes)
-        x, (kv, chosen) = jax.lax.scan(layer, x, xs, unroll=unroll)
-        return norm(cfg, x, self.final_norm[...]), kv, chosen
+        kvs, chosen = [], []
+        for segment in cfg.layer_segments():
+            start, stop, sparse, _ = segment
+            body = _remat(functools.partial(layer, sparse=sparse), cfg.remat)
+            unroll = 1 if cfg.scan_layers else stop - start
+            xs = (
+                segment_params(cfg, stacked, segment),
+                *(_rows(p, start, stop) for p in prefix),
+                jnp.arange(start, stop),
+                _rows(kinds, start, stop),
+                _rows(routes, start, stop),
+            )
+            x, (kv, own) = jax.lax.scan(body, x, xs, unroll=unroll)
+            kvs.append(kv)
+            chosen.append(own)
+        kv = kvs[0] if len(kvs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
+        return norm(cfg, x, self.final_norm[...]), kv, self._join_routes(chosen, x)
+
+
+def _rows(tree, start: int, stop: int):
+    """Rows start..stop of every [L, ...] leaf (the whole leaf when that is all of it)."""
+
+    def rows(a):
+        return a if (start, stop) == (0, a.shape[0]) else a[start:stop]
+
+    return jax.tree.map(rows, tree)
 
 
 def _remat(fn, policy: str):

@@ -1,12 +1,28 @@
-"""Mixture-of-experts MLP (Qwen3-MoE): a router picks k of E SwiGLU experts per token.
+"""Mixture-of-experts MLP (Qwen3-MoE, GLM-4.5): a router picks k of E SwiGLU experts per token.
 
-For a token h [D] with router weight W_r [D, E] (Qwen3-MoE, `transformers`
-Qwen3MoeSparseMoeBlock):
+For a token h [D] with router weight W_r [D, E], `cfg.router` = "softmax" (Qwen3-MoE,
+`transformers` Qwen3MoeSparseMoeBlock):
 
     p = softmax(h W_r)                     (float32, over the E experts)
     S = top_k(p)                           (the k selected experts)
     w_e = p_e  (e in S),   w_e = p_e / sum_{j in S} p_j  when norm_topk_prob
     y = sum_{e in S} w_e * down_e(silu(gate_e(h)) * up_e(h))
+
+"sigmoid" (DeepSeek-V3's `noaux_tc`, as GLM-4.5 and Kimi K2 route; `transformers`
+Glm4MoeTopkRouter), with the per-expert selection bias b [E] and the experts split into
+`n_group` equal groups:
+
+    p = sigmoid(h W_r)                     (float32: h and W_r cast first)
+    c = p + b                              (the bias moves the choice, never the weights)
+    g_j = sum of the 2 largest c_e in group j;  G = the topk_group groups of largest g_j
+    S = top_k(c restricted to the experts of G)
+    w_e = p_e, / (sum_{j in S} p_j + 1e-20) when norm_topk_prob, times routed_scaling_factor
+    y = sum_{e in S} w_e * expert_e(h) + shared(h)
+
+where shared is a dense SwiGLU of width n_shared_experts * moe_intermediate_size that
+every token goes through (`n_shared_experts` = 0: none). The bias is not trained here: it
+only picks experts, so its gradient is zero (DeepSeek-V3 adjusts it by a load rule in
+pre-training, not by gradient); the optimizer's weight decay skips it like every bias.
 
 Dropless: every token reaches all k of its experts (no capacity factor, no token dropped
 when an expert is popular). The experts run as one grouped matmul (`jax.lax.ragged_dot`)
@@ -17,9 +33,11 @@ baseline of `benchmarks/moe.py`.
 
 Routing replay (R3): `routes` [N, k] gives the experts to use instead of the router's own
 top-k (the ones the sampler chose for that token). The gating weights are still read from
-the current router's probabilities at those experts, so the router gets its gradient
-through them exactly as without replay; only the discrete choice is fixed. The router's own
-top-k is always returned too, for the agreement metric and for the sampler to record.
+the current router's scores at those experts by the router's own formula (softmax or
+sigmoid, renormalised and scaled as above), so the router gets its gradient through them
+exactly as without replay; only the discrete choice (top-k, bias, groups) is fixed. The
+router's own top-k is always returned too, for the agreement metric and for the sampler to
+record.
 """
 
 from __future__ import annotations
@@ -39,22 +57,59 @@ def router_probs(h: jax.Array, router: jax.Array) -> jax.Array:
     return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
 
 
+def router_scores(cfg: ModelConfig, h: jax.Array, router: jax.Array) -> jax.Array:
+    """The router's scores [N, E] float32: `router_probs` (softmax), or for the sigmoid
+    router sigmoid(h W_r) with h and W_r in float32 (GLM-4.5 keeps its router in float32)."""
+    if cfg.router == "softmax":
+        return router_probs(h, router)
+    logits = jnp.matmul(h.astype(jnp.float32), router.astype(jnp.float32))
+    return jax.nn.sigmoid(logits)
+
+
+def own_choice(cfg: ModelConfig, scores: jax.Array, bias: jax.Array | None = None):
+    """The router's own top-k [N, k] int32 from its scores [N, E]. Sigmoid router: top-k
+    of scores + bias over the experts of the `topk_group` groups whose two best biased
+    scores sum highest (all experts when n_group = 1)."""
+    k = cfg.num_experts_per_tok
+    if cfg.router == "softmax":
+        return jax.lax.top_k(scores, k)[1]
+    choice = scores + bias.astype(jnp.float32)
+    if cfg.n_group > 1:
+        n, E, G = choice.shape[0], cfg.num_experts, cfg.n_group
+        grouped = choice.reshape(n, G, E // G)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
+        best = jax.lax.top_k(group_scores, cfg.topk_group)[1]
+        keep = jnp.any(best[:, :, None] == jnp.arange(G), axis=1)  # [N, G]
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, E)
+    return jax.lax.top_k(choice, k)[1]
+
+
+def gate_weights(cfg: ModelConfig, scores: jax.Array, ids: jax.Array) -> jax.Array:
+    """The weights [N, k] float32 of the experts ids [N, k] from the scores [N, E]: the
+    scores there, renormalised over the k when `norm_topk_prob` (the sigmoid router adds
+    1e-20 to the sum, as HF does), times `routed_scaling_factor`."""
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (total + 1e-20 if cfg.router == "sigmoid" else total)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights
+
+
 def select(
-    cfg: ModelConfig, probs: jax.Array, routes: jax.Array | None = None
+    cfg: ModelConfig, probs: jax.Array, routes: jax.Array | None = None, bias=None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """probs [N, E] -> (experts used [N, k] int32, their weights [N, k] float32, the
+    """scores [N, E] -> (experts used [N, k] int32, their weights [N, k] float32, the
     router's own top-k [N, k] int32). routes [N, k]: experts to use instead of the own top-k
     (replay), -1 in a row: that token keeps its own; the weights are then the current
-    probabilities at the experts used."""
-    _, own = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    scores at the experts used (`gate_weights`). bias [E]: the sigmoid router's."""
+    own = own_choice(cfg, probs, bias)
     ids = own
     if routes is not None:  # a token without a recorded route (-1) keeps its own top-k
         recorded = jnp.all(routes >= 0, axis=-1, keepdims=True)
         ids = jnp.where(recorded, routes.astype(jnp.int32), own)
-    weights = jnp.take_along_axis(probs, ids, axis=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return ids, weights, own
+    return ids, gate_weights(cfg, probs, ids), own
 
 
 def _swiglu(x, gate, up, down, matmul):
@@ -142,15 +197,20 @@ EXPERT_IMPLS = {"ragged": grouped_experts, "blocked": blocked_experts, "dense": 
 def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
     """The MoE block of one layer: h [B, T, D] -> (y [B, T, D], own top-k [B, T, k] int32).
 
-    weights: {"router" [D, E], "gate"/"up" [E, D, F], "down" [E, F, D]} of this layer.
+    weights: {"router" [D, E], "gate"/"up" [E, D, F], "down" [E, F, D]} of this layer,
+    and for the sigmoid router "router_bias" [E], with shared experts "shared_gate" /
+    "shared_up" [D, Fs], "shared_down" [Fs, D].
     routes [B, T, k]: replayed experts (None: the router's own top-k)."""
     B, T, D = h.shape
     x = h.reshape(B * T, D)
-    probs = router_probs(x, weights["router"])
+    probs = router_scores(cfg, x, weights["router"])
     flat_routes = None if routes is None else routes.reshape(B * T, -1)
-    ids, w, own = select(cfg, probs, flat_routes)
+    ids, w, own = select(cfg, probs, flat_routes, weights.get("router_bias"))
     experts = EXPERT_IMPLS[cfg.moe_impl]
     y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"])
+    if cfg.n_shared_experts:
+        shared = (weights["shared_gate"], weights["shared_up"], weights["shared_down"])
+        y = y + _swiglu(x, *shared, lambda a, w: jnp.matmul(a, w.astype(a.dtype)))
     k = cfg.num_experts_per_tok
     return y.reshape(B, T, D), own.reshape(B, T, k)
 
@@ -167,7 +227,9 @@ def router_agreement(own: jax.Array, recorded: jax.Array, mask: jax.Array) -> ja
 
 def expert_load(own: jax.Array, mask: jax.Array, num_experts: int) -> jax.Array:
     """Share of the k selections of the masked tokens that went to each expert, per layer:
-    own [N, T, L, k], mask [N, T] -> [L, E] float32 (each row sums to 1; uniform is 1/E)."""
+    own [N, T, L, k], mask [N, T] -> [L, E] float32 (each row sums to 1; uniform is 1/E).
+    A negative id (a dense-MLP layer, a token not routed) counts nowhere: a layer without
+    any selection has a row of zeros."""
     onehot = jax.nn.one_hot(own, num_experts, dtype=jnp.float32)  # [N, T, L, k, E]
     counts = jnp.einsum("ntlke,nt->le", onehot, mask.astype(jnp.float32))
     return counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)

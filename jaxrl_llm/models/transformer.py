@@ -54,10 +54,12 @@ def _model(cfg: ModelConfig, params: Params) -> Transformer:
     return nnx.merge(abstract_model(cfg)[0], params)
 
 
-def layer_params(params: Params) -> tuple:
-    """Each layer's parameters, sliced out of the stacked [L, ...] ones (for `decode_step`)."""
-    n = jax.tree.leaves(params["layers"])[0].shape[0]
-    return tuple(jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(n))
+def layer_params(params: Params) -> dict:
+    """Every row of each stacked layer parameter, sliced out once (for `decode_step`):
+    {name: [row 0, row 1, ...]}. A parameter is stacked over every layer, or (an MoE model
+    with dense-MLP layers) over the layers of its MLP kind; `layers.layer_slice` picks
+    layer i's rows."""
+    return {n: [a[j] for j in range(a.shape[0])] for n, a in params["layers"].items()}
 
 
 def default_positions(attention_mask: jax.Array, segment_ids: jax.Array | None = None):

@@ -163,7 +163,7 @@ def _routing_metrics(s: Setup, own, r: Rows) -> dict:
     recorded = jnp.where(own >= 0, recorded, -1)  # the last token, never fed, is skipped
     valid = r.loss_mask.astype(bool)
     metrics = {"moe/router_agreement": moe.router_agreement(own, recorded, valid)}
-    load = moe.expert_load(jnp.maximum(own, 0), valid & jnp.all(own >= 0, (-2, -1)), E)
+    load = moe.expert_load(own, valid & jnp.any(own >= 0, (-2, -1)), E)  # -1: dense layers
     for i, share in enumerate(jnp.max(load, axis=-1) * E):
         metrics[f"moe/layer{i}/load_max"] = share
     return metrics
