@@ -36,7 +36,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoR
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (Gemma 3 `layer_types`)
 GEMMA3 = "Gemma3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
-MOE_IMPLS = ("ragged", "blocked", "dense")  # models.moe.EXPERT_IMPLS
+MOE_IMPLS = ("auto", "gmm", "ragged", "blocked", "dense")  # models/moe.py, moe_kernels.py
 # model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
 
@@ -140,8 +140,9 @@ class ModelConfig:
     # token through its k experts only; `ragged_dot`, for TPU / GPU), "blocked" (the same
     # as batched matmuls over blocks of one expert's rows; for CPU, whose `ragged_dot` is
     # dense) or "dense" (every expert on every token, E/k times the FLOPs; the reference
-    # and benchmark baseline). See `MOE_IMPLS`.
-    moe_impl: str = "ragged"
+    # and benchmark baseline); "gmm" (the TPU Pallas grouped-matmul kernel,
+    # `moe_kernels`); "auto" (gmm on TPU, ragged on GPU, blocked on CPU). See `MOE_IMPLS`.
+    moe_impl: str = "auto"
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import moe_kernels
 from jaxrl_llm.models.config import ModelConfig
 
 ROUTE_DTYPE = jnp.int16  # recorded expert ids: E <= 32767 (the largest models have 256)
@@ -149,7 +150,11 @@ def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
     probs = router_probs(x, weights["router"])
     flat_routes = None if routes is None else routes.reshape(B * T, -1)
     ids, w, own = select(cfg, probs, flat_routes)
-    experts = EXPERT_IMPLS[cfg.moe_impl]
+    mesh = jax.sharding.get_abstract_mesh()
+    impl = moe_kernels.resolve(
+        cfg.moe_impl, jax.default_backend(), jax.device_count(), not mesh.empty
+    )  # auto: gmm on TPU, ragged on GPU, blocked on CPU (models/moe_kernels.py)
+    experts = moe_kernels.gmm_experts if impl == "gmm" else EXPERT_IMPLS[impl]
     y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"])
     k = cfg.num_experts_per_tok
     return y.reshape(B, T, D), own.reshape(B, T, k)
