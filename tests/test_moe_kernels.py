@@ -4,6 +4,7 @@ CPU) against a per-expert loop and Hugging Face; which path `auto` picks."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hf_reference import hf_logits, padded_batch
 from test_moe import loop_experts, max_diff, qwen3_moe  # noqa: F401 (a fixture)
 
@@ -91,3 +92,18 @@ def test_auto_picks_the_path_of_each_backend():
     assert r("auto", "tpu", num_devices=8, mesh_set=True) == "gmm"
     assert r("auto", "gpu") == "ragged" and r("auto", "cpu") == "blocked"
     assert r("dense", "tpu") == "dense"
+
+
+def test_moe_impl_is_checked_naming_the_key(qwen3_moe):  # noqa: F811 (the fixture)
+    from tiny_run import tiny_config
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import checks
+
+    c = tiny_config(str(qwen3_moe[1]))
+    for name in ("auto", "gmm", "ragged", "blocked", "dense"):
+        c.model.moe_impl = name
+        checks.check_model(c)
+    c.model.moe_impl = "megablox"
+    with pytest.raises(config_lib.ConfigError, match=r"model\.moe_impl='megablox': expected"):
+        checks.check_model(c)
