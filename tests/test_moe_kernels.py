@@ -77,11 +77,21 @@ def test_gmm_bfloat16_equals_float32_loop():
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_gmm_model_logits_equal_transformers(qwen3_moe):  # noqa: F811 (the fixture)
-    """A tiny Qwen3-MoE with `moe_impl='gmm'`: logits of a padded batch equal HF's."""
+@pytest.mark.parametrize("axes", [None, {"expert": 4, "fsdp": 2}], ids=["1-device", "ep4xfsdp2"])
+def test_gmm_model_logits_equal_transformers(qwen3_moe, axes):  # noqa: F811 (the fixture)
+    """A tiny Qwen3-MoE with `moe_impl='gmm'`: logits of a padded batch equal HF's, on one
+    device and with the parameters on a mesh set around the trace (two experts per
+    device, the kernel per device in `shard_map`)."""
     model, _, cfg, params = qwen3_moe
-    ids, mask = padded_batch()
-    ours = models.logits(cfg.replace(moe_impl="gmm"), params, ids, mask)
+    ids, mask = padded_batch(batch=8)
+    cfg = cfg.replace(moe_impl="gmm")
+    if axes is None:
+        ours = models.logits(cfg, params, ids, mask)
+    else:
+        mesh = parallel.make_mesh(axes)
+        params = jax.device_put(params, models.param_shardings(cfg, mesh))
+        with jax.set_mesh(mesh):
+            ours = models.logits(cfg, params, *parallel.shard_batch((ids, mask), mesh))
     assert max_diff(ours, hf_logits(model, ids, mask), mask) <= 1e-5
 
 
