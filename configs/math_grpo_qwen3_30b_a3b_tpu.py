@@ -17,7 +17,9 @@ differed.
 
 Memory budget of the update, compiled (not run) for the full 48 layers on 32 fake host
 devices of this mesh (XLA:CPU's buffer assignment for one device, an estimate of a
-TPU's), per device:
+TPU's; many of its largest temporaries are float32 copies of bfloat16 activations, which
+XLA:CPU makes to compute bf16 ops and a TPU does not: read them as an upper estimate),
+per device:
 
     python benchmarks/moe_memory.py --moe-impl=gmm --set-mesh   # and --moe-impl=blocked
 
