@@ -88,13 +88,6 @@ def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, in
     return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
 
 
-def _mesh_axis_size(mesh, names) -> int:
-    size = 1
-    for name in (names,) if isinstance(names, str) else names or ():
-        size *= int(mesh.shape[name])
-    return size
-
-
 def gmm_experts(x, ids, weights, gate, up, down, interpret: bool | None = None) -> jax.Array:
     """`moe.grouped_experts` through the TPU grouped-matmul kernel: x [N, D], ids /
     weights [N, k], gate / up [E, D, F], down [E, F, D] -> [N, D]. Per device inside
