@@ -13,13 +13,37 @@ of width 768 per layer, 8 per token (30.5B parameters, 3.3B active per token). M
 Routing replay (`algo.routing_replay='rollout'`): the reference and update forwards
 route each token to the experts the sampler chose, so the behaviour and training
 log-probs agree (docs/moe.md); `moe/router_agreement` says how often they would have
-differed. Memory budget, by arithmetic (not from a compiled update: no pod was available
-when this was written): 30.5B x (2 bytes bf16 + 12 bytes float32 master and two moments)
-= 427 GB of state over 32 chips = 13.3 GB per chip, plus the reference's bf16 copy
-(61 GB / 32 = 1.9 GB) and the activations of one micro-batch of 32 rollouts under full
-remat; well inside 95 GB. Expected: eval/pass@1 on held-out MATH rises over the first
-hundred steps, moe/router_agreement stays below 1 (the mismatch replay removes); not yet
-measured.
+differed.
+
+Memory budget of the update, compiled (not run) for the full 48 layers on 32 fake host
+devices of this mesh (XLA:CPU's buffer assignment for one device, an estimate of a
+TPU's; many of its largest temporaries are float32 copies of bfloat16 activations, which
+XLA:CPU makes to compute bf16 ops and a TPU does not: read them as an upper estimate),
+per device:
+
+    python benchmarks/moe_memory.py --moe-impl=gmm --set-mesh   # and --moe-impl=blocked
+
+- arguments 16.87 GiB: bf16 parameters, float32 master copy and two Adam moments (14
+  bytes a parameter). The experts are split 32 ways; the embeddings, attention and
+  routers (1.5B parameters) only over fsdp = 4, replicated over `expert`. The outputs
+  (the new state, 16.84 GiB) alias the donated arguments;
+- temporaries 26.43 GiB with the TPU kernel (`moe_impl='gmm'`, per device in
+  `shard_map`, which needs the mesh set around the trace): 43.3 GiB in all, inside a
+  v5p chip's 95 GB. The largest buffers are the MoE block's all-gathered (token, expert)
+  rows: 8 x 2,047 tokens x k = 8 pairs of width 2,048 per device and micro-batch;
+- temporaries 69.9 GiB with `blocked` under the partitioner (no mesh set, as the
+  trainer traces today): 86.8 GiB in all. The partitioner does not split the sort-based
+  dispatch by rows: every device holds the whole micro-batch's (token, expert) pairs
+  (32 x 2,047 x 8 = 524,032 rows), and `blocked` gathers each block's expert weights
+  (4,221 blocks, 6.2 GiB a projection in float32);
+- `ragged`, what `auto` picks on a multi-chip TPU today, could not be sized here:
+  XLA:CPU expands `ragged_dot` over every expert (197 GiB of temporaries at 2 layers),
+  which a TPU does not;
+- not in the update: the reference's bf16 copy (2.4 GiB per device, its own program) and
+  the sampler's KV cache.
+
+Expected: eval/pass@1 on held-out MATH rises over the first hundred steps,
+moe/router_agreement stays below 1 (the mismatch replay removes); not yet measured.
 """
 
 from jaxrl_llm.config import base_config

@@ -102,7 +102,9 @@ def model_defaults() -> ml_collections.ConfigDict:
     # Mixture-of-experts models (docs/moe.md): how the experts run. ragged: grouped matmul
     # (`ragged_dot`; TPU / GPU). blocked: batched matmuls over blocks of one expert's rows
     # (CPU, whose ragged_dot computes every group). dense: every expert on every token.
-    m.moe_impl = "ragged"
+    # gmm: the TPU Pallas grouped-matmul kernel (interpret mode elsewhere: tests only).
+    # auto: gmm on TPU (ragged when XLA partitions the program), ragged on GPU, blocked on CPU.
+    m.moe_impl = "auto"
     m.lora = lora_defaults()
     return m
 

@@ -42,7 +42,7 @@ QWEN3_MOE = "Qwen3MoeForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"
 MOE_ARCHITECTURES = (QWEN3_MOE, GLM4_MOE)
 ROUTERS = ("softmax", "sigmoid")  # models.moe: Qwen3-MoE's, DeepSeek-V3's (GLM-4.5)
-MOE_IMPLS = ("ragged", "blocked", "dense")  # models.moe.EXPERT_IMPLS
+MOE_IMPLS = ("auto", "gmm", "ragged", "blocked", "dense")  # models/moe.py, moe_kernels.py
 # model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
 
@@ -165,8 +165,9 @@ class ModelConfig:
     # token through its k experts only; `ragged_dot`, for TPU / GPU), "blocked" (the same
     # as batched matmuls over blocks of one expert's rows; for CPU, whose `ragged_dot` is
     # dense) or "dense" (every expert on every token, E/k times the FLOPs; the reference
-    # and benchmark baseline). See `MOE_IMPLS`.
-    moe_impl: str = "ragged"
+    # and benchmark baseline); "gmm" (the TPU Pallas grouped-matmul kernel,
+    # `moe_kernels`); "auto" (gmm on TPU, ragged on GPU, blocked on CPU). See `MOE_IMPLS`.
+    moe_impl: str = "auto"
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):

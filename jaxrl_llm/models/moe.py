@@ -45,6 +45,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import moe_kernels
 from jaxrl_llm.models.config import ModelConfig
 
 ROUTE_DTYPE = jnp.int16  # recorded expert ids: E <= 32767 (the largest models have 256)
@@ -206,7 +207,11 @@ def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
     probs = router_scores(cfg, x, weights["router"])
     flat_routes = None if routes is None else routes.reshape(B * T, -1)
     ids, w, own = select(cfg, probs, flat_routes, weights.get("router_bias"))
-    experts = EXPERT_IMPLS[cfg.moe_impl]
+    mesh = jax.sharding.get_abstract_mesh()
+    impl = moe_kernels.resolve(
+        cfg.moe_impl, jax.default_backend(), jax.device_count(), not mesh.empty
+    )  # auto: gmm on TPU, ragged on GPU, blocked on CPU (models/moe_kernels.py)
+    experts = moe_kernels.gmm_experts if impl == "gmm" else EXPERT_IMPLS[impl]
     y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"])
     if cfg.n_shared_experts:
         shared = (weights["shared_gate"], weights["shared_up"], weights["shared_down"])
