@@ -2,7 +2,7 @@
 (tests/agents_for_tests.py) trained through it. Exact tokens against a reference loop
 that re-prefills the conversation with HF `generate` every turn; loss masks; history
 rewrites counted; 64 concurrent episodes batched; failures cost their episode only;
-tool calls in the model's formats."""
+tool calls in the model's formats; `verifiers` environments (agent.entry=verifiers:...)."""
 
 import os
 import types
@@ -143,6 +143,105 @@ def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):
         assert r["gateway/requests"] == 16 and r["gateway/sampler_calls"] >= 2
         assert np.isfinite(r["loss/total"]) and r["gateway/errors"] == 0
         assert r["rollout/staleness_max"] <= 1
+
+
+# `agent.entry=verifiers:<taskset>`: a verifiers 0.4.0 environment (tests/
+# vf_tasks_for_tests.py, written with verifiers' own classes) through the gateway.
+
+
+def test_verifiers_env_episodes_are_exact_and_scored_by_its_rubric(tiny, tok):
+    """Two-turn verifiers episodes (the env answers "7" between the model's replies,
+    through verifiers' interaction and its relaunch of the conversation): each
+    trajectory equals the reference loop, no request is a rewrite, and each reward is
+    the rubric (task reward on the last reply + 0.5 x the env's on the first) computed here
+    on the decoded replies."""
+    tasks = pytest.importorskip("vf_tasks_for_tests")  # verifiers (the test extra)
+    model, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, "verifiers:vf_tasks_for_tests", batch_size=4, G=2)
+    examples = [{"task": i} for i in range(4)]
+    try:
+        out, scored, _ = agents(params, types.SimpleNamespace(examples=examples), 1)
+    finally:
+        agents.close()
+    tokens, lengths, prompt, prompt_mask, loss_mask = (np.asarray(x) for x in (
+        out.tokens, out.lengths, out.prompt_tokens, out.prompt_mask, out.loss_mask))  # fmt: skip
+    m = scored.metrics
+    assert m["gateway/requests"] == 16 and m["gateway/retokenized"] == 0
+    assert m["gateway/errors"] == 0
+    references = [hf_turns(model, tok, q, rewrite=False) for q in tasks.QUESTIONS]
+    for row in range(8):
+        reference = references[row // 2]  # greedy: the G episodes of a task are equal
+        got = prompt[row][prompt_mask[row]].tolist() + tokens[row, : lengths[row]].tolist()
+        assert got == reference, (row, got, reference)
+        replies = _replies(tok, tokens[row, : lengths[row]], loss_mask[row, : lengths[row]])
+        assert len(replies) == 2, (row, replies)
+        expected = 0.5 * tasks.reply_reward(replies[0]) + tasks.reply_reward(replies[1])
+        assert scored.rewards[row] == expected, (row, replies)
+    assert len(set(scored.rewards.tolist())) > 1, scored.rewards  # the rubric varies
+
+
+def _replies(tok, ids, loss) -> list[str]:
+    """The model's turns (runs of loss-mask-1 tokens) decoded."""
+    runs, current = [], []
+    for t, keep in zip(ids.tolist(), loss.tolist(), strict=True):
+        if keep:
+            current.append(t)
+        elif current:
+            runs.append(current)
+            current = []
+    runs.append(current)
+    return [tok.decode(r, skip_special_tokens=True) for r in runs]
+
+
+def test_a_verifiers_env_trains_through_the_gateway(tmp_path):
+    """Two GRPO steps (rollout.mode='overlap') whose rollouts are the verifiers env's
+    episodes; agent.options (the taskset's `repeat`) are taken by the taskset's config."""
+    pytest.importorskip("verifiers.v1")
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards, c.rollout.mode = {}, "overlap"  # as the test above: its programs are reused
+    c.rollout.batch_size, c.rollout.num_generations, c.rollout.max_new_tokens = 4, 2, 4
+    c.agent.entry, c.agent.max_total_tokens = "verifiers:vf_tasks_for_tests", 24
+    c.agent.options = {"repeat": 2}
+    c.rollout.cache_segments, c.model.scan_layers, c.algo.beta = 1, True, 0.0
+    c.train.log_every = 1
+    train.train(c, str(tmp_path / "run"))
+    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["gateway/requests"] == 16 and r["gateway/errors"] == 0
+        assert r["gateway/retokenized"] == 0 and np.isfinite(r["loss/total"])
+
+
+@pytest.mark.parametrize(
+    "entry, options, message",
+    [
+        ("verifiers:no_such_taskset", {}, "no verifiers taskset 'no_such_taskset'"),
+        ("verifiers:vf_tasks_for_tests", {"repeats": 2}, "agent.options for verifiers"),
+        ("verifiers:textarena", {"game": "Chess-v0"}, "Input should be 'Wordle-v0'"),
+    ],
+)
+def test_bad_verifiers_names_are_one_line(tmp_path_factory, entry, options, message):
+    pytest.importorskip("verifiers.v1")
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path_factory.mktemp("model"))))
+    c.rewards, c.agent.entry, c.agent.options = {}, entry, options
+    with pytest.raises(ConfigError) as err:
+        validate(c, 8)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_verifiers_is_one_line(monkeypatch):
+    """Without the package, agent.entry='verifiers:...' is one line naming what to install."""
+    import sys
+
+    from jaxrl_llm.gateway import agents
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)
+    monkeypatch.delitem(sys.modules, "jaxrl_llm.gateway.verifiers_env", raising=False)
+    with pytest.raises(ValueError, match=r"needs verifiers .*pip install verifiers==0.4.0"):
+        agents.check("verifiers:textarena", {})
 
 
 def test_tool_calls_in_the_model_formats():
