@@ -45,10 +45,10 @@ def agent_rollout(cfg, tok, entry: str, batch_size: int, G: int, wait_s: float =
     return AgentRollout(c, tok, sampler, spec), spec
 
 
-def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5) -> list[int]:
+def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5, replies=None):
     """The reference loop: each request's conversation re-read from scratch by HF
     `generate` (greedy), its tokens built as the gateway's docs say -> the trajectory
-    (prompt included)."""
+    (prompt included). `replies`, a list, gets each reply's ids."""
     renderer = envs.Renderer(tok, use_chat=False)
     model.generation_config.eos_token_id = None
 
@@ -63,7 +63,10 @@ def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5) -> list[
     seq = renderer.prompt([{"role": "user", "content": question}])
     first = generate(seq)
     seq += first + renderer.turn([{"role": "user", "content": "7"}])
-    seq += generate(seq)
+    second = generate(seq)
+    seq += second
+    if replies is not None:
+        replies += [first, second]
     if rewrite:  # the history the agent sent, rendered anew, then the model's answer
         seq = renderer.prompt([{"role": "user", "content": question},
                                {"role": "user", "content": "again"}])  # fmt: skip
@@ -159,8 +162,10 @@ def test_verifiers_env_episodes_are_exact_and_scored_by_its_rubric(tiny, tok):
     model, cfg, params = tiny
     agents, _ = agent_rollout(cfg, tok, "verifiers:vf_tasks_for_tests", batch_size=4, G=2)
     examples = [{"task": i} for i in range(4)]
+    batch = types.SimpleNamespace(examples=examples)
     try:
-        out, scored, _ = agents(params, types.SimpleNamespace(examples=examples), 1)
+        out, scored, _ = agents(params, batch, 1)
+        evaluated = agents.evaluate(params, [batch], pass_k=1, temperature=1.0, step=1)
     finally:
         agents.close()
     tokens, lengths, prompt, prompt_mask, loss_mask = (np.asarray(x) for x in (
@@ -168,7 +173,9 @@ def test_verifiers_env_episodes_are_exact_and_scored_by_its_rubric(tiny, tok):
     m = scored.metrics
     assert m["gateway/requests"] == 16 and m["gateway/retokenized"] == 0
     assert m["gateway/errors"] == 0
-    references = [hf_turns(model, tok, q, rewrite=False) for q in tasks.QUESTIONS]
+    replied = [[] for _ in tasks.QUESTIONS]
+    references = [hf_turns(model, tok, q, False, replies=replied[i])
+                  for i, q in enumerate(tasks.QUESTIONS)]  # fmt: skip
     for row in range(8):
         reference = references[row // 2]  # greedy: the G episodes of a task are equal
         got = prompt[row][prompt_mask[row]].tolist() + tokens[row, : lengths[row]].tolist()
@@ -178,6 +185,14 @@ def test_verifiers_env_episodes_are_exact_and_scored_by_its_rubric(tiny, tok):
         expected = 0.5 * tasks.reply_reward(replies[0]) + tasks.reply_reward(replies[1])
         assert scored.rewards[row] == expected, (row, replies)
     assert len(set(scored.rewards.tolist())) > 1, scored.rewards  # the rubric varies
+    # Held-out evaluation: one greedy episode per example through the same path; the
+    # reference's rewards, the rubric on its decoded replies.
+    text = [[tok.decode(ids, skip_special_tokens=True) for ids in r] for r in replied]
+    reference = [0.5 * tasks.reply_reward(a) + tasks.reply_reward(b) for a, b in text]
+    assert evaluated["eval/reward_mean"] == pytest.approx(np.mean(reference))
+    assert evaluated["eval/pass@1"] == pytest.approx(np.mean(np.array(reference) > 0.5))
+    assert evaluated["eval/num_prompts"] == 4 and evaluated["eval/turns_mean"] == 2
+    assert evaluated["eval/failed_frac"] == 0
 
 
 def _replies(tok, ids, loss) -> list[str]:
@@ -195,21 +210,29 @@ def _replies(tok, ids, loss) -> list[str]:
 
 def test_a_verifiers_env_trains_through_the_gateway(tmp_path):
     """Two GRPO steps (rollout.mode='overlap') whose rollouts are the verifiers env's
-    episodes; agent.options (the taskset's `repeat`) are taken by the taskset's config."""
+    episodes, evaluated at step 0 and at the end (eval/*, beside the rollout thread);
+    agent.options (the taskset's `repeat`) are taken by the taskset's config."""
     pytest.importorskip("verifiers.v1")
     c = tiny_config(make_model_dir(str(tmp_path / "model")))
     c.rewards, c.rollout.mode = {}, "overlap"  # as the test above: its programs are reused
     c.rollout.batch_size, c.rollout.num_generations, c.rollout.max_new_tokens = 4, 2, 4
     c.agent.entry, c.agent.max_total_tokens = "verifiers:vf_tasks_for_tests", 24
     c.agent.options = {"repeat": 2}
+    c.eval.every, c.eval.num_prompts, c.eval.pass_k = 2, 4, 1  # at step 0 and step 2
     c.rollout.cache_segments, c.model.scan_layers, c.algo.beta = 1, True, 0.0
     c.train.log_every = 1
     train.train(c, str(tmp_path / "run"))
-    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    logged = list(metrics.read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    rows = [r for r in logged if "loss/total" in r]
     assert len(rows) == 2
     for r in rows:
         assert r["gateway/requests"] == 16 and r["gateway/errors"] == 0
         assert r["gateway/retokenized"] == 0 and np.isfinite(r["loss/total"])
+    evals = {r["step"]: r for r in logged if "eval/reward_mean" in r}
+    assert sorted(evals) == [0, 2], logged  # the initial policy's figure, then the trained one
+    for r in evals.values():
+        assert r["eval/num_prompts"] == 4 and r["eval/turns_mean"] == 2
+        assert r["eval/failed_frac"] == 0 and r["eval/reward_mean"] >= 0
 
 
 @pytest.mark.parametrize(

@@ -456,8 +456,6 @@ def check_agent(config, algo, process_count: int) -> None:
     _check(a.batch_wait_s >= 0, f"agent.batch_wait_s={a.batch_wait_s}: must be >= 0")
     _check(process_count == 1, "agent.entry: the gateway runs on one host")
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with agent.entry")
-    _check(config.eval.every == 0, "eval.every: held-out evaluation of agents is not "
-           "available yet; set eval.every=0")  # fmt: skip
 
 
 def check_train(config) -> None:

@@ -35,6 +35,7 @@ class Server:
         self.loop = asyncio.new_event_loop()
         self._ids = itertools.count()
         self._live: set[str] = set()
+        self._agents: dict = {}  # the agents served, for their `aclose` at close
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/e/{episode}/v1/chat/completions", self._completions)
         self._runner = web.AppRunner(app, access_log=None)
@@ -91,6 +92,7 @@ class Server:
         """Starts `agent(client, example)` for each example -> {episode id: a
         concurrent future of (reward | None, error text, "done" | "error" | "timeout")}."""
         futures = {}
+        self._agents.setdefault(id(agent), agent)
         for example in examples:
             episode = f"{next(self._ids)}"
             self._live.add(episode)
@@ -115,7 +117,15 @@ class Server:
             await client.close()
 
     def close(self) -> None:
+        """Stops the server; an agent with an `aclose` coroutine (resources it keeps per
+        event loop, e.g. `verifiers_env.VerifiersAgent`) gets it run on this loop first."""
         if self.loop.is_running():
+            for agent in self._agents.values():
+                if hasattr(agent, "aclose"):
+                    try:
+                        asyncio.run_coroutine_threadsafe(agent.aclose(), self.loop).result(30)
+                    except Exception:  # noqa: BLE001  (the server still closes)
+                        pass
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)

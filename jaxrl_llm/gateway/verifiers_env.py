@@ -32,6 +32,7 @@ not offered to the model (`SUPPORTS_MCP = False`: verifiers refuses such tasks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -105,52 +106,79 @@ def env_config(taskset: str, options: dict):
     return config
 
 
+INFINITE_TASKS = 10_000  # an infinite taskset's first tasks that rows pick from
+
+
 class VerifiersAgent:
     """`agent(client, example) -> reward`: one verifiers episode against the client's
-    base URL (the gateway's episode endpoint). The env and its tasks are built once."""
+    base URL (the gateway's episode endpoint).
+
+    verifiers keeps an env's serving resources (its interception server, shared tool
+    servers) on the env object while `Env.serving()` is entered, so episodes of one event
+    loop share one env inside one `serving()`, entered at its first episode and left by
+    `aclose` (the gateway's `Server.close`); each event loop (the training rollout's
+    server, the evaluation's) has an env of its own."""
 
     def __init__(self, taskset: str, options: dict):
         self.taskset_id, self.options = taskset, dict(options)
-        self.env, self._tasks, self._lock = None, None, None
+        self._served: dict = {}  # event loop -> {"lock", "env", "tasks", "more", "stack"}
 
     def build(self):
-        """The env (verifiers.load_environment) and its taskset; errors as ValueError."""
-        if self.env is None:
-            config = env_config(self.taskset_id, self.options)
-            try:
-                self.env = vf.load_environment(config)
-            except Exception as err:  # the taskset's own loading
-                first = " ".join(str(err).split())[:300]
-                raise ValueError(
-                    f"agent.entry='verifiers:{self.taskset_id}': {type(err).__name__}: {first}"
-                ) from None
-            taskset = self.env.taskset
-            self._tasks = None if taskset.INFINITE else list(taskset)
-            if self._tasks == []:
-                raise ValueError(f"agent.entry='verifiers:{self.taskset_id}': no tasks")
-        return self.env
+        """-> a new env (verifiers.load_environment); its errors as one-line ValueErrors."""
+        config = env_config(self.taskset_id, self.options)
+        try:
+            return vf.load_environment(config)
+        except Exception as err:  # the taskset's own loading
+            first = " ".join(str(err).split())[:300]
+            raise ValueError(
+                f"agent.entry='verifiers:{self.taskset_id}': {type(err).__name__}: {first}"
+            ) from None
 
-    def task(self, example):
-        """The task a data row plays (module docstring)."""
+    def task(self, served: dict, example):
+        """The task a data row plays (module docstring); an infinite taskset's tasks are
+        read as far as a row asks and kept."""
         index = example.get("task") if isinstance(example, dict) else None
         if not isinstance(index, int):
             row = json.dumps(example, sort_keys=True, default=str).encode()
             index = int.from_bytes(hashlib.sha256(row).digest()[:4], "little")
-        if self._tasks is not None:
-            return self._tasks[index % len(self._tasks)]
-        return next(itertools.islice(iter(self.env.taskset), index % 100_000, None))
+        tasks = served["tasks"]
+        if served["more"] is None:
+            return tasks[index % len(tasks)]
+        index %= INFINITE_TASKS
+        tasks.extend(itertools.islice(served["more"], max(index + 1 - len(tasks), 0)))
+        return tasks[index]
+
+    async def _serving(self) -> dict:
+        """This event loop's env, inside its `serving()` (entered on first use)."""
+        loop = asyncio.get_running_loop()
+        served = self._served.setdefault(loop, {"lock": asyncio.Lock(), "env": None})
+        async with served["lock"]:
+            if served["env"] is None:
+                env = await asyncio.to_thread(self.build)
+                taskset = env.taskset
+                more = iter(taskset) if taskset.INFINITE else None
+                tasks = [] if more is not None else await asyncio.to_thread(list, taskset)
+                if more is None and not tasks:
+                    raise ValueError(f"agent.entry='verifiers:{self.taskset_id}': no tasks")
+                stack = contextlib.AsyncExitStack()
+                await stack.enter_async_context(env.serving())
+                served.update(env=env, tasks=tasks, more=more, stack=stack)
+        return served
+
+    async def aclose(self) -> None:
+        """Leaves this event loop's `serving()` (its interception server, tool servers)."""
+        served = self._served.pop(asyncio.get_running_loop(), None)
+        if served is not None and served["env"] is not None:
+            await served["stack"].aclose()
 
     async def __call__(self, client, example) -> float:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:  # built once, on the gateway's loop
-            env = await asyncio.to_thread(self.build)
-            task = await asyncio.to_thread(self.task, example)
+        served = await self._serving()
+        async with served["lock"]:  # one reader of an infinite taskset at a time
+            task = await asyncio.to_thread(self.task, served, example)
         endpoint = vf.EvalClientConfig(base_url=str(client.base_url).rstrip("/"),
                                        api_key_var="JAXRL_LLM_GATEWAY_KEY")  # fmt: skip
-        ctx = ModelContext(model="policy", client=endpoint)
-        async with env.serving():
-            episode = await env.run_episode(task, ctx)
+        episode = await served["env"].run_episode(task, ModelContext(model="policy",
+                                                                     client=endpoint))  # fmt: skip
         if not episode.ok:
             errors = [e for t in episode.traces for e in t.errors] + list(episode.errors)
             first = f"{errors[0].type}: {errors[0].message}" if errors else "not ok"
