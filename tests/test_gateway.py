@@ -307,6 +307,7 @@ def test_tools_render_through_the_chat_template(tok):
         ("missing_file.py:run", {}, "agent.entry: agent 'missing_file.py:run'"),
         (f"{AGENTS}:openai", {}, "is not an async function"),
         (f"{AGENTS}:two_turns", {"tries": 2}, "agent.options"),
+        (f"{AGENTS}:two_turns", {}, "algo.routing_replay='rollout': the gateway"),
     ],
 )
 def test_bad_agent_names_are_one_line(tmp_path_factory, entry, options, message):
@@ -314,6 +315,8 @@ def test_bad_agent_names_are_one_line(tmp_path_factory, entry, options, message)
 
     c = tiny_config(make_model_dir(str(tmp_path_factory.mktemp("model"))))
     c.rewards, c.agent.entry, c.agent.options = {}, entry, options
+    if entry.endswith(":two_turns") and not options:  # a fine agent, replay refused
+        c.algo.routing_replay = "rollout"
     with pytest.raises(ConfigError) as err:
         validate(c, 8)
     assert message in str(err.value) and "\n" not in str(err.value)

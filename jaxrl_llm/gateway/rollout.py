@@ -14,9 +14,12 @@ with copies of a real row whose draws are dropped; more rows than that take more
 
 Each request re-reads its episode's whole token record (a prefill of it): the static
 sampler keeps no cache between calls. The tokens are still exact (`episodes.Episode`).
-The request's `temperature` is not used: the gateway samples at `rollout.temperature`,
-the temperature the update's log-probs are taken at (`gateway/temperature_ignored`
-counts requests that asked for another).
+The request's `temperature` is not used: a training rollout samples at
+`rollout.temperature`, the temperature the update's log-probs (and so the ratio to the
+behaviour log-probs) are taken at; held-out evaluation samples greedily (and at
+`eval.temperature` for pass@k), as evaluation of every kind does. Each response says so
+in its `jaxrl_llm` field (the temperature used, the one requested, the parameters'
+version), and `gateway/temperature_ignored` counts requests that asked for another.
 """
 
 from __future__ import annotations
@@ -179,8 +182,11 @@ class AgentRollout:
             choices = [self._choice(ask, *drawn[first + k], play, f"{prefix}_{k}")
                        for k in range(ask["n"])]  # fmt: skip
             episodes[episode].record(body["messages"], [c[1:] for c in choices])
+            sampled = {"temperature": play.spec.temperature, "policy_version": play.version,
+                       "requested_temperature": ask["temperature"]}  # fmt: skip
+            drew = sum(len(c[2]) for c in choices)
             reply(200, _response(episode, episodes[episode].turns, [c[0] for c in choices],
-                                 len(ask["ids"])))  # fmt: skip
+                                 len(ask["ids"]), drew, sampled))  # fmt: skip
         play.stats["requests"] += len(asks)
 
     def _parse(self, body: dict, ep: Episode, play: _Play) -> dict:
@@ -204,7 +210,7 @@ class AgentRollout:
         except Exception as err:  # a message the template or the renderer refuses
             raise ValueError(f"messages: {type(err).__name__}: {err}"[:500]) from None
         return {"ids": ids, "n": n, "max_tokens": min(max_tokens, budget), "stop": stop,
-                "tools": bool(body.get("tools"))}  # fmt: skip
+                "tools": bool(body.get("tools")), "temperature": temperature}  # fmt: skip
 
     def _sample(self, params, rows: list, play: _Play) -> list:
         """Each row's (drawn ids, log-probs, stopped), in calls of `self.rows` rows."""
@@ -350,14 +356,19 @@ class _Play:
         self.seconds = 0.0
 
 
-def _response(episode: str, turn: int, choices: list, prompt_tokens: int) -> dict:
+def _response(episode: str, turn: int, choices: list, prompt_tokens: int,
+              completion_tokens: int, sampled: dict) -> dict:  # fmt: skip
+    """A `chat.completion`; `jaxrl_llm` says how it was drawn: the temperature the gateway
+    sampled at (the run's, whatever the request asked), the one requested (None when
+    the request named none), and the version of the parameters that drew it."""
     for k, choice in enumerate(choices):
         choice["index"] = k
     return {
         "id": f"chatcmpl-{episode}-{turn}", "object": "chat.completion",
         "created": int(time.time()), "model": "jaxrl-llm", "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                  "total_tokens": prompt_tokens},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "jaxrl_llm": sampled,
     }  # fmt: skip
 
 
