@@ -195,6 +195,39 @@ def test_verifiers_env_episodes_are_exact_and_scored_by_its_rubric(tiny, tok):
     assert evaluated["eval/failed_frac"] == 0
 
 
+def test_verifiers_episode_reward_and_failure_without_a_model():
+    """The adapter alone, the gateway's HTTP server answered by a fixed reply ("12", then
+    " 3 "): a verifiers episode's reward is its rubric on those replies (0.5 x 2 + 1),
+    and an episode whose env raises ends as an error naming verifiers' own message."""
+    pytest.importorskip("verifiers.v1")
+    from jaxrl_llm.gateway import agents as agents_lib
+    from jaxrl_llm.gateway.server import Server
+
+    agent = agents_lib.load("verifiers:vf_tasks_for_tests", {})
+    server = Server()
+    try:
+        futures = server.run_episodes(agent, [{"task": 0}, {"task": 4}], 60)
+        seen = []
+        while not all(f.done() for f in futures.values()) or not server.requests.empty():
+            try:
+                _, body, reply = server.requests.get(timeout=0.1)
+            except Exception:  # queue.Empty
+                continue
+            seen.append([m["content"] for m in body["messages"]])
+            text = "12" if len(body["messages"]) == 1 else " 3 "
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": "stop"}  # fmt: skip
+            reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                        "choices": [choice]})  # fmt: skip
+        done, failed = (futures[e].result() for e in sorted(futures, key=int))
+    finally:
+        server.close()
+    assert seen == [["1+2="], ["1+2=", "12", "7"]]
+    assert done == (0.5 * 2 + 1.0, "", "done")
+    assert failed[0] is None and failed[2] == "error"
+    assert "verifiers episode failed" in failed[1] and "the env gave up" in failed[1]
+
+
 def _replies(tok, ids, loss) -> list[str]:
     """The model's turns (runs of loss-mask-1 tokens) decoded."""
     runs, current = [], []

@@ -7,6 +7,7 @@ answers, the env says "7", the model answers again)."""
 import verifiers.v1 as vf
 
 QUESTIONS = ["1+2=", "12*3=", "7-4=", "2+2="]
+FAILING = "fail="  # the env raises on this task (the fifth)
 
 
 class QuestionData(vf.TaskData):
@@ -31,7 +32,7 @@ class QuestionsConfig(vf.TasksetConfig):
 class Questions(vf.Taskset[QuestionTask, QuestionsConfig]):
     def load(self):
         for _ in range(self.config.repeat):
-            for q in QUESTIONS:
+            for q in [*QUESTIONS, FAILING]:
                 yield QuestionTask(QuestionData(prompt=q, question=q), self.config.task)
 
 
@@ -44,6 +45,8 @@ class TwoTurns(vf.Env[TwoTurnsConfig]):
     its own reward ("first": the first reply's length, weight 0.5) to the task's."""
 
     async def run(self, task, agents):
+        if task.data.question == FAILING:
+            raise RuntimeError("the env gave up")
         async with agents.player.interaction(task) as interaction:
             first = await interaction.turn()
             second = await interaction.turn("7")
