@@ -203,7 +203,7 @@ def test_verifiers_episode_reward_and_failure_without_a_model():
     from jaxrl_llm.gateway import agents as agents_lib
     from jaxrl_llm.gateway.server import Server
 
-    agent = agents_lib.load("verifiers:vf_tasks_for_tests", {})
+    agent = agents_lib.load("verifiers:vf_tasks_for_tests", {"failing": True})
     server = Server()
     try:
         futures = server.run_episodes(agent, [{"task": 0}, {"task": 4}], 60)

@@ -7,7 +7,7 @@ answers, the env says "7", the model answers again)."""
 import verifiers.v1 as vf
 
 QUESTIONS = ["1+2=", "12*3=", "7-4=", "2+2="]
-FAILING = "fail="  # the env raises on this task (the fifth)
+FAILING = "fail="  # the env raises on this task (the fifth, with the option `failing`)
 
 
 class QuestionData(vf.TaskData):
@@ -27,12 +27,13 @@ def reply_reward(text: str) -> float:
 
 class QuestionsConfig(vf.TasksetConfig):
     repeat: int = 1  # a taskset option (agent.options.repeat)
+    failing: bool = False  # adds the task FAILING
 
 
 class Questions(vf.Taskset[QuestionTask, QuestionsConfig]):
     def load(self):
         for _ in range(self.config.repeat):
-            for q in [*QUESTIONS, FAILING]:
+            for q in [*QUESTIONS, FAILING] if self.config.failing else QUESTIONS:
                 yield QuestionTask(QuestionData(prompt=q, question=q), self.config.task)
 
 
