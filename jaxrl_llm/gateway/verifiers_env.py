@@ -36,8 +36,10 @@ import contextlib
 import hashlib
 import itertools
 import json
+import ssl
 import sys
 
+import httpx
 import openai
 import verifiers.v1 as vf
 from verifiers.v1.clients import ModelContext
@@ -49,6 +51,19 @@ PREFIX = "verifiers:"
 # under a plain name so that its lookup in `verifiers.v1.harnesses` fails cleanly.
 HARNESS_ID = "jaxrl_llm_verifiers_harness"
 sys.modules.setdefault(HARNESS_ID, sys.modules[__name__])
+
+
+_TLS: list = []  # one TLS context for every segment's client
+
+
+def _tls():
+    """The TLS context of the harness's clients, made once: a client that makes its own
+    loads the certificate bundle, tens of milliseconds per segment."""
+    if not _TLS:
+        import certifi
+
+        _TLS.append(ssl.create_default_context(cafile=certifi.where()))
+    return _TLS[0]
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
@@ -71,7 +86,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt is not None:
             messages += [m.model_dump(mode="json", exclude_none=True) for m in prompt]
-        client = openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+        http = httpx.AsyncClient(verify=_tls())
+        client = openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                                    http_client=http)  # fmt: skip
         try:
             await client.chat.completions.create(model=ctx.model, messages=messages)
         except openai.APIError as err:
