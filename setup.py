@@ -59,13 +59,16 @@ setup(
             "ipykernel",
             "openai",  # the gateway's tests run agents written against the openai client
             "aiohttp",  # the gateway's HTTP server (agent.entry)
-            # Environment hubs, with their real packages (tests/test_hubs.py); neither
-            # moves a pinned package.
+            # Environment hubs, with their real packages (tests/test_hubs.py,
+            # tests/test_gateway.py); none moves a pinned package (verifiers moves openai
+            # to 2.x, which the gateway's tests pass with).
             "reasoning-gym==0.1.25",
             "textarena==0.7.4",
+            "verifiers==0.4.0",
         ],
-        # data.name=reasoning_gym/<task>, env.name=textarena/<game id>.
-        "hubs": ["reasoning-gym==0.1.25", "textarena==0.7.4"],
+        # data.name=reasoning_gym/<task>, env.name=textarena/<game id>,
+        # agent.entry=verifiers:<taskset>.
+        "hubs": ["reasoning-gym==0.1.25", "textarena==0.7.4", "verifiers==0.4.0"],
         # agent.entry: the OpenAI-compatible gateway (aiohttp) and the client agents use.
         "agents": ["aiohttp", "openai"],
         "tpu": ["jax[tpu]"],

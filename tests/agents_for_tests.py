@@ -25,11 +25,19 @@ async def two_turns(client: openai.AsyncOpenAI, example, rewrite: bool = False) 
 
 
 async def many(client: openai.AsyncOpenAI, example) -> float:
-    """Two requests, a short pause between them."""
+    """Two requests, a short pause between them; the second asks for temperature 0.7.
+    Returns 1 when the responses say they were sampled at the run's temperature (0 in
+    the test), the second one that 0.7 was asked for."""
     messages = [{"role": "user", "content": example["question"]}]
     first = await client.chat.completions.create(model="policy", messages=messages)
     await asyncio.sleep(0.01)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "="}]  # fmt: skip
-    await client.chat.completions.create(model="policy", messages=messages, temperature=0.7)
-    return 1.0
+    second = await client.chat.completions.create(model="policy", messages=messages,
+                                                  temperature=0.7)  # fmt: skip
+    said = [first.model_extra["jaxrl_llm"], second.model_extra["jaxrl_llm"]]
+    expected = [
+        {"temperature": 0.0, "requested_temperature": None, "policy_version": 0},
+        {"temperature": 0.0, "requested_temperature": 0.7, "policy_version": 0},
+    ]
+    return float(said == expected and first.usage.completion_tokens >= 1)

@@ -276,7 +276,7 @@ def test_env_evaluation_plays_greedy_trajectories(tmp_path, tok):
         for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths), strict=True):
             hits.append(len(tok.decode(row[:n], skip_special_tokens=True)) % 2 == 1)
     assert got["eval/num_prompts"] == 16 and 0 < np.mean(hits) < 1
-    assert got["eval/pass@1"] == np.mean(hits)
+    assert got["eval/pass@1"] == np.mean(hits) == got["eval/reward_mean"]  # a 0/1 reward
     assert got["eval/turns_mean"] == 1.0 and got["eval/pass@2"] >= 0.0
 
 

@@ -2,7 +2,7 @@
 (tests/agents_for_tests.py) trained through it. Exact tokens against a reference loop
 that re-prefills the conversation with HF `generate` every turn; loss masks; history
 rewrites counted; 64 concurrent episodes batched; failures cost their episode only;
-tool calls in the model's formats."""
+tool calls in the model's formats; `verifiers` environments (agent.entry=verifiers:...)."""
 
 import os
 import types
@@ -45,10 +45,10 @@ def agent_rollout(cfg, tok, entry: str, batch_size: int, G: int, wait_s: float =
     return AgentRollout(c, tok, sampler, spec), spec
 
 
-def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5) -> list[int]:
+def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5, replies=None):
     """The reference loop: each request's conversation re-read from scratch by HF
     `generate` (greedy), its tokens built as the gateway's docs say -> the trajectory
-    (prompt included)."""
+    (prompt included). `replies`, a list, gets each reply's ids."""
     renderer = envs.Renderer(tok, use_chat=False)
     model.generation_config.eos_token_id = None
 
@@ -63,7 +63,10 @@ def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5) -> list[
     seq = renderer.prompt([{"role": "user", "content": question}])
     first = generate(seq)
     seq += first + renderer.turn([{"role": "user", "content": "7"}])
-    seq += generate(seq)
+    second = generate(seq)
+    seq += second
+    if replies is not None:
+        replies += [first, second]
     if rewrite:  # the history the agent sent, rendered anew, then the model's answer
         seq = renderer.prompt([{"role": "user", "content": question},
                                {"role": "user", "content": "again"}])  # fmt: skip
@@ -145,6 +148,158 @@ def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):
         assert r["rollout/staleness_max"] <= 1
 
 
+# `agent.entry=verifiers:<taskset>`: a verifiers 0.4.0 environment (tests/
+# vf_tasks_for_tests.py, written with verifiers' own classes) through the gateway.
+
+
+def test_verifiers_env_episodes_are_exact_and_scored_by_its_rubric(tiny, tok):
+    """Two-turn verifiers episodes (the env answers "7" between the model's replies,
+    through verifiers' interaction and its relaunch of the conversation): each
+    trajectory equals the reference loop, no request is a rewrite, and each reward is
+    the rubric (task reward on the last reply + 0.5 x the env's on the first) computed here
+    on the decoded replies."""
+    tasks = pytest.importorskip("vf_tasks_for_tests")  # verifiers (the test extra)
+    model, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, "verifiers:vf_tasks_for_tests", batch_size=4, G=2)
+    examples = [{"task": i} for i in range(4)]
+    batch = types.SimpleNamespace(examples=examples)
+    try:
+        out, scored, _ = agents(params, batch, 1)
+        evaluated = agents.evaluate(params, [batch], pass_k=1, temperature=1.0, step=1)
+    finally:
+        agents.close()
+    tokens, lengths, prompt, prompt_mask, loss_mask = (np.asarray(x) for x in (
+        out.tokens, out.lengths, out.prompt_tokens, out.prompt_mask, out.loss_mask))  # fmt: skip
+    m = scored.metrics
+    assert m["gateway/requests"] == 16 and m["gateway/retokenized"] == 0
+    assert m["gateway/errors"] == 0
+    replied = [[] for _ in tasks.QUESTIONS]
+    references = [hf_turns(model, tok, q, False, replies=replied[i])
+                  for i, q in enumerate(tasks.QUESTIONS)]  # fmt: skip
+    for row in range(8):
+        reference = references[row // 2]  # greedy: the G episodes of a task are equal
+        got = prompt[row][prompt_mask[row]].tolist() + tokens[row, : lengths[row]].tolist()
+        assert got == reference, (row, got, reference)
+        replies = _replies(tok, tokens[row, : lengths[row]], loss_mask[row, : lengths[row]])
+        assert len(replies) == 2, (row, replies)
+        expected = 0.5 * tasks.reply_reward(replies[0]) + tasks.reply_reward(replies[1])
+        assert scored.rewards[row] == expected, (row, replies)
+    assert len(set(scored.rewards.tolist())) > 1, scored.rewards  # the rubric varies
+    # Held-out evaluation: one greedy episode per example through the same path; the
+    # reference's rewards, the rubric on its decoded replies.
+    text = [[tok.decode(ids, skip_special_tokens=True) for ids in r] for r in replied]
+    reference = [0.5 * tasks.reply_reward(a) + tasks.reply_reward(b) for a, b in text]
+    assert evaluated["eval/reward_mean"] == pytest.approx(np.mean(reference))
+    assert evaluated["eval/pass@1"] == pytest.approx(np.mean(np.array(reference) > 0.5))
+    assert evaluated["eval/num_prompts"] == 4 and evaluated["eval/turns_mean"] == 2
+    assert evaluated["eval/failed_frac"] == 0
+
+
+def test_verifiers_episode_reward_and_failure_without_a_model():
+    """The adapter alone, the gateway's HTTP server answered by a fixed reply ("12", then
+    " 3 "): a verifiers episode's reward is its rubric on those replies (0.5 x 2 + 1),
+    and an episode whose env raises ends as an error naming verifiers' own message."""
+    pytest.importorskip("verifiers.v1")
+    from jaxrl_llm.gateway import agents as agents_lib
+    from jaxrl_llm.gateway.server import Server
+
+    agent = agents_lib.load("verifiers:vf_tasks_for_tests", {"failing": True})
+    server = Server()
+    try:
+        futures = server.run_episodes(agent, [{"task": 0}, {"task": 4}], 60)
+        seen = []
+        while not all(f.done() for f in futures.values()) or not server.requests.empty():
+            try:
+                _, body, reply = server.requests.get(timeout=0.1)
+            except Exception:  # queue.Empty
+                continue
+            seen.append([m["content"] for m in body["messages"]])
+            text = "12" if len(body["messages"]) == 1 else " 3 "
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": "stop"}  # fmt: skip
+            reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                        "choices": [choice]})  # fmt: skip
+        done, failed = (futures[e].result() for e in sorted(futures, key=int))
+    finally:
+        server.close()
+    assert seen == [["1+2="], ["1+2=", "12", "7"]]
+    assert done == (0.5 * 2 + 1.0, "", "done")
+    assert failed[0] is None and failed[2] == "error"
+    assert "verifiers episode failed" in failed[1] and "the env gave up" in failed[1]
+
+
+def _replies(tok, ids, loss) -> list[str]:
+    """The model's turns (runs of loss-mask-1 tokens) decoded."""
+    runs, current = [], []
+    for t, keep in zip(ids.tolist(), loss.tolist(), strict=True):
+        if keep:
+            current.append(t)
+        elif current:
+            runs.append(current)
+            current = []
+    runs.append(current)
+    return [tok.decode(r, skip_special_tokens=True) for r in runs]
+
+
+def test_a_verifiers_env_trains_through_the_gateway(tmp_path):
+    """Two GRPO steps (rollout.mode='overlap') whose rollouts are the verifiers env's
+    episodes, evaluated at step 0 and at the end (eval/*, beside the rollout thread);
+    agent.options (the taskset's `repeat`) are taken by the taskset's config."""
+    pytest.importorskip("verifiers.v1")
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards, c.rollout.mode = {}, "overlap"  # as the test above: its programs are reused
+    c.rollout.batch_size, c.rollout.num_generations, c.rollout.max_new_tokens = 4, 2, 4
+    c.agent.entry, c.agent.max_total_tokens = "verifiers:vf_tasks_for_tests", 24
+    c.agent.options = {"repeat": 2}
+    c.eval.every, c.eval.num_prompts, c.eval.pass_k = 2, 4, 1  # at step 0 and step 2
+    c.rollout.cache_segments, c.model.scan_layers, c.algo.beta = 1, True, 0.0
+    c.train.log_every = 1
+    train.train(c, str(tmp_path / "run"))
+    logged = list(metrics.read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    rows = [r for r in logged if "loss/total" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["gateway/requests"] == 16 and r["gateway/errors"] == 0
+        assert r["gateway/retokenized"] == 0 and np.isfinite(r["loss/total"])
+    evals = {r["step"]: r for r in logged if "eval/reward_mean" in r}
+    assert sorted(evals) == [0, 2], logged  # the initial policy's figure, then the trained one
+    for r in evals.values():
+        assert r["eval/num_prompts"] == 4 and r["eval/turns_mean"] == 2
+        assert r["eval/failed_frac"] == 0 and r["eval/reward_mean"] >= 0
+
+
+@pytest.mark.parametrize(
+    "entry, options, message",
+    [
+        ("verifiers:no_such_taskset", {}, "no verifiers taskset 'no_such_taskset'"),
+        ("verifiers:vf_tasks_for_tests", {"repeats": 2}, "agent.options for verifiers"),
+        ("verifiers:textarena", {"game": "Chess-v0"}, "Input should be 'Wordle-v0'"),
+    ],
+)
+def test_bad_verifiers_names_are_one_line(tmp_path_factory, entry, options, message):
+    pytest.importorskip("verifiers.v1")
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path_factory.mktemp("model"))))
+    c.rewards, c.agent.entry, c.agent.options = {}, entry, options
+    with pytest.raises(ConfigError) as err:
+        validate(c, 8)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_verifiers_is_one_line(monkeypatch):
+    """Without the package, agent.entry='verifiers:...' is one line naming what to install."""
+    import sys
+
+    from jaxrl_llm.gateway import agents
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)
+    monkeypatch.delitem(sys.modules, "jaxrl_llm.gateway.verifiers_env", raising=False)
+    with pytest.raises(ValueError, match=r"needs verifiers .*pip install verifiers==0.4.0"):
+        agents.check("verifiers:textarena", {})
+
+
 def test_tool_calls_in_the_model_formats():
     """Hermes / Qwen `<tool_call>` blocks and a Llama 3.1 JSON turn become OpenAI
     tool_calls; malformed ones stay in the content and are counted."""
@@ -185,6 +340,7 @@ def test_tools_render_through_the_chat_template(tok):
         ("missing_file.py:run", {}, "agent.entry: agent 'missing_file.py:run'"),
         (f"{AGENTS}:openai", {}, "is not an async function"),
         (f"{AGENTS}:two_turns", {"tries": 2}, "agent.options"),
+        (f"{AGENTS}:two_turns", {}, "algo.routing_replay='rollout': the gateway"),
     ],
 )
 def test_bad_agent_names_are_one_line(tmp_path_factory, entry, options, message):
@@ -192,6 +348,8 @@ def test_bad_agent_names_are_one_line(tmp_path_factory, entry, options, message)
 
     c = tiny_config(make_model_dir(str(tmp_path_factory.mktemp("model"))))
     c.rewards, c.agent.entry, c.agent.options = {}, entry, options
+    if entry.endswith(":two_turns") and not options:  # a fine agent, replay refused
+        c.algo.routing_replay = "rollout"
     with pytest.raises(ConfigError) as err:
         validate(c, 8)
     assert message in str(err.value) and "\n" not in str(err.value)

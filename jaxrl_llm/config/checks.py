@@ -456,8 +456,9 @@ def check_agent(config, algo, process_count: int) -> None:
     _check(a.batch_wait_s >= 0, f"agent.batch_wait_s={a.batch_wait_s}: must be >= 0")
     _check(process_count == 1, "agent.entry: the gateway runs on one host")
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with agent.entry")
-    _check(config.eval.every == 0, "eval.every: held-out evaluation of agents is not "
-           "available yet; set eval.every=0")  # fmt: skip
+    _check(algo.routing_replay in (None, "none"),
+           "algo.routing_replay='rollout': the gateway (agent.entry) does not record the "
+           "sampler's expert routes; use algo.routing_replay='none'")  # fmt: skip
 
 
 def check_train(config) -> None:

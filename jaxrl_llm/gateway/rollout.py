@@ -14,9 +14,12 @@ with copies of a real row whose draws are dropped; more rows than that take more
 
 Each request re-reads its episode's whole token record (a prefill of it): the static
 sampler keeps no cache between calls. The tokens are still exact (`episodes.Episode`).
-The request's `temperature` is not used: the gateway samples at `rollout.temperature`,
-the temperature the update's log-probs are taken at (`gateway/temperature_ignored`
-counts requests that asked for another).
+The request's `temperature` is not used: a training rollout samples at
+`rollout.temperature`, the temperature the update's log-probs (and so the ratio to the
+behaviour log-probs) are taken at; held-out evaluation samples greedily (and at
+`eval.temperature` for pass@k), as evaluation of every kind does. Each response says so
+in its `jaxrl_llm` field (the temperature used, the one requested, the parameters'
+version), and `gateway/temperature_ignored` counts requests that asked for another.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from jaxrl_llm.envs.tool_calls import parse_tool_calls
 from jaxrl_llm.gateway import agents as agents_lib
 from jaxrl_llm.gateway.episodes import Episode, group_rows
 from jaxrl_llm.gateway.server import Server
-from jaxrl_llm.trainer import scoring
+from jaxrl_llm.trainer import evaluation, scoring
 from jaxrl_llm.verifiers import ScoreDetails
 
 MAX_N = 16  # choices per request
@@ -58,12 +61,13 @@ class AgentRollout:
         self.timeout_s, self.wait_s = a.timeout_s, a.batch_wait_s
         self.server: Server | None = None
         self.label = "agent"
-        self._tool_errors = 0  # malformed tool calls since the last rollout
+        self.eval_server: Server | None = None  # evaluation's own (beside the rollout thread)
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        for server in (self.server, self.eval_server):
+            if server is not None:
+                server.close()
+        self.server = self.eval_server = None
 
     def __call__(self, params, batch, step: int, *, version: int | None = None, refresh=None):
         """The agent run on each example of `batch`, G times, to the end -> (out on the
@@ -72,26 +76,73 @@ class AgentRollout:
             self.server = Server()
         G, version = self.spec.num_generations, step if version is None else version
         examples = [ex for ex in batch.examples for _ in range(G)]
-        futures = self.server.run_episodes(self.agent, examples, self.timeout_s)
+        play = _Play(self.server, self.turn_spec, key=step * 1024, step=step, version=version)
+        order, episodes, results, over = self._play(params, examples, play, refresh)
+        return self._rollout(order, episodes, results, over, batch, play, play.version)
+
+    def evaluate(self, params, batches, *, pass_k: int, temperature: float, step: int = 0):
+        """`eval/*` over held-out batches: each example's episode played once greedily
+        (temperature 0) through the gateway, as in training -> its mean reward
+        (`eval/reward_mean`), the fraction above 0.5 (`eval/pass@1`, `evaluation.is_correct`),
+        failed episodes, requests and length per episode; with pass_k > 1, pass_k episodes
+        per example at `temperature` (`eval/pass@k`). Runs on a server of its own, so an
+        evaluation beside the rollout thread's episodes (overlap, split) keeps them apart."""
+        if self.eval_server is None:
+            self.eval_server = Server()
+        greedy, sampled = evaluation.specs(self.turn_spec, pass_k, temperature)
+        sampled = sampled and sampled.replace(num_generations=1)
+        rewards, failed, turns, lengths, correct_k = [], [], [], [], []
+        for i, batch in enumerate(batches):
+            play = _Play(self.eval_server, greedy, key=0, step=step, version=step)
+            order, episodes, results, over = self._play(params, list(batch.examples), play)
+            r, ends, _ = self._rewards(order, results, over)
+            rewards.append(r)
+            failed += [end != "done" for end in ends]
+            turns += [episodes[e].turns for e in order]
+            lengths += [sum(episodes[e].loss) for e in order]
+            if sampled is not None:
+                key = evaluation.EVAL_KEY_OFFSET + (step * len(batches) + i) % 2**14 * 1024
+                play = _Play(self.eval_server, sampled, key=key, step=step, version=step)
+                examples = [ex for ex in batch.examples for _ in range(pass_k)]
+                order, _, results, over = self._play(params, examples, play)
+                hit = evaluation.is_correct(self._rewards(order, results, over)[0])
+                correct_k.append(hit.reshape(-1, pass_k).any(axis=1))
+        rewards = np.concatenate(rewards)
+        out = {
+            "eval/reward_mean": float(rewards.mean()),
+            "eval/pass@1": float(evaluation.is_correct(rewards).mean()),
+            "eval/num_prompts": float(len(rewards)),
+            "eval/failed_frac": float(np.mean(failed)),
+            "eval/turns_mean": float(np.mean(turns)),
+            "eval/length_mean": float(np.mean(lengths)),
+        }
+        if correct_k:
+            out[f"eval/pass@{pass_k}"] = float(np.concatenate(correct_k).mean())
+        return out
+
+    def _play(self, params, examples: list, play: _Play, refresh=None):
+        """The agent's episodes of `examples`, to the end, on `play.server`, sampled with
+        `play.spec` -> (episode ids, their records, (reward, error, end) each, the ids
+        refused for passing a limit). `play` collects the counters."""
+        futures = play.server.run_episodes(self.agent, examples, self.timeout_s)
         order = list(futures)
         episodes = {e: Episode(self.renderer, self.spec.stop_ids) for e in order}
         over = set()  # episodes refused for passing a limit
-        stats = {"requests": 0, "calls": 0, "batch_max": 0, "temperature_ignored": 0}
         started = time.perf_counter()
-        while pending := self._gather(futures):
+        while pending := self._gather(futures, play.server):
             if refresh is not None:  # partial: the newest parameters for this call
-                params, version = refresh()
-            self._answer(pending, episodes, over, params, step, version, stats)
+                params, play.version = refresh()
+            self._answer(pending, episodes, over, params, play)
         results = [futures[e].result() for e in order]
         for e in order:
             episodes[e].close()
-        seconds = time.perf_counter() - started
-        return self._rollout(order, episodes, results, over, batch, stats, seconds, version)
+        play.seconds = time.perf_counter() - started
+        return order, episodes, results, over
 
-    def _gather(self, futures) -> list:
+    def _gather(self, futures, server) -> list:
         """Pending requests: once every running episode has one, or after `batch_wait_s`
         without a new one; [] when every episode has ended."""
-        pending, requests = [], self.server.requests
+        pending, requests = [], server.requests
         while True:
             running = sum(not f.done() for f in futures.values())
             if pending and len(pending) >= running:
@@ -104,12 +155,12 @@ class AgentRollout:
                 if pending:
                     return pending
 
-    def _answer(self, pending, episodes, over, params, step, version, stats) -> None:
+    def _answer(self, pending, episodes, over, params, play: _Play) -> None:
         """Renders each request's context, samples them together, replies to each."""
         rows, asks = [], []
         for episode, body, reply in pending:
             try:
-                ask = self._parse(body, episodes[episode], stats)
+                ask = self._parse(body, episodes[episode], play)
             except ValueError as err:  # a malformed request: that request's error only
                 reply(400, _error(str(err)))
                 continue
@@ -125,17 +176,20 @@ class AgentRollout:
             rows += [ask["ids"]] * ask["n"]
         if not rows:
             return
-        drawn = self._sample(params, rows, step, stats, version)
+        drawn = self._sample(params, rows, play)
         for episode, body, reply, ask, first in asks:
             prefix = f"call_{episode}_{episodes[episode].turns}"
-            choices = [self._choice(ask, *drawn[first + k], version, f"{prefix}_{k}")
+            choices = [self._choice(ask, *drawn[first + k], play, f"{prefix}_{k}")
                        for k in range(ask["n"])]  # fmt: skip
             episodes[episode].record(body["messages"], [c[1:] for c in choices])
+            sampled = {"temperature": play.spec.temperature, "policy_version": play.version,
+                       "requested_temperature": ask["temperature"]}  # fmt: skip
+            drew = sum(len(c[2]) for c in choices)
             reply(200, _response(episode, episodes[episode].turns, [c[0] for c in choices],
-                                 len(ask["ids"])))  # fmt: skip
-        stats["requests"] += len(asks)
+                                 len(ask["ids"]), drew, sampled))  # fmt: skip
+        play.stats["requests"] += len(asks)
 
-    def _parse(self, body: dict, ep: Episode, stats) -> dict:
+    def _parse(self, body: dict, ep: Episode, play: _Play) -> dict:
         """The request's options, checked, and its context ids."""
         n = body.get("n") or 1
         if not isinstance(n, int) or not 1 <= n <= MAX_N:
@@ -149,25 +203,25 @@ class AgentRollout:
         if body.get("stream"):
             raise ValueError("stream=true: the gateway answers whole responses only")
         temperature = body.get("temperature")
-        if temperature is not None and temperature != self.spec.temperature:
-            stats["temperature_ignored"] += 1
+        if temperature is not None and temperature != play.spec.temperature:
+            play.stats["temperature_ignored"] += 1
         try:
             ids = ep.context(body["messages"], body.get("tools"))
         except Exception as err:  # a message the template or the renderer refuses
             raise ValueError(f"messages: {type(err).__name__}: {err}"[:500]) from None
         return {"ids": ids, "n": n, "max_tokens": min(max_tokens, budget), "stop": stop,
-                "tools": bool(body.get("tools"))}  # fmt: skip
+                "tools": bool(body.get("tools")), "temperature": temperature}  # fmt: skip
 
-    def _sample(self, params, rows: list, step: int, stats, version: int) -> list:
+    def _sample(self, params, rows: list, play: _Play) -> list:
         """Each row's (drawn ids, log-probs, stopped), in calls of `self.rows` rows."""
-        drawn = []
+        drawn, stats = [], play.stats
         for first in range(0, len(rows), self.rows):
             chunk = rows[first : first + self.rows]
             real = len(chunk)
             chunk += [chunk[0]] * (self.rows - real)  # fixed width: one program
             ids, mask = prompts_lib.collate(chunk, self.sampler.pad_id, 8, 0)
-            key = step * 1024 + stats["calls"] % 1024  # a fresh draw per call
-            out = self.sampler.sample(params, ids, mask, self.turn_spec, key, version=version)
+            key = play.key + stats["calls"] % 1024  # a fresh draw per call
+            out = self.sampler.sample(params, ids, mask, play.spec, key, version=play.version)
             tokens, lengths, logprobs, finish = (np.asarray(x) for x in parallel.local_rows(
                 (out.tokens, out.lengths, out.logprobs, out.finish), self.mesh))  # fmt: skip
             for r in range(real):
@@ -178,7 +232,7 @@ class AgentRollout:
             stats["batch_max"] = max(stats["batch_max"], real)
         return drawn
 
-    def _choice(self, ask: dict, ids: list, logprobs: list, stopped: bool, version: int,
+    def _choice(self, ask: dict, ids: list, logprobs: list, stopped: bool, play: _Play,
                 call_ids: str):  # fmt: skip
         """-> (the response's choice, assistant message, kept ids, log-probs, version).
         max_tokens and stop strings cut the drawn tokens; the kept ones are the trajectory's."""
@@ -202,13 +256,12 @@ class AgentRollout:
             message = {"role": "assistant", "content": calls.content or None,
                        "tool_calls": calls.calls}  # fmt: skip
             finish = "tool_calls"
-        self._tool_errors += bool(calls is not None and calls.errors)
+        play.stats["tool_call_errors"] += bool(calls is not None and calls.errors)
         choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        return choice, message, ids, logprobs, version
+        return choice, message, ids, logprobs, play.version
 
-    def _rollout(self, order, episodes, results, over, batch, stats, seconds, version):
-        """The episodes as the step's rows (prompt-major), with rewards and metrics."""
-        G = self.spec.num_generations
+    def _rewards(self, order, results, over):
+        """-> (rewards, ends, errors): 0 for an episode that failed or passed a limit."""
         rewards = np.zeros(len(order), np.float32)
         ends, errors = [], []
         for i, (e, (reward, error, end)) in enumerate(zip(order, results, strict=True)):
@@ -217,6 +270,12 @@ class AgentRollout:
             rewards[i] = reward if end == "done" else 0.0
             ends.append(end)
             errors.append(error)
+        return rewards, ends, errors
+
+    def _rollout(self, order, episodes, results, over, batch, play, version):
+        """The episodes as the step's rows (prompt-major), with rewards and metrics."""
+        G = self.spec.num_generations
+        rewards, ends, errors = self._rewards(order, results, over)
         width, pad = self.width, self.sampler.pad_id
         parts = [group_rows([episodes[e] for e in order[g : g + G]], self.prompt_width, width,
                             pad) for g in range(0, len(order), G)]  # fmt: skip
@@ -242,7 +301,7 @@ class AgentRollout:
         prompts = [decode(p[m]) for p, m in zip(rows["prompt_tokens"], rows["prompt_mask"],
                                                  strict=True)]  # fmt: skip
         n = len(order)
-        metrics = self._metrics(stats, episodes, ends, rows["lengths"], seconds)
+        metrics = self._metrics(play, episodes, ends, rows["lengths"])
         failed = [i for i, end in enumerate(ends) if end != "done"]
         details = ScoreDetails(
             per_verifier={self.label: rewards.astype(np.float64)}, weights={self.label: 1.0},
@@ -262,10 +321,10 @@ class AgentRollout:
         )  # fmt: skip
         return out, scored, versions
 
-    def _metrics(self, stats, episodes, ends, lengths, seconds) -> dict:
+    def _metrics(self, play, episodes, ends, lengths) -> dict:
         """gateway/* counters of one rollout (docs/agents.md)."""
+        stats = play.stats
         calls = max(stats["calls"], 1)
-        tool_errors, self._tool_errors = self._tool_errors, 0
         return {
             "gateway/requests": float(stats["requests"]),
             "gateway/sampler_calls": float(stats["calls"]),
@@ -273,25 +332,43 @@ class AgentRollout:
             "gateway/batch_max": float(stats["batch_max"]),
             "gateway/retokenized": float(sum(ep.retokenized for ep in episodes.values())),
             "gateway/temperature_ignored": float(stats["temperature_ignored"]),
-            "gateway/tool_call_errors": float(tool_errors),
+            "gateway/tool_call_errors": float(stats["tool_call_errors"]),
             "gateway/errors": float(ends.count("error")),
             "gateway/timeouts": float(ends.count("timeout")),
             "gateway/over_limit": float(ends.count("max_total_tokens")),
             "gateway/turns_mean": float(np.mean([ep.turns for ep in episodes.values()])),
-            "gateway/seconds": seconds,
+            "gateway/seconds": play.seconds,
             "rollout/length_mean": float(lengths.mean()),
             "rollout/length_max": float(lengths.max()),
         }
 
 
-def _response(episode: str, turn: int, choices: list, prompt_tokens: int) -> dict:
+class _Play:
+    """One batch of episodes in progress: where its requests arrive, the spec and key
+    stream it samples with, the parameters' version, and its counters."""
+
+    def __init__(self, server: Server, spec: sampling.RolloutSpec, *, key: int, step: int,
+                 version: int):  # fmt: skip
+        self.server, self.spec, self.key, self.step, self.version = (
+            server, spec, key, step, version)  # fmt: skip
+        self.stats = {"requests": 0, "calls": 0, "batch_max": 0, "temperature_ignored": 0,
+                      "tool_call_errors": 0}  # fmt: skip
+        self.seconds = 0.0
+
+
+def _response(episode: str, turn: int, choices: list, prompt_tokens: int,
+              completion_tokens: int, sampled: dict) -> dict:  # fmt: skip
+    """A `chat.completion`; `jaxrl_llm` says how it was drawn: the temperature the gateway
+    sampled at (the run's, whatever the request asked), the one requested (None when
+    the request named none), and the version of the parameters that drew it."""
     for k, choice in enumerate(choices):
         choice["index"] = k
     return {
         "id": f"chatcmpl-{episode}-{turn}", "object": "chat.completion",
         "created": int(time.time()), "model": "jaxrl-llm", "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                  "total_tokens": prompt_tokens},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "jaxrl_llm": sampled,
     }  # fmt: skip
 
 

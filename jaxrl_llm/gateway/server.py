@@ -7,7 +7,9 @@
 
 Each episode has a base URL of its own, `http://127.0.0.1:PORT/e/<id>/v1`, so a request
 says which episode it belongs to without anything in the body; an agent is handed an
-`openai.AsyncOpenAI` client on that URL. `POST .../chat/completions` puts the request
+`openai.AsyncOpenAI` client on that URL (the clients share one httpx connection pool:
+making a client with a pool of its own loads the TLS certificates, tens of milliseconds
+per episode). `POST .../chat/completions` puts the request
 (its parsed JSON) on `requests`, a thread-safe queue, and waits until the trainer's
 thread answers it (`reply`); the answer is the HTTP response. Nothing is streamed.
 
@@ -35,6 +37,8 @@ class Server:
         self.loop = asyncio.new_event_loop()
         self._ids = itertools.count()
         self._live: set[str] = set()
+        self._agents: dict = {}  # the agents served, for their `aclose` at close
+        self._http = None  # the episodes' clients' shared httpx pool (made on the loop)
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/e/{episode}/v1/chat/completions", self._completions)
         self._runner = web.AppRunner(app, access_log=None)
@@ -91,6 +95,7 @@ class Server:
         """Starts `agent(client, example)` for each example -> {episode id: a
         concurrent future of (reward | None, error text, "done" | "error" | "timeout")}."""
         futures = {}
+        self._agents.setdefault(id(agent), agent)
         for example in examples:
             episode = f"{next(self._ids)}"
             self._live.add(episode)
@@ -99,10 +104,14 @@ class Server:
         return futures
 
     async def _episode(self, agent, episode: str, example, timeout_s: float):
+        import httpx
         import openai
 
+        if self._http is None:  # one connection pool for every episode's client
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
         client = openai.AsyncOpenAI(base_url=self.url(episode), api_key="jaxrl-llm",
-                                    max_retries=0, timeout=timeout_s)  # fmt: skip
+                                    max_retries=0, timeout=timeout_s,
+                                    http_client=self._http)  # fmt: skip
         try:
             reward = await asyncio.wait_for(agent(client, example), timeout_s)
             return _reward(reward), "", "done"
@@ -110,12 +119,21 @@ class Server:
             return None, f"the agent passed agent.timeout_s={timeout_s}", "timeout"
         except Exception as err:  # noqa: BLE001  (that episode fails, the run goes on)
             return None, f"{type(err).__name__}: {err}"[:500], "error"
-        finally:
+        finally:  # the client's pool is the server's, closed with it
             self._live.discard(episode)
-            await client.close()
 
     def close(self) -> None:
+        """Stops the server; an agent with an `aclose` coroutine (resources it keeps per
+        event loop, e.g. `verifiers_env.VerifiersAgent`) gets it run on this loop first."""
         if self.loop.is_running():
+            for agent in self._agents.values():
+                if hasattr(agent, "aclose"):
+                    try:
+                        asyncio.run_coroutine_threadsafe(agent.aclose(), self.loop).result(30)
+                    except Exception:  # noqa: BLE001  (the server still closes)
+                        pass
+            if self._http is not None:
+                asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(10)
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)

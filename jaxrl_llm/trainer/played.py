@@ -83,14 +83,16 @@ class EnvRollout:
 
     def evaluate(self, params, batches, *, pass_k: int, temperature: float, step: int = 0):
         """`eval/*` over held-out batches, trajectories played to the end: pass@1 (greedy),
-        pass@k (pass_k samples at `temperature`), turns, tool calls and length means. The
-        turn limit is the schedule's value at `step`."""
+        the greedy trajectories' mean reward, pass@k (pass_k samples at `temperature`),
+        turns, tool calls and length means. The turn limit is the schedule's value at `step`."""
         greedy, sampled = evaluation.specs(self.spec, pass_k, temperature)
         settings = self.settings(step)
-        correct1, correct_k, metrics = [], [], []
+        correct1, correct_k, metrics, rewards = [], [], [], []
+        discount = self.config.env.turn_reward_discount
         for i, batch in enumerate(batches):
             _, trajs, turns, _, _, lengths = self._play(params, batch, greedy, settings, i)
             correct1.append(evaluation.is_correct([t.reward(0.0) for t in trajs]))
+            rewards += [t.reward(discount) for t in trajs]  # the training reward
             metrics.append(self.metrics(trajs, turns, lengths))
             if sampled is not None:
                 key = evaluation.EVAL_KEY_OFFSET + step * len(batches) + i
@@ -99,6 +101,7 @@ class EnvRollout:
                 correct_k.append(hit.reshape(-1, pass_k).any(axis=1))
         out = {
             "eval/pass@1": float(np.concatenate(correct1).mean()),
+            "eval/reward_mean": float(np.mean(rewards)),
             "eval/num_prompts": float(sum(len(c) for c in correct1)),
         }
         if correct_k:
