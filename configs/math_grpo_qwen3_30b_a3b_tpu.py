@@ -27,16 +27,17 @@ per device:
   bytes a parameter). The experts are split 32 ways; the embeddings, attention and
   routers (1.5B parameters) only over fsdp = 4, replicated over `expert`. The outputs
   (the new state, 16.84 GiB) alias the donated arguments;
-- temporaries 26.43 GiB with the TPU kernel (`moe_impl='gmm'`, per device in
-  `shard_map`, which needs the mesh set around the trace): 43.3 GiB in all, inside a
+- temporaries 26.43 GiB with the TPU kernel (`moe_impl='gmm'`, what `auto` takes here:
+  per device in `shard_map`; the update and log-prob programs trace under the mesh
+  when its `expert` axis is > 1): 43.3 GiB in all, inside a
   v5p chip's 95 GB. The largest buffers are the MoE block's all-gathered (token, expert)
   rows: 8 x 2,047 tokens x k = 8 pairs of width 2,048 per device and micro-batch;
-- temporaries 69.9 GiB with `blocked` under the partitioner (no mesh set, as the
-  trainer traces today): 86.8 GiB in all. The partitioner does not split the sort-based
+- temporaries 69.9 GiB with `blocked` under the partitioner (no mesh set): 86.8 GiB in
+  all, the reason the kernel runs in `shard_map`. The partitioner does not split the sort-based
   dispatch by rows: every device holds the whole micro-batch's (token, expert) pairs
   (32 x 2,047 x 8 = 524,032 rows), and `blocked` gathers each block's expert weights
   (4,221 blocks, 6.2 GiB a projection in float32);
-- `ragged`, what `auto` picks on a multi-chip TPU today, could not be sized here:
+- `ragged` (XLA's grouped matmul, the portable path) could not be sized here:
   XLA:CPU expands `ragged_dot` over every expert (197 GiB of temporaries at 2 layers),
   which a TPU does not;
 - not in the update: the reference's bf16 copy (2.4 GiB per device, its own program) and

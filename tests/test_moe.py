@@ -308,10 +308,12 @@ def moe_update_batch(cfg, params, spec):
     return rl.RolloutBatch.from_sample(out, rewards.astype(np.float32))
 
 
-def test_expert_parallel_update_equals_one_device():
+@pytest.mark.parametrize("impl", ["auto", "gmm"])
+def test_expert_parallel_update_equals_one_device(impl):
     """One GRPO update (experts replayed) on 8 devices, one expert per device on the
-    `expert` axis (which also splits the batch), equals one device."""
-    cfg = tiny_moe(vocab_size=learning.VOCAB)
+    `expert` axis (which also splits the batch), equals one device. `gmm`: the Pallas
+    kernel (interpreted on CPU), per device on its own experts under the update's mesh."""
+    cfg = tiny_moe(vocab_size=learning.VOCAB).replace(moe_impl=impl)
     spec = sampling.RolloutSpec(num_generations=4, max_new_tokens=4)
     params = models.init_params(cfg, seed=0)
     batch = moe_update_batch(cfg, params, spec)

@@ -93,6 +93,25 @@ def test_param_counts_equal_transformers(glm4_moe):
     assert cfg.active_params() == total + bias - idle
 
 
+def test_flops_count_the_active_matmuls(glm4_moe):
+    """Model FLOPs of a GLM token: twice its matmul weights in transformers' model, the
+    routed experts counted k of E; the dense first layers, the shared experts and the
+    router included; norms, biases and the embeddings not (the unembedding apart)."""
+    from jaxrl_llm.trainer import perf
+
+    model, _, cfg, _ = glm4_moe
+    matmuls = 0.0
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith("bias") or "embed" in name or "lm_head" in name:
+            continue
+        if "mlp.experts." in name:
+            matmuls += p.numel() * cfg.num_experts_per_tok / cfg.num_experts
+        elif ".layers." in name:
+            matmuls += p.numel()
+    assert cfg.dense_layers and cfg.n_shared_experts  # the test covers both
+    assert perf.forward_flops(cfg, positions=1, context=0, unembedded=0) == 2 * matmuls
+
+
 def test_mtp_layers_skipped_and_options_refused(glm4_moe, tmp_path):
     """GLM-4.5's checkpoints carry a multi-token-prediction layer after the decoder's:
     loading skips it. Another scoring function is refused naming the key."""

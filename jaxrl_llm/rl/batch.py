@@ -315,10 +315,13 @@ def shared_prompt_logprobs(
 def context_mesh(mesh_or_sharding):
     """The context of a trace on this mesh (a Mesh, a NamedSharding or None): its
     abstract mesh is set when its `context` axis is > 1, so that the model's forward
-    splits the sequence over it (`models.partitioning.shard_sequence`); otherwise
-    nothing."""
+    splits the sequence over it (`models.partitioning.shard_sequence`), or its `expert`
+    axis is > 1, so that an MoE layer's grouped-matmul kernel runs per device on its own
+    experts (`models.moe_kernels`: `auto` takes it on TPU); otherwise nothing."""
     mesh = getattr(mesh_or_sharding, "mesh", mesh_or_sharding)
-    if not isinstance(mesh, jax.sharding.Mesh) or mesh.shape.get("context", 1) == 1:
+    if not isinstance(mesh, jax.sharding.Mesh) or (
+        mesh.shape.get("context", 1) == 1 and mesh.shape.get("expert", 1) == 1
+    ):
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 

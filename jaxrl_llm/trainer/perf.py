@@ -45,13 +45,18 @@ class PhaseClock:
 def layer_matmul_params(model_cfg) -> int:
     """Parameters of the decoder layers that take part in a token's matmuls (no norms, no
     biases). Mixture of experts: the active ones, the router and the k experts a token
-    goes through (not the E - k idle ones), so MoE FLOPs and MFU count the work done."""
+    goes through (not the E - k idle ones) and the shared experts, in the sparse layers;
+    the dense-MLP layers of an MoE model (`dense_layers`) count their dense MLP. So MoE
+    FLOPs and MFU count the work done."""
     c = model_cfg
-    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    D = c.hidden_size
+    attn = D * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    dense_mlp = 3 * D * c.intermediate_size
     if getattr(c, "moe", False):
-        experts = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
-        return c.num_layers * (attn + c.hidden_size * c.num_experts + experts)
-    return c.num_layers * (attn + 3 * c.hidden_size * c.intermediate_size)
+        width = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_intermediate_size
+        sparse, n = D * c.num_experts + 3 * D * width, c.num_sparse_layers
+        return c.num_layers * attn + n * sparse + (c.num_layers - n) * dense_mlp
+    return c.num_layers * (attn + dense_mlp)
 
 
 def forward_flops(model_cfg, positions: float, context: float, unembedded: float) -> float:
