@@ -296,6 +296,17 @@ class PagedSampler:
         self.stats = run.stats
         return self._output(ids, mask, spec, drawn, logprobs, stopped, versions)
 
+    def stream(self, params, version: int, spec: RolloutSpec, *, width: int, rows: int,
+               seed=None) -> Session:  # fmt: skip
+        """A session kept across training steps (a streaming rollout source): submit step
+        s's bucketed prompts with key_base s * rows; rows of step 0 draw the keys
+        `sample(..., step=0)` gives them. Sized as `session` for `rows` rows of bucket
+        `width` (pages 0: one step's static cache)."""
+        seed = self.seed if seed is None else int(seed)
+        seed_step = self._put(np.array([seed, 0], np.uint32))
+        return self.session(params, version, spec, seed_step=seed_step, width=width,
+                            rows=rows, prompts=rows)  # fmt: skip
+
     def session(self, params, version: int, spec: RolloutSpec, *, seed_step, width: int,
                 rows: int, prompts: int) -> Session:  # fmt: skip
         """A `paged_schedule.Session` over this engine's settings, sized for requests of

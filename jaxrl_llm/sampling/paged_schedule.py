@@ -176,6 +176,14 @@ class Session:
         started = np.where(started >= 0, started, first).astype(np.int32)
         return req.drawn, req.logprobs, req.stopped, started, tv
 
+    def output(self, key):
+        """A finished request as (`SampleOutput` on the engine's rows, token_versions
+        [N, T]): each row's policy_version is the version that started it."""
+        ids, mask = self.requests[key].ids, self.requests[key].mask
+        drawn, logprobs, stopped, started, tv = self.pop(key)
+        out = self.e._output(ids, mask, self.spec, drawn, logprobs, stopped, started)  # noqa: SLF001
+        return out, tv
+
     def swap(self, params, version: int) -> None:
         """Decodes on with `params` (version `version`). Rows in flight are preempted and
         come back prefilled by them (their tokens so far kept, with their versions); the
