@@ -34,8 +34,10 @@ Results come back in request order as a `SampleOutput` (tokens, masks, log-probs
 finish reasons, prompts at their bucket width, policy version), rows on the mesh like the
 static sampler's. A row whose prompt has no real token (a dummy row that makes the batch
 divide the mesh) draws nothing (length 0). Single-turn rollouts only (no `append` /
-`refresh`), on one process. The engine's small state (slots, page pool) is replicated
-over the mesh; the parameters are read in their own sharding.
+`refresh`), on one process. The host scheduling is `paged_schedule.Session`; `stream`
+keeps one session across training steps (the overlap / split rollout source). The
+engine's small state (slots, page pool) is replicated over the mesh; the parameters are
+read in their own sharding.
 """
 
 from __future__ import annotations
