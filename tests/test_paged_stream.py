@@ -51,8 +51,9 @@ def same_rows(out, ref, rows):
 
 def test_greedy_across_steps_equals_the_static_sampler(tiny, paged):
     """Two steps' prompts queued in one session (step 1's rows take the slots step 0's
-    short rows leave, and rows of both decode in one chunk): at temperature 0 each step's
-    rows equal the static sampler's."""
+    short rows leave, and rows of both decode in one chunk; prompts admitted together
+    prefilled in one program): at temperature 0 each step's rows equal the static
+    sampler's."""
     cfg, params, _ = tiny
     spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=12, temperature=0.0,
                                 stop_ids=(7, 16))  # fmt: skip
@@ -64,6 +65,8 @@ def test_greedy_across_steps_equals_the_static_sampler(tiny, paged):
         done += session.run_chunk()
         mixed |= {session.owner[s].item.req for s in session.order} == {0, 1}
     assert done == [0, 1] and mixed
+    # Prompts admitted together were prefilled in one program (batched prefill).
+    assert any(k[0] == "prefill" and k[1][0] > 1 for k in paged.traces), paged.traces
     for key, prompts in zip(done, (PROMPTS, LATER), strict=True):
         out = session.output(key)[0]
         assert np.all(np.asarray(out.policy_version) == 2)

@@ -188,11 +188,12 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
 
 def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
                   length):  # fmt: skip
-    """One chunk of one sequence's prompt (tokens, mask [1, C]) into its pages; the logits
-    after its last real token go to prompt_logits[index]."""
+    """One chunk of each of b sequences (tokens, mask [b, C]) into their pages; the logits
+    after each one's last real token go to prompt_logits[index] (index [b]). A row with no
+    real token writes only to the null page (its logits row is not read)."""
     hidden, pages = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
     logits = models.project(cfg, params, models.last_hidden(hidden, mask))
-    return pages, prompt_logits.at[index].set(logits[0])
+    return pages, prompt_logits.at[index].set(logits)
 
 
 class PagedSampler:

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 NULL_PAGE = 0  # writes of masked tokens go here; never read unmasked
+PREFILL_BATCH = 8  # sequences prefilled by one program (batches of 1, 2, 4 or 8)
 
 
 @dataclasses.dataclass
@@ -103,7 +104,9 @@ class Session:
         self.order: list = []  # occupied slots, oldest first
         self.requests: dict = {}
         self.done: list = []  # keys of requests whose rows all ended, in completion order
-        self.stats = dict(decode_chunks=0, prefills=0, preempted=0, peak_pages=0, swaps=0)
+        self.stats = dict(decode_chunks=0, prefills=0, prefill_calls=0, preempted=0,
+                          peak_pages=0, swaps=0)  # fmt: skip
+        self.prefills: list = []  # (sequence, start, pages, logits row) to prefill
         T, S = self.T, slots
         z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
         self.host = dict(
@@ -212,8 +215,9 @@ class Session:
         self.logit_rows.append(entry[4])
 
     def _prefill(self, tokens: np.ndarray, index: int) -> tuple[list, int, int] | None:
-        """Prefills a sequence (real token ids) into new pages -> (pages, padded length,
-        start), or None when the pool lacks the pages."""
+        """Takes pages for a sequence (real token ids) and queues its prefill (run by
+        `_run_prefills`) -> (pages, padded length, start), or None when the pool lacks
+        the pages."""
         C, PS = self.C, self.PS
         p = len(tokens)
         padded = -(-p // C) * C
@@ -223,22 +227,46 @@ class Session:
         if count > len(self.free):
             return None
         pages = [NULL_PAGE] * first + self._take(count)
-        table = np.zeros((1, self._width(len(pages))), np.int32)
-        table[0, : len(pages)] = pages
         seq = np.full(padded, self.e.pad_id, np.int32)
         seq[start:] = tokens
-        real = np.arange(padded) >= start
-        e = self.e
-        put = e._put  # noqa: SLF001
-        for c in range(start // C, padded // C):
-            cut = slice(c * C, (c + 1) * C)
-            self.pages, self.prompt_logits = e._prefill(  # noqa: SLF001
-                self.params, self.pages, self.prompt_logits, put(np.int32(index)),
-                *put((seq[None, cut], real[None, cut], table, np.array([start], np.int32),
-                      np.array([c * C], np.int32))),
-            )  # fmt: skip
+        self.prefills.append((seq, start, pages, index))
         self.stats["prefills"] += 1
         return pages, padded, start
+
+    def _run_prefills(self) -> None:
+        """The queued prefills, up to PREFILL_BATCH sequences per program (the batch
+        padded to a power of two with empty rows), their chunks aligned at the end: the
+        k-th of K calls feeds each sequence its chunk k - (K - its chunks), or nothing
+        before its first real chunk; every sequence's last chunk is in the last call, so
+        its logits row ends with its prompt's last token's logits."""
+        C, e = self.C, self.e
+        put = e._put  # noqa: SLF001
+        while self.prefills:
+            jobs, self.prefills = self.prefills[:PREFILL_BATCH], self.prefills[PREFILL_BATCH:]
+            b = 1 << (len(jobs) - 1).bit_length()
+            chunks = [len(seq) // C for seq, *_ in jobs]
+            K = max(chunks)
+            table = np.zeros((b, self._width(max(len(j[2]) for j in jobs))), np.int32)
+            start = np.zeros(b, np.int32)
+            index = np.full(b, self.scratch, np.int32)
+            for i, (_, first, pages, row) in enumerate(jobs):
+                table[i, : len(pages)], start[i], index[i] = pages, first, row
+            for k in range(K):
+                tokens = np.full((b, C), e.pad_id, np.int32)
+                mask = np.zeros((b, C), bool)
+                length = np.zeros(b, np.int32)
+                for i, (seq, first, _, _) in enumerate(jobs):
+                    c = k - (K - chunks[i])
+                    if c < first // C:
+                        continue  # before its first chunk with a real token
+                    tokens[i] = seq[c * C : (c + 1) * C]
+                    mask[i] = np.arange(c * C, (c + 1) * C) >= first
+                    length[i] = c * C
+                self.pages, self.prompt_logits = e._prefill(  # noqa: SLF001
+                    self.params, self.pages, self.prompt_logits,
+                    *put((index, tokens, mask, table, start, length)),
+                )  # fmt: skip
+                self.stats["prefill_calls"] += 1
 
     def _pages_of(self, tokens: int) -> int:
         """Pages a prefill of `tokens` tokens takes (those of padding only are null)."""
@@ -359,6 +387,7 @@ class Session:
         e, h = self.e, self.host
         if self.waiting or self.order:
             self._admit()
+            self._run_prefills()
             self._grow()
             if not self.order:
                 raise RuntimeError("paged engine: no sequence fits the page pool")
