@@ -18,7 +18,8 @@ of a prompt's G rows holds a copy of the prompt's keys and values. This engine i
   first chunk, the pages the rows already in need for their next chunk.
 - decodes `slots` sequences at once in a `lax.while_loop` of `chunk_steps` steps on
   device; between chunks the host returns the pages of finished rows, gives their slots
-  to the next waiting rows (prefilling their prompts, chunk by chunk) and takes pages for
+  to the next waiting rows (prefilling their prompts chunk by chunk, those admitted
+  together in one batched program) and takes pages for
   the next chunk. When the pool runs short, the youngest rows are preempted: their pages
   are returned and they wait again; a preempted row comes back with its prompt and tokens
   so far prefilled (recompute) and draws on with the same keys.
