@@ -191,41 +191,62 @@ def check_items(rec, c, bound):
 
 
 def test_split_with_partial_rollouts_and_a_resume(model_dir, tmp_path, monkeypatch):
-    """rollout.mode='split', max_staleness 1, partial rollouts, the engine slowed so the
-    learner publishes while rows decode; SIGTERM after step 1, then a resume: staleness
-    within the bound, each token's version recorded and its log-prob the teacher-forced
-    one under that version, rows switched version mid-generation, and the steps' prompts
+    """rollout.mode='split', max_staleness 1, partial rollouts; the engine holds a step
+    that runs ahead of the learner until the learner publishes the next version, so
+    rows are in flight at the swap; SIGTERM after step 0, then a resume: staleness within
+    the bound, each token's version recorded and its log-prob the teacher-forced one
+    under that version, rows switched version mid-generation, and the steps' prompts
     (across the resume) those of a synchronous run."""
+    import collections
     import os
     import signal
-    import time
+    import threading
 
     from jaxrl_llm import train
     from jaxrl_llm.sampling.paged_schedule import Session
     from jaxrl_llm.trainer.metrics import read_metrics
+    from jaxrl_llm.trainer.paged_stream import PagedStream
     from jaxrl_llm.trainer.run import Run
 
     chunk, step = Session.run_chunk, Run.step
+    rec = Recorder(monkeypatch)
+    publish, close = PagedStream.publish, PagedStream.close
+    published, held = collections.defaultdict(threading.Event), set()
 
-    def slow_chunk(self):
-        time.sleep(0.05)  # the learner publishes while rows are in flight
+    def on_publish(this, params, version):
+        publish(this, params, version)
+        published[version].set()
+
+    def on_close(this):
+        for event in list(published.values()):
+            event.set()
+        close(this)
+
+    def holding_chunk(self):
+        # Step s alone in the engine, ahead of the learner: its first chunk waits for
+        # version s, so the swap finds its rows in flight.
+        first = min(self.requests, default=0)
+        if first >= 1 and self.version < first and first not in held:
+            held.add(first)
+            published[first].wait(timeout=60)
         return chunk(self)
 
     def step_then_sigterm(self, t):
         out = step(self, t)
-        if t == 1:
+        if t == 0:
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(Session, "run_chunk", slow_chunk)
+    monkeypatch.setattr(Session, "run_chunk", holding_chunk)
+    monkeypatch.setattr(PagedStream, "publish", on_publish)
+    monkeypatch.setattr(PagedStream, "close", on_close)
     monkeypatch.setattr(Run, "step", step_then_sigterm)
-    c = paged_config(model_dir, "split", 4)
+    c = paged_config(model_dir, "split", 3)
     c.rollout.max_staleness, c.rollout.partial = 1, True
-    rec = Recorder(monkeypatch)
     train.train(c, str(tmp_path / "run"))
-    assert [t for t, _, _ in rec.items] == [0, 1]
+    assert [t for t, _, _ in rec.items] == [0]
     monkeypatch.setattr(Run, "step", step)
-    train.train(c, str(tmp_path / "run"))  # resumes at step 2
+    train.train(c, str(tmp_path / "run"))  # resumes at step 1
     assert check_items(rec, c, 1) > 0
     # Step 0's rows drawn wholly by the initial parameters are `sample(step=0)`'s.
     from jaxrl_llm import config as config_lib
@@ -241,7 +262,7 @@ def test_split_with_partial_rollouts_and_a_resume(model_dir, tmp_path, monkeypat
     assert old.any()
     same_rows(first, jax.device_get(ref), old)
     logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in m]
-    assert [m["step"] for m in logged] == [1, 2, 3, 4]
+    assert [m["step"] for m in logged] == [1, 2, 3]
     assert max(m["rollout/staleness_max"] for m in logged) <= 1.0
     assert any(m["rollout/partial_frac"] > 0 for m in logged)
 
