@@ -114,6 +114,60 @@ def test_a_swap_records_each_tokens_version(tiny, paged):
     same_rows(out, paged.sample(p0, ids, mask, spec, step=0), old)
 
 
+def test_without_partial_every_row_keeps_its_version(tiny, paged):
+    """`PagedStream` (rollout.partial=False, max_staleness 1) over a stand-in for the
+    trainer's `Sampling`, a learner publishing a version per step: step 1, queued with
+    step 0 before version 1 exists, is drawn wholly by version 0; every step within the
+    bound; all of a row's tokens drawn by the version that started it, with teacher-forced
+    log-probs under it; the steps' prompts in data order."""
+    import contextlib
+    import types
+
+    from jaxrl_llm.trainer.paged_stream import PagedStream
+
+    cfg, p0, p1 = tiny
+    spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=12, temperature=0.9)
+    batches = [PROMPTS, LATER, PROMPTS[::-1], LATER[::-1]]
+
+    class Data:
+        position = 0
+
+        def __next__(self):
+            ids, mask = sampling.pad_prompts(batches[self.position], 0)
+            self.position += 1
+            return types.SimpleNamespace(prompt_ids=ids, prompt_mask=mask, position=self.position)
+
+        def state(self):
+            return self.position
+
+    s = types.SimpleNamespace(
+        sampler=paged, spec=spec, data=Data(), scorer=lambda out, batch: None,
+        guard=contextlib.nullcontext,
+        compile_log=types.SimpleNamespace(program=lambda *a, **k: contextlib.nullcontext()),
+    )  # fmt: skip
+    config = types.SimpleNamespace(rollout=types.SimpleNamespace(max_staleness=1, partial=False),
+                                   train=types.SimpleNamespace(num_steps=4))  # fmt: skip
+    versions = [p0, p1, p0, p1]  # version v: versions[v]
+    stream = PagedStream(s, config, 0, p0, 0)
+    items = []
+    try:
+        for t in range(4):
+            if t:
+                stream.publish(versions[t], t)
+            items.append(stream.take(t))
+            assert stream.consumed == t + 1
+    finally:
+        stream.close()
+    assert items[1].version == 0
+    for t, item in enumerate(items):
+        out, v = item.out, item.token_versions
+        rows, m = np.asarray(out.policy_version), np.asarray(out.mask)
+        assert item.batch.position == t + 1 and t - 1 <= item.version <= t
+        assert np.all(rows == item.version) and np.all(v[m] == item.version)
+        want = teacher_forced(cfg, versions[item.version], out, 0.9)
+        assert np.abs(np.asarray(out.logprobs) - want)[m].max() <= 1e-5
+
+
 # ---------------------------------------------------------------- through the trainer
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
