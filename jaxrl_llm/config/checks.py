@@ -236,7 +236,8 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 
 
 def check_engine(config, process_count: int) -> None:
-    """rollout.engine and, for 'paged', its settings and what it does not combine with yet."""
+    """rollout.engine and, for 'paged', its settings and what it does not combine with yet
+    (every rollout.mode is served: `trainer.paged_stream` in overlap and split)."""
     r = config.rollout
     _check(
         r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
@@ -255,9 +256,6 @@ def check_engine(config, process_count: int) -> None:
     _check(p.prefill_chunk % p.page_size == 0,
            f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
            f"rollout.paged.page_size={p.page_size}")  # fmt: skip
-    _check(
-        r.mode == "sync", f"rollout.engine='paged' runs with rollout.mode='sync' (got {r.mode!r})"
-    )
     _check(not config.env.name,
            f"rollout.engine='paged' samples single-turn rollouts; env.name={config.env.name!r} "
            "needs rollout.engine='static'")  # fmt: skip

@@ -181,7 +181,8 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
     # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand
     # their slot and pages to waiting ones and a prompt's G rows share its pages; pays off
-    # when completion lengths are long-tailed. sync mode, single-turn, one process.
+    # when completion lengths are long-tailed. Single-turn, one process; in overlap and
+    # split one engine session streams across steps (docs/sampling.md#streaming-into-training).
     r.engine = "static"
     r.paged = ml_collections.ConfigDict()
     r.paged.slots = 0  # sequences decoded at once; 0 = the batch's rows (B * G)

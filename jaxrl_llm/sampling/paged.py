@@ -18,7 +18,8 @@ of a prompt's G rows holds a copy of the prompt's keys and values. This engine i
   first chunk, the pages the rows already in need for their next chunk.
 - decodes `slots` sequences at once in a `lax.while_loop` of `chunk_steps` steps on
   device; between chunks the host returns the pages of finished rows, gives their slots
-  to the next waiting rows (prefilling their prompts, chunk by chunk) and takes pages for
+  to the next waiting rows (prefilling their prompts chunk by chunk, those admitted
+  together in one batched program) and takes pages for
   the next chunk. When the pool runs short, the youngest rows are preempted: their pages
   are returned and they wait again; a preempted row comes back with its prompt and tokens
   so far prefilled (recompute) and draws on with the same keys.
@@ -34,8 +35,10 @@ Results come back in request order as a `SampleOutput` (tokens, masks, log-probs
 finish reasons, prompts at their bucket width, policy version), rows on the mesh like the
 static sampler's. A row whose prompt has no real token (a dummy row that makes the batch
 divide the mesh) draws nothing (length 0). Single-turn rollouts only (no `append` /
-`refresh`), on one process. The engine's small state (slots, page pool) is replicated
-over the mesh; the parameters are read in their own sharding.
+`refresh`), on one process. The host scheduling is `paged_schedule.Session`; `stream`
+keeps one session across training steps (the overlap / split rollout source). The
+engine's small state (slots, page pool) is replicated over the mesh; the parameters are
+read in their own sharding.
 """
 
 from __future__ import annotations
@@ -52,11 +55,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
 from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput
+from jaxrl_llm.sampling.paged_schedule import NULL_PAGE, Session
 from jaxrl_llm.sampling.sampler import Sampler
 from jaxrl_llm.sampling.sampling import sample_tokens
 from jaxrl_llm.sampling.spec import RolloutSpec
-
-NULL_PAGE = 0
 
 
 @struct.dataclass
@@ -187,21 +189,12 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
 
 def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
                   length):  # fmt: skip
-    """One chunk of one sequence's prompt (tokens, mask [1, C]) into its pages; the logits
-    after its last real token go to prompt_logits[index]."""
+    """One chunk of each of b sequences (tokens, mask [b, C]) into their pages; the logits
+    after each one's last real token go to prompt_logits[index] (index [b]). A row with no
+    real token writes only to the null page (its logits row is not read)."""
     hidden, pages = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
     logits = models.project(cfg, params, models.last_hidden(hidden, mask))
-    return pages, prompt_logits.at[index].set(logits[0])
-
-
-@dataclasses.dataclass
-class _Row:
-    """A row waiting for a slot: its request index, and the tokens / log-probs it drew
-    before it was preempted (none for a fresh row)."""
-
-    row: int
-    drawn: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
+    return pages, prompt_logits.at[index].set(logits)
 
 
 class PagedSampler:
@@ -298,12 +291,38 @@ class PagedSampler:
         # (seed, step) go to the device as numbers and the key is made there: a key built
         # on the host would be an implicit transfer (refused under the trainer's guard).
         seed_step = self._put(np.array([seed, 0 if step is None else int(step)], np.uint32))
-        run = _Run(self, params, ids, mask, spec, budgets, seed_step)
-        drawn, logprobs, stopped = run.all()
+        run = self.session(params, version, spec, seed_step=seed_step, width=width, rows=N,
+                           prompts=B)  # fmt: skip
+        run.submit(0, ids, mask, budgets)
+        while run.busy:
+            run.run_chunk()
+        drawn, logprobs, stopped, versions, _ = run.pop(0)
         self.stats = run.stats
-        return self._output(ids, mask, spec, drawn, logprobs, stopped, version)
+        return self._output(ids, mask, spec, drawn, logprobs, stopped, versions)
+
+    def stream(self, params, version: int, spec: RolloutSpec, *, width: int, rows: int,
+               seed=None) -> Session:  # fmt: skip
+        """A session kept across training steps (a streaming rollout source): submit step
+        s's bucketed prompts with key_base s * rows; rows of step 0 draw the keys
+        `sample(..., step=0)` gives them. Sized as `session` for `rows` rows of bucket
+        `width` (pages 0: one step's static cache)."""
+        seed = self.seed if seed is None else int(seed)
+        seed_step = self._put(np.array([seed, 0], np.uint32))
+        return self.session(params, version, spec, seed_step=seed_step, width=width,
+                            rows=rows, prompts=rows)  # fmt: skip
+
+    def session(self, params, version: int, spec: RolloutSpec, *, seed_step, width: int,
+                rows: int, prompts: int) -> Session:  # fmt: skip
+        """A `paged_schedule.Session` over this engine's settings, sized for requests of
+        `rows` rows over `prompts` prompts of bucket `width` (slots 0: `rows` slots; pages
+        0: the static sampler's cache for them). seed_step: (seed, salt) on device."""
+        slots = self.slots or rows
+        pages = self.pages or 1 + -(-rows * (width + spec.max_new_tokens) // self.page_size)
+        return Session(self, params, version, spec, seed_step=seed_step, slots=slots,
+                       pages=pages, prompt_rows=min(prompts, slots + 1))  # fmt: skip
 
     def _output(self, ids, mask, spec, drawn, logprobs, stopped, version):
+        """The rows' results as a `SampleOutput`; version: one int or one per row."""
         G, T = spec.num_generations, spec.max_new_tokens
         N = ids.shape[0] * G
         tokens = np.full((N, T), self.pad_id, np.int32)
@@ -336,239 +355,12 @@ class PagedSampler:
         return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
                              table, start, length)  # fmt: skip
 
+    def _slots(self, host: dict) -> Slots:
+        """The slots' host arrays (a dict of `Slots`' fields) on device."""
+        return self._put(Slots(**{f.name: host[f.name] for f in dataclasses.fields(Slots)}))
+
     def _put(self, tree):
         """Host arrays -> device, replicated over the mesh (the engine's state is small
         next to the parameters; the pages stay where the programs put them)."""
         where = None if self.mesh is None else NamedSharding(self.mesh, P())
         return jax.tree.map(lambda x: jax.device_put(x, where), tree)
-
-
-class _Run:
-    """One `PagedSampler.sample` call's host side: the queue, the page lists, the slots."""
-
-    def __init__(self, engine: PagedSampler, params, ids, mask, spec, budgets, seed_step):
-        self.e, self.params, self.spec, self.seed_step = engine, params, spec, seed_step
-        self.ids, self.mask, self.budgets = ids, mask, budgets
-        B, width = ids.shape
-        G, T, C, PS = (
-            spec.num_generations,
-            spec.max_new_tokens,
-            engine.prefill_chunk,
-            engine.page_size,
-        )
-        self.G, self.T, self.C, self.PS = G, T, C, PS
-        N = B * G
-        self.S = engine.slots or N
-        # The longest sequence: a resumed row's prompt + drawn tokens, padded to chunks.
-        longest = -(-(width + T) // C) * C + C
-        self.M = -(-longest // PS)
-        total = engine.pages or 1 + -(-N * (width + T) // PS)
-        if total < self.M + 1:
-            raise ValueError(
-                f"pages={total}: the pool must hold one whole sequence ({self.M} pages of "
-                f"{PS} tokens) besides the null page"
-            )
-        self.free = list(range(total - 1, 0, -1))  # page 0: the null page
-        self.lengths = mask.sum(axis=1)
-        self.prompt_pages: dict = {}  # prompt -> [pages, padded length, rows still to end]
-        # Rows without a real prompt token (dummy rows) draw nothing.
-        self.waiting = collections.deque(_Row(r) for r in range(N) if self.lengths[r // G])
-        self.owner: list = [None] * self.S  # slot -> (row, own pages, shared prompt or None)
-        self.order: list = []  # occupied slots, oldest first
-        self.drawn, self.logprobs = [[] for _ in range(N)], [[] for _ in range(N)]
-        self.stopped = np.zeros(N, bool)
-        self.stats = dict(decode_chunks=0, prefills=0, preempted=0, peak_pages=0)
-        z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
-        S = self.S
-        self.host = dict(
-            table=z(S, self.M), start=z(S), length=z(S), cap=z(S), last=z(S),
-            fresh=z(S, dtype=bool), live=z(S, dtype=bool), stopped=z(S, dtype=bool), n=z(S),
-            budget=z(S), row=z(S), prompt=z(S), tokens=z(S, T), logprobs=z(S, T, dtype=np.float32),
-        )  # fmt: skip
-        e = engine
-        dtype = params["embed"].dtype
-        self.pages = e._pool(e.cfg, total, PS, dtype)  # noqa: SLF001
-        self.prompt_logits = e._put(np.zeros((B + 1, e.cfg.vocab_size), np.float32))  # noqa: SLF001
-        self.scratch = B  # prompt_logits row of a resumed row's prefill (not read)
-        self.stops = e._put(np.asarray(spec.stop_ids or (-1,), np.int32))  # noqa: SLF001
-
-    # ------------------------------------------------------------------------ pages
-    def _take(self, count: int) -> list:
-        return [self.free.pop() for _ in range(count)]
-
-    def _width(self, pages: int) -> int:
-        """Page-table columns a program reads: a power of two >= pages, at most M."""
-        return min(self.M, 1 << max(1, pages - 1).bit_length())
-
-    def _in_use(self) -> int:
-        return self.pages.k.shape[1] - 1 - len(self.free)
-
-    def _prefill(self, tokens: np.ndarray, index: int) -> tuple[list, int, int] | None:
-        """Prefills a sequence (real token ids) into new pages -> (pages, padded length,
-        start), or None when the pool lacks the pages."""
-        C, PS = self.C, self.PS
-        p = len(tokens)
-        padded = -(-p // C) * C
-        start = padded - p
-        first = start // PS  # pages before it hold only padding: the null page
-        count = padded // PS - first
-        if count > len(self.free):
-            return None
-        pages = [NULL_PAGE] * first + self._take(count)
-        table = np.zeros((1, self._width(len(pages))), np.int32)
-        table[0, : len(pages)] = pages
-        seq = np.full(padded, self.e.pad_id, np.int32)
-        seq[start:] = tokens
-        real = np.arange(padded) >= start
-        e = self.e
-        put = e._put  # noqa: SLF001
-        for c in range(start // C, padded // C):
-            cut = slice(c * C, (c + 1) * C)
-            self.pages, self.prompt_logits = e._prefill(  # noqa: SLF001
-                self.params, self.pages, self.prompt_logits, put(np.int32(index)),
-                *put((seq[None, cut], real[None, cut], table, np.array([start], np.int32),
-                      np.array([c * C], np.int32))),
-            )  # fmt: skip
-        self.stats["prefills"] += 1
-        return pages, padded, start
-
-    # ------------------------------------------------------------------------ slots
-    def _admit(self) -> None:
-        """Fills free slots with waiting rows while the pool has pages for them."""
-        h = self.host
-        while self.waiting and None in self.owner:
-            s = self.owner.index(None)
-            item = self.waiting[0]
-            b = item.row // self.G
-            real = self.ids[b][self.mask[b]]
-            # Admitted only with pages for its prefill and first chunk left over after the
-            # next chunk of the rows already in: a row taken in only to be preempted at
-            # once would cost a prefill for nothing.
-            fresh_prompt = not item.drawn and b not in self.prompt_pages
-            cost = self._pages_of(len(real) + len(item.drawn)) if item.drawn or fresh_prompt else 0
-            cost += -(-self.e.chunk_steps // self.PS) + 1
-            reserve = sum(self._need(t) for t in self.order)
-            if self.order and cost + reserve > len(self.free):
-                return
-            if item.drawn:  # preempted: its prompt and tokens so far, recomputed
-                got = self._prefill(np.concatenate([real, item.drawn[:-1]]), self.scratch)
-                if got is None:
-                    return
-                own, padded, start = got
-                shared = None
-            else:
-                if b not in self.prompt_pages:
-                    got = self._prefill(real, b)
-                    if got is None:
-                        return
-                    self.prompt_pages[b] = [got[0], got[1], got[2], self.G]
-                pages, padded, start, _ = self.prompt_pages[b]
-                own, shared = list(pages), b
-            self.waiting.popleft()
-            n = len(item.drawn)
-            h["table"][s] = 0
-            h["table"][s, : len(own)] = own
-            h["start"][s], h["length"][s], h["cap"][s] = start, padded, padded
-            h["last"][s] = item.drawn[-1] if n else self.e.pad_id
-            h["fresh"][s], h["live"][s], h["stopped"][s] = n == 0, True, False
-            h["n"][s], h["budget"][s], h["row"][s], h["prompt"][s] = (
-                n, self.budgets[item.row], item.row, b,
-            )  # fmt: skip
-            h["tokens"][s] = self.e.pad_id
-            h["tokens"][s, :n] = item.drawn
-            h["logprobs"][s] = 0
-            h["logprobs"][s, :n] = item.logprobs
-            mine = [] if shared is not None else own
-            self.owner[s] = (item.row, mine, shared, len(own))
-            self.order.append(s)
-
-    def _release(self, s: int) -> None:
-        row, mine, shared, _ = self.owner[s]
-        self.free.extend(p for p in mine if p != NULL_PAGE)
-        if shared is not None:
-            entry = self.prompt_pages[shared]
-            entry[3] -= 1
-            if entry[3] == 0:
-                self.free.extend(p for p in entry[0] if p != NULL_PAGE)
-                del self.prompt_pages[shared]
-        self.owner[s] = None
-        self.order.remove(s)
-        self.host["live"][s] = False
-
-    def _preempt(self, s: int) -> None:
-        h = self.host
-        row, n = self.owner[s][0], int(h["n"][s])
-        item = _Row(row, list(h["tokens"][s, :n]), list(h["logprobs"][s, :n]))
-        if n == 0 and self.owner[s][2] is not None:
-            self.prompt_pages[self.owner[s][2]][3] += 1  # it comes back to the same prompt
-        self._release(s)
-        self.waiting.appendleft(item)
-        self.stats["preempted"] += 1
-
-    def _pages_of(self, tokens: int) -> int:
-        """Pages a prefill of `tokens` tokens takes (those of padding only are null)."""
-        padded = -(-tokens // self.C) * self.C
-        return padded // self.PS - (padded - tokens) // self.PS
-
-    def _need(self, s: int) -> int:
-        """Pages slot s lacks for its next chunk of steps."""
-        h = self.host
-        end = int(h["length"][s]) + int(h["budget"][s]) - int(h["n"][s])
-        want = min(int(h["length"][s]) + self.e.chunk_steps, end)
-        return max(0, -(-want // self.PS) - self.owner[s][3])
-
-    def _grow(self) -> None:
-        """Pages for the next chunk of every live slot, oldest first; the youngest are
-        preempted when the pool runs short, so the oldest always advances."""
-        h, PS = self.host, self.PS
-        for s in list(self.order):
-            if self.owner[s] is None:
-                continue
-            row, mine, shared, held = self.owner[s]
-            need = self._need(s)
-            while need > len(self.free) and self.order[-1] != s:
-                self._preempt(self.order[-1])
-            got = min(need, len(self.free))
-            new = self._take(got)
-            h["table"][s, held : held + got] = new
-            mine.extend(new)
-            self.owner[s] = (row, mine, shared, held + got)
-            h["cap"][s] = (held + got) * PS
-        self.stats["peak_pages"] = max(self.stats["peak_pages"], self._in_use())
-
-    def all(self):
-        e, h = self.e, self.host
-        names = [f.name for f in dataclasses.fields(Slots)]
-        while self.waiting or self.order:
-            self._admit()
-            self._grow()
-            if not self.order:
-                raise RuntimeError("paged engine: no sequence fits the page pool")
-            # The table is cut to the most pages any slot holds (a power of two: a few
-            # programs), so a step gathers about as many slots as are filled.
-            held = max(self.owner[s][3] for s in self.order)
-            cut = dict(h, table=h["table"][:, : self._width(held)])
-            slots = e._put(Slots(**{k: cut[k] for k in names}))  # noqa: SLF001
-            self.pages, slots = e._decode(  # noqa: SLF001
-                self.params,
-                self.pages,
-                slots,
-                self.prompt_logits,
-                self.seed_step,
-                self.stops,
-                steps=e.chunk_steps,
-                spec=self.spec,
-            )
-            self.stats["decode_chunks"] += 1
-            got = jax.device_get(slots)
-            table = h["table"]
-            self.host = h = {k: np.array(getattr(got, k)) for k in names}
-            h["table"] = table
-            for s in list(self.order):
-                if not h["live"][s]:
-                    row, n = self.owner[s][0], int(h["n"][s])
-                    self.drawn[row] = h["tokens"][s, :n].tolist()
-                    self.logprobs[row] = h["logprobs"][s, :n].tolist()
-                    self.stopped[row] = bool(h["stopped"][s])
-                    self._release(s)
-        return self.drawn, self.logprobs, self.stopped

@@ -191,20 +191,23 @@ class Threaded:
     step publishes the parameters it is given before it takes its rollout, which moves to
     the training mesh.
 
-    With a `player` (multi-turn) it also serves 'overlap' (`max_staleness=1`, one mesh):
+    `thread` names the thread's class: `RolloutThread`, or `paged_stream.PagedStream`
+    (the paged engine's session across steps). With a `player` (multi-turn), or a
+    `PagedStream`, it also serves 'overlap' (`max_staleness=1`, one mesh):
     the thread then gets a copy of the parameters (`copy=True`), since the update donates
     the ones the step holds while the thread still plays with them."""
 
     def __init__(self, s: Sampling, config, *, player=None, max_staleness: int | None = None,
-                 copy: bool = False):  # fmt: skip
+                 copy: bool = False, thread=None):  # fmt: skip
         self.s, self.config, self.thread = s, config, None
         self.player, self.max_staleness, self.copy = player, max_staleness, copy
+        self.make_thread = thread or RolloutThread  # or `paged_stream.PagedStream`
 
     def next(self, step: int, params, clock) -> Rollout:
         if self.copy:
             params = jax.tree.map(jnp.copy, params)
         if self.thread is None:
-            self.thread = RolloutThread(
+            self.thread = self.make_thread(
                 self.s, self.config, step, params, step, player=self.player,
                 max_staleness=self.max_staleness,
             )  # fmt: skip

@@ -35,6 +35,7 @@ from jaxrl_llm import data, models, parallel, rl, verifiers
 from jaxrl_llm.gateway.rollout import AgentRollout
 from jaxrl_llm.startup import compilation, peak
 from jaxrl_llm.trainer import evaluation, judges, perf, scoring
+from jaxrl_llm.trainer.paged_stream import PagedStream
 from jaxrl_llm.trainer.played import EnvRollout, Played
 from jaxrl_llm.trainer.rollout_thread import Threaded
 from jaxrl_llm.trainer.sources import (
@@ -447,8 +448,9 @@ def make_source(config, s: Sampling, algo, env_rollout=None):
     """The run's rollout source: the environments' or the agents' (env.name /
     agent.entry, an `EnvRollout` / `AgentRollout`: played in the step in 'sync', by the
     rollout thread in 'split', and in 'overlap' by the thread on the training mesh one
-    version behind), else the one of rollout.mode, with DAPO's dynamic sampling around
-    it."""
+    version behind), the paged engine's stream in 'overlap' and 'split' (the same, with a
+    `paged_stream.PagedStream` thread), else the one of rollout.mode, with DAPO's dynamic
+    sampling around it."""
     if env_rollout is not None:
         mode = config.rollout.mode
         if mode == "sync":
@@ -456,6 +458,10 @@ def make_source(config, s: Sampling, algo, env_rollout=None):
         if mode == "split":
             return Threaded(s, config, player=env_rollout)
         return Threaded(s, config, player=env_rollout, max_staleness=1, copy=True)
+    if config.rollout.engine == "paged" and config.rollout.mode != "sync":  # one session
+        if config.rollout.mode == "split":
+            return Threaded(s, config, thread=PagedStream)
+        return Threaded(s, config, max_staleness=1, copy=True, thread=PagedStream)
     source = SOURCES[config.rollout.mode](s, config)
     if algo.dynamic_sampling:
         source = Refilled(source, s, algo.max_resample_rounds)

@@ -16,7 +16,9 @@
 
 (`Threaded` is in rollout_thread.py, `Played` in played.py; the bound is
 `rollout.max_staleness`.) Every source samples with the engine `make_sampler` builds:
-`rollout.engine` static (`sampling.Sampler`) or paged (`sampling.PagedSampler`).
+`rollout.engine` static (`sampling.Sampler`) or paged (`sampling.PagedSampler`); with the
+paged engine, overlap and split are `Threaded` over `paged_stream.PagedStream`, one engine
+session across steps.
 
 `next(step, params, clock)` gets the current policy parameters as the sampler reads them
 (version `step`: `step` updates applied) and the step's `perf.PhaseClock`; it returns the
