@@ -29,70 +29,25 @@ drawn but not taken are drawn again by a resumed run.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import jax
 import numpy as np
 
-from jaxrl_llm.trainer.rollout_thread import Item
+from jaxrl_llm.trainer.rollout_thread import Item, RolloutThread
 
 
-class PagedStream:
-    """`RolloutThread`'s interface over a streaming paged engine session."""
+class PagedStream(RolloutThread):
+    """`RolloutThread` over a streaming paged engine session: its hand-off (`publish`,
+    `newest`, `take`, `close`), its own `_run`."""
 
     def __init__(self, s, config, start: int, params, version: int, *, player=None,
                  max_staleness: int | None = None):  # fmt: skip
         if player is not None:
             raise ValueError("the paged stream samples single-turn rollouts")
-        r = config.rollout
-        self.s, self.num_steps = s, config.train.num_steps
-        self.max_staleness = r.max_staleness if max_staleness is None else max_staleness
-        self.partial = bool(r.partial)
-        self.consumed = s.data.state()
-        self._params, self._version = params, version
-        self._items: dict[int, Item] = {}
-        self._error: BaseException | None = None
-        self._stopping = False
-        self._cond = threading.Condition()
-        self.stats: dict = {}
-        self._thread = threading.Thread(target=self._loop, args=(start,), name="rollout-paged",
-                                        daemon=True)  # fmt: skip
-        self._thread.start()
-
-    def publish(self, params, version: int) -> None:
-        with self._cond:
-            self._params, self._version = params, version
-            self._cond.notify_all()
-
-    def newest(self):
-        with self._cond:
-            return self._params, self._version
-
-    def take(self, step: int) -> Item:
-        with self._cond:
-            self._cond.wait_for(lambda: step in self._items or self._error is not None)
-            if step not in self._items:
-                raise RuntimeError("the rollout thread failed") from self._error
-            item = self._items.pop(step)
-            self.consumed = item.position
-            return item
-
-    def close(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    # ------------------------------------------------------------------ the thread
-    def _loop(self, start: int) -> None:
-        try:
-            with self.s.guard():
-                self._run(start)
-        except BaseException as err:  # noqa: BLE001  (handed to the learner)
-            with self._cond:
-                self._error = err
-                self._cond.notify_all()
+        self.partial = bool(config.rollout.partial)
+        self.stats: dict = {}  # the session's counters, after each chunk
+        super().__init__(s, config, start, params, version, max_staleness=max_staleness)
 
     def _run(self, start: int) -> None:
         s, spec = self.s, self.s.spec

@@ -117,20 +117,24 @@ class RolloutThread:
     def _loop(self, start: int) -> None:
         try:
             with self.s.guard():
-                for step in range(start, self.num_steps):
-                    waited = time.perf_counter()
-                    with self._cond:
-                        self._cond.wait_for(
-                            lambda s=step: self._stopping or self._version >= s - self.max_staleness
-                        )
-                        if self._stopping:
-                            return
-                        params, version = self._params, self._version
-                    self._produce(step, params, version, time.perf_counter() - waited)
+                self._run(start)
         except BaseException as err:  # noqa: BLE001  (handed to the learner)
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def _run(self, start: int) -> None:
+        """Produces steps start, start + 1, ... in order, each within the bound."""
+        for step in range(start, self.num_steps):
+            waited = time.perf_counter()
+            with self._cond:
+                self._cond.wait_for(
+                    lambda s=step: self._stopping or self._version >= s - self.max_staleness
+                )
+                if self._stopping:
+                    return
+                params, version = self._params, self._version
+            self._produce(step, params, version, time.perf_counter() - waited)
 
     def _produce(self, step: int, params, version: int, wait_s: float) -> None:
         batch = next(self.s.data)
