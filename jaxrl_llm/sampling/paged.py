@@ -111,6 +111,21 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length)
     return hidden, pages
 
 
+def row_bucket(rows: int, slots: int) -> int:
+    """Slots a decode program runs for `rows` occupied ones: a power of two, at most
+    `slots` (a few compiled programs)."""
+    return min(slots, 1 << max(0, rows - 1).bit_length())
+
+
+def table_width(pages: int, limit: int) -> int:
+    """Page-table columns a program reads for sequences of up to `pages` pages: `pages`
+    rounded up to two significant bits (1, 2, 3, 4, 6, 8, 12, 16, ...), at most
+    `limit`: at most 1.5x the pages held, two compiled widths per doubling."""
+    pages = max(1, pages)
+    step = 1 << max(0, pages.bit_length() - 2)
+    return min(limit, -(-pages // step) * step)
+
+
 @struct.dataclass
 class Slots:
     """The decode slots (device arrays [S] unless noted); the host fills and reads them
@@ -336,6 +351,37 @@ class PagedSampler:
         return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
                              table, start, length)  # fmt: skip
 
+    def decode_slots(self, params, pages, host: dict, occupied, held: int, prompt_logits,
+                     seed_step, stops, spec):  # fmt: skip
+        """One decode chunk of the occupied slots -> (pages, host arrays after it).
+
+        host: the slots' host arrays (`Slots`' fields, [S, ...] each); occupied: the slots
+        that hold a row; held: the most pages any of them holds. The program runs over the
+        occupied slots only, padded with empty ones to a power of two (`row_bucket`), and
+        over the page table cut to `held` pages rounded up (`table_width`): a step's work
+        follows the rows still running and their lengths, not the slots' count or the
+        longest possible sequence, with few compiled shapes. The other slots' host arrays
+        are left as they are."""
+        S, M = host["table"].shape
+        occupied = sorted(occupied)
+        rows = row_bucket(len(occupied), S)
+        spare = [s for s in range(S) if s not in set(occupied)][: rows - len(occupied)]
+        pick = np.asarray(occupied + spare, np.int64)
+        width = table_width(held, M)
+        names = [f.name for f in dataclasses.fields(Slots)]
+        cut = {k: host[k][pick] for k in names}
+        cut["table"] = cut["table"][:, :width]
+        pages, slots = self._decode(
+            params, pages, self._put(Slots(**cut)), prompt_logits, seed_step, stops,
+            steps=self.chunk_steps, spec=spec,
+        )  # fmt: skip
+        got = jax.device_get(slots)
+        out = {k: np.array(host[k]) for k in names}
+        for k in names:
+            if k != "table":
+                out[k][pick] = np.asarray(getattr(got, k))
+        return pages, out
+
     def _put(self, tree):
         """Host arrays -> device, replicated over the mesh (the engine's state is small
         next to the parameters; the pages stay where the programs put them)."""
@@ -538,32 +584,18 @@ class _Run:
 
     def all(self):
         e, h = self.e, self.host
-        names = [f.name for f in dataclasses.fields(Slots)]
         while self.waiting or self.order:
             self._admit()
             self._grow()
             if not self.order:
                 raise RuntimeError("paged engine: no sequence fits the page pool")
-            # The table is cut to the most pages any slot holds (a power of two: a few
-            # programs), so a step gathers about as many slots as are filled.
             held = max(self.owner[s][3] for s in self.order)
-            cut = dict(h, table=h["table"][:, : self._width(held)])
-            slots = e._put(Slots(**{k: cut[k] for k in names}))  # noqa: SLF001
-            self.pages, slots = e._decode(  # noqa: SLF001
-                self.params,
-                self.pages,
-                slots,
-                self.prompt_logits,
-                self.seed_step,
-                self.stops,
-                steps=e.chunk_steps,
-                spec=self.spec,
-            )
+            self.pages, h = e.decode_slots(  # noqa: SLF001
+                self.params, self.pages, h, self.order, held, self.prompt_logits,
+                self.seed_step, self.stops, self.spec,
+            )  # fmt: skip
+            self.host = h
             self.stats["decode_chunks"] += 1
-            got = jax.device_get(slots)
-            table = h["table"]
-            self.host = h = {k: np.array(getattr(got, k)) for k in names}
-            h["table"] = table
             for s in list(self.order):
                 if not h["live"][s]:
                     row, n = self.owner[s][0], int(h["n"][s])
