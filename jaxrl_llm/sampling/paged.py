@@ -91,13 +91,14 @@ def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
 def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length):
     """tokens [B, T] (mask [B, T]) after each sequence's slots [start, length) in its pages
     -> (final-normed hidden [B, T, D], pages with the real tokens' keys/values written at
-    slots length .. length + T - 1). Masked tokens write to the null page."""
+    slots length .. length + T - 1, the MoE layers' top-k experts of the tokens
+    [B, T, L, k] or None for a dense model). Masked tokens write to the null page."""
     B, T = tokens.shape
     k, v = gather_pages(pages, table)
     slot = jnp.arange(k.shape[2])
     before = (slot[None] >= start[:, None]) & (slot[None] < length[:, None])
-    hidden, (new_k, new_v) = models.forward_after_prefix(
-        cfg, params, tokens, mask, (k, v), before
+    hidden, (new_k, new_v), own = models.forward_after_prefix(
+        cfg, params, tokens, mask, (k, v), before, with_routes=True
     )  # new_k, new_v [L, B, T, K, H]
     index = length[:, None] + jnp.arange(T)[None]  # [B, T] slot of each token
     M, S = table.shape[1], pages.page_size
@@ -108,7 +109,7 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length)
         k=pages.k.at[:, page, offset].set(new_k.astype(pages.k.dtype)),
         v=pages.v.at[:, page, offset].set(new_v.astype(pages.v.dtype)),
     )
-    return hidden, pages
+    return hidden, pages, own
 
 
 def row_bucket(rows: int, slots: int) -> int:
@@ -145,6 +146,9 @@ class Slots:
     prompt: jax.Array  # the row's prompt index (which logits a fresh slot reads)
     tokens: jax.Array  # [S, T] int32
     logprobs: jax.Array  # [S, T] float32
+    # MoE models: the experts of each drawn token, recorded in the step that feeds it
+    # (the last drawn token is never fed: -1); [S, T, L, k] int16. None: dense model.
+    routes: jax.Array | None = None
 
 
 def _draw(key, rows, counts, logits, spec: RolloutSpec):
@@ -169,7 +173,7 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
     def body(carry):
         i, pages, s = carry
         feed = s.live & ~s.fresh & (s.length < s.cap)
-        hidden, pages = forward_paged(
+        hidden, pages, own = forward_paged(
             cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length
         )
         logits = models.project(cfg, params, hidden[:, 0])
@@ -178,6 +182,13 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
         tok, lp = _draw(key, s.row, s.n, logits, spec)
         col = jnp.minimum(s.n, T - 1)
         put = lambda buf, x: buf.at[every, col].set(jnp.where(draw, x, buf[every, col]))  # noqa: E731
+        routes = s.routes
+        if routes is not None:  # the fed token (drawn n - 1) is routed in this step
+            fed = jnp.maximum(s.n - 1, 0)
+            old = routes[every, fed]
+            routes = routes.at[every, fed].set(
+                jnp.where(feed[:, None, None], own[:, 0].astype(routes.dtype), old)
+            )
         n = s.n + draw
         hit = draw & jnp.isin(tok, stops)
         s = s.replace(
@@ -189,6 +200,7 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
             n=n,
             tokens=put(s.tokens, tok),
             logprobs=put(s.logprobs, lp),
+            routes=routes,
         )
         return i + 1, pages, s
 
@@ -203,10 +215,13 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
 def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
                   length):  # fmt: skip
     """One chunk of one sequence's prompt (tokens, mask [1, C]) into its pages; the logits
-    after its last real token go to prompt_logits[index]."""
-    hidden, pages = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
+    after its last real token go to prompt_logits[index] -> (pages, prompt_logits, the
+    chunk's MoE routes [1, C, L, k] int16, -1 at masked tokens; None: dense model)."""
+    hidden, pages, own = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
     logits = models.project(cfg, params, models.last_hidden(hidden, mask))
-    return pages, prompt_logits.at[index].set(logits[0])
+    if own is not None:
+        own = jnp.where(mask[:, :, None, None], own.astype(models.ROUTE_DTYPE), -1)
+    return pages, prompt_logits.at[index].set(logits[0]), own
 
 
 @dataclasses.dataclass
@@ -217,6 +232,7 @@ class _Row:
     row: int
     drawn: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
+    routes: np.ndarray | None = None  # MoE: the drawn tokens' recorded routes [n, L, k]
 
 
 class PagedSampler:
@@ -277,12 +293,17 @@ class PagedSampler:
 
         def shapes():
             z = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+            cfg = self.cfg
+            routes = None
+            if cfg.moe:
+                shape = (N, width + T, cfg.num_layers, cfg.num_experts_per_tok)
+                routes = z(shape, models.ROUTE_DTYPE)
             return SampleOutput(
                 tokens=z((N, T), jnp.int32), mask=z((N, T), bool), loss_mask=z((N, T), bool),
                 logprobs=z((N, T), jnp.float32), lengths=z((N,), jnp.int32),
                 finish=z((N,), jnp.int32), prompt_tokens=z((N, width), jnp.int32),
                 prompt_mask=z((N, width), bool), policy_version=z((N,), jnp.int32),
-                num_generations=G,
+                num_generations=G, routes=routes,
             )  # fmt: skip
 
         return jax.jit(shapes, **rows), (), {}
@@ -316,9 +337,29 @@ class PagedSampler:
         run = _Run(self, params, ids, mask, spec, budgets, seed_step)
         drawn, logprobs, stopped = run.all()
         self.stats = run.stats
-        return self._output(ids, mask, spec, drawn, logprobs, stopped, version)
+        routes = None
+        if self.cfg.moe:
+            routes = self._routes(ids, mask, spec, run.prompt_routes, run.routes)
+        return self._output(ids, mask, spec, drawn, logprobs, stopped, version, routes)
 
-    def _output(self, ids, mask, spec, drawn, logprobs, stopped, version):
+    def _routes(self, ids, mask, spec, prompt_routes: dict, rows: list) -> np.ndarray:
+        """`SampleOutput.routes` [N, width + T, L, k] int16 as the static sampler lays
+        them out: each prompt's real tokens' routes (from its one prefill) in every row of
+        its group, then the row's drawn tokens' (the last one, never fed: -1); -1 at
+        padding and after the end."""
+        G, T = spec.num_generations, spec.max_new_tokens
+        (B, width), cfg = ids.shape, self.cfg
+        out = np.full((B * G, width + T, cfg.num_layers, cfg.num_experts_per_tok), -1,
+                      np.int16)  # fmt: skip
+        for n in range(B * G):
+            b = n // G
+            if b in prompt_routes:
+                out[n, :width][mask[b]] = prompt_routes[b]
+            if rows[n] is not None:
+                out[n, width : width + len(rows[n])] = rows[n]
+        return out
+
+    def _output(self, ids, mask, spec, drawn, logprobs, stopped, version, routes=None):
         G, T = spec.num_generations, spec.max_new_tokens
         N = ids.shape[0] * G
         tokens = np.full((N, T), self.pad_id, np.int32)
@@ -332,7 +373,7 @@ class PagedSampler:
             tokens=tokens, mask=real, loss_mask=real, logprobs=lps, lengths=lengths,
             finish=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32),
             prompt_tokens=np.repeat(ids, G, axis=0), prompt_mask=np.repeat(mask, G, axis=0),
-            policy_version=np.full((N,), version, np.int32), num_generations=G,
+            policy_version=np.full((N,), version, np.int32), num_generations=G, routes=routes,
         )  # fmt: skip
         sharding = self.row_sharding
         return jax.tree.map(lambda x: jax.device_put(x, sharding), out)
@@ -368,7 +409,7 @@ class PagedSampler:
         spare = [s for s in range(S) if s not in set(occupied)][: rows - len(occupied)]
         pick = np.asarray(occupied + spare, np.int64)
         width = table_width(held, M)
-        names = [f.name for f in dataclasses.fields(Slots)]
+        names = [f.name for f in dataclasses.fields(Slots) if f.name in host]
         cut = {k: host[k][pick] for k in names}
         cut["table"] = cut["table"][:, :width]
         pages, slots = self._decode(
@@ -431,6 +472,12 @@ class _Run:
             fresh=z(S, dtype=bool), live=z(S, dtype=bool), stopped=z(S, dtype=bool), n=z(S),
             budget=z(S), row=z(S), prompt=z(S), tokens=z(S, T), logprobs=z(S, T, dtype=np.float32),
         )  # fmt: skip
+        cfg = engine.cfg
+        if cfg.moe:  # each drawn token's experts (sampling/decode.py's routes)
+            shape = (S, T, cfg.num_layers, cfg.num_experts_per_tok)
+            self.host["routes"] = np.full(shape, -1, np.int16)
+        self.routes: list = [None] * N  # per row: [n, L, k] (MoE)
+        self.prompt_routes: dict = {}  # prompt -> its real tokens' routes [p, L, k] (MoE)
         e = engine
         dtype = params["embed"].dtype
         self.pages = e._pool(e.cfg, total, PS, dtype)  # noqa: SLF001
@@ -451,7 +498,8 @@ class _Run:
 
     def _prefill(self, tokens: np.ndarray, index: int) -> tuple[list, int, int] | None:
         """Prefills a sequence (real token ids) into new pages -> (pages, padded length,
-        start), or None when the pool lacks the pages."""
+        start, the tokens' MoE routes [p, L, k] or None), or None when the pool lacks the
+        pages."""
         C, PS = self.C, self.PS
         p = len(tokens)
         padded = -(-p // C) * C
@@ -468,15 +516,21 @@ class _Run:
         real = np.arange(padded) >= start
         e = self.e
         put = e._put  # noqa: SLF001
+        routes = []
         for c in range(start // C, padded // C):
             cut = slice(c * C, (c + 1) * C)
-            self.pages, self.prompt_logits = e._prefill(  # noqa: SLF001
+            self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
                 self.params, self.pages, self.prompt_logits, put(np.int32(index)),
                 *put((seq[None, cut], real[None, cut], table, np.array([start], np.int32),
                       np.array([c * C], np.int32))),
             )  # fmt: skip
+            routes.append(own)
         self.stats["prefills"] += 1
-        return pages, padded, start
+        if routes[0] is not None:  # [1, chunks * C, L, k] -> the real tokens'
+            routes = np.concatenate(jax.device_get(routes), axis=1)[0, start % C :]
+        else:
+            routes = None
+        return pages, padded, start, routes
 
     # ------------------------------------------------------------------------ slots
     def _admit(self) -> None:
@@ -500,7 +554,7 @@ class _Run:
                 got = self._prefill(np.concatenate([real, item.drawn[:-1]]), self.scratch)
                 if got is None:
                     return
-                own, padded, start = got
+                own, padded, start, _ = got  # its tokens keep the routes they were drawn with
                 shared = None
             else:
                 if b not in self.prompt_pages:
@@ -508,6 +562,7 @@ class _Run:
                     if got is None:
                         return
                     self.prompt_pages[b] = [got[0], got[1], got[2], self.G]
+                    self.prompt_routes[b] = got[3]
                 pages, padded, start, _ = self.prompt_pages[b]
                 own, shared = list(pages), b
             self.waiting.popleft()
@@ -524,6 +579,10 @@ class _Run:
             h["tokens"][s, :n] = item.drawn
             h["logprobs"][s] = 0
             h["logprobs"][s, :n] = item.logprobs
+            if "routes" in h:
+                h["routes"][s] = -1
+                if n:
+                    h["routes"][s, :n] = item.routes
             mine = [] if shared is not None else own
             self.owner[s] = (item.row, mine, shared, len(own))
             self.order.append(s)
@@ -544,7 +603,8 @@ class _Run:
     def _preempt(self, s: int) -> None:
         h = self.host
         row, n = self.owner[s][0], int(h["n"][s])
-        item = _Row(row, list(h["tokens"][s, :n]), list(h["logprobs"][s, :n]))
+        routes = h["routes"][s, :n].copy() if "routes" in h else None
+        item = _Row(row, list(h["tokens"][s, :n]), list(h["logprobs"][s, :n]), routes)
         if n == 0 and self.owner[s][2] is not None:
             self.prompt_pages[self.owner[s][2]][3] += 1  # it comes back to the same prompt
         self._release(s)
@@ -602,5 +662,7 @@ class _Run:
                     self.drawn[row] = h["tokens"][s, :n].tolist()
                     self.logprobs[row] = h["logprobs"][s, :n].tolist()
                     self.stopped[row] = bool(h["stopped"][s])
+                    if "routes" in h:
+                        self.routes[row] = h["routes"][s, :n].copy()
                     self._release(s)
         return self.drawn, self.logprobs, self.stopped
