@@ -113,18 +113,15 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length)
 
 
 def row_bucket(rows: int, slots: int) -> int:
-    """Slots a decode program runs for `rows` occupied ones: a power of two, at most
-    `slots` (a few compiled programs)."""
-    return min(slots, 1 << max(0, rows - 1).bit_length())
+    """Slots a decode program runs for `rows` occupied ones: a power of two, at least 4
+    (a smaller program saves little) and at most `slots`: a few compiled programs."""
+    return min(slots, max(4, 1 << max(0, rows - 1).bit_length()))
 
 
 def table_width(pages: int, limit: int) -> int:
-    """Page-table columns a program reads for sequences of up to `pages` pages: `pages`
-    rounded up to two significant bits (1, 2, 3, 4, 6, 8, 12, 16, ...), at most
-    `limit`: at most 1.5x the pages held, two compiled widths per doubling."""
-    pages = max(1, pages)
-    step = 1 << max(0, pages.bit_length() - 2)
-    return min(limit, -(-pages // step) * step)
+    """Page-table columns a program reads for sequences of up to `pages` pages: a power
+    of two >= pages (at least 2), at most `limit`: a few compiled programs."""
+    return min(limit, 1 << max(1, pages - 1).bit_length())
 
 
 @struct.dataclass
