@@ -171,6 +171,8 @@ def main(argv=None) -> None:
                          **{"peak pages": eng.stats.get("peak_pages", ""),
                             "useful tok/s": f"{mix.sum() / took:.0f}"}))  # fmt: skip
         print(f"max_new_tokens {new}: {rows[-1]}", flush=True)
+    if not rows:
+        return
     print(f"KV budget {kv_tokens} tokens, {batch} slots:")
     print(table(rows, ["max_new_tokens", "median", "longest", "static", "paged", "preempted",
                        "peak pages", "useful tok/s"]))  # fmt: skip
