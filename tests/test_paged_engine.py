@@ -88,15 +88,17 @@ def test_logprobs_equal_teacher_forced(tiny, sharded):
 
 
 def test_moe_routes_equal_the_static_samplers():
-    """A tiny Qwen3-MoE at temperature 0, 4 slots for 12 rows over a pool that forces
-    preemptions: the engine's routes ([N, P + T, L, k]) equal the static sampler's at every
-    real token but each row's last (the prompt's from its one shared prefill, a drawn
-    token's from the step that feeds it), and are -1 at padding and at the last drawn
-    token, which the engine never feeds (the static sampler feeds a stop token when other
-    rows of its batch go on; its route changes no log-prob the trainer scores)."""
+    """A tiny Qwen3-MoE (unrolled layers) at temperature 0, 4 slots for 12 rows over a
+    pool that forces preemptions: the engine's routes ([N, P + T, L, k]) equal the static
+    sampler's at every real token but each row's last (the prompt's from its one shared
+    prefill, a drawn token's from the step that feeds it), and are -1 at padding and at
+    the last drawn token, which the engine never feeds (the static sampler feeds a stop
+    token when other rows of its batch go on; its route changes no log-prob the trainer
+    scores)."""
     cfg = tiny_model_config(
         architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=16, initializer_range=0.2, max_position_embeddings=512,
+        scan_layers=False,  # the engine's unrolled path (layers sliced once per chunk)
     )  # fmt: skip
     params = models.init_params(cfg, seed=1)
     ids, mask = sampling.pad_prompts(PROMPTS, 0)

@@ -88,7 +88,7 @@ def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
     return gather(pages.k), gather(pages.v)
 
 
-def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length):
+def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None):
     """tokens [B, T] (mask [B, T]) after each sequence's slots [start, length) in its pages
     -> (final-normed hidden [B, T, D], pages with the real tokens' keys/values written at
     slots length .. length + T - 1, the MoE layers' top-k experts of the tokens
@@ -98,7 +98,7 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length)
     slot = jnp.arange(k.shape[2])
     before = (slot[None] >= start[:, None]) & (slot[None] < length[:, None])
     hidden, (new_k, new_v), own = models.forward_after_prefix(
-        cfg, params, tokens, mask, (k, v), before, with_routes=True
+        cfg, params, tokens, mask, (k, v), before, with_routes=True, layers=layers
     )  # new_k, new_v [L, B, T, K, H]
     index = length[:, None] + jnp.arange(T)[None]  # [B, T] slot of each token
     M, S = table.shape[1], pages.page_size
@@ -166,13 +166,16 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
     live slot draws its next token."""
     S, T = s.tokens.shape
     every = jnp.arange(S)
+    # Unrolled layers (scan_layers=False): their parameters sliced once, not every step.
+    layers = None if cfg.scan_layers else models.layer_params(params)
 
     def body(carry):
         i, pages, s = carry
         feed = s.live & ~s.fresh & (s.length < s.cap)
         hidden, pages, own = forward_paged(
-            cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length
-        )
+            cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length,
+            layers,
+        )  # fmt: skip
         logits = models.project(cfg, params, hidden[:, 0])
         logits = jnp.where(s.fresh[:, None], jnp.take(prompt_logits, s.prompt, axis=0), logits)
         draw = s.live & (s.fresh | feed)
