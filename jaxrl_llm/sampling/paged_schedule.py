@@ -293,8 +293,8 @@ class Session:
                 for i, (_, first, _, _, record) in enumerate(jobs):
                     if record is not None:  # its chunks, in the last chunks[i] calls
                         got = np.concatenate([o[i] for o in owns[K - chunks[i] :]], axis=0)
-                        req, b = record
-                        self.requests[req].prompt_routes[b] = got[first:]
+                        key, prompt = record
+                        self.requests[key].prompt_routes[prompt] = got[first:]
 
     def _pages_of(self, tokens: int) -> int:
         """Pages a prefill of `tokens` tokens takes (those of padding only are null)."""
