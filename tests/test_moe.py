@@ -385,14 +385,13 @@ def test_fit_routes_moves_the_columns_with_the_tokens():
     np.testing.assert_array_equal(cut, np.asarray(routes)[:, :3])
 
 
-def test_paged_engine_with_routing_replay_is_refused(tmp_path):
-    """The paged engine records no routes: replay asks for the static sampler."""
+def test_paged_engine_with_routing_replay_is_accepted(tmp_path):
+    """The paged engine records routes (tests/test_paged_engine.py), so replay with it
+    passes the config check."""
     from tiny_run import tiny_config
 
-    from jaxrl_llm import config as config_lib
     from jaxrl_llm.config import checks
 
     c = tiny_config(str(tmp_path))
     c.rollout.engine, c.algo.routing_replay = "paged", "rollout"
-    with pytest.raises(config_lib.ConfigError, match="algo.routing_replay='rollout' needs"):
-        checks.check_engine(c, 1)
+    checks.check_engine(c, 1)

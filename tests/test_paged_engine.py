@@ -87,6 +87,39 @@ def test_logprobs_equal_teacher_forced(tiny, sharded):
         assert out.tokens.sharding.is_equivalent_to(paged.row_sharding, 2)
 
 
+def test_moe_routes_equal_the_static_samplers():
+    """A tiny Qwen3-MoE (unrolled layers) at temperature 0, 4 slots for 12 rows over a
+    pool that forces preemptions: the engine's routes ([N, P + T, L, k]) equal the static
+    sampler's at every real token but each row's last (the prompt's from its one shared
+    prefill, a drawn token's from the step that feeds it), and are -1 at padding and at
+    the last drawn token, which the engine never feeds (the static sampler feeds a stop
+    token when other rows of its batch go on; its route changes no log-prob the trainer
+    scores)."""
+    cfg = tiny_model_config(
+        architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, initializer_range=0.2, max_position_embeddings=512,
+        scan_layers=False,  # the engine's unrolled path (layers sliced once per chunk)
+    )  # fmt: skip
+    params = models.init_params(cfg, seed=1)
+    ids, mask = sampling.pad_prompts(PROMPTS, 0)
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.0,
+                                stop_ids=(7,))  # fmt: skip
+    ref = sampling.Sampler(cfg).sample(params, ids, mask, spec)
+    paged = sampling.PagedSampler(cfg, slots=4, pages=14, page_size=4, chunk_steps=3,
+                                  prefill_chunk=8)  # fmt: skip
+    out = paged.sample(params, ids, mask, spec)
+    assert paged.stats["preempted"] > 0
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    routes, expected = np.asarray(out.routes), np.asarray(ref.routes)
+    assert routes.shape == expected.shape and routes.dtype == expected.dtype
+    real = np.concatenate([np.asarray(out.prompt_mask), np.asarray(out.mask)], axis=1)
+    last = np.zeros_like(real)
+    last[np.arange(len(real)), ids.shape[1] + np.asarray(out.lengths) - 1] = True
+    fed = real & ~last
+    np.testing.assert_array_equal(routes[fed], expected[fed])
+    assert (routes[fed] >= 0).all() and (routes[~fed] == -1).all()
+
+
 def chi2_critical(df, z=3.09):
     """Wilson-Hilferty approximation of the chi-square quantile (z=3.09: 0.999)."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

@@ -75,6 +75,44 @@ def test_greedy_across_steps_equals_the_static_sampler(tiny, paged):
         same_rows(out, ref, slice(None))
 
 
+def test_moe_routes_across_steps_equal_the_static_samplers():
+    """An MoE model with a dense-MLP layer (GLM-style), two steps' prompts in one session
+    (batched prefills of prompts of 1 and 2 chunks): each step's `output` routes equal
+    the static sampler's at every real token but each row's last (never fed: -1), -1 in
+    the dense layer and at padding."""
+    cfg = tiny_model_config(
+        architecture="Glm4MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, initializer_range=0.2, router="sigmoid", n_group=2,
+        topk_group=1, n_shared_experts=1, dense_layers=(0,), num_layers=3,
+        max_position_embeddings=512, scan_layers=False,
+    )  # fmt: skip
+    params = models.init_params(cfg, seed=1)
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=8, temperature=0.0,
+                                stop_ids=(7,))  # fmt: skip
+    paged = sampling.PagedSampler(cfg, slots=4, page_size=4, chunk_steps=3, prefill_chunk=8)
+    session = paged.stream(params, 0, spec, width=16, rows=8)
+    submit(session, paged, 0, PROMPTS, spec)
+    submit(session, paged, 1, LATER, spec)
+    done = []
+    while session.busy:
+        for key in session.run_chunk():
+            out = session.output(key)[0]
+            ids, mask = sampling.pad_prompts((PROMPTS, LATER)[key], 0)
+            ref = sampling.Sampler(cfg).sample(params, ids, mask, spec)
+            np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+            routes, expected = np.asarray(out.routes), np.asarray(ref.routes)
+            assert routes.shape == expected.shape and routes.dtype == expected.dtype
+            real = np.concatenate([np.asarray(out.prompt_mask), np.asarray(out.mask)], 1)
+            fed = real.copy()
+            fed[np.arange(len(real)), ids.shape[1] + np.asarray(out.lengths) - 1] = False
+            np.testing.assert_array_equal(routes[fed], expected[fed])
+            assert (routes[fed][:, 0] == -1).all() and (routes[fed][:, 1:] >= 0).all()
+            assert (routes[~fed] == -1).all()
+            done.append(key)
+    assert done == [0, 1]
+    assert any(k[0] == "prefill" and k[1][0] > 1 for k in paged.traces), paged.traces
+
+
 def test_a_swap_records_each_tokens_version(tiny, paged):
     """Sampled, two steps queued, newer parameters swapped in between chunks (partial
     rollouts): rows in flight are recomputed by them and draw on; each token's log-prob

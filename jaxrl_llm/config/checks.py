@@ -263,9 +263,6 @@ def check_engine(config, process_count: int) -> None:
            f"rollout.engine='paged' samples single-turn rollouts; agent.entry="
            f"{config.agent.entry!r} needs rollout.engine='static'")  # fmt: skip
     _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
-    _check(config.algo.routing_replay in (None, "none"),
-           "rollout.engine='paged' does not record routes; algo.routing_replay='rollout' "
-           "needs rollout.engine='static'")  # fmt: skip
 
 
 def check_algo(config):

@@ -589,7 +589,8 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
         return x
 
-    def with_prefix(self, tokens, positions, mask, prefix, dropout=None, routes=None):
+    def with_prefix(self, tokens, positions, mask, prefix, dropout=None, routes=None,
+                    layers=None):  # fmt: skip
         """tokens [B,T] after a prefix of P tokens whose per-layer keys/values are given ->
         (final-normed hidden [B,T,D], this sequence's keys/values ([L,B,T,K,H] each), the
         MoE layers' own top-k [L,B,T,k] or None).
@@ -597,13 +598,30 @@ class Transformer(nnx.Module):
         prefix: (k, v) [L,B,P,K,H] each (P may be 0), as this method returned them for the
         earlier tokens; mask [B,T,P+T]. Scanned (or unrolled) like the full forward, with
         its remat policy and its attention backward, so it trains as fast. dropout, routes:
-        as in `__call__`.
+        as in `__call__`. layers: each layer's parameters already sliced out of the stacked
+        ones (`layer_params`; inference only): the layers run unrolled over them, so a loop
+        of calls (a decode loop) does not slice the weights again in every call.
         """
         cfg = self.cfg
         x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
         graphdef, stacked = nnx.split(self.layers)
         stacked = nnx.to_pure_dict(stacked)
         kinds = layer_kinds(cfg)
+        if layers is not None:  # inference: unrolled over the caller's per-layer slices
+            kv, chosen = [], []
+            for i in range(cfg.num_layers):
+                kind = jax.tree.map(lambda a, i=i: a[i], kinds)
+                route = None if routes is None else routes[i]
+                block = nnx.merge(graphdef, layer_slice(cfg, layers, i))
+                x, own_kv, own = block(
+                    x, positions, mask, prefix=(prefix[0][i], prefix[1][i]), kind=kind,
+                    routes=route, sparse=cfg.sparse_layers[i],
+                )  # fmt: skip
+                kv.append(own_kv)
+                chosen.append(own if own is not None else self._no_routes(x))
+            kv = tuple(jnp.stack(c) for c in zip(*kv, strict=True))
+            chosen = jnp.stack(chosen) if cfg.moe else None
+            return norm(cfg, x, self.final_norm[...]), kv, chosen
 
         def layer(x, xs, sparse):
             layer_state, pk, pv, i, kind, route = xs

@@ -116,7 +116,7 @@ def token_major(routes):
 
 def forward_after_prefix(
     cfg: ModelConfig, params: Params, tokens, attention_mask, prefix=None, prefix_mask=None,
-    dropout=None, routes=None, with_routes: bool = False,
+    dropout=None, routes=None, with_routes: bool = False, layers=None,
 ):  # fmt: skip
     """`forward` of tokens that follow a prefix already run: (hidden [B,T,D], keys/values).
 
@@ -127,7 +127,9 @@ def forward_after_prefix(
     positions. Returns the keys/values of `tokens` ([L,B,T,K,H] each) for a later suffix.
     Differentiable w.r.t. params and prefix; e.g. a prompt run once for the G samples of
     its GRPO group (`rl.batch.prefix_logprobs`). dropout, routes [B,T,L,k], with_routes
-    (then a third result, the own top-k [B,T,L,k]): as in `forward`.
+    (then a third result, the own top-k [B,T,L,k]): as in `forward`. layers: optional
+    `layer_params(params)` (inference: the layers run unrolled over them, sliced once
+    by the caller, e.g. before a decode loop).
     """
     B, T = tokens.shape
     attention_mask = attention_mask.astype(bool)
@@ -142,7 +144,7 @@ def forward_after_prefix(
     prefix_pos = jnp.maximum(jnp.cumsum(prefix_mask, -1, dtype=jnp.int32) - 1, 0)
     mask = causal_mask(attention_mask, positions, None, prefix_mask, prefix_pos)
     hidden, kv, own = _model(cfg, params).with_prefix(
-        tokens, positions, mask, prefix, dropout, layer_major(routes)
+        tokens, positions, mask, prefix, dropout, layer_major(routes), layers
     )
     return (hidden, kv, token_major(own)) if with_routes else (hidden, kv)
 

@@ -90,16 +90,17 @@ def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
     return gather(pages.k), gather(pages.v)
 
 
-def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length):
+def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None):
     """tokens [B, T] (mask [B, T]) after each sequence's slots [start, length) in its pages
     -> (final-normed hidden [B, T, D], pages with the real tokens' keys/values written at
-    slots length .. length + T - 1). Masked tokens write to the null page."""
+    slots length .. length + T - 1, the MoE layers' top-k experts of the tokens
+    [B, T, L, k] or None for a dense model). Masked tokens write to the null page."""
     B, T = tokens.shape
     k, v = gather_pages(pages, table)
     slot = jnp.arange(k.shape[2])
     before = (slot[None] >= start[:, None]) & (slot[None] < length[:, None])
-    hidden, (new_k, new_v) = models.forward_after_prefix(
-        cfg, params, tokens, mask, (k, v), before
+    hidden, (new_k, new_v), own = models.forward_after_prefix(
+        cfg, params, tokens, mask, (k, v), before, with_routes=True, layers=layers
     )  # new_k, new_v [L, B, T, K, H]
     index = length[:, None] + jnp.arange(T)[None]  # [B, T] slot of each token
     M, S = table.shape[1], pages.page_size
@@ -110,7 +111,19 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length)
         k=pages.k.at[:, page, offset].set(new_k.astype(pages.k.dtype)),
         v=pages.v.at[:, page, offset].set(new_v.astype(pages.v.dtype)),
     )
-    return hidden, pages
+    return hidden, pages, own
+
+
+def row_bucket(rows: int, slots: int) -> int:
+    """Slots a decode program runs for `rows` occupied ones: a power of two, at least 4
+    (a smaller program saves little) and at most `slots`: a few compiled programs."""
+    return min(slots, max(4, 1 << max(0, rows - 1).bit_length()))
+
+
+def table_width(pages: int, limit: int) -> int:
+    """Page-table columns a program reads for sequences of up to `pages` pages: a power
+    of two >= pages (at least 2), at most `limit`: a few compiled programs."""
+    return min(limit, 1 << max(1, pages - 1).bit_length())
 
 
 @struct.dataclass
@@ -132,6 +145,9 @@ class Slots:
     prompt: jax.Array  # the row's prompt index (which logits a fresh slot reads)
     tokens: jax.Array  # [S, T] int32
     logprobs: jax.Array  # [S, T] float32
+    # MoE models: the experts of each drawn token, recorded in the step that feeds it
+    # (the last drawn token is never fed: -1); [S, T, L, k] int16. None: dense model.
+    routes: jax.Array | None = None
 
 
 def _draw(key, rows, counts, logits, spec: RolloutSpec):
@@ -152,19 +168,29 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
     live slot draws its next token."""
     S, T = s.tokens.shape
     every = jnp.arange(S)
+    # Unrolled layers (scan_layers=False): their parameters sliced once, not every step.
+    layers = None if cfg.scan_layers else models.layer_params(params)
 
     def body(carry):
         i, pages, s = carry
         feed = s.live & ~s.fresh & (s.length < s.cap)
-        hidden, pages = forward_paged(
-            cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length
-        )
+        hidden, pages, own = forward_paged(
+            cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length,
+            layers,
+        )  # fmt: skip
         logits = models.project(cfg, params, hidden[:, 0])
         logits = jnp.where(s.fresh[:, None], jnp.take(prompt_logits, s.prompt, axis=0), logits)
         draw = s.live & (s.fresh | feed)
         tok, lp = _draw(key, s.row, s.n, logits, spec)
         col = jnp.minimum(s.n, T - 1)
         put = lambda buf, x: buf.at[every, col].set(jnp.where(draw, x, buf[every, col]))  # noqa: E731
+        routes = s.routes
+        if routes is not None:  # the fed token (drawn n - 1) is routed in this step
+            fed = jnp.maximum(s.n - 1, 0)
+            old = routes[every, fed]
+            routes = routes.at[every, fed].set(
+                jnp.where(feed[:, None, None], own[:, 0].astype(routes.dtype), old)
+            )
         n = s.n + draw
         hit = draw & jnp.isin(tok, stops)
         s = s.replace(
@@ -176,6 +202,7 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
             n=n,
             tokens=put(s.tokens, tok),
             logprobs=put(s.logprobs, lp),
+            routes=routes,
         )
         return i + 1, pages, s
 
@@ -190,11 +217,15 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
 def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
                   length):  # fmt: skip
     """One chunk of each of b sequences (tokens, mask [b, C]) into their pages; the logits
-    after each one's last real token go to prompt_logits[index] (index [b]). A row with no
-    real token writes only to the null page (its logits row is not read)."""
-    hidden, pages = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
+    after each one's last real token go to prompt_logits[index] (index [b]) -> (pages,
+    prompt_logits, the chunk's MoE routes [b, C, L, k] int16, -1 at masked tokens; None:
+    dense model). A row with no real token writes only to the null page (its logits row
+    is not read)."""
+    hidden, pages, own = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
     logits = models.project(cfg, params, models.last_hidden(hidden, mask))
-    return pages, prompt_logits.at[index].set(logits)
+    if own is not None:
+        own = jnp.where(mask[:, :, None, None], own.astype(models.ROUTE_DTYPE), -1)
+    return pages, prompt_logits.at[index].set(logits), own
 
 
 class PagedSampler:
@@ -255,12 +286,17 @@ class PagedSampler:
 
         def shapes():
             z = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+            cfg = self.cfg
+            routes = None
+            if cfg.moe:
+                shape = (N, width + T, cfg.num_layers, cfg.num_experts_per_tok)
+                routes = z(shape, models.ROUTE_DTYPE)
             return SampleOutput(
                 tokens=z((N, T), jnp.int32), mask=z((N, T), bool), loss_mask=z((N, T), bool),
                 logprobs=z((N, T), jnp.float32), lengths=z((N,), jnp.int32),
                 finish=z((N,), jnp.int32), prompt_tokens=z((N, width), jnp.int32),
                 prompt_mask=z((N, width), bool), policy_version=z((N,), jnp.int32),
-                num_generations=G,
+                num_generations=G, routes=routes,
             )  # fmt: skip
 
         return jax.jit(shapes, **rows), (), {}
@@ -296,9 +332,10 @@ class PagedSampler:
         run.submit(0, ids, mask, budgets)
         while run.busy:
             run.run_chunk()
+        routes = run.routes(0)
         drawn, logprobs, stopped, versions, _ = run.pop(0)
         self.stats = run.stats
-        return self._output(ids, mask, spec, drawn, logprobs, stopped, versions)
+        return self._output(ids, mask, spec, drawn, logprobs, stopped, versions, routes)
 
     def stream(self, params, version: int, spec: RolloutSpec, *, width: int, rows: int,
                seed=None) -> Session:  # fmt: skip
@@ -321,8 +358,26 @@ class PagedSampler:
         return Session(self, params, version, spec, seed_step=seed_step, slots=slots,
                        pages=pages, prompt_rows=min(prompts, slots + 1))  # fmt: skip
 
-    def _output(self, ids, mask, spec, drawn, logprobs, stopped, version):
-        """The rows' results as a `SampleOutput`; version: one int or one per row."""
+    def _routes(self, ids, mask, spec, prompt_routes: dict, rows: list) -> np.ndarray:
+        """`SampleOutput.routes` [N, width + T, L, k] int16 as the static sampler lays
+        them out: each prompt's real tokens' routes (from its one prefill) in every row of
+        its group, then the row's drawn tokens' (the last one, never fed: -1); -1 at
+        padding and after the end."""
+        G, T = spec.num_generations, spec.max_new_tokens
+        (B, width), cfg = ids.shape, self.cfg
+        out = np.full((B * G, width + T, cfg.num_layers, cfg.num_experts_per_tok), -1,
+                      np.int16)  # fmt: skip
+        for n in range(B * G):
+            b = n // G
+            if b in prompt_routes:
+                out[n, :width][mask[b]] = prompt_routes[b]
+            if rows[n] is not None:
+                out[n, width : width + len(rows[n])] = rows[n]
+        return out
+
+    def _output(self, ids, mask, spec, drawn, logprobs, stopped, version, routes=None):
+        """The rows' results as a `SampleOutput`; version: one int or one per row; routes:
+        `_routes`' array (MoE) or None."""
         G, T = spec.num_generations, spec.max_new_tokens
         N = ids.shape[0] * G
         tokens = np.full((N, T), self.pad_id, np.int32)
@@ -336,7 +391,7 @@ class PagedSampler:
             tokens=tokens, mask=real, loss_mask=real, logprobs=lps, lengths=lengths,
             finish=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32),
             prompt_tokens=np.repeat(ids, G, axis=0), prompt_mask=np.repeat(mask, G, axis=0),
-            policy_version=np.full((N,), version, np.int32), num_generations=G,
+            policy_version=np.full((N,), version, np.int32), num_generations=G, routes=routes,
         )  # fmt: skip
         sharding = self.row_sharding
         return jax.tree.map(lambda x: jax.device_put(x, sharding), out)
@@ -355,9 +410,36 @@ class PagedSampler:
         return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
                              table, start, length)  # fmt: skip
 
-    def _slots(self, host: dict) -> Slots:
-        """The slots' host arrays (a dict of `Slots`' fields) on device."""
-        return self._put(Slots(**{f.name: host[f.name] for f in dataclasses.fields(Slots)}))
+    def decode_slots(self, params, pages, host: dict, occupied, held: int, prompt_logits,
+                     seed_step, stops, spec):  # fmt: skip
+        """One decode chunk of the occupied slots -> (pages, host arrays after it).
+
+        host: the slots' host arrays (`Slots`' fields, [S, ...] each); occupied: the slots
+        that hold a row; held: the most pages any of them holds. The program runs over the
+        occupied slots only, padded with empty ones to a power of two (`row_bucket`), and
+        over the page table cut to `held` pages rounded up (`table_width`): a step's work
+        follows the rows still running and their lengths, not the slots' count or the
+        longest possible sequence, with few compiled shapes. The other slots' host arrays
+        are left as they are."""
+        S, M = host["table"].shape
+        occupied = sorted(occupied)
+        rows = row_bucket(len(occupied), S)
+        spare = [s for s in range(S) if s not in set(occupied)][: rows - len(occupied)]
+        pick = np.asarray(occupied + spare, np.int64)
+        width = table_width(held, M)
+        names = [f.name for f in dataclasses.fields(Slots) if f.name in host]
+        cut = {k: host[k][pick] for k in names}
+        cut["table"] = cut["table"][:, :width]
+        pages, slots = self._decode(
+            params, pages, self._put(Slots(**cut)), prompt_logits, seed_step, stops,
+            steps=self.chunk_steps, spec=spec,
+        )  # fmt: skip
+        got = jax.device_get(slots)
+        out = {k: np.array(host[k]) for k in names}
+        for k in names:
+            if k != "table":
+                out[k][pick] = np.asarray(getattr(got, k))
+        return pages, out
 
     def _put(self, tree):
         """Host arrays -> device, replicated over the mesh (the engine's state is small

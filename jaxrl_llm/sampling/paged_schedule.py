@@ -48,6 +48,8 @@ class _Request:
     started: np.ndarray  # per row: the version that started it (-1: not yet)
     stopped: np.ndarray
     left: int  # rows not ended
+    routes: list  # MoE: per row, its drawn tokens' recorded routes [n, L, k] (None: not yet)
+    prompt_routes: dict  # MoE: prompt b -> its real tokens' routes [p, L, k] (first prefill)
 
 
 @dataclasses.dataclass
@@ -60,6 +62,7 @@ class _Row:
     drawn: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
+    routes: np.ndarray | None = None  # MoE: the drawn tokens' recorded routes [n, L, k]
 
 
 @dataclasses.dataclass
@@ -106,7 +109,9 @@ class Session:
         self.done: list = []  # keys of requests whose rows all ended, in completion order
         self.stats = dict(decode_chunks=0, prefills=0, prefill_calls=0, preempted=0,
                           peak_pages=0, swaps=0)  # fmt: skip
-        self.prefills: list = []  # (sequence, start, pages, logits row) to prefill
+        # (sequence, start, pages, logits row, (request, b) whose prompt routes it records
+        # or None) to prefill
+        self.prefills: list = []
         T, S = self.T, slots
         z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
         self.host = dict(
@@ -114,6 +119,10 @@ class Session:
             fresh=z(S, dtype=bool), live=z(S, dtype=bool), stopped=z(S, dtype=bool), n=z(S),
             budget=z(S), row=z(S), prompt=z(S), tokens=z(S, T), logprobs=z(S, T, dtype=np.float32),
         )  # fmt: skip
+        cfg = e.cfg
+        if cfg.moe:  # each drawn token's experts (sampling/decode.py's routes)
+            shape = (S, T, cfg.num_layers, cfg.num_experts_per_tok)
+            self.host["routes"] = np.full(shape, -1, np.int16)
         dtype = params["embed"].dtype
         self.pages = e._pool(e.cfg, pages, self.PS, dtype)  # noqa: SLF001
         rows = np.zeros((prompt_rows + 1, e.cfg.vocab_size), np.float32)
@@ -142,7 +151,7 @@ class Session:
             ids=ids, mask=mask, G=G, budgets=budgets, key_base=int(key_base),
             drawn=[[] for _ in range(N)], logprobs=[[] for _ in range(N)],
             versions=[[] for _ in range(N)], started=np.full(N, -1, np.int64),
-            stopped=np.zeros(N, bool), left=0,
+            stopped=np.zeros(N, bool), left=0, routes=[None] * N, prompt_routes={},
         )  # fmt: skip
         lengths = mask.sum(axis=1)
         rows = [r for r in range(N) if lengths[r // G]]  # dummy rows draw nothing
@@ -179,12 +188,21 @@ class Session:
         started = np.where(started >= 0, started, first).astype(np.int32)
         return req.drawn, req.logprobs, req.stopped, started, tv
 
+    def routes(self, key) -> np.ndarray | None:
+        """A finished request's `SampleOutput.routes` (MoE; None for a dense model): its
+        prompts' routes from their first prefill, then each row's drawn tokens'."""
+        if not self.e.cfg.moe:
+            return None
+        req = self.requests[key]
+        return self.e._routes(req.ids, req.mask, self.spec, req.prompt_routes, req.routes)  # noqa: SLF001
+
     def output(self, key):
         """A finished request as (`SampleOutput` on the engine's rows, token_versions
         [N, T]): each row's policy_version is the version that started it."""
         ids, mask = self.requests[key].ids, self.requests[key].mask
+        routes = self.routes(key)
         drawn, logprobs, stopped, started, tv = self.pop(key)
-        out = self.e._output(ids, mask, self.spec, drawn, logprobs, stopped, started)  # noqa: SLF001
+        out = self.e._output(ids, mask, self.spec, drawn, logprobs, stopped, started, routes)  # noqa: SLF001
         return out, tv
 
     def swap(self, params, version: int) -> None:
@@ -214,10 +232,11 @@ class Session:
         self.free.extend(p for p in entry[0] if p != NULL_PAGE)
         self.logit_rows.append(entry[4])
 
-    def _prefill(self, tokens: np.ndarray, index: int) -> tuple[list, int, int] | None:
+    def _prefill(self, tokens: np.ndarray, index: int, record=None) -> tuple[list, int, int] | None:
         """Takes pages for a sequence (real token ids) and queues its prefill (run by
         `_run_prefills`) -> (pages, padded length, start), or None when the pool lacks
-        the pages."""
+        the pages. record: (request, b) whose prompt routes the prefill gives (MoE), or
+        None."""
         C, PS = self.C, self.PS
         p = len(tokens)
         padded = -(-p // C) * C
@@ -229,7 +248,7 @@ class Session:
         pages = [NULL_PAGE] * first + self._take(count)
         seq = np.full(padded, self.e.pad_id, np.int32)
         seq[start:] = tokens
-        self.prefills.append((seq, start, pages, index))
+        self.prefills.append((seq, start, pages, index, record))
         self.stats["prefills"] += 1
         return pages, padded, start
 
@@ -245,28 +264,37 @@ class Session:
             jobs, self.prefills = self.prefills[:PREFILL_BATCH], self.prefills[PREFILL_BATCH:]
             b = 1 << (len(jobs) - 1).bit_length()
             chunks = [len(seq) // C for seq, *_ in jobs]
+            owns = []
             K = max(chunks)
             table = np.zeros((b, self._width(max(len(j[2]) for j in jobs))), np.int32)
             start = np.zeros(b, np.int32)
             index = np.full(b, self.scratch, np.int32)
-            for i, (_, first, pages, row) in enumerate(jobs):
+            for i, (_, first, pages, row, _) in enumerate(jobs):
                 table[i, : len(pages)], start[i], index[i] = pages, first, row
             for k in range(K):
                 tokens = np.full((b, C), e.pad_id, np.int32)
                 mask = np.zeros((b, C), bool)
                 length = np.zeros(b, np.int32)
-                for i, (seq, first, _, _) in enumerate(jobs):
+                for i, (seq, first, *_) in enumerate(jobs):
                     c = k - (K - chunks[i])
                     if c < first // C:
                         continue  # before its first chunk with a real token
                     tokens[i] = seq[c * C : (c + 1) * C]
                     mask[i] = np.arange(c * C, (c + 1) * C) >= first
                     length[i] = c * C
-                self.pages, self.prompt_logits = e._prefill(  # noqa: SLF001
+                self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
                     self.params, self.pages, self.prompt_logits,
                     *put((index, tokens, mask, table, start, length)),
                 )  # fmt: skip
+                owns.append(own)
                 self.stats["prefill_calls"] += 1
+            if any(j[4] is not None for j in jobs) and owns[0] is not None:
+                owns = jax.device_get(owns)  # K x [b, C, L, k]
+                for i, (_, first, _, _, record) in enumerate(jobs):
+                    if record is not None:  # its chunks, in the last chunks[i] calls
+                        got = np.concatenate([o[i] for o in owns[K - chunks[i] :]], axis=0)
+                        key, prompt = record
+                        self.requests[key].prompt_routes[prompt] = got[first:]
 
     def _pages_of(self, tokens: int) -> int:
         """Pages a prefill of `tokens` tokens takes (those of padding only are null)."""
@@ -310,7 +338,10 @@ class Session:
                 if pkey not in self.prompt_pages:
                     if not self.logit_rows:
                         return
-                    got = self._prefill(real, self.logit_rows[-1])
+                    record = None
+                    if self.e.cfg.moe and b not in req.prompt_routes:
+                        record = pkey
+                    got = self._prefill(real, self.logit_rows[-1], record)
                     if got is None:
                         return
                     # The rows that will read these pages: this prompt's fresh waiting rows.
@@ -333,6 +364,10 @@ class Session:
             h["tokens"][s, :n] = item.drawn
             h["logprobs"][s] = 0
             h["logprobs"][s, :n] = item.logprobs
+            if "routes" in h:
+                h["routes"][s] = -1
+                if n:
+                    h["routes"][s, :n] = item.routes
             if req.started[item.row] < 0:
                 req.started[item.row] = self.version
             mine = [] if shared is not None else own
@@ -354,8 +389,9 @@ class Session:
     def _preempt(self, s: int, count: bool = True) -> None:
         h, slot = self.host, self.owner[s]
         n = int(h["n"][s])
+        routes = h["routes"][s, :n].copy() if "routes" in h else None
         item = dataclasses.replace(slot.item, drawn=list(h["tokens"][s, :n]),
-                                   logprobs=list(h["logprobs"][s, :n]))  # fmt: skip
+                                   logprobs=list(h["logprobs"][s, :n]), routes=routes)  # fmt: skip
         if n == 0 and slot.shared in self.prompt_pages:
             self.prompt_pages[slot.shared][3] += 1  # it comes back to the same prompt
         self._release(s)
@@ -391,21 +427,16 @@ class Session:
             self._grow()
             if not self.order:
                 raise RuntimeError("paged engine: no sequence fits the page pool")
-            # The table is cut to the most pages any slot holds (a power of two: a few
-            # programs), so a step gathers about as many slots as are filled.
+            # The program runs over the occupied slots and the table cut to the most
+            # pages any of them holds (`PagedSampler.decode_slots`).
             held = max(self.owner[s].held for s in self.order)
             before = h["n"].copy()
-            slots = e._slots(dict(h, table=h["table"][:, : self._width(held)]))  # noqa: SLF001
-            self.pages, slots = e._decode(  # noqa: SLF001
-                self.params, self.pages, slots, self.prompt_logits, self.seed_step,
-                self.stops, steps=e.chunk_steps, spec=self.spec,
+            self.pages, h = e.decode_slots(
+                self.params, self.pages, h, self.order, held, self.prompt_logits,
+                self.seed_step, self.stops, self.spec,
             )  # fmt: skip
+            self.host = h
             self.stats["decode_chunks"] += 1
-            got = jax.device_get(slots)
-            table = h["table"]
-            self.host = h = {f.name: np.array(getattr(got, f.name)) for f in
-                             dataclasses.fields(got)}  # fmt: skip
-            h["table"] = table
             for s in list(self.order):
                 item = self.owner[s].item
                 item.versions.extend([self.version] * int(h["n"][s] - before[s]))
@@ -415,6 +446,8 @@ class Session:
                     req.logprobs[item.row] = h["logprobs"][s, :n].tolist()
                     req.versions[item.row] = list(item.versions)
                     req.stopped[item.row] = bool(h["stopped"][s])
+                    if "routes" in h:
+                        req.routes[item.row] = h["routes"][s, :n].copy()
                     req.left -= 1
                     self._release(s)
                     if req.left == 0:
