@@ -1,9 +1,13 @@
-"""benchmarks/device_check.py runs end to end on CPU with its tiny preset (so it cannot rot)."""
+"""benchmarks/device_check.py runs end to end on CPU with its tiny preset (so it cannot rot).
+
+The benchmarks' directory is on sys.path only during the test, and its modules leave
+sys.modules after it: its top-level names (`verifiers`, `packing`, ...) would otherwise
+shadow installed packages of the same name for later tests in the process."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 
 
 def _section(text: str, title: str) -> list[list[str]]:
@@ -18,7 +22,20 @@ def _section(text: str, title: str) -> list[list[str]]:
     return rows[1:]  # the header row off
 
 
-def test_device_check_tiny_preset_writes_its_tables(tmp_path):
+def test_device_check_tiny_preset_writes_its_tables(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)  # sys.path restored after the test
+    before = set(sys.modules)
+    try:
+        _check(tmp_path)
+    finally:
+        here = os.path.realpath(BENCHMARKS)
+        for name in set(sys.modules) - before:
+            where = getattr(sys.modules[name], "__file__", None) or ""
+            if os.path.dirname(os.path.realpath(where)) == here:
+                del sys.modules[name]
+
+
+def _check(tmp_path):
     import device_check
 
     out = tmp_path / "check.md"
