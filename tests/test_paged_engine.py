@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import tiny_model_config
+from tiny_run import teacher_forced_logprobs, tiny_model_config
 
 from jaxrl_llm import models, parallel, sampling
 
@@ -19,15 +19,6 @@ PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42
 def tiny():
     cfg = tiny_model_config(max_position_embeddings=512)
     return cfg, models.init_params(cfg, seed=3)
-
-
-def teacher_forced_logprobs(cfg, params, out, temperature):
-    ids = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
-    mask = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
-    logits = models.logits(cfg, params, ids, mask)
-    P = out.prompt_tokens.shape[1]
-    logp = jax.nn.log_softmax(logits[:, P - 1 : -1] / temperature, axis=-1)
-    return np.take_along_axis(np.asarray(logp), np.asarray(out.tokens)[..., None], -1)[..., 0]
 
 
 def test_greedy_equals_the_static_sampler(tiny):

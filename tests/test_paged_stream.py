@@ -3,10 +3,9 @@
 overlap and split."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import tiny_model_config
+from tiny_run import teacher_forced_logprobs, tiny_model_config
 
 from jaxrl_llm import models, sampling
 
@@ -30,15 +29,6 @@ def submit(session, paged, key, prompts, spec):
     ids, mask = paged.bucketed(*sampling.pad_prompts(prompts, 0))
     rows = ids.shape[0] * spec.num_generations
     session.submit(key, ids, mask, np.full(rows, spec.max_new_tokens), key_base=key * rows)
-
-
-def teacher_forced(cfg, params, out, temperature):
-    ids = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
-    mask = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
-    logits = models.logits(cfg, params, ids, mask)
-    P = out.prompt_tokens.shape[1]
-    logp = jax.nn.log_softmax(logits[:, P - 1 : -1] / temperature, axis=-1)
-    return np.take_along_axis(np.asarray(logp), np.asarray(out.tokens)[..., None], -1)[..., 0]
 
 
 def same_rows(out, ref, rows):
@@ -137,7 +127,7 @@ def test_a_swap_records_each_tokens_version(tiny, paged):
     for out, versions in results.values():
         m = np.asarray(out.mask)
         assert np.all((versions >= 0) == m)
-        ref = [teacher_forced(cfg, p, out, 0.9) for p in (p0, p1)]
+        ref = [teacher_forced_logprobs(cfg, p, out, 0.9) for p in (p0, p1)]
         want = np.where(versions == 1, ref[1], ref[0])
         assert np.abs(np.asarray(out.logprobs) - want)[m].max() <= 1e-5
         first = np.array([v[0] for v in versions])
@@ -202,7 +192,7 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
         rows, m = np.asarray(out.policy_version), np.asarray(out.mask)
         assert item.batch.position == t + 1 and t - 1 <= item.version <= t
         assert np.all(rows == item.version) and np.all(v[m] == item.version)
-        want = teacher_forced(cfg, versions[item.version], out, 0.9)
+        want = teacher_forced_logprobs(cfg, versions[item.version], out, 0.9)
         assert np.abs(np.asarray(out.logprobs) - want)[m].max() <= 1e-5
 
 
@@ -273,7 +263,9 @@ def check_items(rec, c, bound):
         assert np.all(((v >= rows[:, None]) & (v <= step))[m])
         lp = np.asarray(out.logprobs)
         for version in np.unique(v[m]):
-            want = teacher_forced(cfg, rec.params[int(version)], out, c.rollout.temperature)
+            want = teacher_forced_logprobs(
+                cfg, rec.params[int(version)], out, c.rollout.temperature
+            )
             here = m & (v == version)
             assert np.abs(lp - want)[here].max() <= 1e-5, (step, version)
         partial += int(sum(len(set(r[r >= 0])) > 1 for r in v))

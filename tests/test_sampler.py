@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import VOCAB, hf_model
-from tiny_run import tiny_model_config
+from tiny_run import teacher_forced_logprobs, tiny_model_config
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import models, parallel, sampling
@@ -59,15 +59,6 @@ def test_greedy_equals_hf_generate(tiny, arch):
     np.testing.assert_array_equal(np.asarray(out.tokens), hf_greedy(model, PROMPTS, 12))
     assert np.all(np.asarray(out.finish) == sampling.FINISH_LENGTH)
     assert np.all(np.asarray(out.lengths) == 12)
-
-
-def teacher_forced_logprobs(cfg, params, out, temperature):
-    ids = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
-    mask = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
-    logits = models.logits(cfg, params, ids, mask)
-    P = out.prompt_tokens.shape[1]
-    logp = jax.nn.log_softmax(logits[:, P - 1 : -1] / temperature, axis=-1)
-    return np.take_along_axis(np.asarray(logp), np.asarray(out.tokens)[..., None], -1)[..., 0]
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (7, 0.9)])

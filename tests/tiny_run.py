@@ -84,3 +84,18 @@ def signal_config(model_dir: str):
 def get_config():
     """For `--config=tests/tiny_run.py` (child processes): the model dir from the env."""
     return signal_config(os.environ["TINY_MODEL_DIR"])
+
+
+def teacher_forced_logprobs(cfg, params, out, temperature):
+    """A `SampleOutput`'s tokens' log-probs [N, T] from one full forward of prompt +
+    completion (the reference the samplers' behaviour log-probs are checked against)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    ids = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    mask = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
+    logits = models.logits(cfg, params, ids, mask)
+    P = out.prompt_tokens.shape[1]
+    logp = jax.nn.log_softmax(logits[:, P - 1 : -1] / temperature, axis=-1)
+    return np.take_along_axis(np.asarray(logp), np.asarray(out.tokens)[..., None], -1)[..., 0]
