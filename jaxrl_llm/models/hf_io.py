@@ -31,9 +31,9 @@ from jax.experimental import multihost_utils
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.models import partitioning
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import mlp_kind
 from jaxrl_llm.models.params import param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
+from jaxrl_llm.models.segments import mlp_kind
 
 TOKENIZER_FILES = (
     "tokenizer.json",

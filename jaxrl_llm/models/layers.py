@@ -38,6 +38,7 @@ from jaxrl_llm.models.partitioning import (
     shard_heads,
     shard_sequence,
 )
+from jaxrl_llm.models.segments import MOE_WEIGHTS, layer_rows, layer_slice, segment_params
 
 
 # ------------------------------------------------------------------------------ modules
@@ -235,71 +236,10 @@ def local_kv_heads(k, v, n: int, num_heads: int, shard) -> tuple[jax.Array, jax.
     return jnp.take(k, heads, axis=2), jnp.take(v, heads, axis=2)
 
 
-# moe.moe_mlp's weight names -> the Block parameters holding them (stacked over the MoE
-# layers only, as the dense MLP's gate / up / down are over the dense layers only).
-MOE_WEIGHTS = {
-    "router": "router",
-    "router_bias": "router_bias",
-    "gate": "expert_gate",
-    "up": "expert_up",
-    "down": "expert_down",
-    "shared_gate": "shared_gate",
-    "shared_up": "shared_up",
-    "shared_down": "shared_down",
-}
-DENSE_MLP = ("gate", "up", "down")
-
-
-def mlp_kind(name: str) -> bool | None:
-    """Whether the Block parameter `name` is stacked over the MoE layers (True), over the
-    dense-MLP layers (False, with their LoRA adapters), or over every layer (None)."""
-    if name in MOE_WEIGHTS.values():
-        return True
-    if name.split("_lora_")[0] in DENSE_MLP:
-        return False
-    return None
-
-
-def segment_params(cfg: ModelConfig, stacked: dict, segment) -> dict:
-    """The stacked parameters of one `cfg.layer_segments()` run (start, stop, sparse,
-    first): every layer's slice [start:stop], that MLP kind's [first:first + stop -
-    start], and for the other kind's parameters a placeholder of zeros [stop - start]
-    (never read by these layers; a scan needs every leaf to have their number of rows)."""
-    start, stop, sparse, first = segment
-    n, out = stop - start, {}
-    for name, a in stacked.items():
-        kind = mlp_kind(name)
-        if kind is None:
-            out[name] = a if (start, stop) == (0, a.shape[0]) else a[start:stop]
-        elif kind == sparse:
-            out[name] = a if (first, n) == (0, a.shape[0]) else a[first : first + n]
-        else:
-            out[name] = jnp.zeros((n,), a.dtype)
-    return out
-
-
-def layer_slice(cfg: ModelConfig, per_index: dict, i: int) -> dict:
-    """Layer i's parameters out of {name: each row of that stack} (`transformer.
-    layer_params`): MLP parameters at the layer's row among its kind, a zero scalar
-    placeholder for the other kind's."""
-    sparse = cfg.sparse_layers[i]
-    row = sum(1 for j in range(i) if cfg.sparse_layers[j] == sparse)
-    out = {}
-    for name, rows in per_index.items():
-        kind = mlp_kind(name)
-        if kind is None:
-            out[name] = rows[i]
-        elif kind == sparse:
-            out[name] = rows[row]
-        else:
-            out[name] = jnp.zeros((), rows[0].dtype)
-    return out
-
-
 class Block(nnx.Module):
     """All decoder layers' parameters, stacked on a leading `layers` axis: over every
     layer, except in an MoE model with dense-MLP layers (`cfg.dense_layers`), where the
-    MLP's parameters are stacked over the layers of their kind (`mlp_kind`) and the layer
+    MLP's parameters are stacked over the layers of their kind (`segments.mlp_kind`) and the layer
     loop scans each run of alike layers (`segment_params`).
 
     `__call__` computes ONE layer and must be given one layer's slice of the parameters
@@ -553,8 +493,8 @@ class Transformer(nnx.Module):
             xs = (
                 segment_params(cfg, stacked, segment),
                 jnp.arange(start, stop),
-                _rows(kinds, start, stop),
-                _rows(routes, start, stop),
+                layer_rows(kinds, start, stop),
+                layer_rows(routes, start, stop),
             )
             carry, own = jax.lax.scan(body, carry, xs, unroll=unroll)
             chosen.append(own)
@@ -640,25 +580,16 @@ class Transformer(nnx.Module):
             unroll = 1 if cfg.scan_layers else stop - start
             xs = (
                 segment_params(cfg, stacked, segment),
-                *(_rows(p, start, stop) for p in prefix),
+                *(layer_rows(p, start, stop) for p in prefix),
                 jnp.arange(start, stop),
-                _rows(kinds, start, stop),
-                _rows(routes, start, stop),
+                layer_rows(kinds, start, stop),
+                layer_rows(routes, start, stop),
             )
             x, (kv, own) = jax.lax.scan(body, x, xs, unroll=unroll)
             kvs.append(kv)
             chosen.append(own)
         kv = kvs[0] if len(kvs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
         return norm(cfg, x, self.final_norm[...]), kv, self._join_routes(chosen, x)
-
-
-def _rows(tree, start: int, stop: int):
-    """Rows start..stop of every [L, ...] leaf (the whole leaf when that is all of it)."""
-
-    def rows(a):
-        return a if (start, stop) == (0, a.shape[0]) else a[start:stop]
-
-    return jax.tree.map(rows, tree)
 
 
 def _remat(fn, policy: str):

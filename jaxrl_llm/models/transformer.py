@@ -57,7 +57,7 @@ def _model(cfg: ModelConfig, params: Params) -> Transformer:
 def layer_params(params: Params) -> dict:
     """Every row of each stacked layer parameter, sliced out once (for `decode_step`):
     {name: [row 0, row 1, ...]}. A parameter is stacked over every layer, or (an MoE model
-    with dense-MLP layers) over the layers of its MLP kind; `layers.layer_slice` picks
+    with dense-MLP layers) over the layers of its MLP kind; `segments.layer_slice` picks
     layer i's rows."""
     return {n: [a[j] for j in range(a.shape[0])] for n, a in params["layers"].items()}
 
