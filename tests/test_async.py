@@ -211,9 +211,10 @@ from tiny_run import signal_config
 def get_config():
     c = signal_config({model_dir!r})
     c.rewards = {{"slow": {{"name": {reward!r}, "weight": 1.0}}}}
-    c.train.num_steps, c.train.print_samples_every = 12, 1
+    c.train.num_steps, c.train.print_samples_every = {steps}, 1
     c.checkpoint.every, c.checkpoint.async_save = 1, False
     c.rollout.mode, c.rollout.max_staleness = "split", 2
+    c.rollout.engine = {engine!r}
     c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
     return c
 """
@@ -225,10 +226,12 @@ def _first_prompts(workdir) -> dict[int, str]:
         return {r["step"]: r["prompt"] for r in map(json.loads, f)}
 
 
-def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path):
+@pytest.mark.parametrize("engine, steps", [("static", 12), ("paged", 6)])
+def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path, engine, steps):
     """A split run killed with SIGKILL after its third step resumes from its last
     checkpoint: the prompts of every step, and the steps logged, are those of a
-    synchronous run (none twice, none skipped)."""
+    synchronous run (none twice, none skipped). With the paged engine the rollout thread
+    is its stream (one session across steps, rows of the next steps in flight)."""
     reward = tmp_path / "slow_reward.py"
     reward.write_text(
         "import time\n"
@@ -238,7 +241,7 @@ def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path):
     )
     config = tmp_path / "config.py"
     config.write_text(KILLED_CONFIG.format(tests=os.path.dirname(__file__), model_dir=model_dir,
-                                           reward=f"{reward}:slow"))  # fmt: skip
+                                           reward=f"{reward}:slow", engine=engine, steps=steps))  # fmt: skip
     workdir = tmp_path / "split"
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}"]
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
@@ -250,12 +253,12 @@ def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path):
         time.sleep(0.05)
     proc.kill()
     proc.communicate()
-    assert 3 <= len(_steps(workdir)) < 12  # killed mid-run
+    assert 3 <= len(_steps(workdir)) < steps  # killed mid-run
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from" in rerun.stderr
-    assert _steps(workdir) == list(range(1, 13))
-    expected = data_order(_load_config(config), 12)
+    assert _steps(workdir) == list(range(1, steps + 1))
+    expected = data_order(_load_config(config), steps)
     assert _first_prompts(workdir) == {t + 1: p for t, p in enumerate(expected)}
 
 

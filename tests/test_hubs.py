@@ -2,6 +2,9 @@
 with their own scorers, TextArena single-player games as environments. Each against the
 package itself, two training steps each, and bad names as one line."""
 
+import json
+
+import ml_collections
 import numpy as np
 import pytest
 from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
@@ -42,6 +45,11 @@ def test_reasoning_gym_rows_and_scores_are_the_packages():
         )
     test = rg_source.ReasoningGymSource("reasoning_gym/basic_arithmetic", "test")
     assert [test[i]["question"] for i in range(5)] != [source[i]["question"] for i in range(5)]
+    # data.options: the task's own settings, as the package applies them.
+    easy = rg_source.ReasoningGymSource("reasoning_gym/chain_sum", "train", {"max_terms": 2})
+    reference = rg.create_dataset("chain_sum", size=rg_source.ROWS, seed=1, max_terms=2)
+    assert [easy[i]["question"] for i in range(20)] == [reference[i]["question"] for i in range(20)]
+    assert all(json.loads(easy[i]["metadata"])["num_terms"] == 2 for i in range(20))
 
 
 def test_reasoning_gym_task_trains_two_steps(model_dir, tmp_path):
@@ -105,6 +113,8 @@ def test_textarena_game_trains_two_steps(tmp_path):
     [
         ("data", "name", "reasoning_gym/basic_arithmatic", "did you mean basic_arithmetic"),
         ("data", "split", "validation", "data.split='validation'"),
+        ("data", "options", {"max_term": 2}, "data.options.max_term: not a setting"),
+        ("data", "options", {"max_terms": 1}, "refuses them: AssertionError"),
         ("env", "name", "textarena/GuessTheNumbr-v0", "did you mean GuessTheNumber-v0"),
     ],
 )
@@ -114,7 +124,7 @@ def test_bad_hub_names_are_one_line(model_dir, section, key, value, message):
         c.data.name = "reasoning_gym/basic_arithmetic"
     else:
         c.rewards = {}
-    c[section][key] = value
+    c[section][key] = value if key != "options" else ml_collections.ConfigDict(value)
     with pytest.raises(ConfigError) as err:
         validate(c, 8)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

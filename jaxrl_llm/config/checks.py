@@ -24,7 +24,14 @@ from jaxrl_llm.config.derived import ConfigError, algo_config, mesh_axes, resolv
 from jaxrl_llm.data import config as data_config
 
 # Sections whose keys are the user's own names.
-FREE_FORM = ("rewards", "data.fields", "env.options", "teacher.paths", "agent.options")
+FREE_FORM = (
+    "rewards",
+    "data.fields",
+    "data.options",
+    "env.options",
+    "teacher.paths",
+    "agent.options",
+)
 DTYPES = ("float32", "bfloat16", "float16")
 # Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
 MAX_PARTIAL_CHUNKS = 32

@@ -50,12 +50,14 @@ def default_config() -> ml_collections.ConfigDict:
     cfg.template = ""  # user turn, e.g. "{question}\nAnswer after ####."; "" = dataset default
     cfg.system_prompt = ""
     cfg.chat_template = "auto"  # auto | always | never
+    # A reasoning-gym task's settings (its config's fields), e.g. {"max_terms": 2}.
+    cfg.options = ml_collections.ConfigDict()
     return cfg
 
 
 def check_config(cfg) -> None:
     """Raises ValueError naming the first wrong `data.*` key."""
-    known = set(_TYPES) | {"fields"}
+    known = set(_TYPES) | {"fields", "options"}
     unknown = sorted(set(cfg.keys()) - known)
     if unknown:
         raise ValueError(f"data.{unknown[0]}: unknown key; known keys: {sorted(known)}")
@@ -67,8 +69,12 @@ def check_config(cfg) -> None:
         raise ValueError(f"data.source must be 'tfds' or 'jsonl', got {cfg.source!r}")
     if cfg.source == "jsonl" and not cfg.path:
         raise ValueError("data.path: required when data.source='jsonl'")
+    options = dict(cfg.get("options") or {})
     if cfg.source == "tfds" and cfg.get("name", "").startswith(reasoning_gym.PREFIX):
-        reasoning_gym.check_name(cfg.name, cfg.get("split", "train"))
+        reasoning_gym.check_name(cfg.name, cfg.get("split", "train"), options)
+    elif options:
+        raise ValueError(f"data.options={options}: only a reasoning-gym task "
+                         "(data.name='reasoning_gym/...') takes options")  # fmt: skip
     for key in ("max_prompt_len", "pad_multiple"):
         if cfg[key] < 1:
             raise ValueError(f"data.{key} must be >= 1, got {cfg[key]}")
@@ -89,7 +95,7 @@ def make_source(cfg):
     if cfg.source == "jsonl":
         return JsonlSource(cfg.path)
     if cfg.name.startswith(reasoning_gym.PREFIX):
-        return reasoning_gym.ReasoningGymSource(cfg.name, cfg.split)
+        return reasoning_gym.ReasoningGymSource(cfg.name, cfg.split, dict(cfg.options))
     return TfdsSource(cfg.name, cfg.split, cfg.data_dir, cfg.download)
 
 
