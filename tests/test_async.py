@@ -240,8 +240,10 @@ def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path, engine,
         "    return float(completion[:1].isdigit())\n"
     )
     config = tmp_path / "config.py"
-    config.write_text(KILLED_CONFIG.format(tests=os.path.dirname(__file__), model_dir=model_dir,
-                                           reward=f"{reward}:slow", engine=engine, steps=steps))  # fmt: skip
+    config.write_text(KILLED_CONFIG.format(
+        tests=os.path.dirname(__file__), model_dir=model_dir, reward=f"{reward}:slow",
+        engine=engine, steps=steps,
+    ))  # fmt: skip
     workdir = tmp_path / "split"
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}"]
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}

@@ -9,11 +9,12 @@ procedurally from a seed: row i of a split is the task's generator at (split see
 the rows are fixed, random access needs no file, and the iterator's saved position
 resumes exactly. `data.options` are the task's own settings (the fields of its
 config class, e.g. chain_sum's `min_terms`, `max_terms`, `max_digits`: its difficulty),
-checked when the config is read. `data.split` is `train` or `test` (different seeds: the held-out rows are
-not the training rows), each `ROWS` rows. A row is `{"question", "answer", "metadata"}`;
-the verifier `reasoning_gym` scores a completion with the task's `score_answer` on the
-text inside the completion's last `<answer>...</answer>` (the whole completion when it has
-none), as reasoning-gym's own evaluation does. The default template asks for the tags.
+checked when the config is read. `data.split` is `train` or `test` (different seeds:
+the held-out rows are not the training rows), each `ROWS` rows. A row is
+`{"question", "answer", "metadata"}`; the verifier `reasoning_gym` scores a completion
+with the task's `score_answer` on the text inside the completion's last
+`<answer>...</answer>` (the whole completion when it has none), as reasoning-gym's own
+evaluation does. The default template asks for the tags.
 """
 
 from __future__ import annotations
