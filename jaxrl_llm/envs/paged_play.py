@@ -36,10 +36,13 @@ from jaxrl_llm.sampling.paged_turns import TurnSession
 
 
 def play_paged(engine, params, prompt_ids, prompt_mask, spec, settings: TurnSettings, pool,
-               trajs, renderer, tokenizer, *, step=None, version: int = 0, mesh=None):  # fmt: skip
+               trajs, renderer, tokenizer, *, step=None, version: int = 0, mesh=None,
+               refresh=None):  # fmt: skip
     """Plays every trajectory to its end on `engine` -> (SampleOutput [n,
     max_total_tokens], Turns), as `loop.play`. mesh: unused (the engine's rows come out
-    in its row sharding)."""
+    in its row sharding); refresh: must be None (no partial rollouts here)."""
+    if refresh is not None:
+        raise ValueError("play_paged: partial rollouts (refresh) need the static sampler")
     s, n = settings, len(trajs)
     ids, mask = engine.bucketed(prompt_ids, prompt_mask)
     G = spec.num_generations
