@@ -3,12 +3,11 @@ loop (`envs.play`), the trainer's teacher-forced log-probs, and a 2-step trainin
 
 import os
 
-import jax
 import numpy as np
 import pytest
 from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
 
-from jaxrl_llm import envs, models, parallel, rl, sampling
+from jaxrl_llm import envs, models, rl, sampling
 from jaxrl_llm.models import builtin
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -78,19 +77,15 @@ def test_greedy_trajectories_equal_the_static_turn_loop(setup):
 
 
 def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup):
-    """Temperature 0.8 on the 8-device mesh (parameters sharded), 3 slots over a small
-    pool: the behaviour log-probs of the sampled tokens equal the trainer's
-    teacher-forced ones (1e-5), observation tokens have loss mask 0 and log-prob 0; and
-    the first two prompts' rows draw the same trajectories when played without the
-    others (a row's keys follow its index and its token count, not its slot, chunk or
-    neighbours)."""
+    """Temperature 0.8, 3 slots over a small pool: the behaviour log-probs of the sampled
+    tokens equal the trainer's teacher-forced ones (1e-5), observation tokens have loss
+    mask 0 and log-prob 0; and the first two prompts' rows draw the same trajectories
+    when played without the others (a row's keys follow its index and its token count,
+    not its slot, chunk or neighbours)."""
     cfg, params, _, _ = setup
-    mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    params = jax.device_put(params, models.param_shardings(cfg, mesh))
-    engine = sampling.PagedSampler(cfg, mesh, seed=5, slots=3, pages=18, page_size=4,
+    engine = sampling.PagedSampler(cfg, seed=5, slots=3, pages=18, page_size=4,
                                    chunk_steps=4, prefill_chunk=8)  # fmt: skip
-    out, turns, _, spec = play(setup, engine, EXAMPLES[1:], 2, 0.8, params)
-    assert out.tokens.sharding.is_equivalent_to(engine.row_sharding, 2)
+    out, turns, _, spec = play(setup, engine, EXAMPLES[1:], 2, 0.8)
     teacher = np.asarray(rl.make_logprob_fn(cfg, spec, chunk_size=16)(params, out))
     mask, loss_mask = np.asarray(out.mask), np.asarray(out.loss_mask)
     logprobs = np.asarray(out.logprobs)
@@ -98,7 +93,7 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup):
     assert np.abs(teacher - logprobs)[loss_mask].max() <= 1e-5
     assert not logprobs[~loss_mask].any()
     assert max(turns.model_turns) >= 2
-    alone, *_ = play(setup, engine, EXAMPLES[1:3], 2, 0.8, params)
+    alone, *_ = play(setup, engine, EXAMPLES[1:3], 2, 0.8)
     for name in ("tokens", "mask", "loss_mask", "lengths"):
         np.testing.assert_array_equal(np.asarray(getattr(alone, name)),
                                       np.asarray(getattr(out, name))[:4], err_msg=name)  # fmt: skip
@@ -106,8 +101,8 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup):
 
 def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
     """rollout.engine='paged' with env.name in rollout.mode='sync': 2 GRPO steps of the
-    tiny model on the 8-device mesh (4 slots for 8 trajectories); the engine refuses the
-    modes it does not play environments in."""
+    tiny model on the 8-device mesh (fsdp 4 x tensor 2; 4 slots for 8 trajectories); the
+    engine refuses the modes it does not play environments in."""
     from jaxrl_llm import config as config_lib
     from jaxrl_llm import train
     from jaxrl_llm.config import checks
