@@ -23,10 +23,10 @@ sampler's `append` gives it. `end` returns a row's pages.
 
 Pages run short: before any decoding row is preempted, rows that hold pages outside a
 slot (parked on their environment, or waiting for a slot) are evicted, the most recently
-parked first; a new trajectory waits for free pages rather than evict, and leaves the
-parked rows a turn's pages each. An evicted or preempted row comes back by recompute:
-its prompt and its completion so far (sampled and observation tokens) prefilled into its
-own pages; a row that drew nothing yet goes back to its prompt's shared pages.
+parked first; a new trajectory waits for free pages rather than evict. An evicted or
+preempted row comes back by recompute: its prompt and its completion so far (sampled and
+observation tokens) prefilled into its own pages; a row that drew nothing yet goes back
+to its prompt's shared pages.
 
 Row r draws its t-th sampled token of the whole trajectory with
 fold_in(fold_in(fold_in(key(seed), step), r), t), whatever slot, chunk, neighbours or
@@ -102,7 +102,6 @@ class TurnSession(Session):
         self.trajs: dict = {}
         self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
         self.stats.update(evicted=0, appends=0)
-        self.turn_pages = 1  # pages of a turn (`submit`)
 
     # ------------------------------------------------------------------------ rows
     def submit(self, ids: np.ndarray, mask: np.ndarray, turn_tokens: int, live) -> None:
@@ -120,7 +119,6 @@ class TurnSession(Session):
         if M > self.M:
             self.host["table"] = np.pad(self.host["table"], ((0, 0), (0, M - self.M)))
             self.M = M
-        self.turn_pages = -(-int(turn_tokens) // self.PS) + 1
         for r in range(B * G):
             b = r // G
             if live[r] and mask[b].any():
@@ -203,8 +201,7 @@ class TurnSession(Session):
     # ------------------------------------------------------------------------ slots
     def _admit(self) -> None:
         """Seats waiting rows in free slots while the pool has pages for them: a row that
-        has started evicts parked rows for its pages (any row does when nothing decodes);
-        a new one waits while the pool lacks a turn's pages for each parked row."""
+        has started evicts parked rows for its pages (any row does when nothing decodes)."""
         while self.waiting and None in self.owner:
             s = self.owner.index(None)
             t = self.waiting[0]
@@ -213,10 +210,7 @@ class TurnSession(Session):
             while (cost + reserve > len(self.free) and (t.tokens or not self.order)
                    and self._evict_one(t)):  # fmt: skip
                 pass
-            # A new trajectory also leaves the parked rows a turn's pages each: taking
-            # them would evict those rows when they come back (a recompute each).
-            parked = 0 if t.tokens else len(self.holders) * self.turn_pages
-            if self.order and cost + reserve + parked > len(self.free):
+            if self.order and cost + reserve > len(self.free):
                 return
             prompt_row = self._seat(t, s)
             if prompt_row is None:
