@@ -67,3 +67,25 @@ class OddLength(envs.Env):
 
     def step(self, action):
         return envs.Step(reward=float(len(action) % 2), done=True)
+
+
+class Sleepy(envs.Env):
+    """Scripted's turns after a `delay_s` sleep per step, with observations of
+        `obs_chars[k]` characters at turn k (the row's `turns` and `obs_chars` fields, if it has
+    them): the paged multi-turn tests' and benchmark's environment."""
+
+    def __init__(self, turns: int = 3, delay_s: float = 0.2, obs_chars=(2, 9, 4, 14, 6)):
+        self.turns, self.delay_s, self.obs_chars, self.k = turns, delay_s, obs_chars, 0
+
+    def reset(self, example):
+        self.turns = example.get("turns", self.turns)
+        self.obs_chars = example.get("obs_chars", self.obs_chars)
+        return example.get("question")
+
+    def step(self, action):
+        time.sleep(self.delay_s)
+        self.k += 1
+        if self.k >= self.turns:
+            return envs.Step(reward=1.0, done=True)
+        width = self.obs_chars[(self.k - 1) % len(self.obs_chars)]
+        return envs.Step("".join(str((self.k + j) % 10) for j in range(width)), reward=0.5)

@@ -244,7 +244,8 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 
 def check_engine(config, process_count: int) -> None:
     """rollout.engine and, for 'paged', its settings and what it does not combine with yet
-    (every rollout.mode is served: `trainer.paged_stream` in overlap and split)."""
+    (every rollout.mode is served: `trainer.paged_stream` in overlap and split;
+    environments in sync: `envs.play_paged`)."""
     r = config.rollout
     _check(
         r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
@@ -263,11 +264,11 @@ def check_engine(config, process_count: int) -> None:
     _check(p.prefill_chunk % p.page_size == 0,
            f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
            f"rollout.paged.page_size={p.page_size}")  # fmt: skip
-    _check(not config.env.name,
-           f"rollout.engine='paged' samples single-turn rollouts; env.name={config.env.name!r} "
-           "needs rollout.engine='static'")  # fmt: skip
+    _check(not config.env.name or r.mode == "sync",
+           f"rollout.engine='paged' plays environments (env.name) in rollout.mode='sync'; "
+           f"for rollout.mode={r.mode!r} use rollout.engine='static'")  # fmt: skip
     _check(not config.agent.entry,
-           f"rollout.engine='paged' samples single-turn rollouts; agent.entry="
+           f"rollout.engine='paged' does not serve the gateway; agent.entry="
            f"{config.agent.entry!r} needs rollout.engine='static'")  # fmt: skip
     _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
 
@@ -422,6 +423,11 @@ def check_env(config, algo) -> None:
     _check(e.workers >= 0, f"env.workers={e.workers}: must be >= 0 (0 = CPU count)")
     _check(e.memory_mb >= 0, f"env.memory_mb={e.memory_mb}: must be >= 0 (0 = no cap)")
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with env.name yet")
+    _check(
+        config.rollout.engine != "paged" or algo.routing_replay in (None, "none"),
+        "algo.routing_replay='rollout': the paged engine's multi-turn rollouts do not record "
+        "expert routes; use algo.routing_replay='none' or rollout.engine='static'",
+    )
     _check(
         config.rollout.mode != "overlap" or jax.process_count() == 1,
         "rollout.mode='overlap' with env.name runs on one host (its trajectories are played "

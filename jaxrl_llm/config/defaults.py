@@ -181,13 +181,15 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
     # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand
     # their slot and pages to waiting ones and a prompt's G rows share its pages; pays off
-    # when completion lengths are long-tailed. Single-turn, one process; in overlap and
-    # split one engine session streams across steps (docs/sampling.md#streaming-into-training).
+    # when completion lengths are long-tailed. One process; in overlap and split one engine
+    # session streams across steps (docs/sampling.md#streaming-into-training); with env.name
+    # (sync only) a row parked on its environment gives up its slot, keeps its pages
+    # (docs/sampling.md#multi-turn-on-the-engine).
     r.engine = "static"
     r.paged = ml_collections.ConfigDict()
     r.paged.slots = 0  # sequences decoded at once; 0 = the batch's rows (B * G)
     # KV pages in the pool (the null page included); 0 = the static sampler's cache size,
-    # B * G * (prompt bucket + max_new_tokens) tokens
+    # B * G * (prompt bucket + max_new_tokens) tokens (env.max_total_tokens with env.name)
     r.paged.pages = 0
     r.paged.page_size = 16  # tokens per page
     r.paged.chunk_steps = 16  # decode steps on device between host checks

@@ -38,6 +38,7 @@ __all__ = [
     "fit",
     "get",
     "play",
+    "play_paged",
     "register",
     "replicate",
     "resolve",
@@ -52,4 +53,8 @@ def __getattr__(name):
         from jaxrl_llm.envs import loop
 
         return getattr(loop, name)
+    if name == "play_paged":
+        from jaxrl_llm.envs import paged_play
+
+        return paged_play.play_paged
     raise AttributeError(f"module 'jaxrl_llm.envs' has no attribute {name!r}")

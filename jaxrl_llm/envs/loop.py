@@ -124,25 +124,34 @@ def play(sampler, params, prompt_ids, prompt_mask, spec, settings: TurnSettings,
 
 
 def _render(observations, trajs, tokens, lengths, renderer, s: TurnSettings) -> dict:
-    """The ids of each observation that goes on; a trajectory whose observation and next
-    turn would pass max_total_tokens ends here (`long_observation`: no observation is cut,
-    the policy never sees half a tool output), one whose observation cannot be rendered
-    fails."""
+    """The ids of each observation that goes on (`render_observation`)."""
     out = {}
     for i, obs in observations.items():
         last = int(tokens[i, lengths[i] - 1]) if lengths[i] else None
-        try:
-            ids = renderer.turn(obs, last if last in s.end_of_turn_ids else None)
-        except Exception as err:  # a template that refuses the message: that trajectory
-            trajs[i].finish("error", f"render: {type(err).__name__}: {err}"[:500])
-            continue
-        if not ids:
-            trajs[i].finish("error", "render: the observation has no tokens")
-        elif lengths[i] + len(ids) + s.turn_tokens > s.max_total_tokens:
-            trajs[i].finish("long_observation")
-        else:
+        ids = render_observation(obs, trajs[i], last, int(lengths[i]), renderer, s)
+        if ids is not None:
             out[i] = ids
     return out
+
+
+def render_observation(obs, traj, last, length: int, renderer, s: TurnSettings):
+    """The ids of a trajectory's observation after a model turn that ended on token
+    `last` at completion length `length` -> ids, or None where the trajectory ends here:
+    its observation and next turn would pass max_total_tokens (`long_observation`: no
+    observation is cut, the policy never sees half a tool output), or the observation
+    cannot be rendered (it fails)."""
+    try:
+        ids = renderer.turn(obs, last if last in s.end_of_turn_ids else None)
+    except Exception as err:  # a template that refuses the message: that trajectory
+        traj.finish("error", f"render: {type(err).__name__}: {err}"[:500])
+        return None
+    if not ids:
+        traj.finish("error", "render: the observation has no tokens")
+    elif length + len(ids) + s.turn_tokens > s.max_total_tokens:
+        traj.finish("long_observation")
+    else:
+        return ids
+    return None
 
 
 def _fetch(out, mesh):

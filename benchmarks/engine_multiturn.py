@@ -1,0 +1,151 @@
+"""Multi-turn rollouts with a slow environment: the static turn loop (`envs.play`) against
+the paged engine (`envs.play_paged`), side by side in one process, runs interleaved.
+
+    python benchmarks/engine_multiturn.py                  # CPU: ~25M Qwen3-like, 64 rows
+    python benchmarks/engine_multiturn.py --preset 100m --rows 512 --batch 64 \\
+        --turn-tokens 256 --page-size 64 --chunk-steps 16 --workers 128   # GPU / TPU
+
+The environment (`tests/envs_for_tests.py:Sleepy`) sleeps --delay seconds per step (0.2:
+a tool call, a sandboxed test run) and ends a trajectory after --turns actions, with
+observations of a few characters between turns. Turn lengths are long-tailed: the random
+model (vocabulary: the arithmetic tokenizer's 33 tokens) ends a turn when it draws one of
+--stop-ids ids, which it does every ~20-40 tokens, so most turns are short and a few run
+to --turn-tokens.
+
+Static: the turn loop plays --batch rows at a time (B prompts x G), each turn decoding
+until its slowest row is done, then stepping every environment while the batch waits; the
+--rows trajectories are played batch after batch. Engine: --batch slots over a page pool
+of the static cache's tokens (batch * (prompt bucket + max_total_tokens)), all --rows
+trajectories submitted at once: a row whose turn ends leaves its slot to a waiting row
+and its environment steps in a thread while the others decode. Both step the same
+environment pool (--workers processes). Trajectories/s = --rows / wall seconds, after a
+--warmup rounds of each (the engine's programs compile for the row counts and page-table
+widths its schedule meets; a round that still compiles says so in its line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import device_name, preset_config, table, uptime  # noqa: E402
+
+from jaxrl_llm import assets, envs, models, sampling  # noqa: E402
+from jaxrl_llm.models import builtin  # noqa: E402
+
+SLEEPY = os.path.join(os.path.dirname(HERE), "tests", "envs_for_tests.py") + ":Sleepy"
+TOKENIZER = os.path.join(os.path.dirname(assets.__file__), "arithmetic_tokenizer")
+
+
+def examples(rows: int, turns: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    ops = "+-*"
+    return [{"question": f"{rng.integers(1, 99)}{ops[i % 3]}{rng.integers(1, 99)}=",
+             "turns": turns} for i in range(rows)]  # fmt: skip
+
+
+def run(player, engine, params, pool, rows, per_call, G, spec, settings, renderer, tok, step):
+    """One round: the G trajectories of every example of `rows`, `per_call` examples per
+    `player` call -> (seconds, sampled tokens, model turns)."""
+    t0 = time.perf_counter()
+    sampled = turns = 0
+    for at in range(0, len(rows), per_call):
+        trajs, observations = pool.reset(rows[at : at + per_call])
+        ids, mask = sampling.pad_prompts([renderer.prompt(o) for o in observations], 0)
+        trajs, _ = envs.replicate(trajs, observations, G)
+        out, record = player(engine, params, ids, mask, spec, settings, pool, trajs,
+                             renderer, tok, step=step)  # fmt: skip
+        sampled += int(np.asarray(out.loss_mask).sum())
+        turns += int(record.model_turns.sum())
+    return time.perf_counter() - t0, sampled, turns
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="25m")
+    ap.add_argument("--rows", type=int, default=64, help="trajectories in all (B * G)")
+    ap.add_argument("--batch", type=int, default=16, help="static batch rows = engine slots")
+    ap.add_argument("--generations", type=int, default=4, help="G")
+    ap.add_argument("--turns", type=int, default=3, help="actions per trajectory")
+    ap.add_argument("--turn-tokens", type=int, default=64)
+    ap.add_argument("--stop-ids", default="20", help="ids that end a turn")
+    ap.add_argument("--delay", type=float, default=0.2, help="seconds per environment step")
+    ap.add_argument("--workers", type=int, default=32, help="environment worker processes")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--chunk-steps", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="rounds not timed (they compile the shapes the schedule meets)",
+    )
+    args = ap.parse_args(argv)
+
+    tok = builtin.load_tokenizer(TOKENIZER)
+    cfg = dataclasses.replace(preset_config(args.preset), vocab_size=len(tok))
+    params = models.init_params(cfg, seed=0)
+    G = args.generations
+    stops = tuple(int(s) for s in args.stop_ids.split(","))
+    total = args.turns * args.turn_tokens + (args.turns - 1) * 16
+    settings = envs.TurnSettings(max_turns=args.turns, turn_tokens=args.turn_tokens,
+                                 max_total_tokens=total, stop_ids=stops)  # fmt: skip
+    spec = sampling.RolloutSpec(G, args.turn_tokens, temperature=1.0, stop_ids=stops)
+    static = sampling.Sampler(cfg, cache_segments=1)
+    bucket = 16  # the prompts' (a few arithmetic tokens) bucket
+    pages = 1 + -(-args.batch * (bucket + total) // args.page_size)
+    paged = sampling.PagedSampler(cfg, slots=args.batch, pages=pages, page_size=args.page_size,
+                                  chunk_steps=args.chunk_steps,
+                                  prefill_chunk=args.prefill_chunk)  # fmt: skip
+    renderer = envs.Renderer(tok, use_chat=False)
+    rows = examples(args.rows // G, args.turns, seed=0)
+    players = {"static": (envs.play, static, args.batch // G),
+               "paged": (envs.play_paged, paged, len(rows))}  # fmt: skip
+    results = {name: [] for name in players}
+    print(f"# {device_name()}; {args.rows} trajectories of {args.turns} turns (<= "
+          f"{args.turn_tokens} tokens), env step {args.delay} s, {args.batch} static rows = "
+          f"engine slots, pool {pages} pages x {args.page_size}")  # fmt: skip
+    with envs.EnvPool(SLEEPY, {"delay_s": args.delay}, workers=args.workers) as pool:
+        for r in range(args.warmup + args.repeats):
+            for name, (player, engine, per_call) in players.items():
+                got = run(player, engine, params, pool, rows, per_call, G, spec, settings,
+                          renderer, tok, step=r)  # fmt: skip
+                if r >= args.warmup:
+                    results[name].append(got)
+                print(
+                    f"round {r} {name}: {got[0]:.2f} s, {got[2]} turns, {got[1]} tokens, "
+                    f"{sum(engine.traces.values())} programs traced so far",
+                    flush=True,
+                )
+    print(f"# engine's last run: {paged.stats}; {uptime()}")
+    table_rows = []
+    for name, runs in results.items():
+        seconds = [s for s, _, _ in runs]
+        rates = [args.rows / s for s in seconds]
+        table_rows.append({
+            "engine": name, "median s": f"{statistics.median(seconds):.2f}",
+            "spread s": f"{min(seconds):.2f}-{max(seconds):.2f}",
+            "trajectories/s": f"{statistics.median(rates):.2f}",
+            "turn tokens (median)": f"{statistics.median(t / max(n, 1) for _, t, n in runs):.1f}",
+        })  # fmt: skip
+    ratios = [s / p for (s, _, _), (p, _, _) in zip(results["static"], results["paged"],
+                                                    strict=True)]  # fmt: skip
+    print(table(table_rows, ["engine", "median s", "spread s", "trajectories/s",
+                             "turn tokens (median)"]))  # fmt: skip
+    print(
+        f"paged / static trajectories/s per round: {', '.join(f'{x:.2f}' for x in ratios)} "
+        f"(median {statistics.median(ratios):.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""Multi-turn rollouts on the paged engine: a row that ends a turn gives its decode slot
+to another row and keeps its pages while its environment works.
+
+    session = TurnSession(engine, params, version, spec, seed=0, step=s, slots=S, pages=P,
+                          prompts=B)
+    session.submit(ids, mask, turn_tokens, live)      # bucketed prompts, G rows each
+    while session.busy or <environment steps in flight>:
+        for r in session.run_chunk():                  # rows whose turn ended in the chunk
+            action = session.turn(r)                    # the turn's sampled ids
+            ...                                         # the caller steps r's environment
+        session.resume(r, observation_ids, turn_tokens) # when its observation is back
+        session.end(r)                                  # or: its trajectory is over
+
+A row decodes a turn in a slot until it draws a turn stop id (`spec.stop_ids`) or spends
+its turn budget; then it leaves the slot (the next waiting row takes it) but keeps its
+pages: its own and its reference on its prompt's pages, shared by the prompt's G rows.
+Its last drawn token is pending (not in the cache). When the caller resumes it, the
+pending token and the observation's ids are prefilled into the row's own pages at its
+length (chunks of `prefill_chunk` tokens, batched with the other prefills of the chunk);
+the logits after the observation's last token are its first draw of the next turn (read
+from a logits row of its new slot), so the KV cache holds exactly what the static
+sampler's `append` gives it. `end` returns a row's pages.
+
+Pages run short: before any decoding row is preempted, rows that hold pages outside a
+slot (parked on their environment, or waiting for a slot) are evicted, the most recently
+parked first; a new trajectory waits for free pages rather than evict. An evicted or
+preempted row comes back by recompute: its prompt and its completion so far (sampled and
+observation tokens) prefilled into its own pages; a row that drew nothing yet goes back
+to its prompt's shared pages.
+
+Row r draws its t-th sampled token of the whole trajectory with
+fold_in(fold_in(fold_in(key(seed), step), r), t), whatever slot, chunk, neighbours or
+evictions it had, so greedy decoding draws the static sampler's tokens. MoE routes are
+not recorded here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxrl_llm.sampling.paged_schedule import NULL_PAGE, PREFILL_BATCH, Session
+
+
+@dataclasses.dataclass
+class _Traj:
+    """A row's trajectory on the host: its completion so far and the pages it holds."""
+
+    row: int
+    b: int  # its prompt
+    prompt: np.ndarray  # the prompt's real ids
+    tokens: list = dataclasses.field(default_factory=list)  # completion: sampled and appended
+    sampled: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)  # -1 on appended tokens
+    n: int = 0  # sampled tokens so far (the next draw's key index)
+    budget: int = 0  # n at which the current turn ends
+    turn_from: int = 0  # completion index where the current turn began
+    stopped: bool = False  # the last turn ended on a stop id
+    table: list = dataclasses.field(default_factory=list)  # pages: the prompt's, then its own
+    mine: list = dataclasses.field(default_factory=list)  # its own pages
+    shared: int | None = None  # the prompt whose pages it references
+    start: int = 0  # first valid cache slot
+    length: int = 0  # cache slots written
+    base: int = 0  # cache slot of completion token 0
+
+    @property
+    def held(self) -> int:
+        return len(self.table)
+
+    @property
+    def cached(self) -> int:
+        """Completion tokens in the cache (the pending token and an observation not yet
+        appended are not)."""
+        return self.length - self.base if self.table else 0
+
+
+class TurnSession(Session):
+    """Continuous batching of multi-turn rows over one page pool (`Session`'s pool, slots
+    and programs; its single-turn request API is not used).
+
+    Args:
+      engine, params, version: as `Session`.
+      spec: the `RolloutSpec`; max_new_tokens bounds a trajectory's completion (sampled
+        and appended tokens), stop_ids end a turn.
+      seed, step: the keys' base (fold_in(key(seed), step)).
+      slots, pages: decode slots and KV pages (the null page included).
+      prompts: prompts in the batch (their first-draw logits rows).
+    """
+
+    def __init__(self, engine, params, version: int, spec, *, seed: int, step: int,
+                 slots: int, pages: int, prompts: int):  # fmt: skip
+        seed_step = engine._put(np.array([seed, step], np.uint32))  # noqa: SLF001
+        prompt_rows = prompts  # a parked row keeps its prompt's pages (and logits row)
+        super().__init__(engine, params, version, spec, seed_step=seed_step, slots=slots,
+                         pages=pages, prompt_rows=prompt_rows)  # fmt: skip
+        # Rows [0, prompt_rows): prompts; then the scratch row; then one per slot: the
+        # first-draw logits of a row resumed or recomputed into that slot.
+        rows = np.zeros((prompt_rows + 1 + slots, engine.cfg.vocab_size), np.float32)
+        self.prompt_logits = engine._put(rows)  # noqa: SLF001
+        self.trajs: dict = {}
+        self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
+        self.stats.update(evicted=0, appends=0)
+
+    # ------------------------------------------------------------------------ rows
+    def submit(self, ids: np.ndarray, mask: np.ndarray, turn_tokens: int, live) -> None:
+        """Queues the G rows of every prompt of ids / mask [B, width] (bucketed) whose
+        live[r] is true (B * G flags); each draws at most turn_tokens in its first turn."""
+        B, width = ids.shape
+        G = self.spec.num_generations
+        longest = -(-(width + self.T) // self.C) * self.C + self.C
+        M = -(-longest // self.PS)
+        if self.total < M + 1:
+            raise ValueError(
+                f"pages={self.total}: the pool must hold one whole trajectory ({M} pages "
+                f"of {self.PS} tokens) besides the null page"
+            )
+        if M > self.M:
+            self.host["table"] = np.pad(self.host["table"], ((0, 0), (0, M - self.M)))
+            self.M = M
+        for r in range(B * G):
+            b = r // G
+            if live[r] and mask[b].any():
+                t = _Traj(row=r, b=b, prompt=ids[b][mask[b]], budget=int(turn_tokens))
+                self.trajs[r] = t
+                self.waiting.append(t)
+
+    @property
+    def busy(self) -> bool:
+        """Rows wait for a slot or decode."""
+        return bool(self.waiting or self.order)
+
+    def turn(self, r: int) -> list:
+        """The ids row r sampled in its last turn."""
+        t = self.trajs[r]
+        return t.tokens[t.turn_from :]
+
+    def resume(self, r: int, ids, turn_tokens: int) -> None:
+        """Row r goes on: `ids` (not sampled) follow its turn, then it draws at most
+        turn_tokens more. It waits for a slot ahead of rows that have not started."""
+        t = self.trajs[r]
+        ids = [int(x) for x in ids]
+        t.tokens += ids
+        t.sampled += [False] * len(ids)
+        t.logprobs += [0.0] * len(ids)
+        t.versions += [-1] * len(ids)
+        t.turn_from, t.budget = len(t.tokens), t.n + int(turn_tokens)
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].tokens:
+            i += 1
+        self.waiting.insert(i, t)
+
+    def end(self, r: int) -> None:
+        """Row r's trajectory is over: its pages go back to the pool."""
+        t = self.trajs[r]
+        self._unpage(t)
+        self._unshare(t)
+
+    def result(self, r: int) -> _Traj:
+        return self.trajs[r]
+
+    # ------------------------------------------------------------------------ pages
+    def _unshare(self, t: _Traj) -> None:
+        """Drops t's reference on its prompt's pages (the last one returns them)."""
+        if t.shared is not None and t.shared in self.prompt_pages:
+            entry = self.prompt_pages[t.shared]
+            entry[3] -= 1
+            if entry[3] == 0:
+                self._drop_prompt(t.shared)
+        t.shared = None
+
+    def _unpage(self, t: _Traj) -> None:
+        """Returns t's own pages; a row with a completion also drops its prompt's (it
+        comes back by recompute), one without keeps its place on them."""
+        self.free.extend(p for p in t.mine if p != NULL_PAGE)
+        t.table, t.mine, t.length, t.base = [], [], 0, 0
+        self.holders.pop(t.row, None)
+        if t.tokens:
+            self._unshare(t)
+
+    def _evict_one(self, keep) -> bool:
+        """Evicts the most recently parked row that holds pages outside a slot (not
+        `keep`) -> whether there was one."""
+        for r in reversed(list(self.holders)):
+            t = self.holders[r]
+            if t is not keep:
+                self._unpage(t)
+                self.stats["evicted"] += 1
+                return True
+        return False
+
+    def _cost(self, t: _Traj) -> int:
+        """Pages t takes to be seated (its prefill, before its first chunk)."""
+        if t.table:
+            return max(0, -(-(t.length + len(t.tokens) - t.cached) // self.PS) - t.held)
+        if t.tokens:
+            return self._pages_of(len(t.prompt) + len(t.tokens))
+        return 0 if t.b in self.prompt_pages else self._pages_of(len(t.prompt))
+
+    # ------------------------------------------------------------------------ slots
+    def _admit(self) -> None:
+        """Seats waiting rows in free slots while the pool has pages for them: a row that
+        has started evicts parked rows for its pages (any row does when nothing decodes)."""
+        while self.waiting and None in self.owner:
+            s = self.owner.index(None)
+            t = self.waiting[0]
+            cost = self._cost(t) + -(-self.e.chunk_steps // self.PS) + 1
+            reserve = sum(self._need(u) for u in self.order)
+            while (cost + reserve > len(self.free) and (t.tokens or not self.order)
+                   and self._evict_one(t)):  # fmt: skip
+                pass
+            if self.order and cost + reserve > len(self.free):
+                return
+            prompt_row = self._seat(t, s)
+            if prompt_row is None:
+                return
+            self.waiting.popleft()
+            self.holders.pop(t.row, None)
+            h, n = self.host, t.n
+            h["table"][s] = 0
+            h["table"][s, : t.held] = t.table
+            h["start"][s], h["length"][s], h["cap"][s] = t.start, t.length, t.held * self.PS
+            h["last"][s], h["fresh"][s], h["live"][s], h["stopped"][s] = self.e.pad_id, 1, 1, 0
+            h["n"][s], h["budget"][s], h["row"][s], h["prompt"][s] = n, t.budget, t.row, prompt_row
+            h["tokens"][s], h["logprobs"][s] = self.e.pad_id, 0
+            if "routes" in h:
+                h["routes"][s] = -1
+            self.owner[s] = t
+            self.order.append(s)
+
+    def _seat(self, t: _Traj, s: int) -> int | None:
+        """Queues t's prefill for slot s -> the logits row of its next draw (None: the
+        pool lacks the pages)."""
+        logits = self.scratch + 1 + s
+        if t.table:  # parked with its pages: the pending token and the observation
+            add = t.tokens[t.cached :]
+            need = self._cost(t)
+            if need > len(self.free):
+                return None
+            new = self._take(need)
+            t.table, t.mine = t.table + new, t.mine + new
+            C = self.C
+            seq = np.full(-(-len(add) // C) * C, self.e.pad_id, np.int32)
+            seq[: len(add)] = add
+            self.prefills.append((seq, 0, len(add), t.length, t.start, list(t.table), logits))
+            t.length += len(add)
+            self.stats["appends"] += 1
+            return logits
+        if t.tokens:  # evicted or preempted: prompt and completion recomputed
+            got = self._prefill(np.concatenate([t.prompt, t.tokens]).astype(np.int32), logits)
+            if got is None:
+                return None
+            pages, padded, start = got
+            t.table, t.mine = list(pages), [p for p in pages if p != NULL_PAGE]
+            t.start, t.length, t.base = start, padded, padded - len(t.tokens)
+            return logits
+        if t.b not in self.prompt_pages:  # the first of its prompt's rows
+            if not self.logit_rows:
+                return None
+            got = self._prefill(t.prompt, self.logit_rows[-1])
+            if got is None:
+                return None
+            rows = sum(1 for w in self.waiting if w.b == t.b and not w.tokens and w.shared is None)
+            self.prompt_pages[t.b] = [*got, rows, self.logit_rows.pop()]
+        pages, padded, start, _, row = self.prompt_pages[t.b]
+        t.shared, t.table, t.mine = t.b, list(pages), []
+        t.start, t.length, t.base = start, padded, padded
+        return row
+
+    def _preempt(self, s: int, count: bool = True) -> None:
+        """Slot s's row leaves it and its pages; it waits first in line (recompute)."""
+        t = self.owner[s]
+        self._vacate(s)
+        self._unpage(t)
+        self.waiting.appendleft(t)
+        self.stats["preempted"] += count
+
+    def _vacate(self, s: int) -> None:
+        self.owner[s] = None
+        self.order.remove(s)
+        self.host["live"][s] = False
+
+    def _grow(self) -> None:
+        """Pages for the next chunk of every live slot, oldest first: parked rows are
+        evicted, then the youngest slots preempted, when the pool runs short."""
+        h = self.host
+        for s in list(self.order):
+            t = self.owner[s]
+            if t is None:
+                continue
+            need = self._need(s)
+            while need > len(self.free) and self._evict_one(None):
+                pass
+            while need > len(self.free) and self.order[-1] != s:
+                self._preempt(self.order[-1])
+            new = self._take(min(need, len(self.free)))
+            h["table"][s, t.held : t.held + len(new)] = new
+            t.table, t.mine = t.table + new, t.mine + new
+            h["cap"][s] = t.held * self.PS
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self._in_use())
+
+    def _run_prefills(self) -> None:
+        """The queued prefills (prompts and recomputes from `Session._prefill`, appends
+        from `_seat`), up to PREFILL_BATCH sequences per program, chunks aligned at the
+        end (`Session._run_prefills`). A job writes seq's tokens [lo, hi) at cache slots
+        offset + their index, chunk by chunk; its logits row ends with the logits after
+        its last token."""
+        C, e = self.C, self.e
+        jobs = [j if len(j) == 7 else (j[0], j[1], len(j[0]), 0, j[1], j[2], j[3])
+                for j in self.prefills]  # fmt: skip
+        self.prefills = []
+        for at in range(0, len(jobs), PREFILL_BATCH):
+            batch = jobs[at : at + PREFILL_BATCH]
+            b = 1 << (len(batch) - 1).bit_length()
+            chunks = [len(j[0]) // C for j in batch]
+            K = max(chunks)
+            table = np.zeros((b, self._width(max(len(j[5]) for j in batch))), np.int32)
+            start = np.zeros(b, np.int32)
+            index = np.full(b, self.scratch, np.int32)
+            for i, (_, _, _, _, first, pages, row) in enumerate(batch):
+                table[i, : len(pages)], start[i], index[i] = pages, first, row
+            for k in range(K):
+                tokens = np.full((b, C), e.pad_id, np.int32)
+                mask = np.zeros((b, C), bool)
+                length = np.zeros(b, np.int32)
+                for i, (seq, lo, hi, offset, *_) in enumerate(batch):
+                    c = k - (K - chunks[i])
+                    if c < lo // C:
+                        continue  # before its first chunk with a real token
+                    tokens[i] = seq[c * C : (c + 1) * C]
+                    where = np.arange(c * C, (c + 1) * C)
+                    mask[i] = (where >= lo) & (where < hi)
+                    length[i] = offset + c * C
+                self.pages, self.prompt_logits, _ = e._prefill(  # noqa: SLF001
+                    self.params, self.pages, self.prompt_logits,
+                    *e._put((index, tokens, mask, table, start, length)),  # noqa: SLF001
+                )  # fmt: skip
+                self.stats["prefill_calls"] += 1
+
+    def run_chunk(self) -> list:
+        """Seats waiting rows, decodes one chunk of the occupied slots -> the rows whose
+        turn ended in it (they left their slots and keep their pages)."""
+        e, h = self.e, self.host
+        if not (self.waiting or self.order):
+            return []
+        self._admit()
+        self._run_prefills()
+        self._grow()
+        if not self.order:
+            head = self.waiting[0] if self.waiting else None
+            if head is not None and all(t is head for t in self.holders.values()):
+                raise RuntimeError("paged engine: no trajectory fits the page pool")
+            return []  # what waits needs the pages of rows parked on their environments
+        held = max(self.owner[s].held for s in self.order)
+        self.pages, h = e.decode_slots(
+            self.params, self.pages, h, self.order, held, self.prompt_logits,
+            self.seed_step, self.stops, self.spec,
+        )  # fmt: skip
+        self.host = h
+        self.stats["decode_chunks"] += 1
+        ended = []
+        for s in list(self.order):
+            t = self.owner[s]
+            n = int(h["n"][s])
+            new = h["tokens"][s, t.n : n].tolist()
+            t.tokens += new
+            t.sampled += [True] * len(new)
+            t.logprobs += h["logprobs"][s, t.n : n].tolist()
+            t.versions += [self.version] * len(new)
+            t.n, t.length = n, int(h["length"][s])
+            if not h["live"][s]:  # its turn ended: the slot goes, the pages stay
+                t.stopped = bool(h["stopped"][s])
+                self._vacate(s)
+                self.holders[t.row] = t
+                ended.append(t.row)
+        return ended

@@ -1,0 +1,131 @@
+"""Multi-turn rollouts on the paged engine (`envs.play_paged`) against the static turn
+loop (`envs.play`), the trainer's teacher-forced log-probs, and a 2-step training run."""
+
+import os
+
+import numpy as np
+import pytest
+from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
+
+from jaxrl_llm import envs, models, rl, sampling
+from jaxrl_llm.models import builtin
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SLEEPY = os.path.join(TESTS, "envs_for_tests.py") + ":Sleepy"
+# Trajectories that end after 1, 2 and 3 actions (done), on a long observation, and on
+# max_turns; observations of different lengths; turns that end on a stop id or on the
+# turn budget (the tiny model draws 20 or 29 at some steps, not at others).
+EXAMPLES = [{"question": "1+2=", "turns": 1}, {"question": "12*3+45=", "turns": 2},
+            {"question": "7=", "turns": 6}, {"question": "(8-9)/3=", "turns": 3},
+            {"question": "3*3=", "turns": 9, "obs_chars": [1, 3, 2]}]  # fmt: skip
+SETTINGS = envs.TurnSettings(max_turns=4, turn_tokens=6, max_total_tokens=40,
+                             stop_ids=(20, 29, 14), end_of_turn_ids=(29,))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_model_config(vocab_size=33, max_position_embeddings=256)
+    tok = builtin.load_tokenizer(TOKENIZER)
+    with envs.EnvPool(SLEEPY, {"delay_s": 0.0}, workers=2) as pool:
+        yield cfg, models.init_params(cfg, seed=3), tok, pool
+
+
+def play(setup, engine, examples=EXAMPLES, G=2, temperature=0.0, params=None):
+    cfg, own, tok, pool = setup
+    renderer = envs.Renderer(tok, use_chat=False)
+    trajs, observations = pool.reset(examples)
+    ids, mask = sampling.pad_prompts([renderer.prompt(o) for o in observations], 0)
+    trajs, _ = envs.replicate(trajs, observations, G)
+    spec = sampling.RolloutSpec(G, SETTINGS.turn_tokens, temperature,
+                                stop_ids=SETTINGS.end_of_turn_ids)  # fmt: skip
+    player = envs.play if isinstance(engine, sampling.Sampler) else envs.play_paged
+    out, turns = player(engine, own if params is None else params, ids, mask, spec, SETTINGS,
+                        pool, trajs, renderer, tok, step=1, version=3)  # fmt: skip
+    return out, turns, [t.end for t in trajs], spec
+
+
+def test_greedy_trajectories_equal_the_static_turn_loop(setup):
+    """Temperature 0: every row's tokens, masks, lengths, finish reason, log-probs (1e-5),
+    `Turns` and trajectory end equal the static turn loop's, with 8 slots for 10 rows over
+    a pool of 17 pages (one trajectory's worth and a page): rows wait for slots, park on
+    their environments with their pages, are evicted while parked and preempted while
+    decoding, and come back by appending or by recompute."""
+    cfg, params, _, _ = setup
+    ref, ref_turns, ref_ends, spec = play(setup, sampling.Sampler(cfg, seed=5, cache_segments=1))
+    assert sorted(set(ref_ends)) == ["done", "long_observation", "max_turns"]
+    assert len(set(np.asarray(ref.lengths).tolist())) >= 4
+    engine = sampling.PagedSampler(cfg, seed=5, slots=8, pages=18, page_size=4, chunk_steps=3,
+                                   prefill_chunk=8)  # fmt: skip
+    out, turns, ends, _ = play(setup, engine)
+    stats = engine.stats
+    # Which rows are evicted or preempted depends on when their environments answer.
+    assert stats["evicted"] > 0, stats
+    assert stats["peak_pages"] <= 17
+    assert ends == ref_ends
+    for name in ("tokens", "mask", "loss_mask", "lengths", "finish", "prompt_tokens",
+                 "prompt_mask", "policy_version"):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(getattr(out, name)),
+                                      np.asarray(getattr(ref, name)), err_msg=name)  # fmt: skip
+    assert np.abs(np.asarray(out.logprobs) - np.asarray(ref.logprobs)).max() <= 1e-5
+    assert out.tokens.shape[1] == SETTINGS.max_total_tokens
+    assert turns.spans == ref_turns.spans
+    for name in ("obs_tokens", "model_turns", "versions"):
+        np.testing.assert_array_equal(getattr(turns, name), getattr(ref_turns, name), name)
+    teacher = rl.make_logprob_fn(cfg, spec, chunk_size=16)(params, out)
+    loss_mask = np.asarray(out.loss_mask)
+    assert np.abs(np.asarray(teacher) - np.asarray(out.logprobs))[loss_mask].max() <= 1e-5
+
+
+def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup):
+    """Temperature 0.8, 3 slots over a small pool: the behaviour log-probs of the sampled
+    tokens equal the trainer's teacher-forced ones (1e-5), observation tokens have loss
+    mask 0 and log-prob 0; and the first two prompts' rows draw the same trajectories
+    when played without the others, a slot each (a row's keys follow its index and its
+    token count, not its slot, chunk or neighbours)."""
+    cfg, params, _, _ = setup
+    engine = sampling.PagedSampler(cfg, seed=5, slots=3, pages=18, page_size=4,
+                                   chunk_steps=4, prefill_chunk=8)  # fmt: skip
+    out, turns, _, spec = play(setup, engine, EXAMPLES[1:], 2, 0.8)
+    teacher = np.asarray(rl.make_logprob_fn(cfg, spec, chunk_size=16)(params, out))
+    mask, loss_mask = np.asarray(out.mask), np.asarray(out.loss_mask)
+    logprobs = np.asarray(out.logprobs)
+    assert loss_mask.sum() > 40 and (mask & ~loss_mask).sum() > 10  # observations in it
+    assert np.abs(teacher - logprobs)[loss_mask].max() <= 1e-5
+    assert not logprobs[~loss_mask].any()
+    assert max(turns.model_turns) >= 2
+    roomy = sampling.PagedSampler(cfg, seed=5, page_size=4, chunk_steps=4, prefill_chunk=8)
+    alone, alone_turns, *_ = play(setup, roomy, EXAMPLES[1:3], 2, 0.8)
+    # A slot per row and the static cache's pages: every observation is appended to the
+    # pages its row kept, none evicted.
+    appended = sum(kind == "env" for spans in alone_turns.spans for kind, *_ in spans)
+    assert roomy.stats["appends"] == appended > 0
+    assert roomy.stats["evicted"] == roomy.stats["preempted"] == 0
+    for name in ("tokens", "mask", "loss_mask", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(alone, name)),
+                                      np.asarray(getattr(out, name))[:4], err_msg=name)  # fmt: skip
+
+
+def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
+    """rollout.engine='paged' with env.name in rollout.mode='sync': 2 GRPO steps of the
+    tiny model on the 8-device mesh (fsdp 4 x tensor 2; 4 slots for 8 trajectories); the
+    engine refuses the modes it does not play environments in."""
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm import train
+    from jaxrl_llm.config import checks
+    from jaxrl_llm.trainer.metrics import read_metrics
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards = {}
+    c.rollout.batch_size, c.rollout.num_generations, c.rollout.max_new_tokens = 4, 2, 4
+    c.env.name, c.env.options = SLEEPY, {"turns": 2, "delay_s": 0.0}
+    c.env.max_turns, c.env.max_total_tokens, c.env.workers = 2, 16, 1
+    c.model.scan_layers, c.algo.beta = True, 0.0
+    c.rollout.engine, c.rollout.paged.slots, c.rollout.paged.page_size = "paged", 4, 8
+    c.rollout.paged.prefill_chunk = 16
+    last = train.train(c, str(tmp_path / "run"))
+    logged = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in logged] == [1, 2]
+    assert np.isfinite(last["loss/total"]) and last["env/turns_mean"] >= 1
+    c.rollout.mode = "split"
+    with pytest.raises(config_lib.ConfigError, match="rollout.mode='sync'"):
+        checks.check_engine(c, 1)
