@@ -128,3 +128,42 @@ def test_bad_hub_names_are_one_line(model_dir, section, key, value, message):
     with pytest.raises(ConfigError) as err:
         validate(c, 8)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_chain_sum_agent_example_scores_with_reasoning_gym():
+    """examples/chain_sum_agent.py (configs/agent_chain_sum_smollm2.py's agent) imports
+    nothing of jaxrl_llm, scores the reply's last number with reasoning-gym's scorer and
+    retries once after a wrong answer, with the conversation extended (not rewritten)."""
+    import asyncio
+    import importlib.util
+    import os
+    import types
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "chain_sum_agent.py")
+    with open(path) as f:
+        assert "jaxrl_llm" not in f.read().split('"""', 2)[-1]
+    spec = importlib.util.spec_from_file_location("chain_sum_agent", path)
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    example = rg_source.ReasoningGymSource(
+        "reasoning_gym/chain_sum", "test", {"max_terms": 2, "max_digits": 2}
+    )[0]
+    right, wrong = example["answer"], str(int(example["answer"]) + 1)
+
+    class Client:  # the part of openai.AsyncOpenAI the agent uses
+        def __init__(self, replies):
+            self.replies, self.seen = list(replies), []
+            self.chat = types.SimpleNamespace(completions=self)
+
+        async def create(self, model, messages):
+            self.seen.append([dict(m) for m in messages])
+            message = types.SimpleNamespace(content=self.replies.pop(0))
+            return types.SimpleNamespace(choices=[types.SimpleNamespace(message=message)])
+
+    for replies, reward in [([f"x = {right}"], 1.0), ([wrong, right], 0.5), ([wrong, "no"], 0.0)]:
+        client = Client(replies)
+        assert asyncio.run(agent.run(client, example)) == reward
+        if len(client.seen) == 2:  # the second request extends the first
+            first, second = client.seen
+            assert second[: len(first)] == first
+            assert second[len(first)] == {"role": "assistant", "content": wrong}
