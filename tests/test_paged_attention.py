@@ -37,7 +37,7 @@ CONFIGS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model(name):
     cfg = CONFIGS[name]()
     return cfg, models.init_params(cfg, seed=5)

@@ -24,9 +24,12 @@ of a prompt's G rows holds a copy of the prompt's keys and values. This engine i
   are returned and they wait again; a preempted row comes back with its prompt and tokens
   so far prefilled (recompute) and draws on with the same keys.
 
-Attention reads each row's pages through a gather over its page table (the portable path:
-`models.forward_after_prefix` over the gathered keys/values, the model's own layer code,
-so every architecture the model supports runs here). Randomness: row n's t-th draw uses
+Attention: inside each layer the new tokens' keys/values are written to that layer's
+pages and the queries attend to the layer's pages of each row through its table
+(`models.paged_forward`, `models/paged_attention.py`), in the model's own layer code, so
+every architecture the model supports runs here; `attention="gather"` keeps the
+portable reference (every layer's pages gathered into a dense block,
+`models.forward_after_prefix` over it). Randomness: row n's t-th draw uses
 fold_in(fold_in(fold_in(key(seed), step), n), t), independent of which slot, chunk or
 neighbours it had; greedy (temperature 0) draws the static sampler's tokens. Log-probs
 are the static sampler's: log softmax(logits / temperature) of the drawn token.
