@@ -21,6 +21,13 @@ Same KV memory: the static sampler runs the rows in batches of --batch (B * G ro
 cache batch * (bucket + max_new_tokens) tokens; the engine gets --batch slots and a pool
 of the same number of tokens, and streams all --rows through it.
 
+Attention paths (--attention): "pages" (each layer reads its pages in place, the
+default) and "gather" (every layer's pages gathered into a dense block first, the
+reference path); each listed one runs as its own engine in the same interleaved rounds.
+Decode-step cost (--step-rows): one full decode step of that many rows at a few cached
+lengths, static (`models.decode_step` over a KV cache) against paged (`forward_paged` of
+one token per row over its pages, each path), interleaved, CPU seconds per step.
+
 KV budget: at that fixed pool (the static cache for --new), the engine runs the same
 mix scaled to max_new_tokens = --new x each of --scales (median and longest scale too);
 the static sampler fits --new only (its cache grows with max_new_tokens). A scale
@@ -30,6 +37,7 @@ the static sampler fits --new only (its cache grows with max_new_tokens). A scal
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -38,9 +46,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from common import block, device_name, preset_config, table, uptime  # noqa: E402
 
 from jaxrl_llm import models, sampling  # noqa: E402
+from jaxrl_llm.sampling import paged as paged_lib  # noqa: E402
 
 
 def lengths_mix(rows: int, new: int, seed: int) -> np.ndarray:
@@ -52,6 +63,66 @@ def prompts(n: int, vocab: int, seed: int):
     rng = np.random.default_rng(seed)
     lists = [rng.integers(1, vocab, rng.integers(8, 25)).tolist() for _ in range(n)]
     return sampling.pad_prompts(lists, 0)
+
+
+def step_costs(cfg, params, rows: int, cached: list[int], page_size: int, impls, repeats: int):
+    """CPU seconds of one decode step of `rows` rows after `cached` tokens: static (the
+    KV cache of cached + page_size slots) and paged per impl (a table of each row's own
+    pages), medians of interleaved repeats -> list of table rows."""
+    # Arguments, not closed over: a closed-over array would be a constant of the program.
+    layers = None if cfg.scan_layers else models.layer_params(params)
+
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def static_step(params, layers, cache):
+        tokens = jnp.ones((rows,), jnp.int32)
+        logits, cache = models.decode_step(cfg, params, tokens, cache, layers)
+        return logits, cache
+
+    @functools.partial(jax.jit, static_argnames=("impl",), donate_argnums=(2,))
+    def paged_step(params, layers, pages, table, length, impl):
+        tokens, start = jnp.ones((rows,), jnp.int32), jnp.zeros_like(length)
+        hidden, pages, _ = paged_lib.forward_paged(
+            cfg, params, pages, tokens[:, None], jnp.ones((rows, 1), bool), table, start,
+            length, layers, impl,
+        )  # fmt: skip
+        return models.project(cfg, params, hidden[:, 0]), pages
+
+    out = []
+    for n in cached:
+        M = -(-(n + 1) // page_size)
+        cache = models.init_cache(cfg, rows, M * page_size)
+        cache = cache.replace(valid=cache.valid.at[:, :n].set(True), index=jnp.int32(n),
+                              pos=jnp.full((rows,), n, jnp.int32))  # fmt: skip
+        ptable = jnp.arange(1, 1 + rows * M, dtype=jnp.int32).reshape(rows, M)
+        length = jnp.full((rows,), n, jnp.int32)
+        state = {"static": cache}  # each path its own pool (donated)
+        state |= {i: paged_lib.init_pages(cfg, 1 + rows * M, page_size) for i in impls}
+
+        def one(name, state=state, ptable=ptable, length=length):
+            if name == "static":
+                logits, state[name] = static_step(params, layers, state[name])
+            else:
+                logits, state[name] = paged_step(params, layers, state[name], ptable, length, name)
+            return block(logits)
+
+        cpu = {name: [] for name in state}
+        for name in state:  # compile
+            one(name)
+        for _ in range(repeats):
+            for name in state:
+                c0 = time.process_time()
+                one(name)
+                cpu[name].append(time.process_time() - c0)
+        base = statistics.median(cpu["static"])
+        row = {"rows": rows, "cached": n, "static ms": f"{1e3 * base:.1f}"}
+        for i in impls:
+            ratios = [p / s for p, s in zip(cpu[i], cpu["static"], strict=True)]
+            row[f"{i} ms"] = f"{1e3 * statistics.median(cpu[i]):.1f}"
+            row[f"{i} / static"] = (f"{statistics.median(ratios):.2f}x "
+                                    f"({min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
+        print(row, flush=True)
+        out.append(row)
+    return out
 
 
 def main(argv=None) -> None:
@@ -72,6 +143,16 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-steps", default="4,16", help="engines compared (the first: budget)")
     ap.add_argument("--prefill-chunk", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--attention", default="pages", help="the engine's attention paths compared (pages, gather)"
+    )
+    ap.add_argument(
+        "--step-rows",
+        type=int,
+        default=0,
+        help="also time one decode step of this many rows (0: not)",
+    )
+    ap.add_argument("--step-cached", default="48,128", help="cached tokens of --step-rows")
     args = ap.parse_args(argv)
 
     if args.model_path:
@@ -97,14 +178,20 @@ def main(argv=None) -> None:
           f"({pages} pages of {args.page_size})")  # fmt: skip
 
     chunks = [int(x) for x in args.chunk_steps.split(",")]
+    impls = args.attention.split(",")
+    if args.step_rows:
+        rows = step_costs(cfg, params, args.step_rows,
+                          [int(x) for x in args.step_cached.split(",")], args.page_size, impls,
+                          max(3, args.repeats))  # fmt: skip
+        print(table(rows, list(rows[0])))
 
-    def engine(chunk=chunks[0]):
+    def engine(chunk=chunks[0], impl=impls[0]):
         return sampling.PagedSampler(
             cfg, slots=batch, pages=pages, page_size=args.page_size, chunk_steps=chunk,
-            prefill_chunk=args.prefill_chunk,
+            prefill_chunk=args.prefill_chunk, attention=impl,
         )  # fmt: skip
 
-    engines = {f"paged, chunk {c}": engine(c) for c in chunks}
+    engines = {f"paged ({i}), chunk {c}": engine(c, i) for i in impls for c in chunks}
     per = batch // G  # prompts per static batch
 
     def run_static():

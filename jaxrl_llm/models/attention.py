@@ -52,8 +52,10 @@ _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 @struct.dataclass
 class Mask:
-    """The structure of an attention mask (module docstring). Shapes: q_idx [T], k_idx
-    [S] int32 (shared by the batch); k_valid [B,S] bool; q_pos [B,T], k_pos [B,S] int32;
+    """The structure of an attention mask (module docstring). Shapes: q_idx [T] (shared
+    by the batch) or [B,T] (each row's queries at their own slots, e.g. paged rows of
+    different lengths; the `xla` and `blockwise` paths), k_idx [S] int32 (shared by the
+    batch); k_valid [B,S] bool; q_pos [B,T], k_pos [B,S] int32;
     q_seg [B,T] / k_seg [B,S] int32 or None (no segments); window: int32 scalar (traced:
     a layer's kind may pick it) or None (no window)."""
 
@@ -70,13 +72,14 @@ class Mask:
         """The dense mask [B, Tq, Sk] of queries q and keys k (slices; None = all)."""
         q = q or slice(None)
         k = k or slice(None)
-        qi, ki = self.q_idx[q], self.k_idx[k]
-        m = (ki[None, None, :] <= qi[None, :, None]) & self.k_valid[:, None, k]
+        qi, ki = self.q_idx[..., q], self.k_idx[k]
+        qi = (qi if qi.ndim == 2 else qi[None])[:, :, None]  # [B or 1, Tq, 1]
+        m = (ki[None, None, :] <= qi) & self.k_valid[:, None, k]
         if self.q_seg is not None:
             m &= self.q_seg[:, q, None] == self.k_seg[:, None, k]
         if self.window is not None:
             m &= self.q_pos[:, q, None] - self.k_pos[:, None, k] < self.window
-        return m | (ki[None, None, :] == qi[None, :, None])
+        return m | (ki[None, None, :] == qi)
 
     def dense(self) -> jax.Array:
         """[B, T, S] bool: the whole mask (the `xla` and `cudnn` paths, decode)."""

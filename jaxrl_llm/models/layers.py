@@ -31,6 +31,7 @@ from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import attention, cached_attention, cached_blockwise, resolve
 from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig
 from jaxrl_llm.models.moe import moe_mlp
+from jaxrl_llm.models.paged_attention import paged_attention, write_layer
 from jaxrl_llm.models.partitioning import (
     context_size,
     heads_spec,
@@ -346,7 +347,7 @@ class Block(nnx.Module):
 
     def __call__(
         self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None,
-        kind=None, routes=None, sparse=None,
+        kind=None, routes=None, sparse=None, paged=None,
     ):  # fmt: skip
         """One layer. x [B,T,D], positions [B,T], mask an `attention.Mask` over the S
         keys. dropout: this layer's key for LoRA dropout (`adapter_dropout`), None in
@@ -361,6 +362,11 @@ class Block(nnx.Module):
         layer=None, kv is this layer's own cache arrays (unrolled layers). Without kv,
         S = T. routes [B,T,k]: experts to replay in an MoE layer (None: its own top-k).
         sparse: the layer's MLP is the mixture of experts (None: `cfg.moe`).
+
+        paged: a `paged_attention.PagedWrite` (the page-pool path): kv is then the pool
+        (k, v) [L, P, page_size, K, H]; this layer's new keys/values are written to its
+        pages at [layer] and x attends to the layer's pages of each row through the
+        table (`paged_attention`), mask being `paged_attention.paged_inputs`'.
         Returns (x [B,T,D], the updated (k, v) or None, the MoE router's own top-k
         [B,T,k] int32 or None for a dense layer).
         """
@@ -377,7 +383,10 @@ class Block(nnx.Module):
         if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim:
             # attention scales scores by head_dim^-1/2; Gemma by query_pre_attn_scalar^-1/2
             q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, q.dtype)
-        if prefix is not None:
+        if paged is not None:
+            kv = write_layer(kv, layer, k, v, paged)
+            a = paged_attention(q, kv, layer, paged, mask, cfg.attention, cfg.attention_block)
+        elif prefix is not None:
             # Keys/values of earlier tokens ([B, P, K, H] each, e.g. a shared prompt's) come
             # first; this layer's own (after RoPE) are returned for a later suffix.
             own = (k, v)
@@ -441,7 +450,7 @@ class Transformer(nnx.Module):
 
     def __call__(
         self, tokens, positions, mask, cache=None, index=None, layers=None, dropout=None,
-        routes=None,
+        routes=None, paged=None,
     ):  # fmt: skip
         """tokens [B,T] -> (final-normed hidden states [B,T,D], the new cache k, v, the MoE
         layers' own top-k experts [L,B,T,k] int32 or None for a dense model).
@@ -450,6 +459,8 @@ class Transformer(nnx.Module):
         stacked ones (`layer_params`), e.g. once before a decode loop instead of per step.
         dropout: a key for LoRA dropout (layer i folds in i), or None.
         routes: [L,B,T,k] experts to replay in the MoE layers (None: the router's own).
+        paged: a `paged_attention.PagedWrite`: cache is then the page pool (k, v)
+        [L, P, page_size, K, H], each layer writing and reading its own pages (`Block`).
         """
         cfg = self.cfg
         x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
@@ -464,10 +475,23 @@ class Transformer(nnx.Module):
             block = nnx.merge(graphdef, layer_state)
             x, kv, chosen = block(
                 x, positions, mask, kv, index, i, dropout=key, kind=kind, routes=route,
-                sparse=sparse,
+                sparse=sparse, paged=paged,
             )  # fmt: skip
             return (x, kv), chosen
 
+        if paged is not None and layers is not None:  # the pool, layers unrolled
+            chosen = []
+            for i in range(cfg.num_layers):
+                kind = jax.tree.map(lambda a, i=i: a[i], kinds)
+                block = nnx.merge(graphdef, layer_slice(cfg, layers, i))
+                route = None if routes is None else routes[i]
+                x, cache, own = block(
+                    x, positions, mask, cache, layer=i, kind=kind, routes=route,
+                    sparse=cfg.sparse_layers[i], paged=paged,
+                )  # fmt: skip
+                chosen.append(own if own is not None else self._no_routes(x))
+            chosen = jnp.stack(chosen) if cfg.moe else None
+            return norm(cfg, x, self.final_norm[...]), cache, chosen
         if cache is not None and isinstance(cache[0], tuple):  # one cache array per layer
             kv, chosen = [], []
             per_index = layers or {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}

@@ -39,6 +39,7 @@ from jaxrl_llm.models.attention import Mask, causal_mask
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import KVCache
 from jaxrl_llm.models.layers import Transformer
+from jaxrl_llm.models.paged_attention import paged_inputs
 
 Params = dict
 
@@ -147,6 +148,31 @@ def forward_after_prefix(
         tokens, positions, mask, prefix, dropout, layer_major(routes), layers
     )
     return (hidden, kv, token_major(own)) if with_routes else (hidden, kv)
+
+
+def paged_forward(
+    cfg: ModelConfig, params: Params, tokens, attention_mask, pool, table, start, length,
+    layers=None, null_page: int = 0,
+):  # fmt: skip
+    """T new tokens of each row after its slots [start, length) in a page pool ->
+    (final-normed hidden [B,T,D], the pool with the real tokens' keys/values written at
+    slots length .. length + T - 1, the MoE layers' own top-k [B,T,L,k] or None).
+
+    tokens, attention_mask [B,T]; pool: (k, v) [L, pages, page_size, K, H]; table [B, M]
+    each row's page ids (slot s in page table[s // page_size]); start, length [B]. Masked
+    tokens write to page `null_page` and are attended to by no real token. Each layer
+    writes and reads its own pages in place (`paged_attention`): hidden equals `forward`
+    of the row's tokens [start, length) followed by the real new tokens, at the new
+    tokens' positions. layers: as in `forward_after_prefix` (inference, unrolled).
+    Forward only (the sampler's engine)."""
+    page_size = pool[0].shape[2]
+    positions, mask, where = paged_inputs(
+        table, start, length, attention_mask, page_size, null_page
+    )
+    hidden, pool, own = _model(cfg, params)(
+        tokens, positions, mask, tuple(pool), layers=layers, paged=where
+    )
+    return hidden, pool, token_major(own)
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:

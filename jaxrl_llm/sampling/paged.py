@@ -24,9 +24,12 @@ of a prompt's G rows holds a copy of the prompt's keys and values. This engine i
   are returned and they wait again; a preempted row comes back with its prompt and tokens
   so far prefilled (recompute) and draws on with the same keys.
 
-Attention reads each row's pages through a gather over its page table (the portable path:
-`models.forward_after_prefix` over the gathered keys/values, the model's own layer code,
-so every architecture the model supports runs here). Randomness: row n's t-th draw uses
+Attention: inside each layer the new tokens' keys/values are written to that layer's
+pages and the queries attend to the layer's pages of each row through its table
+(`models.paged_forward`, `models/paged_attention.py`), in the model's own layer code, so
+every architecture the model supports runs here; `attention="gather"` keeps the
+portable reference (every layer's pages gathered into a dense block,
+`models.forward_after_prefix` over it). Randomness: row n's t-th draw uses
 fold_in(fold_in(fold_in(key(seed), step), n), t), independent of which slot, chunk or
 neighbours it had; greedy (temperature 0) draws the static sampler's tokens. Log-probs
 are the static sampler's: log softmax(logits / temperature) of the drawn token.
@@ -90,11 +93,30 @@ def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
     return gather(pages.k), gather(pages.v)
 
 
-def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None):
+IMPLS = ("pages", "gather")  # forward_paged's attention paths
+
+
+def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None,
+                  impl: str = "pages"):  # fmt: skip
     """tokens [B, T] (mask [B, T]) after each sequence's slots [start, length) in its pages
     -> (final-normed hidden [B, T, D], pages with the real tokens' keys/values written at
     slots length .. length + T - 1, the MoE layers' top-k experts of the tokens
-    [B, T, L, k] or None for a dense model). Masked tokens write to the null page."""
+    [B, T, L, k] or None for a dense model). Masked tokens write to the null page.
+
+    impl: "pages", each layer writes its new keys/values to its pages and attends to
+    them in place through the table (`models.paged_forward`); "gather", the portable
+    reference: every layer's pages gathered into a dense [L, B, M * page_size] prefix,
+    `models.forward_after_prefix` over it, the new keys/values scattered after. The
+    two agree within rounding at the real tokens (hidden and routes of masked tokens
+    are not read)."""
+    if impl == "pages":
+        hidden, (k, v), own = models.paged_forward(
+            cfg, params, tokens, mask, (pages.k, pages.v), table, start, length, layers,
+            null_page=NULL_PAGE,
+        )  # fmt: skip
+        return hidden, pages.replace(k=k, v=v), own
+    if impl != "gather":
+        raise ValueError(f"forward_paged: impl={impl!r}, expected one of {IMPLS}")
     B, T = tokens.shape
     k, v = gather_pages(pages, table)
     slot = jnp.arange(k.shape[2])
@@ -161,11 +183,12 @@ def _draw(key, rows, counts, logits, spec: RolloutSpec):
     return jax.vmap(one)(keys, logits)
 
 
-def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops, steps, spec):
+def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops, steps, spec,
+                 impl: str = "pages"):  # fmt: skip
     """Up to `steps` decode steps of every slot (a slot steps while it is live and its
     pages have room) -> (pages, slots). One step: the pending token of each slot goes
     through the model (fresh slots: none, they read their prompt's logits), then every
-    live slot draws its next token."""
+    live slot draws its next token. impl: `forward_paged`'s."""
     S, T = s.tokens.shape
     every = jnp.arange(S)
     # Unrolled layers (scan_layers=False): their parameters sliced once, not every step.
@@ -176,7 +199,7 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
         feed = s.live & ~s.fresh & (s.length < s.cap)
         hidden, pages, own = forward_paged(
             cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length,
-            layers,
+            layers, impl,
         )  # fmt: skip
         logits = models.project(cfg, params, hidden[:, 0])
         logits = jnp.where(s.fresh[:, None], jnp.take(prompt_logits, s.prompt, axis=0), logits)
@@ -215,13 +238,14 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
 
 
 def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
-                  length):  # fmt: skip
+                  length, impl: str = "pages"):  # fmt: skip
     """One chunk of each of b sequences (tokens, mask [b, C]) into their pages; the logits
     after each one's last real token go to prompt_logits[index] (index [b]) -> (pages,
     prompt_logits, the chunk's MoE routes [b, C, L, k] int16, -1 at masked tokens; None:
     dense model). A row with no real token writes only to the null page (its logits row
-    is not read)."""
-    hidden, pages, own = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
+    is not read). impl: `forward_paged`'s."""
+    hidden, pages, own = forward_paged(cfg, params, pages, tokens, mask, table, start, length,
+                                       impl=impl)  # fmt: skip
     logits = models.project(cfg, params, models.last_hidden(hidden, mask))
     if own is not None:
         own = jnp.where(mask[:, :, None, None], own.astype(models.ROUTE_DTYPE), -1)
@@ -240,19 +264,25 @@ class PagedSampler:
       page_size: tokens per page.
       chunk_steps: decode steps per device loop between host checks.
       prefill_chunk: prompt tokens per prefill program (a multiple of page_size).
+      attention: `forward_paged`'s impl ("pages": each layer reads its pages in place;
+        "gather": the portable reference, every layer's pages gathered first).
 
     `traces` counts compiled programs; `stats` holds the last call's counters (decode
     chunks, prefills, preemptions, peak pages in use).
     """
 
     def __init__(self, model_cfg, mesh=None, *, seed=0, pad_id=0, bucket_steps=2, slots=0,
-                 pages=0, page_size=16, chunk_steps=16, prefill_chunk=32):  # fmt: skip
+                 pages=0, page_size=16, chunk_steps=16, prefill_chunk=32,
+                 attention="pages"):  # fmt: skip
         if page_size < 1 or prefill_chunk % page_size:
             raise ValueError(
                 f"prefill_chunk={prefill_chunk}: must be a multiple of page_size={page_size}"
             )
         if chunk_steps < 1 or slots < 0 or pages < 0:
             raise ValueError("chunk_steps must be >= 1, slots and pages >= 0")
+        if attention not in IMPLS:
+            raise ValueError(f"attention={attention!r}: expected one of {IMPLS}")
+        self.attention = attention
         self.cfg, self.mesh = model_cfg, mesh
         self.seed, self.pad_id = int(seed), int(pad_id)
         self.slots, self.pages, self.page_size = slots, pages, page_size
@@ -402,13 +432,13 @@ class PagedSampler:
         self.traces["decode", slots.tokens.shape, pages.k.shape] += 1
         key = jax.random.fold_in(jax.random.key(seed_step[0]), seed_step[1])
         return decode_chunk(self.cfg, params, pages, slots, prompt_logits, key, stops, steps,
-                            spec)  # fmt: skip
+                            spec, self.attention)  # fmt: skip
 
     def _prefill_program(self, params, pages, prompt_logits, index, tokens, mask, table, start,
                          length):  # fmt: skip
         self.traces["prefill", tokens.shape, pages.k.shape] += 1
         return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
-                             table, start, length)  # fmt: skip
+                             table, start, length, self.attention)  # fmt: skip
 
     def decode_slots(self, params, pages, host: dict, occupied, held: int, prompt_logits,
                      seed_step, stops, spec):  # fmt: skip

@@ -1,0 +1,135 @@
+"""The paged engine's attention over its page pool, read in place per layer
+(`models.paged_forward`, `forward_paged(impl="pages")`), against the gather path
+(`impl="gather"`: every layer's pages gathered, `models.forward_after_prefix` over them)
+and against the full forward of the rows' sequences."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_run import tiny_gemma3_config, tiny_model_config
+
+from jaxrl_llm import models
+from jaxrl_llm.sampling.paged import Pages, forward_paged
+
+PS, POOL = 4, 20  # page size, pages in the pool (page 0: null)
+
+
+def tiny_glm(**overrides):
+    """GLM-4.5-like: q/k norms, partial rotary, qkv bias, sigmoid-routed experts with a
+    shared expert and a dense first layer (two runs of alike layers)."""
+    fields = dict(
+        architecture="Glm4MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, initializer_range=0.2, router="sigmoid", n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True,
+        dense_layers=(0,), num_layers=3, partial_rotary_factor=0.5, qkv_bias=True,
+    )  # fmt: skip
+    return tiny_model_config(**(fields | overrides))
+
+
+CONFIGS = {
+    "qwen3": lambda: tiny_model_config(),
+    "qwen3_unrolled": lambda: tiny_model_config(scan_layers=False),
+    "glm_moe": tiny_glm,
+    "gemma3_window": tiny_gemma3_config,
+}
+
+
+@functools.cache
+def model(name):
+    cfg = CONFIGS[name]()
+    return cfg, models.init_params(cfg, seed=5)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl", "unrolled"))
+def run(cfg, params, pages, tokens, mask, table, start, length, impl, unrolled=False):
+    layers = models.layer_params(params) if unrolled else None
+    return forward_paged(cfg, params, pages, tokens, mask, table, start, length, layers, impl)
+
+
+def scenario(cfg, T):
+    """A random pool and 4 rows: rows 0 and 1 share a prompt's pages (slots 3..11 real,
+    their own pages after); row 2 a shorter sequence with its new tokens' first one
+    masked (T > 1) or its only one masked (T = 1: a row that does not feed); row 3
+    empty (all masked, null table)."""
+    rng = np.random.default_rng(T)
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    shape = (L, POOL, PS, K, H)
+    pages = Pages(k=jnp.asarray(rng.normal(size=shape), jnp.float32),
+                  v=jnp.asarray(rng.normal(size=shape), jnp.float32))  # fmt: skip
+    table = np.array([[1, 2, 3, 4, 5, 6, 0, 0],
+                      [1, 2, 3, 7, 8, 9, 0, 0],
+                      [10, 11, 12, 13, 0, 0, 0, 0],
+                      [0] * 8], np.int32)  # fmt: skip
+    start = np.array([3, 3, 1, 0], np.int32)
+    length = np.array([12, 12, 6, 0], np.int32)
+    tokens = rng.integers(1, cfg.vocab_size, (4, T)).astype(np.int32)
+    mask = np.ones((4, T), bool)
+    mask[2, 0] = False
+    mask[3] = False
+    return pages, tokens, mask, table, start, length
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("T", [1, 5])
+def test_pages_equal_the_gather_path(name, T):
+    """Prefill chunk (T = 5) and decode step (T = 1): the real tokens' hidden states within
+    1e-5, every page but the null one written alike (the new tokens' keys/values at their
+    slots, through shared and own pages), and an MoE model's routes equal."""
+    cfg, params = model(name)
+    pages, *rest = scenario(cfg, T)
+    unrolled = name == "qwen3_unrolled"
+    out = {impl: run(cfg, params, pages, *rest, impl=impl, unrolled=unrolled)
+           for impl in ("pages", "gather")}  # fmt: skip
+    mask = rest[1]
+    (h, p, r), (h_ref, p_ref, r_ref) = out["pages"], out["gather"]
+    np.testing.assert_allclose(np.asarray(h)[mask], np.asarray(h_ref)[mask], atol=1e-5)
+    for got, ref in ((p.k, p_ref.k), (p.v, p_ref.v)):
+        np.testing.assert_allclose(np.asarray(got)[:, 1:], np.asarray(ref)[:, 1:], atol=1e-5)
+    # rows 0 and 1's first new token went to their own pages (4, 7) at offset 0
+    for page in (4, 7):
+        assert not np.allclose(np.asarray(p.k)[:, page, 0], np.asarray(pages.k)[:, page, 0])
+    if cfg.moe:
+        np.testing.assert_array_equal(np.asarray(r)[mask], np.asarray(r_ref)[mask])
+        assert (np.asarray(r)[mask][:, 0] == -1).all()  # the dense first layer
+        assert (np.asarray(r)[mask][:, 1:] >= 0).all()
+    else:
+        assert r is None and r_ref is None
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_window"])
+def test_prefill_then_decode_equals_the_full_forward(name):
+    """Two left-padded prompts prefilled through the pages in chunks of 4 (a page of
+    padding only is the null page), then two decode steps: each token's hidden state
+    equals `models.forward` of the whole sequence (the sliding window of 4 positions
+    included: the sequence is longer than it)."""
+    cfg, params = model(name)
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    pages = Pages(k=jnp.zeros((L, POOL, PS, K, H)), v=jnp.zeros((L, POOL, PS, K, H)))
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (9, 6)]
+    width = 12  # prompts left-padded to 12 slots (3 pages), 2 decode tokens after
+    table = np.array([[8, 1, 2, 3, 0, 0], [0, 5, 6, 7, 0, 0]], np.int32)
+    start = np.array([width - 9, width - 6], np.int32)
+    ids = np.zeros((2, width + 2), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, start[i] : width] = s
+    ids[:, width:] = rng.integers(1, cfg.vocab_size, (2, 2))
+    hidden = []
+    for c in range(0, width, 4):  # prefill chunks of 4
+        mask = np.arange(c, c + 4)[None] >= start[:, None]
+        length = np.full(2, c, np.int32)
+        h, pages, _ = run(cfg, params, pages, ids[:, c : c + 4], mask, table, start, length,
+                          impl="pages")  # fmt: skip
+        hidden.append(np.asarray(h))
+    for t in range(2):  # decode steps
+        length = np.full(2, width + t, np.int32)
+        h, pages, _ = run(cfg, params, pages, ids[:, width + t : width + t + 1],
+                          np.ones((2, 1), bool), table, start, length, impl="pages")  # fmt: skip
+        hidden.append(np.asarray(h))
+    hidden = np.concatenate(hidden, axis=1)
+    real = np.arange(width + 2)[None] >= start[:, None]
+    ref = models.forward(cfg, params, jnp.asarray(ids), jnp.asarray(real))
+    np.testing.assert_allclose(hidden[real], np.asarray(ref)[real], atol=1e-5)
