@@ -215,9 +215,11 @@ def test_config_refuses_what_the_paged_engine_does_not_do(tmp_path):
 
     c = tiny_config(str(tmp_path))
     c.rollout.engine = "paged"
-    c.env.name = "calculator"
-    with pytest.raises(config_lib.ConfigError, match="single-turn"):
+    c.env.name, c.rollout.mode = "calculator", "split"  # environments: sync only
+    with pytest.raises(config_lib.ConfigError, match="rollout.mode='sync'"):
         checks.check_engine(c, 1)
+    c.rollout.mode = "sync"
+    checks.check_engine(c, 1)
     c.env.name, c.agent.entry = "", "agent.py:run"
     with pytest.raises(config_lib.ConfigError, match="agent.entry='agent.py:run'"):
         checks.check_engine(c, 1)
