@@ -37,9 +37,11 @@ are the static sampler's: log softmax(logits / temperature) of the drawn token.
 Results come back in request order as a `SampleOutput` (tokens, masks, log-probs, lengths,
 finish reasons, prompts at their bucket width, policy version), rows on the mesh like the
 static sampler's. A row whose prompt has no real token (a dummy row that makes the batch
-divide the mesh) draws nothing (length 0). Single-turn rollouts only (no `append` /
-`refresh`), on one process. The host scheduling is `paged_schedule.Session`; `stream`
-keeps one session across training steps (the overlap / split rollout source). The
+divide the mesh) draws nothing (length 0). `sample` and `stream` are single-turn; the
+multi-turn rows of environment rollouts are `paged_turns.TurnSession`'s (a row parks
+between turns, keeping its pages; `envs.play_paged`); all on one process. The host
+scheduling is `paged_schedule.Session`; `stream` keeps one session across training steps
+(the overlap / split rollout source). The
 engine's small state (slots, page pool) is replicated over the mesh; the parameters are
 read in their own sharding.
 """
@@ -253,7 +255,8 @@ def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask,
 
 
 class PagedSampler:
-    """A continuous-batching engine with `Sampler.sample`'s interface (single-turn).
+    """A continuous-batching engine with `Sampler.sample`'s interface (single-turn; its
+    multi-turn sessions are `paged_turns.TurnSession`).
 
     Args:
       model_cfg, mesh, seed, pad_id, bucket_steps: as `Sampler` (prompts come out at
