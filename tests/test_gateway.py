@@ -201,6 +201,30 @@ def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):
         assert r["rollout/staleness_max"] <= 1
 
 
+def test_an_agent_trains_through_the_gateway_on_the_paged_engine(tmp_path):
+    """Two GRPO steps with rollout.engine='paged' (rollout.mode='sync'): the episodes'
+    second requests read their rows' caches; other modes are one line."""
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards, c.rollout.engine = {}, "paged"
+    c.rollout.batch_size, c.rollout.num_generations, c.rollout.max_new_tokens = 4, 2, 4
+    c.agent.entry, c.agent.max_total_tokens = f"{AGENTS}:two_turns", 24
+    c.rollout.paged.page_size, c.rollout.paged.prefill_chunk = 4, 8
+    c.algo.beta = 0.0
+    c.train.log_every = 1
+    c.rollout.mode = "overlap"
+    with pytest.raises(ConfigError, match="serves the gateway .* in rollout.mode='sync'"):
+        validate(c, 8)
+    c.rollout.mode = "sync"
+    train.train(c, str(tmp_path / "run"))
+    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["gateway/requests"] == 16 and r["gateway/cached_tokens"] > 0
+        assert np.isfinite(r["loss/total"]) and r["gateway/errors"] == 0
+
+
 # `agent.entry=verifiers:<taskset>`: a verifiers 0.4.0 environment (tests/
 # vf_tasks_for_tests.py, written with verifiers' own classes) through the gateway.
 
