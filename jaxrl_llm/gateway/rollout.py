@@ -12,8 +12,10 @@ pending requests in one sampler call of fixed width (rollout.batch_size x G rows
 with copies of a real row whose draws are dropped; more rows than that take more calls).
 `gateway/batch_mean` and `gateway/batch_max` are the requests per sampler call.
 
-Each request re-reads its episode's whole token record (a prefill of it): the static
-sampler keeps no cache between calls. The tokens are still exact (`episodes.Episode`).
+On the static sampler each request re-reads its episode's whole token record (a prefill
+of it): it keeps no cache between calls. On the paged engine (`rollout.engine='paged'`)
+an episode is a row of a `TurnSession` that keeps its KV cache between the episode's
+requests (`_EngineRows`). The tokens are exact either way (`episodes.Episode`).
 The request's `temperature` is not used: a training rollout samples at
 `rollout.temperature`, the temperature the update's log-probs (and so the ratio to the
 behaviour log-probs) are taken at; held-out evaluation samples greedily (and at
