@@ -118,7 +118,8 @@ def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
     and the reference loop's; a request that extends its episode prefills only its row's
     last drawn token and the new message (gateway/cached_tokens counts the rest); a
     rewrite starts a new row (retokenized, still exact); a stop string that cut a reply
-    (the row holds tokens the episode does not keep) restarts the row, counted."""
+    (the row holds tokens the episode does not keep) and a request after an n=2 one
+    (sampled apart) restart the row, counted."""
     model, cfg, params = tiny
     engine = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=4,
                                    prefill_chunk=8)  # fmt: skip
@@ -128,11 +129,12 @@ def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
     for ex in examples:
         hf_turns(model, tok, ex["question"], bool(ex.get("rewrite")),
                  replies=replies.setdefault(ex["question"], []))  # fmt: skip
-    # A stop string inside the first reply ("0-=" ends before its "-").
-    examples.append({"question": "5-1=", "stop": "-"})
+    # A stop string inside the first reply ("0-=" ends before its "-"); a first request
+    # with n=2 (sampled apart, re-read).
+    examples += [{"question": "5-1=", "stop": "-"}, {"question": "9*9=", "n": 2}]
     runs = {}
     for name in ("static", "paged"):
-        agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=4, G=2)
+        agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=5, G=2)
         if name == "paged":
             agents.sampler = engine
         try:
@@ -160,9 +162,9 @@ def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
     assert m["gateway/cached_tokens"] == cached and s["gateway/cached_tokens"] == 0
     assert m["gateway/prefill_tokens"] + cached == s["gateway/prefill_tokens"]
     assert m["gateway/retokenized"] == s["gateway/retokenized"] == 2
-    assert m["gateway/cache_restarts"] == 2 and s["gateway/cache_restarts"] == 0
-    assert m["gateway/requests"] == s["gateway/requests"] == 2 * (2 + 3 + 2 + 2)
-    assert m["gateway/batch_max"] <= 8
+    assert m["gateway/cache_restarts"] == 4 and s["gateway/cache_restarts"] == 0
+    assert m["gateway/requests"] == s["gateway/requests"] == 2 * (2 + 3 + 2 + 2 + 2)
+    assert m["gateway/batch_max"] <= 10
 
 
 def test_64_concurrent_episodes_are_batched(tiny, tok):

@@ -423,6 +423,7 @@ class _EngineRows:
         self.rows: dict = {}  # episode -> its row
         self.asked: dict = {}  # row -> (episode, body, reply, ask) of its turn in flight
         self.count = 0  # row ids used
+        self.unkept: set = set()  # episodes whose last request had n > 1 (no row)
 
     def serve(self, futures, episodes, over) -> None:
         """Answers the episodes' requests until every episode has ended."""
@@ -466,6 +467,7 @@ class _EngineRows:
                 if row is not None:
                     session.end(row)
                 many.append((episode, body, reply, ask))
+                self.unkept.add(episode)
                 continue
             if row is not None:
                 t = session.result(row)
@@ -477,6 +479,9 @@ class _EngineRows:
                     self.rows[episode], self.asked[row] = row, (episode, body, reply, ask)
                     continue
                 session.end(row)
+                stats["cache_restarts"] += not ask["rewrite"]
+            elif episode in self.unkept:  # after an n > 1 request
+                self.unkept.discard(episode)
                 stats["cache_restarts"] += not ask["rewrite"]
             row, self.count = self.count, self.count + 1
             session.add(row, ids, ask["max_tokens"])
