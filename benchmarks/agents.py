@@ -14,9 +14,11 @@ the paged engine (`rollout.engine=paged`: each episode a row that keeps its KV c
 between its requests). All sample at temperature 1 with the same budget per turn and the
 same stop ids, on one device.
 
-Each repeat runs one rollout of each path, alternating (A, B, C, A, B, C, ...), after a
-warm-up rollout of each (compiles). Reported per path: the median trajectories/s and
-sampled tokens/s (tokens the model drew, loss mask 1) with the spread, and their ratio.
+Each repeat runs one rollout of each path, alternating (A, B, C, A, B, C, ...), after
+`--warmup` untimed rollouts of each (compiles: the paged engine's prefill and decode
+shapes depend on how many rows arrive together, so one rollout does not build them
+all). Reported per path: the median trajectories/s and sampled tokens/s (tokens the model
+drew, loss mask 1) with the spread, and their ratio.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def main():
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn_tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3, help="untimed rollouts of each path")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         task_file = os.path.join(tmp, "countdown_task.py")
@@ -136,9 +139,10 @@ def main():
         }
         results = {name: [] for name in paths}
         try:
-            batch = next(batches)
-            for rollout in paths.values():  # warm-up: compiles
-                measure(rollout, params, batch, 0)
+            for w in range(a.warmup):  # compiles (the engine's program shapes vary by rollout)
+                batch = next(batches)
+                for rollout in paths.values():
+                    measure(rollout, params, batch, 1000 + w)
             for r in range(a.repeats):
                 batch = next(batches)
                 for name, rollout in paths.items():
