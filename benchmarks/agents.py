@@ -9,12 +9,16 @@ last the other side says "7+1="; the reward is 1. As an environment (`Countdown`
 by `EnvRollout`: the pool resets and steps it, observations are appended to the live KV
 cache) and as an agent written against the `openai` client (`countdown`, played by
 `AgentRollout`: HTTP requests to the gateway on localhost, batched into the sampler, each
-request re-prefilling its episode's record). Both sample at temperature 1 with the same
-budget per turn and the same stop ids, on one device.
+request re-prefilling its episode's record), and the same agent through the gateway on
+the paged engine (`rollout.engine=paged`: each episode a row that keeps its KV cache
+between its requests). All sample at temperature 1 with the same budget per turn and the
+same stop ids, on one device.
 
-Each repeat runs one rollout of each path, alternating (A, B, A, B, ...), after a
-warm-up rollout of each (compiles). Reported per path: the median trajectories/s and
-sampled tokens/s (tokens the model drew, loss mask 1) with the spread, and their ratio.
+Each repeat runs one rollout of each path, alternating (A, B, C, A, B, C, ...), after
+`--warmup` untimed rollouts of each (compiles: the paged engine's prefill and decode
+shapes depend on how many rows arrive together, so one rollout does not build them
+all). Reported per path: the median trajectories/s and sampled tokens/s (tokens the model
+drew, loss mask 1) with the spread, and their ratio.
 """
 
 from __future__ import annotations
@@ -91,14 +95,17 @@ def run_config(task_file: str, a) -> config_lib.ConfigDict:
     return c
 
 
-def measure(rollout, params, batch, step: int) -> tuple[float, float, float]:
-    """-> (seconds, trajectories, sampled tokens) of one rollout of `batch`."""
+def measure(rollout, params, batch, step: int) -> tuple:
+    """-> (seconds, trajectories, sampled tokens, prefilled and cached context tokens)
+    of one rollout of `batch`."""
     t0 = time.perf_counter()
     out, scored, _ = rollout(params, batch, step)
     loss = np.asarray(out.loss_mask)
     seconds = time.perf_counter() - t0
     assert np.all(scored.rewards == 1.0), scored.rewards  # every episode played to the end
-    return seconds, float(loss.shape[0]), float(loss.sum())
+    m = scored.metrics
+    return (seconds, float(loss.shape[0]), float(loss.sum()),
+            m.get("gateway/prefill_tokens", 0.0), m.get("gateway/cached_tokens", 0.0))  # fmt: skip
 
 
 def main():
@@ -109,6 +116,7 @@ def main():
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn_tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3, help="untimed rollouts of each path")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         task_file = os.path.join(tmp, "countdown_task.py")
@@ -125,12 +133,16 @@ def main():
             "gateway (AgentRollout)": AgentRollout(
                 c, tok, sampling.Sampler(cfg, None, seed=0), spec
             ),  # fmt: skip
+            "gateway, paged engine": AgentRollout(
+                c, tok, sampling.PagedSampler(cfg, None, seed=0), spec
+            ),  # fmt: skip
         }
         results = {name: [] for name in paths}
         try:
-            batch = next(batches)
-            for rollout in paths.values():  # warm-up: compiles
-                measure(rollout, params, batch, 0)
+            for w in range(a.warmup):  # compiles (the engine's program shapes vary by rollout)
+                batch = next(batches)
+                for rollout in paths.values():
+                    measure(rollout, params, batch, 1000 + w)
             for r in range(a.repeats):
                 batch = next(batches)
                 for name, rollout in paths.items():
@@ -148,13 +160,17 @@ def main():
             "trajectories/s": f"{np.median(trajs):.1f} ({trajs.min():.1f}-{trajs.max():.1f})",
             "sampled tokens/s": f"{np.median(toks):.0f} ({toks.min():.0f}-{toks.max():.0f})",
             "s/rollout": f"{np.median(runs[:, 0]):.2f}",
+            "prefilled / cached context tokens": f"{runs[-1, 3]:.0f} / {runs[-1, 4]:.0f}",
         })  # fmt: skip
-    env, gateway = medians.values()
+    env, gateway, engine = medians.values()
     print(f"device: {device_name()}; model {a.model}; {a.batch} rows x G={a.G}, {a.turns} "
           f"turns of <= {a.turn_tokens} tokens; {a.repeats} interleaved repeats")  # fmt: skip
-    print(table(rows, ["path", "trajectories/s", "sampled tokens/s", "s/rollout"]))
+    print(table(rows, ["path", "trajectories/s", "sampled tokens/s", "s/rollout",
+                       "prefilled / cached context tokens"]))  # fmt: skip
     print(f"gateway / env: trajectories/s x{gateway[0] / env[0]:.2f}, "
           f"tokens/s x{gateway[1] / env[1]:.2f}  (medians)")  # fmt: skip
+    print(f"gateway on the paged engine / on the static sampler: trajectories/s "
+          f"x{engine[0] / gateway[0]:.2f}; / env x{engine[0] / env[0]:.2f}  (medians)")  # fmt: skip
     print(uptime())
 
 

@@ -6,15 +6,22 @@ import asyncio
 import openai
 
 
-async def two_turns(client: openai.AsyncOpenAI, example, rewrite: bool = False) -> float:
+async def two_turns(client: openai.AsyncOpenAI, example, rewrite: bool = False,
+                    stop: str | None = None) -> float:  # fmt: skip
     """Asks the row's question, says "again" after the answer, returns 1 when the second
     answer starts with a digit. With `rewrite` (or the row's `rewrite`), a third request
-    drops the first answer from the history (a rewrite the gateway must detect)."""
+    drops the first answer from the history (a rewrite the gateway must detect). `stop`
+    (or the row's): the requests' stop string. The row's `n`: the first request's
+    choices (the agent goes on with the first)."""
+    stop = example.get("stop", stop)
+    options = {"stop": stop} if stop else {}
     messages = [{"role": "user", "content": example["question"]}]
-    first = await client.chat.completions.create(model="policy", messages=messages)
+    n = {"n": example["n"]} if example.get("n") else {}
+    first = await client.chat.completions.create(model="policy", messages=messages, **options,
+                                                 **n)  # fmt: skip
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "7"}]  # fmt: skip
-    second = await client.chat.completions.create(model="policy", messages=messages)
+    second = await client.chat.completions.create(model="policy", messages=messages, **options)
     answer = second.choices[0].message.content
     if rewrite or example.get("rewrite"):
         messages = [messages[0], {"role": "user", "content": "again"}]

@@ -112,6 +112,61 @@ def test_agent_episodes_keep_the_tokens_the_model_produced(tiny, tok):
     assert np.asarray(out.policy_version).tolist() == [3] * 8
 
 
+def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
+    """rollout.engine='paged': each episode is a row of one TurnSession, kept between its
+    requests. The same greedy episodes as the static sampler's (tokens, masks, log-probs)
+    and the reference loop's; a request that extends its episode prefills only its row's
+    last drawn token and the new message (gateway/cached_tokens counts the rest); a
+    rewrite starts a new row (retokenized, still exact); a stop string that cut a reply
+    (the row holds tokens the episode does not keep) and a request after an n=2 one
+    (sampled apart) restart the row, counted."""
+    model, cfg, params = tiny
+    engine = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=4,
+                                   prefill_chunk=8)  # fmt: skip
+    replies = {}
+    examples = [{"question": "1+2="}, {"question": "12*3=", "rewrite": True},
+                {"question": "7-4=", "fail": True}]  # fmt: skip
+    for ex in examples:
+        hf_turns(model, tok, ex["question"], bool(ex.get("rewrite")),
+                 replies=replies.setdefault(ex["question"], []))  # fmt: skip
+    # A stop string inside the first reply ("0-=" ends before its "-"); a first request
+    # with n=2 (sampled apart, re-read).
+    examples += [{"question": "5-1=", "stop": "-"}, {"question": "9*9=", "n": 2}]
+    runs = {}
+    for name in ("static", "paged"):
+        agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=5, G=2)
+        if name == "paged":
+            agents.sampler = engine
+        try:
+            runs[name] = agents(params, types.SimpleNamespace(examples=examples), 3)
+        finally:
+            agents.close()
+    (static, s_scored, s_versions), (paged, scored, versions) = runs["static"], runs["paged"]
+    for key in ("tokens", "mask", "loss_mask", "lengths", "prompt_tokens", "prompt_mask"):
+        assert np.asarray(getattr(paged, key)).tolist() == np.asarray(getattr(static, key)).tolist()
+    np.testing.assert_allclose(np.asarray(paged.logprobs), np.asarray(static.logprobs), atol=1e-5)
+    assert versions.tolist() == s_versions.tolist()
+    tokens, lengths = np.asarray(paged.tokens), np.asarray(paged.lengths)
+    prompt, prompt_mask = np.asarray(paged.prompt_tokens), np.asarray(paged.prompt_mask)
+    for i, ex in enumerate(examples[:3]):
+        reference = hf_turns(model, tok, ex["question"], bool(ex.get("rewrite")))
+        for row in (2 * i, 2 * i + 1):
+            got = prompt[row][prompt_mask[row]].tolist() + tokens[row, : lengths[row]].tolist()
+            assert got == reference, (row, got, reference)
+    renderer = envs.Renderer(tok, use_chat=False)
+    # The second request of each episode without a stop string reads its row's cache: its
+    # prompt and first reply but the reply's last token (prefilled with the new message).
+    cached = sum(len(renderer.prompt([{"role": "user", "content": ex["question"]}]))
+                 + len(replies[ex["question"]][0]) - 1 for ex in examples[:3]) * 2  # fmt: skip
+    m, s = scored.metrics, s_scored.metrics
+    assert m["gateway/cached_tokens"] == cached and s["gateway/cached_tokens"] == 0
+    assert m["gateway/prefill_tokens"] + cached == s["gateway/prefill_tokens"]
+    assert m["gateway/retokenized"] == s["gateway/retokenized"] == 2
+    assert m["gateway/cache_restarts"] == 4 and s["gateway/cache_restarts"] == 0
+    assert m["gateway/requests"] == s["gateway/requests"] == 2 * (2 + 3 + 2 + 2 + 2)
+    assert m["gateway/batch_max"] <= 10
+
+
 def test_64_concurrent_episodes_are_batched(tiny, tok):
     """64 episodes of two requests each: the sampler sees two calls of 64 requests, not
     one request at a time; a request's temperature is counted as ignored."""
@@ -146,6 +201,30 @@ def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):
         assert r["gateway/requests"] == 16 and r["gateway/sampler_calls"] >= 2
         assert np.isfinite(r["loss/total"]) and r["gateway/errors"] == 0
         assert r["rollout/staleness_max"] <= 1
+
+
+def test_an_agent_trains_through_the_gateway_on_the_paged_engine(tmp_path):
+    """Two GRPO steps with rollout.engine='paged' (rollout.mode='sync'): the episodes'
+    second requests read their rows' caches; other modes are one line."""
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards, c.rollout.engine = {}, "paged"
+    c.rollout.batch_size, c.rollout.num_generations, c.rollout.max_new_tokens = 4, 2, 4
+    c.agent.entry, c.agent.max_total_tokens = f"{AGENTS}:two_turns", 24
+    c.rollout.paged.page_size, c.rollout.paged.prefill_chunk = 4, 8
+    c.algo.beta = 0.0
+    c.train.log_every = 1
+    c.rollout.mode = "overlap"
+    with pytest.raises(ConfigError, match="serves the gateway .* in rollout.mode='sync'"):
+        validate(c, 8)
+    c.rollout.mode = "sync"
+    train.train(c, str(tmp_path / "run"))
+    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["gateway/requests"] == 16 and r["gateway/cached_tokens"] > 0
+        assert np.isfinite(r["loss/total"]) and r["gateway/errors"] == 0
 
 
 # `agent.entry=verifiers:<taskset>`: a verifiers 0.4.0 environment (tests/

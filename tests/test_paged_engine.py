@@ -214,15 +214,15 @@ def test_config_refuses_what_the_paged_engine_does_not_do(tmp_path):
     from jaxrl_llm.config import checks
 
     c = tiny_config(str(tmp_path))
-    c.rollout.engine = "paged"
-    c.env.name, c.rollout.mode = "calculator", "split"  # environments: sync only
-    with pytest.raises(config_lib.ConfigError, match="rollout.mode='sync'"):
+    c.rollout.engine, c.rollout.mode = "paged", "overlap"
+    c.env.name = "calculator"
+    with pytest.raises(config_lib.ConfigError, match="environments .* rollout.mode='sync'"):
+        checks.check_engine(c, 1)
+    c.env.name, c.agent.entry = "", "agent.py:run"
+    with pytest.raises(config_lib.ConfigError, match="gateway .* rollout.mode='sync'"):
         checks.check_engine(c, 1)
     c.rollout.mode = "sync"
-    checks.check_engine(c, 1)
-    c.env.name, c.agent.entry = "", "agent.py:run"
-    with pytest.raises(config_lib.ConfigError, match="agent.entry='agent.py:run'"):
-        checks.check_engine(c, 1)
+    checks.check_engine(c, 1)  # both in sync
     c.agent.entry, c.rollout.paged.prefill_chunk = "", 20
     with pytest.raises(config_lib.ConfigError, match="multiple of rollout.paged.page_size"):
         checks.check_engine(c, 1)

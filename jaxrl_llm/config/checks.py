@@ -245,7 +245,7 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 def check_engine(config, process_count: int) -> None:
     """rollout.engine and, for 'paged', its settings and what it does not combine with yet
     (every rollout.mode is served: `trainer.paged_stream` in overlap and split;
-    environments in sync: `envs.play_paged`)."""
+    environments and the gateway in sync: `envs.play_paged`, `gateway.rollout`)."""
     r = config.rollout
     _check(
         r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
@@ -267,9 +267,9 @@ def check_engine(config, process_count: int) -> None:
     _check(not config.env.name or r.mode == "sync",
            f"rollout.engine='paged' plays environments (env.name) in rollout.mode='sync'; "
            f"for rollout.mode={r.mode!r} use rollout.engine='static'")  # fmt: skip
-    _check(not config.agent.entry,
-           f"rollout.engine='paged' does not serve the gateway; agent.entry="
-           f"{config.agent.entry!r} needs rollout.engine='static'")  # fmt: skip
+    _check(not config.agent.entry or r.mode == "sync",
+           f"rollout.engine='paged' serves the gateway (agent.entry) in rollout.mode='sync'; "
+           f"for rollout.mode={r.mode!r} use rollout.engine='static'")  # fmt: skip
     _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
 
 

@@ -184,12 +184,14 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # when completion lengths are long-tailed. One process; in overlap and split one engine
     # session streams across steps (docs/sampling.md#streaming-into-training); with env.name
     # (sync only) a row parked on its environment gives up its slot, keeps its pages
-    # (docs/sampling.md#multi-turn-on-the-engine).
+    # (docs/sampling.md#multi-turn-on-the-engine); with agent.entry (sync only) each episode
+    # is a row that keeps its KV cache between its requests (docs/agents.md#batching).
     r.engine = "static"
     r.paged = ml_collections.ConfigDict()
     r.paged.slots = 0  # sequences decoded at once; 0 = the batch's rows (B * G)
     # KV pages in the pool (the null page included); 0 = the static sampler's cache size,
-    # B * G * (prompt bucket + max_new_tokens) tokens (env.max_total_tokens with env.name)
+    # B * G * (prompt bucket + max_new_tokens) tokens (env.max_total_tokens with env.name;
+    # with agent.entry, the episodes x (data.max_prompt_len + agent.max_total_tokens))
     r.paged.pages = 0
     r.paged.page_size = 16  # tokens per page
     r.paged.chunk_steps = 16  # decode steps on device between host checks

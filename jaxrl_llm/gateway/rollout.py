@@ -12,8 +12,10 @@ pending requests in one sampler call of fixed width (rollout.batch_size x G rows
 with copies of a real row whose draws are dropped; more rows than that take more calls).
 `gateway/batch_mean` and `gateway/batch_max` are the requests per sampler call.
 
-Each request re-reads its episode's whole token record (a prefill of it): the static
-sampler keeps no cache between calls. The tokens are still exact (`episodes.Episode`).
+On the static sampler each request re-reads its episode's whole token record (a prefill
+of it): it keeps no cache between calls. On the paged engine (`rollout.engine='paged'`)
+an episode is a row of a `TurnSession` that keeps its KV cache between the episode's
+requests (`_EngineRows`). The tokens are exact either way (`episodes.Episode`).
 The request's `temperature` is not used: a training rollout samples at
 `rollout.temperature`, the temperature the update's log-probs (and so the ratio to the
 behaviour log-probs) are taken at; held-out evaluation samples greedily (and at
@@ -38,6 +40,7 @@ from jaxrl_llm.envs.tool_calls import parse_tool_calls
 from jaxrl_llm.gateway import agents as agents_lib
 from jaxrl_llm.gateway.episodes import Episode, group_rows
 from jaxrl_llm.gateway.server import Server
+from jaxrl_llm.sampling.paged_turns import TurnSession
 from jaxrl_llm.trainer import evaluation, scoring
 from jaxrl_llm.verifiers import ScoreDetails
 
@@ -129,10 +132,15 @@ class AgentRollout:
         episodes = {e: Episode(self.renderer, self.spec.stop_ids) for e in order}
         over = set()  # episodes refused for passing a limit
         started = time.perf_counter()
-        while pending := self._gather(futures, play.server):
-            if refresh is not None:  # partial: the newest parameters for this call
-                params, play.version = refresh()
-            self._answer(pending, episodes, over, params, play)
+        if isinstance(self.sampler, sampling.PagedSampler):
+            if refresh is not None:
+                raise ValueError("the gateway on the paged engine runs in rollout.mode='sync'")
+            _EngineRows(self, params, play, len(order)).serve(futures, episodes, over)
+        else:
+            while pending := self._gather(futures, play.server):
+                if refresh is not None:  # partial: the newest parameters for this call
+                    params, play.version = refresh()
+                self._answer(pending, episodes, over, params, play)
         results = [futures[e].result() for e in order]
         for e in order:
             episodes[e].close()
@@ -158,13 +166,31 @@ class AgentRollout:
     def _answer(self, pending, episodes, over, params, play: _Play) -> None:
         """Renders each request's context, samples them together, replies to each."""
         rows, asks = [], []
+        for episode, body, reply, ask in self._accept(pending, episodes, over, play):
+            asks.append((episode, body, reply, ask, len(rows)))
+            rows += [ask["ids"]] * ask["n"]
+            play.stats["prefill_tokens"] += len(ask["ids"]) * ask["n"]
+        if not rows:
+            return
+        drawn = self._sample(params, rows, play)
+        for episode, body, reply, ask, first in asks:
+            self._reply(episode, body, reply, ask, drawn[first : first + ask["n"]], episodes,
+                        play)  # fmt: skip
+
+    def _accept(self, pending, episodes, over, play: _Play) -> list:
+        """Each request's options and context -> [(episode, body, reply, ask)] of those
+        to sample; malformed ones and those past agent.max_total_tokens are answered
+        (an error) here."""
+        asks = []
         for episode, body, reply in pending:
+            ep = episodes[episode]
+            rewrites = ep.retokenized
             try:
-                ask = self._parse(body, episodes[episode], play)
+                ask = self._parse(body, ep, play)
             except ValueError as err:  # a malformed request: that request's error only
                 reply(400, _error(str(err)))
                 continue
-            ep = episodes[episode]
+            ask["rewrite"] = ep.retokenized > rewrites
             if len(ask["ids"]) - min(ep.prompt_len, self.prompt_width) + ask["max_tokens"] > (
                 self.width
             ):
@@ -172,22 +198,21 @@ class AgentRollout:
                 reply(400, _error(f"the episode passes agent.max_total_tokens={self.width}",
                                   "context_length_exceeded"))  # fmt: skip
                 continue
-            asks.append((episode, body, reply, ask, len(rows)))
-            rows += [ask["ids"]] * ask["n"]
-        if not rows:
-            return
-        drawn = self._sample(params, rows, play)
-        for episode, body, reply, ask, first in asks:
-            prefix = f"call_{episode}_{episodes[episode].turns}"
-            choices = [self._choice(ask, *drawn[first + k], play, f"{prefix}_{k}")
-                       for k in range(ask["n"])]  # fmt: skip
-            episodes[episode].record(body["messages"], [c[1:] for c in choices])
-            sampled = {"temperature": play.spec.temperature, "policy_version": play.version,
-                       "requested_temperature": ask["temperature"]}  # fmt: skip
-            drew = sum(len(c[2]) for c in choices)
-            reply(200, _response(episode, episodes[episode].turns, [c[0] for c in choices],
-                                 len(ask["ids"]), drew, sampled))  # fmt: skip
-        play.stats["requests"] += len(asks)
+            asks.append((episode, body, reply, ask))
+        return asks
+
+    def _reply(self, episode, body, reply, ask, drawn: list, episodes, play: _Play) -> None:
+        """Records a request's choices (drawn: (ids, log-probs, stopped) each) in its
+        episode and answers it."""
+        prefix = f"call_{episode}_{episodes[episode].turns}"
+        choices = [self._choice(ask, *d, play, f"{prefix}_{k}") for k, d in enumerate(drawn)]
+        episodes[episode].record(body["messages"], [c[1:] for c in choices])
+        sampled = {"temperature": play.spec.temperature, "policy_version": play.version,
+                   "requested_temperature": ask["temperature"]}  # fmt: skip
+        drew = sum(len(c[2]) for c in choices)
+        reply(200, _response(episode, episodes[episode].turns, [c[0] for c in choices],
+                             len(ask["ids"]), drew, sampled))  # fmt: skip
+        play.stats["requests"] += 1
 
     def _parse(self, body: dict, ep: Episode, play: _Play) -> dict:
         """The request's options, checked, and its context ids."""
@@ -229,6 +254,7 @@ class AgentRollout:
                 stopped = int(finish[r]) == sampling.FINISH_STOP
                 drawn.append((tokens[r, :n].tolist(), logprobs[r, :n].tolist(), stopped))
             stats["calls"] += 1
+            stats["batched"] += real
             stats["batch_max"] = max(stats["batch_max"], real)
         return drawn
 
@@ -328,8 +354,12 @@ class AgentRollout:
         return {
             "gateway/requests": float(stats["requests"]),
             "gateway/sampler_calls": float(stats["calls"]),
-            "gateway/batch_mean": stats["requests"] / calls,
+            "gateway/batch_mean": stats["batched"] / calls,
             "gateway/batch_max": float(stats["batch_max"]),
+            "gateway/prefill_tokens": float(stats["prefill_tokens"]),
+            "gateway/cached_tokens": float(stats["cached_tokens"]),
+            "gateway/cache_restarts": float(stats["cache_restarts"]),
+            "gateway/evicted": float(stats["evicted"]),
             "gateway/retokenized": float(sum(ep.retokenized for ep in episodes.values())),
             "gateway/temperature_ignored": float(stats["temperature_ignored"]),
             "gateway/tool_call_errors": float(stats["tool_call_errors"]),
@@ -351,9 +381,122 @@ class _Play:
                  version: int):  # fmt: skip
         self.server, self.spec, self.key, self.step, self.version = (
             server, spec, key, step, version)  # fmt: skip
-        self.stats = {"requests": 0, "calls": 0, "batch_max": 0, "temperature_ignored": 0,
-                      "tool_call_errors": 0}  # fmt: skip
+        self.stats = {"requests": 0, "calls": 0, "batched": 0, "batch_max": 0,
+                      "temperature_ignored": 0, "tool_call_errors": 0, "prefill_tokens": 0,
+                      "cached_tokens": 0, "cache_restarts": 0, "evicted": 0}  # fmt: skip
         self.seconds = 0.0
+
+
+class _EngineRows:
+    """The gateway's requests served by the paged engine (`rollout.engine='paged'`): one
+    `TurnSession` for a batch of episodes (a step's, or an evaluation batch's), an
+    episode a row of it.
+
+    An episode's first request adds a row with its context; the row decodes its turn in
+    a slot, and when the turn ends (a stop id, or the request's max_tokens spent) the
+    request is answered and the row leaves its slot but keeps its KV pages. The next
+    request of the episode resumes the row when the row's tokens (its prompt, what it
+    drew and what was appended) are a prefix of the request's context, which they are
+    when the request extends the episode (`Episode`): only the rest (the row's last
+    drawn token, then the new messages' ids) is prefilled, at the row's length. Else
+    (a rewrite; a stop string that cut the reply, so the row holds tokens the episode
+    does not keep; a request after an n > 1 one) the row ends and a new row prefills the
+    whole context (`gateway/cache_restarts` counts those that were not rewrites).
+    Requests with n > 1 are sampled by `PagedSampler.sample` as a batch of their own,
+    re-reading the context. A row ends when its episode does.
+
+    Requests are taken as they come: while rows decode, requests that arrived are added
+    or resumed between decode chunks, and a request is answered as soon as its turn
+    ends. `gateway/batch_mean` and `batch_max` are rows per decode chunk here.
+    """
+
+    def __init__(self, rollout: AgentRollout, params, play: _Play, episodes: int):
+        e, self.rollout, self.params, self.play = rollout.sampler, rollout, params, play
+        T = rollout.width  # a row's completion: drawn and appended tokens
+        spec = play.spec.replace(num_generations=1, max_new_tokens=T)
+        whole = rollout.prompt_width + T
+        pages = e.pages or 1 + -(-episodes * whole // e.page_size) + 2 * -(-whole // e.page_size)
+        self.session = TurnSession(
+            e, params, play.version, spec, seed=e.seed, step=play.key, slots=e.slots or episodes,
+            pages=pages, prompts=episodes + 1,
+        )  # fmt: skip
+        self.rows: dict = {}  # episode -> its row
+        self.asked: dict = {}  # row -> (episode, body, reply, ask) of its turn in flight
+        self.count = 0  # row ids used
+        self.unkept: set = set()  # episodes whose last request had n > 1 (no row)
+
+    def serve(self, futures, episodes, over) -> None:
+        """Answers the episodes' requests until every episode has ended."""
+        r, session, play = self.rollout, self.session, self.play
+        while True:
+            if session.busy:
+                pending = []
+                while True:
+                    try:
+                        pending.append(play.server.requests.get_nowait())
+                    except queue.Empty:
+                        break
+            else:
+                pending = r._gather(futures, play.server)
+                if not pending:
+                    break
+            self._start(r._accept(pending, episodes, over, play), episodes)
+            chunks = session.stats["decode_chunks"]
+            ended = session.run_chunk()
+            if session.stats["decode_chunks"] > chunks:  # rows decoded in this chunk
+                k = len(session.order) + len(ended)
+                play.stats["calls"] += 1
+                play.stats["batched"] += k
+                play.stats["batch_max"] = max(play.stats["batch_max"], k)
+            for row in ended:
+                episode, body, reply, ask = self.asked.pop(row)
+                t = session.result(row)
+                drawn = (t.tokens[t.turn_from :], t.logprobs[t.turn_from :], t.stopped)
+                r._reply(episode, body, reply, ask, [drawn], episodes, play)
+            for episode in [e for e, row in self.rows.items()
+                            if futures[e].done() and row not in self.asked]:  # fmt: skip
+                session.end(self.rows.pop(episode))
+        play.stats["evicted"] += session.stats["evicted"]
+
+    def _start(self, asks: list, episodes) -> None:
+        """Adds or resumes each request's row (n = 1); samples the n > 1 ones apart."""
+        session, stats, many = self.session, self.play.stats, []
+        for episode, body, reply, ask in asks:
+            ids, row = ask["ids"], self.rows.pop(episode, None)
+            if ask["n"] > 1:
+                if row is not None:
+                    session.end(row)
+                many.append((episode, body, reply, ask))
+                self.unkept.add(episode)
+                continue
+            if row is not None:
+                t = session.result(row)
+                have = t.prompt.tolist() + t.tokens
+                if ids[: len(have)] == have:  # the row's tokens, then the new ones
+                    session.resume(row, ids[len(have) :], ask["max_tokens"])
+                    stats["cached_tokens"] += len(have) - 1  # its last drawn one was not
+                    stats["prefill_tokens"] += len(ids) - len(have) + 1
+                    self.rows[episode], self.asked[row] = row, (episode, body, reply, ask)
+                    continue
+                session.end(row)
+                stats["cache_restarts"] += not ask["rewrite"]
+            elif episode in self.unkept:  # after an n > 1 request
+                self.unkept.discard(episode)
+                stats["cache_restarts"] += not ask["rewrite"]
+            row, self.count = self.count, self.count + 1
+            session.add(row, ids, ask["max_tokens"])
+            stats["prefill_tokens"] += len(ids)
+            self.rows[episode], self.asked[row] = row, (episode, body, reply, ask)
+        if many:  # re-read: their choices are not rows of the session
+            rows, firsts = [], []
+            for *_, ask in many:
+                firsts.append(len(rows))
+                rows += [ask["ids"]] * ask["n"]
+                stats["prefill_tokens"] += len(ask["ids"]) * ask["n"]
+            drawn = self.rollout._sample(self.params, rows, self.play)
+            for (episode, body, reply, ask), first in zip(many, firsts, strict=True):
+                self.rollout._reply(episode, body, reply, ask, drawn[first : first + ask["n"]],
+                                    episodes, self.play)  # fmt: skip
 
 
 def _response(episode: str, turn: int, choices: list, prompt_tokens: int,

@@ -4,6 +4,7 @@ to another row and keeps its pages while its environment works.
     session = TurnSession(engine, params, version, spec, seed=0, step=s, slots=S, pages=P,
                           prompts=B)
     session.submit(ids, mask, turn_tokens, live)      # bucketed prompts, G rows each
+    session.add(r, ids, turn_tokens)                  # or one row with its own prompt
     while session.busy or <environment steps in flight>:
         for r in session.run_chunk():                  # rows whose turn ended in the chunk
             action = session.turn(r)                    # the turn's sampled ids
@@ -48,7 +49,7 @@ class _Traj:
     """A row's trajectory on the host: its completion so far and the pages it holds."""
 
     row: int
-    b: int  # its prompt
+    b: object  # its prompt (an index of `submit`'s batch, or ("row", r) for `add`)
     prompt: np.ndarray  # the prompt's real ids
     tokens: list = dataclasses.field(default_factory=list)  # completion: sampled and appended
     sampled: list = dataclasses.field(default_factory=list)
@@ -109,6 +110,27 @@ class TurnSession(Session):
         live[r] is true (B * G flags); each draws at most turn_tokens in its first turn."""
         B, width = ids.shape
         G = self.spec.num_generations
+        self._fit(width)
+        for r in range(B * G):
+            b = r // G
+            if live[r] and mask[b].any():
+                t = _Traj(row=r, b=b, prompt=ids[b][mask[b]], budget=int(turn_tokens))
+                self.trajs[r] = t
+                self.waiting.append(t)
+
+    def add(self, r: int, ids, turn_tokens: int) -> None:
+        """Queues row r (an id not used before in the session) with its own prompt `ids`
+        (real ids, no padding), drawing at most turn_tokens in its first turn: rows that
+        come one at a time (`submit` queues a batch of prompts at once). Its prompt's
+        pages and first-draw logits row are its own (shared with no other row)."""
+        prompt = np.asarray(ids, np.int32)
+        self._fit(len(prompt))
+        t = _Traj(row=int(r), b=("row", int(r)), prompt=prompt, budget=int(turn_tokens))
+        self.trajs[t.row] = t
+        self.waiting.append(t)
+
+    def _fit(self, width: int) -> None:
+        """Page-table columns for a prompt of `width` tokens and its whole trajectory."""
         longest = -(-(width + self.T) // self.C) * self.C + self.C
         M = -(-longest // self.PS)
         if self.total < M + 1:
@@ -119,12 +141,6 @@ class TurnSession(Session):
         if M > self.M:
             self.host["table"] = np.pad(self.host["table"], ((0, 0), (0, M - self.M)))
             self.M = M
-        for r in range(B * G):
-            b = r // G
-            if live[r] and mask[b].any():
-                t = _Traj(row=r, b=b, prompt=ids[b][mask[b]], budget=int(turn_tokens))
-                self.trajs[r] = t
-                self.waiting.append(t)
 
     @property
     def busy(self) -> bool:
