@@ -12,7 +12,7 @@ import torch
 from hf_reference import hf_config, hf_logits, hf_model, padded_batch
 from test_moe import max_diff, tie_sensitive
 from test_sampler import PROMPTS, hf_greedy
-from tiny_run import tiny_model_config
+from tiny_run import tiny_glm_config
 
 from jaxrl_llm import models, parallel, sampling
 from jaxrl_llm.models import moe
@@ -133,14 +133,6 @@ def test_mtp_layers_skipped_and_options_refused(glm4_moe, tmp_path):
 
 
 # ------------------------------------------------------------------------ routing replay
-def tiny_glm(**overrides):
-    fields = dict(
-        architecture="Glm4MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=16, initializer_range=0.2, router="sigmoid", n_group=2,
-        topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True,
-        dense_layers=(0,), num_layers=3, partial_rotary_factor=0.5, qkv_bias=True,
-    )  # fmt: skip
-    return tiny_model_config(**(fields | overrides))
 
 
 def test_replay_makes_trainer_logprobs_equal_behaviour():
@@ -148,7 +140,7 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
     the trainer's log-probs differ from the sampler's on some tokens, replaying the
     recorded experts (the dense layer's -1 entries skipped) makes them equal on every
     token."""
-    cfg = tiny_glm(vocab_size=16, n_group=1, num_layers=2, initializer_range=0.1)
+    cfg = tiny_glm_config(vocab_size=16, n_group=1, num_layers=2, initializer_range=0.1)
     params = tie_sensitive(cfg, models.init_params(cfg, seed=1))
     prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [3, 1, 4, 1, 5]]
     out = sampling.generate(cfg, params, prompts, 8, num_samples=2, temperature=1.0, seed=1)
@@ -187,7 +179,7 @@ def test_replayed_gates_differentiate_the_router():
     """Replayed experts (ones the router would not pick): output and gradients w.r.t.
     the router, the input, the experts and the shared expert equal the plain block's;
     the selection bias gets no gradient."""
-    cfg = tiny_glm(moe_impl="dense")  # the expert paths are tested in test_moe.py
+    cfg = tiny_glm_config(moe_impl="dense")  # the expert paths are tested in test_moe.py
     D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     keys = jax.random.split(jax.random.key(4), 9)
     h = jax.random.normal(keys[0], (2, 3, D))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_run import tiny_gemma3_config, tiny_model_config
+from tiny_run import tiny_gemma3_config, tiny_glm_config, tiny_model_config
 
 from jaxrl_llm import models
 from jaxrl_llm.sampling.paged import Pages, forward_paged
@@ -17,22 +17,10 @@ from jaxrl_llm.sampling.paged import Pages, forward_paged
 PS, POOL = 4, 20  # page size, pages in the pool (page 0: null)
 
 
-def tiny_glm(**overrides):
-    """GLM-4.5-like: q/k norms, partial rotary, qkv bias, sigmoid-routed experts with a
-    shared expert and a dense first layer (two runs of alike layers)."""
-    fields = dict(
-        architecture="Glm4MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=16, initializer_range=0.2, router="sigmoid", n_group=2,
-        topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True,
-        dense_layers=(0,), num_layers=3, partial_rotary_factor=0.5, qkv_bias=True,
-    )  # fmt: skip
-    return tiny_model_config(**(fields | overrides))
-
-
 CONFIGS = {
     "qwen3": lambda: tiny_model_config(),
     "qwen3_unrolled": lambda: tiny_model_config(scan_layers=False),
-    "glm_moe": tiny_glm,
+    "glm_moe": tiny_glm_config,
     "gemma3_window": tiny_gemma3_config,
 }
 

@@ -26,6 +26,19 @@ def tiny_model_config(**overrides) -> models.ModelConfig:
     return models.ModelConfig(**(fields | overrides))
 
 
+def tiny_glm_config(**overrides) -> models.ModelConfig:
+    """A tiny GLM-4.5-like MoE: q/k norms, partial rotary, qkv bias, sigmoid-routed experts
+    (group-limited) with a shared expert, and a dense first layer (two runs of alike
+    layers)."""
+    fields = dict(
+        architecture="Glm4MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, initializer_range=0.2, router="sigmoid", n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True,
+        dense_layers=(0,), num_layers=3, partial_rotary_factor=0.5, qkv_bias=True,
+    )  # fmt: skip
+    return tiny_model_config(**(fields | overrides))
+
+
 def tiny_gemma3_config(**overrides) -> models.ModelConfig:
     """A tiny random Gemma 3: 3 layers (sliding, sliding, global), a window of 4 tokens."""
     fields = dict(

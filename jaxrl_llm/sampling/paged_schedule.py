@@ -137,16 +137,7 @@ class Session:
         B, width = ids.shape
         G = self.spec.num_generations
         N = B * G
-        longest = -(-(width + self.T) // self.C) * self.C + self.C
-        M = -(-longest // self.PS)
-        if self.total < M + 1:
-            raise ValueError(
-                f"pages={self.total}: the pool must hold one whole sequence ({M} pages of "
-                f"{self.PS} tokens) besides the null page"
-            )
-        if M > self.M:
-            self.host["table"] = np.pad(self.host["table"], ((0, 0), (0, M - self.M)))
-            self.M = M
+        self._fit(width)
         req = _Request(
             ids=ids, mask=mask, G=G, budgets=budgets, key_base=int(key_base),
             drawn=[[] for _ in range(N)], logprobs=[[] for _ in range(N)],
@@ -160,6 +151,21 @@ class Session:
         self.waiting.extend(_Row(key, r) for r in rows)
         if not rows:
             self.done.append(key)
+
+    def _fit(self, width: int) -> None:
+        """Page-table columns for a prompt of `width` tokens and all it may draw (or, in
+        a multi-turn session, its whole trajectory); ValueError when the pool cannot
+        hold one such sequence."""
+        longest = -(-(width + self.T) // self.C) * self.C + self.C
+        M = -(-longest // self.PS)
+        if self.total < M + 1:
+            raise ValueError(
+                f"pages={self.total}: the pool must hold one whole sequence ({M} pages of "
+                f"{self.PS} tokens) besides the null page"
+            )
+        if M > self.M:
+            self.host["table"] = np.pad(self.host["table"], ((0, 0), (0, M - self.M)))
+            self.M = M
 
     @property
     def busy(self) -> bool:

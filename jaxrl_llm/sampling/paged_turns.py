@@ -129,19 +129,6 @@ class TurnSession(Session):
         self.trajs[t.row] = t
         self.waiting.append(t)
 
-    def _fit(self, width: int) -> None:
-        """Page-table columns for a prompt of `width` tokens and its whole trajectory."""
-        longest = -(-(width + self.T) // self.C) * self.C + self.C
-        M = -(-longest // self.PS)
-        if self.total < M + 1:
-            raise ValueError(
-                f"pages={self.total}: the pool must hold one whole trajectory ({M} pages "
-                f"of {self.PS} tokens) besides the null page"
-            )
-        if M > self.M:
-            self.host["table"] = np.pad(self.host["table"], ((0, 0), (0, M - self.M)))
-            self.M = M
-
     @property
     def busy(self) -> bool:
         """Rows wait for a slot or decode."""
