@@ -203,10 +203,15 @@ def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):
         assert r["rollout/staleness_max"] <= 1
 
 
-def test_an_agent_trains_through_the_gateway_on_the_paged_engine(tmp_path):
-    """Two GRPO steps with rollout.engine='paged' (rollout.mode='sync'): the episodes'
-    second requests read their rows' caches; other modes are one line."""
+@pytest.mark.parametrize("mode", ["sync", "overlap", "split"])
+def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path, monkeypatch):
+    """Two GRPO steps with rollout.engine='paged' in each rollout.mode (outside sync the
+    rollout thread plays the episodes; split on 4 rollout devices): the episodes' second
+    requests read their rows' caches; outside sync, staleness is within 1 and every
+    sampled token's recorded version is the one its rollout started with (-1 elsewhere).
+    Partial rollouts are one line."""
     from jaxrl_llm.config import ConfigError, validate
+    from jaxrl_llm.trainer.rollout_thread import RolloutThread
 
     c = tiny_config(make_model_dir(str(tmp_path / "model")))
     c.rewards, c.rollout.engine = {}, "paged"
@@ -215,16 +220,35 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(tmp_path):
     c.rollout.paged.page_size, c.rollout.paged.prefill_chunk = 4, 8
     c.algo.beta = 0.0
     c.train.log_every = 1
-    c.rollout.mode = "overlap"
-    with pytest.raises(ConfigError, match="serves the gateway .* in rollout.mode='sync'"):
-        validate(c, 8)
-    c.rollout.mode = "sync"
+    c.rollout.mode = mode
+    if mode == "split":
+        c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
+        c.rollout.partial = True
+        with pytest.raises(ConfigError, match="gateway .* rollout.partial=True"):
+            validate(c, 8)
+        c.rollout.partial = False
+    take, taken = RolloutThread.take, []
+
+    def checked_take(self, t):
+        item = take(self, t)
+        assert isinstance(self.s.sampler, sampling.PagedSampler)
+        v, loss_mask = item.token_versions, np.asarray(item.out.loss_mask)
+        np.testing.assert_array_equal(v, np.where(loss_mask, item.version, -1))
+        assert loss_mask.any(axis=1).all()
+        taken.append(t)
+        return item
+
+    monkeypatch.setattr(RolloutThread, "take", checked_take)
     train.train(c, str(tmp_path / "run"))
     rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
     assert len(rows) == 2
+    assert taken == ([] if mode == "sync" else [0, 1])
     for r in rows:
         assert r["gateway/requests"] == 16 and r["gateway/cached_tokens"] > 0
         assert np.isfinite(r["loss/total"]) and r["gateway/errors"] == 0
+        if mode != "sync":
+            assert r["rollout/staleness_max"] <= 1
+            assert 0 <= r["rollout/token_staleness_mean"] <= r["rollout/staleness_max"]
 
 
 # `agent.entry=verifiers:<taskset>`: a verifiers 0.4.0 environment (tests/

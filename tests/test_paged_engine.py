@@ -214,16 +214,21 @@ def test_config_refuses_what_the_paged_engine_does_not_do(tmp_path):
     from jaxrl_llm.config import checks
 
     c = tiny_config(str(tmp_path))
-    c.rollout.engine, c.rollout.mode = "paged", "overlap"
+    c.rollout.engine, c.rollout.mode = "paged", "split"
     c.env.name = "calculator"
-    with pytest.raises(config_lib.ConfigError, match="environments .* rollout.mode='sync'"):
+    checks.check_engine(c, 1)  # environments in every mode
+    c.rollout.partial = True
+    with pytest.raises(config_lib.ConfigError, match="environments .* rollout.partial=True"):
         checks.check_engine(c, 1)
     c.env.name, c.agent.entry = "", "agent.py:run"
-    with pytest.raises(config_lib.ConfigError, match="gateway .* rollout.mode='sync'"):
+    with pytest.raises(config_lib.ConfigError, match="gateway .* rollout.partial=True"):
         checks.check_engine(c, 1)
-    c.rollout.mode = "sync"
-    checks.check_engine(c, 1)  # both in sync
-    c.agent.entry, c.rollout.paged.prefill_chunk = "", 20
+    c.rollout.partial = False
+    checks.check_engine(c, 1)  # the gateway in every mode
+    c.agent.entry = ""
+    c.rollout.partial = True
+    checks.check_engine(c, 1)  # single-turn partial rollouts: the stream recomputes
+    c.rollout.partial, c.rollout.paged.prefill_chunk = False, 20
     with pytest.raises(config_lib.ConfigError, match="multiple of rollout.paged.page_size"):
         checks.check_engine(c, 1)
     c.rollout.engine = "vllm"

@@ -2,6 +2,7 @@
 loop (`envs.play`), the trainer's teacher-forced log-probs, and a 2-step training run."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -108,7 +109,7 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup):
 def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
     """rollout.engine='paged' with env.name in rollout.mode='sync': 2 GRPO steps of the
     tiny model on the 8-device mesh (fsdp 4 x tensor 2; 4 slots for 8 trajectories); the
-    engine refuses the modes it does not play environments in."""
+    engine refuses partial rollouts with environments in one line."""
     from jaxrl_llm import config as config_lib
     from jaxrl_llm import train
     from jaxrl_llm.config import checks
@@ -126,6 +127,55 @@ def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
     logged = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in logged] == [1, 2]
     assert np.isfinite(last["loss/total"]) and last["env/turns_mean"] >= 1
-    c.rollout.mode = "split"
-    with pytest.raises(config_lib.ConfigError, match="rollout.mode='sync'"):
+    c.rollout.mode, c.rollout.partial = "split", True
+    with pytest.raises(config_lib.ConfigError, match="environments .* rollout.partial=True"):
         checks.check_engine(c, 1)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "split"])
+def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_path, monkeypatch):
+    """rollout.engine='paged' with env.name in 'overlap' (the training mesh) and 'split'
+    (4 rollout devices): the rollout thread plays each step's trajectories on the engine
+    (`envs.play_paged`), within max_staleness 1 (reached while the learner is slow); each
+    row's policy_version is the version the thread started it with, and every sampled
+    token's recorded version is that one, -1 on observation tokens and past the end."""
+    from test_env_async import env_config
+
+    from jaxrl_llm import train
+    from jaxrl_llm.trainer.metrics import read_metrics
+    from jaxrl_llm.trainer.rollout_thread import RolloutThread
+    from jaxrl_llm.trainer.run import Run
+
+    steps = 3
+    c = env_config(make_model_dir(str(tmp_path / "model")), mode, steps)
+    c.rollout.engine, c.rollout.paged.slots, c.rollout.paged.page_size = "paged", 4, 8
+    c.rollout.paged.prefill_chunk = 16
+    take, step, seen = RolloutThread.take, Run.step, []
+
+    def checked_take(self, t):
+        item = take(self, t)
+        assert isinstance(self.s.sampler, sampling.PagedSampler)
+        assert np.all(np.asarray(item.out.policy_version) == item.version)
+        v, loss_mask = item.token_versions, np.asarray(item.out.loss_mask)
+        assert v.shape == (8, 16)
+        np.testing.assert_array_equal(v, np.where(loss_mask, item.version, -1))
+        assert loss_mask.any(axis=1).all()
+        seen.append((t, item.version))
+        return item
+
+    def slow_learner(self, t):
+        if t >= 1:
+            time.sleep(0.5)  # the thread runs ahead to the bound
+        return step(self, t)
+
+    monkeypatch.setattr(RolloutThread, "take", checked_take)
+    monkeypatch.setattr(Run, "step", slow_learner)
+    train.train(c, str(tmp_path / "run"))
+    logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in m]
+    lags = [m["rollout/staleness_max"] for m in logged]
+    assert len(lags) == steps and max(lags) <= 1 and lags[0] == 0
+    assert [t - v for t, v in seen] == lags
+    assert max(lags[1:]) == 1  # the slow learner let the thread run to the bound
+    assert all(m["env/turns_mean"] >= 1 and np.isfinite(m["loss/total"]) for m in logged)
+    assert all(0 <= m["rollout/token_staleness_mean"] <= m["rollout/staleness_max"]
+               for m in logged)  # fmt: skip

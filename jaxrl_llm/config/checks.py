@@ -245,7 +245,8 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 def check_engine(config, process_count: int) -> None:
     """rollout.engine and, for 'paged', its settings and what it does not combine with yet
     (every rollout.mode is served: `trainer.paged_stream` in overlap and split;
-    environments and the gateway in sync: `envs.play_paged`, `gateway.rollout`)."""
+    environments and the gateway in every mode: `envs.play_paged`, `gateway.rollout`,
+    played by the rollout thread outside sync, but not with partial rollouts)."""
     r = config.rollout
     _check(
         r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
@@ -264,12 +265,12 @@ def check_engine(config, process_count: int) -> None:
     _check(p.prefill_chunk % p.page_size == 0,
            f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
            f"rollout.paged.page_size={p.page_size}")  # fmt: skip
-    _check(not config.env.name or r.mode == "sync",
-           f"rollout.engine='paged' plays environments (env.name) in rollout.mode='sync'; "
-           f"for rollout.mode={r.mode!r} use rollout.engine='static'")  # fmt: skip
-    _check(not config.agent.entry or r.mode == "sync",
-           f"rollout.engine='paged' serves the gateway (agent.entry) in rollout.mode='sync'; "
-           f"for rollout.mode={r.mode!r} use rollout.engine='static'")  # fmt: skip
+    turns = "environments (env.name)" if config.env.name else "the gateway (agent.entry)"
+    _check(not (r.partial and (config.env.name or config.agent.entry)),
+           f"rollout.engine='paged' does not play {turns} with rollout.partial=True: a "
+           f"parked row's pages were computed by the older parameters, and the engine "
+           f"recomputes them on a swap only for single-turn rows; use rollout.partial=False "
+           f"or rollout.engine='static'")  # fmt: skip
     _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
 
 

@@ -134,7 +134,7 @@ class AgentRollout:
         started = time.perf_counter()
         if isinstance(self.sampler, sampling.PagedSampler):
             if refresh is not None:
-                raise ValueError("the gateway on the paged engine runs in rollout.mode='sync'")
+                raise ValueError("the gateway on the paged engine takes no partial rollouts")
             _EngineRows(self, params, play, len(order)).serve(futures, episodes, over)
         else:
             while pending := self._gather(futures, play.server):

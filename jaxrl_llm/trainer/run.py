@@ -448,7 +448,8 @@ def make_source(config, s: Sampling, algo, env_rollout=None):
     """The run's rollout source: the environments' or the agents' (env.name /
     agent.entry, an `EnvRollout` / `AgentRollout`: played in the step in 'sync', by the
     rollout thread in 'split', and in 'overlap' by the thread on the training mesh one
-    version behind), the paged engine's stream in 'overlap' and 'split' (the same, with a
+    version behind; on either engine, the paged one holding one `TurnSession` per step),
+    the paged engine's single-turn stream in 'overlap' and 'split' (the same, with a
     `paged_stream.PagedStream` thread), else the one of rollout.mode, with DAPO's dynamic
     sampling around it."""
     if env_rollout is not None:
