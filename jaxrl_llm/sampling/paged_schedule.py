@@ -423,26 +423,30 @@ class Session:
             h["cap"][s] = slot.held * PS
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self._in_use())
 
+    def _decode_occupied(self) -> dict:
+        """One decode chunk of the occupied slots -> the slots' host arrays after it. The
+        program runs over those slots and the table cut to the most pages any of them
+        holds (`PagedSampler.decode_slots`)."""
+        held = max(self.owner[s].held for s in self.order)
+        self.pages, self.host = self.e.decode_slots(
+            self.params, self.pages, self.host, self.order, held, self.prompt_logits,
+            self.seed_step, self.stops, self.spec,
+        )  # fmt: skip
+        self.stats["decode_chunks"] += 1
+        return self.host
+
     def run_chunk(self) -> list:
         """Admits waiting rows, decodes one chunk of every slot, collects the rows that
         ended -> the keys of requests finished since the last call, in completion order."""
-        e, h = self.e, self.host
+        h = self.host
         if self.waiting or self.order:
             self._admit()
             self._run_prefills()
             self._grow()
             if not self.order:
                 raise RuntimeError("paged engine: no sequence fits the page pool")
-            # The program runs over the occupied slots and the table cut to the most
-            # pages any of them holds (`PagedSampler.decode_slots`).
-            held = max(self.owner[s].held for s in self.order)
             before = h["n"].copy()
-            self.pages, h = e.decode_slots(
-                self.params, self.pages, h, self.order, held, self.prompt_logits,
-                self.seed_step, self.stops, self.spec,
-            )  # fmt: skip
-            self.host = h
-            self.stats["decode_chunks"] += 1
+            h = self._decode_occupied()
             for s in list(self.order):
                 item = self.owner[s].item
                 item.versions.extend([self.version] * int(h["n"][s] - before[s]))

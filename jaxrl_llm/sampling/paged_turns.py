@@ -344,7 +344,6 @@ class TurnSession(Session):
     def run_chunk(self) -> list:
         """Seats waiting rows, decodes one chunk of the occupied slots -> the rows whose
         turn ended in it (they left their slots and keep their pages)."""
-        e, h = self.e, self.host
         if not (self.waiting or self.order):
             return []
         self._admit()
@@ -355,13 +354,7 @@ class TurnSession(Session):
             if head is not None and all(t is head for t in self.holders.values()):
                 raise RuntimeError("paged engine: no trajectory fits the page pool")
             return []  # what waits needs the pages of rows parked on their environments
-        held = max(self.owner[s].held for s in self.order)
-        self.pages, h = e.decode_slots(
-            self.params, self.pages, h, self.order, held, self.prompt_logits,
-            self.seed_step, self.stops, self.spec,
-        )  # fmt: skip
-        self.host = h
-        self.stats["decode_chunks"] += 1
+        h = self._decode_occupied()
         ended = []
         for s in list(self.order):
             t = self.owner[s]
