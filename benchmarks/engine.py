@@ -18,8 +18,12 @@ process's CPU seconds (all its threads): on a machine shared with other jobs the
 is the steadier measure of the work done.
 
 Same KV memory: the static sampler runs the rows in batches of --batch (B * G rows), its
-cache batch * (bucket + max_new_tokens) tokens; the engine gets --batch slots and a pool
-of the same number of tokens, and streams all --rows through it.
+cache batch * (bucket + max_new_tokens) tokens; the engine gets a pool of the same number
+of tokens and streams all --rows through it, with --slots decode slots (each listed count
+runs as its own engine; default --batch). The static sampler cannot run more rows at once
+in that memory, since each row reserves bucket + max_new_tokens; the engine's rows hold
+only the pages they fill (a prompt's once for its G rows), so more of them fit the pool
+at once, and a pool that runs short preempts its youngest rows (counted in the stats).
 
 Attention paths (--attention): "pages" (each layer reads its pages in place, the
 default) and "gather" (every layer's pages gathered into a dense block first, the
@@ -135,12 +139,15 @@ def main(argv=None) -> None:
         "(e.g. smollm2-135m-instruct; random prompts from its vocabulary)",
     )
     ap.add_argument("--rows", type=int, default=128, help="completions in all (B * G)")
-    ap.add_argument("--batch", type=int, default=32, help="static batch rows = engine slots")
+    ap.add_argument("--batch", type=int, default=32, help="static batch rows (cache = pool)")
     ap.add_argument("--generations", type=int, default=4, help="G")
     ap.add_argument("--new", type=int, default=128, help="max_new_tokens")
     ap.add_argument("--scales", default="1,2,4,8", help="max_new_tokens multiples (budget)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk-steps", default="4,16", help="engines compared (the first: budget)")
+    ap.add_argument(
+        "--slots", default="", help="engine slots compared, e.g. 32,128 (default: --batch)"
+    )
     ap.add_argument("--prefill-chunk", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
@@ -185,13 +192,16 @@ def main(argv=None) -> None:
                           max(3, args.repeats))  # fmt: skip
         print(table(rows, list(rows[0])))
 
-    def engine(chunk=chunks[0], impl=impls[0]):
+    slot_counts = [int(x) for x in args.slots.split(",")] if args.slots else [batch]
+
+    def engine(chunk=chunks[0], impl=impls[0], slots=slot_counts[0]):
         return sampling.PagedSampler(
-            cfg, slots=batch, pages=pages, page_size=args.page_size, chunk_steps=chunk,
+            cfg, slots=slots, pages=pages, page_size=args.page_size, chunk_steps=chunk,
             prefill_chunk=args.prefill_chunk, attention=impl,
         )  # fmt: skip
 
-    engines = {f"paged ({i}), chunk {c}": engine(c, i) for i in impls for c in chunks}
+    engines = {f"paged ({i}), chunk {c}, {n} slots": engine(c, i, n)
+               for i in impls for c in chunks for n in slot_counts}  # fmt: skip
     per = batch // G  # prompts per static batch
 
     def run_static():
@@ -260,7 +270,7 @@ def main(argv=None) -> None:
         print(f"max_new_tokens {new}: {rows[-1]}", flush=True)
     if not rows:
         return
-    print(f"KV budget {kv_tokens} tokens, {batch} slots:")
+    print(f"KV budget {kv_tokens} tokens, {slot_counts[0]} slots:")
     print(table(rows, ["max_new_tokens", "median", "longest", "static", "paged", "preempted",
                        "peak pages", "useful tok/s"]))  # fmt: skip
 

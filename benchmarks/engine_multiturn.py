@@ -14,13 +14,16 @@ to --turn-tokens.
 
 Static: the turn loop plays --batch rows at a time (B prompts x G), each turn decoding
 until its slowest row is done, then stepping every environment while the batch waits; the
---rows trajectories are played batch after batch. Engine: --batch slots over a page pool
-of the static cache's tokens (batch * (prompt bucket + max_total_tokens)), all --rows
-trajectories submitted at once: a row whose turn ends leaves its slot to a waiting row
-and its environment steps in a thread while the others decode. Both step the same
-environment pool (--workers processes). Trajectories/s = --rows / wall seconds, after a
---warmup rounds of each (the engine's programs compile for the row counts and page-table
-widths its schedule meets; a round that still compiles says so in its line).
+--rows trajectories are played batch after batch. Engine: --slots slots (default --batch)
+over a page pool of the static cache's tokens (batch * (prompt bucket +
+max_total_tokens)), all --rows trajectories submitted at once: a row whose turn ends
+leaves its slot to a waiting row and its environment steps in a thread while the others
+decode. More slots than static rows fit the same pool because a row holds only the pages
+it fills; when the pool runs short, rows are evicted and recomputed (counted in stats).
+Both step the same environment pool (--workers processes). Trajectories/s = --rows / wall
+seconds, after --warmup rounds of each (the engine's programs compile for the row counts
+and page-table widths its schedule meets; a round that still compiles says so in its
+line).
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="25m")
     ap.add_argument("--rows", type=int, default=64, help="trajectories in all (B * G)")
-    ap.add_argument("--batch", type=int, default=16, help="static batch rows = engine slots")
+    ap.add_argument("--batch", type=int, default=16, help="static batch rows (cache = pool)")
+    ap.add_argument("--slots", type=int, default=0, help="engine slots (0: --batch)")
     ap.add_argument("--generations", type=int, default=4, help="G")
     ap.add_argument("--turns", type=int, default=3, help="actions per trajectory")
     ap.add_argument("--turn-tokens", type=int, default=64)
@@ -103,7 +107,8 @@ def main(argv=None) -> None:
     static = sampling.Sampler(cfg, cache_segments=1)
     bucket = 16  # the prompts' (a few arithmetic tokens) bucket
     pages = 1 + -(-args.batch * (bucket + total) // args.page_size)
-    paged = sampling.PagedSampler(cfg, slots=args.batch, pages=pages, page_size=args.page_size,
+    slots = args.slots or args.batch
+    paged = sampling.PagedSampler(cfg, slots=slots, pages=pages, page_size=args.page_size,
                                   chunk_steps=args.chunk_steps,
                                   prefill_chunk=args.prefill_chunk)  # fmt: skip
     renderer = envs.Renderer(tok, use_chat=False)
@@ -112,8 +117,8 @@ def main(argv=None) -> None:
                "paged": (envs.play_paged, paged, len(rows))}  # fmt: skip
     results = {name: [] for name in players}
     print(f"# {device_name()}; {args.rows} trajectories of {args.turns} turns (<= "
-          f"{args.turn_tokens} tokens), env step {args.delay} s, {args.batch} static rows = "
-          f"engine slots, pool {pages} pages x {args.page_size}")  # fmt: skip
+          f"{args.turn_tokens} tokens), env step {args.delay} s, {args.batch} static rows, "
+          f"{slots} engine slots, pool {pages} pages x {args.page_size}")  # fmt: skip
     with envs.EnvPool(SLEEPY, {"delay_s": args.delay}, workers=args.workers) as pool:
         for r in range(args.warmup + args.repeats):
             for name, (player, engine, per_call) in players.items():
