@@ -1,6 +1,7 @@
 """The paged engine (`sampling.PagedSampler`) against the static sampler, teacher-forced
 log-probs and exact probabilities."""
 
+import dataclasses
 import math
 
 import jax
@@ -55,10 +56,12 @@ def test_greedy_equals_the_static_sampler(tiny):
 def test_logprobs_equal_teacher_forced(tiny, sharded):
     """Sampled rows (temperature 0.8, top-k 20, 6 slots for 12 rows, per-row budgets):
     the behaviour log-probs equal the trainer's teacher-forced ones within 1e-5, on one
-    device and with the parameters sharded over the 8-device mesh."""
+    device and with the parameters sharded over the 8-device mesh (there with the layers
+    unrolled: their parameters sliced once per session, `PagedSampler.weights`)."""
     cfg, params = tiny
     mesh = None
     if sharded:
+        cfg = dataclasses.replace(cfg, scan_layers=False)
         mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
         params = jax.device_put(params, models.param_shardings(cfg, mesh))
     ids, mask = sampling.pad_prompts(PROMPTS[:4], 0)
@@ -89,7 +92,7 @@ def test_moe_routes_equal_the_static_samplers():
     cfg = tiny_model_config(
         architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=16, initializer_range=0.2, max_position_embeddings=512,
-        scan_layers=False,  # the engine's unrolled path (layers sliced once per chunk)
+        scan_layers=False,  # the engine's unrolled path (layers sliced once per session)
     )  # fmt: skip
     params = models.init_params(cfg, seed=1)
     ids, mask = sampling.pad_prompts(PROMPTS, 0)

@@ -186,15 +186,17 @@ def _draw(key, rows, counts, logits, spec: RolloutSpec):
 
 
 def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops, steps, spec,
-                 impl: str = "pages"):  # fmt: skip
+                 impl: str = "pages", layers=None):  # fmt: skip
     """Up to `steps` decode steps of every slot (a slot steps while it is live and its
     pages have room) -> (pages, slots). One step: the pending token of each slot goes
     through the model (fresh slots: none, they read their prompt's logits), then every
-    live slot draws its next token. impl: `forward_paged`'s."""
+    live slot draws its next token. impl: `forward_paged`'s; layers: unrolled layers'
+    parameters already sliced (`PagedSampler.weights`), else sliced here."""
     S, T = s.tokens.shape
     every = jnp.arange(S)
     # Unrolled layers (scan_layers=False): their parameters sliced once, not every step.
-    layers = None if cfg.scan_layers else models.layer_params(params)
+    if layers is None and not cfg.scan_layers:
+        layers = models.layer_params(params)
 
     def body(carry):
         i, pages, s = carry
@@ -240,14 +242,14 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
 
 
 def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
-                  length, impl: str = "pages"):  # fmt: skip
+                  length, impl: str = "pages", layers=None):  # fmt: skip
     """One chunk of each of b sequences (tokens, mask [b, C]) into their pages; the logits
     after each one's last real token go to prompt_logits[index] (index [b]) -> (pages,
     prompt_logits, the chunk's MoE routes [b, C, L, k] int16, -1 at masked tokens; None:
     dense model). A row with no real token writes only to the null page (its logits row
-    is not read). impl: `forward_paged`'s."""
+    is not read). impl, layers: `decode_chunk`'s."""
     hidden, pages, own = forward_paged(cfg, params, pages, tokens, mask, table, start, length,
-                                       impl=impl)  # fmt: skip
+                                       layers, impl)  # fmt: skip
     logits = models.project(cfg, params, models.last_hidden(hidden, mask))
     if own is not None:
         own = jnp.where(mask[:, :, None, None], own.astype(models.ROUTE_DTYPE), -1)
@@ -297,6 +299,7 @@ class PagedSampler:
         self._decode = jax.jit(self._decode_program, static_argnames=("steps", "spec"),
                                donate_argnums=(1, 2))  # fmt: skip
         self._prefill = jax.jit(self._prefill_program, donate_argnums=(1, 2))
+        self._slice = jax.jit(models.layer_params)
         # The pool is made on device (zeros from the host would be an implicit transfer).
         where = None if mesh is None else NamedSharding(mesh, P())
         self._pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3), out_shardings=where)
@@ -430,23 +433,37 @@ class PagedSampler:
         return jax.tree.map(lambda x: jax.device_put(x, sharding), out)
 
     # ----------------------------------------------------------------- device programs
-    def _decode_program(self, params, pages, slots, prompt_logits, seed_step, stops, *, steps,
+    def weights(self, params) -> tuple:
+        """The parameters as the engine's programs take them: (params, each unrolled
+        layer's parameters sliced out, or None for a scanned model). A program that
+        slices the layers itself copies every layer's weights at each call, a cost of
+        about two decode steps per chunk and per prefill on CPU; sliced here, once per
+        session and parameter version, the copy is held while the session decodes (the
+        static sampler makes the same copy inside its one decode program)."""
+        if self.cfg.scan_layers:
+            return params, None
+        return params, self._slice({"layers": params["layers"]})
+
+    def _decode_program(self, weights, pages, slots, prompt_logits, seed_step, stops, *, steps,
                         spec):  # fmt: skip
         self.traces["decode", slots.tokens.shape, pages.k.shape] += 1
         key = jax.random.fold_in(jax.random.key(seed_step[0]), seed_step[1])
+        params, layers = weights
         return decode_chunk(self.cfg, params, pages, slots, prompt_logits, key, stops, steps,
-                            spec, self.attention)  # fmt: skip
+                            spec, self.attention, layers)  # fmt: skip
 
-    def _prefill_program(self, params, pages, prompt_logits, index, tokens, mask, table, start,
+    def _prefill_program(self, weights, pages, prompt_logits, index, tokens, mask, table, start,
                          length):  # fmt: skip
         self.traces["prefill", tokens.shape, pages.k.shape] += 1
+        params, layers = weights
         return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
-                             table, start, length, self.attention)  # fmt: skip
+                             table, start, length, self.attention, layers)  # fmt: skip
 
-    def decode_slots(self, params, pages, host: dict, occupied, held: int, prompt_logits,
+    def decode_slots(self, weights, pages, host: dict, occupied, held: int, prompt_logits,
                      seed_step, stops, spec):  # fmt: skip
         """One decode chunk of the occupied slots -> (pages, host arrays after it).
 
+        weights: `weights(params)`.
         host: the slots' host arrays (`Slots`' fields, [S, ...] each); occupied: the slots
         that hold a row; held: the most pages any of them holds. The program runs over the
         occupied slots only, padded with empty ones to a power of two (`row_bucket`), and
@@ -464,7 +481,7 @@ class PagedSampler:
         cut = {k: host[k][pick] for k in names}
         cut["table"] = cut["table"][:, :width]
         pages, slots = self._decode(
-            params, pages, self._put(Slots(**cut)), prompt_logits, seed_step, stops,
+            weights, pages, self._put(Slots(**cut)), prompt_logits, seed_step, stops,
             steps=self.chunk_steps, spec=spec,
         )  # fmt: skip
         got = jax.device_get(slots)

@@ -94,6 +94,7 @@ class Session:
                  pages: int, prompt_rows: int):  # fmt: skip
         e = engine
         self.e, self.params, self.version, self.spec = e, params, int(version), spec
+        self.weights = e.weights(params)
         self.seed_step = seed_step
         self.T, self.C, self.PS, self.S = spec.max_new_tokens, e.prefill_chunk, e.page_size, slots
         self.total = pages
@@ -220,6 +221,7 @@ class Session:
         for key in list(self.prompt_pages):
             self._drop_prompt(key)
         self.params, self.version = params, int(version)
+        self.weights = self.e.weights(params)
         self.stats["swaps"] += 1
 
     # ------------------------------------------------------------------------ pages
@@ -289,7 +291,7 @@ class Session:
                     mask[i] = np.arange(c * C, (c + 1) * C) >= first
                     length[i] = c * C
                 self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
-                    self.params, self.pages, self.prompt_logits,
+                    self.weights, self.pages, self.prompt_logits,
                     *put((index, tokens, mask, table, start, length)),
                 )  # fmt: skip
                 owns.append(own)
@@ -429,7 +431,7 @@ class Session:
         holds (`PagedSampler.decode_slots`)."""
         held = max(self.owner[s].held for s in self.order)
         self.pages, self.host = self.e.decode_slots(
-            self.params, self.pages, self.host, self.order, held, self.prompt_logits,
+            self.weights, self.pages, self.host, self.order, held, self.prompt_logits,
             self.seed_step, self.stops, self.spec,
         )  # fmt: skip
         self.stats["decode_chunks"] += 1

@@ -336,7 +336,7 @@ class TurnSession(Session):
                     mask[i] = (where >= lo) & (where < hi)
                     length[i] = offset + c * C
                 self.pages, self.prompt_logits, _ = e._prefill(  # noqa: SLF001
-                    self.params, self.pages, self.prompt_logits,
+                    self.weights, self.pages, self.prompt_logits,
                     *e._put((index, tokens, mask, table, start, length)),  # noqa: SLF001
                 )  # fmt: skip
                 self.stats["prefill_calls"] += 1
