@@ -14,7 +14,8 @@ to --turn-tokens.
 
 Static: the turn loop plays --batch rows at a time (B prompts x G), each turn decoding
 until its slowest row is done, then stepping every environment while the batch waits; the
---rows trajectories are played batch after batch. Engine: --slots slots (default --batch)
+--rows trajectories are played batch after batch. Engine: --slots slots (default --batch;
+each listed count runs as its own engine)
 over a page pool of the static cache's tokens (batch * (prompt bucket +
 max_total_tokens)), all --rows trajectories submitted at once: a row whose turn ends
 leaves its slot to a waiting row and its environment steps in a thread while the others
@@ -76,7 +77,10 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="25m")
     ap.add_argument("--rows", type=int, default=64, help="trajectories in all (B * G)")
     ap.add_argument("--batch", type=int, default=16, help="static batch rows (cache = pool)")
-    ap.add_argument("--slots", type=int, default=0, help="engine slots (0: --batch)")
+    ap.add_argument("--slots", default="", help="engine slots compared (default: --batch)")
+    ap.add_argument(
+        "--unrolled", action="store_true", help="scan_layers=False (the CPU configs' choice)"
+    )
     ap.add_argument("--generations", type=int, default=4, help="G")
     ap.add_argument("--turns", type=int, default=3, help="actions per trajectory")
     ap.add_argument("--turn-tokens", type=int, default=64)
@@ -96,7 +100,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     tok = builtin.load_tokenizer(TOKENIZER)
-    cfg = dataclasses.replace(preset_config(args.preset), vocab_size=len(tok))
+    cfg = dataclasses.replace(preset_config(args.preset), vocab_size=len(tok),
+                              scan_layers=not args.unrolled)  # fmt: skip
     params = models.init_params(cfg, seed=0)
     G = args.generations
     stops = tuple(int(s) for s in args.stop_ids.split(","))
@@ -107,18 +112,18 @@ def main(argv=None) -> None:
     static = sampling.Sampler(cfg, cache_segments=1)
     bucket = 16  # the prompts' (a few arithmetic tokens) bucket
     pages = 1 + -(-args.batch * (bucket + total) // args.page_size)
-    slots = args.slots or args.batch
-    paged = sampling.PagedSampler(cfg, slots=slots, pages=pages, page_size=args.page_size,
-                                  chunk_steps=args.chunk_steps,
-                                  prefill_chunk=args.prefill_chunk)  # fmt: skip
+    slot_counts = [int(x) for x in args.slots.split(",")] if args.slots else [args.batch]
+    engines = {f"paged, {n} slots": sampling.PagedSampler(
+        cfg, slots=n, pages=pages, page_size=args.page_size, chunk_steps=args.chunk_steps,
+        prefill_chunk=args.prefill_chunk) for n in slot_counts}  # fmt: skip
     renderer = envs.Renderer(tok, use_chat=False)
     rows = examples(args.rows // G, args.turns, seed=0)
-    players = {"static": (envs.play, static, args.batch // G),
-               "paged": (envs.play_paged, paged, len(rows))}  # fmt: skip
+    players = {"static": (envs.play, static, args.batch // G)}
+    players |= {name: (envs.play_paged, e, len(rows)) for name, e in engines.items()}
     results = {name: [] for name in players}
     print(f"# {device_name()}; {args.rows} trajectories of {args.turns} turns (<= "
           f"{args.turn_tokens} tokens), env step {args.delay} s, {args.batch} static rows, "
-          f"{slots} engine slots, pool {pages} pages x {args.page_size}")  # fmt: skip
+          f"engine slots {slot_counts}, pool {pages} pages x {args.page_size}")  # fmt: skip
     with envs.EnvPool(SLEEPY, {"delay_s": args.delay}, workers=args.workers) as pool:
         for r in range(args.warmup + args.repeats):
             for name, (player, engine, per_call) in players.items():
@@ -131,7 +136,8 @@ def main(argv=None) -> None:
                     f"{sum(engine.traces.values())} programs traced so far",
                     flush=True,
                 )
-    print(f"# engine's last run: {paged.stats}; {uptime()}")
+    for name, e in engines.items():
+        print(f"# {name}, its last run: {e.stats}; {uptime()}")
     table_rows = []
     for name, runs in results.items():
         seconds = [s for s, _, _ in runs]
@@ -142,14 +148,14 @@ def main(argv=None) -> None:
             "trajectories/s": f"{statistics.median(rates):.2f}",
             "turn tokens (median)": f"{statistics.median(t / max(n, 1) for _, t, n in runs):.1f}",
         })  # fmt: skip
-    ratios = [s / p for (s, _, _), (p, _, _) in zip(results["static"], results["paged"],
-                                                    strict=True)]  # fmt: skip
     print(table(table_rows, ["engine", "median s", "spread s", "trajectories/s",
                              "turn tokens (median)"]))  # fmt: skip
-    print(
-        f"paged / static trajectories/s per round: {', '.join(f'{x:.2f}' for x in ratios)} "
-        f"(median {statistics.median(ratios):.2f}x)"
-    )
+    for name in engines:
+        ratios = [s / p for (s, _, _), (p, _, _) in zip(results["static"], results[name],
+                                                        strict=True)]  # fmt: skip
+        print(f"{name} / static trajectories/s per round: "
+              f"{', '.join(f'{x:.2f}' for x in ratios)} "
+              f"(median {statistics.median(ratios):.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":
