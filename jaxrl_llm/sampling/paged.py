@@ -474,7 +474,8 @@ class PagedSampler:
         S, M = host["table"].shape
         occupied = sorted(occupied)
         rows = row_bucket(len(occupied), S)
-        spare = [s for s in range(S) if s not in set(occupied)][: rows - len(occupied)]
+        taken = set(occupied)
+        spare = [s for s in range(S) if s not in taken][: rows - len(occupied)]
         pick = np.asarray(occupied + spare, np.int64)
         width = table_width(held, M)
         names = [f.name for f in dataclasses.fields(Slots) if f.name in host]
