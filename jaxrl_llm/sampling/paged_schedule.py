@@ -93,8 +93,8 @@ class Session:
     def __init__(self, engine, params, version: int, spec, *, seed_step, slots: int,
                  pages: int, prompt_rows: int):  # fmt: skip
         e = engine
-        self.e, self.params, self.version, self.spec = e, params, int(version), spec
-        self.weights = e.weights(params)
+        self.e, self.version, self.spec = e, int(version), spec
+        self.weights = e.weights(params)  # the programs' parameters (`PagedSampler.weights`)
         self.seed_step = seed_step
         self.T, self.C, self.PS, self.S = spec.max_new_tokens, e.prefill_chunk, e.page_size, slots
         self.total = pages
@@ -220,8 +220,7 @@ class Session:
             self._preempt(s, count=False)
         for key in list(self.prompt_pages):
             self._drop_prompt(key)
-        self.params, self.version = params, int(version)
-        self.weights = self.e.weights(params)
+        self.weights, self.version = self.e.weights(params), int(version)
         self.stats["swaps"] += 1
 
     # ------------------------------------------------------------------------ pages
