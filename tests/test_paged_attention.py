@@ -12,7 +12,7 @@ import pytest
 from tiny_run import tiny_gemma3_config, tiny_glm_config, tiny_model_config
 
 from jaxrl_llm import models
-from jaxrl_llm.sampling.paged import Pages, forward_paged
+from jaxrl_llm.sampling.paged import PagedSampler, Pages, forward_paged, init_pages, uses_pallas
 
 PS, POOL = 4, 20  # page size, pages in the pool (page 0: null)
 
@@ -121,3 +121,95 @@ def test_prefill_then_decode_equals_the_full_forward(name):
     real = np.arange(width + 2)[None] >= start[:, None]
     ref = models.forward(cfg, params, jnp.asarray(ids), jnp.asarray(real))
     np.testing.assert_allclose(hidden[real], np.asarray(ref)[real], atol=1e-5)
+
+
+def bf16(x):
+    """Values that bfloat16 holds exactly: the Pallas kernel reads keys and values in
+    bfloat16, so on these it matches the float32 portable path to rounding."""
+    return jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)
+
+
+def test_pallas_decode_equals_the_portable_path():
+    """One decode step of a layer through the Pallas TPU kernel (interpret mode on CPU,
+    pool head-major) against the portable path on the same pool laid out [L, P, S, K, H]:
+    GQA (4 query heads over 2), shuffled page tables, rows starting mid-page (the
+    kernel's whole pages merged with the partial first page), at a page boundary and at
+    slot 0, of different lengths, and a row that does not feed (not compared)."""
+    from jaxrl_llm.models.paged_attention import paged_attention, paged_inputs, write_layer
+
+    rng = np.random.default_rng(1)
+    L, P, S, K, N, H = 3, 24, 4, 2, 4, 8
+    pk, pv = (bf16(rng.normal(size=(L, P, S, K, H))) for _ in range(2))
+    pages = rng.permutation(np.arange(1, P))
+    table = np.zeros((5, 8), np.int32)
+    for row, (a, b) in enumerate(((0, 6), (6, 11), (11, 14), (14, 22), (22, 23))):
+        table[row, : b - a] = pages[a:b]
+    start = np.array([3, 4, 1, 0, 2], np.int32)
+    length = np.array([21, 17, 9, 31, 3], np.int32)
+    feed = np.array([[True], [True], [False], [True], [True]])
+    q, k, v = (bf16(rng.normal(size=(5, 1, n, H))) for n in (N, K, K))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(pallas, pool, layer):
+        _, mask, where = paged_inputs(table, start, length, feed, S, 0, pallas)
+        pool = write_layer(pool, layer, k, v, where)
+        return paged_attention(q, pool, layer, where, mask, "xla")
+
+    heads = tuple(x.transpose(3, 0, 1, 2, 4) for x in (pk, pv))  # [K, L, P, S, H]
+    got = np.asarray(step(True, heads, 1))[feed[:, 0]]
+    want = np.asarray(step(False, (pk, pv), 1))[feed[:, 0]]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.abs(want).max() > 0.1
+
+
+def test_pallas_pool_prefill_then_decode_equals_the_full_forward():
+    """The engine's Pallas pool layout through the model (`forward_paged`, prefill chunks
+    on the portable path over the head-major pool, then two decode steps through the
+    kernel): prefill within 1e-5 of `models.forward`, decode within the kernel's
+    bfloat16 reading of float32 keys and values."""
+    cfg, params = model("qwen3")
+    pages = init_pages(cfg, POOL, PS, pallas=True)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (9, 6)]
+    width = 12
+    table = np.array([[8, 1, 2, 3, 0, 0, 0, 0], [0, 5, 6, 7, 0, 0, 0, 0]], np.int32)
+    table[:, 3:5] = [[9, 10], [11, 12]]  # own pages after the prompts' last page
+    start = np.array([width - 9, width - 6], np.int32)
+    ids = np.zeros((2, width + 2), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, start[i] : width] = s
+    ids[:, width:] = rng.integers(1, cfg.vocab_size, (2, 2))
+    hidden = []
+    for c in range(0, width, 4):  # prefill chunks of 4
+        mask = np.arange(c, c + 4)[None] >= start[:, None]
+        h, pages, _ = run(cfg, params, pages, ids[:, c : c + 4], mask, table, start,
+                          np.full(2, c, np.int32), impl="pages")  # fmt: skip
+        hidden.append(np.asarray(h))
+    for t in range(2):  # decode steps
+        h, pages, _ = run(cfg, params, pages, ids[:, width + t : width + t + 1],
+                          np.ones((2, 1), bool), table, start, np.full(2, width + t, np.int32),
+                          impl="pages")  # fmt: skip
+        hidden.append(np.asarray(h))
+    hidden = np.concatenate(hidden, axis=1)
+    real = np.arange(width + 2)[None] >= start[:, None]
+    ref = np.asarray(models.forward(cfg, params, jnp.asarray(ids), jnp.asarray(real)))
+    pre = real[:, :width]
+    np.testing.assert_allclose(hidden[:, :width][pre], ref[:, :width][pre], atol=1e-5)
+    np.testing.assert_allclose(hidden[:, width:], ref[:, width:], atol=1e-2)
+
+
+def test_auto_picks_the_kernel_on_tpu_only():
+    """`PagedSampler(attention="auto")` lays the pool out for the kernel on TPU for a
+    bfloat16 model without sliding windows; elsewhere (CPU, GPU, float32, windows) it
+    keeps the portable layout, whose programs are unchanged."""
+    cfg, gemma = tiny_model_config(), tiny_gemma3_config()
+    assert uses_pallas(cfg, "auto", jnp.bfloat16, "tpu")
+    for c, attention, dtype, backend in ((cfg, "auto", jnp.bfloat16, "cpu"),
+                                         (cfg, "auto", jnp.bfloat16, "gpu"),
+                                         (cfg, "auto", jnp.float32, "tpu"),
+                                         (gemma, "auto", jnp.bfloat16, "tpu"),
+                                         (cfg, "pages", jnp.bfloat16, "tpu")):  # fmt: skip
+        assert not uses_pallas(c, attention, dtype, backend)
+    assert uses_pallas(cfg, "pallas", jnp.float32, "cpu")
+    with pytest.raises(ValueError, match="sliding window"):
+        PagedSampler(gemma, attention="pallas")

@@ -14,6 +14,11 @@ layer reads its pages once, and no [L, B, pages * page_size] copy of the whole c
 a per-layer copy that appends the new tokens is made; the rest of the layer (norms, q/k
 norms, RoPE incl. partial rotary, GQA, the MLP or experts) is the model's own code
 (`layers.Block`).
+
+On TPU the pool can be laid out head-major, k / v [K, L, pages, page_size, H]
+(`PagedWrite.pallas`): a decode call (one new token per row) of a layer without a
+sliding window then runs the Pallas TPU paged-attention kernel (`paged_kernel`); every
+other call reads the same pool through the portable path here.
 """
 
 from __future__ import annotations
@@ -23,19 +28,27 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxrl_llm.models.attention import Mask, attention, resolve
+from jaxrl_llm.models.paged_kernel import decode_attention
 
 
 @struct.dataclass
 class PagedWrite:
     """Where a call's new tokens go: page [B, T] (the null page for masked tokens) and
-    offset [B, T] in it; table [B, M]: the rows' page tables (what each layer reads)."""
+    offset [B, T] in it; table [B, M]: the rows' page tables (what each layer reads);
+    start, length [B]: the rows' earlier slots [start, length). pallas: the pool is
+    head-major [K, L, P, S, H] and decode calls run the Pallas kernel (else [L, P, S, K,
+    H], the portable path only)."""
 
     table: jax.Array
     page: jax.Array
     offset: jax.Array
+    start: jax.Array
+    length: jax.Array
+    pallas: bool = struct.field(pytree_node=False, default=False)
 
 
-def paged_inputs(table, start, length, mask, page_size: int, null_page: int = 0):
+def paged_inputs(table, start, length, mask, page_size: int, null_page: int = 0,
+                 pallas: bool = False):  # fmt: skip
     """(positions [B, T], `Mask` over the M * page_size slots a row's table covers,
     `PagedWrite`) of T new tokens (mask [B, T]) after each row's slots [start, length).
 
@@ -43,7 +56,8 @@ def paged_inputs(table, start, length, mask, page_size: int, null_page: int = 0)
     does not advance them); a slot before `length` holds position slot - start. A query at
     slot length + t sees the earlier slots [start, length) and the real new tokens up to
     its own slot. The new tokens must fit the table: length + T <= M * page_size (a token
-    beyond it is written to the table's last page, as the gather path does)."""
+    beyond it is written to the table's last page, as the gather path does). pallas:
+    `PagedWrite.pallas`."""
     B, T = mask.shape
     M = table.shape[1]
     width = M * page_size
@@ -53,7 +67,10 @@ def paged_inputs(table, start, length, mask, page_size: int, null_page: int = 0)
     positions = jnp.maximum(before + jnp.cumsum(mask, -1, dtype=jnp.int32) - 1, 0)
     index = length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T] slots
     page = jnp.take_along_axis(table, jnp.minimum(index // page_size, M - 1), axis=1)
-    write = PagedWrite(table=table, page=jnp.where(mask, page, null_page), offset=index % page_size)
+    write = PagedWrite(
+        table=table, page=jnp.where(mask, page, null_page), offset=index % page_size,
+        start=start, length=length, pallas=pallas,
+    )  # fmt: skip
     slot = jnp.arange(width, dtype=jnp.int32)[None]  # [1, W]
     new = slot - length[:, None]  # the new token a slot holds (0 .. T-1), if any
     at = jnp.clip(new, 0, T - 1)
@@ -67,18 +84,35 @@ def paged_inputs(table, start, length, mask, page_size: int, null_page: int = 0)
 
 def write_layer(pool, layer, k, v, where: PagedWrite):
     """This layer's new keys/values k, v [B, T, K, H] into the pool (k, v) [L, P, S, K, H]
-    at [layer, page, offset] (in place when the pool's buffer is donated or carried)."""
+    at [layer, page, offset] (in place when the pool's buffer is donated or carried); a
+    head-major pool [K, L, P, S, H] (`where.pallas`) at [:, layer, page, offset]."""
     pk, pv = pool
+    if where.pallas:
+        k, v = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)  # [K, B, T, H]
+        return (
+            pk.at[:, layer, where.page, where.offset].set(k.astype(pk.dtype)),
+            pv.at[:, layer, where.page, where.offset].set(v.astype(pv.dtype)),
+        )
     return (
         pk.at[layer, where.page, where.offset].set(k.astype(pk.dtype)),
         pv.at[layer, where.page, where.offset].set(v.astype(pv.dtype)),
     )
 
 
-def layer_pages(pool, layer, table):
+def layer_pages(pool, layer, table, pallas: bool = False):
     """Layer `layer`'s keys and values of each row, in slot order: [B, M * S, K, H] each,
-    one gather from the pool (the layer's pages only; no slice of the layer is copied)."""
+    one gather from the pool (the layer's pages only; no slice of the layer is copied).
+    pallas: the pool is head-major [K, L, P, S, H] (`PagedWrite.pallas`)."""
     pk, pv = pool
+    if pallas:
+        K, L, P, S, H = pk.shape
+        B, M = table.shape
+
+        def take_heads(x):
+            pages = jnp.take(x.reshape(K, L * P, S, H), table + layer * P, axis=1)
+            return pages.reshape(K, B, M * S, H).transpose(1, 2, 0, 3)
+
+        return take_heads(pk), take_heads(pv)
     L, P, S, K, H = pk.shape
     B, M = table.shape
     rows = table + layer * P
@@ -95,8 +129,12 @@ def paged_attention(q, pool, layer, where: PagedWrite, mask: Mask, implementatio
     with the new tokens already, `write_layer`) -> [B, T, N, H]. mask: `paged_inputs`'
     (with this layer's window, if any). The full score matrix over the table's slots, or
     key blocks where `implementation` would not hold it (`blockwise`); the accelerators'
-    kernels take no per-row query slots, so they run as `blockwise` here."""
-    k, v = layer_pages(pool, layer, where.table)
+    kernels take no per-row query slots, so they run as `blockwise` here. A head-major
+    pool (`where.pallas`): a decode call (T = 1) without a window runs the Pallas TPU
+    kernel (`paged_kernel.decode_attention`, in interpret mode off TPU)."""
+    if where.pallas and q.shape[1] == 1 and mask.window is None:
+        return decode_attention(q, pool, layer, where.table, where.start, where.length)
+    k, v = layer_pages(pool, layer, where.table, where.pallas)
     name = resolve(implementation, jax.default_backend(), q.shape[1], k.shape[1])
     name = "xla" if name == "xla" else "blockwise"
     return attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, name, block)

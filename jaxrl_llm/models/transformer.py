@@ -152,7 +152,7 @@ def forward_after_prefix(
 
 def paged_forward(
     cfg: ModelConfig, params: Params, tokens, attention_mask, pool, table, start, length,
-    layers=None, null_page: int = 0,
+    layers=None, null_page: int = 0, pallas: bool = False,
 ):  # fmt: skip
     """T new tokens of each row after its slots [start, length) in a page pool ->
     (final-normed hidden [B,T,D], the pool with the real tokens' keys/values written at
@@ -164,10 +164,12 @@ def paged_forward(
     writes and reads its own pages in place (`paged_attention`): hidden equals `forward`
     of the row's tokens [start, length) followed by the real new tokens, at the new
     tokens' positions. layers: as in `forward_after_prefix` (inference, unrolled).
-    Forward only (the sampler's engine)."""
-    page_size = pool[0].shape[2]
+    pallas: the pool is head-major, (k, v) [K, L, pages, page_size, H], and decode calls
+    (T = 1) run the Pallas TPU kernel (`paged_attention.PagedWrite.pallas`). Forward
+    only (the sampler's engine)."""
+    page_size = pool[0].shape[3 if pallas else 2]
     positions, mask, where = paged_inputs(
-        table, start, length, attention_mask, page_size, null_page
+        table, start, length, attention_mask, page_size, null_page, pallas
     )
     hidden, pool, own = _model(cfg, params)(
         tokens, positions, mask, tuple(pool), layers=layers, paged=where

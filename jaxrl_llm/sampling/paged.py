@@ -68,24 +68,30 @@ from jaxrl_llm.sampling.spec import RolloutSpec
 
 @struct.dataclass
 class Pages:
-    """The page pool of every layer: k, v [L, pages, page_size, K, H] (page 0: null)."""
+    """The page pool of every layer: k, v [L, pages, page_size, K, H] (page 0: null), or
+    head-major [K, L, pages, page_size, H] when `pallas` (decode runs the Pallas TPU
+    kernel, which reads a layer's pages as [K, pages, page_size, H])."""
 
     k: jax.Array
     v: jax.Array
+    pallas: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3 if self.pallas else 2]
 
 
-def init_pages(cfg, pages: int, page_size: int, dtype=jnp.float32) -> Pages:
-    shape = (cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    return Pages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+def init_pages(cfg, pages: int, page_size: int, dtype=jnp.float32, pallas: bool = False) -> Pages:
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    shape = (K, L, pages, page_size, H) if pallas else (L, pages, page_size, K, H)
+    return Pages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pallas=pallas)
 
 
 def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
     """The keys/values of each sequence in slot order: table [B, M] page ids ->
-    (k, v) [L, B, M * page_size, K, H]."""
+    (k, v) [L, B, M * page_size, K, H]. The portable pool layout only."""
+    if pages.pallas:
+        raise ValueError("the gather path reads the portable pool layout, not the Pallas one")
     L, _, S, K, H = pages.k.shape
     B, M = table.shape
 
@@ -96,6 +102,18 @@ def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
 
 
 IMPLS = ("pages", "gather")  # forward_paged's attention paths
+ATTENTION = ("auto", "pages", "gather", "pallas")  # PagedSampler's attention settings
+
+
+def uses_pallas(cfg, attention: str, dtype, backend: str) -> bool:
+    """Whether the engine's pool is the Pallas kernel's (decode steps run the TPU kernel):
+    `attention="pallas"`, or "auto" on TPU for a model without sliding-window layers and
+    a bfloat16 pool (the kernel reads keys and values in bfloat16, so a float32 pool keeps
+    the portable path's precision)."""
+    if attention == "pallas":
+        return True
+    return (attention == "auto" and backend == "tpu" and not cfg.windowed
+            and jnp.dtype(dtype) == jnp.bfloat16)  # fmt: skip
 
 
 def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None,
@@ -106,7 +124,8 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length,
     [B, T, L, k] or None for a dense model). Masked tokens write to the null page.
 
     impl: "pages", each layer writes its new keys/values to its pages and attends to
-    them in place through the table (`models.paged_forward`); "gather", the portable
+    them in place through the table (`models.paged_forward`; decode calls run the Pallas
+    TPU kernel when the pool is its layout, `Pages.pallas`); "gather", the portable
     reference: every layer's pages gathered into a dense [L, B, M * page_size] prefix,
     `models.forward_after_prefix` over it, the new keys/values scattered after. The
     two agree within rounding at the real tokens (hidden and routes of masked tokens
@@ -114,7 +133,7 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length,
     if impl == "pages":
         hidden, (k, v), own = models.paged_forward(
             cfg, params, tokens, mask, (pages.k, pages.v), table, start, length, layers,
-            null_page=NULL_PAGE,
+            null_page=NULL_PAGE, pallas=pages.pallas,
         )  # fmt: skip
         return hidden, pages.replace(k=k, v=v), own
     if impl != "gather":
@@ -269,8 +288,11 @@ class PagedSampler:
       page_size: tokens per page.
       chunk_steps: decode steps per device loop between host checks.
       prefill_chunk: prompt tokens per prefill program (a multiple of page_size).
-      attention: `forward_paged`'s impl ("pages": each layer reads its pages in place;
-        "gather": the portable reference, every layer's pages gathered first).
+      attention: "pages": each layer reads its pages in place (`forward_paged`'s impl);
+        "gather": the portable reference, every layer's pages gathered first; "pallas":
+        "pages" with the pool in the Pallas TPU kernel's layout, decode steps run the
+        kernel (off TPU in interpret mode: tests); "auto": "pallas" where `uses_pallas`
+        says so (TPU, no sliding window, a bfloat16 model), else "pages".
 
     `traces` counts compiled programs; `stats` holds the last call's counters (decode
     chunks, prefills, preemptions, peak pages in use).
@@ -278,16 +300,19 @@ class PagedSampler:
 
     def __init__(self, model_cfg, mesh=None, *, seed=0, pad_id=0, bucket_steps=2, slots=0,
                  pages=0, page_size=16, chunk_steps=16, prefill_chunk=32,
-                 attention="pages"):  # fmt: skip
+                 attention="auto"):  # fmt: skip
         if page_size < 1 or prefill_chunk % page_size:
             raise ValueError(
                 f"prefill_chunk={prefill_chunk}: must be a multiple of page_size={page_size}"
             )
         if chunk_steps < 1 or slots < 0 or pages < 0:
             raise ValueError("chunk_steps must be >= 1, slots and pages >= 0")
-        if attention not in IMPLS:
-            raise ValueError(f"attention={attention!r}: expected one of {IMPLS}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
+        if attention == "pallas" and model_cfg.windowed:
+            raise ValueError("attention='pallas': the kernel has no sliding window")
         self.attention = attention
+        self.impl = "gather" if attention == "gather" else "pages"  # `forward_paged`'s
         self.cfg, self.mesh = model_cfg, mesh
         self.seed, self.pad_id = int(seed), int(pad_id)
         self.slots, self.pages, self.page_size = slots, pages, page_size
@@ -302,7 +327,8 @@ class PagedSampler:
         self._slice = jax.jit(models.layer_params)
         # The pool is made on device (zeros from the host would be an implicit transfer).
         where = None if mesh is None else NamedSharding(mesh, P())
-        self._pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3), out_shardings=where)
+        self._init_pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3, 4),
+                                  out_shardings=where)  # fmt: skip
 
     # ----------------------------------------------------------- Sampler's interface
     @property
@@ -432,6 +458,11 @@ class PagedSampler:
         sharding = self.row_sharding
         return jax.tree.map(lambda x: jax.device_put(x, sharding), out)
 
+    def _pool(self, cfg, pages: int, page_size: int, dtype) -> Pages:
+        """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so."""
+        pallas = uses_pallas(cfg, self.attention, dtype, jax.default_backend())
+        return self._init_pool(cfg, pages, page_size, dtype, pallas)
+
     # ----------------------------------------------------------------- device programs
     def weights(self, params) -> tuple:
         """The parameters as the engine's programs take them: (params, each unrolled
@@ -450,14 +481,14 @@ class PagedSampler:
         key = jax.random.fold_in(jax.random.key(seed_step[0]), seed_step[1])
         params, layers = weights
         return decode_chunk(self.cfg, params, pages, slots, prompt_logits, key, stops, steps,
-                            spec, self.attention, layers)  # fmt: skip
+                            spec, self.impl, layers)  # fmt: skip
 
     def _prefill_program(self, weights, pages, prompt_logits, index, tokens, mask, table, start,
                          length):  # fmt: skip
         self.traces["prefill", tokens.shape, pages.k.shape] += 1
         params, layers = weights
         return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
-                             table, start, length, self.attention, layers)  # fmt: skip
+                             table, start, length, self.impl, layers)  # fmt: skip
 
     def decode_slots(self, weights, pages, host: dict, occupied, held: int, prompt_logits,
                      seed_step, stops, spec):  # fmt: skip
