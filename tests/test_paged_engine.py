@@ -234,6 +234,10 @@ def test_config_refuses_what_the_paged_engine_does_not_do(tmp_path):
     c.rollout.partial, c.rollout.paged.prefill_chunk = False, 20
     with pytest.raises(config_lib.ConfigError, match="multiple of rollout.paged.page_size"):
         checks.check_engine(c, 1)
+    c.rollout.paged.prefill_chunk, c.rollout.paged.attention = 64, "splash"
+    with pytest.raises(config_lib.ConfigError, match="rollout.paged.attention='splash'"):
+        checks.check_engine(c, 1)
+    c.rollout.paged.attention = "auto"
     c.rollout.engine = "vllm"
     with pytest.raises(config_lib.ConfigError, match="rollout.engine='vllm'"):
         checks.check_engine(c, 1)

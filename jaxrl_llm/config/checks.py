@@ -262,6 +262,10 @@ def check_engine(config, process_count: int) -> None:
         value = p[key]
         _check(isinstance(value, int) and value >= 1,
                f"rollout.paged.{key}={value!r}: must be an integer >= 1")  # fmt: skip
+    names = ("auto", "pages", "gather", "pallas")  # sampling.paged.ATTENTION
+    _check(p.attention in names,
+           f"rollout.paged.attention={p.attention!r}: expected one of "
+           f"{', '.join(names)}")  # fmt: skip
     _check(p.prefill_chunk % p.page_size == 0,
            f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
            f"rollout.paged.page_size={p.page_size}")  # fmt: skip

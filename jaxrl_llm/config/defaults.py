@@ -196,6 +196,12 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     r.paged.page_size = 16  # tokens per page
     r.paged.chunk_steps = 16  # decode steps on device between host checks
     r.paged.prefill_chunk = 64  # prompt tokens per prefill program (a multiple of page_size)
+    # Attention over the pages (docs/sampling.md#paged-engine): auto = JAX's Pallas TPU
+    # paged-attention kernel for decode steps on TPU (bfloat16 model, no sliding window),
+    # else the portable path; pages = the portable path everywhere (never run the kernel);
+    # gather = the portable reference (every layer's pages gathered first); pallas = the
+    # kernel on any backend and dtype (interpret mode off TPU: slow, for checks).
+    r.paged.attention = "auto"
     return r
 
 

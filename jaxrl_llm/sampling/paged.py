@@ -29,10 +29,13 @@ pages and the queries attend to the layer's pages of each row through its table
 (`models.paged_forward`, `models/paged_attention.py`), in the model's own layer code, so
 every architecture the model supports runs here; `attention="gather"` keeps the
 portable reference (every layer's pages gathered into a dense block,
-`models.forward_after_prefix` over it). Randomness: row n's t-th draw uses
-fold_in(fold_in(fold_in(key(seed), step), n), t), independent of which slot, chunk or
-neighbours it had; greedy (temperature 0) draws the static sampler's tokens. Log-probs
-are the static sampler's: log softmax(logits / temperature) of the drawn token.
+`models.forward_after_prefix` over it). On TPU (`attention="auto"`, `uses_pallas`) the
+pool is laid out for JAX's Pallas paged-attention kernel and decode steps run it
+(`models/paged_kernel.py`); prefill reads the same pool through the portable path.
+Randomness: row n's t-th draw uses fold_in(fold_in(fold_in(key(seed), step), n), t),
+independent of which slot, chunk or neighbours it had; greedy (temperature 0) draws the
+static sampler's tokens. Log-probs are the static sampler's: log softmax(logits /
+temperature) of the drawn token.
 
 Results come back in request order as a `SampleOutput` (tokens, masks, log-probs, lengths,
 finish reasons, prompts at their bucket width, policy version), rows on the mesh like the

@@ -115,7 +115,8 @@ def make_sampler(config, model_cfg, mesh, pad_id: int):
         p = r.paged
         return sampling.PagedSampler(
             model_cfg, mesh, slots=p.slots, pages=p.pages, page_size=p.page_size,
-            chunk_steps=p.chunk_steps, prefill_chunk=p.prefill_chunk, **common,
+            chunk_steps=p.chunk_steps, prefill_chunk=p.prefill_chunk, attention=p.attention,
+            **common,
         )  # fmt: skip
     return sampling.Sampler(model_cfg, mesh, cache_segments=r.cache_segments, **common)
 
