@@ -134,7 +134,8 @@ def decode_attention(q, pool, layer, table, start, length):
     pk, pv = pool
     K, L, P, S, H = pk.shape
     B, M = table.shape
-    q = q[:, 0] * jnp.asarray(H**-0.5, q.dtype)
+    dtype = q.dtype
+    q = q[:, 0].astype(jnp.float32) * H**-0.5  # scaled in float32, as the portable scores
     k_pages, v_pages = pk.reshape(K, L * P, S, H), pv.reshape(K, L * P, S, H)
     start = start.astype(jnp.int32)
     end = jnp.minimum(length.astype(jnp.int32) + 1, M * S)  # a non-fed row may be full
@@ -150,4 +151,4 @@ def decode_attention(q, pool, layer, table, start, length):
     valid = (slot >= start[:, None]) & (slot < jnp.minimum(first * S, end)[:, None])
     part = partial_page(q, jnp.take(k_pages, page, axis=1), jnp.take(v_pages, page, axis=1),
                         valid)  # fmt: skip
-    return merge(whole, part)[:, None].astype(q.dtype)
+    return merge(whole, part)[:, None].astype(dtype)
