@@ -31,7 +31,15 @@ def setup():
         yield cfg, models.init_params(cfg, seed=3), tok, pool
 
 
-def play(setup, engine, examples=EXAMPLES, G=2, temperature=0.0, params=None):
+@pytest.fixture(scope="module")
+def small_engine(setup):
+    """3 slots over 18 pages of 4 tokens (the tests that share it compile its programs
+    once)."""
+    return sampling.PagedSampler(setup[0], seed=5, slots=3, pages=18, page_size=4,
+                                 chunk_steps=4, prefill_chunk=8)  # fmt: skip
+
+
+def play(setup, engine, examples=EXAMPLES, G=2, temperature=0.0, params=None, refresh=None):
     cfg, own, tok, pool = setup
     renderer = envs.Renderer(tok, use_chat=False)
     trajs, observations = pool.reset(examples)
@@ -41,7 +49,8 @@ def play(setup, engine, examples=EXAMPLES, G=2, temperature=0.0, params=None):
                                 stop_ids=SETTINGS.end_of_turn_ids)  # fmt: skip
     player = envs.play if isinstance(engine, sampling.Sampler) else envs.play_paged
     out, turns = player(engine, own if params is None else params, ids, mask, spec, SETTINGS,
-                        pool, trajs, renderer, tok, step=1, version=3)  # fmt: skip
+                        pool, trajs, renderer, tok, step=1, version=3,
+                        refresh=refresh)  # fmt: skip
     return out, turns, [t.end for t in trajs], spec
 
 
@@ -77,16 +86,14 @@ def test_greedy_trajectories_equal_the_static_turn_loop(setup):
     assert np.abs(np.asarray(teacher) - np.asarray(out.logprobs))[loss_mask].max() <= 1e-5
 
 
-def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup):
+def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup, small_engine):
     """Temperature 0.8, 3 slots over a small pool: the behaviour log-probs of the sampled
     tokens equal the trainer's teacher-forced ones (1e-5), observation tokens have loss
     mask 0 and log-prob 0; and the first two prompts' rows draw the same trajectories
     when played without the others, a slot each (a row's keys follow its index and its
     token count, not its slot, chunk or neighbours)."""
     cfg, params, _, _ = setup
-    engine = sampling.PagedSampler(cfg, seed=5, slots=3, pages=18, page_size=4,
-                                   chunk_steps=4, prefill_chunk=8)  # fmt: skip
-    out, turns, _, spec = play(setup, engine, EXAMPLES[1:], 2, 0.8)
+    out, turns, _, spec = play(setup, small_engine, EXAMPLES[1:], 2, 0.8)
     teacher = np.asarray(rl.make_logprob_fn(cfg, spec, chunk_size=16)(params, out))
     mask, loss_mask = np.asarray(out.mask), np.asarray(out.loss_mask)
     logprobs = np.asarray(out.logprobs)
@@ -106,11 +113,71 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup):
                                       np.asarray(getattr(out, name))[:4], err_msg=name)  # fmt: skip
 
 
+def test_moe_routes_equal_the_static_turn_loops(setup):
+    """A tiny Qwen3-MoE at temperature 0, 4 slots for 6 rows over a pool of 17 pages
+    (parked rows evicted, come back by recompute): `play_paged`'s routes [N, P + T, L, k]
+    equal `envs.play`'s at every real token but each row's last (a prompt's from its
+    shared prefill, a sampled token's from the step that feeds it, a turn's last token and
+    the observation after it from the prefill that appends them, or a recompute's), and
+    are -1 at padding, past the end and at each row's last drawn token (never fed here;
+    the static loop feeds a stop token when other rows go on, and no log-prob the
+    trainer scores reads that token's route)."""
+    cfg = tiny_model_config(
+        architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, initializer_range=0.2, vocab_size=33,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    params = models.init_params(cfg, seed=1)
+    examples = EXAMPLES[1:4]
+    static = sampling.Sampler(cfg, seed=5, cache_segments=1)
+    ref, ref_turns, *_ = play(setup, static, examples, params=params)
+    engine = sampling.PagedSampler(cfg, seed=5, slots=4, pages=18, page_size=4, chunk_steps=3,
+                                   prefill_chunk=8)  # fmt: skip
+    out, turns, *_ = play(setup, engine, examples, params=params)
+    assert engine.stats["evicted"] + engine.stats["preempted"] > 0, engine.stats
+    assert max(turns.model_turns) >= 3 and turns.spans == ref_turns.spans
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    routes, expected = np.asarray(out.routes), np.asarray(ref.routes)
+    assert routes.shape == expected.shape and routes.dtype == expected.dtype
+    real = np.concatenate([np.asarray(out.prompt_mask), np.asarray(out.mask)], axis=1)
+    fed = real.copy()
+    fed[np.arange(len(real)), out.prompt_tokens.shape[1] + np.asarray(out.lengths) - 1] = False
+    np.testing.assert_array_equal(routes[fed], expected[fed])
+    assert (routes[fed] >= 0).all()
+    assert (routes[~fed] == -1).all()
+
+
+def test_a_swap_between_chunks_recomputes_every_row(setup, small_engine):
+    """Partial rollouts (`refresh`): newer parameters (version 4) come after the third
+    decode chunk and are swapped in; every sampled token's behaviour log-prob equals the
+    teacher-forced one under the parameters of the version `Turns.versions` records for
+    it (1e-5), some rows hold tokens of both versions, versions only grow along a row,
+    observations record -1, and each row's policy_version is the one it started with."""
+    cfg, p0, _, _ = setup
+    p1 = models.init_params(cfg, seed=4)
+    calls = []
+
+    def refresh():
+        calls.append(len(calls))
+        return (p0, 3) if len(calls) < 3 else (p1, 4)
+
+    out, turns, _, spec = play(setup, small_engine, EXAMPLES[1:], 2, 0.8, refresh=refresh)
+    assert small_engine.stats["swaps"] == 1 and len(calls) >= 3
+    loss_mask, v = np.asarray(out.loss_mask), turns.versions
+    np.testing.assert_array_equal(v >= 0, loss_mask)
+    assert np.all(np.asarray(out.policy_version) == 3)
+    teacher = rl.make_logprob_fn(cfg, spec, chunk_size=16)
+    want = np.where(v == 4, np.asarray(teacher(p1, out)), np.asarray(teacher(p0, out)))
+    assert np.abs(want - np.asarray(out.logprobs))[loss_mask].max() <= 1e-5
+    both = [(row[row >= 0] == 3).any() and (row == 4).any() for row in v]
+    assert any(both)
+    assert all(np.all(np.diff(row[row >= 0]) >= 0) for row in v)
+
+
 def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
     """rollout.engine='paged' with env.name in rollout.mode='sync': 2 GRPO steps of the
     tiny model on the 8-device mesh (fsdp 4 x tensor 2; 4 slots for 8 trajectories); the
-    engine refuses partial rollouts with environments in one line."""
-    from jaxrl_llm import config as config_lib
+    config check passes partial rollouts and routing replay with environments."""
     from jaxrl_llm import train
     from jaxrl_llm.config import checks
     from jaxrl_llm.trainer.metrics import read_metrics
@@ -128,17 +195,20 @@ def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
     assert [m["step"] for m in logged] == [1, 2]
     assert np.isfinite(last["loss/total"]) and last["env/turns_mean"] >= 1
     c.rollout.mode, c.rollout.partial = "split", True
-    with pytest.raises(config_lib.ConfigError, match="environments .* rollout.partial=True"):
-        checks.check_engine(c, 1)
+    checks.check_engine(c, 1)  # partial rollouts: `TurnSession.swap`
+    c.algo.routing_replay = "rollout"  # the engine records the turns' MoE routes
+    checks.check_env(c, c.algo)
 
 
 @pytest.mark.parametrize("mode", ["overlap", "split"])
 def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_path, monkeypatch):
     """rollout.engine='paged' with env.name in 'overlap' (the training mesh) and 'split'
-    (4 rollout devices): the rollout thread plays each step's trajectories on the engine
-    (`envs.play_paged`), within max_staleness 1 (reached while the learner is slow); each
-    row's policy_version is the version the thread started it with, and every sampled
-    token's recorded version is that one, -1 on observation tokens and past the end."""
+    (4 rollout devices, partial rollouts): the rollout thread plays each step's
+    trajectories on the engine (`envs.play_paged`), within max_staleness 1 (reached while
+    the learner is slow); each row's policy_version is the version the thread started it
+    with, and every sampled token's recorded version is that one (split: that one or a
+    newer one published while it played, up to the step's), -1 on observation tokens and
+    past the end."""
     from test_env_async import env_config
 
     from jaxrl_llm import train
@@ -150,6 +220,7 @@ def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_pat
     c = env_config(make_model_dir(str(tmp_path / "model")), mode, steps)
     c.rollout.engine, c.rollout.paged.slots, c.rollout.paged.page_size = "paged", 4, 8
     c.rollout.paged.prefill_chunk = 16
+    c.rollout.partial = mode == "split"
     take, step, seen = RolloutThread.take, Run.step, []
 
     def checked_take(self, t):
@@ -158,6 +229,9 @@ def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_pat
         assert np.all(np.asarray(item.out.policy_version) == item.version)
         v, loss_mask = item.token_versions, np.asarray(item.out.loss_mask)
         assert v.shape == (8, 16)
+        if mode == "split":  # partial: newer parameters swapped in while it plays
+            assert np.all((v[loss_mask] >= item.version) & (v[loss_mask] <= t))
+            v = np.where(loss_mask, item.version, v)
         np.testing.assert_array_equal(v, np.where(loss_mask, item.version, -1))
         assert loss_mask.any(axis=1).all()
         seen.append((t, item.version))

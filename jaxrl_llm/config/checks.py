@@ -246,7 +246,8 @@ def check_engine(config, process_count: int) -> None:
     """rollout.engine and, for 'paged', its settings and what it does not combine with yet
     (every rollout.mode is served: `trainer.paged_stream` in overlap and split;
     environments and the gateway in every mode: `envs.play_paged`, `gateway.rollout`,
-    played by the rollout thread outside sync, but not with partial rollouts)."""
+    played by the rollout thread outside sync; partial rollouts for environments, not
+    for the gateway)."""
     r = config.rollout
     _check(
         r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
@@ -269,12 +270,10 @@ def check_engine(config, process_count: int) -> None:
     _check(p.prefill_chunk % p.page_size == 0,
            f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
            f"rollout.paged.page_size={p.page_size}")  # fmt: skip
-    turns = "environments (env.name)" if config.env.name else "the gateway (agent.entry)"
-    _check(not (r.partial and (config.env.name or config.agent.entry)),
-           f"rollout.engine='paged' does not play {turns} with rollout.partial=True: a "
-           f"parked row's pages were computed by the older parameters, and the engine "
-           f"recomputes them on a swap only for single-turn rows; use rollout.partial=False "
-           f"or rollout.engine='static'")  # fmt: skip
+    _check(not (r.partial and config.agent.entry and not config.env.name),
+           "rollout.engine='paged' does not serve the gateway (agent.entry) with "
+           "rollout.partial=True: an episode's turn records one version per request; use "
+           "rollout.partial=False or rollout.engine='static'")  # fmt: skip
     _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
 
 
@@ -428,11 +427,6 @@ def check_env(config, algo) -> None:
     _check(e.workers >= 0, f"env.workers={e.workers}: must be >= 0 (0 = CPU count)")
     _check(e.memory_mb >= 0, f"env.memory_mb={e.memory_mb}: must be >= 0 (0 = no cap)")
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with env.name yet")
-    _check(
-        config.rollout.engine != "paged" or algo.routing_replay in (None, "none"),
-        "algo.routing_replay='rollout': the paged engine's multi-turn rollouts do not record "
-        "expert routes; use algo.routing_replay='none' or rollout.engine='static'",
-    )
     _check(
         config.rollout.mode != "overlap" or jax.process_count() == 1,
         "rollout.mode='overlap' with env.name runs on one host (its trajectories are played "

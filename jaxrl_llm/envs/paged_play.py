@@ -20,7 +20,15 @@ completion, the observation and a turn past the model's positions; the static lo
 shared cache layout can end a row on `context` earlier). At temperature 0 the tokens,
 masks, lengths, finish reasons and `Turns` equal `loop.play`'s row by row; sampled rows
 draw each row's t-th token with its own key (`TurnSession`), not the static sampler's.
-Single process, no partial rollouts (`refresh`), no MoE routes (`routes` is None).
+An MoE model's `routes` are laid out as `loop.play`'s (`TurnSession.trajectory_routes`).
+Single process.
+
+Partial rollouts (`refresh`): before each decode chunk after the first, `refresh()` gives
+the newest parameters and their version; when they are newer, the session swaps them in
+(`TurnSession.swap`: every row's keys and values recomputed by them, in its next prefill)
+and the rows draw on with them. The static loop switches between turns, all rows at once;
+here the switch comes between chunks, so a turn may hold tokens of two versions.
+`Turns.versions` records the version that drew each sampled token either way.
 """
 
 from __future__ import annotations
@@ -40,9 +48,8 @@ def play_paged(engine, params, prompt_ids, prompt_mask, spec, settings: TurnSett
                refresh=None):  # fmt: skip
     """Plays every trajectory to its end on `engine` -> (SampleOutput [n,
     max_total_tokens], Turns), as `loop.play`. mesh: unused (the engine's rows come out
-    in its row sharding); refresh: must be None (no partial rollouts here)."""
-    if refresh is not None:
-        raise ValueError("play_paged: partial rollouts (refresh) need the static sampler")
+    in its row sharding); refresh: None, or a function -> (newest params, their version),
+    read before every decode chunk after the first."""
     s, n = settings, len(trajs)
     ids, mask = engine.bucketed(prompt_ids, prompt_mask)
     G = spec.num_generations
@@ -58,13 +65,17 @@ def play_paged(engine, params, prompt_ids, prompt_mask, spec, settings: TurnSett
     session.submit(ids, mask, s.turn_tokens, [t.live for t in trajs])
     turns = Turns([[] for _ in range(n)], np.zeros(n, np.int64), np.zeros(n, np.int64),
                   np.full((n, T), -1, np.int64))  # fmt: skip
-    game = _Game(session, s, trajs, turns, renderer, tokenizer, version,
+    game = _Game(session, s, trajs, turns, renderer, tokenizer,
                  engine.cfg.max_position_embeddings)  # fmt: skip
     stepper = _Stepper(pool, trajs)
     try:
         while session.busy or stepper.waiting:
             for i, observation in stepper.collect(block=not session.busy):
                 game.observed(i, observation)
+            if refresh is not None and session.busy and session.stats["decode_chunks"]:
+                newest, newest_version = refresh()
+                if newest_version != session.version:  # the rows' caches recomputed by them
+                    session.swap(newest, newest_version)
             for i in session.run_chunk():
                 stepper.submit(i, *game.turn_ended(i))
     finally:
@@ -77,10 +88,9 @@ class _Game:
     """The decode loop's side of the trajectories: turns ended, observations back."""
 
     def __init__(self, session, s: TurnSettings, trajs, turns: Turns, renderer, tokenizer,
-                 version: int, limit: int):  # fmt: skip
+                 limit: int):  # fmt: skip
         self.session, self.s, self.trajs, self.turns = session, s, trajs, turns
-        self.renderer, self.tokenizer, self.version, self.limit = (
-            renderer, tokenizer, version, limit)  # fmt: skip
+        self.renderer, self.tokenizer, self.limit = renderer, tokenizer, limit
 
     def turn_ended(self, i: int) -> tuple[str, int | None]:
         """Records row i's turn -> (its action text, the observation's bound in
@@ -88,7 +98,7 @@ class _Game:
         row, s, turns = self.session.result(i), self.s, self.turns
         a, b = row.turn_from, len(row.tokens)
         turns.spans[i].append(("model", a, b))
-        turns.versions[i, a:b] = self.version
+        turns.versions[i, a:b] = row.versions[a:b]  # the version that drew each token
         turns.model_turns[i] += 1
         room = s.max_total_tokens - b - s.turn_tokens
         last = turns.model_turns[i] == s.max_turns
@@ -181,7 +191,8 @@ class _Stepper:
 
 def _output(engine, session, ids, mask, spec, s: TurnSettings, turns: Turns, version: int):
     """`loop.play`'s SampleOutput: each row's completion (sampled tokens with their
-    log-probs, observations with loss mask 0) in max_total_tokens columns."""
+    log-probs, observations with loss mask 0) in max_total_tokens columns, and its
+    routes (MoE) prompt then completion."""
     G, T, n = spec.num_generations, s.max_total_tokens, len(turns.spans)
     tokens = np.full((n, T), engine.pad_id, np.int32)
     real, sampled = np.zeros((n, T), bool), np.zeros((n, T), bool)
@@ -198,6 +209,6 @@ def _output(engine, session, ids, mask, spec, s: TurnSettings, turns: Turns, ver
         tokens=tokens, mask=real, loss_mask=sampled, logprobs=logprobs, lengths=lengths,
         finish=finish, prompt_tokens=np.repeat(ids, G, axis=0),
         prompt_mask=np.repeat(mask, G, axis=0), policy_version=np.full(n, version, np.int32),
-        num_generations=G,
+        num_generations=G, routes=session.trajectory_routes(ids, mask, n),
     )  # fmt: skip
     return jax.tree.map(lambda x: jax.device_put(x, engine.row_sharding), out)

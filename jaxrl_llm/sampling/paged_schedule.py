@@ -243,7 +243,7 @@ class Session:
         """Takes pages for a sequence (real token ids) and queues its prefill (run by
         `_run_prefills`) -> (pages, padded length, start), or None when the pool lacks
         the pages. record: (request, b) whose prompt routes the prefill gives (MoE), or
-        None."""
+        None (`TurnSession`: a function given the routes of the sequence's real tokens)."""
         C, PS = self.C, self.PS
         p = len(tokens)
         padded = -(-p // C) * C

@@ -31,14 +31,27 @@ to its prompt's shared pages.
 
 Row r draws its t-th sampled token of the whole trajectory with
 fold_in(fold_in(fold_in(key(seed), step), r), t), whatever slot, chunk, neighbours or
-evictions it had, so greedy decoding draws the static sampler's tokens. MoE routes are
-not recorded here.
+evictions it had, so greedy decoding draws the static sampler's tokens.
+
+MoE routes (`routes`, laid out as the static turn loop's `SampleOutput.routes`): each
+token's experts from the forward that first fed it: a prompt's from its first shared
+prefill, a sampled token's from the decode step that feeds it, the pending token and an
+observation's ids from the prefill that appends them (or, for a row evicted before they
+were appended, from its recompute). A recompute feeds tokens again and keeps the routes
+they already have; each row's last drawn token, never fed, keeps -1.
+
+Partial rollouts (`swap`, between chunks): newer parameters replace the old ones; every
+row in a slot is preempted and every parked row evicted, the prompts' pages dropped, so
+each row comes back by recompute under the new parameters (prompt and completion so far
+prefilled) and draws on with them. Each sampled token records the version that drew it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import numpy as np
 
 from jaxrl_llm.sampling.paged_schedule import NULL_PAGE, PREFILL_BATCH, Session
@@ -55,7 +68,9 @@ class _Traj:
     sampled: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)  # -1 on appended tokens
+    at: list = dataclasses.field(default_factory=list)  # completion index of each sampled one
     n: int = 0  # sampled tokens so far (the next draw's key index)
+    seated: int = 0  # n when it took its slot (its slot's routes start there)
     budget: int = 0  # n at which the current turn ends
     turn_from: int = 0  # completion index where the current turn began
     stopped: bool = False  # the last turn ended on a stop id
@@ -65,6 +80,8 @@ class _Traj:
     start: int = 0  # first valid cache slot
     length: int = 0  # cache slots written
     base: int = 0  # cache slot of completion token 0
+    routes: np.ndarray | None = None  # MoE: [T, L, k] int16 per completion token, -1: none
+    fed: int = 0  # completion tokens whose routes are recorded (a prefix)
 
     @property
     def held(self) -> int:
@@ -103,6 +120,7 @@ class TurnSession(Session):
         self.trajs: dict = {}
         self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
         self.stats.update(evicted=0, appends=0)
+        self.prompt_routes: dict = {}  # MoE: prompt -> its real tokens' routes [p, L, k]
 
     # ------------------------------------------------------------------------ rows
     def submit(self, ids: np.ndarray, mask: np.ndarray, turn_tokens: int, live) -> None:
@@ -114,7 +132,8 @@ class TurnSession(Session):
         for r in range(B * G):
             b = r // G
             if live[r] and mask[b].any():
-                t = _Traj(row=r, b=b, prompt=ids[b][mask[b]], budget=int(turn_tokens))
+                t = _Traj(row=r, b=b, prompt=ids[b][mask[b]], budget=int(turn_tokens),
+                          routes=self._no_routes())  # fmt: skip
                 self.trajs[r] = t
                 self.waiting.append(t)
 
@@ -125,7 +144,8 @@ class TurnSession(Session):
         pages and first-draw logits row are its own (shared with no other row)."""
         prompt = np.asarray(ids, np.int32)
         self._fit(len(prompt))
-        t = _Traj(row=int(r), b=("row", int(r)), prompt=prompt, budget=int(turn_tokens))
+        t = _Traj(row=int(r), b=("row", int(r)), prompt=prompt, budget=int(turn_tokens),
+                  routes=self._no_routes())  # fmt: skip
         self.trajs[t.row] = t
         self.waiting.append(t)
 
@@ -162,6 +182,57 @@ class TurnSession(Session):
 
     def result(self, r: int) -> _Traj:
         return self.trajs[r]
+
+    def swap(self, params, version: int) -> None:
+        """Decodes on with `params` (version `version`): the keys and values of every row
+        were computed by the older parameters, so rows in slots are preempted (the oldest
+        ends up first in line), parked rows evicted and the prompts' pages dropped; each
+        row comes back by recompute under `params` (a row that drew nothing by a new
+        prefill of its prompt). Tokens drawn so far keep their log-probs and versions."""
+        for s in reversed(list(self.order)):
+            self._preempt(s, count=False)
+        for t in list(self.holders.values()):
+            self._unpage(t)
+        for b in list(self.prompt_pages):
+            self._drop_prompt(b)
+        for t in self.trajs.values():
+            t.shared = None
+        self.weights, self.version = self.e.weights(params), int(version)
+        self.stats["swaps"] += 1
+
+    def trajectory_routes(self, ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray | None:
+        """The routes of `submit`'s n rows over prompts ids / mask [B, width] ->
+        [n, width + T, L, k] int16 as the static turn loop lays them out (prompt, then
+        completion; -1 at padding, at each row's last drawn token and past its end); None
+        for a dense model."""
+        if not self.e.cfg.moe:
+            return None
+        cfg, (B, width) = self.e.cfg, ids.shape
+        G = n // B
+        out = np.full((n, width + self.T, cfg.num_layers, cfg.num_experts_per_tok), -1,
+                      np.int16)  # fmt: skip
+        for i in range(n):
+            if i // G in self.prompt_routes:
+                out[i, :width][mask[i // G]] = self.prompt_routes[i // G]
+            if i in self.trajs:
+                out[i, width:] = self.trajs[i].routes
+        return out
+
+    # ------------------------------------------------------------------------ routes
+    def _no_routes(self) -> np.ndarray | None:
+        cfg = self.e.cfg
+        if not cfg.moe:
+            return None
+        return np.full((self.T, cfg.num_layers, cfg.num_experts_per_tok), -1, np.int16)
+
+    def _record(self, t: _Traj, first: int, routes: np.ndarray) -> None:
+        """Routes [m, L, k] of t's completion tokens first .. first + m - 1 (a negative
+        index: a prompt token), fed by a prefill: kept where t has none yet (a token's
+        routes are its first feed's)."""
+        end = first + len(routes)
+        if end > t.fed:
+            t.routes[t.fed : end] = routes[t.fed - first :]
+            t.fed = end
 
     # ------------------------------------------------------------------------ pages
     def _unshare(self, t: _Traj) -> None:
@@ -226,6 +297,7 @@ class TurnSession(Session):
             h["start"][s], h["length"][s], h["cap"][s] = t.start, t.length, t.held * self.PS
             h["last"][s], h["fresh"][s], h["live"][s], h["stopped"][s] = self.e.pad_id, 1, 1, 0
             h["n"][s], h["budget"][s], h["row"][s], h["prompt"][s] = n, t.budget, t.row, prompt_row
+            t.seated = n
             h["tokens"][s], h["logprobs"][s] = self.e.pad_id, 0
             if "routes" in h:
                 h["routes"][s] = -1
@@ -246,12 +318,18 @@ class TurnSession(Session):
             C = self.C
             seq = np.full(-(-len(add) // C) * C, self.e.pad_id, np.int32)
             seq[: len(add)] = add
-            self.prefills.append((seq, 0, len(add), t.length, t.start, list(t.table), logits))
+            record = None if t.routes is None else functools.partial(self._record, t, t.cached)
+            self.prefills.append((seq, 0, len(add), t.length, t.start, list(t.table), logits,
+                                  record))  # fmt: skip
             t.length += len(add)
             self.stats["appends"] += 1
             return logits
         if t.tokens:  # evicted or preempted: prompt and completion recomputed
-            got = self._prefill(np.concatenate([t.prompt, t.tokens]).astype(np.int32), logits)
+            record = None
+            if t.routes is not None:  # the prompt's tokens first: completion index -p
+                record = functools.partial(self._record, t, -len(t.prompt))
+            seq = np.concatenate([t.prompt, t.tokens]).astype(np.int32)
+            got = self._prefill(seq, logits, record)
             if got is None:
                 return None
             pages, padded, start = got
@@ -261,7 +339,10 @@ class TurnSession(Session):
         if t.b not in self.prompt_pages:  # the first of its prompt's rows
             if not self.logit_rows:
                 return None
-            got = self._prefill(t.prompt, self.logit_rows[-1])
+            record = None
+            if t.routes is not None and t.b not in self.prompt_routes:
+                record = functools.partial(self.prompt_routes.setdefault, t.b)
+            got = self._prefill(t.prompt, self.logit_rows[-1], record)
             if got is None:
                 return None
             rows = sum(1 for w in self.waiting if w.b == t.b and not w.tokens and w.shared is None)
@@ -308,9 +389,10 @@ class TurnSession(Session):
         from `_seat`), up to PREFILL_BATCH sequences per program, chunks aligned at the
         end (`Session._run_prefills`). A job writes seq's tokens [lo, hi) at cache slots
         offset + their index, chunk by chunk; its logits row ends with the logits after
-        its last token."""
+        its last token; its record (MoE), if any, is given the routes of those tokens
+        [hi - lo, L, k]."""
         C, e = self.C, self.e
-        jobs = [j if len(j) == 7 else (j[0], j[1], len(j[0]), 0, j[1], j[2], j[3])
+        jobs = [j if len(j) == 8 else (j[0], j[1], len(j[0]), 0, j[1], j[2], j[3], j[4])
                 for j in self.prefills]  # fmt: skip
         self.prefills = []
         for at in range(0, len(jobs), PREFILL_BATCH):
@@ -321,8 +403,9 @@ class TurnSession(Session):
             table = np.zeros((b, self._width(max(len(j[5]) for j in batch))), np.int32)
             start = np.zeros(b, np.int32)
             index = np.full(b, self.scratch, np.int32)
-            for i, (_, _, _, _, first, pages, row) in enumerate(batch):
+            for i, (_, _, _, _, first, pages, row, _) in enumerate(batch):
                 table[i, : len(pages)], start[i], index[i] = pages, first, row
+            owns = []
             for k in range(K):
                 tokens = np.full((b, C), e.pad_id, np.int32)
                 mask = np.zeros((b, C), bool)
@@ -335,11 +418,18 @@ class TurnSession(Session):
                     where = np.arange(c * C, (c + 1) * C)
                     mask[i] = (where >= lo) & (where < hi)
                     length[i] = offset + c * C
-                self.pages, self.prompt_logits, _ = e._prefill(  # noqa: SLF001
+                self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
                     self.weights, self.pages, self.prompt_logits,
                     *e._put((index, tokens, mask, table, start, length)),  # noqa: SLF001
                 )  # fmt: skip
+                owns.append(own)
                 self.stats["prefill_calls"] += 1
+            if owns[0] is not None and any(j[7] is not None for j in batch):
+                owns = jax.device_get(owns)  # K x [b, C, L, k]
+                for i, (_, lo, hi, *_, record) in enumerate(batch):
+                    if record is not None:  # its chunks, in the last chunks[i] calls
+                        got = np.concatenate([o[i] for o in owns[K - chunks[i] :]], axis=0)
+                        record(got[lo:hi])
 
     def run_chunk(self) -> list:
         """Seats waiting rows, decodes one chunk of the occupied slots -> the rows whose
@@ -360,11 +450,16 @@ class TurnSession(Session):
             t = self.owner[s]
             n = int(h["n"][s])
             new = h["tokens"][s, t.n : n].tolist()
+            t.at += range(len(t.tokens), len(t.tokens) + len(new))
             t.tokens += new
             t.sampled += [True] * len(new)
             t.logprobs += h["logprobs"][s, t.n : n].tolist()
             t.versions += [self.version] * len(new)
             t.n, t.length = n, int(h["length"][s])
+            if t.routes is not None and n > t.seated:  # fed in the slot: all but the last
+                fed = np.arange(t.seated, n - 1)
+                t.routes[np.asarray(t.at, np.int64)[fed]] = h["routes"][s, fed]
+                t.fed = len(t.tokens) - 1
             if not h["live"][s]:  # its turn ended: the slot goes, the pages stay
                 t.stopped = bool(h["stopped"][s])
                 self._vacate(s)
