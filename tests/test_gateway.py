@@ -7,6 +7,7 @@ tool calls in the model's formats; `verifiers` environments (agent.entry=verifie
 import os
 import types
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -36,11 +37,12 @@ def tiny(tmp_path_factory):
     return (model, *models.load_hf(d))
 
 
-def agent_rollout(cfg, tok, entry: str, batch_size: int, G: int, wait_s: float = 1.0):
+def agent_rollout(cfg, tok, entry: str, batch_size: int, G: int, wait_s: float = 1.0,
+                  temperature: float = 0.0):  # fmt: skip
     c = tiny_config("unused")
     c.agent.entry, c.agent.max_total_tokens, c.agent.batch_wait_s = entry, 40, wait_s
     c.rollout.batch_size, c.data.max_prompt_len = batch_size, 16
-    spec = sampling.RolloutSpec(G, 5, 0.0, stop_ids=STOPS)
+    spec = sampling.RolloutSpec(G, 5, temperature, stop_ids=STOPS)
     sampler = sampling.Sampler(cfg, None, seed=5, cache_segments=1)
     return AgentRollout(c, tok, sampler, spec), spec
 
@@ -167,6 +169,51 @@ def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
     assert m["gateway/batch_max"] <= 10
 
 
+def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):
+    """Partial rollouts on the engine (`refresh`): newer parameters (version 4) handed
+    over before the third decode chunk are swapped in while replies are being drawn.
+    Every drawn token's behaviour log-prob equals the teacher-forced one under the
+    parameters of the version it records (1e-5); some episodes hold tokens of both,
+    versions never decrease along an episode, and some reply spans the two; each
+    response's `policy_version` is its oldest drawn token's, each row's too."""
+    _, cfg, p0 = tiny
+    p1 = jax.tree.map(lambda x, y: x + 0.5 * y, p0, models.init_params(cfg, seed=4))
+    agents, spec = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=3, G=2,
+                                 temperature=0.8)  # fmt: skip
+    agents.sampler = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=2,
+                                           prefill_chunk=8)  # fmt: skip
+    calls, replies, answer = [], [], agents._reply
+
+    def refresh():
+        calls.append(len(calls))
+        return (p0, 3) if len(calls) < 2 else (p1, 4)
+
+    def recorded(episode, body, reply, ask, drawn, episodes, play):
+        def captured(status, response):
+            replies.append(([d[2] for d in drawn], response["jaxrl_llm"]["policy_version"]))
+            reply(status, response)
+
+        answer(episode, body, captured, ask, drawn, episodes, play)
+
+    agents._reply = recorded
+    examples = [{"question": "1+2="}, {"question": "12*3="}, {"question": "7-4="}]
+    try:
+        out, _, v = agents(p0, types.SimpleNamespace(examples=examples), 3, refresh=refresh)
+    finally:
+        agents.close()
+    loss_mask = np.asarray(out.loss_mask)
+    np.testing.assert_array_equal(v >= 0, loss_mask)
+    teacher = rl.make_logprob_fn(cfg, spec, chunk_size=8)
+    want = np.where(v == 4, np.asarray(teacher(p1, out)), np.asarray(teacher(p0, out)))
+    assert np.abs(want - np.asarray(out.logprobs))[loss_mask].max() <= 1e-5
+    assert any((row == 3).any() and (row == 4).any() for row in v)
+    assert all(np.all(np.diff(row[row >= 0]) >= 0) for row in v)
+    assert np.asarray(out.policy_version).tolist() == [3] * 6
+    assert len(replies) == 12 and any({3, 4} <= set(d[0]) for d, _ in replies)
+    for drawn, version in replies:
+        assert version == min(d[0] for d in drawn) and drawn[0] == sorted(drawn[0])
+
+
 def test_64_concurrent_episodes_are_batched(tiny, tok):
     """64 episodes of two requests each: the sampler sees two calls of 64 requests, not
     one request at a time; a request's temperature is counted as ignored."""
@@ -209,8 +256,10 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
     rollout thread plays the episodes; split on 4 rollout devices): the episodes' second
     requests read their rows' caches; outside sync, staleness is within 1 and every
     sampled token's recorded version is the one its rollout started with (-1 elsewhere).
-    Partial rollouts are one line."""
-    from jaxrl_llm.config import ConfigError, validate
+    Split takes partial rollouts: step 1's play (started by version 0) waits at its first
+    read of the newest parameters for version 1 and swaps it in; a token's version is its
+    rollout's or a newer one, up to the step's, never decreasing along a row, and step 1
+    holds both."""
     from jaxrl_llm.trainer.rollout_thread import RolloutThread
 
     c = tiny_config(make_model_dir(str(tmp_path / "model")))
@@ -223,22 +272,39 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
     c.rollout.mode = mode
     if mode == "split":
         c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
-        c.rollout.partial = True
-        with pytest.raises(ConfigError, match="gateway .* rollout.partial=True"):
-            validate(c, 8)
-        c.rollout.partial = False
-    take, taken = RolloutThread.take, []
+        c.rollout.partial, c.rollout.paged.chunk_steps = True, 2  # a reply spans 2 chunks
+    take, taken, produce, newest, playing = (RolloutThread.take, [], RolloutThread._produce,
+                                             RolloutThread.newest, [])  # fmt: skip
+
+    def tracked_produce(self, step, params, version, wait_s):
+        playing[:] = [step, version, 0]
+        return produce(self, step, params, version, wait_s)
+
+    def held_newest(self):  # step 1's first read waits for the learner's version 1
+        step, version, reads = playing
+        playing[2] = reads + 1
+        if (step, version, reads) == (1, 0, 0):
+            with self._cond:
+                self._cond.wait_for(lambda: self._version >= 1 or self._stopping, timeout=120)
+        return newest(self)
 
     def checked_take(self, t):
         item = take(self, t)
         assert isinstance(self.s.sampler, sampling.PagedSampler)
         v, loss_mask = item.token_versions, np.asarray(item.out.loss_mask)
+        if mode == "split":  # partial: newer parameters swapped in while it plays
+            assert np.all((v[loss_mask] >= item.version) & (v[loss_mask] <= t))
+            assert all(np.all(np.diff(row[row >= 0]) >= 0) for row in v)
+            assert (t, item.version) == (0, 0) or {0, 1} <= set(v[loss_mask].tolist())
+            v = np.where(loss_mask, item.version, v)
         np.testing.assert_array_equal(v, np.where(loss_mask, item.version, -1))
         assert loss_mask.any(axis=1).all()
         taken.append(t)
         return item
 
     monkeypatch.setattr(RolloutThread, "take", checked_take)
+    monkeypatch.setattr(RolloutThread, "_produce", tracked_produce)
+    monkeypatch.setattr(RolloutThread, "newest", held_newest)
     train.train(c, str(tmp_path / "run"))
     rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
     assert len(rows) == 2

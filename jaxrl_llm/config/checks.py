@@ -246,8 +246,7 @@ def check_engine(config, process_count: int) -> None:
     """rollout.engine and, for 'paged', its settings and what it does not combine with yet
     (every rollout.mode is served: `trainer.paged_stream` in overlap and split;
     environments and the gateway in every mode: `envs.play_paged`, `gateway.rollout`,
-    played by the rollout thread outside sync; partial rollouts for environments, not
-    for the gateway)."""
+    played by the rollout thread outside sync, partial rollouts included)."""
     r = config.rollout
     _check(
         r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
@@ -270,10 +269,6 @@ def check_engine(config, process_count: int) -> None:
     _check(p.prefill_chunk % p.page_size == 0,
            f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
            f"rollout.paged.page_size={p.page_size}")  # fmt: skip
-    _check(not (r.partial and config.agent.entry and not config.env.name),
-           "rollout.engine='paged' does not serve the gateway (agent.entry) with "
-           "rollout.partial=True: an episode's turn records one version per request; use "
-           "rollout.partial=False or rollout.engine='static'")  # fmt: skip
     _check(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
 
 

@@ -2,13 +2,14 @@
 
     ep = Episode(renderer, end_of_turn_ids)
     ids = ep.context(messages, tools)       # the ids the model reads for this request
-    ep.record(messages, choices)            # what it drew: [(ids, logprobs, version, text)]
+    ep.record(messages, choices)            # what it drew: [(message, ids, logprobs, versions)]
     ...
     rows = group_rows([ep, ...], prompt_width=P, width=T, pad_id=0)   # prompt-major arrays
 
 **Exact tokens.** An episode keeps the token ids the model has read and drawn, in order:
 the first request's messages rendered (the prompt), then per turn the tokens the model
-drew (loss mask 1, their behaviour log-probs and parameter version), then the tokens of
+drew (loss mask 1, their behaviour log-probs and the parameter version that drew each:
+a turn on the paged engine with partial rollouts may hold two), then the tokens of
 the messages the agent added after them (tool results, user turns; loss mask 0). A request
 *extends* the episode when its messages are the previous request's messages, then an
 assistant message equal to one of the choices the gateway returned for it (content and
@@ -38,7 +39,7 @@ class Episode:
         self.versions: list[int] = []
         self.prompt_len = 0  # the current segment's prompt
         self.messages: list | None = None  # the last request's messages
-        self.choices: list = []  # [(assistant message, ids, logprobs, version)]
+        self.choices: list = []  # [(assistant message, ids, logprobs, versions)]
         self.retokenized = 0
         self.turns = 0
 
@@ -54,17 +55,18 @@ class Episode:
             self.versions, self.prompt_len = [-1] * len(self.ids), len(self.ids)
             return list(self.ids)
         k, added = new
-        _, ids, logprobs, version = self.choices[k]
+        _, ids, logprobs, versions = self.choices[k]
         last = ids[-1] if ids else None
         closed = last if last in self.end_of_turn_ids else None
         turn = self.renderer.turn(added, closed) if added else []
-        self._extend(ids, [True] * len(ids), logprobs, [version] * len(ids))
+        self._extend(ids, [True] * len(ids), logprobs, versions)
         self._extend(turn, [False] * len(turn), [0.0] * len(turn), [-1] * len(turn))
         return list(self.ids)
 
     def record(self, messages: list, choices: list) -> None:
         """The request's messages and what the model drew for it: per choice
-        (assistant message as returned, drawn ids, their log-probs, parameter version)."""
+        (assistant message as returned, drawn ids, their log-probs, the parameter version
+        that drew each id)."""
         self.messages, self.choices, self.turns = list(messages), list(choices), self.turns + 1
 
     def _extension(self, messages: list):
@@ -89,8 +91,8 @@ class Episode:
         """Adds the last turn's drawn tokens (the first choice when the agent did not
         say which one it kept) to the record."""
         if self.choices:
-            _, ids, logprobs, version = self.choices[0]
-            self._extend(ids, [True] * len(ids), logprobs, [version] * len(ids))
+            _, ids, logprobs, versions = self.choices[0]
+            self._extend(ids, [True] * len(ids), logprobs, versions)
             self.choices = []
 
 

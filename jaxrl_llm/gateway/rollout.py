@@ -22,6 +22,13 @@ behaviour log-probs) are taken at; held-out evaluation samples greedily (and at
 `eval.temperature` for pass@k), as evaluation of every kind does. Each response says so
 in its `jaxrl_llm` field (the temperature used, the one requested, the parameters'
 version), and `gateway/temperature_ignored` counts requests that asked for another.
+
+Partial rollouts (`refresh`, `rollout.partial` in split): on the static sampler each
+sampler call draws with the newest published parameters; on the engine the session
+swaps them in between decode chunks (`TurnSession.swap`), so a reply may hold tokens of
+two versions. Every drawn token records the version that drew it; a response's
+`policy_version` is its oldest drawn token's (the version that started the turn; see
+`_reply`).
 """
 
 from __future__ import annotations
@@ -133,9 +140,7 @@ class AgentRollout:
         over = set()  # episodes refused for passing a limit
         started = time.perf_counter()
         if isinstance(self.sampler, sampling.PagedSampler):
-            if refresh is not None:
-                raise ValueError("the gateway on the paged engine takes no partial rollouts")
-            _EngineRows(self, params, play, len(order)).serve(futures, episodes, over)
+            _EngineRows(self, params, play, len(order)).serve(futures, episodes, over, refresh)
         else:
             while pending := self._gather(futures, play.server):
                 if refresh is not None:  # partial: the newest parameters for this call
@@ -202,12 +207,18 @@ class AgentRollout:
         return asks
 
     def _reply(self, episode, body, reply, ask, drawn: list, episodes, play: _Play) -> None:
-        """Records a request's choices (drawn: (ids, log-probs, stopped) each) in its
-        episode and answers it."""
+        """Records a request's choices (drawn: (ids, log-probs, versions, stopped) each)
+        in its episode and answers it. The response's `policy_version` is the version of
+        its oldest drawn token (versions only grow along a row): the version that started
+        the turn, as a row's `policy_version` is its oldest token's (`_rollout`) and the
+        staleness bound reads it. Every token of a static sampler's reply has that one;
+        on the engine with partial rollouts the turn may end under a newer one."""
         prefix = f"call_{episode}_{episodes[episode].turns}"
         choices = [self._choice(ask, *d, play, f"{prefix}_{k}") for k, d in enumerate(drawn)]
         episodes[episode].record(body["messages"], [c[1:] for c in choices])
-        sampled = {"temperature": play.spec.temperature, "policy_version": play.version,
+        first = [d[2][0] for d in drawn if d[2]]
+        sampled = {"temperature": play.spec.temperature,
+                   "policy_version": int(min(first)) if first else play.version,
                    "requested_temperature": ask["temperature"]}  # fmt: skip
         drew = sum(len(c[2]) for c in choices)
         reply(200, _response(episode, episodes[episode].turns, [c[0] for c in choices],
@@ -238,7 +249,8 @@ class AgentRollout:
                 "tools": bool(body.get("tools")), "temperature": temperature}  # fmt: skip
 
     def _sample(self, params, rows: list, play: _Play) -> list:
-        """Each row's (drawn ids, log-probs, stopped), in calls of `self.rows` rows."""
+        """Each row's (drawn ids, log-probs, versions, stopped), in calls of `self.rows`
+        rows (every id drawn by `play.version`)."""
         drawn, stats = [], play.stats
         for first in range(0, len(rows), self.rows):
             chunk = rows[first : first + self.rows]
@@ -252,29 +264,27 @@ class AgentRollout:
             for r in range(real):
                 n = int(lengths[r])
                 stopped = int(finish[r]) == sampling.FINISH_STOP
-                drawn.append((tokens[r, :n].tolist(), logprobs[r, :n].tolist(), stopped))
+                drawn.append((tokens[r, :n].tolist(), logprobs[r, :n].tolist(),
+                              [play.version] * n, stopped))  # fmt: skip
             stats["calls"] += 1
             stats["batched"] += real
             stats["batch_max"] = max(stats["batch_max"], real)
         return drawn
 
-    def _choice(self, ask: dict, ids: list, logprobs: list, stopped: bool, play: _Play,
-                call_ids: str):  # fmt: skip
-        """-> (the response's choice, assistant message, kept ids, log-probs, version).
+    def _choice(self, ask: dict, ids: list, logprobs: list, versions: list, stopped: bool,
+                play: _Play, call_ids: str):  # fmt: skip
+        """-> (the response's choice, assistant message, kept ids, log-probs, versions).
         max_tokens and stop strings cut the drawn tokens; the kept ones are the trajectory's."""
         finish = "stop" if stopped else "length"
         if len(ids) > ask["max_tokens"]:
-            ids, logprobs, finish = (
-                ids[: ask["max_tokens"]],
-                logprobs[: ask["max_tokens"]],
-                "length",
-            )
+            ids, finish = ids[: ask["max_tokens"]], "length"
         if ask["stop"]:
             for k in range(1, len(ids) + 1):  # the first token that completes a stop string
                 text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
                 if any(s in text for s in ask["stop"]):
-                    ids, logprobs, finish = ids[: k - 1], logprobs[: k - 1], "stop"
+                    ids, finish = ids[: k - 1], "stop"
                     break
+        logprobs, versions = logprobs[: len(ids)], [int(v) for v in versions[: len(ids)]]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         message = {"role": "assistant", "content": text}
         calls = parse_tool_calls(text, call_ids) if ask["tools"] else None
@@ -284,7 +294,7 @@ class AgentRollout:
             finish = "tool_calls"
         play.stats["tool_call_errors"] += bool(calls is not None and calls.errors)
         choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        return choice, message, ids, logprobs, play.version
+        return choice, message, ids, logprobs, versions
 
     def _rewards(self, order, results, over):
         """-> (rewards, ends, errors): 0 for an episode that failed or passed a limit."""
@@ -408,6 +418,12 @@ class _EngineRows:
     Requests are taken as they come: while rows decode, requests that arrived are added
     or resumed between decode chunks, and a request is answered as soon as its turn
     ends. `gateway/batch_mean` and `batch_max` are rows per decode chunk here.
+
+    Partial rollouts (`refresh`): before each decode chunk after the first, `refresh()`
+    gives the newest parameters and their version; when they are newer the session
+    swaps them in (`TurnSession.swap`: every row, in a slot or parked between requests,
+    recomputed by them) and draws on with them, and n > 1 requests are sampled with them
+    too. A turn in flight may so hold tokens of two versions; each records its own.
     """
 
     def __init__(self, rollout: AgentRollout, params, play: _Play, episodes: int):
@@ -425,8 +441,10 @@ class _EngineRows:
         self.count = 0  # row ids used
         self.unkept: set = set()  # episodes whose last request had n > 1 (no row)
 
-    def serve(self, futures, episodes, over) -> None:
-        """Answers the episodes' requests until every episode has ended."""
+    def serve(self, futures, episodes, over, refresh=None) -> None:
+        """Answers the episodes' requests until every episode has ended. refresh: None,
+        or a function -> (newest params, their version), read before every decode chunk
+        after the first."""
         r, session, play = self.rollout, self.session, self.play
         while True:
             if session.busy:
@@ -441,6 +459,11 @@ class _EngineRows:
                 if not pending:
                     break
             self._start(r._accept(pending, episodes, over, play), episodes)
+            if refresh is not None and session.busy and session.stats["decode_chunks"]:
+                newest, newest_version = refresh()
+                if newest_version != session.version:  # the rows' caches recomputed by them
+                    session.swap(newest, newest_version)
+                    self.params, play.version = newest, int(newest_version)
             chunks = session.stats["decode_chunks"]
             ended = session.run_chunk()
             if session.stats["decode_chunks"] > chunks:  # rows decoded in this chunk
@@ -451,7 +474,8 @@ class _EngineRows:
             for row in ended:
                 episode, body, reply, ask = self.asked.pop(row)
                 t = session.result(row)
-                drawn = (t.tokens[t.turn_from :], t.logprobs[t.turn_from :], t.stopped)
+                a = t.turn_from
+                drawn = (t.tokens[a:], t.logprobs[a:], t.versions[a:], t.stopped)
                 r._reply(episode, body, reply, ask, [drawn], episodes, play)
             for episode in [e for e, row in self.rows.items()
                             if futures[e].done() and row not in self.asked]:  # fmt: skip
