@@ -210,9 +210,9 @@ class AgentRollout:
         """Records a request's choices (drawn: (ids, log-probs, versions, stopped) each)
         in its episode and answers it. The response's `policy_version` is the version of
         its oldest drawn token (versions only grow along a row): the version that started
-        the turn, as a row's `policy_version` is its oldest token's (`_rollout`) and the
-        staleness bound reads it. Every token of a static sampler's reply has that one;
-        on the engine with partial rollouts the turn may end under a newer one."""
+        the turn, as a row's `policy_version` is its oldest token's (`_rollout`). Every
+        token of a static sampler's reply has that one; on the engine with partial
+        rollouts the turn may end under a newer one."""
         prefix = f"call_{episode}_{episodes[episode].turns}"
         choices = [self._choice(ask, *d, play, f"{prefix}_{k}") for k, d in enumerate(drawn)]
         episodes[episode].record(body["messages"], [c[1:] for c in choices])
