@@ -96,10 +96,18 @@ def test_prefill_then_decode_equals_the_full_forward(name):
     cfg, params = model(name)
     L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     pages = Pages(k=jnp.zeros((L, POOL, PS, K, H)), v=jnp.zeros((L, POOL, PS, K, H)))
+    table = np.array([[8, 1, 2, 3, 0, 0], [0, 5, 6, 7, 0, 0]], np.int32)
+    hidden, ref, real = prefill_then_decode(cfg, params, pages, table)
+    np.testing.assert_allclose(hidden[real], ref[real], atol=1e-5)
+
+
+def prefill_then_decode(cfg, params, pages, table, width=12):
+    """Two random prompts of 9 and 6 tokens left-padded to `width` slots, prefilled
+    through `table`'s pages in chunks of 4, then two decode steps -> (hidden states
+    [2, width + 2, D] of every slot, `models.forward`'s of the whole sequences, the real
+    slots [2, width + 2])."""
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (9, 6)]
-    width = 12  # prompts left-padded to 12 slots (3 pages), 2 decode tokens after
-    table = np.array([[8, 1, 2, 3, 0, 0], [0, 5, 6, 7, 0, 0]], np.int32)
     start = np.array([width - 9, width - 6], np.int32)
     ids = np.zeros((2, width + 2), np.int32)
     for i, s in enumerate(seqs):
@@ -108,19 +116,17 @@ def test_prefill_then_decode_equals_the_full_forward(name):
     hidden = []
     for c in range(0, width, 4):  # prefill chunks of 4
         mask = np.arange(c, c + 4)[None] >= start[:, None]
-        length = np.full(2, c, np.int32)
-        h, pages, _ = run(cfg, params, pages, ids[:, c : c + 4], mask, table, start, length,
-                          impl="pages")  # fmt: skip
+        h, pages, _ = run(cfg, params, pages, ids[:, c : c + 4], mask, table, start,
+                          np.full(2, c, np.int32), impl="pages")  # fmt: skip
         hidden.append(np.asarray(h))
     for t in range(2):  # decode steps
-        length = np.full(2, width + t, np.int32)
         h, pages, _ = run(cfg, params, pages, ids[:, width + t : width + t + 1],
-                          np.ones((2, 1), bool), table, start, length, impl="pages")  # fmt: skip
+                          np.ones((2, 1), bool), table, start, np.full(2, width + t, np.int32),
+                          impl="pages")  # fmt: skip
         hidden.append(np.asarray(h))
-    hidden = np.concatenate(hidden, axis=1)
     real = np.arange(width + 2)[None] >= start[:, None]
     ref = models.forward(cfg, params, jnp.asarray(ids), jnp.asarray(real))
-    np.testing.assert_allclose(hidden[real], np.asarray(ref)[real], atol=1e-5)
+    return np.concatenate(hidden, axis=1), np.asarray(ref), real
 
 
 def bf16(x):
@@ -169,30 +175,10 @@ def test_pallas_pool_prefill_then_decode_equals_the_full_forward():
     bfloat16 reading of float32 keys and values."""
     cfg, params = model("qwen3")
     pages = init_pages(cfg, POOL, PS, pallas=True)
-    rng = np.random.default_rng(0)
-    seqs = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (9, 6)]
     width = 12
     table = np.array([[8, 1, 2, 3, 0, 0, 0, 0], [0, 5, 6, 7, 0, 0, 0, 0]], np.int32)
     table[:, 3:5] = [[9, 10], [11, 12]]  # own pages after the prompts' last page
-    start = np.array([width - 9, width - 6], np.int32)
-    ids = np.zeros((2, width + 2), np.int32)
-    for i, s in enumerate(seqs):
-        ids[i, start[i] : width] = s
-    ids[:, width:] = rng.integers(1, cfg.vocab_size, (2, 2))
-    hidden = []
-    for c in range(0, width, 4):  # prefill chunks of 4
-        mask = np.arange(c, c + 4)[None] >= start[:, None]
-        h, pages, _ = run(cfg, params, pages, ids[:, c : c + 4], mask, table, start,
-                          np.full(2, c, np.int32), impl="pages")  # fmt: skip
-        hidden.append(np.asarray(h))
-    for t in range(2):  # decode steps
-        h, pages, _ = run(cfg, params, pages, ids[:, width + t : width + t + 1],
-                          np.ones((2, 1), bool), table, start, np.full(2, width + t, np.int32),
-                          impl="pages")  # fmt: skip
-        hidden.append(np.asarray(h))
-    hidden = np.concatenate(hidden, axis=1)
-    real = np.arange(width + 2)[None] >= start[:, None]
-    ref = np.asarray(models.forward(cfg, params, jnp.asarray(ids), jnp.asarray(real)))
+    hidden, ref, real = prefill_then_decode(cfg, params, pages, table, width)
     pre = real[:, :width]
     np.testing.assert_allclose(hidden[:, :width][pre], ref[:, :width][pre], atol=1e-5)
     np.testing.assert_allclose(hidden[:, width:], ref[:, width:], atol=1e-2)
