@@ -186,10 +186,14 @@ def test_pallas_pool_prefill_then_decode_equals_the_full_forward():
 
 def test_auto_picks_the_kernel_on_tpu_only():
     """`PagedSampler(attention="auto")` lays the pool out for the kernel on TPU for a
-    bfloat16 model without sliding windows; elsewhere (CPU, GPU, float32, windows) it
-    keeps the portable layout, whose programs are unchanged."""
+    bfloat16 model without sliding windows, head_dim 128; elsewhere (CPU, GPU, float32,
+    windows, head_dim 64, page_size 8) it keeps the portable layout, whose programs are
+    unchanged."""
     cfg, gemma = tiny_model_config(), tiny_gemma3_config()
+    cfg = cfg.replace(head_dim=128)
     assert uses_pallas(cfg, "auto", jnp.bfloat16, "tpu")
+    assert not uses_pallas(cfg.replace(head_dim=64), "auto", jnp.bfloat16, "tpu")
+    assert not uses_pallas(cfg, "auto", jnp.bfloat16, "tpu", page_size=8)
     for c, attention, dtype, backend in ((cfg, "auto", jnp.bfloat16, "cpu"),
                                          (cfg, "auto", jnp.bfloat16, "gpu"),
                                          (cfg, "auto", jnp.float32, "tpu"),

@@ -108,15 +108,18 @@ IMPLS = ("pages", "gather")  # forward_paged's attention paths
 ATTENTION = ("auto", "pages", "gather", "pallas")  # PagedSampler's attention settings
 
 
-def uses_pallas(cfg, attention: str, dtype, backend: str) -> bool:
+def uses_pallas(cfg, attention: str, dtype, backend: str, page_size: int = 16) -> bool:
     """Whether the engine's pool is the Pallas kernel's (decode steps run the TPU kernel):
-    `attention="pallas"`, or "auto" on TPU for a model without sliding-window layers and
-    a bfloat16 pool (the kernel reads keys and values in bfloat16, so a float32 pool keeps
-    the portable path's precision)."""
+    `attention="pallas"`, or "auto" on TPU for a model without sliding-window layers, a
+    bfloat16 pool (the kernel reads keys and values in bfloat16, so a float32 pool keeps
+    the portable path's precision), head_dim a multiple of 128 and page_size of 16 (the
+    kernel's VMEM blocks [pages, page_size, head_dim] on Mosaic's bfloat16 tiling; other
+    shapes keep the portable path rather than risk a kernel that does not lower)."""
     if attention == "pallas":
         return True
     return (attention == "auto" and backend == "tpu" and not cfg.windowed
-            and jnp.dtype(dtype) == jnp.bfloat16)  # fmt: skip
+            and jnp.dtype(dtype) == jnp.bfloat16 and cfg.head_dim % 128 == 0
+            and page_size % 16 == 0)  # fmt: skip
 
 
 def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None,
@@ -463,7 +466,7 @@ class PagedSampler:
 
     def _pool(self, cfg, pages: int, page_size: int, dtype) -> Pages:
         """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so."""
-        pallas = uses_pallas(cfg, self.attention, dtype, jax.default_backend())
+        pallas = uses_pallas(cfg, self.attention, dtype, jax.default_backend(), page_size)
         return self._init_pool(cfg, pages, page_size, dtype, pallas)
 
     # ----------------------------------------------------------------- device programs
