@@ -197,7 +197,8 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     r.paged.chunk_steps = 16  # decode steps on device between host checks
     r.paged.prefill_chunk = 64  # prompt tokens per prefill program (a multiple of page_size)
     # Attention over the pages (docs/sampling.md#paged-engine): auto = JAX's Pallas TPU
-    # paged-attention kernel for decode steps on TPU (bfloat16 model, no sliding window),
+    # paged-attention kernel for decode steps on TPU (bfloat16 model, no sliding window,
+    # head_dim a multiple of 128),
     # else the portable path; pages = the portable path everywhere (never run the kernel);
     # gather = the portable reference (every layer's pages gathered first); pallas = the
     # kernel on any backend and dtype (interpret mode off TPU: slow, for checks).
