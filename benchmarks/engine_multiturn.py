@@ -87,6 +87,12 @@ def main(argv=None) -> None:
     ap.add_argument("--stop-ids", default="20", help="ids that end a turn")
     ap.add_argument("--delay", type=float, default=0.2, help="seconds per environment step")
     ap.add_argument("--workers", type=int, default=32, help="environment worker processes")
+    ap.add_argument(
+        "--lanes",
+        type=int,
+        default=1,
+        help="EnvPool lanes: steps that run at once (the workers split among them)",
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk-steps", type=int, default=8)
     ap.add_argument("--prefill-chunk", type=int, default=32)
@@ -124,7 +130,9 @@ def main(argv=None) -> None:
     print(f"# {device_name()}; {args.rows} trajectories of {args.turns} turns (<= "
           f"{args.turn_tokens} tokens), env step {args.delay} s, {args.batch} static rows, "
           f"engine slots {slot_counts}, pool {pages} pages x {args.page_size}")  # fmt: skip
-    with envs.EnvPool(SLEEPY, {"delay_s": args.delay}, workers=args.workers) as pool:
+    with envs.EnvPool(
+        SLEEPY, {"delay_s": args.delay}, workers=args.workers, lanes=args.lanes
+    ) as pool:
         for r in range(args.warmup + args.repeats):
             for name, (player, engine, per_call) in players.items():
                 got = run(player, engine, params, pool, rows, per_call, G, spec, settings,

@@ -89,3 +89,22 @@ class Sleepy(envs.Env):
             return envs.Step(reward=1.0, done=True)
         width = self.obs_chars[(self.k - 1) % len(self.obs_chars)]
         return envs.Step("".join(str((self.k + j) % 10) for j in range(width)), reward=0.5)
+
+
+class Meet(envs.Env):
+    """A step leaves its mark in the row's `dir` and waits (up to 20 s) for the mark of
+    the row named `other`: it answers "met" when the other's step ran at the same time,
+    else "alone". The env pool's lanes test's environment."""
+
+    def reset(self, example):
+        self.dir, self.me, self.other = example["dir"], example["me"], example["other"]
+        return "go"
+
+    def step(self, action):
+        open(os.path.join(self.dir, self.me), "w").close()
+        deadline = time.monotonic() + 20.0
+        while time.monotonic() < deadline:
+            if os.path.exists(os.path.join(self.dir, self.other)):
+                return envs.Step("met")
+            time.sleep(0.01)
+        return envs.Step("alone")

@@ -1,6 +1,7 @@
 """Environments on the host: registry, worker isolation, the built-ins, rendering, config."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tiny_run import TOKENIZER
@@ -92,6 +93,26 @@ def test_env_pool_steps_in_workers_with_state_between_calls():
     assert trajs[0].info == {"chars": 6.0} and trajs[0].rewards == [0.5, 0.5, 1.0]
     assert trajs[0].reward(0.0) == 1.0 and trajs[0].reward(0.5) == 1.0 + 0.25 * 0.5 + 0.5 * 0.5
     assert trajs[1].live and trajs[1].reward(0.0) == 0.5  # the last reward so far
+
+
+def test_env_pool_lanes_run_steps_at_once(tmp_path):
+    """With two lanes of one worker each, two callers' steps run at the same time, and so
+    do the two halves of one batch (each step waits for the other's mark: "met")."""
+    rows = [{"dir": str(tmp_path / "calls"), "me": "a", "other": "b"},
+            {"dir": str(tmp_path / "calls"), "me": "b", "other": "a"},
+            {"dir": str(tmp_path / "batch"), "me": "a", "other": "b"},
+            {"dir": str(tmp_path / "batch"), "me": "b", "other": "a"}]  # fmt: skip
+    for d in ("calls", "batch"):
+        (tmp_path / d).mkdir()
+    with envs.EnvPool(f"{TEST_ENVS}:Meet", workers=2, lanes=2) as pool:
+        trajs, _ = pool.reset(rows)
+        with ThreadPoolExecutor(2) as callers:
+            got = list(callers.map(lambda i: pool.step(trajs, {i: "x"}), (0, 1)))
+        assert got == [{0: "met"}, {1: "met"}]
+        assert pool.step(trajs, {2: "x", 3: "x"}) == {2: "met", 3: "met"}
+        assert pool.restarts == 0
+    with pytest.raises(ValueError, match="lanes=3: must be between 1 and workers=2"):
+        envs.EnvPool(f"{TEST_ENVS}:Meet", workers=2, lanes=3)
 
 
 def test_failing_environments_cost_their_trajectory_only():
@@ -241,6 +262,10 @@ def test_env_config_is_checked_up_front():
         (dict(options={"verifer": "gsm8k"}), "has no option 'verifer'"),
         (dict(max_turns="2@3"), "env.max_turns='2@3': the steps must start at 0"),
         (dict(max_total_tokens=8), "env.max_total_tokens=8 is below one turn"),
+        (
+            dict(workers=2, lanes=3),
+            r"env.lanes=3: must be an integer between 1 and env.workers \(2\)",
+        ),
     ]
     for env, message in cases:
         with pytest.raises(config_lib.ConfigError, match=message):

@@ -27,7 +27,7 @@ SETTINGS = envs.TurnSettings(max_turns=4, turn_tokens=6, max_total_tokens=40,
 def setup():
     cfg = tiny_model_config(vocab_size=33, max_position_embeddings=256)
     tok = builtin.load_tokenizer(TOKENIZER)
-    with envs.EnvPool(SLEEPY, {"delay_s": 0.0}, workers=2) as pool:
+    with envs.EnvPool(SLEEPY, {"delay_s": 0.0}, workers=2, lanes=2) as pool:  # steps at once
         yield cfg, models.init_params(cfg, seed=3), tok, pool
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 
 import jax
 import ml_collections
@@ -420,6 +421,11 @@ def check_env(config, algo) -> None:
     _check(e.step_timeout_s > 0, f"env.step_timeout_s={e.step_timeout_s}: must be > 0")
     _check(e.trajectory_timeout_s > 0, f"env.trajectory_timeout_s={e.trajectory_timeout_s}: > 0")
     _check(e.workers >= 0, f"env.workers={e.workers}: must be >= 0 (0 = CPU count)")
+    workers = e.workers or os.cpu_count() or 1
+    _check(
+        isinstance(e.lanes, int) and 1 <= e.lanes <= workers,
+        f"env.lanes={e.lanes}: must be an integer between 1 and env.workers ({workers})",
+    )
     _check(e.memory_mb >= 0, f"env.memory_mb={e.memory_mb}: must be >= 0 (0 = no cap)")
     _check(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with env.name yet")
     _check(

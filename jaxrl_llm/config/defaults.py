@@ -227,6 +227,9 @@ def env_defaults() -> ml_collections.ConfigDict:
     e.step_timeout_s = 10.0  # one reset / step call; past it the worker is killed
     e.trajectory_timeout_s = 60.0  # a trajectory's calls together
     e.workers = 0  # environment worker processes; 0 = CPU count
+    # The workers split into this many lanes that step at once: with rollout.engine=paged
+    # a row's step starts as its turn ends, while another step runs (docs/envs.md).
+    e.lanes = 1
     e.memory_mb = 2048  # address space an environment worker may add; 0 = no cap
     return e
 

@@ -131,8 +131,10 @@ class _Game:
 
 
 class _Stepper:
-    """Steps environments in a thread, off the decode loop. `EnvPool.step` runs one batch
-    at a time: the rows submitted while a step runs go together in the next one."""
+    """Steps environments in threads, off the decode loop: one per lane of the pool
+    (`EnvPool(lanes=)`), each taking the rows submitted so far as one `EnvPool.step`. With
+    one lane the rows submitted while a step runs go together in the next one; with more,
+    they start on a free lane while it runs."""
 
     def __init__(self, pool, trajs):
         self.pool, self.trajs = pool, trajs
@@ -142,8 +144,11 @@ class _Stepper:
         self.waiting = 0  # rows submitted and not collected yet
         self.error: BaseException | None = None
         self.closed = False
-        self.thread = threading.Thread(target=self._run, name="env-steps", daemon=True)
-        self.thread.start()
+        lanes = len(getattr(pool, "lanes", ())) or 1
+        self.threads = [threading.Thread(target=self._run, name=f"env-steps-{k}", daemon=True)
+                        for k in range(lanes)]  # fmt: skip
+        for thread in self.threads:
+            thread.start()
 
     def submit(self, i: int, action: str, bound) -> None:
         with self.cv:
@@ -166,7 +171,8 @@ class _Stepper:
         with self.cv:
             self.closed = True
             self.cv.notify_all()
-        self.thread.join()
+        for thread in self.threads:
+            thread.join()
 
     def _run(self) -> None:
         while True:
@@ -181,7 +187,7 @@ class _Stepper:
                 got = self.pool.step(self.trajs, actions, {i: b for i, (_, b) in batch.items()})
             except BaseException as err:  # the decode loop raises it
                 with self.cv:
-                    self.error = err
+                    self.error = self.error or err
                     self.cv.notify_all()
                 return
             with self.cv:

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -74,16 +77,30 @@ class EnvPool:
       step_timeout_s: wall-clock limit of one call; past it the worker is killed.
       trajectory_timeout_s: limit on the summed time of a trajectory's calls.
       memory_mb: address space a worker may add for an environment (0: no cap).
+      lanes: the workers split into this many pools (`VerifierPool`s) that run calls
+        at the same time: a call takes as many free lanes as its rows need (all of them
+        for a batch of every row) and waits while none is free, so a caller that steps
+        rows as their turns end (`play_paged`) starts a step while another still runs.
+        1: one call at a time.
     """
 
     def __init__(self, name: str, options: dict | None = None, *, workers: int | None = None,
                  step_timeout_s: float = 10.0, trajectory_timeout_s: float = 60.0,
-                 memory_mb: int = 2048):  # fmt: skip
+                 memory_mb: int = 2048, lanes: int = 1):  # fmt: skip
         name, options = hubs.hub(name, dict(options or {}))  # textarena/<game> -> its class
         self.name, self.options = base.canonical(name), options
         base.check_options(name, self.options)  # also: the class resolves, here and now
         self.trajectory_timeout_s = trajectory_timeout_s
-        self.pool = VerifierPool(workers, timeout_s=step_timeout_s, memory_mb=memory_mb)
+        workers = workers or os.cpu_count() or 1
+        if not 1 <= lanes <= workers:
+            raise ValueError(f"lanes={lanes}: must be between 1 and workers={workers}")
+        sizes = [workers // lanes + (k < workers % lanes) for k in range(lanes)]
+        self.lanes = [VerifierPool(n, timeout_s=step_timeout_s, memory_mb=memory_mb)
+                      for n in sizes]  # fmt: skip
+        self.pool = self.lanes[0]
+        self._free = list(self.lanes)
+        self._cv = threading.Condition()
+        self._threads = ThreadPoolExecutor(lanes, "env-lane") if lanes > 1 else None
         self.info_keys: set[str] = set()
         self.costly_in_a_row = {"reset": 0, "step": 0}  # the breaker, per operation
 
@@ -94,18 +111,56 @@ class EnvPool:
         self.close()
 
     def close(self) -> None:
-        self.pool.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+        for lane in self.lanes:
+            lane.close()
+
+    @property
+    def restarts(self) -> int:
+        """Workers replaced after a crash or timeout, over every lane's life."""
+        return sum(lane.restarts for lane in self.lanes)
 
     def _call(self, op: str, texts, requests):
         base_request = {"env": self.name, "options": self.options, "op": op}
-        breaker = max(1, BREAKER_AFTER - self.costly_in_a_row[op])  # tripped: one probe
-        results = self.pool.call(_REMOTE, texts, [base_request | r for r in requests], breaker)
-        for _, status, message in results:
-            if message.startswith("not called:"):
-                continue  # skipped by the breaker: says nothing new
-            costly = status == wire.TIMEOUT or message.startswith("worker died")
-            self.costly_in_a_row[op] = self.costly_in_a_row[op] + 1 if costly else 0
+        requests = [base_request | r for r in requests]
+        with self._cv:
+            breaker = max(1, BREAKER_AFTER - self.costly_in_a_row[op])  # tripped: one probe
+            lanes = self._take(len(texts))
+        try:
+            if len(lanes) == 1:
+                results = lanes[0].call(_REMOTE, texts, requests, breaker)
+            else:  # the rows split over the lanes taken, in order, each in a thread
+                cuts = np.linspace(0, len(texts), len(lanes) + 1).astype(int)
+                parts = [
+                    self._threads.submit(
+                        lane.call, _REMOTE, texts[a:b], requests[a:b], breaker
+                    )  # fmt: skip
+                    for lane, a, b in zip(lanes, cuts[:-1], cuts[1:], strict=True)
+                ]
+                wait(parts)  # every lane's part ends before its lane is free again
+                results = [r for part in parts for r in part.result()]
+        finally:
+            with self._cv:
+                self._free += lanes
+                self._cv.notify_all()
+        with self._cv:
+            for _, status, message in results:
+                if message.startswith("not called:"):
+                    continue  # skipped by the breaker: says nothing new
+                costly = status == wire.TIMEOUT or message.startswith("worker died")
+                self.costly_in_a_row[op] = self.costly_in_a_row[op] + 1 if costly else 0
         return results
+
+    def _take(self, rows: int) -> list:
+        """Free lanes for a call of `rows` rows (under the lock): at least one (waits for
+        it), and more while free ones are left and the rows outnumber their workers."""
+        while not self._free:
+            self._cv.wait()
+        lanes = [self._free.pop(0)]
+        while self._free and rows > sum(len(lane._workers) for lane in lanes):  # noqa: SLF001
+            lanes.append(self._free.pop(0))
+        return lanes
 
     def reset(self, examples, max_chars: int | None = None) -> tuple[list[Trajectory], list]:
         """One trajectory per example and its first observation (None: the row's prompt,
@@ -115,10 +170,11 @@ class EnvPool:
                              [{"state": None, "example": dict(ex), "max_chars": max_chars}
                               for ex in examples])  # fmt: skip
         trajs, observations = [], []
-        for value, status, message in results:
-            traj = Trajectory()
-            observations.append(self._absorb(traj, value, status, message, "reset"))
-            trajs.append(traj)
+        with self._cv:
+            for value, status, message in results:
+                traj = Trajectory()
+                observations.append(self._absorb(traj, value, status, message, "reset"))
+                trajs.append(traj)
         return trajs, observations
 
     def step(self, trajs: list[Trajectory], actions: dict[int, str],
@@ -132,10 +188,11 @@ class EnvPool:
                              [{"state": trajs[i].state, "max_chars": bounds.get(i)}
                               for i in order])  # fmt: skip
         observations = {}
-        for i, (value, status, message) in zip(order, results, strict=True):
-            observation = self._absorb(trajs[i], value, status, message, "step")
-            if trajs[i].live:
-                observations[i] = observation
+        with self._cv:  # the pool's info keys are shared by concurrent calls
+            for i, (value, status, message) in zip(order, results, strict=True):
+                observation = self._absorb(trajs[i], value, status, message, "step")
+                if trajs[i].live:
+                    observations[i] = observation
         return observations
 
     def _absorb(self, traj: Trajectory, value, status, message, op: str):

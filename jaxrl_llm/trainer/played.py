@@ -42,7 +42,7 @@ class EnvRollout:
         self.pool = EnvPool(
             e.name, dict(e.options), workers=e.workers or None,
             step_timeout_s=e.step_timeout_s, trajectory_timeout_s=e.trajectory_timeout_s,
-            memory_mb=e.memory_mb,
+            memory_mb=e.memory_mb, lanes=e.lanes,
         )  # fmt: skip
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         self.renderer = Renderer(tokenizer, has_chat and d.chat_template != "never",
