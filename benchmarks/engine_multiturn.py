@@ -21,7 +21,8 @@ max_total_tokens)), all --rows trajectories submitted at once: a row whose turn 
 leaves its slot to a waiting row and its environment steps in a thread while the others
 decode. More slots than static rows fit the same pool because a row holds only the pages
 it fills; when the pool runs short, rows are evicted and recomputed (counted in stats).
-Both step the same environment pool (--workers processes). Trajectories/s = --rows / wall
+Both step the same environment pool (--workers processes, in --lanes lanes that step at
+once). Trajectories/s = --rows / wall
 seconds, after --warmup rounds of each (the engine's programs compile for the row counts
 and page-table widths its schedule meets; a round that still compiles says so in its
 line).

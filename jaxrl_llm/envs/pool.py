@@ -16,6 +16,8 @@ once, until a probe answers. An observation longer than the trajectory's room in
 characters (`max_chars`) stays in the worker and ends the trajectory
 (`long_observation`). At most `MAX_INFO_KEYS` distinct `info` keys are kept over the
 pool's life; values under other keys are dropped and counted (`Trajectory.info_dropped`).
+With `lanes` > 1 the workers form that many pools, and calls from several threads run at
+once, each on the free lanes its rows need.
 """
 
 from __future__ import annotations
