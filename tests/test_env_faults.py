@@ -183,7 +183,7 @@ def test_a_worker_out_of_memory_is_replaced(env_file):
         for _ in range(3):
             pool.step(trajs, {0: "a"})
         assert trajs[0].end == "error" and "MemoryError" in trajs[0].error
-        assert pool.pool.restarts == 1
+        assert pool.restarts == 1
         trajs, _ = pool.reset([{"mode": "leak"}])
         assert pool.step(trajs, {0: "a"}) == {0: "leaked"}
 

@@ -234,7 +234,7 @@ def test_python_tool_survives_hostile_snippets():
                       step_timeout_s=8.0) as pool:  # fmt: skip
         trajs, _ = pool.reset([{"answer": "1"}] * len(names))
         obs = pool.step(trajs, {i: f"```python\n{HOSTILE[n]}\n```" for i, n in enumerate(names)})
-        assert pool.pool.restarts == 0
+        assert pool.restarts == 0
     assert sorted(obs) == list(range(len(names))) and all(t.live for t in trajs)
     got = dict(zip(names, (obs[i] for i in range(len(names))), strict=True))
     assert got["loop"].startswith("error:")  # the CPU limit

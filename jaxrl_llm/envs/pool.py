@@ -99,8 +99,8 @@ class EnvPool:
         sizes = [workers // lanes + (k < workers % lanes) for k in range(lanes)]
         self.lanes = [VerifierPool(n, timeout_s=step_timeout_s, memory_mb=memory_mb)
                       for n in sizes]  # fmt: skip
-        self.pool = self.lanes[0]
         self._free = list(self.lanes)
+        self._size = {id(lane): n for lane, n in zip(self.lanes, sizes, strict=True)}
         self._cv = threading.Condition()
         self._threads = ThreadPoolExecutor(lanes, "env-lane") if lanes > 1 else None
         self.info_keys: set[str] = set()
@@ -160,7 +160,7 @@ class EnvPool:
         while not self._free:
             self._cv.wait()
         lanes = [self._free.pop(0)]
-        while self._free and rows > sum(len(lane._workers) for lane in lanes):  # noqa: SLF001
+        while self._free and rows > sum(self._size[id(lane)] for lane in lanes):
             lanes.append(self._free.pop(0))
         return lanes
 
