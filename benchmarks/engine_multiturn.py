@@ -2,6 +2,7 @@
 the paged engine (`envs.play_paged`), side by side in one process, runs interleaved.
 
     python benchmarks/engine_multiturn.py                  # CPU: ~25M Qwen3-like, 64 rows
+    python benchmarks/engine_multiturn.py --model-path smollm2-135m-instruct  # the real SmolLM2
     python benchmarks/engine_multiturn.py --preset 100m --rows 512 --batch 64 \\
         --turn-tokens 256 --page-size 64 --chunk-steps 16 --workers 128   # GPU / TPU
 
@@ -10,7 +11,9 @@ a tool call, a sandboxed test run) and ends a trajectory after --turns actions, 
 observations of a few characters between turns. Turn lengths are long-tailed: the random
 model (vocabulary: the arithmetic tokenizer's 33 tokens) ends a turn when it draws one of
 --stop-ids ids, which it does every ~20-40 tokens, so most turns are short and a few run
-to --turn-tokens.
+to --turn-tokens. With --model-path (a real instruct model such as SmolLM2-135M-Instruct)
+the prompts and observations are rendered with its chat template, and a turn ends where
+the model ends its message (its end-of-turn token), so the lengths are the model's own.
 
 Static: the turn loop plays --batch rows at a time (B prompts x G), each turn decoding
 until its slowest row is done, then stepping every environment while the batch waits; the
@@ -76,6 +79,12 @@ def run(player, engine, params, pool, rows, per_call, G, spec, settings, rendere
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="25m")
+    ap.add_argument(
+        "--model-path",
+        default="",
+        help="a model.path instead of --preset (e.g. smollm2-135m-instruct: its tokenizer, "
+        "chat template and end-of-turn token)",
+    )
     ap.add_argument("--rows", type=int, default=64, help="trajectories in all (B * G)")
     ap.add_argument("--batch", type=int, default=16, help="static batch rows (cache = pool)")
     ap.add_argument("--slots", default="", help="engine slots compared (default: --batch)")
@@ -106,29 +115,38 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
 
-    tok = builtin.load_tokenizer(TOKENIZER)
-    cfg = dataclasses.replace(preset_config(args.preset), vocab_size=len(tok),
-                              scan_layers=not args.unrolled)  # fmt: skip
-    params = models.init_params(cfg, seed=0)
+    if args.model_path:
+        path = builtin.resolve(args.model_path)
+        cfg, params = builtin.load_model(path, None, "float32", scan_layers=not args.unrolled)
+        tok = builtin.load_tokenizer(path)
+        stops = (int(tok.eos_token_id),)
+        obs_tokens = 32  # an observation inside the chat template's turn markers
+    else:
+        tok = builtin.load_tokenizer(TOKENIZER)
+        cfg = dataclasses.replace(preset_config(args.preset), vocab_size=len(tok),
+                                  scan_layers=not args.unrolled)  # fmt: skip
+        params = models.init_params(cfg, seed=0)
+        stops = tuple(int(s) for s in args.stop_ids.split(","))
+        obs_tokens = 16
     G = args.generations
-    stops = tuple(int(s) for s in args.stop_ids.split(","))
-    total = args.turns * args.turn_tokens + (args.turns - 1) * 16
+    renderer = envs.Renderer(tok, use_chat=bool(args.model_path))
+    rows = examples(args.rows // G, args.turns, seed=0)
+    total = args.turns * args.turn_tokens + (args.turns - 1) * obs_tokens
     settings = envs.TurnSettings(max_turns=args.turns, turn_tokens=args.turn_tokens,
                                  max_total_tokens=total, stop_ids=stops)  # fmt: skip
     spec = sampling.RolloutSpec(G, args.turn_tokens, temperature=1.0, stop_ids=stops)
     static = sampling.Sampler(cfg, cache_segments=1)
-    bucket = 16  # the prompts' (a few arithmetic tokens) bucket
+    bucket = sampling.bucket_length(max(len(renderer.prompt(r["question"])) for r in rows))
     pages = 1 + -(-args.batch * (bucket + total) // args.page_size)
     slot_counts = [int(x) for x in args.slots.split(",")] if args.slots else [args.batch]
     engines = {f"paged, {n} slots": sampling.PagedSampler(
         cfg, slots=n, pages=pages, page_size=args.page_size, chunk_steps=args.chunk_steps,
         prefill_chunk=args.prefill_chunk) for n in slot_counts}  # fmt: skip
-    renderer = envs.Renderer(tok, use_chat=False)
-    rows = examples(args.rows // G, args.turns, seed=0)
     players = {"static": (envs.play, static, args.batch // G)}
     players |= {name: (envs.play_paged, e, len(rows)) for name, e in engines.items()}
     results = {name: [] for name in players}
-    print(f"# {device_name()}; {args.rows} trajectories of {args.turns} turns (<= "
+    print(f"# {device_name()}; {args.model_path or args.preset}; {args.rows} trajectories of "
+          f"{args.turns} turns (<= "
           f"{args.turn_tokens} tokens), env step {args.delay} s, {args.batch} static rows, "
           f"engine slots {slot_counts}, pool {pages} pages x {args.page_size}")  # fmt: skip
     with envs.EnvPool(

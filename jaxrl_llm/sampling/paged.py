@@ -164,9 +164,14 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length,
 
 
 def row_bucket(rows: int, slots: int) -> int:
-    """Slots a decode program runs for `rows` occupied ones: a power of two, at least 4
-    (a smaller program saves little) and at most `slots`: a few compiled programs."""
-    return min(slots, max(4, 1 << max(0, rows - 1).bit_length()))
+    """Slots a decode program runs for `rows` occupied ones: a power of two or 1.5x one
+    (4, 6, 8, 12, 16, 24, ...), at least 4 (a smaller program saves little) and at most
+    `slots`: a few compiled programs, and at most a third of a program's rows empty (where
+    a step's cost follows its rows, as on CPU, the empty ones are paid in full)."""
+    b = max(4, 1 << max(0, rows - 1).bit_length())
+    if b >= 8 and rows <= 3 * b // 4:
+        b = 3 * b // 4
+    return min(slots, b)
 
 
 def table_width(pages: int, limit: int) -> int:
@@ -503,7 +508,7 @@ class PagedSampler:
         weights: `weights(params)`.
         host: the slots' host arrays (`Slots`' fields, [S, ...] each); occupied: the slots
         that hold a row; held: the most pages any of them holds. The program runs over the
-        occupied slots only, padded with empty ones to a power of two (`row_bucket`), and
+        occupied slots only, padded with empty ones to a few sizes (`row_bucket`), and
         over the page table cut to `held` pages rounded up (`table_width`): a step's work
         follows the rows still running and their lengths, not the slots' count or the
         longest possible sequence, with few compiled shapes. The other slots' host arrays

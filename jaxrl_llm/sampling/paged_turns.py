@@ -390,7 +390,8 @@ class TurnSession(Session):
         end (`Session._run_prefills`). A job writes seq's tokens [lo, hi) at cache slots
         offset + their index, chunk by chunk; its logits row ends with the logits after
         its last token; its record (MoE), if any, is given the routes of those tokens
-        [hi - lo, L, k]."""
+        [hi - lo, L, k]. A batch of one chunk each runs in the narrowest window (page_size
+        times a power of two) that holds every job's tokens [lo, hi)."""
         C, e = self.C, self.e
         jobs = [j if len(j) == 8 else (j[0], j[1], len(j[0]), 0, j[1], j[2], j[3], j[4])
                 for j in self.prefills]  # fmt: skip
@@ -406,18 +407,23 @@ class TurnSession(Session):
             for i, (_, _, _, _, first, pages, row, _) in enumerate(batch):
                 table[i, : len(pages)], start[i], index[i] = pages, first, row
             owns = []
+            W = C  # tokens per call: one chunk's window that holds every job's tokens
+            most = max(hi - lo for _, lo, hi, *_ in batch)
+            while K == 1 and W // 2 % self.PS == 0 and W // 2 >= max(most, 1):
+                W //= 2  # (an observation's append is often a few tokens)
             for k in range(K):
-                tokens = np.full((b, C), e.pad_id, np.int32)
-                mask = np.zeros((b, C), bool)
+                tokens = np.full((b, W), e.pad_id, np.int32)
+                mask = np.zeros((b, W), bool)
                 length = np.zeros(b, np.int32)
                 for i, (seq, lo, hi, offset, *_) in enumerate(batch):
                     c = k - (K - chunks[i])
                     if c < lo // C:
                         continue  # before its first chunk with a real token
-                    tokens[i] = seq[c * C : (c + 1) * C]
-                    where = np.arange(c * C, (c + 1) * C)
+                    at = min(lo, C - W) if W < C else c * C  # (W < C: one chunk, c = 0)
+                    tokens[i] = seq[at : at + W]
+                    where = np.arange(at, at + W)
                     mask[i] = (where >= lo) & (where < hi)
-                    length[i] = offset + c * C
+                    length[i] = offset + at
                 self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
                     self.weights, self.pages, self.prompt_logits,
                     *e._put((index, tokens, mask, table, start, length)),  # noqa: SLF001
@@ -425,11 +431,12 @@ class TurnSession(Session):
                 owns.append(own)
                 self.stats["prefill_calls"] += 1
             if owns[0] is not None and any(j[7] is not None for j in batch):
-                owns = jax.device_get(owns)  # K x [b, C, L, k]
+                owns = jax.device_get(owns)  # K x [b, W, L, k]
                 for i, (_, lo, hi, *_, record) in enumerate(batch):
                     if record is not None:  # its chunks, in the last chunks[i] calls
                         got = np.concatenate([o[i] for o in owns[K - chunks[i] :]], axis=0)
-                        record(got[lo:hi])
+                        shift = min(lo, C - W)  # where the window starts (0: W == C)
+                        record(got[lo - shift : hi - shift])
 
     def run_chunk(self) -> list:
         """Seats waiting rows, decodes one chunk of the occupied slots -> the rows whose
