@@ -26,8 +26,9 @@ Pages run short: before any decoding row is preempted, rows that hold pages outs
 slot (parked on their environment, or waiting for a slot) are evicted, the most recently
 parked first; a new trajectory waits for free pages rather than evict. An evicted or
 preempted row comes back by recompute: its prompt and its completion so far (sampled and
-observation tokens) prefilled into its own pages; a row that drew nothing yet goes back
-to its prompt's shared pages.
+observation tokens) prefilled into its own pages, or, while its prompt's pages are still
+held (by its siblings), its completion only, appended on them again; a row that drew
+nothing yet goes back to its prompt's shared pages.
 
 Row r draws its t-th sampled token of the whole trajectory with
 fold_in(fold_in(fold_in(key(seed), step), r), t), whatever slot, chunk, neighbours or
@@ -119,7 +120,7 @@ class TurnSession(Session):
         self.prompt_logits = engine._put(rows)  # noqa: SLF001
         self.trajs: dict = {}
         self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
-        self.stats.update(evicted=0, appends=0)
+        self.stats.update(evicted=0, appends=0, prompt_kept=0)
         self.prompt_routes: dict = {}  # MoE: prompt -> its real tokens' routes [p, L, k]
 
     # ------------------------------------------------------------------------ rows
@@ -268,6 +269,8 @@ class TurnSession(Session):
         """Pages t takes to be seated (its prefill, before its first chunk)."""
         if t.table:
             return max(0, -(-(t.length + len(t.tokens) - t.cached) // self.PS) - t.held)
+        if t.tokens and t.b in self.prompt_pages:  # its completion on its prompt's pages
+            return -(-len(t.tokens) // self.PS)
         if t.tokens:
             return self._pages_of(len(t.prompt) + len(t.tokens))
         return 0 if t.b in self.prompt_pages else self._pages_of(len(t.prompt))
@@ -308,6 +311,14 @@ class TurnSession(Session):
         """Queues t's prefill for slot s -> the logits row of its next draw (None: the
         pool lacks the pages)."""
         logits = self.scratch + 1 + s
+        if t.tokens and not t.table and t.b in self.prompt_pages:
+            # Evicted while its prompt's pages stayed (its G - 1 siblings hold them): it
+            # takes them again, and only its completion is recomputed, appended on them.
+            entry = self.prompt_pages[t.b]
+            entry[3] += 1
+            self.stats["prompt_kept"] += 1
+            t.shared, t.table, t.mine = t.b, list(entry[0]), []
+            t.start, t.length, t.base = entry[2], entry[1], entry[1]
         if t.table:  # parked with its pages: the pending token and the observation
             add = t.tokens[t.cached :]
             need = self._cost(t)
