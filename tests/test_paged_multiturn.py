@@ -60,7 +60,7 @@ def test_greedy_trajectories_equal_the_static_turn_loop(setup):
     a pool of 17 pages (one trajectory's worth and a page): rows wait for slots, park on
     their environments with their pages, are evicted while parked and preempted while
     decoding, and come back by appending or by recompute (of the whole sequence, or of the
-    completion only, on the prompt's pages its siblings kept)."""
+    completion only, on the prompt's pages it kept)."""
     cfg, params, _, _ = setup
     ref, ref_turns, ref_ends, spec = play(setup, sampling.Sampler(cfg, seed=5, cache_segments=1))
     assert sorted(set(ref_ends)) == ["done", "long_observation", "max_turns"]
@@ -70,7 +70,7 @@ def test_greedy_trajectories_equal_the_static_turn_loop(setup):
     out, turns, ends, _ = play(setup, engine)
     stats = engine.stats
     # Which rows are evicted or preempted depends on when their environments answer.
-    # Some evicted rows come back on their prompt's pages, kept by their siblings.
+    # Evicted rows come back on their prompt's pages, which they keep.
     assert stats["evicted"] > 0 and stats["prompt_kept"] > 0, stats
     assert stats["peak_pages"] <= 17
     assert ends == ref_ends

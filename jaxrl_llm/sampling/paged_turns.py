@@ -27,8 +27,11 @@ slot (parked on their environment, or waiting for a slot) are evicted, the most 
 parked first; a new trajectory waits for free pages rather than evict. An evicted or
 preempted row comes back by recompute: its prompt and its completion so far (sampled and
 observation tokens) prefilled into its own pages, or, while its prompt's pages are still
-held (by its siblings), its completion only, appended on them again; a row that drew
-nothing yet goes back to its prompt's shared pages.
+there, its completion only, appended on them again: an evicted row keeps its reference on
+its prompt's pages (a prompt is a few pages; the G rows of a prompt are often evicted
+together, and the prompt would then be recomputed by each), so they go back to the pool
+only when its rows end or a swap drops them; a row that drew nothing yet goes back to its
+prompt's shared pages.
 
 Row r draws its t-th sampled token of the whole trajectory with
 fold_in(fold_in(fold_in(key(seed), step), r), t), whatever slot, chunk, neighbours or
@@ -246,22 +249,30 @@ class TurnSession(Session):
         t.shared = None
 
     def _unpage(self, t: _Traj) -> None:
-        """Returns t's own pages; a row with a completion also drops its prompt's (it
-        comes back by recompute), one without keeps its place on them."""
+        """Returns t's own pages; its reference on its prompt's pages stays (it comes back
+        on them, recomputing its completion only; `end` drops it)."""
         self.free.extend(p for p in t.mine if p != NULL_PAGE)
         t.table, t.mine, t.length, t.base = [], [], 0, 0
         self.holders.pop(t.row, None)
-        if t.tokens:
-            self._unshare(t)
 
     def _evict_one(self, keep) -> bool:
         """Evicts the most recently parked row that holds pages outside a slot (not
-        `keep`) -> whether there was one."""
+        `keep`); when none does, drops the prompt reference an evicted row kept (not
+        `keep`'s) -> whether there was one."""
         for r in reversed(list(self.holders)):
             t = self.holders[r]
             if t is not keep:
                 self._unpage(t)
                 self.stats["evicted"] += 1
+                return True
+        for t in self.trajs.values():
+            if (
+                t.tokens
+                and not t.table
+                and t.shared is not None
+                and (keep is None or t.shared != keep.b)
+            ):
+                self._unshare(t)
                 return True
         return False
 
@@ -312,10 +323,12 @@ class TurnSession(Session):
         pool lacks the pages)."""
         logits = self.scratch + 1 + s
         if t.tokens and not t.table and t.b in self.prompt_pages:
-            # Evicted while its prompt's pages stayed (its G - 1 siblings hold them): it
-            # takes them again, and only its completion is recomputed, appended on them.
+            # Evicted or preempted while its prompt's pages stayed: it takes them again
+            # (referenced still, unless a swap dropped them and they were prefilled anew),
+            # and only its completion is recomputed, appended on them.
             entry = self.prompt_pages[t.b]
-            entry[3] += 1
+            if t.shared is None:
+                entry[3] += 1
             self.stats["prompt_kept"] += 1
             t.shared, t.table, t.mine = t.b, list(entry[0]), []
             t.start, t.length, t.base = entry[2], entry[1], entry[1]
