@@ -62,8 +62,14 @@ def test_greedy_trajectories_equal_the_static_turn_loop(setup):
     decoding, and come back by appending or by recompute (of the whole sequence, or of the
     completion only, on the prompt's pages it kept)."""
     cfg, params, _, _ = setup
-    ref, ref_turns, ref_ends, spec = play(setup, sampling.Sampler(cfg, seed=5, cache_segments=1))
+    static = sampling.Sampler(cfg, seed=5, cache_segments=1)
+    ref, ref_turns, ref_ends, spec = play(setup, static)
     assert sorted(set(ref_ends)) == ["done", "long_observation", "max_turns"]
+    # The static loop's appends round the cache's bound up to a bucket (holes after the
+    # observations): its decodes start at bucket lengths only.
+    starts = [k[2] for k in static.traces if k[0] == "decode"]
+    assert len(starts) == SETTINGS.max_turns, starts
+    assert all(e == sampling.bucket_length(e, 4) for e in starts), starts
     assert len(set(np.asarray(ref.lengths).tolist())) >= 4
     engine = sampling.PagedSampler(cfg, seed=5, slots=8, pages=18, page_size=4, chunk_steps=3,
                                    prefill_chunk=8)  # fmt: skip

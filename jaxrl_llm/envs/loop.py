@@ -7,7 +7,9 @@ Every turn: `Sampler.decode` draws until each live row has stopped (an end-of-tu
 tool-call stop id) or spent `settings.turn_tokens`; the host reads the new tokens of each
 live row, decodes them as the action, steps all live environments in parallel
 (`EnvPool.step`), renders each observation as the next turn's ids (`Renderer.turn`: the
-new turn only) and `Sampler.append`s them to the KV cache. A trajectory ends when its
+new turn only) and `Sampler.append`s them to the KV cache (the cache's bound on slots
+rounded up to a bucket, `sampling.append_end`, so that the observations' varying widths
+compile a few programs, not one per sum of widths). A trajectory ends when its
 environment says done, fails, or would pass `max_turns` or `max_total_tokens` (an
 observation longer than the tokens left, bounded in characters before it leaves the
 worker, ends it as `long_observation`); its row
@@ -115,7 +117,9 @@ def play(sampler, params, prompt_ids, prompt_mask, spec, settings: TurnSettings,
         if not width:
             break
         ids, mask = _rows(appended, n, width, sampler.pad_id)
-        state = sampler.append(params, state, ids, mask)
+        limit = sampler.cfg.max_position_embeddings - s.turn_tokens
+        end = sampling.append_end(state.end + width, limit)
+        state = sampler.append(params, state, ids, mask, end)
         for i, obs in appended.items():
             turns.spans[i].append(("env", int(lengths[i]), int(lengths[i] + len(obs))))
             turns.obs_tokens[i] += len(obs)

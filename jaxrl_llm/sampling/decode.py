@@ -332,14 +332,17 @@ def decode(
 
 
 def append(
-    cfg, params, state: DecodeState, token_ids, token_mask, pad_id, mesh=None
+    cfg, params, state: DecodeState, token_ids, token_mask, pad_id, mesh=None, end=None
 ) -> DecodeState:
     """Writes token_ids [N, A] (token_mask [N, A]: each row's real ones) into the cache
     after each row's tokens, in one forward -> new state. Rows that receive a token are
-    live again (not done); the tokens are not sampled (loss mask 0, log-prob 0)."""
+    live again (not done); the tokens are not sampled (loss mask 0, log-prob 0). end
+    (static, >= state.end + A): the new state's bound on slots, for a caller that rounds
+    it up so that later programs meet fewer shapes (the slots past the tokens stay
+    holes)."""
     P, A = state.prompt_tokens.shape[1], token_ids.shape[1]
     token_ids, token_mask = token_ids.astype(jnp.int32), token_mask.astype(bool)
-    need = state.end + A
+    need = state.end + A if end is None else end
     cache = state.cache
     if need > cache.max_len:
         cache = constrain_cache(models.grow_cache(cache, -(-need // 8) * 8), mesh)

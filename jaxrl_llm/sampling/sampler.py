@@ -62,6 +62,19 @@ def bucket_length(n: int, steps: int = 2) -> int:
     return lower + -(-(n - lower) // step) * step
 
 
+def append_end(need: int, limit: int) -> int:
+    """The bound on cache slots a multi-turn loop gives `Sampler.append` for `need` slots:
+    rounded up to a bucket (`bucket_length`, 4 per doubling), or `need` where the bucket
+    would pass `limit` (what the next turn leaves of the model's context). Each distinct
+    bound is a program shape for the appends and decodes after it (for a 30-layer model,
+    seconds to compile and memory held for the run); bucketed, the turns' varying
+    observation widths meet a few of them. The slots past the observations stay holes
+    (invalid, never attended, but read by every later step's attention: at most a quarter
+    more slots than the bound needs)."""
+    end = bucket_length(need, 4)
+    return end if end <= limit else need
+
+
 class Sampler:
     """Jitted prefill / decode / append programs of one model on one mesh.
 
@@ -74,7 +87,8 @@ class Sampler:
       bucket_steps: prompt-length buckets per doubling (`bucket_length`).
       cache_segments: decode loops over a growing KV cache (`decode.cache_lengths`).
 
-    `traces` counts the programs this sampler compiled, by (program, prompt shape).
+    `traces` counts the programs this sampler compiled, by (program, prompt shape), and
+    for `decode` and `append` the state's bound on cache slots they start from.
     """
 
     def __init__(
@@ -101,7 +115,7 @@ class Sampler:
         rows = {} if mesh is None else {"out_shardings": self.row_sharding}
         self._sample = jax.jit(self._sample_program, static_argnames="spec", **rows)
         self._decode = jax.jit(self._decode_program, static_argnums=(2, 3), donate_argnums=1)
-        self._append = jax.jit(self._append_program, donate_argnums=1)
+        self._append = jax.jit(self._append_program, static_argnums=4, donate_argnums=1)
         self._result = jax.jit(functools.partial(D.result, pad_id=self.pad_id))
         self._refresh = jax.jit(self._refresh_program, donate_argnums=1)
         self._stop = jax.jit(lambda state, rows: state.replace(done=state.done | rows),
@@ -160,11 +174,13 @@ class Sampler:
         with _growing():
             return self._decode(params, state, budget, stops)
 
-    def append(self, params, state: D.DecodeState, token_ids, token_mask) -> D.DecodeState:
+    def append(self, params, state: D.DecodeState, token_ids, token_mask,
+               end: int | None = None) -> D.DecodeState:  # fmt: skip
         """Extends each row's cache with token_ids [N, A] where token_mask [N, A] (each row's
         real tokens, e.g. a tool's output; not sampled: loss mask 0). The state is donated.
         Host arrays are put on the mesh like the rows; with several processes each gives
-        its own rows, as with the prompts."""
+        its own rows, as with the prompts. end: the state's new bound on cache slots
+        (default state.end + A; more leaves holes, see `append_end`)."""
         token_ids, token_mask = np.asarray(token_ids), np.asarray(token_mask, bool)
         n = state.tokens.shape[0] // (jax.process_count() if self._multi() else 1)  # own rows
         if token_ids.shape != token_mask.shape or token_ids.shape[0] != n:
@@ -173,10 +189,14 @@ class Sampler:
                 f"must both be [{n}, A]"
             )
         self._check_ids(token_ids[token_mask], "append: token_ids")
-        self._check_length(state.end + token_ids.shape[1], "append")
+        need = state.end + token_ids.shape[1]
+        end = need if end is None else int(end)
+        if end < need:
+            raise ValueError(f"append: end {end} < {need} (the state's slots + the tokens)")
+        self._check_length(end, "append")
         ids, mask = self._put((token_ids.astype(np.int32), token_mask))
         with _growing():
-            return self._append(params, state, ids, mask)
+            return self._append(params, state, ids, mask, end)
 
     def refresh(self, params, state: D.DecodeState) -> D.DecodeState:
         """The state's KV cache recomputed by `params` over everything so far, so that
@@ -208,13 +228,13 @@ class Sampler:
                        self.cache_segments, self.mesh)  # fmt: skip
 
     def _decode_program(self, params, state, budget, stops):
-        self.traces["decode", state.prompt_tokens.shape] += 1
+        self.traces["decode", state.prompt_tokens.shape, state.end] += 1
         return D.decode(self.cfg, params, state, budget, stops, self.pad_id,
                         self.cache_segments, self.mesh)  # fmt: skip
 
-    def _append_program(self, params, state, ids, mask):
-        self.traces["append", state.prompt_tokens.shape] += 1
-        return D.append(self.cfg, params, state, ids, mask, self.pad_id, self.mesh)
+    def _append_program(self, params, state, ids, mask, end):
+        self.traces["append", state.prompt_tokens.shape, state.end] += 1
+        return D.append(self.cfg, params, state, ids, mask, self.pad_id, self.mesh, end)
 
     def _refresh_program(self, params, state):
         self.traces["refresh", state.prompt_tokens.shape] += 1
