@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -110,8 +111,8 @@ class Session:
         self.done: list = []  # keys of requests whose rows all ended, in completion order
         self.stats = dict(decode_chunks=0, prefills=0, prefill_calls=0, preempted=0,
                           peak_pages=0, swaps=0)  # fmt: skip
-        # (sequence, start, pages, logits row, (request, b) whose prompt routes it records
-        # or None) to prefill
+        # Prefill jobs (`_run_prefills`): (sequence, lo, hi, offset, first, pages, logits
+        # row, record or None)
         self.prefills: list = []
         T, S = self.T, slots
         z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
@@ -242,8 +243,8 @@ class Session:
     def _prefill(self, tokens: np.ndarray, index: int, record=None) -> tuple[list, int, int] | None:
         """Takes pages for a sequence (real token ids) and queues its prefill (run by
         `_run_prefills`) -> (pages, padded length, start), or None when the pool lacks
-        the pages. record: (request, b) whose prompt routes the prefill gives (MoE), or
-        None (`TurnSession`: a function given the routes of the sequence's real tokens)."""
+        the pages. record: None, or a function given the routes of the sequence's real
+        tokens [p, L, k] (MoE)."""
         C, PS = self.C, self.PS
         p = len(tokens)
         padded = -(-p // C) * C
@@ -255,53 +256,65 @@ class Session:
         pages = [NULL_PAGE] * first + self._take(count)
         seq = np.full(padded, self.e.pad_id, np.int32)
         seq[start:] = tokens
-        self.prefills.append((seq, start, pages, index, record))
+        self.prefills.append((seq, start, padded, 0, start, pages, index, record))
         self.stats["prefills"] += 1
         return pages, padded, start
 
     def _run_prefills(self) -> None:
-        """The queued prefills, up to PREFILL_BATCH sequences per program (the batch
-        padded to a power of two with empty rows), their chunks aligned at the end: the
-        k-th of K calls feeds each sequence its chunk k - (K - its chunks), or nothing
-        before its first real chunk; every sequence's last chunk is in the last call, so
-        its logits row ends with its prompt's last token's logits."""
+        """The queued prefills, up to PREFILL_BATCH per program (the batch padded to a
+        power of two with empty rows). A job (seq, lo, hi, offset, first, pages, row,
+        record) writes seq's tokens [lo, hi) at cache slots offset + their index, in
+        chunks of C aligned at the end: the k-th of K calls feeds each job its chunk
+        k - (K - its chunks), or nothing before its first chunk with a real token, so
+        every job's last chunk is in the last call and its logits row ends with the
+        logits after its last token. first: the table's first valid slot; record (MoE),
+        if any, is given the routes of tokens [lo, hi) [hi - lo, L, k]. A batch of one
+        chunk each runs in the narrowest window (page_size times a power of two) that
+        holds every job's tokens: a prompt shorter than a chunk, an observation of a few
+        tokens appended (`TurnSession`)."""
         C, e = self.C, self.e
-        put = e._put  # noqa: SLF001
-        while self.prefills:
-            jobs, self.prefills = self.prefills[:PREFILL_BATCH], self.prefills[PREFILL_BATCH:]
-            b = 1 << (len(jobs) - 1).bit_length()
-            chunks = [len(seq) // C for seq, *_ in jobs]
-            owns = []
+        jobs, self.prefills = self.prefills, []
+        for at in range(0, len(jobs), PREFILL_BATCH):
+            batch = jobs[at : at + PREFILL_BATCH]
+            b = 1 << (len(batch) - 1).bit_length()
+            chunks = [len(j[0]) // C for j in batch]
             K = max(chunks)
-            table = np.zeros((b, self._width(max(len(j[2]) for j in jobs))), np.int32)
+            table = np.zeros((b, self._width(max(len(j[5]) for j in batch))), np.int32)
             start = np.zeros(b, np.int32)
             index = np.full(b, self.scratch, np.int32)
-            for i, (_, first, pages, row, _) in enumerate(jobs):
+            for i, (_, _, _, _, first, pages, row, _) in enumerate(batch):
                 table[i, : len(pages)], start[i], index[i] = pages, first, row
+            owns = []
+            W = C  # tokens per call: one chunk's window that holds every job's tokens
+            most = max(hi - lo for _, lo, hi, *_ in batch)
+            while K == 1 and W // 2 % self.PS == 0 and W // 2 >= max(most, 1):
+                W //= 2
             for k in range(K):
-                tokens = np.full((b, C), e.pad_id, np.int32)
-                mask = np.zeros((b, C), bool)
+                tokens = np.full((b, W), e.pad_id, np.int32)
+                mask = np.zeros((b, W), bool)
                 length = np.zeros(b, np.int32)
-                for i, (seq, first, *_) in enumerate(jobs):
+                for i, (seq, lo, hi, offset, *_) in enumerate(batch):
                     c = k - (K - chunks[i])
-                    if c < first // C:
+                    if c < lo // C:
                         continue  # before its first chunk with a real token
-                    tokens[i] = seq[c * C : (c + 1) * C]
-                    mask[i] = np.arange(c * C, (c + 1) * C) >= first
-                    length[i] = c * C
+                    at = min(lo, C - W) if W < C else c * C  # (W < C: one chunk, c = 0)
+                    tokens[i] = seq[at : at + W]
+                    where = np.arange(at, at + W)
+                    mask[i] = (where >= lo) & (where < hi)
+                    length[i] = offset + at
                 self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
                     self.weights, self.pages, self.prompt_logits,
-                    *put((index, tokens, mask, table, start, length)),
+                    *e._put((index, tokens, mask, table, start, length)),  # noqa: SLF001
                 )  # fmt: skip
                 owns.append(own)
                 self.stats["prefill_calls"] += 1
-            if any(j[4] is not None for j in jobs) and owns[0] is not None:
-                owns = jax.device_get(owns)  # K x [b, C, L, k]
-                for i, (_, first, _, _, record) in enumerate(jobs):
+            if owns[0] is not None and any(j[7] is not None for j in batch):
+                owns = jax.device_get(owns)  # K x [b, W, L, k]
+                for i, (_, lo, hi, *_, record) in enumerate(batch):
                     if record is not None:  # its chunks, in the last chunks[i] calls
                         got = np.concatenate([o[i] for o in owns[K - chunks[i] :]], axis=0)
-                        key, prompt = record
-                        self.requests[key].prompt_routes[prompt] = got[first:]
+                        shift = min(lo, C - W)  # where the window starts (0: W == C)
+                        record(got[lo - shift : hi - shift])
 
     def _pages_of(self, tokens: int) -> int:
         """Pages a prefill of `tokens` tokens takes (those of padding only are null)."""
@@ -347,7 +360,7 @@ class Session:
                         return
                     record = None
                     if self.e.cfg.moe and b not in req.prompt_routes:
-                        record = pkey
+                        record = functools.partial(req.prompt_routes.__setitem__, b)
                     got = self._prefill(real, self.logit_rows[-1], record)
                     if got is None:
                         return

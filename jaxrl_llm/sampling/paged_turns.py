@@ -55,10 +55,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import numpy as np
 
-from jaxrl_llm.sampling.paged_schedule import NULL_PAGE, PREFILL_BATCH, Session
+from jaxrl_llm.sampling.paged_schedule import NULL_PAGE, Session
 
 
 @dataclasses.dataclass
@@ -407,60 +406,6 @@ class TurnSession(Session):
             t.table, t.mine = t.table + new, t.mine + new
             h["cap"][s] = t.held * self.PS
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self._in_use())
-
-    def _run_prefills(self) -> None:
-        """The queued prefills (prompts and recomputes from `Session._prefill`, appends
-        from `_seat`), up to PREFILL_BATCH sequences per program, chunks aligned at the
-        end (`Session._run_prefills`). A job writes seq's tokens [lo, hi) at cache slots
-        offset + their index, chunk by chunk; its logits row ends with the logits after
-        its last token; its record (MoE), if any, is given the routes of those tokens
-        [hi - lo, L, k]. A batch of one chunk each runs in the narrowest window (page_size
-        times a power of two) that holds every job's tokens [lo, hi)."""
-        C, e = self.C, self.e
-        jobs = [j if len(j) == 8 else (j[0], j[1], len(j[0]), 0, j[1], j[2], j[3], j[4])
-                for j in self.prefills]  # fmt: skip
-        self.prefills = []
-        for at in range(0, len(jobs), PREFILL_BATCH):
-            batch = jobs[at : at + PREFILL_BATCH]
-            b = 1 << (len(batch) - 1).bit_length()
-            chunks = [len(j[0]) // C for j in batch]
-            K = max(chunks)
-            table = np.zeros((b, self._width(max(len(j[5]) for j in batch))), np.int32)
-            start = np.zeros(b, np.int32)
-            index = np.full(b, self.scratch, np.int32)
-            for i, (_, _, _, _, first, pages, row, _) in enumerate(batch):
-                table[i, : len(pages)], start[i], index[i] = pages, first, row
-            owns = []
-            W = C  # tokens per call: one chunk's window that holds every job's tokens
-            most = max(hi - lo for _, lo, hi, *_ in batch)
-            while K == 1 and W // 2 % self.PS == 0 and W // 2 >= max(most, 1):
-                W //= 2  # (an observation's append is often a few tokens)
-            for k in range(K):
-                tokens = np.full((b, W), e.pad_id, np.int32)
-                mask = np.zeros((b, W), bool)
-                length = np.zeros(b, np.int32)
-                for i, (seq, lo, hi, offset, *_) in enumerate(batch):
-                    c = k - (K - chunks[i])
-                    if c < lo // C:
-                        continue  # before its first chunk with a real token
-                    at = min(lo, C - W) if W < C else c * C  # (W < C: one chunk, c = 0)
-                    tokens[i] = seq[at : at + W]
-                    where = np.arange(at, at + W)
-                    mask[i] = (where >= lo) & (where < hi)
-                    length[i] = offset + at
-                self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
-                    self.weights, self.pages, self.prompt_logits,
-                    *e._put((index, tokens, mask, table, start, length)),  # noqa: SLF001
-                )  # fmt: skip
-                owns.append(own)
-                self.stats["prefill_calls"] += 1
-            if owns[0] is not None and any(j[7] is not None for j in batch):
-                owns = jax.device_get(owns)  # K x [b, W, L, k]
-                for i, (_, lo, hi, *_, record) in enumerate(batch):
-                    if record is not None:  # its chunks, in the last chunks[i] calls
-                        got = np.concatenate([o[i] for o in owns[K - chunks[i] :]], axis=0)
-                        shift = min(lo, C - W)  # where the window starts (0: W == C)
-                        record(got[lo - shift : hi - shift])
 
     def run_chunk(self) -> list:
         """Seats waiting rows, decodes one chunk of the occupied slots -> the rows whose
