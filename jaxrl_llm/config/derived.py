@@ -12,6 +12,13 @@ class ConfigError(UserError, ValueError):
     """A run config that cannot work; the message names the key."""
 
 
+def require(ok: bool, message: str) -> None:
+    """Raises ConfigError(message) unless ok: the one-line form of every config check
+    (`config.checks` and its section modules), the message naming the key."""
+    if not ok:
+        raise ConfigError(message)
+
+
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 

@@ -179,7 +179,7 @@ class RolloutThread:
             with self._cond:
                 newest, newest_version = self._params, self._version
             # Each chunk's cache width is a program of its own, compiled at first use (at
-            # most MAX_PARTIAL_CHUNKS of them, `config.checks`): each says so in a line.
+            # most MAX_PARTIAL_CHUNKS of them, `config.checks_rollout`): each says so in a line.
             detail = f"{bucket(state)}, partial tokens {first}-{min(first + chunk, T)}"
             with log.program("sampler", detail, runs=True):
                 if newest_version != version and first:
