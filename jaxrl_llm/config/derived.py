@@ -1,6 +1,6 @@
 """What the trainer derives from a run config: the algorithm, the rollout spec, the stop
 ids, the LoRA config, the mesh axes and devices, the model path; and `ConfigError`, the
-one-line error that names a config key.
+one-line error that names a config key, with `require`, the check that raises it.
 """
 
 from __future__ import annotations
