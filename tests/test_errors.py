@@ -53,7 +53,7 @@ def test_the_errors_users_meet_are_user_errors_and_keep_their_old_types():
         config_lib.ConfigError,
         data.BadRow,
         models.hf_io.CheckpointError,
-        models.config.UnsupportedModelError,
+        models.hf_config.UnsupportedModelError,
     ):
         err = cls("rollout.batch_size=0: must be >= 1")
         assert isinstance(err, UserError) and isinstance(err, ValueError), cls

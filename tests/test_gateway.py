@@ -182,7 +182,7 @@ def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):
                                  temperature=0.8)  # fmt: skip
     agents.sampler = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=2,
                                            prefill_chunk=8)  # fmt: skip
-    calls, replies, answer = [], [], agents._reply
+    calls, replies, answer = [], [], agents.reply
 
     def refresh():
         calls.append(len(calls))
@@ -195,7 +195,7 @@ def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):
 
         answer(episode, body, captured, ask, drawn, episodes, play)
 
-    agents._reply = recorded
+    agents.reply = recorded
     examples = [{"question": "1+2="}, {"question": "12*3="}, {"question": "7-4="}]
     try:
         out, _, v = agents(p0, types.SimpleNamespace(examples=examples), 3, refresh=refresh)

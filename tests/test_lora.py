@@ -13,7 +13,7 @@ from flax import nnx
 from tiny_run import tiny_model_config
 
 from jaxrl_llm import models, parallel, rl, sampling
-from jaxrl_llm.models import layers, lora
+from jaxrl_llm.models import layer_math, lora
 from jaxrl_llm.models.transformer import abstract_model
 from jaxrl_llm.rl import update as U
 
@@ -201,7 +201,7 @@ def test_adapter_dropout_is_inverted_dropout():
     its mean over masks is the input."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 96)), jnp.float32)
     keys = jax.random.split(jax.random.key(3), 400)
-    out = np.asarray(jax.vmap(lambda k: layers.adapter_dropout(k, 0.25, x))(keys))
+    out = np.asarray(jax.vmap(lambda k: layer_math.adapter_dropout(k, 0.25, x))(keys))
     kept = out != 0
     assert abs(kept.mean() - 0.75) < 0.01
     np.testing.assert_allclose(out[kept], np.broadcast_to(x / 0.75, out.shape)[kept], rtol=1e-6)
@@ -223,7 +223,7 @@ def test_projection_with_dropout_equals_numpy(base):
     for t in ("q", "gate"):
         ours = np.asarray(one._proj(t, x, key)).reshape(2, 5, -1)
         keep = jax.random.bernoulli(
-            jax.random.fold_in(key, layers.lora_target_index(t)), 1 - p, x.shape
+            jax.random.fold_in(key, layer_math.lora_target_index(t)), 1 - p, x.shape
         )
         w, a, b = (
             np.asarray(params["layers"][n][1], np.float64)

@@ -256,9 +256,9 @@ def test_param_count_matches_transformers(saved):
 
 @pytest.mark.parametrize("contract", [1, 2])
 def test_dense_values_and_gradients_equal_einsum(contract):
-    """`layers.dense` (a matmul with a hand-written backward) against autodiff of
+    """`layer_math.dense` (a matmul with a hand-written backward) against autodiff of
     the einsum it replaces."""
-    from jaxrl_llm.models.layers import dense
+    from jaxrl_llm.models.layer_math import dense
 
     rng = np.random.default_rng(contract)
     x = rng.normal(size=(3, 5, 4, 6)).astype(np.float32)

@@ -390,8 +390,8 @@ def test_paged_engine_with_routing_replay_is_accepted(tmp_path):
     passes the config check."""
     from tiny_run import tiny_config
 
-    from jaxrl_llm.config import checks
+    from jaxrl_llm.config import checks_rollout
 
     c = tiny_config(str(tmp_path))
     c.rollout.engine, c.algo.routing_replay = "paged", "rollout"
-    checks.check_engine(c, 1)
+    checks_rollout.check_engine(c, 1)

@@ -108,12 +108,12 @@ def test_moe_impl_is_checked_naming_the_key(qwen3_moe):  # noqa: F811 (the fixtu
     from tiny_run import tiny_config
 
     from jaxrl_llm import config as config_lib
-    from jaxrl_llm.config import checks
+    from jaxrl_llm.config import checks_model
 
     c = tiny_config(str(qwen3_moe[1]))
     for name in ("auto", "gmm", "ragged", "blocked", "dense"):
         c.model.moe_impl = name
-        checks.check_model(c)
+        checks_model.check_model(c)
     c.model.moe_impl = "megablox"
     with pytest.raises(config_lib.ConfigError, match=r"model\.moe_impl='megablox': expected"):
-        checks.check_model(c)
+        checks_model.check_model(c)

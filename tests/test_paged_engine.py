@@ -214,28 +214,28 @@ def test_config_refuses_what_the_paged_engine_does_not_do(tmp_path):
     from tiny_run import tiny_config
 
     from jaxrl_llm import config as config_lib
-    from jaxrl_llm.config import checks
+    from jaxrl_llm.config import checks_rollout
 
     c = tiny_config(str(tmp_path))
     c.rollout.engine, c.rollout.mode = "paged", "split"
     c.env.name = "calculator"
-    checks.check_engine(c, 1)  # environments in every mode
+    checks_rollout.check_engine(c, 1)  # environments in every mode
     c.rollout.partial = True
-    checks.check_engine(c, 1)  # partial rollouts with environments: `TurnSession.swap`
+    checks_rollout.check_engine(c, 1)  # partial rollouts with environments: `TurnSession.swap`
     c.env.name, c.agent.entry = "", "agent.py:run"
-    checks.check_engine(c, 1)  # the gateway's partial rollouts: `TurnSession.swap` too
+    checks_rollout.check_engine(c, 1)  # the gateway's partial rollouts: `TurnSession.swap` too
     c.rollout.partial = False
-    checks.check_engine(c, 1)  # the gateway in every mode
+    checks_rollout.check_engine(c, 1)  # the gateway in every mode
     c.agent.entry = ""
     c.rollout.partial = True
-    checks.check_engine(c, 1)  # single-turn partial rollouts: the stream recomputes
+    checks_rollout.check_engine(c, 1)  # single-turn partial rollouts: the stream recomputes
     c.rollout.partial, c.rollout.paged.prefill_chunk = False, 20
     with pytest.raises(config_lib.ConfigError, match="multiple of rollout.paged.page_size"):
-        checks.check_engine(c, 1)
+        checks_rollout.check_engine(c, 1)
     c.rollout.paged.prefill_chunk, c.rollout.paged.attention = 64, "splash"
     with pytest.raises(config_lib.ConfigError, match="rollout.paged.attention='splash'"):
-        checks.check_engine(c, 1)
+        checks_rollout.check_engine(c, 1)
     c.rollout.paged.attention = "auto"
     c.rollout.engine = "vllm"
     with pytest.raises(config_lib.ConfigError, match="rollout.engine='vllm'"):
-        checks.check_engine(c, 1)
+        checks_rollout.check_engine(c, 1)

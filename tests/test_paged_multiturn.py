@@ -187,7 +187,7 @@ def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
     tiny model on the 8-device mesh (fsdp 4 x tensor 2; 4 slots for 8 trajectories); the
     config check passes partial rollouts and routing replay with environments."""
     from jaxrl_llm import train
-    from jaxrl_llm.config import checks
+    from jaxrl_llm.config import checks_rewards, checks_rollout
     from jaxrl_llm.trainer.metrics import read_metrics
 
     c = tiny_config(make_model_dir(str(tmp_path / "model")))
@@ -203,9 +203,9 @@ def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
     assert [m["step"] for m in logged] == [1, 2]
     assert np.isfinite(last["loss/total"]) and last["env/turns_mean"] >= 1
     c.rollout.mode, c.rollout.partial = "split", True
-    checks.check_engine(c, 1)  # partial rollouts: `TurnSession.swap`
+    checks_rollout.check_engine(c, 1)  # partial rollouts: `TurnSession.swap`
     c.algo.routing_replay = "rollout"  # the engine records the turns' MoE routes
-    checks.check_env(c, c.algo)
+    checks_rewards.check_env(c, c.algo)
 
 
 @pytest.mark.parametrize("mode", ["overlap", "split"])

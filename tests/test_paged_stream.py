@@ -355,11 +355,11 @@ def test_overlap_runs_the_stream_one_version_behind(model_dir):
     """rollout.mode='overlap' with the paged engine is the split stream's thread on the
     training mesh, bounded to one version, on its own copy of the parameters (the update
     donates the step's); the config check no longer refuses it."""
-    from jaxrl_llm.config import algo_config, checks
+    from jaxrl_llm.config import algo_config, checks_rollout
     from jaxrl_llm.trainer import run
     from jaxrl_llm.trainer.paged_stream import PagedStream
 
     c = paged_config(model_dir, "overlap", 2)
-    checks.check_engine(c, 1)
+    checks_rollout.check_engine(c, 1)
     source = run.make_source(c, None, algo_config(c))
     assert source.make_thread is PagedStream and source.max_staleness == 1 and source.copy

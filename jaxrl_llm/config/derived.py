@@ -1,6 +1,6 @@
 """What the trainer derives from a run config: the algorithm, the rollout spec, the stop
 ids, the LoRA config, the mesh axes and devices, the model path; and `ConfigError`, the
-one-line error that names a config key.
+one-line error that names a config key, with `require`, the check that raises it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,13 @@ from jaxrl_llm.errors import UserError
 
 class ConfigError(UserError, ValueError):
     """A run config that cannot work; the message names the key."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raises ConfigError(message) unless ok: the one-line form of every config check
+    (`config.checks` and its section modules), the message naming the key."""
+    if not ok:
+        raise ConfigError(message)
 
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")

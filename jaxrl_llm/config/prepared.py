@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import ml_collections
 
-from jaxrl_llm.config import checks, tuning
+from jaxrl_llm.config import checks, checks_model, tuning
 from jaxrl_llm.config.derived import mesh_axes, resolve_model_path, split_devices
 from jaxrl_llm.parallel import xla_flags
 
@@ -60,7 +60,7 @@ def prepare(raw: ml_collections.ConfigDict, devices=None, process_count: int | N
     if backend == "cpu" and (level := xla_flags.named(xla_flags.LEVEL)):
         line = "; ".join(filter(None, [line, f"XLA_FLAGS: {xla_flags.LEVEL}={level}"]))
     if hub:  # the context of a local model was checked with the rest (same buckets)
-        checks.check_context(config, model_cfg)
+        checks_model.check_context(config, model_cfg)
     return Prepared(
         config=config,
         tuning_line=line,

@@ -15,7 +15,7 @@ with copies of a real row whose draws are dropped; more rows than that take more
 On the static sampler each request re-reads its episode's whole token record (a prefill
 of it): it keeps no cache between calls. On the paged engine (`rollout.engine='paged'`)
 an episode is a row of a `TurnSession` that keeps its KV cache between the episode's
-requests (`_EngineRows`). The tokens are exact either way (`episodes.Episode`).
+requests (`engine_rows.EngineRows`). The tokens are exact either way (`episodes.Episode`).
 The request's `temperature` is not used: a training rollout samples at
 `rollout.temperature`, the temperature the update's log-probs (and so the ratio to the
 behaviour log-probs) are taken at; held-out evaluation samples greedily (and at
@@ -28,7 +28,11 @@ sampler call draws with the newest published parameters; on the engine the sessi
 swaps them in between decode chunks (`TurnSession.swap`), so a reply may hold tokens of
 two versions. Every drawn token records the version that drew it; a response's
 `policy_version` is its oldest drawn token's (the version that started the turn; see
-`_reply`).
+`AgentRollout.reply`).
+
+This module holds the batching and the turning of episodes into rows; the protocol of a
+request (its options, its choices, the response body) is `completions`, the paged
+engine's serving of the requests `engine_rows`.
 """
 
 from __future__ import annotations
@@ -43,15 +47,13 @@ import numpy as np
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.data import prompts as prompts_lib
 from jaxrl_llm.envs.render import Renderer
-from jaxrl_llm.envs.tool_calls import parse_tool_calls
 from jaxrl_llm.gateway import agents as agents_lib
+from jaxrl_llm.gateway import completions
+from jaxrl_llm.gateway.engine_rows import EngineRows
 from jaxrl_llm.gateway.episodes import Episode, group_rows
 from jaxrl_llm.gateway.server import Server
-from jaxrl_llm.sampling.paged_turns import TurnSession
 from jaxrl_llm.trainer import evaluation, scoring
 from jaxrl_llm.verifiers import ScoreDetails
-
-MAX_N = 16  # choices per request
 
 
 class AgentRollout:
@@ -86,7 +88,7 @@ class AgentRollout:
             self.server = Server()
         G, version = self.spec.num_generations, step if version is None else version
         examples = [ex for ex in batch.examples for _ in range(G)]
-        play = _Play(self.server, self.turn_spec, key=step * 1024, step=step, version=version)
+        play = Play(self.server, self.turn_spec, key=step * 1024, step=step, version=version)
         order, episodes, results, over = self._play(params, examples, play, refresh)
         return self._rollout(order, episodes, results, over, batch, play, play.version)
 
@@ -103,7 +105,7 @@ class AgentRollout:
         sampled = sampled and sampled.replace(num_generations=1)
         rewards, failed, turns, lengths, correct_k = [], [], [], [], []
         for i, batch in enumerate(batches):
-            play = _Play(self.eval_server, greedy, key=0, step=step, version=step)
+            play = Play(self.eval_server, greedy, key=0, step=step, version=step)
             order, episodes, results, over = self._play(params, list(batch.examples), play)
             r, ends, _ = self._rewards(order, results, over)
             rewards.append(r)
@@ -112,7 +114,7 @@ class AgentRollout:
             lengths += [sum(episodes[e].loss) for e in order]
             if sampled is not None:
                 key = evaluation.EVAL_KEY_OFFSET + (step * len(batches) + i) % 2**14 * 1024
-                play = _Play(self.eval_server, sampled, key=key, step=step, version=step)
+                play = Play(self.eval_server, sampled, key=key, step=step, version=step)
                 examples = [ex for ex in batch.examples for _ in range(pass_k)]
                 order, _, results, over = self._play(params, examples, play)
                 hit = evaluation.is_correct(self._rewards(order, results, over)[0])
@@ -130,7 +132,7 @@ class AgentRollout:
             out[f"eval/pass@{pass_k}"] = float(np.concatenate(correct_k).mean())
         return out
 
-    def _play(self, params, examples: list, play: _Play, refresh=None):
+    def _play(self, params, examples: list, play: Play, refresh=None):
         """The agent's episodes of `examples`, to the end, on `play.server`, sampled with
         `play.spec` -> (episode ids, their records, (reward, error, end) each, the ids
         refused for passing a limit). `play` collects the counters."""
@@ -140,9 +142,9 @@ class AgentRollout:
         over = set()  # episodes refused for passing a limit
         started = time.perf_counter()
         if isinstance(self.sampler, sampling.PagedSampler):
-            _EngineRows(self, params, play, len(order)).serve(futures, episodes, over, refresh)
+            EngineRows(self, params, play, len(order)).serve(futures, episodes, over, refresh)
         else:
-            while pending := self._gather(futures, play.server):
+            while pending := self.gather(futures, play.server):
                 if refresh is not None:  # partial: the newest parameters for this call
                     params, play.version = refresh()
                 self._answer(pending, episodes, over, params, play)
@@ -152,7 +154,7 @@ class AgentRollout:
         play.seconds = time.perf_counter() - started
         return order, episodes, results, over
 
-    def _gather(self, futures, server) -> list:
+    def gather(self, futures, server) -> list:
         """Pending requests: once every running episode has one, or after `batch_wait_s`
         without a new one; [] when every episode has ended."""
         pending, requests = [], server.requests
@@ -168,21 +170,21 @@ class AgentRollout:
                 if pending:
                     return pending
 
-    def _answer(self, pending, episodes, over, params, play: _Play) -> None:
+    def _answer(self, pending, episodes, over, params, play: Play) -> None:
         """Renders each request's context, samples them together, replies to each."""
         rows, asks = [], []
-        for episode, body, reply, ask in self._accept(pending, episodes, over, play):
+        for episode, body, reply, ask in self.accept(pending, episodes, over, play):
             asks.append((episode, body, reply, ask, len(rows)))
             rows += [ask["ids"]] * ask["n"]
             play.stats["prefill_tokens"] += len(ask["ids"]) * ask["n"]
         if not rows:
             return
-        drawn = self._sample(params, rows, play)
+        drawn = self.sample(params, rows, play)
         for episode, body, reply, ask, first in asks:
-            self._reply(episode, body, reply, ask, drawn[first : first + ask["n"]], episodes,
+            self.reply(episode, body, reply, ask, drawn[first : first + ask["n"]], episodes,
                         play)  # fmt: skip
 
-    def _accept(self, pending, episodes, over, play: _Play) -> list:
+    def accept(self, pending, episodes, over, play: Play) -> list:
         """Each request's options and context -> [(episode, body, reply, ask)] of those
         to sample; malformed ones and those past agent.max_total_tokens are answered
         (an error) here."""
@@ -191,22 +193,22 @@ class AgentRollout:
             ep = episodes[episode]
             rewrites = ep.retokenized
             try:
-                ask = self._parse(body, ep, play)
+                ask = completions.parse_request(body, ep, play, self.spec.max_new_tokens)
             except ValueError as err:  # a malformed request: that request's error only
-                reply(400, _error(str(err)))
+                reply(400, completions.error(str(err)))
                 continue
             ask["rewrite"] = ep.retokenized > rewrites
             if len(ask["ids"]) - min(ep.prompt_len, self.prompt_width) + ask["max_tokens"] > (
                 self.width
             ):
                 over.add(episode)
-                reply(400, _error(f"the episode passes agent.max_total_tokens={self.width}",
-                                  "context_length_exceeded"))  # fmt: skip
+                message = f"the episode passes agent.max_total_tokens={self.width}"
+                reply(400, completions.error(message, "context_length_exceeded"))
                 continue
             asks.append((episode, body, reply, ask))
         return asks
 
-    def _reply(self, episode, body, reply, ask, drawn: list, episodes, play: _Play) -> None:
+    def reply(self, episode, body, reply, ask, drawn: list, episodes, play: Play) -> None:
         """Records a request's choices (drawn: (ids, log-probs, versions, stopped) each)
         in its episode and answers it. The response's `policy_version` is the version of
         its oldest drawn token (versions only grow along a row): the version that started
@@ -214,41 +216,21 @@ class AgentRollout:
         token of a static sampler's reply has that one; on the engine with partial
         rollouts the turn may end under a newer one."""
         prefix = f"call_{episode}_{episodes[episode].turns}"
-        choices = [self._choice(ask, *d, play, f"{prefix}_{k}") for k, d in enumerate(drawn)]
+        choices = [
+            completions.make_choice(self.tokenizer, ask, *d, play, f"{prefix}_{k}")
+            for k, d in enumerate(drawn)
+        ]
         episodes[episode].record(body["messages"], [c[1:] for c in choices])
         first = [d[2][0] for d in drawn if d[2]]
         sampled = {"temperature": play.spec.temperature,
                    "policy_version": int(min(first)) if first else play.version,
                    "requested_temperature": ask["temperature"]}  # fmt: skip
         drew = sum(len(c[2]) for c in choices)
-        reply(200, _response(episode, episodes[episode].turns, [c[0] for c in choices],
+        reply(200, completions.response(episode, episodes[episode].turns, [c[0] for c in choices],
                              len(ask["ids"]), drew, sampled))  # fmt: skip
         play.stats["requests"] += 1
 
-    def _parse(self, body: dict, ep: Episode, play: _Play) -> dict:
-        """The request's options, checked, and its context ids."""
-        n = body.get("n") or 1
-        if not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise ValueError(f"n={n!r}: expected an integer in [1, {MAX_N}]")
-        budget = self.spec.max_new_tokens
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or budget
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens!r}: expected an integer >= 1")
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if body.get("stream"):
-            raise ValueError("stream=true: the gateway answers whole responses only")
-        temperature = body.get("temperature")
-        if temperature is not None and temperature != play.spec.temperature:
-            play.stats["temperature_ignored"] += 1
-        try:
-            ids = ep.context(body["messages"], body.get("tools"))
-        except Exception as err:  # a message the template or the renderer refuses
-            raise ValueError(f"messages: {type(err).__name__}: {err}"[:500]) from None
-        return {"ids": ids, "n": n, "max_tokens": min(max_tokens, budget), "stop": stop,
-                "tools": bool(body.get("tools")), "temperature": temperature}  # fmt: skip
-
-    def _sample(self, params, rows: list, play: _Play) -> list:
+    def sample(self, params, rows: list, play: Play) -> list:
         """Each row's (drawn ids, log-probs, versions, stopped), in calls of `self.rows`
         rows (every id drawn by `play.version`)."""
         drawn, stats = [], play.stats
@@ -270,31 +252,6 @@ class AgentRollout:
             stats["batched"] += real
             stats["batch_max"] = max(stats["batch_max"], real)
         return drawn
-
-    def _choice(self, ask: dict, ids: list, logprobs: list, versions: list, stopped: bool,
-                play: _Play, call_ids: str):  # fmt: skip
-        """-> (the response's choice, assistant message, kept ids, log-probs, versions).
-        max_tokens and stop strings cut the drawn tokens; the kept ones are the trajectory's."""
-        finish = "stop" if stopped else "length"
-        if len(ids) > ask["max_tokens"]:
-            ids, finish = ids[: ask["max_tokens"]], "length"
-        if ask["stop"]:
-            for k in range(1, len(ids) + 1):  # the first token that completes a stop string
-                text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
-                if any(s in text for s in ask["stop"]):
-                    ids, finish = ids[: k - 1], "stop"
-                    break
-        logprobs, versions = logprobs[: len(ids)], [int(v) for v in versions[: len(ids)]]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        message = {"role": "assistant", "content": text}
-        calls = parse_tool_calls(text, call_ids) if ask["tools"] else None
-        if calls is not None and calls.calls:
-            message = {"role": "assistant", "content": calls.content or None,
-                       "tool_calls": calls.calls}  # fmt: skip
-            finish = "tool_calls"
-        play.stats["tool_call_errors"] += bool(calls is not None and calls.errors)
-        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        return choice, message, ids, logprobs, versions
 
     def _rewards(self, order, results, over):
         """-> (rewards, ends, errors): 0 for an episode that failed or passed a limit."""
@@ -383,7 +340,7 @@ class AgentRollout:
         }
 
 
-class _Play:
+class Play:
     """One batch of episodes in progress: where its requests arrive, the spec and key
     stream it samples with, the parameters' version, and its counters."""
 
@@ -395,149 +352,3 @@ class _Play:
                       "temperature_ignored": 0, "tool_call_errors": 0, "prefill_tokens": 0,
                       "cached_tokens": 0, "cache_restarts": 0, "evicted": 0}  # fmt: skip
         self.seconds = 0.0
-
-
-class _EngineRows:
-    """The gateway's requests served by the paged engine (`rollout.engine='paged'`): one
-    `TurnSession` for a batch of episodes (a step's, or an evaluation batch's), an
-    episode a row of it.
-
-    An episode's first request adds a row with its context; the row decodes its turn in
-    a slot, and when the turn ends (a stop id, or the request's max_tokens spent) the
-    request is answered and the row leaves its slot but keeps its KV pages. The next
-    request of the episode resumes the row when the row's tokens (its prompt, what it
-    drew and what was appended) are a prefix of the request's context, which they are
-    when the request extends the episode (`Episode`): only the rest (the row's last
-    drawn token, then the new messages' ids) is prefilled, at the row's length. Else
-    (a rewrite; a stop string that cut the reply, so the row holds tokens the episode
-    does not keep; a request after an n > 1 one) the row ends and a new row prefills the
-    whole context (`gateway/cache_restarts` counts those that were not rewrites).
-    Requests with n > 1 are sampled by `PagedSampler.sample` as a batch of their own,
-    re-reading the context. A row ends when its episode does.
-
-    Requests are taken as they come: while rows decode, requests that arrived are added
-    or resumed between decode chunks, and a request is answered as soon as its turn
-    ends. `gateway/batch_mean` and `batch_max` are rows per decode chunk here.
-
-    Partial rollouts (`refresh`): before each decode chunk after the first, `refresh()`
-    gives the newest parameters and their version; when they are newer the session
-    swaps them in (`TurnSession.swap`: every row, in a slot or parked between requests,
-    recomputed by them) and draws on with them, and n > 1 requests are sampled with them
-    too. A turn in flight may so hold tokens of two versions; each records its own.
-    """
-
-    def __init__(self, rollout: AgentRollout, params, play: _Play, episodes: int):
-        e, self.rollout, self.params, self.play = rollout.sampler, rollout, params, play
-        T = rollout.width  # a row's completion: drawn and appended tokens
-        spec = play.spec.replace(num_generations=1, max_new_tokens=T)
-        whole = rollout.prompt_width + T
-        pages = e.pages or 1 + -(-episodes * whole // e.page_size) + 2 * -(-whole // e.page_size)
-        self.session = TurnSession(
-            e, params, play.version, spec, seed=e.seed, step=play.key, slots=e.slots or episodes,
-            pages=pages, prompts=episodes + 1,
-        )  # fmt: skip
-        self.rows: dict = {}  # episode -> its row
-        self.asked: dict = {}  # row -> (episode, body, reply, ask) of its turn in flight
-        self.count = 0  # row ids used
-        self.unkept: set = set()  # episodes whose last request had n > 1 (no row)
-
-    def serve(self, futures, episodes, over, refresh=None) -> None:
-        """Answers the episodes' requests until every episode has ended. refresh: None,
-        or a function -> (newest params, their version), read before every decode chunk
-        after the first."""
-        r, session, play = self.rollout, self.session, self.play
-        while True:
-            if session.busy:
-                pending = []
-                while True:
-                    try:
-                        pending.append(play.server.requests.get_nowait())
-                    except queue.Empty:
-                        break
-            else:
-                pending = r._gather(futures, play.server)
-                if not pending:
-                    break
-            self._start(r._accept(pending, episodes, over, play), episodes)
-            if refresh is not None and session.busy and session.stats["decode_chunks"]:
-                newest, newest_version = refresh()
-                if newest_version != session.version:  # the rows' caches recomputed by them
-                    session.swap(newest, newest_version)
-                    self.params, play.version = newest, int(newest_version)
-            chunks = session.stats["decode_chunks"]
-            ended = session.run_chunk()
-            if session.stats["decode_chunks"] > chunks:  # rows decoded in this chunk
-                k = len(session.order) + len(ended)
-                play.stats["calls"] += 1
-                play.stats["batched"] += k
-                play.stats["batch_max"] = max(play.stats["batch_max"], k)
-            for row in ended:
-                episode, body, reply, ask = self.asked.pop(row)
-                t = session.result(row)
-                a = t.turn_from
-                drawn = (t.tokens[a:], t.logprobs[a:], t.versions[a:], t.stopped)
-                r._reply(episode, body, reply, ask, [drawn], episodes, play)
-            for episode in [e for e, row in self.rows.items()
-                            if futures[e].done() and row not in self.asked]:  # fmt: skip
-                session.end(self.rows.pop(episode))
-        play.stats["evicted"] += session.stats["evicted"]
-
-    def _start(self, asks: list, episodes) -> None:
-        """Adds or resumes each request's row (n = 1); samples the n > 1 ones apart."""
-        session, stats, many = self.session, self.play.stats, []
-        for episode, body, reply, ask in asks:
-            ids, row = ask["ids"], self.rows.pop(episode, None)
-            if ask["n"] > 1:
-                if row is not None:
-                    session.end(row)
-                many.append((episode, body, reply, ask))
-                self.unkept.add(episode)
-                continue
-            if row is not None:
-                t = session.result(row)
-                have = t.prompt.tolist() + t.tokens
-                if ids[: len(have)] == have:  # the row's tokens, then the new ones
-                    session.resume(row, ids[len(have) :], ask["max_tokens"])
-                    stats["cached_tokens"] += len(have) - 1  # its last drawn one was not
-                    stats["prefill_tokens"] += len(ids) - len(have) + 1
-                    self.rows[episode], self.asked[row] = row, (episode, body, reply, ask)
-                    continue
-                session.end(row)
-                stats["cache_restarts"] += not ask["rewrite"]
-            elif episode in self.unkept:  # after an n > 1 request
-                self.unkept.discard(episode)
-                stats["cache_restarts"] += not ask["rewrite"]
-            row, self.count = self.count, self.count + 1
-            session.add(row, ids, ask["max_tokens"])
-            stats["prefill_tokens"] += len(ids)
-            self.rows[episode], self.asked[row] = row, (episode, body, reply, ask)
-        if many:  # re-read: their choices are not rows of the session
-            rows, firsts = [], []
-            for *_, ask in many:
-                firsts.append(len(rows))
-                rows += [ask["ids"]] * ask["n"]
-                stats["prefill_tokens"] += len(ask["ids"]) * ask["n"]
-            drawn = self.rollout._sample(self.params, rows, self.play)
-            for (episode, body, reply, ask), first in zip(many, firsts, strict=True):
-                self.rollout._reply(episode, body, reply, ask, drawn[first : first + ask["n"]],
-                                    episodes, self.play)  # fmt: skip
-
-
-def _response(episode: str, turn: int, choices: list, prompt_tokens: int,
-              completion_tokens: int, sampled: dict) -> dict:  # fmt: skip
-    """A `chat.completion`; `jaxrl_llm` says how it was drawn: the temperature the gateway
-    sampled at (the run's, whatever the request asked), the one requested (None when
-    the request named none), and the version of the parameters that drew it."""
-    for k, choice in enumerate(choices):
-        choice["index"] = k
-    return {
-        "id": f"chatcmpl-{episode}-{turn}", "object": "chat.completion",
-        "created": int(time.time()), "model": "jaxrl-llm", "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-        "jaxrl_llm": sampled,
-    }  # fmt: skip
-
-
-def _error(message: str, code: str = "invalid_request") -> dict:
-    return {"error": {"message": message, "type": "invalid_request_error", "code": code}}

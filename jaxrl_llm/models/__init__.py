@@ -10,13 +10,9 @@ models.save_hf(cfg, params, out_dir, tokenizer_dir=None)
 
 from jaxrl_llm.models import builtin as builtin  # model paths: built-in names, GGUF, HF
 from jaxrl_llm.models import lora as lora  # LoRA adapters: split, combine, merge, PEFT
-from jaxrl_llm.models.config import (
-    SUPPORTED_ARCHITECTURES,
-    LoraConfig,
-    ModelConfig,
-    UnsupportedModelError,
-)
+from jaxrl_llm.models.config import LoraConfig, ModelConfig
 from jaxrl_llm.models.gguf_io import load_gguf, load_gguf_tokenizer
+from jaxrl_llm.models.hf_config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from jaxrl_llm.models.hf_io import CheckpointError, load_hf, save_hf
 from jaxrl_llm.models.kv_cache import KVCache, cache_rows, grow_cache, init_cache
 from jaxrl_llm.models.moe import ROUTE_DTYPE, router_agreement

@@ -43,7 +43,8 @@ import os
 import numpy as np
 
 from jaxrl_llm.models import hf_io
-from jaxrl_llm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.hf_config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from jaxrl_llm.models.hf_io import CheckpointError
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")

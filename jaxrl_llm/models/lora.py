@@ -8,7 +8,7 @@
     lora.save_peft(cfg, adapters, out_dir, base_model="Qwen/Qwen2.5-0.5B")
 
 The adapters of projection `t` live next to its weight: `params['layers'][t + '_lora_a']`
-[L, *in, r] and `[t + '_lora_b']` [L, r, *out] (`layers.Block`), with the logical axes of
+[L, *in, r] and `[t + '_lora_b']` [L, r, *out] (`block.Block`), with the logical axes of
 the weight's input / output dimensions, so the one rule table shards them like the weight.
 `combine` and `split` are dict operations: the base arrays are never copied, so policy
 (base + adapters), reference (base alone, `cfg.replace(lora=None)`) and sampler read one
@@ -27,7 +27,8 @@ import numpy as np
 from jaxrl_llm.models import hf_io, partitioning
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import Transformer, contracted
+from jaxrl_llm.models.layer_math import contracted
+from jaxrl_llm.models.layers import Transformer
 from jaxrl_llm.models.params import param_shardings, param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import write_file
 

@@ -13,7 +13,7 @@ tokens [start, length), the new tokens causally, the padding and a sliding windo
 layer reads its pages once, and no [L, B, pages * page_size] copy of the whole cache nor
 a per-layer copy that appends the new tokens is made; the rest of the layer (norms, q/k
 norms, RoPE incl. partial rotary, GQA, the MLP or experts) is the model's own code
-(`layers.Block`).
+(`block.Block`).
 
 On TPU the pool can be laid out head-major, k / v [K, L, pages, page_size, H]
 (`PagedWrite.pallas`): a decode call (one new token per row) of a layer without a

@@ -5,7 +5,7 @@
 merges it into the module inside the traced function, so the sampler, the reference
 model and the update step all read the same arrays without copies.
 
-Three paths share the layer code (`layers.Block`):
+Three paths share the layer code (`block.Block`):
 - `forward`: a full sequence, with a padding mask (left or right), position ids and
   optional segment ids for packed sequences.
 - `forward_after_prefix`: a sequence after a prefix whose per-layer keys/values an
@@ -20,7 +20,7 @@ row gets the same positions as its unpadded self (as in HF `generate`). Every pa
 describes its mask by its structure (`attention.Mask`: token order, padding, segments,
 positions), never as a [B, T, S] array, so `cfg.attention` can run it in memory linear
 in T. Sliding-window layers (Gemma 3) see a key only from queries fewer than
-`cfg.sliding_window` positions after it (`layers.layer_mask`): position ids, not slots,
+`cfg.sliding_window` positions after it (`layer_math.layer_mask`): position ids, not slots,
 so padding never narrows the window; with a KV cache every slot is kept and the window is
 a mask over the full-length cache. With a per-layer
 cache (`cfg.scan_layers=False`) the caller may slice each layer's parameters once

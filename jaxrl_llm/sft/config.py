@@ -18,8 +18,9 @@ The shared sections mean what they mean for the RL trainer (`config_lib.base_con
              max_new_tokens, top_k, top_p, stop_tokens, bucket_steps, cache_segments
 
 The RL trainer's other keys (`RL_ONLY`) are not part of this config: setting one is an
-error that says so. The section checks are `config.checks`' own, run on the config seen
-as a run config (`_as_run_config`), so both trainers word an error the same way.
+error that says so. The section checks are the run config's own (`config.checks` and
+its section modules), run on the config seen as a run config (`_as_run_config`), so both
+trainers word an error the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from __future__ import annotations
 import ml_collections
 
 from jaxrl_llm import config as config_lib
-from jaxrl_llm.config import ConfigError, checks
+from jaxrl_llm.config import (
+    ConfigError,
+    checks,
+    checks_model,
+    checks_rewards,
+    checks_rollout,
+    checks_train,
+)
 
 # RL trainer keys that SFT does not read (no algorithm, reference, checkpoint or resume).
 RL_ONLY = (
@@ -117,16 +125,17 @@ def check_config(config, num_devices: int | None = None, process_count: int = 1)
     _refuse_rl_only(config)
     checks.check_keys(config, default_config())
     c = _filled(config)
-    mesh_shape = checks.check_mesh(c, jax.device_count() if num_devices is None else num_devices)
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    mesh_shape = checks_model.check_mesh(c, num_devices)
     path = _check_model(c)
     _check_sft(c, mesh_shape, process_count)
     run = _as_run_config(c)
-    checks.check_rollout(run, mesh_shape, process_count)
-    checks.check_optim(run)
-    labels = checks.check_rewards(run, config_lib.algo_config(run))
-    checks.check_train(run)
-    checks.check_eval(run, labels)
-    checks.check_data(run)
+    checks_rollout.check_rollout(run, mesh_shape, process_count)
+    checks_train.check_optim(run)
+    labels = checks_rewards.check_rewards(run, config_lib.algo_config(run))
+    checks_train.check_train(run)
+    checks_train.check_eval(run, labels)
+    checks_train.check_data(run)
     if path is not None:
         check_lengths(c, models.builtin.model_config(path))
     return c
@@ -141,7 +150,7 @@ def check_lengths(config, model_cfg) -> None:
         f"data.max_prompt_len + sft.completion.max_len = {length} exceeds the model's "
         f"max_position_embeddings {model_cfg.max_position_embeddings}",
     )
-    checks.check_context(config, model_cfg)
+    checks_model.check_context(config, model_cfg)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -182,10 +191,10 @@ def _check_model(config) -> str | None:
 
     m = config.model
     if m.path:
-        return checks.check_model(_as_run_config(config))
+        return checks_model.check_model(_as_run_config(config))
     _check(bool(m.tokenizer), "model.tokenizer: required when model.path is '' (a new model)")
     config_lib.resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
-    dtypes = checks.DTYPES
+    dtypes = checks_model.DTYPES
     _check(m.dtype in dtypes, f"model.dtype={m.dtype!r}: expected one of {dtypes}")
     _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
     return None
@@ -194,7 +203,7 @@ def _check_model(config) -> str | None:
 def _check_sft(config, mesh_shape, process_count: int) -> None:
 
     s, comp = config.sft, config.sft.completion
-    checks.check_batch_size("sft.batch_size", s.batch_size, mesh_shape, process_count)
+    checks_rollout.check_batch_size("sft.batch_size", s.batch_size, mesh_shape, process_count)
     _check(comp.max_len >= 1, f"sft.completion.max_len={comp.max_len}: must be >= 1")
     _check(0 <= comp.alt_prob <= 1, f"sft.completion.alt_prob={comp.alt_prob}: must be in [0, 1]")
     _check(

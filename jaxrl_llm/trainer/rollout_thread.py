@@ -29,7 +29,7 @@ Multi-turn (`player`: an `EnvRollout`): the thread plays step s's trajectories t
 with the parameters it started them with; with `rollout.partial`, before each turn after
 the first it switches to the newest published parameters (the KV cache recomputed by
 them, `envs.play`; on the paged engine, between decode chunks: `envs.play_paged`, and
-the gateway's `_EngineRows`).
+the gateway's `engine_rows.EngineRows`).
 `token_versions` is then [N, T]: the version that drew each
 completion token, -1 on observation tokens. 'overlap' with environments is this thread
 with a bound of 1 on the training mesh: step s + 1's trajectories are played while step
@@ -179,7 +179,7 @@ class RolloutThread:
             with self._cond:
                 newest, newest_version = self._params, self._version
             # Each chunk's cache width is a program of its own, compiled at first use (at
-            # most MAX_PARTIAL_CHUNKS of them, `config.checks`): each says so in a line.
+            # most MAX_PARTIAL_CHUNKS of them, `config.checks_rollout`): each says so in a line.
             detail = f"{bucket(state)}, partial tokens {first}-{min(first + chunk, T)}"
             with log.program("sampler", detail, runs=True):
                 if newest_version != version and first:

@@ -26,7 +26,7 @@ rollout on the training mesh, with its scores when the source scored it (else th
 scores it while the reference forward runs), the parameter version that sampled it and the
 data position a checkpoint after this step stores. Adding a mode is a new class with
 `next` and `close`, an entry in `run.SOURCES` (or a case in `run.make_source`) and its
-config check (`config.checks.check_rollout`); docs/step.md says how.
+config check (`config.checks_rollout.check_rollout`); docs/step.md says how.
 """
 
 from __future__ import annotations

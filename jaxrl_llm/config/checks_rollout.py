@@ -1,0 +1,117 @@
+"""The checks of the `rollout` section: the batch and its split over the mesh, sampling
+settings, the rollout mode (sync / overlap / split) with its staleness and partial
+rollouts, and the engine (static or paged) with the paged engine's settings.
+
+Part of the run config's checks (`checks.validate` runs them in order); `check_batch_size`
+is also the check of any other global batch (the SFT trainer's).
+"""
+
+from __future__ import annotations
+
+from jaxrl_llm.config.derived import mesh_axes, require
+
+# Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
+MAX_PARTIAL_CHUNKS = 32
+ROLLOUT_MODES = ("sync", "overlap", "split")
+ENGINES = ("static", "paged")  # rollout.engine
+
+
+def check_batch_size(key: str, size: int, mesh_shape, process_count: int) -> None:
+    """A global batch of `size` rows (prompts) splits over the mesh's batch axes and over
+    the processes."""
+    multiple = mesh_shape[0] * mesh_shape[1] * mesh_shape[2]  # parallel.BATCH_AXES
+    require(size >= 1, f"{key}={size}: must be >= 1")
+    require(
+        size % multiple == 0,
+        f"{key}={size} is not divisible by mesh data x fsdp x expert = {multiple}",
+    )
+    require(
+        size % process_count == 0, f"{key}={size} is not divisible by {process_count} processes"
+    )
+
+
+def check_rollout(config, mesh_shape, process_count: int) -> None:
+    from jaxrl_llm.sampling import BUCKET_STEPS
+
+    r = config.rollout
+    check_batch_size("rollout.batch_size", r.batch_size, mesh_shape, process_count)
+    require(r.num_generations >= 1, f"rollout.num_generations={r.num_generations}: must be >= 1")
+    require(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens}: must be >= 1")
+    require(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples, use > 0")
+    require(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
+    require(r.top_k >= 0, f"rollout.top_k={r.top_k}: must be >= 0")
+    require(
+        r.bucket_steps is None or r.bucket_steps in BUCKET_STEPS,
+        f"rollout.bucket_steps={r.bucket_steps!r}: expected one of {BUCKET_STEPS} "
+        "(None: picked at start-up)",
+    )
+    require(
+        isinstance(r.cache_segments, int) and r.cache_segments >= 1,
+        f"rollout.cache_segments={r.cache_segments!r}: must be an integer >= 1 (1 = one loop)",
+    )
+    require(
+        isinstance(r.prefill_chunk, int) and r.prefill_chunk >= 0,
+        f"rollout.prefill_chunk={r.prefill_chunk!r}: must be an integer >= 0 (0 = one shot)",
+    )
+    require(
+        r.mode in ROLLOUT_MODES,
+        f"rollout.mode={r.mode!r}: expected one of {', '.join(ROLLOUT_MODES)}",
+    )
+    require(
+        isinstance(r.max_staleness, int) and r.max_staleness >= 0,
+        f"rollout.max_staleness={r.max_staleness!r}: must be an integer >= 0 (0 = sync)",
+    )
+    require(
+        not r.partial or r.mode == "split",
+        f"rollout.partial=True needs rollout.mode='split' (got {r.mode!r})",
+    )
+    require(
+        isinstance(r.partial_chunk, int) and r.partial_chunk >= 1,
+        f"rollout.partial_chunk={r.partial_chunk!r}: must be an integer >= 1",
+    )
+    chunks = -(-r.max_new_tokens // r.partial_chunk)
+    require(
+        not r.partial or chunks <= MAX_PARTIAL_CHUNKS,
+        f"rollout.partial_chunk={r.partial_chunk} cuts rollout.max_new_tokens="
+        f"{r.max_new_tokens} into {chunks} chunks, each a decode program to compile; use "
+        f"rollout.partial_chunk >= {-(-r.max_new_tokens // MAX_PARTIAL_CHUNKS)} "
+        f"(at most {MAX_PARTIAL_CHUNKS} chunks)",
+    )
+    check_engine(config, process_count)
+    if r.mode == "split":
+        require(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")
+        from jaxrl_llm import parallel
+
+        m = config.mesh
+        shape = parallel.mesh_shape(mesh_axes(m.rollout), m.rollout_devices)
+        check_batch_size("rollout.batch_size", r.batch_size, shape, 1)
+
+
+def check_engine(config, process_count: int) -> None:
+    """rollout.engine and, for 'paged', its settings and what it does not combine with yet
+    (every rollout.mode is served: `trainer.paged_stream` in overlap and split;
+    environments and the gateway in every mode: `envs.play_paged`, `gateway.engine_rows`,
+    played by the rollout thread outside sync, partial rollouts included)."""
+    r = config.rollout
+    require(
+        r.engine in ENGINES, f"rollout.engine={r.engine!r}: expected one of {', '.join(ENGINES)}"
+    )
+    if r.engine != "paged":
+        return
+    p = r.paged
+    for key in ("slots", "pages"):
+        value = p[key]
+        ok = isinstance(value, int) and value >= 0
+        require(ok, f"rollout.paged.{key}={value!r}: must be an integer >= 0 (0 = automatic)")
+    for key in ("page_size", "chunk_steps", "prefill_chunk"):
+        value = p[key]
+        require(isinstance(value, int) and value >= 1,
+               f"rollout.paged.{key}={value!r}: must be an integer >= 1")  # fmt: skip
+    names = ("auto", "pages", "gather", "pallas")  # sampling.paged.ATTENTION
+    require(p.attention in names,
+           f"rollout.paged.attention={p.attention!r}: expected one of "
+           f"{', '.join(names)}")  # fmt: skip
+    require(p.prefill_chunk % p.page_size == 0,
+           f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
+           f"rollout.paged.page_size={p.page_size}")  # fmt: skip
+    require(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")

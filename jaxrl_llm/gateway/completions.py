@@ -1,0 +1,95 @@
+"""The gateway's side of the OpenAI chat-completions protocol: a request's options read and
+checked (`parse_request`: n, max_tokens, stop, stream, the context rendered from its
+messages and tools), the drawn tokens cut into a choice (`make_choice`: max_tokens, stop
+strings, tool calls in the model's format) and the response and error bodies
+(`response`, `error`).
+
+`rollout.AgentRollout` batches the requests into the sampler, and `engine_rows.EngineRows`
+serves them on the paged engine; both read and answer a request through these, so an
+agent sees the same protocol whichever engine draws its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from jaxrl_llm.envs.tool_calls import parse_tool_calls
+from jaxrl_llm.gateway.episodes import Episode
+
+if TYPE_CHECKING:
+    from jaxrl_llm.gateway.rollout import Play
+
+MAX_N = 16  # choices per request
+
+
+def parse_request(body: dict, ep: Episode, play: Play, budget: int) -> dict:
+    """The request's options, checked, and its context ids. budget: the most tokens a
+    turn may draw (`rollout.max_new_tokens`), which caps the request's max_tokens; a
+    temperature other than `play.spec`'s is counted (`temperature_ignored`), not used."""
+    n = body.get("n") or 1
+    if not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n={n!r}: expected an integer in [1, {MAX_N}]")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or budget
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}: expected an integer >= 1")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    if body.get("stream"):
+        raise ValueError("stream=true: the gateway answers whole responses only")
+    temperature = body.get("temperature")
+    if temperature is not None and temperature != play.spec.temperature:
+        play.stats["temperature_ignored"] += 1
+    try:
+        ids = ep.context(body["messages"], body.get("tools"))
+    except Exception as err:  # a message the template or the renderer refuses
+        raise ValueError(f"messages: {type(err).__name__}: {err}"[:500]) from None
+    return {"ids": ids, "n": n, "max_tokens": min(max_tokens, budget), "stop": stop,
+            "tools": bool(body.get("tools")), "temperature": temperature}  # fmt: skip
+
+
+def make_choice(tokenizer, ask: dict, ids: list, logprobs: list, versions: list, stopped: bool,
+                play: Play, call_ids: str):  # fmt: skip
+    """-> (the response's choice, assistant message, kept ids, log-probs, versions).
+    max_tokens and stop strings cut the drawn tokens; the kept ones are the trajectory's."""
+    finish = "stop" if stopped else "length"
+    if len(ids) > ask["max_tokens"]:
+        ids, finish = ids[: ask["max_tokens"]], "length"
+    if ask["stop"]:
+        for k in range(1, len(ids) + 1):  # the first token that completes a stop string
+            text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+            if any(s in text for s in ask["stop"]):
+                ids, finish = ids[: k - 1], "stop"
+                break
+    logprobs, versions = logprobs[: len(ids)], [int(v) for v in versions[: len(ids)]]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    message = {"role": "assistant", "content": text}
+    calls = parse_tool_calls(text, call_ids) if ask["tools"] else None
+    if calls is not None and calls.calls:
+        message = {"role": "assistant", "content": calls.content or None,
+                   "tool_calls": calls.calls}  # fmt: skip
+        finish = "tool_calls"
+    play.stats["tool_call_errors"] += bool(calls is not None and calls.errors)
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    return choice, message, ids, logprobs, versions
+
+
+def response(episode: str, turn: int, choices: list, prompt_tokens: int,
+             completion_tokens: int, sampled: dict) -> dict:  # fmt: skip
+    """A `chat.completion`; `jaxrl_llm` says how it was drawn: the temperature the gateway
+    sampled at (the run's, whatever the request asked), the one requested (None when
+    the request named none), and the version of the parameters that drew it."""
+    for k, choice in enumerate(choices):
+        choice["index"] = k
+    return {
+        "id": f"chatcmpl-{episode}-{turn}", "object": "chat.completion",
+        "created": int(time.time()), "model": "jaxrl-llm", "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "jaxrl_llm": sampled,
+    }  # fmt: skip
+
+
+def error(message: str, code: str = "invalid_request") -> dict:
+    """An OpenAI error body: what a malformed request or one past a limit is answered."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": code}}

@@ -1,0 +1,250 @@
+"""One decoder layer in Flax NNX (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3 / Qwen3-MoE /
+GLM-4.5): `Block` declares every layer's parameters, stacked on a leading `layers` axis
+with their logical axis names, and computes one layer: norms, q/k/v projections (with
+their biases, q/k norms and LoRA adapters), rotary embeddings, attention (teacher-forced,
+over a prefix, over a KV cache or over the page pool), the output projection and the MLP
+(dense SwiGLU / GeGLU, or the mixture of experts).
+
+The layer's math is composed from `layer_math` (norms, the dense matmul, RoPE, layer
+kinds), `attention`, `context_parallel`, `paged_attention` and `moe`; the loop over
+layers and the embeddings live in `layers.Transformer`. An MoE model's layers may differ
+in their MLP (experts or dense, `cfg.dense_layers`): the MLP's parameters are then stacked
+over the layers of their kind, and `__call__` is told which kind it runs (`sparse`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models._nnx import nnx
+from jaxrl_llm.models.attention import cached_attention, cached_blockwise, resolve
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.context_parallel import context_attention
+from jaxrl_llm.models.layer_math import (
+    adapter_dropout,
+    apply_rope,
+    contracted,
+    dense,
+    layer_mask,
+    lora_target_index,
+    norm,
+    rope_frequencies,
+)
+from jaxrl_llm.models.moe import moe_mlp
+from jaxrl_llm.models.paged_attention import paged_attention, write_layer
+from jaxrl_llm.models.segments import MOE_WEIGHTS
+
+
+def normal_param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
+    """A parameter drawn from N(0, std^2) (HF's `initializer_range`), cast to dtype, with
+    its logical axis names `axes` (what the partitioning rules shard it by)."""
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype), axes=axes)
+
+
+def const_param(value: float, shape, axes, dtype) -> nnx.Param:
+    """A parameter filled with `value` (a norm's identity weight, a zero bias or LoRA B),
+    with its logical axis names `axes`."""
+    return nnx.Param(jnp.full(shape, value, dtype), axes=axes)
+
+
+class Block(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading `layers` axis: over every
+    layer, except in an MoE model with dense-MLP layers (`cfg.dense_layers`), where the
+    MLP's parameters are stacked over the layers of their kind (`segments.mlp_kind`) and the layer
+    loop scans each run of alike layers (`segment_params`).
+
+    `__call__` computes ONE layer and must be given one layer's slice of the parameters
+    (the scan in `layers.Transformer` does that by merging a sliced state).
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        normal = functools.partial(normal_param, rngs, std=cfg.initializer_range, dtype=dtype)
+        one = 0.0 if cfg.gemma else 1.0  # a norm's identity weight (Gemma scales by 1 + w)
+        self.attn_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
+        self.q = normal((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
+        self.k = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.o = normal((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.q_bias = const_param(0.0, (L, N, H), ("layers", "q_heads", "head_dim"), dtype)
+            self.k_bias = const_param(0.0, (L, K, H), ("layers", "kv_heads", "head_dim"), dtype)
+            self.v_bias = const_param(0.0, (L, K, H), ("layers", "kv_heads", "head_dim"), dtype)
+        if cfg.o_bias:
+            self.o_bias = const_param(0.0, (L, D), ("layers", "norm"), dtype)
+        if cfg.qk_norm:
+            self.q_norm = const_param(one, (L, H), ("layers", "head_dim"), dtype)
+            self.k_norm = const_param(one, (L, H), ("layers", "head_dim"), dtype)
+        if cfg.gemma:  # norms of the attention's and the MLP's outputs
+            self.post_attn_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
+            self.post_mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
+        self.mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
+        if cfg.num_sparse_layers:
+            self._add_experts(cfg, normal, dtype)
+        if cfg.num_sparse_layers < L:  # the dense MLP, in the layers that have it
+            Ld = L - cfg.num_sparse_layers
+            self.gate = normal((Ld, D, F), ("layers", "embed", "mlp"))
+            self.up = normal((Ld, D, F), ("layers", "embed", "mlp"))
+            self.down = normal((Ld, F, D), ("layers", "mlp", "embed"))
+        if cfg.lora is not None:
+            self._add_adapters(cfg.lora, rngs, dtype)
+        self.cfg = cfg
+
+    def _add_experts(self, cfg: ModelConfig, normal, dtype) -> None:
+        """Of the Lm MoE layers: router [Lm, D, E], the experts' SwiGLU weights
+        [Lm, E, D, F] / [Lm, E, F, D], the sigmoid router's selection bias [Lm, E] (zero,
+        as HF initialises it) and the shared experts' [Lm, D, Fs] / [Lm, Fs, D]."""
+        L, D, E = cfg.num_sparse_layers, cfg.hidden_size, cfg.num_experts
+        F, Fs = cfg.moe_intermediate_size, cfg.shared_intermediate_size
+        self.router = normal((L, D, E), ("layers", "embed", "router"))
+        self.expert_gate = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
+        self.expert_up = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
+        self.expert_down = normal((L, E, F, D), ("layers", "expert", "expert_mlp", "embed"))
+        if cfg.router == "sigmoid":
+            self.router_bias = const_param(0.0, (L, E), ("layers", "router"), dtype)
+        if Fs:
+            self.shared_gate = normal((L, D, Fs), ("layers", "embed", "mlp"))
+            self.shared_up = normal((L, D, Fs), ("layers", "embed", "mlp"))
+            self.shared_down = normal((L, Fs, D), ("layers", "mlp", "embed"))
+
+    def _mlp(self, h, dropout, routes, sparse):
+        """The MLP of one layer: (y [B,T,D], the router's own top-k [B,T,k] or None).
+        routes [B,T,k]: the experts to replay (MoE only; None: the router's choice).
+        sparse: this layer's MLP is the mixture of experts."""
+        cfg = self.cfg
+        if sparse:
+            weights = {n: getattr(self, p)[...] for n, p in MOE_WEIGHTS.items() if hasattr(self, p)}
+            return moe_mlp(cfg, h, weights, routes)
+        gate, up = self._proj("gate", h, dropout), self._proj("up", h, dropout)
+        act = jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)
+        return self._proj("down", act * up, dropout), None
+
+    def _add_adapters(self, lora, rngs: nnx.Rngs, dtype) -> None:
+        """`<target>_lora_a` [L, *in, r] and `<target>_lora_b` [L, r, *out] per target.
+
+        Each carries the logical axes of the input / output dimensions of the weight it
+        adapts (the rank axis is `lora`), so the rule table shards it like that weight.
+        A ~ U(+-1/sqrt(fan_in)) (PEFT's kaiming-uniform default), B = 0: the adapted
+        model starts as the base model, exactly."""
+        for name in lora.targets:
+            w = getattr(self, name)
+            shape, axes = w.shape, w.get_metadata()["axes"]
+            c = 1 + contracted(name)
+            fan_in = int(np.prod(shape[1:c]))
+            bound = 1.0 / np.sqrt(fan_in)
+            a_shape = (*shape[:c], lora.rank)
+            a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound)
+            a_axes = (*axes[:c], "lora")
+            setattr(self, name + "_lora_a", nnx.Param(a.astype(dtype), axes=a_axes))
+            b_shape, b_axes = (shape[0], lora.rank, *shape[c:]), ("layers", "lora", *axes[c:])
+            setattr(self, name + "_lora_b", const_param(0.0, b_shape, b_axes, dtype))
+
+    def _proj(self, name: str, x: jax.Array, dropout: jax.Array | None = None) -> jax.Array:
+        """x times the projection `name`, plus (alpha / r) (x A) B where it is adapted.
+        dropout: this layer's key for the adapters' input dropout (None: none)."""
+        y = dense(x, getattr(self, name)[...], contracted(name))
+        lora = self.cfg.lora
+        if lora is None or name not in lora.targets:
+            return y
+        if dropout is not None and lora.dropout > 0:
+            key = jax.random.fold_in(dropout, lora_target_index(name))
+            x = adapter_dropout(key, lora.dropout, x)
+        xa = dense(x, getattr(self, name + "_lora_a")[...], contracted(name))
+        return y + dense(
+            xa * jnp.asarray(lora.scale, xa.dtype), getattr(self, name + "_lora_b")[...]
+        )
+
+    def __call__(
+        self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None,
+        kind=None, routes=None, sparse=None, paged=None,
+    ):  # fmt: skip
+        """One layer. x [B,T,D], positions [B,T], mask an `attention.Mask` over the S
+        keys. dropout: this layer's key for LoRA dropout (`adapter_dropout`), None in
+        inference. kind: this layer's slice of `layer_kinds(cfg)`, or None.
+
+        prefix: (k, v) [B,P,K,H] of P earlier tokens that x attends to before itself
+        (S = P + T, no cache); the layer then returns its own (k, v) [B,T,K,H].
+
+        kv: the whole cache (k, v) ([L,B,K,H,S], [L,B,K,S,H]), carried through the layer
+        scan so that it is updated in place: this layer's new keys/values are written at
+        slots index..index+T of [layer] and attention runs over the layer's S slots. With
+        layer=None, kv is this layer's own cache arrays (unrolled layers). Without kv,
+        S = T. routes [B,T,k]: experts to replay in an MoE layer (None: its own top-k).
+        sparse: the layer's MLP is the mixture of experts (None: `cfg.moe`).
+
+        paged: a `paged_attention.PagedWrite` (the page-pool path): kv is then the pool
+        (k, v) [L, P, page_size, K, H]; this layer's new keys/values are written to its
+        pages at [layer] and x attends to the layer's pages of each row through the
+        table (`paged_attention`), mask being `paged_attention.paged_inputs`'.
+        Returns (x [B,T,D], the updated (k, v) or None, the MoE router's own top-k
+        [B,T,k] int32 or None for a dense layer).
+        """
+        cfg = self.cfg
+        mask = layer_mask(cfg, mask, kind)
+        h = norm(cfg, x, self.attn_norm[...])
+        q, k, v = (self._proj(n, h, dropout) for n in ("q", "k", "v"))
+        if cfg.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if cfg.qk_norm:
+            q, k = norm(cfg, q, self.q_norm[...]), norm(cfg, k, self.k_norm[...])
+        inv_freq = rope_frequencies(cfg) if kind is None else kind["inv_freq"]
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim:
+            # attention scales scores by head_dim^-1/2; Gemma by query_pre_attn_scalar^-1/2
+            q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, q.dtype)
+        if paged is not None:
+            kv = write_layer(kv, layer, k, v, paged)
+            a = paged_attention(q, kv, layer, paged, mask, cfg.attention, cfg.attention_block)
+        elif prefix is not None:
+            # Keys/values of earlier tokens ([B, P, K, H] each, e.g. a shared prompt's) come
+            # first; this layer's own (after RoPE) are returned for a later suffix.
+            own = (k, v)
+            k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
+            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block)
+            kv = own
+        elif kv is None:
+            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block)
+        else:
+            # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache): at
+            # [layer] of an [L, ...] cache (scanned layers), or into this layer's own arrays.
+            lead = () if layer is None else (layer,)
+
+            def write(c, new, start):
+                new = new if layer is None else new[None]
+                return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), lead + start)
+
+            kv = (
+                write(kv[0], k.transpose(0, 2, 3, 1), (0, 0, 0, index)),
+                write(kv[1], v.transpose(0, 2, 1, 3), (0, 0, index, 0)),
+            )
+            if layer is None:
+                k, v = kv
+            else:
+                k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
+            a = self._cached(q, k, v, mask)
+        a = self._proj("o", a, dropout)
+        if cfg.o_bias:
+            a = a + self.o_bias[...]
+        if cfg.gemma:
+            a = norm(cfg, a, self.post_attn_norm[...])
+        x = x + a
+        h = norm(cfg, x, self.mlp_norm[...])
+        y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse)
+        if cfg.gemma:
+            y = norm(cfg, y, self.post_mlp_norm[...])
+        return x + y, kv, chosen
+
+    def _cached(self, q, kt, v, mask):
+        """Attention over the cache: the full score matrix for decode and short prefill,
+        key blocks (`cached_blockwise`) where `cfg.attention` would not hold [T, S]."""
+        cfg = self.cfg
+        T, S = q.shape[1], v.shape[-2]
+        if T > 1 and resolve(cfg.attention, jax.default_backend(), T, S) != "xla":
+            return cached_blockwise(q, kt, v, mask, cfg.attention_block)
+        return cached_attention(q, kt.astype(q.dtype), v.astype(q.dtype), mask.dense())

@@ -1,0 +1,160 @@
+"""The pure functions a decoder layer is built from: RMSNorm in both conventions (Llama /
+Qwen scale by the weight, Gemma by 1 + weight), the dense matmul with its backward written
+out, the LoRA adapters' input dropout, rotary embeddings with their `linear` / `llama3`
+scaling, and Gemma 3's per-layer kinds.
+
+They are functions of arrays and the `ModelConfig`, with no parameters of their own:
+`block.Block` declares the parameters and composes these into one layer, and
+`layers.Transformer` reads `layer_kinds` alongside the stacked parameters in its layer
+scan. Keeping them apart from the modules lets tests check each against its reference
+(HF's RMSNorm and RoPE, autodiff of the einsum) on its own.
+
+Gemma 3's layers differ by kind (sliding-window or global attention, each with its own
+RoPE base). The kind is data, not code: `layer_kinds(cfg)` gives per-layer arrays that the
+layer scan reads like the stacked parameters, so one traced layer serves both kinds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.models.config import LORA_TARGETS, ModelConfig
+
+
+# -------------------------------------------------------------------- norms, projections
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * y.astype(x.dtype)
+
+
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF Gemma3RMSNorm: normalise and scale by (1 + weight) in float32, then cast back."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The architecture's RMSNorm (Gemma stores weight - 1, Llama / Qwen the scale)."""
+    return (gemma_rms_norm if cfg.gemma else rms_norm)(x, weight, cfg.rms_norm_eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """Contracts the last `contract` axes of x with the first ones of w, as one 2-D matmul.
+
+    x [..., K1..Kc], w [K1..Kc, N1..] -> [..., N1..]. The same math as the einsum, with
+    the backward written out as the two matmuls it is (dx = g W^T, dW = x^T g over the
+    flattened tokens). Left to autodiff of a batched einsum, XLA:CPU transposes the wide
+    [tokens, F] cotangent of every MLP matmul in a strided loop before the weight-gradient
+    matmul, a copy as large as the matmul's operands (benchmarks/RESULTS.md, "update");
+    other backends are unaffected either way.
+    """
+    return _dense_2d(x, w, contract)[0]
+
+
+def _dense_2d(x, w, contract):
+    k = int(np.prod(w.shape[:contract]))
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    y = (x2 @ w2).reshape(*x.shape[: x.ndim - contract], *w.shape[contract:])
+    return y, x2, w2
+
+
+def _dense_fwd(x, w, contract):
+    y, x2, w2 = _dense_2d(x, w, contract)
+    return y, (x2, w2, x.shape, w.shape)
+
+
+def _dense_bwd(contract, res, g):
+    x2, w2, x_shape, w_shape = res
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    dx = jnp.einsum("mn,kn->mk", g2, w2).reshape(x_shape)
+    dw = jnp.einsum("mk,mn->kn", x2, g2).reshape(w_shape)
+    return dx, dw
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def contracted(name: str) -> int:
+    """Input axes of a projection's weight (after `layers`): o's are (q_heads, head_dim)."""
+    return 2 if name == "o" else 1
+
+
+def lora_target_index(name: str) -> int:
+    """The projection's place in LORA_TARGETS: what its dropout key folds in."""
+    return LORA_TARGETS.index(name)
+
+
+def adapter_dropout(key: jax.Array, rate: float, x: jax.Array) -> jax.Array:
+    """Inverted dropout of an adapter's input: x * m / (1 - rate), m ~ Bernoulli(1 - rate)
+    per element (PEFT's lora_dropout, applied before A), so E[(x A) B] is unchanged."""
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
+
+
+# ------------------------------------------------------------------ rope, layer kinds
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies [rotary_dim / 2], float32, with `linear` / `llama3` scaling.
+    local: those of Gemma 3's sliding-window layers (base `rope_local_theta`, unscaled)."""
+    dim = cfg.rotary_dim
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = {} if local else dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def layer_kinds(cfg: ModelConfig) -> dict | None:
+    """Per-layer data of a model whose layers differ by kind, stacked on a leading axis
+    like the layer parameters: {"local": bool [L] (sliding-window attention), "inv_freq":
+    float32 [L, head_dim / 2] (that layer's RoPE)}. None when every layer is alike."""
+    if not cfg.windowed:
+        return None
+    local = np.array([t == "sliding_attention" for t in cfg.layer_types])
+    freqs = np.stack([rope_frequencies(cfg, bool(flag)) for flag in local])
+    return {"local": local, "inv_freq": freqs}
+
+
+def layer_mask(cfg: ModelConfig, mask, kind: dict | None):
+    """The `attention.Mask` of one layer: for a windowed model, `kind["local"]` layers see
+    keys fewer than `cfg.sliding_window` positions back, the others every key."""
+    if kind is None:
+        return mask
+    far = jnp.iinfo(jnp.int32).max
+    return mask.replace(window=jnp.where(kind["local"], cfg.sliding_window, far))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding, HF `rotate_half` layout. x [B,T,N,H], positions [B,T]. With fewer
+    than H / 2 frequencies (partial rotary, GLM-4.5) only the first 2 * len(inv_freq)
+    dimensions of each head rotate; the others pass unchanged."""
+    rot = 2 * inv_freq.shape[-1]
+    if rot < x.shape[-1]:
+        rotated = apply_rope(x[..., :rot], positions, inv_freq)
+        return jnp.concatenate([rotated, x[..., rot:]], axis=-1)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
