@@ -55,7 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 from common import block, device_name, preset_config, table, uptime  # noqa: E402
 
 from jaxrl_llm import models, sampling  # noqa: E402
-from jaxrl_llm.sampling import paged as paged_lib  # noqa: E402
+from jaxrl_llm.sampling import paged_programs as paged_lib  # noqa: E402
 
 
 def lengths_mix(rows: int, new: int, seed: int) -> np.ndarray:

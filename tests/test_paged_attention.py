@@ -12,7 +12,8 @@ import pytest
 from tiny_run import tiny_gemma3_config, tiny_glm_config, tiny_model_config
 
 from jaxrl_llm import models
-from jaxrl_llm.sampling.paged import PagedSampler, Pages, forward_paged, init_pages, uses_pallas
+from jaxrl_llm.sampling.paged import PagedSampler
+from jaxrl_llm.sampling.paged_programs import Pages, forward_paged, init_pages, uses_pallas
 
 PS, POOL = 4, 20  # page size, pages in the pool (page 0: null)
 

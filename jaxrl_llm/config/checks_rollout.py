@@ -107,7 +107,7 @@ def check_engine(config, process_count: int) -> None:
         value = p[key]
         require(isinstance(value, int) and value >= 1,
                f"rollout.paged.{key}={value!r}: must be an integer >= 1")  # fmt: skip
-    names = ("auto", "pages", "gather", "pallas")  # sampling.paged.ATTENTION
+    names = ("auto", "pages", "gather", "pallas")  # sampling.paged_programs.ATTENTION
     require(p.attention in names,
            f"rollout.paged.attention={p.attention!r}: expected one of "
            f"{', '.join(names)}")  # fmt: skip

@@ -1,0 +1,242 @@
+"""The paged engine's device programs: the page pool, the paged forward and the decode /
+prefill chunks that `paged.PagedSampler` jits.
+
+    pages = init_pages(model_cfg, pages=512, page_size=16)         # a zero pool (`Pages`)
+    hidden, pages, routes = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
+    pages, slots = decode_chunk(cfg, params, pages, slots, prompt_logits, key, stops, steps, spec)
+    pages, prompt_logits, routes = prefill_chunk(cfg, params, pages, prompt_logits, index, ...)
+
+These are pure functions of device arrays (shapes in their docstrings), kept apart from the
+host side (`paged.PagedSampler`: programs, sizes, results; `paged_schedule.Session`: slots
+and pages between chunks) so the math reads on its own and a benchmark or test can run it
+without an engine. `row_bucket` and `table_width` pick the few program shapes the host
+compiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxrl_llm import models
+from jaxrl_llm.sampling.paged_schedule import NULL_PAGE
+from jaxrl_llm.sampling.sampling import sample_tokens
+from jaxrl_llm.sampling.spec import RolloutSpec
+
+
+@struct.dataclass
+class Pages:
+    """The page pool of every layer: k, v [L, pages, page_size, K, H] (page 0: null), or
+    head-major [K, L, pages, page_size, H] when `pallas` (decode runs the Pallas TPU
+    kernel, which reads a layer's pages as [K, pages, page_size, H])."""
+
+    k: jax.Array
+    v: jax.Array
+    pallas: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3 if self.pallas else 2]
+
+
+def init_pages(cfg, pages: int, page_size: int, dtype=jnp.float32, pallas: bool = False) -> Pages:
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    shape = (K, L, pages, page_size, H) if pallas else (L, pages, page_size, K, H)
+    return Pages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pallas=pallas)
+
+
+def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
+    """The keys/values of each sequence in slot order: table [B, M] page ids ->
+    (k, v) [L, B, M * page_size, K, H]. The portable pool layout only."""
+    if pages.pallas:
+        raise ValueError("the gather path reads the portable pool layout, not the Pallas one")
+    L, _, S, K, H = pages.k.shape
+    B, M = table.shape
+
+    def gather(pool):
+        return jnp.take(pool, table, axis=1).reshape(L, B, M * S, K, H)
+
+    return gather(pages.k), gather(pages.v)
+
+
+IMPLS = ("pages", "gather")  # forward_paged's attention paths
+ATTENTION = ("auto", "pages", "gather", "pallas")  # PagedSampler's attention settings
+
+
+def uses_pallas(cfg, attention: str, dtype, backend: str, page_size: int = 16) -> bool:
+    """Whether the engine's pool is the Pallas kernel's (decode steps run the TPU kernel):
+    `attention="pallas"`, or "auto" on TPU for a model without sliding-window layers, a
+    bfloat16 pool (the kernel reads keys and values in bfloat16, so a float32 pool keeps
+    the portable path's precision), head_dim a multiple of 128 and page_size of 16 (the
+    kernel's VMEM blocks [pages, page_size, head_dim] on Mosaic's bfloat16 tiling; other
+    shapes keep the portable path rather than risk a kernel that does not lower)."""
+    if attention == "pallas":
+        return True
+    return (attention == "auto" and backend == "tpu" and not cfg.windowed
+            and jnp.dtype(dtype) == jnp.bfloat16 and cfg.head_dim % 128 == 0
+            and page_size % 16 == 0)  # fmt: skip
+
+
+def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None,
+                  impl: str = "pages"):  # fmt: skip
+    """tokens [B, T] (mask [B, T]) after each sequence's slots [start, length) in its pages
+    -> (final-normed hidden [B, T, D], pages with the real tokens' keys/values written at
+    slots length .. length + T - 1, the MoE layers' top-k experts of the tokens
+    [B, T, L, k] or None for a dense model). Masked tokens write to the null page.
+
+    impl: "pages", each layer writes its new keys/values to its pages and attends to
+    them in place through the table (`models.paged_forward`; decode calls run the Pallas
+    TPU kernel when the pool is its layout, `Pages.pallas`); "gather", the portable
+    reference: every layer's pages gathered into a dense [L, B, M * page_size] prefix,
+    `models.forward_after_prefix` over it, the new keys/values scattered after. The
+    two agree within rounding at the real tokens (hidden and routes of masked tokens
+    are not read)."""
+    if impl == "pages":
+        hidden, (k, v), own = models.paged_forward(
+            cfg, params, tokens, mask, (pages.k, pages.v), table, start, length, layers,
+            null_page=NULL_PAGE, pallas=pages.pallas,
+        )  # fmt: skip
+        return hidden, pages.replace(k=k, v=v), own
+    if impl != "gather":
+        raise ValueError(f"forward_paged: impl={impl!r}, expected one of {IMPLS}")
+    B, T = tokens.shape
+    k, v = gather_pages(pages, table)
+    slot = jnp.arange(k.shape[2])
+    before = (slot[None] >= start[:, None]) & (slot[None] < length[:, None])
+    hidden, (new_k, new_v), own = models.forward_after_prefix(
+        cfg, params, tokens, mask, (k, v), before, with_routes=True, layers=layers
+    )  # new_k, new_v [L, B, T, K, H]
+    index = length[:, None] + jnp.arange(T)[None]  # [B, T] slot of each token
+    M, S = table.shape[1], pages.page_size
+    page = jnp.take_along_axis(table, jnp.minimum(index // S, M - 1), axis=1)
+    page = jnp.where(mask, page, NULL_PAGE)
+    offset = index % S
+    pages = pages.replace(
+        k=pages.k.at[:, page, offset].set(new_k.astype(pages.k.dtype)),
+        v=pages.v.at[:, page, offset].set(new_v.astype(pages.v.dtype)),
+    )
+    return hidden, pages, own
+
+
+def row_bucket(rows: int, slots: int) -> int:
+    """Slots a decode program runs for `rows` occupied ones: a power of two or 1.5x one
+    (4, 6, 8, 12, 16, 24, ...), at least 4 (a smaller program saves little) and at most
+    `slots`: a few compiled programs, and at most a third of a program's rows empty (where
+    a step's cost follows its rows, as on CPU, the empty ones are paid in full)."""
+    b = max(4, 1 << max(0, rows - 1).bit_length())
+    if b >= 8 and rows <= 3 * b // 4:
+        b = 3 * b // 4
+    return min(slots, b)
+
+
+def table_width(pages: int, limit: int) -> int:
+    """Page-table columns a program reads for sequences of up to `pages` pages: a power
+    of two >= pages (at least 2), at most `limit`: a few compiled programs."""
+    return min(limit, 1 << max(1, pages - 1).bit_length())
+
+
+@struct.dataclass
+class Slots:
+    """The decode slots (device arrays [S] unless noted); the host fills and reads them
+    between chunks."""
+
+    table: jax.Array  # [S, M] int32 page ids
+    start: jax.Array  # first valid slot (padding before it)
+    length: jax.Array  # slots written (the next token's slot)
+    cap: jax.Array  # slots the sequence's pages hold
+    last: jax.Array  # the pending token (drawn, not yet in the cache)
+    fresh: jax.Array  # bool: nothing drawn yet; the first draw reads the prompt's logits
+    live: jax.Array  # bool: drawing
+    stopped: jax.Array  # bool: ended by a stop id
+    n: jax.Array  # tokens drawn by the row
+    budget: jax.Array  # the row's max_new_tokens
+    row: jax.Array  # the row's index in the request (its random key)
+    prompt: jax.Array  # the row's prompt index (which logits a fresh slot reads)
+    tokens: jax.Array  # [S, T] int32
+    logprobs: jax.Array  # [S, T] float32
+    # MoE models: the experts of each drawn token, recorded in the step that feeds it
+    # (the last drawn token is never fed: -1); [S, T, L, k] int16. None: dense model.
+    routes: jax.Array | None = None
+
+
+def _draw(key, rows, counts, logits, spec: RolloutSpec):
+    """One draw per slot with its own key: fold_in(fold_in(key, row), count)."""
+    keys = jax.vmap(lambda r, c: jax.random.fold_in(jax.random.fold_in(key, r), c))(rows, counts)
+
+    def one(k, lg):
+        tok, lp = sample_tokens(k, lg[None], spec.temperature, spec.top_k, spec.top_p)
+        return tok[0], lp[0]
+
+    return jax.vmap(one)(keys, logits)
+
+
+def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops, steps, spec,
+                 impl: str = "pages", layers=None):  # fmt: skip
+    """Up to `steps` decode steps of every slot (a slot steps while it is live and its
+    pages have room) -> (pages, slots). One step: the pending token of each slot goes
+    through the model (fresh slots: none, they read their prompt's logits), then every
+    live slot draws its next token. impl: `forward_paged`'s; layers: unrolled layers'
+    parameters already sliced (`PagedSampler.weights`), else sliced here."""
+    S, T = s.tokens.shape
+    every = jnp.arange(S)
+    # Unrolled layers (scan_layers=False): their parameters sliced once, not every step.
+    if layers is None and not cfg.scan_layers:
+        layers = models.layer_params(params)
+
+    def body(carry):
+        i, pages, s = carry
+        feed = s.live & ~s.fresh & (s.length < s.cap)
+        hidden, pages, own = forward_paged(
+            cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length,
+            layers, impl,
+        )  # fmt: skip
+        logits = models.project(cfg, params, hidden[:, 0])
+        logits = jnp.where(s.fresh[:, None], jnp.take(prompt_logits, s.prompt, axis=0), logits)
+        draw = s.live & (s.fresh | feed)
+        tok, lp = _draw(key, s.row, s.n, logits, spec)
+        col = jnp.minimum(s.n, T - 1)
+        put = lambda buf, x: buf.at[every, col].set(jnp.where(draw, x, buf[every, col]))  # noqa: E731
+        routes = s.routes
+        if routes is not None:  # the fed token (drawn n - 1) is routed in this step
+            fed = jnp.maximum(s.n - 1, 0)
+            old = routes[every, fed]
+            routes = routes.at[every, fed].set(
+                jnp.where(feed[:, None, None], own[:, 0].astype(routes.dtype), old)
+            )
+        n = s.n + draw
+        hit = draw & jnp.isin(tok, stops)
+        s = s.replace(
+            length=s.length + feed,
+            last=jnp.where(draw, tok, s.last),
+            fresh=s.fresh & ~draw,
+            live=s.live & ~hit & ~(draw & (n >= s.budget)),
+            stopped=s.stopped | hit,
+            n=n,
+            tokens=put(s.tokens, tok),
+            logprobs=put(s.logprobs, lp),
+            routes=routes,
+        )
+        return i + 1, pages, s
+
+    def more(carry):
+        i, _, s = carry
+        return (i < steps) & jnp.any(s.live & (s.fresh | (s.length < s.cap)))
+
+    _, pages, s = jax.lax.while_loop(more, body, (jnp.int32(0), pages, s))
+    return pages, s
+
+
+def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
+                  length, impl: str = "pages", layers=None):  # fmt: skip
+    """One chunk of each of b sequences (tokens, mask [b, C]) into their pages; the logits
+    after each one's last real token go to prompt_logits[index] (index [b]) -> (pages,
+    prompt_logits, the chunk's MoE routes [b, C, L, k] int16, -1 at masked tokens; None:
+    dense model). A row with no real token writes only to the null page (its logits row
+    is not read). impl, layers: `decode_chunk`'s."""
+    hidden, pages, own = forward_paged(cfg, params, pages, tokens, mask, table, start, length,
+                                       layers, impl)  # fmt: skip
+    logits = models.project(cfg, params, models.last_hidden(hidden, mask))
+    if own is not None:
+        own = jnp.where(mask[:, :, None, None], own.astype(models.ROUTE_DTYPE), -1)
+    return pages, prompt_logits.at[index].set(logits), own
