@@ -356,10 +356,10 @@ def test_overlap_runs_the_stream_one_version_behind(model_dir):
     training mesh, bounded to one version, on its own copy of the parameters (the update
     donates the step's); the config check no longer refuses it."""
     from jaxrl_llm.config import algo_config, checks_rollout
-    from jaxrl_llm.trainer import run
+    from jaxrl_llm.trainer.modes import make_source
     from jaxrl_llm.trainer.paged_stream import PagedStream
 
     c = paged_config(model_dir, "overlap", 2)
     checks_rollout.check_engine(c, 1)
-    source = run.make_source(c, None, algo_config(c))
+    source = make_source(c, None, algo_config(c))
     assert source.make_thread is PagedStream and source.max_staleness == 1 and source.copy

@@ -38,7 +38,7 @@ def check_algo(config):
 
 def check_teacher(config) -> None:
     """teacher.path resolves (its tokenizer is compared with the student's when the run
-    loads them: `trainer.run`); teacher.weight > 0."""
+    loads them: `trainer.teachers`); teacher.weight > 0."""
     t = config.teacher
     paths = dict(t.paths)
     require(

@@ -34,22 +34,10 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, verifiers
 from jaxrl_llm.gateway.rollout import AgentRollout
 from jaxrl_llm.startup import compilation, peak
-from jaxrl_llm.trainer import evaluation, judges, perf, scoring
-from jaxrl_llm.trainer.paged_stream import PagedStream
-from jaxrl_llm.trainer.played import EnvRollout, Played
-from jaxrl_llm.trainer.rollout_thread import Threaded
-from jaxrl_llm.trainer.sources import (
-    Refilled,
-    Sampled,
-    SampledAhead,
-    Sampling,
-    bucket,
-    make_sampler,
-    staleness,
-)
-
-# rollout.mode -> its rollout source (`sources`); each takes (Sampling, config).
-SOURCES = {"sync": Sampled, "overlap": SampledAhead, "split": Threaded}
+from jaxrl_llm.trainer import evaluation, judges, perf, scoring, teachers
+from jaxrl_llm.trainer.modes import make_source
+from jaxrl_llm.trainer.played import EnvRollout
+from jaxrl_llm.trainer.sources import Sampling, bucket, make_sampler, staleness
 
 
 @dataclasses.dataclass
@@ -126,35 +114,10 @@ class Run:
             )
             _, self.ref_params = models.builtin.load_model(ref_path, self.mesh, c.model.dtype)
             self.ref_is_initial = ref_path == self.model_path
-        self._load_teacher()
+        self.teachers, self.teacher_index = teachers.load_teachers(
+            c, self.algo, self.tokenizer, self.mesh
+        )  # [(label, cfg, params)]; teacher name -> its index (teacher.path's: "")
         return params
-
-    def _load_teacher(self) -> None:
-        """teacher.path and teacher.paths (on-policy distillation): each teacher's
-        tokenizer must be the student's (checked before any teacher weight is read), then
-        its config and params on the mesh, once per distinct path. `self.teachers`:
-        [(label, cfg, params)]; `self.teacher_index`: teacher name -> its index (the
-        default teacher, teacher.path, is named "")."""
-        c = self.config
-        self.teachers, self.teacher_index = [], {}
-        if not self.algo.distill_coef:
-            return
-        t = c.teacher
-        named = ([("", "teacher.path", t.path)] if t.path else []) + [
-            (name, f"teacher.paths.{name}", path) for name, path in dict(t.paths).items()
-        ]
-        paths = {}  # resolved path -> index
-        for name, key, path in named:
-            path = config_lib.resolve_model_path(path, key)
-            if path not in paths:
-                check_same_tokenizer(
-                    self.tokenizer, models.builtin.load_tokenizer(path, key), path, key
-                )
-                paths[path] = len(paths)
-            self.teacher_index[name] = paths[path]
-        for path, i in paths.items():
-            cfg, params = models.builtin.load_model(path, self.mesh, c.model.dtype)
-            self.teachers.append(("teacher" + (f" {i}" if i else ""), cfg, params))
 
     # ------------------------------------------------------------------------- Rollout
     def _build_rollout(self, rollout_mesh) -> None:
@@ -249,7 +212,9 @@ class Run:
             )  # fmt: skip
             for _, cfg, _ in self.teachers
         ]
-        self.pick_teacher = jax.jit(_pick_rows, out_shardings=parallel.batch_sharding(self.mesh, 2))
+        self.pick_teacher = jax.jit(
+            teachers.pick_rows, out_shardings=parallel.batch_sharding(self.mesh, 2)
+        )
         self.ref_logprobs = None
         if self.algo.needs_ref:  # the update's row slices bound its memory the same way
             self.ref_logprobs = rl.make_logprob_fn(
@@ -321,26 +286,9 @@ class Run:
 
     def teacher_rows(self, ro) -> np.ndarray:
         """[n] int32: the index into `self.teachers` of each of this process's rows,
-        named by its data row's teacher.field (teacher.path where it names none)."""
-        t, index = self.config.teacher, self.teacher_index
-        G = ro.out.num_generations
-        examples = ro.scored.examples if ro.scored is not None else [
-            ex for ex in ro.batch.examples for _ in range(G)
-        ]  # fmt: skip
-        rows = []
-        for ex in examples:
-            value = ex.get(t.field)
-            value = value if isinstance(value, str) else str(value)
-            if value not in index or value == "":
-                if "" not in index:
-                    raise config_lib.ConfigError(
-                        f"teacher.field={t.field!r}: a row's value {ex.get(t.field)!r} "
-                        f"names no teacher in teacher.paths ({', '.join(sorted(index))})"
-                        " and teacher.path is not set"
-                    )
-                value = ""
-            rows.append(index[value])
-        return np.asarray(rows, np.int32)
+        named by its data row's teacher.field (teacher.path where it names none;
+        `teachers.teacher_rows`)."""
+        return teachers.teacher_rows(self.config.teacher, self.teacher_index, ro)
 
     def close(self) -> None:
         """Stops the rollout source (the rollout thread, the environments) and the
@@ -421,49 +369,3 @@ class Run:
                 "rollout/prompt_width": float(P),
             }
         )
-
-
-def _pick_rows(rows, *logps):
-    """Row i of logps[rows[i]]: [N] int32, K x [N, T] -> [N, T]."""
-    stacked = jax.numpy.stack(logps)
-    chosen = rows[None, :, None] == jax.numpy.arange(len(logps))[:, None, None]
-    return jax.numpy.sum(jax.numpy.where(chosen, stacked, 0.0), axis=0)
-
-
-def check_same_tokenizer(student, teacher, path: str, key: str = "teacher.path") -> None:
-    """ConfigError (one line) unless the teacher's tokenizer maps every token to the
-    student's id: the teacher scores the student's token ids as they are."""
-    a, b = student.get_vocab(), teacher.get_vocab()
-    if a == b:
-        return
-    differ = sum(1 for tok in a.keys() | b.keys() if a.get(tok) != b.get(tok))
-    raise config_lib.ConfigError(
-        f"{key}={path!r}: its tokenizer is not the student's ({len(b)} tokens "
-        f"against {len(a)}, {differ} with different ids); the teacher must share the "
-        "student's tokenizer"
-    )
-
-
-def make_source(config, s: Sampling, algo, env_rollout=None):
-    """The run's rollout source: the environments' or the agents' (env.name /
-    agent.entry, an `EnvRollout` / `AgentRollout`: played in the step in 'sync', by the
-    rollout thread in 'split', and in 'overlap' by the thread on the training mesh one
-    version behind; on either engine, the paged one holding one `TurnSession` per step),
-    the paged engine's single-turn stream in 'overlap' and 'split' (the same, with a
-    `paged_stream.PagedStream` thread), else the one of rollout.mode, with DAPO's dynamic
-    sampling around it."""
-    if env_rollout is not None:
-        mode = config.rollout.mode
-        if mode == "sync":
-            return Played(s, env_rollout)
-        if mode == "split":
-            return Threaded(s, config, player=env_rollout)
-        return Threaded(s, config, player=env_rollout, max_staleness=1, copy=True)
-    if config.rollout.engine == "paged" and config.rollout.mode != "sync":  # one session
-        if config.rollout.mode == "split":
-            return Threaded(s, config, thread=PagedStream)
-        return Threaded(s, config, max_staleness=1, copy=True, thread=PagedStream)
-    source = SOURCES[config.rollout.mode](s, config)
-    if algo.dynamic_sampling:
-        source = Refilled(source, s, algo.max_resample_rounds)
-    return source

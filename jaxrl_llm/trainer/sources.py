@@ -1,6 +1,6 @@
 """Rollout sources: where a step's rollout comes from, one object per way of getting it.
 
-    source = Sampled(sampling, config)                 # `run.make_source` picks one
+    source = Sampled(sampling, config)                 # `modes.make_source` picks one
     rollout = source.next(step, params, clock)          # -> `Rollout`
     ...
     source.close()
@@ -25,7 +25,7 @@ session across steps.
 rollout on the training mesh, with its scores when the source scored it (else the step
 scores it while the reference forward runs), the parameter version that sampled it and the
 data position a checkpoint after this step stores. Adding a mode is a new class with
-`next` and `close`, an entry in `run.SOURCES` (or a case in `run.make_source`) and its
+`next` and `close`, an entry in `modes.SOURCES` (or a case in `modes.make_source`) and its
 config check (`config.checks_rollout.check_rollout`); docs/step.md says how.
 """
 
