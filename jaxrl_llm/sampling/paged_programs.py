@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxrl_llm import models
-from jaxrl_llm.sampling.paged_schedule import NULL_PAGE
+from jaxrl_llm.sampling.paged_pool import NULL_PAGE
 from jaxrl_llm.sampling.sampling import sample_tokens
 from jaxrl_llm.sampling.spec import RolloutSpec
 

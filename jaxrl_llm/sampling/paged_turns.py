@@ -57,7 +57,8 @@ import functools
 
 import numpy as np
 
-from jaxrl_llm.sampling.paged_schedule import NULL_PAGE, Session
+from jaxrl_llm.sampling.paged_pool import NULL_PAGE
+from jaxrl_llm.sampling.paged_schedule import Session
 
 
 @dataclasses.dataclass
