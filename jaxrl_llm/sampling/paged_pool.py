@@ -48,7 +48,7 @@ class PagePool:
         self.logit_rows = list(range(prompt_rows - 1, -1, -1))
         self.scratch = prompt_rows  # prompt_logits row of a resumed row's prefill (not read)
         self.waiting: collections.deque = collections.deque()
-        self.owner: list = [None] * slots  # slot -> _Slot
+        self.owner: list = [None] * slots  # slot -> its row (None: free)
         self.order: list = []  # occupied slots, oldest first
         self.stats = dict(decode_chunks=0, prefills=0, prefill_calls=0, preempted=0,
                           peak_pages=0, swaps=0)  # fmt: skip

@@ -36,6 +36,7 @@ from jaxrl_llm.config import (
     checks_rollout,
     checks_train,
 )
+from jaxrl_llm.config.derived import require
 
 # RL trainer keys that SFT does not read (no algorithm, reference, checkpoint or resume).
 RL_ONLY = (
@@ -145,7 +146,7 @@ def check_lengths(config, model_cfg) -> None:
     """Training sequences and evaluation (prompt bucket + budget) fit the model's context."""
 
     length = config.data.max_prompt_len + config.sft.completion.max_len
-    _check(
+    require(
         length <= model_cfg.max_position_embeddings,
         f"data.max_prompt_len + sft.completion.max_len = {length} exceeds the model's "
         f"max_position_embeddings {model_cfg.max_position_embeddings}",
@@ -153,16 +154,11 @@ def check_lengths(config, model_cfg) -> None:
     checks_model.check_context(config, model_cfg)
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def _refuse_rl_only(config) -> None:
     for name in RL_ONLY:
         section, _, key = name.rpartition(".")
         holder = config.get(section) if section else config
-        _check(
+        require(
             not (hasattr(holder, "keys") and key in holder),
             f"{name}: a key of the RL trainer (python -m jaxrl_llm.train) that SFT does not read",
         )
@@ -192,11 +188,11 @@ def _check_model(config) -> str | None:
     m = config.model
     if m.path:
         return checks_model.check_model(_as_run_config(config))
-    _check(bool(m.tokenizer), "model.tokenizer: required when model.path is '' (a new model)")
+    require(bool(m.tokenizer), "model.tokenizer: required when model.path is '' (a new model)")
     config_lib.resolve_model_path(m.tokenizer, "model.tokenizer", need_config=False, download=False)
     dtypes = checks_model.DTYPES
-    _check(m.dtype in dtypes, f"model.dtype={m.dtype!r}: expected one of {dtypes}")
-    _check(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
+    require(m.dtype in dtypes, f"model.dtype={m.dtype!r}: expected one of {dtypes}")
+    require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
     return None
 
 
@@ -204,9 +200,9 @@ def _check_sft(config, mesh_shape, process_count: int) -> None:
 
     s, comp = config.sft, config.sft.completion
     checks_rollout.check_batch_size("sft.batch_size", s.batch_size, mesh_shape, process_count)
-    _check(comp.max_len >= 1, f"sft.completion.max_len={comp.max_len}: must be >= 1")
-    _check(0 <= comp.alt_prob <= 1, f"sft.completion.alt_prob={comp.alt_prob}: must be in [0, 1]")
-    _check(
+    require(comp.max_len >= 1, f"sft.completion.max_len={comp.max_len}: must be >= 1")
+    require(0 <= comp.alt_prob <= 1, f"sft.completion.alt_prob={comp.alt_prob}: must be in [0, 1]")
+    require(
         bool(comp.alt_template) or not comp.alt_prob,
         f"sft.completion.alt_template: empty with alt_prob={comp.alt_prob}",
     )
