@@ -292,3 +292,13 @@ def test_covariance_losses_select_the_exact_budget():
 def test_covariance_ratio_with_too_many_decimals_is_a_config_error():
     with pytest.raises(ValueError, match="clip_cov_ratio"):
         AlgoConfig(policy_loss="clip_cov", clip_cov_ratio=0.1234567)
+
+
+def test_clip_cov_draw_ignores_the_last_bits_of_old_logp():
+    """The draw's seed is sum m old_logp to 12 significant bits: one ulp here and there (a
+    CPU with another vector width sums in another order) picks the same tokens."""
+    d = _batch(4)
+    cfg = _clip_cov_cfg("token-mean", ratio=0.1, lb=-10.0, ub=10.0)
+    picked = _selected(cfg, d)
+    d["old"] = np.nextafter(d["old"], 0.0)  # every old log-prob one ulp toward 0
+    assert np.array_equal(picked, _selected(cfg, d))

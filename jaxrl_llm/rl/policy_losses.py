@@ -42,8 +42,8 @@ Conventions, against verl 0.9.1 (`verl/trainer/ppo/core_algos.py`, the functions
   a plain mean over all rows for GMPO (the `sapo` and `gmpo` presets set
   seq-mean-token-mean, which equals verl's except that a fully masked row does not count).
 - The log-ratio is clamped to [-20, 20] for every loss (verl: SAPO and DPPO only).
-- Clip-Cov's random draw is seeded by the batch (the bits of sum m old_logp), so a batch
-  always clips the same tokens; verl draws with torch.randperm. When the candidates are
+- Clip-Cov's random draw is seeded by the batch (sum m old_logp to 12 significant bits),
+  so a batch clips the same tokens on any machine; verl draws with torch.randperm. When the candidates are
   no more than the budget every one is clipped, and both agree exactly.
 - The |x| of KL-Cov has gradient 0 at x = 0 (as torch.abs), so on-policy (x = 0) the
   penalty adds nothing.
@@ -138,9 +138,10 @@ def clip_cov_selected(x, logp, old_logp, adv, valid, cfg):
     pg1, pg2 = _ppo(jnp.exp(x), adv, cfg.eps_low, cfg.eps_high)
     cov = _covariance(logp, adv, valid)
     candidates = valid & ~(pg2 > pg1) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
-    seed = jax.lax.bitcast_convert_type(
-        jnp.sum(jnp.where(valid, old_logp, 0.0)).astype(jnp.float32), jnp.uint32
-    )
+    total = jnp.sum(jnp.where(valid, old_logp, 0.0)).astype(jnp.float32)
+    # The sum rounded to 12 significant bits: its last bits vary with the order of the
+    # summation (the CPU's vector width, the sharding), and every bit reseeds the draw.
+    seed = (jax.lax.bitcast_convert_type(total, jnp.uint32) + 0x800) & ~jnp.uint32(0xFFF)
     priority = jax.random.uniform(jax.random.fold_in(jax.random.key(0), seed), x.shape)
     return candidates & (_rank(priority, candidates) < budget(valid, cfg.clip_cov_ratio))
 
