@@ -43,8 +43,8 @@ Conventions, against verl 0.9.1 (`verl/trainer/ppo/core_algos.py`, the functions
   seq-mean-token-mean, which equals verl's except that a fully masked row does not count).
 - The log-ratio is clamped to [-20, 20] for every loss (verl: SAPO and DPPO only).
 - Clip-Cov's random draw is seeded by the batch (sum m old_logp to 12 significant bits),
-  so a batch clips the same tokens on any machine; verl draws with torch.randperm. When the candidates are
-  no more than the budget every one is clipped, and both agree exactly.
+  so a batch clips the same tokens on any machine; verl draws with torch.randperm. When
+  the candidates are no more than the budget every one is clipped, and both agree exactly.
 - The |x| of KL-Cov has gradient 0 at x = 0 (as torch.abs), so on-policy (x = 0) the
   penalty adds nothing.
 """
