@@ -74,6 +74,7 @@ class Compiled:
     cache_hits: int = 0
     wall_s: float | None = 0.0
     background: bool = False  # built beside the first step: not in `CompileLog.seconds`
+    announced: bool = False  # its "compiling NAME..." line went out while it built
 
     @property
     def label(self) -> str:
@@ -204,6 +205,9 @@ class CompileLog:
                     self.programs.append(record)
                 if self.write is not None:
                     self.write(record.line)
+            elif record.announced and self.write is not None:  # another thread compiled it
+                seconds = record.wall_s or 0.0
+                self.write(f"compiling {record.label}... {seconds:.1f} s (another build's)")
 
     def _announce_later(self, record: Compiled | None) -> None:
         """Starts the timer that announces `record`'s compile (once per program block)."""
@@ -212,12 +216,14 @@ class CompileLog:
         with self._lock:
             if id(record) in self._timers:
                 return
-            timer = threading.Timer(
-                self.announce_after_s, self.announce, (f"compiling {record.label}...",)
-            )
+            timer = threading.Timer(self.announce_after_s, self._announce, (record,))
             timer.daemon = True
             self._timers[id(record)] = timer
         timer.start()
+
+    def _announce(self, record: Compiled) -> None:
+        record.announced = True
+        self.announce(f"compiling {record.label}...")
 
     def wait(self, serves: str | None = None) -> None:
         """Waits for the builds ahead of time that serve calls named `serves` (None: all),
