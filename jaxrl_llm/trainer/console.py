@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import threading
 import time
 
 import jax
@@ -53,6 +54,7 @@ class Progress:
         self._printed_at = time.monotonic()
         self._step = initial_step
         self._bar = None
+        self._lock = threading.Lock()
         if self.interactive and not self.disabled:
             from tqdm.auto import tqdm
 
@@ -106,7 +108,9 @@ class Progress:
         if self._bar is not None:
             self._bar.write(text, file=sys.stderr)
         else:
-            print(text, file=sys.stderr, flush=True)
+            with self._lock:  # compile lines come from build threads: one write a line
+                sys.stderr.write(text + "\n")
+                sys.stderr.flush()
 
     def close(self) -> None:
         if self._bar is not None:
