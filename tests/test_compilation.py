@@ -42,8 +42,15 @@ def _train(model_dir, workdir, cache, *overrides) -> list[str]:
     # XLA_FLAGS did not name the level: the command line compiles at -O1 on a CPU-only
     # machine (`parallel.xla_flags`) and says so in its start-up line.
     assert "XLA_FLAGS: --xla_backend_optimization_level=1" in text, text[-3000:]
-    found = (re.search(r"(compiling|loading) .*", line) for line in text.splitlines())
-    return [m.group(0) for m in found if m]
+    found = [m.group(0) for line in text.splitlines() if (m := re.search(r"compiling .*", line))]
+    # A compile still running after a second is announced ("compiling NAME (DETAIL)...")
+    # before its line with the time.
+    done = [line for line in found if not line.endswith("...")]
+    for line in found:
+        if line.endswith("..."):
+            later = found[found.index(line) + 1 :]
+            assert any(x.startswith(line + " ") for x in later), (line, found)
+    return done
 
 
 def _learning(workdir) -> list[dict]:
@@ -103,6 +110,35 @@ def test_compile_log_names_the_program_and_counts_cache_hits(tmp_path):
     assert lines[2].endswith(" s (compilation cache)")
     assert len(lines) == 3 and [p.cache_hits for p in log.programs] == [0, 1]
     assert log.seconds > 0
+
+
+def test_a_compile_is_announced_when_it_starts_and_again_when_it_ends():
+    """announce gets "compiling NAME (DETAIL)..." once the compile has run announce_after_s
+    (0 here), in a `program` block and in a build ahead of time; write gets the line with
+    the time when it ends. A block that compiles nothing announces nothing."""
+    lines = []
+    f = jax.jit(lambda x: jnp.tanh(x) * 5.0 - x)
+    x = np.arange(11, dtype=np.float32)
+    g = jax.jit(lambda x: x * 7.0 + 1.0)
+    with compilation.CompileLog(lines.append, lines.append, announce_after_s=0.0) as log:
+        with log.program("toy", "11 rows"):
+            f(x)
+        time.sleep(0.05)
+        with log.program("toy", "11 rows"):
+            f(x)  # compiled: no line
+        with log.ahead_of_time() as build:
+            build("built", "11 rows", g, x)
+    assert lines[0] == "compiling toy (11 rows)..."
+    assert lines[1].startswith("compiling toy (11 rows)... ") and lines[1].endswith(" s")
+    assert lines[2] == "compiling built (11 rows)..."
+    assert lines[3].startswith("compiling built (11 rows)... ")
+    assert lines[4].startswith("programs ready in ") and len(lines) == 5
+
+    quiet = []  # a compile that ends before announce_after_s is not announced
+    with compilation.CompileLog(quiet.append, quiet.append, announce_after_s=600.0) as log:
+        with log.program("toy", "4 rows"):
+            f(x[:4])
+    assert len(quiet) == 1 and quiet[0].startswith("compiling toy (4 rows)... ")
 
 
 class _Failing:

@@ -13,6 +13,9 @@ applies the adjustment explicitly:
 - DPPO's value is sum(d loss / d log pi) (pi / sg(pi) instead of log pi; same gradient).
 """
 
+import math
+from fractions import Fraction
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,3 +265,40 @@ def test_new_presets(name):
     assert cfg.policy_loss == name and cfg.loss_agg == "seq-mean-token-mean"
     with pytest.raises(ValueError, match="algo.sapo_tau_neg"):
         preset(name, sapo_tau_neg=0.0)
+
+
+@pytest.mark.parametrize("ratio", [0.53, 0.29, 0.05, 2e-4, 0.1, 0.3, 0.7, 1.0, 0.123457])
+@pytest.mark.parametrize("n", [0, 1, 7, 100, 1000, 4096, 30001])
+def test_covariance_budget_is_exact(ratio, n):
+    """max(floor(r n), 1) with r the decimal as written, against Python's Fraction: 0.53 of
+    100 tokens is 53 (float32 gives 52), 0.29 of 100 is 29 (float64 gives 28)."""
+    valid = jnp.arange(32768).reshape(64, 512) < n  # the batch's static size is 32768
+    expected = max(math.floor(Fraction(str(ratio)) * n), 1)
+    assert int(P.budget(valid, ratio)) == expected
+
+
+def test_covariance_losses_select_the_exact_budget():
+    """Clip-Cov detaches and KL-Cov penalises 53 of 100 valid tokens at ratio 0.53."""
+    rng = np.random.default_rng(0)
+    valid = jnp.asarray(np.arange(128).reshape(8, 16) < 100)
+    logp = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    adv = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    x = jnp.zeros((8, 16))  # on-policy: the clip clips nothing, every valid token a candidate
+    cfg = _clip_cov_cfg("token-mean", ratio=0.53, lb=-100.0, ub=100.0)
+    assert int(P.clip_cov_selected(x, logp, logp, adv, valid, cfg).sum()) == 53
+    assert int(P.kl_cov_selected(logp, adv, valid, 0.53).sum()) == 53
+
+
+def test_covariance_ratio_with_too_many_decimals_is_a_config_error():
+    with pytest.raises(ValueError, match="clip_cov_ratio"):
+        AlgoConfig(policy_loss="clip_cov", clip_cov_ratio=0.1234567)
+
+
+def test_clip_cov_draw_ignores_the_last_bits_of_old_logp():
+    """The draw's seed is sum m old_logp to 12 significant bits: one ulp here and there (a
+    CPU with another vector width sums in another order) picks the same tokens."""
+    d = _batch(4)
+    cfg = _clip_cov_cfg("token-mean", ratio=0.1, lb=-10.0, ub=10.0)
+    picked = _selected(cfg, d)
+    d["old"] = np.nextafter(d["old"], 0.0)  # every old log-prob one ulp toward 0
+    assert np.array_equal(picked, _selected(cfg, d))

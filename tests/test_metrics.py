@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxrl_llm.trainer import metrics
-from jaxrl_llm.trainer.metrics import MetricWriter, Progress, plot_metrics, read_metrics
+from jaxrl_llm.trainer.console import Progress
+from jaxrl_llm.trainer.metrics import MetricWriter, plot_metrics, read_metrics
 
 
 def _strict_lines(path):
@@ -213,16 +214,6 @@ def test_wandb_logs_and_resumes_the_same_run(tmp_path, monkeypatch):
         {"samples": ("table", ["completion", "prompt", "reward"], [["c", "p", 1.0]])},
     )
     assert calls.count(("finish",)) == 2
-
-
-def test_progress_bar_shows_step_and_values(capsys):
-    bar = Progress(10, initial_step=2)
-    bar.update(3, reward=0.123456, step_s=np.float32(1.5))
-    bar.write("[step 3] sample")
-    bar.close()
-    err = capsys.readouterr().err
-    assert "3/10" in err and "reward=0.1235" in err and "step_s=1.5" in err
-    assert "[step 3] sample\n" in err
 
 
 def test_plot_writes_a_png_of_the_curves(tmp_path, capsys):

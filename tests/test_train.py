@@ -149,8 +149,9 @@ def test_nonfinite_update_stops_naming_the_step(model_dir, tmp_path, monkeypatch
     assert last["optim/nonfinite"] == 1.0
 
 
-def test_quickstart_config_shortened(tmp_path):
-    """configs/quickstart.py itself (shipped model, arithmetic data), for 2 steps."""
+def test_quickstart_config_shortened(tmp_path, capsys):
+    """configs/quickstart.py itself (shipped model, arithmetic data), for 2 steps; what
+    its console shows in a log file; a rerun says it is already done."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -161,6 +162,34 @@ def test_quickstart_config_shortened(tmp_path):
     c = module.get_config()
     c.train.num_steps, c.eval.every, c.eval.num_prompts = 2, 2, 32
     c.rollout.batch_size, c.logging.tensorboard = 8, False
+    c.train.print_samples_every = 2
     last = train.train(c, str(tmp_path))
     assert 0.0 <= last["eval/pass@1"] <= 1.0 and "eval/pass@8" in last
-    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")][-1] == 2
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in records][-1] == 2
+    lines = capsys.readouterr().err.splitlines()
+    evals = [m for m in records if "eval/pass@1" in m]
+    assert [m["step"] for m in evals] == [0, 2]
+    for m in evals:  # each evaluation in one line, as metrics.jsonl has it
+        line = (
+            f"[eval step {m['step']}] pass@1 {m['eval/pass@1']:.2f} pass@8 {m['eval/pass@8']:.2f}"
+        )
+        assert f"{line} ({int(m['eval/num_prompts'])} prompts)" in lines, lines
+    assert len([x for x in lines if x.startswith("[step 2] reward ")]) == 1  # one sample line
+    assert any(x.startswith("train step 2/2 | reward ") for x in lines)  # no bar redraws
+    assert not any("\r" in x or "it/s" in x for x in lines)
+    best = max(evals, key=lambda m: m["eval/pass@1"])
+    summary = lines[lines.index(next(x for x in lines if x.startswith("done: 2 steps in "))) :]
+    assert summary[0].endswith(f"; workdir {tmp_path}")
+    assert summary[1] == (
+        f"eval/pass@1: final {evals[-1]['eval/pass@1']:.2f} (step 2), "
+        f"best {best['eval/pass@1']:.2f} (step {best['step']})"
+    )
+    assert summary[2].endswith(f"plot --metrics={tmp_path}/metrics.jsonl --out=curve.png")
+    assert summary[3].endswith(f"export --workdir={tmp_path} --out=HF_DIR")
+
+    # The rerun: one line, nothing loaded or compiled, the last metrics returned.
+    again = train.train(c, str(tmp_path))
+    err = capsys.readouterr().err
+    assert err.startswith(f"already finished at step 2: {tmp_path} (to start fresh"), err
+    assert len(err.splitlines()) == 1 and again["eval/pass@1"] == last["eval/pass@1"]

@@ -161,7 +161,7 @@ def check_agent(config, algo, process_count: int) -> None:
     require(not config.env.name, "agent.entry and env.name: set one of them")
     missing = [p for p in ("aiohttp", "openai") if importlib.util.find_spec(p) is None]
     require(not missing, f"agent.entry: the gateway needs {' and '.join(missing)}: "
-           "pip install 'jaxrl_llm[agents]'")  # fmt: skip
+           "pip install -e . (the package's own requirements)")  # fmt: skip
     try:
         agents.check(a.entry, dict(a.options))
     except ValueError as err:

@@ -36,9 +36,11 @@ the update reads; `check_num_generations` says whether an estimator can use a gi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxrl_llm.rl.advantages import ADVANTAGE_KINDS, STD_SCALES
 from jaxrl_llm.rl.losses import AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES
+from jaxrl_llm.rl.policy_losses import ratio_fraction
 
 GROUP_ESTIMATORS = ("grpo", "rloo")
 ROUTING_REPLAY = ("none", "rollout")  # AlgoConfig.routing_replay
@@ -175,6 +177,12 @@ def _decouple_ok(cfg) -> bool:
     return not cfg.decouple_rewards or (cfg.advantage == "grpo" and not cfg.kl_in_reward)
 
 
+def _few_decimals(ratio: float) -> bool:
+    """The covariance losses' exact token budget (policy_losses.budget) needs the ratio's
+    decimal denominator small enough for int32 arithmetic."""
+    return math.isfinite(ratio) and ratio_fraction(ratio).denominator <= 10**6
+
+
 def _errors(cfg: AlgoConfig):
     """Yield one line per invalid field, naming it (the first is raised)."""
     for field, options in (
@@ -199,8 +207,10 @@ def _errors(cfg: AlgoConfig):
         ("sapo_tau_pos", cfg.sapo_tau_pos > 0, "must be > 0"),
         ("sapo_tau_neg", cfg.sapo_tau_neg > 0, "must be > 0"),
         ("clip_cov_ratio", 0 < cfg.clip_cov_ratio <= 1, "must be in (0, 1]"),
+        ("clip_cov_ratio", _few_decimals(cfg.clip_cov_ratio), "at most 6 decimal places"),
         ("clip_cov_ub", cfg.clip_cov_lb < cfg.clip_cov_ub, "must be > clip_cov_lb"),
         ("kl_cov_ratio", 0 < cfg.kl_cov_ratio <= 1, "must be in (0, 1]"),
+        ("kl_cov_ratio", _few_decimals(cfg.kl_cov_ratio), "at most 6 decimal places"),
         ("kl_cov_coef", cfg.kl_cov_coef >= 0, "must be >= 0"),
         ("ratio_cap", cfg.ratio_cap > 0, "must be > 0"),
         ("distill_coef", cfg.distill_coef >= 0, "must be >= 0"),

@@ -18,7 +18,8 @@ adv [N, T] (stop-gradient), valid [N, T] bool. sg = stop-gradient, m = mask, rho
   row's tokens), so `seq-mean-token-mean` gives exactly the mean of the sequence losses.
 - Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
   Reasoning Language Models", arXiv 2505.22617): the PPO clip loss, except that up to
-  max(floor(r_c n), 1) tokens (n valid tokens in the batch, r_c = clip_cov_ratio), drawn
+  max(floor(r_c n), 1) tokens (n valid tokens in the batch, r_c = clip_cov_ratio, read
+  as the decimal it is written as and computed exactly: 0.53 of 100 is 53), drawn
   at random among those the clip did not already clip whose centred covariance
   cov_t = (A_t - mean A) (log pi_t - mean log pi) lies in (lb, ub), get loss 0 (no
   gradient): the tokens that drive entropy collapse.
@@ -41,14 +42,16 @@ Conventions, against verl 0.9.1 (`verl/trainer/ppo/core_algos.py`, the functions
   a plain mean over all rows for GMPO (the `sapo` and `gmpo` presets set
   seq-mean-token-mean, which equals verl's except that a fully masked row does not count).
 - The log-ratio is clamped to [-20, 20] for every loss (verl: SAPO and DPPO only).
-- Clip-Cov's random draw is seeded by the batch (the bits of sum m old_logp), so a batch
-  always clips the same tokens; verl draws with torch.randperm. When the candidates are
-  no more than the budget every one is clipped, and both agree exactly.
+- Clip-Cov's random draw is seeded by the batch (sum m old_logp to 12 significant bits),
+  so a batch clips the same tokens on any machine; verl draws with torch.randperm. When
+  the candidates are no more than the budget every one is clipped, and both agree exactly.
 - The |x| of KL-Cov has gradient 0 at x = 0 (as torch.abs), so on-policy (x = 0) the
   penalty adds nothing.
 """
 
 from __future__ import annotations
+
+import fractions
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +77,28 @@ def _rank(priority, candidates):
     return ranks.reshape(priority.shape)
 
 
-def _budget(valid, frac: float):
-    """max(floor(frac * #valid), 1): how many tokens a covariance loss touches."""
-    return jnp.maximum(jnp.floor(frac * jnp.sum(valid)), 1).astype(jnp.int32)
+def ratio_fraction(frac: float) -> fractions.Fraction:
+    """The ratio as the decimal it is written as (0.53 -> 53/100, 2e-4 -> 1/5000)."""
+    return fractions.Fraction(repr(float(frac)))
+
+
+def budget(valid, frac: float):
+    """max(floor(r n), 1) with n = #valid and r = `ratio_fraction(frac)`, exactly: how many
+    tokens a covariance loss touches (int32 scalar).
+
+    float32 gets it wrong where r n is an integer (0.53 * 100 -> 52.999996 -> 52). Here
+    k = floor(float32(r) n) is within `slack` of floor(r n); the remainder p n - k q
+    (r = p / q) is then exact in int32 even though p n may wrap, because its true value
+    is less than (slack + 1) q < 2^31 in magnitude; k + floor(rem / q) = floor(r n)."""
+    r = ratio_fraction(frac)
+    p, q = r.numerator, r.denominator
+    slack = 2 + 3 * valid.size // 2**24  # float32's error on r n, in units, plus the floor
+    if (slack + 1) * q >= 2**31:
+        raise ValueError(f"covariance token ratio {frac!r}: too many decimal places")
+    n = jnp.sum(valid, dtype=jnp.int32)
+    k = jnp.floor(jnp.float32(p / q) * n.astype(jnp.float32)).astype(jnp.int32)
+    rem = n * jnp.int32(p) - k * jnp.int32(q)
+    return jnp.maximum(k + jnp.floor_divide(rem, jnp.int32(q)), 1)
 
 
 def sapo_loss(x, adv, tau_pos: float, tau_neg: float):
@@ -116,11 +138,12 @@ def clip_cov_selected(x, logp, old_logp, adv, valid, cfg):
     pg1, pg2 = _ppo(jnp.exp(x), adv, cfg.eps_low, cfg.eps_high)
     cov = _covariance(logp, adv, valid)
     candidates = valid & ~(pg2 > pg1) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
-    seed = jax.lax.bitcast_convert_type(
-        jnp.sum(jnp.where(valid, old_logp, 0.0)).astype(jnp.float32), jnp.uint32
-    )
+    total = jnp.sum(jnp.where(valid, old_logp, 0.0)).astype(jnp.float32)
+    # The sum rounded to 12 significant bits: its last bits vary with the order of the
+    # summation (the CPU's vector width, the sharding), and every bit reseeds the draw.
+    seed = (jax.lax.bitcast_convert_type(total, jnp.uint32) + 0x800) & ~jnp.uint32(0xFFF)
     priority = jax.random.uniform(jax.random.fold_in(jax.random.key(0), seed), x.shape)
-    return candidates & (_rank(priority, candidates) < _budget(valid, cfg.clip_cov_ratio))
+    return candidates & (_rank(priority, candidates) < budget(valid, cfg.clip_cov_ratio))
 
 
 def clip_cov_loss(x, logp, old_logp, adv, valid, cfg):
@@ -133,7 +156,7 @@ def clip_cov_loss(x, logp, old_logp, adv, valid, cfg):
 def kl_cov_selected(logp, adv, valid, ratio: float):
     """The max(floor(r n), 1) valid tokens of largest cov_t (bool [N, T]; none if n = 0)."""
     ranks = _rank(_covariance(logp, adv, valid), valid)
-    return valid & (ranks < _budget(valid, ratio))
+    return valid & (ranks < budget(valid, ratio))
 
 
 def kl_cov_loss(x, logp, adv, valid, ratio: float, coef: float):

@@ -32,7 +32,7 @@ from jaxrl_llm import data, models, parallel, rl, sampling
 from jaxrl_llm.sft import data as sft_data
 from jaxrl_llm.sft import model as sft_model
 from jaxrl_llm.sft.config import check_config
-from jaxrl_llm.trainer import evaluation, scoring
+from jaxrl_llm.trainer import console, evaluation, scoring
 
 # --------------------------------------------------------------------- loss and update
 
@@ -156,7 +156,7 @@ def run(config, workdir: str) -> dict:
         workdir, c.to_dict(), tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
         wandb_project=c.logging.wandb_project, run_name=c.logging.run_name or None,
     )  # fmt: skip
-    progress = metrics.Progress(c.train.num_steps, desc="sft")
+    progress = console.Progress(c.train.num_steps, desc="sft")
     try:
         held_out = held_out_eval(c, model_cfg, tokenizer, pool, mesh) if pool is not None else None
         state, last = _loop(c, state, step_fn, batches, mesh, held_out, writer, progress)

@@ -38,6 +38,9 @@ from jax.experimental.compilation_cache import compilation_cache
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
+# What comes right before XLA compiles: the end of lowering, the persistent cache's lookup.
+LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+CACHE_LOOKUP = "/jax/compilation_cache/compile_requests_use_cache"
 
 
 def use_cache(path: str) -> str | None:
@@ -71,10 +74,15 @@ class Compiled:
     cache_hits: int = 0
     wall_s: float | None = 0.0
     background: bool = False  # built beside the first step: not in `CompileLog.seconds`
+    announced: bool = False  # its "compiling NAME..." line went out while it built
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.detail})" if self.detail else self.name
 
     @property
     def line(self) -> str:
-        label = f"{self.name} ({self.detail})" if self.detail else self.name
+        label = self.label
         seconds = self.compile_s if self.wall_s is None else self.wall_s
         where = " (compilation cache)" if self.cache_hits == self.compiles else ""
         return f"compiling {label}... {seconds:.1f} s{where}"
@@ -94,10 +102,15 @@ class CompileLog:
     """Listens to XLA compile events while entered; see the module doc.
 
     write: called with one line per program that compiled or was loaded from the cache
-    (None: silent). Programs built outside `program(...)` only add to `seconds`."""
+    (None: silent). Programs built outside `program(...)` only add to `seconds`.
+    announce: called with "compiling NAME (DETAIL)..." when a program's compile has run
+    for `announce_after_s` and is still running, so that a slow compile shows while it
+    runs (its `write` line follows when it ends); None: silent."""
 
-    def __init__(self, write=None):
+    def __init__(self, write=None, announce=None, announce_after_s: float = 1.0):
         self.write = write
+        self.announce, self.announce_after_s = announce, announce_after_s
+        self._timers: dict[int, threading.Timer] = {}
         self.seconds = 0.0
         self.programs: list[Compiled] = []
         self._local = threading.local()
@@ -106,11 +119,13 @@ class CompileLog:
         self._builds: list[_Build] = []
         self._closing = threading.Event()
 
-    def listen(self, write=None) -> CompileLog:
-        """Starts listening to XLA's compile events (and writing lines with `write`,
-        when given) until `close`."""
+    def listen(self, write=None, announce=None) -> CompileLog:
+        """Starts listening to XLA's compile events (and writing lines with `write` and
+        `announce`, when given) until `close`."""
         if write is not None:
             self.write = write
+        if announce is not None:
+            self.announce = announce
         if not self._listening:
             jax.monitoring.register_event_duration_secs_listener(self._on_duration)
             jax.monitoring.register_event_listener(self._on_event)
@@ -139,6 +154,8 @@ class CompileLog:
         self.close()
 
     def _on_duration(self, event: str, duration: float, **_) -> None:
+        if event == LOWERED:
+            self._announce_later(getattr(self._local, "current", None))
         if event != BACKEND_COMPILE:  # reported for loads from the persistent cache too
             return
         current = getattr(self._local, "current", None)
@@ -150,35 +167,63 @@ class CompileLog:
                 current.compile_s += duration
 
     def _on_event(self, event: str, **_) -> None:
+        if event == CACHE_LOOKUP:
+            self._announce_later(getattr(self._local, "current", None))
         if event == CACHE_HIT and (current := getattr(self._local, "current", None)):
             with self._lock:
                 current.cache_hits += 1
 
     @contextlib.contextmanager
     def program(self, name: str, detail: str = "", traced_s: float = 0.0, runs: bool = False,
-                background: bool = False, wait: bool = True):  # fmt: skip
+                background: bool = False, wait: bool = True, compiling: bool = False):  # fmt: skip
         """Attributes the compiles of this thread inside the block to `name`; on exit,
         when any happened, records the program and writes its line. Before the block, the
         builds ahead of time that serve `name` are waited for (a deferred one started),
         unless `wait` is False (a build's own block: it would wait for itself).
         traced_s: tracing and lowering time spent before the block, added to its wall
         time. runs: the block also waits for programs to run, so its line gives XLA's
-        compile seconds instead of the block's wall time."""
+        compile seconds instead of the block's wall time. compiling: the block compiles
+        from its start (a build ahead of time), for `announce`."""
         if wait and not background:
             self.wait(name)
         record = Compiled(name, detail, background=background)
         outer = getattr(self._local, "current", None)
         self._local.current, start = record, time.perf_counter()
+        if compiling:
+            self._announce_later(record)
         try:
             yield record
         finally:
             self._local.current = outer
+            with self._lock:
+                timer = self._timers.pop(id(record), None)
+            if timer is not None:
+                timer.cancel()
             record.wall_s = None if runs else traced_s + time.perf_counter() - start
             if record.compiles:
                 with self._lock:
                     self.programs.append(record)
                 if self.write is not None:
                     self.write(record.line)
+            elif record.announced and self.write is not None:  # another thread compiled it
+                seconds = record.wall_s or 0.0
+                self.write(f"compiling {record.label}... {seconds:.1f} s (another build's)")
+
+    def _announce_later(self, record: Compiled | None) -> None:
+        """Starts the timer that announces `record`'s compile (once per program block)."""
+        if record is None or self.announce is None:
+            return
+        with self._lock:
+            if id(record) in self._timers:
+                return
+            timer = threading.Timer(self.announce_after_s, self._announce, (record,))
+            timer.daemon = True
+            self._timers[id(record)] = timer
+        timer.start()
+
+    def _announce(self, record: Compiled) -> None:
+        record.announced = True
+        self.announce(f"compiling {record.label}...")
 
     def wait(self, serves: str | None = None) -> None:
         """Waits for the builds ahead of time that serve calls named `serves` (None: all),
@@ -285,7 +330,7 @@ class CompileLog:
         if after is not None:
             concurrent.futures.wait([after])
         with self.program(name, detail, lowering.seconds, background=background,
-                          wait=False) as record:  # fmt: skip
+                          wait=False, compiling=True) as record:  # fmt: skip
             lowered.compile()
         return record
 

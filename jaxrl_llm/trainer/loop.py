@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import jax
 import ml_collections
@@ -22,7 +23,7 @@ from jaxrl_llm import parallel, rl
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.startup import compilation
 from jaxrl_llm.startup.precompile import precompile_step
-from jaxrl_llm.trainer import checkpoint, scoring
+from jaxrl_llm.trainer import checkpoint, console, scoring
 from jaxrl_llm.trainer import metrics as metrics_lib
 from jaxrl_llm.trainer import workdir as workdir_lib
 from jaxrl_llm.trainer.run import Run
@@ -95,13 +96,37 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     per workdir: process 0 holds its lock (`workdir.lock`) until this returns."""
     held = workdir_lib.lock(workdir) if jax.process_index() == 0 else None
     try:
-        return _train(config, workdir)
+        finished = _finished(config, workdir)
+        return finished if finished is not None else _train(config, workdir)
     finally:
         if held is not None:
             held.release()
 
 
+def _finished(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
+    """A run whose checkpoint is at train.num_steps already: says so (before anything is
+    loaded or compiled) and returns its last metrics record; None otherwise."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return None
+    latest = checkpoint.Checkpointer(directory, read_only=True).latest_step()
+    if latest is None or latest < config.train.num_steps:
+        return None
+    if jax.process_index() == 0:
+        print(
+            f"already finished at step {latest}: {os.path.abspath(workdir)} (to start "
+            "fresh, pass another --workdir or delete this one; to go on, raise "
+            "--config.train.num_steps)",
+            file=sys.stderr,
+            flush=True,
+        )
+    path = os.path.join(workdir, "metrics.jsonl")
+    records = metrics_lib.read_metrics(path) if os.path.exists(path) else []
+    return {k: v for k, v in records[-1].items() if k != "step"} if records else {}
+
+
 def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    started = time.monotonic()
     prepared = config_lib.prepare(config)  # checked once, speed settings picked once
     c, tuning_line = prepared.config, prepared.tuning_line  # config.json records these
     compilation.use_cache(c.train.compilation_cache_dir)
@@ -132,11 +157,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         wandb_project=c.logging.wandb_project, run_name=c.logging.run_name or None,
         resume_step=start,
     )  # fmt: skip
-    progress = metrics_lib.Progress(c.train.num_steps, initial_step=start)
+    progress = console.Progress(c.train.num_steps, initial_step=start)
     stop = checkpoint.install_sigterm_handler()  # SIGTERM, and a first Ctrl-C
     aborted = False
     try:
-        return _steps(run, ckpt, writer, progress, stop, start)
+        last = _steps(run, ckpt, writer, progress, stop, start)
+        if not stop.requested:
+            _summarize(progress, workdir, c.train.num_steps, time.monotonic() - started)
+        return last
     except KeyboardInterrupt:  # a second Ctrl-C: abort without saving, even mid-save
         aborted = True
         raise
@@ -156,13 +184,14 @@ def _steps(run: Run, ckpt, writer, progress, stop, start: int) -> dict:
     SIGTERM or first Ctrl-C (`stop`) saves the step just done and ends the loop. Returns
     the last logged metrics."""
     c, last = run.config, {}
-    run.compile_log.listen(progress.write)
+    run.compile_log.listen(progress.write, announce=progress.write)
     evaluate_first = bool(c.eval.every and c.eval.at_start and start == 0)
     if run.env_rollout is None:  # multi-turn prompts come from resets: compiled at use
         # The first step starts while the later programs still compile.
         precompile_step(run, background=True, evaluate_first=evaluate_first, step=start)
     if evaluate_first:  # the initial policy's point
         writer.write(0, last := run.evaluate(0))
+        progress.write(console.eval_line(0, last))
     for step in range(start, c.train.num_steps):
         last, position = _one_step(run, step, writer, progress, last)
         run.compile_log.start_deferred()  # programs the first step did not need
@@ -195,7 +224,8 @@ def _one_step(run: Run, step: int, writer, progress, last: dict):
         writer.write(done, last)
     if c.train.print_samples_every and done % c.train.print_samples_every == 0:
         samples = _samples(result.scored, c.train.num_printed_samples)
-        for s in samples:
+        if samples:  # the console shows the first; samples.jsonl keeps them all
+            s = samples[0]
             progress.write(
                 f"[step {done}] reward {s['reward']:+.2f} | {s['prompt']!r} -> {s['completion']!r}"
             )
@@ -203,9 +233,20 @@ def _one_step(run: Run, step: int, writer, progress, last: dict):
     if c.eval.every and (done % c.eval.every == 0 or done == c.train.num_steps):
         ev = run.evaluate(done)
         writer.write(done, ev)
+        progress.write(console.eval_line(done, ev))
         last = last | ev
     progress.update(done, reward=host["reward/mean"], step_s=host["perf/step_s"])
     return last, result.data_position
+
+
+def _summarize(progress, workdir: str, steps: int, wall_s: float) -> None:
+    """The closing summary, from the run's metrics.jsonl (process 0 writes it)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if jax.process_index() != 0 or not os.path.exists(path):
+        return
+    records = metrics_lib.read_metrics(path)
+    for line in console.summary(records, steps, wall_s, os.path.abspath(workdir)):
+        progress.write(line)
 
 
 def _abstract(state):

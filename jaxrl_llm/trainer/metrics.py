@@ -1,4 +1,4 @@
-"""Metrics out of the trainer: JSON lines, TensorBoard, W&B, a progress bar, a plot.
+"""Metrics out of the trainer: JSON lines, TensorBoard, W&B, a plot (the console: console.py).
 
     writer = MetricWriter(workdir, config=config.to_dict(), resume_step=ckpt.latest_step())
     writer.write(step, {"reward/mean": 0.5, "perf/step_s": 1.2})
@@ -296,41 +296,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 # -------------------------------------------------------------------------- progress bar
-class Progress:
-    """A tqdm bar over training steps (process 0 only) with the latest values as postfix."""
-
-    def __init__(self, total_steps: int, initial_step: int = 0, desc: str = "train"):
-        from tqdm.auto import tqdm
-
-        interactive = sys.stderr.isatty()
-        self._bar = tqdm(
-            total=total_steps,
-            initial=initial_step,
-            desc=desc,
-            dynamic_ncols=True,
-            # In a log file every redraw is a line; once every 30 s is plenty there.
-            mininterval=0.1 if interactive else 30.0,
-            disable=jax.process_index() != 0,
-        )
-
-    def update(self, step: int, **values) -> None:
-        """Moves the bar to `step` (steps done) and shows `values`, e.g. reward=0.5."""
-        shown = {
-            k: f"{float(v):.4g}" if isinstance(v, float | np.floating) else v
-            for k, v in values.items()
-        }
-        self._bar.set_postfix(shown, refresh=False)
-        self._bar.update(int(step) - self._bar.n)
-
-    def write(self, text: str) -> None:
-        """Prints a line above the bar (process 0 only) without breaking it."""
-        if not self._bar.disable:
-            self._bar.write(text, file=sys.stderr)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
 # ------------------------------------------------------------------------------- plotting
 def plot_metrics(
     metrics_jsonl: str | os.PathLike,
