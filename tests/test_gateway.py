@@ -369,13 +369,11 @@ def test_verifiers_episode_reward_and_failure_without_a_model():
     " 3 "): a verifiers episode's reward is its rubric on those replies (0.5 x 2 + 1),
     and an episode whose env raises ends as an error naming verifiers' own message."""
     pytest.importorskip("verifiers.v1")
-    from jaxrl_llm.gateway import agents as agents_lib
     from jaxrl_llm.gateway.server import Server
 
-    agent = agents_lib.load("verifiers:vf_tasks_for_tests", {"failing": True})
-    server = Server()
+    server = Server("verifiers:vf_tasks_for_tests", {"failing": True})
     try:
-        futures = server.run_episodes(agent, [{"task": 0}, {"task": 4}], 60)
+        futures = server.run_episodes([{"task": 0}, {"task": 4}], 60)
         seen = []
         while not all(f.done() for f in futures.values()) or not server.requests.empty():
             try:
@@ -546,3 +544,69 @@ def test_env_tools_are_called_in_the_model_format():
     assert step.observation.startswith("error: 1 malformed") and step.info["tool_errors"] == 1
     step = env.step("3")
     assert step.done and step.reward == 1.0
+
+
+# Hostile input (docs/agents.md#security): a key per episode, agents in processes of
+# their own, bounded requests.
+
+
+def test_an_episode_cannot_post_into_another(tiny, tok):
+    """Two concurrent episodes, each posting a conversation into the other's URL with its
+    own key and into its own without one: all four are refused (401) and counted, and
+    neither record is touched (no rewrite; one answered request each)."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:intrude", batch_size=1, G=2, wait_s=30)
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=[{"question": "1+2="}]), 0)
+    finally:
+        agents.close()
+    m = scored.metrics
+    assert scored.rewards.tolist() == [1.0, 1.0] and m["gateway/refused"] == 4
+    assert m["gateway/retokenized"] == 0 and m["gateway/requests"] == 2
+
+
+def _below(pid: int) -> list[str]:
+    """Command lines of the processes below `pid`."""
+    from jaxrl_llm.verifiers import reaper
+
+    lines = []
+    for p in reaper.descendants(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                lines.append(f.read().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return lines
+
+
+def test_hostile_agents_cost_their_episode_only(tmp_path):
+    """Two GRPO steps of 2 prompts x 2 episodes whose agents, in turn, block their thread
+    for an hour, call sys.exit, raise KeyboardInterrupt, end their process with
+    os._exit(0), and fork a copy that lives on: each fails its own episode (a timeout
+    for the first, errors for the next three, the fork's episode scores 1), the run
+    finishes both steps and checkpoints, and no agent process is left."""
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards, c.rollout.batch_size, c.rollout.num_generations = {}, 2, 2
+    c.mesh.fsdp, c.mesh.tensor = 2, 4
+    c.rollout.max_new_tokens, c.rollout.cache_segments, c.algo.beta = 4, 1, 0.0
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    c.agent.entry, c.agent.max_total_tokens = f"{AGENTS}:misbehave", 24
+    c.agent.options, c.agent.timeout_s = {"claims": str(claims)}, 5.0
+    c.train.log_every = 1
+    train.train(c, str(tmp_path / "run"))
+    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert len(rows) == 2
+    first, second = rows
+    assert first["gateway/timeouts"] == 1 and first["gateway/errors"] == 3
+    assert first["gateway/agent_exits"] == 1  # os._exit: ended without a reward
+    assert second["gateway/errors"] == second["gateway/timeouts"] == 0
+    assert second["reward/mean"] == 1.0
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+    forked = int((claims / "forked").read_text())
+    try:
+        with open(f"/proc/{forked}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped
+    except FileNotFoundError:
+        pass  # dead and reaped
+    assert not [line for line in _below(os.getpid()) if "gateway.launcher" in line]

@@ -176,6 +176,8 @@ def check_agent(config, algo, process_count: int) -> None:
     )
     require(a.timeout_s > 0, f"agent.timeout_s={a.timeout_s}: must be > 0")
     require(a.batch_wait_s >= 0, f"agent.batch_wait_s={a.batch_wait_s}: must be >= 0")
+    require(a.max_request_bytes >= 1024,
+            f"agent.max_request_bytes={a.max_request_bytes}: must be >= 1024")  # fmt: skip
     require(process_count == 1, "agent.entry: the gateway runs on one host")
     require(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with agent.entry")
     require(algo.routing_replay in (None, "none"),

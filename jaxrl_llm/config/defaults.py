@@ -249,6 +249,9 @@ def agent_defaults() -> ml_collections.ConfigDict:
     # How long the batcher waits for more requests once one is pending (every running
     # episode having one ends the wait at once).
     a.batch_wait_s = 0.05
+    # The largest request body the gateway reads (413 past it), bounding what it parses and
+    # renders before the token limit can be checked.
+    a.max_request_bytes = 4 * 2**20
     return a
 
 
