@@ -109,3 +109,29 @@ async def intrude(client: openai.AsyncOpenAI, example) -> float:
 async def returns(client: openai.AsyncOpenAI, example) -> object:
     """Returns the row's `value` as it is (a reward the gateway must check)."""
     return example["value"]
+
+
+async def bad_requests(client: openai.AsyncOpenAI, example) -> float:
+    """Malformed requests, each of which must be a 400 (413 past the body limit) to this
+    episode alone; then OpenAI's own tool-call message sent back, and two requests at
+    once, both answered. Returns 1 when every status is the expected one."""
+    question = [{"role": "user", "content": example["question"]}]
+    bad = [{"stop": 5}, {"stop": [None]}, {"n": 0}, {"max_tokens": 0}, {"n": True},
+           {"messages": [{"role": "user", "content": {"a": 1}}]},
+           {"messages": [{"role": "user", "content": "9" * 4096}]}]  # fmt: skip
+    statuses = []
+    for options in bad:
+        try:
+            await client.chat.completions.create(**({"model": "policy", "messages": question}
+                                                    | options))  # fmt: skip
+            statuses.append(200)
+        except openai.APIStatusError as err:
+            statuses.append(err.status_code)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    tool_turn = [*question, {"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "3"}]  # fmt: skip
+    await client.chat.completions.create(model="policy", messages=tool_turn)
+    both = await asyncio.gather(*(client.chat.completions.create(model="policy",
+                                                                 messages=question)
+                                  for _ in range(2)))  # fmt: skip
+    return float(statuses == [400] * 6 + [413] and len(both) == 2)

@@ -5,6 +5,7 @@ rewrites counted; 64 concurrent episodes batched; failures cost their episode on
 tool calls in the model's formats; `verifiers` environments (agent.entry=verifiers:...)."""
 
 import os
+import queue
 import types
 
 import jax
@@ -38,9 +39,10 @@ def tiny(tmp_path_factory):
 
 
 def agent_rollout(cfg, tok, entry: str, batch_size: int, G: int, wait_s: float = 1.0,
-                  temperature: float = 0.0):  # fmt: skip
+                  temperature: float = 0.0, **agent):  # fmt: skip
     c = tiny_config("unused")
     c.agent.entry, c.agent.max_total_tokens, c.agent.batch_wait_s = entry, 40, wait_s
+    c.agent.update(agent)
     c.rollout.batch_size, c.data.max_prompt_len = batch_size, 16
     spec = sampling.RolloutSpec(G, 5, temperature, stop_ids=STOPS)
     sampler = sampling.Sampler(cfg, None, seed=5, cache_segments=1)
@@ -610,3 +612,59 @@ def test_hostile_agents_cost_their_episode_only(tmp_path):
     except FileNotFoundError:
         pass  # dead and reaped
     assert not [line for line in _below(os.getpid()) if "gateway.launcher" in line]
+
+
+def test_bad_requests_are_each_a_400_to_their_episode(tiny, tok):
+    """On the paged engine: `stop: 5`, `stop: [null]`, n=0, max_tokens=0, n=true and a
+    content that is an object are each a 400, a body over agent.max_request_bytes a 413
+    (counted), to that episode only; OpenAI's tool-call message (content null) is
+    accepted back, and two concurrent requests of one episode are both answered."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:bad_requests", batch_size=1, G=2,
+                              max_request_bytes=4096)  # fmt: skip
+    agents.sampler = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=4,
+                                           prefill_chunk=8)  # fmt: skip
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=[{"question": "1+2="}]), 0)
+    finally:
+        agents.close()
+    m = scored.metrics
+    assert scored.rewards.tolist() == [1.0, 1.0], scored.details.first_error
+    assert m["gateway/too_large"] == 2 and m["gateway/errors"] == 0
+    assert m["gateway/requests"] == 2 * 3
+
+
+def test_queued_requests_of_ended_episodes_are_dropped():
+    """A request still queued when its episode has ended is answered 404 and counted,
+    never handed to the model."""
+    from jaxrl_llm.gateway.server import Server
+
+    server = Server(f"{AGENTS}:two_turns")
+    answered = []
+    try:
+        server.requests.put(("7", {"messages": []}, lambda *a: answered.append(a)))
+        with pytest.raises(queue.Empty):
+            server.requests.get(timeout=0.05)
+    finally:
+        server.close()
+    assert answered[0][0] == 404 and server.take_counts()["dropped"] == 1
+
+
+def test_a_tool_call_message_with_null_content_is_read(tok):
+    """The assistant message the gateway returns for a tool call (content null,
+    tool_calls) renders through a chat template when sent back in a rewritten history."""
+    from jaxrl_llm.gateway import Episode, completions
+
+    saved = tok.chat_template
+    tok.chat_template = "{% for m in messages %}{{ m.content }}={% endfor %}"
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    sent = [
+        {"role": "user", "content": "3+4"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "7"}]},
+    ]
+    try:
+        ids = Episode(envs.Renderer(tok, use_chat=True)).context(completions.messages(sent))
+    finally:
+        tok.chat_template = saved
+    assert tok.decode(ids) == "3+4==7="
