@@ -668,3 +668,38 @@ def test_a_tool_call_message_with_null_content_is_read(tok):
     finally:
         tok.chat_template = saved
     assert tok.decode(ids) == "3+4==7="
+
+
+def test_an_agent_reward_must_be_a_float32_number(tiny, tok):
+    """The string "0.75" is not a reward, and 1e300 overflows float32: each fails its
+    episode (reward 0, an error naming the value); 0.5 and numpy's 2 are rewards."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:returns", batch_size=4, G=1)
+    examples = [{"value": "0.75"}, {"value": 1e300}, {"value": 0.5}, {"value": np.int64(2)}]
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=examples), 0)
+    finally:
+        agents.close()
+    assert scored.rewards.tolist() == [0.0, 0.0, 0.5, 2.0]
+    assert scored.metrics["gateway/errors"] == 2
+    assert "returned str '0.75', not a number" in scored.details.messages[0]
+    assert "1e+300, not a finite float32" in scored.details.messages[1]
+
+
+def test_rows_cut_to_the_width_are_counted():
+    """Two episodes of a group whose first messages differ share only their first
+    token as prompt; the rest of each prompt fills the completion, so a record within
+    the limits is cut to `width`, and `cut` counts the tokens dropped (numpy reference:
+    the records themselves)."""
+    from jaxrl_llm.gateway import Episode, group_rows
+
+    eps = []
+    for prompt, drawn in [([1, 2, 3, 4], [9, 9, 9]), ([1, 5, 6], [8, 8])]:
+        ep = Episode(renderer=None)
+        ep.ids, ep.loss = prompt + drawn, [False] * len(prompt) + [True] * len(drawn)
+        ep.logprobs, ep.versions = [0.0] * len(ep.ids), [0] * len(ep.ids)
+        eps.append(ep)
+    rows = group_rows(eps, prompt_width=4, width=4, pad_id=0)
+    assert rows["prompt_tokens"][:, -1].tolist() == [1, 1]
+    assert rows["tokens"].tolist() == [[2, 3, 4, 9], [5, 6, 8, 8]]
+    assert rows["cut"].tolist() == [len(eps[0].ids) - 1 - 4, 0]

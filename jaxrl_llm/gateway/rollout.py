@@ -274,7 +274,7 @@ class AgentRollout:
         parts = [group_rows([episodes[e] for e in order[g : g + G]], self.prompt_width, width,
                             pad) for g in range(0, len(order), G)]  # fmt: skip
         rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        versions = rows.pop("versions")
+        versions, cut = rows.pop("versions"), rows.pop("cut")
         sampled = np.where(versions >= 0, versions, np.iinfo(np.int64).max).min(axis=1)
         host = sampling.SampleOutput(
             tokens=rows["tokens"], mask=rows["mask"], loss_mask=rows["loss_mask"],
@@ -296,6 +296,7 @@ class AgentRollout:
                                                  strict=True)]  # fmt: skip
         n = len(order)
         metrics = self._metrics(play, episodes, ends, rows["lengths"])
+        metrics["gateway/truncated"] = float((cut > 0).sum())  # rows cut to the width
         failed = [i for i, end in enumerate(ends) if end != "done"]
         details = ScoreDetails(
             per_verifier={self.label: rewards.astype(np.float64)}, weights={self.label: 1.0},
