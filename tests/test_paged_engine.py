@@ -239,3 +239,17 @@ def test_config_refuses_what_the_paged_engine_does_not_do(tmp_path):
     c.rollout.engine = "vllm"
     with pytest.raises(config_lib.ConfigError, match="rollout.engine='vllm'"):
         checks_rollout.check_engine(c, 1)
+
+
+def test_the_automatic_pool_holds_one_whole_sequence(tiny):
+    """rollout.paged.pages=0 for 2 prompts x 2 rows with prefill chunks longer than the
+    rows' tokens: the pool is at least the one whole sequence a session needs (it was
+    below it: `pages=7: the pool must hold one whole sequence`), and the greedy rows
+    equal the static sampler's."""
+    cfg, params = tiny
+    ids, mask = sampling.pad_prompts(PROMPTS[:2], 0)
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=5, temperature=0.0)
+    ref = sampling.Sampler(cfg).sample(params, ids, mask, spec)
+    paged = sampling.PagedSampler(cfg, page_size=16, chunk_steps=4, prefill_chunk=64)
+    out = paged.sample(params, ids, mask, spec)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))

@@ -40,6 +40,7 @@ import math
 import os
 import select
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -160,6 +161,10 @@ def main() -> None:
     except BaseException as err:  # noqa: BLE001  (told to the trainer)
         wire.send(out, ("failed", f"{type(err).__name__}: {err}"[:500]))
         return
+    import httpx  # noqa: F401  (imported once here, not in every episode process)
+    import openai  # noqa: F401
+
+    tls = ssl.create_default_context()  # one TLS context: each client's own loads the CAs
     wire.send(out, ("ready",))
     live: dict[int, str] = {}  # pid -> episode
     while True:
@@ -173,7 +178,7 @@ def main() -> None:
                 break
             pid = os.fork()
             if pid == 0:
-                _episode_process(agent, *message[1:])  # never returns
+                _episode_process(agent, tls, *message[1:])  # never returns
             live[pid] = message[1]
             wire.send(out, ("started", message[1], pid))
         _reap(live, out)
@@ -198,7 +203,7 @@ def _reap(live: dict, out: int) -> None:
         wire.send(out, ("exited", episode, os.waitstatus_to_exitcode(status)))
 
 
-def _episode_process(agent, episode, url, key, result_url, example) -> None:
+def _episode_process(agent, tls, episode, url, key, result_url, example) -> None:
     """A forked episode process: plays the episode, reports the result, exits."""
     try:
         os.setsid()
@@ -207,18 +212,18 @@ def _episode_process(agent, episode, url, key, result_url, example) -> None:
         os.dup2(null, 0)  # the launcher's pipes are not the agent's
         os.dup2(2, 1)
         os.environ.update({KEY_VARIABLE: key, "OPENAI_API_KEY": key, "OPENAI_BASE_URL": url})
-        asyncio.run(_play(agent, url, key, result_url, example))
+        asyncio.run(_play(agent, tls, url, key, result_url, example))
     finally:
         os._exit(0)
 
 
-async def _play(agent, url, key, result_url, example) -> None:
+async def _play(agent, tls, url, key, result_url, example) -> None:
     import httpx
     import openai
 
     # No time limit on a request here: the gateway's watchdog owns the episode's clock,
     # which leaves out the wait for the first compile.
-    async with httpx.AsyncClient(timeout=None) as http:
+    async with httpx.AsyncClient(timeout=None, verify=tls) as http:
         client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=None,
                                     http_client=http)  # fmt: skip
         pid = os.getpid()
