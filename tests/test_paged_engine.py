@@ -253,3 +253,26 @@ def test_the_automatic_pool_holds_one_whole_sequence(tiny):
     paged = sampling.PagedSampler(cfg, page_size=16, chunk_steps=4, prefill_chunk=64)
     out = paged.sample(params, ids, mask, spec)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+
+
+def test_a_page_pool_past_the_machines_memory_is_one_line(tiny):
+    """rollout.paged.pages=1e9 is refused before anything is allocated, naming the key,
+    the pool's size (numpy reference: pages x page_size x layers x K,V x kv heads x
+    head_dim x 4 bytes) and the fix; the automatic pool is not checked."""
+    from tiny_run import tiny_config
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import checks_model
+
+    cfg, _ = tiny
+    c = tiny_config("unused")
+    c.rollout.engine, c.rollout.paged.pages, c.rollout.paged.page_size = "paged", 10**9, 16
+    size = np.prod([10**9, 16, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, 4],
+                   dtype=np.float64)  # fmt: skip
+    with pytest.raises(config_lib.ConfigError) as err:
+        checks_model.check_page_pool(c, cfg)
+    assert str(err.value).startswith(f"rollout.paged.pages=1000000000: the page pool's KV "
+                                     f"cache is {size / 2**30:,.1f} GiB")  # fmt: skip
+    assert str(err.value).endswith("lower rollout.paged.pages (0 = automatic)")
+    c.rollout.paged.pages = 0
+    checks_model.check_page_pool(c, cfg)
