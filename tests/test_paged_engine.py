@@ -276,3 +276,21 @@ def test_a_page_pool_past_the_machines_memory_is_one_line(tiny):
     assert str(err.value).endswith("lower rollout.paged.pages (0 = automatic)")
     c.rollout.paged.pages = 0
     checks_model.check_page_pool(c, cfg)
+
+
+def test_kernels_that_cannot_run_on_cpu_are_refused_naming_the_key(tmp_path):
+    """On CPU, model.attention='cudnn' / 'pallas' and rollout.paged.attention='pallas' (in
+    a training run) stop before the start with one line naming the key."""
+    from tiny_run import make_model_dir, tiny_config
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import checks_model, checks_rollout
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    for attention in ("cudnn", "pallas"):
+        c.model.attention = attention
+        with pytest.raises(config_lib.ConfigError, match=f"model.attention='{attention}': a "):
+            checks_model.check_model(c)
+    c.model.attention, c.rollout.engine, c.rollout.paged.attention = "auto", "paged", "pallas"
+    with pytest.raises(config_lib.ConfigError, match="rollout.paged.attention='pallas': "):
+        checks_rollout.check_engine(c, 1)

@@ -70,6 +70,11 @@ def check_model(config) -> str | None:
         isinstance(m.attention_block, int) and m.attention_block >= 1,
         f"model.attention_block={m.attention_block!r}: must be an int >= 1",
     )
+    require(
+        m.attention not in ("cudnn", "pallas") or jax.default_backend() != "cpu",
+        f"model.attention={m.attention!r}: a GPU/TPU kernel, not available on CPU; use "
+        "'auto', 'xla' or 'blockwise'",
+    )
     check_lora(m.lora)
     return path
 

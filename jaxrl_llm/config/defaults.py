@@ -201,7 +201,8 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # head_dim a multiple of 128),
     # else the portable path; pages = the portable path everywhere (never run the kernel);
     # gather = the portable reference (every layer's pages gathered first); pallas = the
-    # kernel on any backend and dtype (interpret mode off TPU: slow, for checks).
+    # kernel on TPU and GPU, any dtype (interpret mode on GPU: slow, for checks; the
+    # trainer refuses it on CPU, where the kernel's tests call it directly).
     r.paged.attention = "auto"
     return r
 
