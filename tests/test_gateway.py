@@ -703,3 +703,20 @@ def test_rows_cut_to_the_width_are_counted():
     assert rows["prompt_tokens"][:, -1].tolist() == [1, 1]
     assert rows["tokens"].tolist() == [[2, 3, 4, 9], [5, 6, 8, 8]]
     assert rows["cut"].tolist() == [len(eps[0].ids) - 1 - 4, 0]
+
+
+def test_closing_with_a_request_in_flight_raises_nothing():
+    """A run that stops while an agent waits on a request closes the gateway without an
+    error of its own (which would hide the run's): the request is answered 503, the
+    episode ends as an error, its process is gone."""
+    from jaxrl_llm.gateway.server import Server
+
+    server = Server(f"{AGENTS}:two_turns")
+    try:
+        futures = server.run_episodes([{"question": "1+2="}], 60)
+        server.requests.get(timeout=60)  # never answered
+    finally:
+        server.close()
+    (result,) = [f.result(timeout=10) for f in futures.values()]
+    assert result[0] is None and result[2] == "error"
+    assert not [line for line in _below(os.getpid()) if "gateway.launcher" in line]
