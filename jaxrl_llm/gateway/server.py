@@ -167,15 +167,21 @@ class Server:
         except ValueError as err:
             return None, _error(web, 400, f"the body is not JSON: {err}"[:500])
 
+    async def _open(self, request, web):
+        """(episode, body, None) for a request with its episode's key and a JSON body,
+        else (None, None, the error response)."""
+        ep, refused = self._authorized(request, web)
+        if refused is not None:
+            return None, None, refused
+        body, bad = await self._read_json(request, web)
+        return ep, body, bad
+
     async def _completions(self, request):
         from aiohttp import web
 
-        ep, refused = self._authorized(request, web)
+        ep, body, refused = await self._open(request, web)
         if refused is not None:
             return refused
-        body, bad = await self._read_json(request, web)
-        if bad is not None:
-            return bad
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return _error(web, 400, "the body must be an object with a 'messages' list")
         episode = request.match_info["episode"]
@@ -206,12 +212,9 @@ class Server:
         """The episode's process reports what its agent returned (or raised)."""
         from aiohttp import web
 
-        ep, refused = self._authorized(request, web)
+        _, body, refused = await self._open(request, web)
         if refused is not None:
             return refused
-        body, bad = await self._read_json(request, web)
-        if bad is not None:
-            return bad
         if isinstance(body, dict) and isinstance(body.get("reward"), float):
             self._end(request.match_info["episode"], (body["reward"], "", "done"))
         else:
