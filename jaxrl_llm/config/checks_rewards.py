@@ -107,7 +107,17 @@ def check_judges(config) -> None:
             judge.check_options(spec.options, where)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        resolve_model_path(spec.options["model"], f"{where}.model", download=False)
+        path = resolve_model_path(spec.options["model"], f"{where}.model", download=False)
+        width, budget = spec.options.get("prompt_len", 0), spec.options.get("max_new_tokens", 16)
+        if path is not None and width:
+            from jaxrl_llm.models import builtin
+
+            limit = builtin.model_config(path).max_position_embeddings
+            require(
+                width + budget <= limit,
+                f"{where}.prompt_len={width} + max_new_tokens={budget} exceeds the judge "
+                f"model's max_position_embeddings {limit} ({spec.options['model']})",
+            )
 
 
 def check_env(config, algo) -> None:
