@@ -19,6 +19,7 @@ traceback through instead.
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
 import shutil
@@ -223,6 +224,44 @@ def parse_flags(argv: list[str]) -> list[str]:
         ) from None
 
 
+# Config sections whose keys the user names: ml_collections overrides only keys a config
+# already has, so `--config.agent.options.tries=2` (a new key) is taken here instead.
+FREE_FORM_OVERRIDES = ("agent.options", "teacher.paths", "env.options")
+
+
+def take_free_form(argv: list[str]) -> tuple[list[str], list[tuple[str, str, object]]]:
+    """`--config.<section>.<name>=VALUE` overrides of the FREE_FORM_OVERRIDES sections
+    taken out of `argv` -> (the rest, [(section, name, value)]); VALUE is a Python
+    literal (`2`, `0.5`, `True`, `[1, 2]`) or else the string as written."""
+    rest, taken = [], []
+    for arg in argv:
+        for section in FREE_FORM_OVERRIDES:
+            name, sep, text = arg.removeprefix(f"--config.{section}.").partition("=")
+            if name != arg and sep and name and "." not in name:
+                taken.append((section, name, _literal(text)))
+                break
+        else:
+            rest.append(arg)
+    return rest, taken
+
+
+def _literal(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def apply_free_form(config, taken: list) -> None:
+    """Sets each (section, name, value) of `take_free_form` in `config` (locked or not)."""
+    for section, name, value in taken:
+        target = config
+        for part in section.split("."):
+            target = target[part]
+        with target.unlocked():
+            target[name] = value
+
+
 def config_command(main: Callable, config_help: str, workdir_help: str) -> None:
     """The `python -m jaxrl_llm.<command> --config=FILE --workdir=DIR` entry point: the
     XLA flags for a CPU-only machine (`parallel.xla_flags`), the process re-run with
@@ -238,4 +277,10 @@ def config_command(main: Callable, config_help: str, workdir_help: str) -> None:
     config_flags.DEFINE_config_file("config", None, config_help, lock_config=True)
     flags.DEFINE_string("workdir", None, workdir_help)
     flags.mark_flags_as_required(["config", "workdir"])
-    cli_main(lambda: run_absl(main))
+    sys.argv[1:], taken = take_free_form(sys.argv[1:])
+
+    def main_with_free_form(argv):
+        apply_free_form(flags.FLAGS.config, taken)
+        return main(argv)
+
+    cli_main(lambda: run_absl(main_with_free_form))

@@ -108,7 +108,9 @@ def _write_base(cfg, model: dict, adapters, mesh, dtype, out: str) -> str:
 def check_out(out: str) -> None:
     """Refuses an `--out` that would overwrite something: a file, a run directory (its
     config.json would become the HF one and a resume would bypass the config check), or
-    any directory that is not empty."""
+    any directory that is not empty; an empty `--out=`."""
+    if not os.fspath(out).strip():
+        raise UserError("--out", "empty", "give --out a new or empty directory")
     if not os.path.exists(out):
         return
     if not os.path.isdir(out):

@@ -2,7 +2,11 @@
 written against the `openai` client only: nothing here imports jaxrl_llm."""
 
 import asyncio
+import os
+import sys
+import time
 
+import httpx
 import openai
 
 
@@ -48,3 +52,86 @@ async def many(client: openai.AsyncOpenAI, example) -> float:
         {"temperature": 0.0, "requested_temperature": 0.7, "policy_version": 0},
     ]
     return float(said == expected and first.usage.completion_tokens >= 1)
+
+
+# Hostile agents: each must cost its own episode only (docs/agents.md#security).
+
+MISDEEDS = ("sleep", "exit", "interrupt", "os_exit", "fork")
+
+
+async def misbehave(client: openai.AsyncOpenAI, example, claims: str) -> float:
+    """Episode k of a run (numbered by claiming files in the directory `claims`) asks one
+    question, then does MISDEEDS[k]: blocks its thread for an hour, calls sys.exit,
+    raises KeyboardInterrupt, ends its process, or forks a copy that sleeps (its pid
+    written to claims/forked) and returns 1. Later episodes return 1."""
+    k = 0
+    while True:
+        try:
+            os.close(os.open(os.path.join(claims, str(k)), os.O_CREAT | os.O_EXCL))
+            break
+        except FileExistsError:
+            k += 1
+    deed = MISDEEDS[k] if k < len(MISDEEDS) else "play"
+    messages = [{"role": "user", "content": example["question"]}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    if deed == "sleep":
+        time.sleep(3600)
+    elif deed == "exit":
+        sys.exit(3)
+    elif deed == "interrupt":
+        raise KeyboardInterrupt
+    elif deed == "os_exit":
+        os._exit(0)
+    elif deed == "fork" and os.fork() == 0:
+        with open(os.path.join(claims, "forked"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
+    return 1.0
+
+
+async def intrude(client: openai.AsyncOpenAI, example) -> float:
+    """Posts a conversation into the other episode of its pair (ids 2k, 2k+1) with its
+    own key, and into its own without a key, then plays one request. Returns 1 when
+    both posts were refused with 401."""
+    url = str(client.base_url).rstrip("/")  # http://127.0.0.1:PORT/e/<id>/v1
+    mine = int(url.split("/")[-2])
+    other = url.replace(f"/e/{mine}/", f"/e/{mine ^ 1}/")
+    body = {"model": "policy", "messages": [{"role": "user", "content": "injected"}]}
+    async with httpx.AsyncClient() as http:
+        stolen = await http.post(f"{other}/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {client.api_key}"})  # fmt: skip
+        bare = await http.post(f"{url}/chat/completions", json=body)
+    messages = [{"role": "user", "content": example["question"]}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return float(stolen.status_code == 401 and bare.status_code == 401)
+
+
+async def returns(client: openai.AsyncOpenAI, example) -> object:
+    """Returns the row's `value` as it is (a reward the gateway must check)."""
+    return example["value"]
+
+
+async def bad_requests(client: openai.AsyncOpenAI, example) -> float:
+    """Malformed requests, each of which must be a 400 (413 past the body limit) to this
+    episode alone; then OpenAI's own tool-call message sent back, and two requests at
+    once, both answered. Returns 1 when every status is the expected one."""
+    question = [{"role": "user", "content": example["question"]}]
+    bad = [{"stop": 5}, {"stop": [None]}, {"n": 0}, {"max_tokens": 0}, {"n": True},
+           {"messages": [{"role": "user", "content": {"a": 1}}]},
+           {"messages": [{"role": "user", "content": "9" * 4096}]}]  # fmt: skip
+    statuses = []
+    for options in bad:
+        try:
+            await client.chat.completions.create(**({"model": "policy", "messages": question}
+                                                    | options))  # fmt: skip
+            statuses.append(200)
+        except openai.APIStatusError as err:
+            statuses.append(err.status_code)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    tool_turn = [*question, {"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "3"}]  # fmt: skip
+    await client.chat.completions.create(model="policy", messages=tool_turn)
+    both = await asyncio.gather(*(client.chat.completions.create(model="policy",
+                                                                 messages=question)
+                                  for _ in range(2)))  # fmt: skip
+    return float(statuses == [400] * 6 + [413] and len(both) == 2)

@@ -198,3 +198,18 @@ def test_overrides_of_the_wrong_type_are_one_line(tmp_path):
         assert line.startswith(start) and line.endswith("check the value and its type "
                                                         "(--helpfull lists the flags)")  # fmt: skip
     assert not (tmp_path / "run").exists()
+
+
+def test_dotted_overrides_add_keys_to_free_form_sections():
+    """`--config.agent.options.tries=2` and `--config.teacher.paths.math=...` (the docs'
+    forms) add keys the config does not have to the sections whose keys the user names,
+    in a locked config, with the value as a Python literal or else the string; every
+    other override is left for ml_collections."""
+    c = config_lib.base_config()
+    c.lock()
+    rest, taken = errors.take_free_form(["--config.agent.options.tries=2",
+                                         "--config.teacher.paths.math=/models/math",
+                                         "--config.agent.entry=a.py:run"])  # fmt: skip
+    errors.apply_free_form(c, taken)
+    assert rest == ["--config.agent.entry=a.py:run"]
+    assert c.agent.options.tries == 2 and c.teacher.paths.math == "/models/math"

@@ -202,3 +202,13 @@ def test_peft_export_of_a_gguf_based_run_loads_in_peft(tmp_path):
     np.testing.assert_allclose(hf_logits(loaded, ids, mask), ours, atol=1e-4, rtol=0)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "adapter" / "base")
     assert len(tok) == 33
+
+
+def test_an_empty_out_is_one_line():
+    """`export --out=` names the flag, not an empty path."""
+    from jaxrl_llm.errors import UserError, format_error
+    from jaxrl_llm.export import check_out
+
+    with pytest.raises(UserError) as err:
+        check_out("")
+    assert format_error(err.value) == ("error: --out: empty; give --out a new or empty directory")

@@ -5,6 +5,7 @@ rewrites counted; 64 concurrent episodes batched; failures cost their episode on
 tool calls in the model's formats; `verifiers` environments (agent.entry=verifiers:...)."""
 
 import os
+import queue
 import types
 
 import jax
@@ -38,9 +39,10 @@ def tiny(tmp_path_factory):
 
 
 def agent_rollout(cfg, tok, entry: str, batch_size: int, G: int, wait_s: float = 1.0,
-                  temperature: float = 0.0):  # fmt: skip
+                  temperature: float = 0.0, **agent):  # fmt: skip
     c = tiny_config("unused")
     c.agent.entry, c.agent.max_total_tokens, c.agent.batch_wait_s = entry, 40, wait_s
+    c.agent.update(agent)
     c.rollout.batch_size, c.data.max_prompt_len = batch_size, 16
     spec = sampling.RolloutSpec(G, 5, temperature, stop_ids=STOPS)
     sampler = sampling.Sampler(cfg, None, seed=5, cache_segments=1)
@@ -369,13 +371,11 @@ def test_verifiers_episode_reward_and_failure_without_a_model():
     " 3 "): a verifiers episode's reward is its rubric on those replies (0.5 x 2 + 1),
     and an episode whose env raises ends as an error naming verifiers' own message."""
     pytest.importorskip("verifiers.v1")
-    from jaxrl_llm.gateway import agents as agents_lib
     from jaxrl_llm.gateway.server import Server
 
-    agent = agents_lib.load("verifiers:vf_tasks_for_tests", {"failing": True})
-    server = Server()
+    server = Server("verifiers:vf_tasks_for_tests", {"failing": True})
     try:
-        futures = server.run_episodes(agent, [{"task": 0}, {"task": 4}], 60)
+        futures = server.run_episodes([{"task": 0}, {"task": 4}], 60)
         seen = []
         while not all(f.done() for f in futures.values()) or not server.requests.empty():
             try:
@@ -546,3 +546,177 @@ def test_env_tools_are_called_in_the_model_format():
     assert step.observation.startswith("error: 1 malformed") and step.info["tool_errors"] == 1
     step = env.step("3")
     assert step.done and step.reward == 1.0
+
+
+# Hostile input (docs/agents.md#security): a key per episode, agents in processes of
+# their own, bounded requests.
+
+
+def test_an_episode_cannot_post_into_another(tiny, tok):
+    """Two concurrent episodes, each posting a conversation into the other's URL with its
+    own key and into its own without one: all four are refused (401) and counted, and
+    neither record is touched (no rewrite; one answered request each)."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:intrude", batch_size=1, G=2, wait_s=30)
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=[{"question": "1+2="}]), 0)
+    finally:
+        agents.close()
+    m = scored.metrics
+    assert scored.rewards.tolist() == [1.0, 1.0] and m["gateway/refused"] == 4
+    assert m["gateway/retokenized"] == 0 and m["gateway/requests"] == 2
+
+
+def _below(pid: int) -> list[str]:
+    """Command lines of the processes below `pid`."""
+    from jaxrl_llm.verifiers import reaper
+
+    lines = []
+    for p in reaper.descendants(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                lines.append(f.read().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return lines
+
+
+def test_hostile_agents_cost_their_episode_only(tmp_path):
+    """Two GRPO steps of 2 prompts x 2 episodes whose agents, in turn, block their thread
+    for an hour, call sys.exit, raise KeyboardInterrupt, end their process with
+    os._exit(0), and fork a copy that lives on: each fails its own episode (a timeout
+    for the first, errors for the next three, the fork's episode scores 1), the run
+    finishes both steps and checkpoints, and no agent process is left."""
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rewards, c.rollout.batch_size, c.rollout.num_generations = {}, 2, 2
+    c.mesh.fsdp, c.mesh.tensor = 2, 4
+    c.rollout.max_new_tokens, c.rollout.cache_segments, c.algo.beta = 4, 1, 0.0
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    c.agent.entry, c.agent.max_total_tokens = f"{AGENTS}:misbehave", 24
+    c.agent.options, c.agent.timeout_s = {"claims": str(claims)}, 5.0
+    c.train.log_every = 1
+    train.train(c, str(tmp_path / "run"))
+    rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert len(rows) == 2
+    first, second = rows
+    assert first["gateway/timeouts"] == 1 and first["gateway/errors"] == 3
+    assert first["gateway/agent_exits"] == 1  # os._exit: ended without a reward
+    assert second["gateway/errors"] == second["gateway/timeouts"] == 0
+    assert second["reward/mean"] == 1.0
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+    forked = int((claims / "forked").read_text())
+    try:
+        with open(f"/proc/{forked}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped
+    except FileNotFoundError:
+        pass  # dead and reaped
+    assert not [line for line in _below(os.getpid()) if "gateway.launcher" in line]
+
+
+def test_bad_requests_are_each_a_400_to_their_episode(tiny, tok):
+    """On the paged engine: `stop: 5`, `stop: [null]`, n=0, max_tokens=0, n=true and a
+    content that is an object are each a 400, a body over agent.max_request_bytes a 413
+    (counted), to that episode only; OpenAI's tool-call message (content null) is
+    accepted back, and two concurrent requests of one episode are both answered."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:bad_requests", batch_size=1, G=2,
+                              max_request_bytes=4096)  # fmt: skip
+    agents.sampler = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=4,
+                                           prefill_chunk=8)  # fmt: skip
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=[{"question": "1+2="}]), 0)
+    finally:
+        agents.close()
+    m = scored.metrics
+    assert scored.rewards.tolist() == [1.0, 1.0], scored.details.first_error
+    assert m["gateway/too_large"] == 2 and m["gateway/errors"] == 0
+    assert m["gateway/requests"] == 2 * 3
+
+
+def test_queued_requests_of_ended_episodes_are_dropped():
+    """A request still queued when its episode has ended is answered 404 and counted,
+    never handed to the model."""
+    from jaxrl_llm.gateway.server import Server
+
+    server = Server(f"{AGENTS}:two_turns")
+    answered = []
+    try:
+        server.requests.put(("7", {"messages": []}, lambda *a: answered.append(a)))
+        with pytest.raises(queue.Empty):
+            server.requests.get(timeout=0.05)
+    finally:
+        server.close()
+    assert answered[0][0] == 404 and server.take_counts()["dropped"] == 1
+
+
+def test_a_tool_call_message_with_null_content_is_read(tok):
+    """The assistant message the gateway returns for a tool call (content null,
+    tool_calls) renders through a chat template when sent back in a rewritten history."""
+    from jaxrl_llm.gateway import Episode, completions
+
+    saved = tok.chat_template
+    tok.chat_template = "{% for m in messages %}{{ m.content }}={% endfor %}"
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    sent = [
+        {"role": "user", "content": "3+4"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "7"}]},
+    ]
+    try:
+        ids = Episode(envs.Renderer(tok, use_chat=True)).context(completions.messages(sent))
+    finally:
+        tok.chat_template = saved
+    assert tok.decode(ids) == "3+4==7="
+
+
+def test_an_agent_reward_must_be_a_float32_number(tiny, tok):
+    """The string "0.75" is not a reward, and 1e300 overflows float32: each fails its
+    episode (reward 0, an error naming the value); 0.5 and numpy's 2 are rewards."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:returns", batch_size=4, G=1)
+    examples = [{"value": "0.75"}, {"value": 1e300}, {"value": 0.5}, {"value": np.int64(2)}]
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=examples), 0)
+    finally:
+        agents.close()
+    assert scored.rewards.tolist() == [0.0, 0.0, 0.5, 2.0]
+    assert scored.metrics["gateway/errors"] == 2
+    assert "returned str '0.75', not a number" in scored.details.messages[0]
+    assert "1e+300, not a finite float32" in scored.details.messages[1]
+
+
+def test_rows_cut_to_the_width_are_counted():
+    """Two episodes of a group whose first messages differ share only their first
+    token as prompt; the rest of each prompt fills the completion, so a record within
+    the limits is cut to `width`, and `cut` counts the tokens dropped (numpy reference:
+    the records themselves)."""
+    from jaxrl_llm.gateway import Episode, group_rows
+
+    eps = []
+    for prompt, drawn in [([1, 2, 3, 4], [9, 9, 9]), ([1, 5, 6], [8, 8])]:
+        ep = Episode(renderer=None)
+        ep.ids, ep.loss = prompt + drawn, [False] * len(prompt) + [True] * len(drawn)
+        ep.logprobs, ep.versions = [0.0] * len(ep.ids), [0] * len(ep.ids)
+        eps.append(ep)
+    rows = group_rows(eps, prompt_width=4, width=4, pad_id=0)
+    assert rows["prompt_tokens"][:, -1].tolist() == [1, 1]
+    assert rows["tokens"].tolist() == [[2, 3, 4, 9], [5, 6, 8, 8]]
+    assert rows["cut"].tolist() == [len(eps[0].ids) - 1 - 4, 0]
+
+
+def test_closing_with_a_request_in_flight_raises_nothing():
+    """A run that stops while an agent waits on a request closes the gateway without an
+    error of its own (which would hide the run's): the request is answered 503, the
+    episode ends as an error, its process is gone."""
+    from jaxrl_llm.gateway.server import Server
+
+    server = Server(f"{AGENTS}:two_turns")
+    try:
+        futures = server.run_episodes([{"question": "1+2="}], 60)
+        server.requests.get(timeout=60)  # never answered
+    finally:
+        server.close()
+    (result,) = [f.result(timeout=10) for f in futures.values()]
+    assert result[0] is None and result[2] == "error"
+    assert not [line for line in _below(os.getpid()) if "gateway.launcher" in line]

@@ -167,3 +167,22 @@ def test_chain_sum_agent_example_scores_with_reasoning_gym():
             first, second = client.seen
             assert second[: len(first)] == first
             assert second[len(first)] == {"role": "assistant", "content": wrong}
+
+
+def test_a_textarena_game_that_does_not_load_is_refused_up_front(monkeypatch):
+    """A game TextArena lists but cannot make in this Python (TextArena 0.7.4's Chess-v0
+    on Python 3.11: a SyntaxError in its module) is one line naming env.name before the
+    start, instead of a failed reset per trajectory."""
+    textarena = pytest.importorskip("textarena")
+    from jaxrl_llm.envs import textarena_games
+
+    def broken(game, **kwargs):
+        raise SyntaxError("f-string: unmatched '['")
+
+    monkeypatch.setattr(textarena, "make", broken)
+    with pytest.raises(ValueError) as err:
+        textarena_games.check_game("GuessTheNumber-v0")
+    assert str(err.value) == (
+        "env.name='textarena/GuessTheNumber-v0': TextArena cannot make this game here "
+        "(SyntaxError: f-string: unmatched '['); choose another game"
+    )

@@ -161,6 +161,7 @@ def test_unparsable_verdict_raises(text, parser):
         (dict(max_new_tokens=0), "max_new_tokens=0"),
         (dict(temperature=-1.0), "temperature=-1.0"),
         (dict(prompt_len=-1), "prompt_len=-1"),
+        (dict(prompt_len=300), "prompt_len=300 \\+ max_new_tokens=4 exceeds the judge model"),
     ],
 )
 def test_judge_options_are_checked(dirs, options, match):
@@ -168,3 +169,19 @@ def test_judge_options_are_checked(dirs, options, match):
     with pytest.raises(config.ConfigError, match=match) as err:
         config.prepare(_config(student, judge, **options), devices=jax.devices())
     assert "\n" not in str(err.value) and str(err.value).startswith("rewards.judge.options")
+
+
+def test_a_judge_prompt_past_its_context_names_the_judge(dirs):
+    """A judge prompt longer than the judge model's context (256 positions here) is one
+    line naming the judge entry and its template, not the sampler's length error."""
+    from jaxrl_llm import parallel, verifiers
+    from jaxrl_llm.trainer.judges import make_judges
+
+    student, judge = dirs
+    specs = verifiers.parse_specs(_config(student, judge).rewards)
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    (scorer,) = make_judges(specs, mesh)
+    with pytest.raises(ValueError, match=r"^rewards\.judge: a judge prompt of \d+ tokens .* "
+                                         r"max_position_embeddings 256; shorten rewards\.judge"
+                                         r"\.options\.template"):  # fmt: skip
+        scorer(["9" * 300], [{"question": "1"}], ["1"])

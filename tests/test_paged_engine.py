@@ -239,3 +239,58 @@ def test_config_refuses_what_the_paged_engine_does_not_do(tmp_path):
     c.rollout.engine = "vllm"
     with pytest.raises(config_lib.ConfigError, match="rollout.engine='vllm'"):
         checks_rollout.check_engine(c, 1)
+
+
+def test_the_automatic_pool_holds_one_whole_sequence(tiny):
+    """rollout.paged.pages=0 for 2 prompts x 2 rows with prefill chunks longer than the
+    rows' tokens: the pool is at least the one whole sequence a session needs (it was
+    below it: `pages=7: the pool must hold one whole sequence`), and the greedy rows
+    equal the static sampler's."""
+    cfg, params = tiny
+    ids, mask = sampling.pad_prompts(PROMPTS[:2], 0)
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=5, temperature=0.0)
+    ref = sampling.Sampler(cfg).sample(params, ids, mask, spec)
+    paged = sampling.PagedSampler(cfg, page_size=16, chunk_steps=4, prefill_chunk=64)
+    out = paged.sample(params, ids, mask, spec)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+
+
+def test_a_page_pool_past_the_machines_memory_is_one_line(tiny):
+    """rollout.paged.pages=1e9 is refused before anything is allocated, naming the key,
+    the pool's size (numpy reference: pages x page_size x layers x K,V x kv heads x
+    head_dim x 4 bytes) and the fix; the automatic pool is not checked."""
+    from tiny_run import tiny_config
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import checks_model
+
+    cfg, _ = tiny
+    c = tiny_config("unused")
+    c.rollout.engine, c.rollout.paged.pages, c.rollout.paged.page_size = "paged", 10**9, 16
+    size = np.prod([10**9, 16, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, 4],
+                   dtype=np.float64)  # fmt: skip
+    with pytest.raises(config_lib.ConfigError) as err:
+        checks_model.check_page_pool(c, cfg)
+    assert str(err.value).startswith(f"rollout.paged.pages=1000000000: the page pool's KV "
+                                     f"cache is {size / 2**30:,.1f} GiB")  # fmt: skip
+    assert str(err.value).endswith("lower rollout.paged.pages (0 = automatic)")
+    c.rollout.paged.pages = 0
+    checks_model.check_page_pool(c, cfg)
+
+
+def test_kernels_that_cannot_run_on_cpu_are_refused_naming_the_key(tmp_path):
+    """On CPU, model.attention='cudnn' / 'pallas' and rollout.paged.attention='pallas' (in
+    a training run) stop before the start with one line naming the key."""
+    from tiny_run import make_model_dir, tiny_config
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import checks_model, checks_rollout
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    for attention in ("cudnn", "pallas"):
+        c.model.attention = attention
+        with pytest.raises(config_lib.ConfigError, match=f"model.attention='{attention}': a "):
+            checks_model.check_model(c)
+    c.model.attention, c.rollout.engine, c.rollout.paged.attention = "auto", "paged", "pallas"
+    with pytest.raises(config_lib.ConfigError, match="rollout.paged.attention='pallas': "):
+        checks_rollout.check_engine(c, 1)

@@ -203,6 +203,15 @@ def test_config_json_from_before_the_history_is_kept(tmp_path):
         ("env.trajectory_timeout_s", False),
         ("env.workers", False),
         ("env.memory_mb", False),
+        ("teacher.path", True),
+        ("teacher.weight", True),
+        ("teacher.paths.math", True),
+        ("agent.entry", True),
+        ("agent.options.tries", True),
+        ("agent.max_total_tokens", True),
+        ("agent.timeout_s", False),
+        ("agent.batch_wait_s", False),
+        ("agent.max_request_bytes", False),
     ],
 )
 def test_which_keys_change_what_the_run_means(key, meaningful):
@@ -235,3 +244,21 @@ def test_an_environment_change_refuses_the_resume(tmp_path):
         "env.step_timeout_s: 10.0 -> 30.0",
         "env.workers: 0 -> 2",
     ]
+
+
+def test_a_teacher_or_agent_change_refuses_the_resume(tmp_path):
+    """The teacher (its path, weight, a named teacher added) and the agent (its entry, an
+    option added) define the run's target: a change refuses the resume, naming the key."""
+    first = config_lib.base_config()
+    first.teacher.path, first.agent.entry = "/models/teacher", "agent.py:run"
+    workdir.save_config(tmp_path, first)
+    changes = [("teacher.path", ""), ("teacher.weight", 0.5),
+               ("teacher.paths", {"math": "/models/math"}), ("agent.entry", "other.py:run"),
+               ("agent.options", {"tries": 2})]  # fmt: skip
+    for key, value in changes:
+        changed = config_lib.base_config()
+        changed.teacher.path, changed.agent.entry = "/models/teacher", "agent.py:run"
+        section, name = key.split(".")
+        changed[section][name] = value
+        with pytest.raises(UserError, match=rf"changes what the run means \({key}"):
+            workdir.check_resume(tmp_path, changed)

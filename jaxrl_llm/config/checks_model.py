@@ -10,6 +10,8 @@ because each needs the model's or the mesh's own constants (`models.config`,
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jaxrl_llm.config import tuning
@@ -67,6 +69,11 @@ def check_model(config) -> str | None:
     require(
         isinstance(m.attention_block, int) and m.attention_block >= 1,
         f"model.attention_block={m.attention_block!r}: must be an int >= 1",
+    )
+    require(
+        m.attention not in ("cudnn", "pallas") or jax.default_backend() != "cpu",
+        f"model.attention={m.attention!r}: a GPU/TPU kernel, not available on CPU; use "
+        "'auto', 'xla' or 'blockwise'",
     )
     check_lora(m.lora)
     return path
@@ -132,4 +139,23 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
         f"data.max_prompt_len={prompt_len} (bucket {bucket}) + {key}="
         f"{budget} exceeds the model's max_position_embeddings "
         f"{model_cfg.max_position_embeddings}",
+    )
+    check_page_pool(config, model_cfg)
+
+
+def check_page_pool(config, model_cfg) -> None:
+    """A set `rollout.paged.pages` fits this machine's memory: the pool's KV cache
+    (pages x page_size tokens, K and V per layer) is allocated whole at the start."""
+    r = config.rollout
+    if r.engine != "paged" or not r.paged.pages:
+        return
+    p, m = r.paged, model_cfg
+    width = 2 if config.model.dtype == "bfloat16" else 4
+    size = p.pages * p.page_size * m.num_layers * 2 * m.num_kv_heads * m.head_dim * width
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    require(
+        size <= memory,
+        f"rollout.paged.pages={p.pages}: the page pool's KV cache is {size / 2**30:,.1f} GiB "
+        f"({p.pages} pages of {p.page_size} tokens), more than this machine's "
+        f"{memory / 2**30:,.1f} GiB; lower rollout.paged.pages (0 = automatic)",
     )

@@ -107,7 +107,17 @@ def check_judges(config) -> None:
             judge.check_options(spec.options, where)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        resolve_model_path(spec.options["model"], f"{where}.model", download=False)
+        path = resolve_model_path(spec.options["model"], f"{where}.model", download=False)
+        width, budget = spec.options.get("prompt_len", 0), spec.options.get("max_new_tokens", 16)
+        if path is not None and width:
+            from jaxrl_llm.models import builtin
+
+            limit = builtin.model_config(path).max_position_embeddings
+            require(
+                width + budget <= limit,
+                f"{where}.prompt_len={width} + max_new_tokens={budget} exceeds the judge "
+                f"model's max_position_embeddings {limit} ({spec.options['model']})",
+            )
 
 
 def check_env(config, algo) -> None:
@@ -176,6 +186,8 @@ def check_agent(config, algo, process_count: int) -> None:
     )
     require(a.timeout_s > 0, f"agent.timeout_s={a.timeout_s}: must be > 0")
     require(a.batch_wait_s >= 0, f"agent.batch_wait_s={a.batch_wait_s}: must be >= 0")
+    require(a.max_request_bytes >= 1024,
+            f"agent.max_request_bytes={a.max_request_bytes}: must be >= 1024")  # fmt: skip
     require(process_count == 1, "agent.entry: the gateway runs on one host")
     require(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with agent.entry")
     require(algo.routing_replay in (None, "none"),

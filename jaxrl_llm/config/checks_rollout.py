@@ -8,6 +8,8 @@ is also the check of any other global batch (the SFT trainer's).
 
 from __future__ import annotations
 
+import jax
+
 from jaxrl_llm.config.derived import mesh_axes, require
 
 # Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
@@ -111,6 +113,10 @@ def check_engine(config, process_count: int) -> None:
     require(p.attention in names,
            f"rollout.paged.attention={p.attention!r}: expected one of "
            f"{', '.join(names)}")  # fmt: skip
+    require(p.attention != "pallas" or jax.default_backend() != "cpu",
+           "rollout.paged.attention='pallas': the kernel's interpret mode moves data "
+           "between host and device, which the trainer's loop forbids on CPU; use 'auto' "
+           "(the portable path on CPU)")  # fmt: skip
     require(p.prefill_chunk % p.page_size == 0,
            f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
            f"rollout.paged.page_size={p.page_size}")  # fmt: skip

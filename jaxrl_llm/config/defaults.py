@@ -201,7 +201,8 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # head_dim a multiple of 128),
     # else the portable path; pages = the portable path everywhere (never run the kernel);
     # gather = the portable reference (every layer's pages gathered first); pallas = the
-    # kernel on any backend and dtype (interpret mode off TPU: slow, for checks).
+    # kernel on TPU and GPU, any dtype (interpret mode on GPU: slow, for checks; the
+    # trainer refuses it on CPU, where the kernel's tests call it directly).
     r.paged.attention = "auto"
     return r
 
@@ -249,6 +250,9 @@ def agent_defaults() -> ml_collections.ConfigDict:
     # How long the batcher waits for more requests once one is pending (every running
     # episode having one ends the wait at once).
     a.batch_wait_s = 0.05
+    # The largest request body the gateway reads (413 past it), bounding what it parses and
+    # renders before the token limit can be checked.
+    a.max_request_bytes = 4 * 2**20
     return a
 
 

@@ -59,7 +59,7 @@ def play_paged(engine, params, prompt_ids, prompt_mask, spec, settings: TurnSett
     session = TurnSession(
         engine, params, version, spec.replace(max_new_tokens=T, stop_ids=s.stop_ids),
         seed=engine.seed, step=0 if step is None else int(step), slots=engine.slots or n,
-        pages=engine.pages or 1 + -(-n * (width + T) // engine.page_size),
+        pages=engine.pages or engine.auto_pages(n, width + T),
         prompts=ids.shape[0],
     )  # fmt: skip
     session.submit(ids, mask, s.turn_tokens, [t.live for t in trajs])

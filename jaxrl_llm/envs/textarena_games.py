@@ -33,7 +33,9 @@ def _textarena():
 
 
 def check_game(game: str) -> None:
-    """ValueError naming env.name when the game id is unknown or the package missing."""
+    """ValueError naming env.name when the game id is unknown, the package missing, or
+    the game cannot be made here (its code or data does not load in this Python: every
+    reset would fail)."""
     ta = _textarena()
     known = sorted(ta.envs.registration.ENV_REGISTRY)
     if game not in known:
@@ -42,6 +44,12 @@ def check_game(game: str) -> None:
         close = difflib.get_close_matches(game, known, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else f" ({len(known)} games)"
         raise ValueError(f"env.name='textarena/{game}': no TextArena game {game!r}{hint}")
+    try:
+        ta.make(game)
+    except Exception as err:  # noqa: BLE001  (a game's module or data that does not load)
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        raise ValueError(f"env.name='textarena/{game}': TextArena cannot make this game "
+                         f"here ({reason}); choose another game") from None  # fmt: skip
 
 
 def _text(messages) -> str:

@@ -4,8 +4,10 @@ client are trained through it (docs/agents.md).
     agents = AgentRollout(config, tokenizer, sampler, spec, mesh)   # agent.entry
     out, scored, versions = agents(params, batch, step)
 
-`server.Server` is the HTTP endpoint (aiohttp, localhost), `episodes.Episode` keeps one
-episode's exact tokens, `envs.tool_calls.parse_tool_calls` reads tool calls in the model's format.
+`server.Server` is the HTTP endpoint (aiohttp, localhost; a key per episode),
+`launcher.Launcher` runs each episode's agent in a process of its own,
+`episodes.Episode` keeps one episode's exact tokens, `envs.tool_calls.parse_tool_calls`
+reads tool calls in the model's format.
 """
 
 from jaxrl_llm.envs.tool_calls import ParsedCalls, parse_tool_calls

@@ -26,26 +26,61 @@ MAX_N = 16  # choices per request
 def parse_request(body: dict, ep: Episode, play: Play, budget: int) -> dict:
     """The request's options, checked, and its context ids. budget: the most tokens a
     turn may draw (`rollout.max_new_tokens`), which caps the request's max_tokens; a
-    temperature other than `play.spec`'s is counted (`temperature_ignored`), not used."""
-    n = body.get("n") or 1
-    if not isinstance(n, int) or not 1 <= n <= MAX_N:
+    temperature other than `play.spec`'s is counted (`temperature_ignored`), not used.
+    Every malformed field is a ValueError naming it (the request's 400, its episode goes
+    on). `body["messages"]` becomes the messages as read (`messages`)."""
+    n = _option(body, "n", 1)
+    if not _is_int(n) or not 1 <= n <= MAX_N:
         raise ValueError(f"n={n!r}: expected an integer in [1, {MAX_N}]")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or budget
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    max_tokens = _option(body, "max_completion_tokens", _option(body, "max_tokens", budget))
+    if not _is_int(max_tokens) or max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens!r}: expected an integer >= 1")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else list(stop)
+    stop = _option(body, "stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop={stop!r:.80}: expected a string or a list of strings")
     if body.get("stream"):
         raise ValueError("stream=true: the gateway answers whole responses only")
     temperature = body.get("temperature")
     if temperature is not None and temperature != play.spec.temperature:
         play.stats["temperature_ignored"] += 1
+    body["messages"] = messages(body["messages"])
     try:
         ids = ep.context(body["messages"], body.get("tools"))
     except Exception as err:  # a message the template or the renderer refuses
         raise ValueError(f"messages: {type(err).__name__}: {err}"[:500]) from None
     return {"ids": ids, "n": n, "max_tokens": min(max_tokens, budget), "stop": stop,
             "tools": bool(body.get("tools")), "temperature": temperature}  # fmt: skip
+
+
+def messages(sent: list) -> list:
+    """The request's messages as the episode reads them: each an object with a string
+    `role`; a `content` of None (an assistant message holding only tool calls) is "",
+    a list of text parts their texts joined; anything else a ValueError naming it."""
+    out = []
+    for k, m in enumerate(sent):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{k}]: expected an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in content
+        ):
+            content = "".join(p["text"] for p in content)
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{k}].content: expected a string, a list of text "
+                             f"parts or null, got {type(content).__name__}")  # fmt: skip
+        out.append(m | {"content": content or ""})
+    return out
+
+
+def _option(body: dict, name: str, default):
+    """body[name], the default when absent or null (0 and "" are values, and checked)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def make_choice(tokenizer, ask: dict, ids: list, logprobs: list, versions: list, stopped: bool,

@@ -53,7 +53,7 @@ class EngineRows:
         T = rollout.width  # a row's completion: drawn and appended tokens
         spec = play.spec.replace(num_generations=1, max_new_tokens=T)
         whole = rollout.prompt_width + T
-        pages = e.pages or 1 + -(-episodes * whole // e.page_size) + 2 * -(-whole // e.page_size)
+        pages = e.pages or e.auto_pages(episodes, whole) + 2 * -(-whole // e.page_size)
         self.session = TurnSession(
             e, params, play.version, spec, seed=e.seed, step=play.key, slots=e.slots or episodes,
             pages=pages, prompts=episodes + 1,

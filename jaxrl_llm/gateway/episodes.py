@@ -113,7 +113,10 @@ def group_rows(episodes: list, prompt_width: int, width: int, pad_id: int) -> di
     """A group's episodes as rollout rows (numpy): the prompt is the longest common
     prefix of their records before any sampled token (the G rows of a group must share
     their prompt), left-padded to `prompt_width`; the rest is the completion, `width`
-    wide. Records must fit (the gateway refuses requests past the limits)."""
+    wide. A record longer than that is cut to it; `cut` counts each row's dropped tokens:
+    the gateway refuses requests past the limits, but when the episodes' prompts differ
+    (an agent whose G episodes start with different messages) the shared prompt is
+    shorter than each one's and the rest of each prompt fills the completion."""
     played = [ep for ep in episodes if ep.ids]
     first = [ep.loss.index(True) if True in ep.loss else len(ep.ids) for ep in played]
     common = min(first + [prompt_width])
@@ -134,6 +137,7 @@ def group_rows(episodes: list, prompt_width: int, width: int, pad_id: int) -> di
         "logprobs": np.zeros((n, width), np.float32),
         "versions": np.full((n, width), -1, np.int64),
         "lengths": np.zeros(n, np.int32),
+        "cut": np.zeros(n, np.int32),
     }
     for i, ep in enumerate(episodes):
         out["prompt_tokens"][i, prompt_width - len(shared) :] = shared
@@ -146,4 +150,5 @@ def group_rows(episodes: list, prompt_width: int, width: int, pad_id: int) -> di
         out["logprobs"][i, :m] = ep.logprobs[rest][:m]
         out["versions"][i, :m] = ep.versions[rest][:m]
         out["lengths"][i] = m
+        out["cut"][i] = max(len(ep.ids) - len(shared) - width, 0)
     return out

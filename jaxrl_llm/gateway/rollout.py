@@ -38,6 +38,7 @@ engine's serving of the requests `engine_rows`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import time
 
@@ -47,7 +48,6 @@ import numpy as np
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.data import prompts as prompts_lib
 from jaxrl_llm.envs.render import Renderer
-from jaxrl_llm.gateway import agents as agents_lib
 from jaxrl_llm.gateway import completions
 from jaxrl_llm.gateway.engine_rows import EngineRows
 from jaxrl_llm.gateway.episodes import Episode, group_rows
@@ -64,13 +64,14 @@ class AgentRollout:
         self.config, self.tokenizer, self.sampler, self.mesh = config, tokenizer, sampler, mesh
         self.spec = spec
         self.turn_spec = dataclasses.replace(spec, num_generations=1)
-        self.agent = agents_lib.load(a.entry, dict(a.options))
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         self.renderer = Renderer(tokenizer, has_chat and d.chat_template != "never",
                                  d.system_prompt)  # fmt: skip
         self.rows = config.rollout.batch_size * spec.num_generations
         self.width, self.prompt_width = a.max_total_tokens, d.max_prompt_len
         self.timeout_s, self.wait_s = a.timeout_s, a.batch_wait_s
+        self.new_server = functools.partial(Server, a.entry, dict(a.options),
+                                            max_request_bytes=a.max_request_bytes)  # fmt: skip
         self.server: Server | None = None
         self.label = "agent"
         self.eval_server: Server | None = None  # evaluation's own (beside the rollout thread)
@@ -85,7 +86,7 @@ class AgentRollout:
         """The agent run on each example of `batch`, G times, to the end -> (out on the
         mesh, scored, the version that drew each completion token [N, T], -1 elsewhere)."""
         if self.server is None:
-            self.server = Server()
+            self.server = self.new_server()
         G, version = self.spec.num_generations, step if version is None else version
         examples = [ex for ex in batch.examples for _ in range(G)]
         play = Play(self.server, self.turn_spec, key=step * 1024, step=step, version=version)
@@ -100,7 +101,7 @@ class AgentRollout:
         per example at `temperature` (`eval/pass@k`). Runs on a server of its own, so an
         evaluation beside the rollout thread's episodes (overlap, split) keeps them apart."""
         if self.eval_server is None:
-            self.eval_server = Server()
+            self.eval_server = self.new_server()
         greedy, sampled = evaluation.specs(self.turn_spec, pass_k, temperature)
         sampled = sampled and sampled.replace(num_generations=1)
         rewards, failed, turns, lengths, correct_k = [], [], [], [], []
@@ -136,7 +137,7 @@ class AgentRollout:
         """The agent's episodes of `examples`, to the end, on `play.server`, sampled with
         `play.spec` -> (episode ids, their records, (reward, error, end) each, the ids
         refused for passing a limit). `play` collects the counters."""
-        futures = play.server.run_episodes(self.agent, examples, self.timeout_s)
+        futures = play.server.run_episodes(examples, self.timeout_s)
         order = list(futures)
         episodes = {e: Episode(self.renderer, self.spec.stop_ids) for e in order}
         over = set()  # episodes refused for passing a limit
@@ -273,7 +274,7 @@ class AgentRollout:
         parts = [group_rows([episodes[e] for e in order[g : g + G]], self.prompt_width, width,
                             pad) for g in range(0, len(order), G)]  # fmt: skip
         rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        versions = rows.pop("versions")
+        versions, cut = rows.pop("versions"), rows.pop("cut")
         sampled = np.where(versions >= 0, versions, np.iinfo(np.int64).max).min(axis=1)
         host = sampling.SampleOutput(
             tokens=rows["tokens"], mask=rows["mask"], loss_mask=rows["loss_mask"],
@@ -295,6 +296,7 @@ class AgentRollout:
                                                  strict=True)]  # fmt: skip
         n = len(order)
         metrics = self._metrics(play, episodes, ends, rows["lengths"])
+        metrics["gateway/truncated"] = float((cut > 0).sum())  # rows cut to the width
         failed = [i for i, end in enumerate(ends) if end != "done"]
         details = ScoreDetails(
             per_verifier={self.label: rewards.astype(np.float64)}, weights={self.label: 1.0},
@@ -333,6 +335,7 @@ class AgentRollout:
             "gateway/errors": float(ends.count("error")),
             "gateway/timeouts": float(ends.count("timeout")),
             "gateway/over_limit": float(ends.count("max_total_tokens")),
+            **{f"gateway/{k}": float(v) for k, v in play.server.take_counts().items()},
             "gateway/turns_mean": float(np.mean([ep.turns for ep in episodes.values()])),
             "gateway/seconds": play.seconds,
             "rollout/length_mean": float(lengths.mean()),

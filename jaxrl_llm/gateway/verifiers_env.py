@@ -46,6 +46,8 @@ from verifiers.v1.clients import ModelContext
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.runtimes import ProgramResult, SubprocessConfig
 
+from jaxrl_llm.gateway.launcher import KEY_VARIABLE
+
 PREFIX = "verifiers:"
 # verifiers imports a harness by module name (`harness.id`); this module is registered
 # under a plain name so that its lookup in `verifiers.v1.harnesses` fails cleanly.
@@ -193,7 +195,7 @@ class VerifiersAgent:
         async with served["lock"]:  # one reader of an infinite taskset at a time
             task = await asyncio.to_thread(self.task, served, example)
         endpoint = vf.EvalClientConfig(base_url=str(client.base_url).rstrip("/"),
-                                       api_key_var="JAXRL_LLM_GATEWAY_KEY")  # fmt: skip
+                                       api_key_var=KEY_VARIABLE)  # fmt: skip
         episode = await served["env"].run_episode(task, ModelContext(model="policy",
                                                                      client=endpoint))  # fmt: skip
         if not episode.ok:

@@ -214,13 +214,22 @@ class PagedSampler:
         return self.session(params, version, spec, seed_step=seed_step, width=width,
                             rows=rows, prompts=rows)  # fmt: skip
 
+    def auto_pages(self, rows: int, tokens: int) -> int:
+        """The pool of `rollout.paged.pages=0` for `rows` sequences of `tokens` tokens:
+        the pages they fill, at least one whole sequence as a session lays it out (its
+        tokens rounded up to prefill chunks, plus one chunk: `PagePool._fit`), and the
+        null page."""
+        C, PS = self.prefill_chunk, self.page_size
+        one = -(-(-(-tokens // C) * C + C) // PS)
+        return 1 + max(-(-rows * tokens // PS), one)
+
     def session(self, params, version: int, spec: RolloutSpec, *, seed_step, width: int,
                 rows: int, prompts: int) -> Session:  # fmt: skip
         """A `paged_schedule.Session` over this engine's settings, sized for requests of
         `rows` rows over `prompts` prompts of bucket `width` (slots 0: `rows` slots; pages
         0: the static sampler's cache for them). seed_step: (seed, salt) on device."""
         slots = self.slots or rows
-        pages = self.pages or 1 + -(-rows * (width + spec.max_new_tokens) // self.page_size)
+        pages = self.pages or self.auto_pages(rows, width + spec.max_new_tokens)
         return Session(self, params, version, spec, seed_step=seed_step, slots=slots,
                        pages=pages, prompt_rows=min(prompts, slots + 1))  # fmt: skip
 

@@ -94,6 +94,14 @@ class Judge:
         ids = [self.tokenizer(t)["input_ids"] for t in texts]
         longest = sampling.bucket_length(max(map(len, ids)), self.sampler.bucket_steps)
         width = max(self.width, parallel.host_max(longest))  # every host, one width
+        limit = self.model_cfg.max_position_embeddings
+        if width + self.spec.max_new_tokens > limit:
+            raise ValueError(
+                f"rewards.{self.label}: a judge prompt of {width} tokens (bucket) + "
+                f"max_new_tokens={self.spec.max_new_tokens} exceeds the judge model's "
+                f"max_position_embeddings {limit}; shorten rewards.{self.label}.options."
+                "template or the prompts and completions it holds"
+            )
         placed = self._place(*sampling.pad_prompts(ids, self.pad, bucket=width))
         compiling = (contextlib.nullcontext() if self.compile_log is None
                      else self.compile_log.program(self.name, f"bucket {width}"))  # fmt: skip

@@ -45,11 +45,13 @@ MISSING = "<absent>"  # a key one of the two configs does not have
 # changing any of these mid-run makes its steps mean something else.
 # env.*: the environment is the reward function and the trajectories' shape (its name and
 # options, turns, tokens, stop tokens, the turns' discount).
-MEANINGFUL_SECTIONS = ("model.", "data.", "rollout.", "algo.", "optim.", "rewards.", "env.")
-MEANINGFUL_KEYS = ("train.seed", "rewards", "env.options")  # seed: sampling keys derive from it
+# teacher.*: the distillation target; agent.*: the agent is the run's reward function.
+MEANINGFUL_SECTIONS = ("model.", "data.", "rollout.", "algo.", "optim.", "rewards.", "env.",
+                       "teacher.", "agent.")  # fmt: skip
+MEANINGFUL_KEYS = ("train.seed", "rewards", "env.options", "teacher.paths", "agent.options")
 # Sections whose keys are names the user picks: a key added or removed there (a reward, an
 # environment option) changes the run as much as a changed value does.
-FREE_FORM = ("rewards", "env.options")
+FREE_FORM = ("rewards", "env.options", "teacher.paths", "agent.options")
 # ...except these, which change how it is computed, where files live, or how long it runs
 # (and some are the very fix for a stopped run: a prompt limit, skipping bad rows, memory).
 NOT_MEANINGFUL = frozenset(
@@ -73,6 +75,9 @@ NOT_MEANINGFUL = frozenset(
         "env.trajectory_timeout_s",  # many and how much memory; raising one is the fix
         "env.workers",  # for a run stopped by timeouts or memory errors
         "env.memory_mb",
+        "agent.timeout_s",  # the agent's limits, as the environment workers' above
+        "agent.batch_wait_s",
+        "agent.max_request_bytes",
     }
 )
 

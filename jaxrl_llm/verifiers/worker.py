@@ -87,7 +87,7 @@ def _on_timer(signum, frame):
     raise SoftTimeout()
 
 
-def _number(value) -> float | None:
+def as_number(value) -> float | None:
     """`value` as a float if it is a real number (bool, int, float, Fraction, a numpy or JAX
     scalar); None for anything else, strings included: "0.75" is a bug, not a score."""
     if type(value) is float or isinstance(value, numbers.Real):  # float: the fast path
@@ -130,7 +130,7 @@ def _call(
     if raw:
         return value, OK, ""
     try:
-        number = _number(value)
+        number = as_number(value)
         shown = "" if number is not None else reprlib.repr(value)
     except Exception as err:  # float(10**400), a __float__ or __repr__ that raises
         return 0.0, ERROR, f"returned a {type(value).__name__} that is not usable ({err})"[:500]
