@@ -116,10 +116,11 @@ class ModelConfig:
     # `router_bias` added for the choice only, the choice limited to the `topk_group`
     # best of `n_group` expert groups, weights times `routed_scaling_factor`) or
     # "topk_softmax" (GPT-OSS: the top-k of the logits plus `router_bias`, weighted by
-    # the softmax over those k), see `models.moe`. `n_shared_experts`: a dense SwiGLU of width n * moe_intermediate_size
-    # every token goes through besides (GLM-4.5). `dense_layers`: indices of the layers
-    # whose MLP is the dense one of width `intermediate_size` (GLM-4.5's first
-    # `first_k_dense_replace`, Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`).
+    # the softmax over those k), see `models.moe`. `n_shared_experts`: a dense SwiGLU
+    # of width n * moe_intermediate_size every token goes through besides (GLM-4.5).
+    # `dense_layers`: indices of the layers whose MLP is the dense one of width
+    # `intermediate_size` (GLM-4.5's first `first_k_dense_replace`, Qwen3-MoE's
+    # `mlp_only_layers` / `decoder_sparse_step`).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

@@ -82,8 +82,7 @@ def fields_from_hf(d: dict, source: str = "config.json") -> dict:
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == GEMMA3)),
-            qkv_bias=arch == "Qwen2ForCausalLM"
-            or bool(d.get("attention_bias", arch == GPT_OSS)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", arch == GPT_OSS)),
             o_bias=arch not in ("Qwen2ForCausalLM", GLM4_MOE)
             and bool(d.get("attention_bias", arch == GPT_OSS)),
             qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, QWEN3_MOE)

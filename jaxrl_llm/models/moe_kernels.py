@@ -75,6 +75,7 @@ def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, in
     glu: the gating (None: silu(g) * u); biases: (gate, up, down) of these G experts, or
     None; a row of another device's experts gets none (its output stays zero)."""
     from jaxrl_llm.models.moe import silu_glu
+
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert
@@ -115,9 +116,7 @@ def gmm_experts(x, ids, weights, gate, up, down, glu=None, biases=None,
     num_experts = gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return gmm_local(
-            x, ids, weights, gate, up, down, num_experts, None, interpret, glu, biases
-        )
+        return gmm_local(x, ids, weights, gate, up, down, num_experts, None, interpret, glu, biases)
     rows = partitioning.logical_to_spec(("batch", None), x.shape, mesh)[0]
     rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
     ep = int(mesh.shape.get("expert", 1))
@@ -143,8 +142,7 @@ def gmm_experts(x, ids, weights, gate, up, down, glu=None, biases=None,
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(row_spec, row_spec, row_spec, w_spec, w_spec, w_spec)
-        + (b_spec,) * len(biases),
+        in_specs=(row_spec, row_spec, row_spec, w_spec, w_spec, w_spec) + (b_spec,) * len(biases),
         out_specs=row_spec,
         check_vma=False,
     )(x, ids, weights, gate, up, down, *biases)
