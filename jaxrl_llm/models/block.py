@@ -1,9 +1,10 @@
 """One decoder layer in Flax NNX (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3 / Qwen3-MoE /
-GLM-4.5): `Block` declares every layer's parameters, stacked on a leading `layers` axis
-with their logical axis names, and computes one layer: norms, q/k/v projections (with
-their biases, q/k norms and LoRA adapters), rotary embeddings, attention (teacher-forced,
-over a prefix, over a KV cache or over the page pool), the output projection and the MLP
-(dense SwiGLU / GeGLU, or the mixture of experts).
+GLM-4.5 / GPT-OSS): `Block` declares every layer's parameters, stacked on a leading
+`layers` axis with their logical axis names, and computes one layer: norms, q/k/v
+projections (with their biases, q/k norms and LoRA adapters), rotary embeddings, attention
+(teacher-forced, over a prefix, over a KV cache or over the page pool; with GPT-OSS's
+sinks), the output projection and the MLP (dense SwiGLU / GeGLU, or the mixture of
+experts).
 
 The layer's math is composed from `layer_math` (norms, the dense matmul, RoPE, layer
 kinds), `attention`, `context_parallel`, `paged_attention` and `moe`; the loop over

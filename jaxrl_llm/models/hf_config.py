@@ -1,9 +1,9 @@
 """The translation between a Hugging Face `config.json` and `ModelConfig`'s fields, per
-architecture (Llama 3, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, GLM-4.5).
+architecture (Llama 3, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, GLM-4.5, GPT-OSS).
 
 Reading (`fields_from_hf`) maps each architecture's HF keys onto the one set of
 `ModelConfig` fields and refuses, with one line naming the option, anything the decoder
-does not implement (sliding windows outside Gemma 3, other MoE families, other
+does not implement (sliding windows outside Gemma 3 and GPT-OSS, other MoE families, other
 activations, other RoPE variants, logit soft-capping), so a checkpoint never loads into a
 model that silently computes something else. Writing (`hf_dict`) gives back the HF dict a
 config came from, or builds one transformers loads for a config made from fields.

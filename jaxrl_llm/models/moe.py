@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, GLM-4.5): a router picks k of E SwiGLU experts per token.
+"""Mixture-of-experts MLP (Qwen3-MoE, GLM-4.5, GPT-OSS): a router picks k of E SwiGLU experts
+per token.
 
 For a token h [D] with router weight W_r [D, E], `cfg.router` = "softmax" (Qwen3-MoE,
 `transformers` Qwen3MoeSparseMoeBlock):
