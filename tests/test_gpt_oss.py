@@ -285,3 +285,25 @@ def test_paged_engine_equals_static_sampler_and_teacher_forced():
     tf = teacher_forced_logprobs(cfg, params, out, 0.8)
     m = np.asarray(out.mask)
     assert np.abs(np.asarray(out.logprobs) - tf)[m].max() <= 1e-5
+
+
+def test_context_parallel_sinks_equal_one_device():
+    """Under context parallelism (heads split over context 2 x tensor 2) the sinks split
+    with the query heads: the forward and its gradients (sinks included) equal one
+    device's."""
+    cfg = tiny_gpt_oss_config(attention="blockwise", attention_block=8)
+    params = models.init_params(cfg, seed=2)
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 24)), jnp.int32)
+
+    def loss(p):
+        return jnp.sum(jnp.sin(models.forward(cfg, p, ids)))
+
+    fn = jax.jit(jax.value_and_grad(loss))
+    want = fn(params)
+    mesh = parallel.make_mesh({"context": 2, "tensor": 2}, jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        got = fn(jax.device_put(params, models.param_shardings(cfg, mesh)))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(got[1]["layers"]["sinks"]).max()) > 1e-4
