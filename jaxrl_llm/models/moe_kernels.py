@@ -74,7 +74,6 @@ def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, in
     the (token, expert) pairs routed to them: x [N, D], ids / weights [N, k] -> [N, D].
     glu: the gating (None: silu(g) * u); biases: (gate, up, down) of these G experts, or
     None; a row of another device's experts gets none (its output stays zero)."""
-    from jaxrl_llm.models.moe import silu_glu
 
     n, k = ids.shape
     flat = ids.reshape(-1)
@@ -95,7 +94,7 @@ def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, in
         rows_b = jnp.take(b, jnp.clip(local, 0, gate.shape[0] - 1), axis=0).astype(y.dtype)
         return y + jnp.where(mine[:, None], rows_b, 0)
 
-    glu = glu or silu_glu
+    glu = glu or (lambda g, u: jax.nn.silu(g) * u)
     bg, bu, bd = biases or (None, None, None)
     ys = matmul(glu(matmul(xs, gate, bg), matmul(xs, up, bu)), down, bd)[: n * k]
     ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(n, k, -1)
