@@ -80,6 +80,31 @@ ARCHS = {
             "pad_token_id": 0,
         },
     ),
+    # GPT-OSS: sliding (window 4) and full layers, attention sinks, YaRN (the ramp inside
+    # the 8 frequencies: original context 16), 8 experts with biases, k = 2, a swiglu
+    # limit low enough that the clamps act on the tests' activations.
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        transformers.GptOssForCausalLM,
+        {
+            "head_dim": 16,
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "swiglu_limit": 1.5,
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
 }
 
 

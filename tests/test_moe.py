@@ -30,6 +30,20 @@ def max_diff(a, b, mask):
     return float(np.abs(np.asarray(a) - np.asarray(b))[np.asarray(mask, bool)].max())
 
 
+def assert_export_round_trip(model, cfg, params, out, ids, mask):
+    """save_hf (split over files) -> transformers reloads the same logits, `load_hf` the
+    same params and config; the config built from fields says the same model."""
+    models.save_hf(cfg, params, out, max_shard_bytes=60_000)
+    reloaded = type(model).from_pretrained(out).eval()
+    assert max_diff(hf_logits(reloaded, ids, mask), hf_logits(model, ids, mask), mask) <= 1e-5
+    cfg2, params2 = models.load_hf(out)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
+        np.testing.assert_array_equal(a, b)
+    rebuilt = models.ModelConfig.from_hf_dict(cfg.replace(hf_config="").to_hf_dict())
+    assert rebuilt == cfg
+
+
 def loop_experts(x, ids, weights, gate, up, down):
     """sum_j w[n, j] * expert_{ids[n, j]}(x[n]): one expert at a time, a Python loop."""
     out = jnp.zeros_like(x)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import hf_config, hf_logits, hf_model, padded_batch
-from test_moe import max_diff, tie_sensitive
+from test_moe import assert_export_round_trip, max_diff, tie_sensitive
 from test_sampler import PROMPTS, hf_greedy
 from tiny_run import tiny_glm_config
 
@@ -70,16 +70,7 @@ def test_export_reloads_in_transformers(glm4_moe, tmp_path):
     selection bias where transformers reads them; back in, the same params. The config
     built from fields (no HF config.json) says the same model."""
     model, _, cfg, params = glm4_moe
-    models.save_hf(cfg, params, tmp_path / "out", max_shard_bytes=60_000)
-    reloaded = type(model).from_pretrained(tmp_path / "out").eval()
-    ids, mask = padded_batch(seed=6)
-    assert max_diff(hf_logits(reloaded, ids, mask), hf_logits(model, ids, mask), mask) <= 1e-5
-    cfg2, params2 = models.load_hf(tmp_path / "out")
-    assert cfg2 == cfg
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
-        np.testing.assert_array_equal(a, b)
-    rebuilt = models.ModelConfig.from_hf_dict(cfg.replace(hf_config="").to_hf_dict())
-    assert rebuilt == cfg
+    assert_export_round_trip(model, cfg, params, tmp_path / "out", *padded_batch(seed=6))
 
 
 def test_param_counts_equal_transformers(glm4_moe):

@@ -52,6 +52,22 @@ def tiny_gemma3_config(**overrides) -> models.ModelConfig:
     return tiny_model_config(**(fields | overrides))
 
 
+def tiny_gpt_oss_config(**overrides) -> models.ModelConfig:
+    """A tiny GPT-OSS: sliding (window 4) and full layers, attention sinks, YaRN, biases on
+    attention, router and experts, the clamped SwiGLU (limit 1.5, so it clamps)."""
+    yarn = {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 4.0, "rope_type": "yarn",
+            "original_max_position_embeddings": 16, "truncate": False}  # fmt: skip
+    fields = dict(
+        architecture="GptOssForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, intermediate_size=16, initializer_range=0.2,
+        router="topk_softmax", norm_topk_prob=True, qk_norm=False, qkv_bias=True,
+        o_bias=True, attention_sinks=True, expert_bias=True, swiglu_limit=1.5,
+        layer_types=("sliding_attention", "full_attention"), sliding_window=4,
+        rope_scaling=tuple(sorted(yarn.items())), max_position_embeddings=64,
+    )  # fmt: skip
+    return tiny_model_config(**(fields | overrides))
+
+
 def make_model_dir(path: str, gemma3: bool = False) -> str:
     """A random tiny Qwen3 (or `tiny_gemma3_config`; vocab = the arithmetic tokenizer's 33
     tokens) saved as HF."""

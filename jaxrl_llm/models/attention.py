@@ -26,6 +26,16 @@ Implementations (`IMPLEMENTATIONS`), each equal to `xla` within rounding:
   padding and segments as segment ids and causality as its block-sparse causal mask
   (`interpret=True` runs it on CPU, for tests). No sliding window (refused).
 The two kernels live in `attention_kernels.py`.
+
+Attention sinks (GPT-OSS): `sinks` [N], a learned logit per query head that joins every
+row's softmax denominator as a key with a zero value,
+
+    o_t = sum_s exp(x_ts) v_s / (exp(sink) + sum_s exp(x_ts)),
+
+so a head can attend to nothing. `xla` and `blockwise` take them (the online softmax
+starts from the sink as a key already seen: running max = sink, sum = 1), with their
+gradient d sink = -sum_t exp(sink - lse_t) (g_t . o_t); the two kernels do not (`auto`
+then means `blockwise`; asking for them is refused in `ModelConfig`).
 `auto` picks by backend (`resolve`; on GPU `blockwise` for float32 inputs, on TPU for a
 sliding window). `cached_attention` is the forward over one layer of
 the sampler's KV cache in its stored layout (`kv_cache.KVCache`); a query block of
@@ -122,20 +132,26 @@ def resolve(name: str, backend: str, t: int = 0, s: int = 0) -> str:
     return "xla" if t * s <= CPU_XLA_MAX_PAIRS else "blockwise"
 
 
-def attention(q, k, v, mask, implementation: str = "xla", block: int = DEFAULT_BLOCK):
+def attention(q, k, v, mask, implementation: str = "xla", block: int = DEFAULT_BLOCK,
+              sinks=None):  # fmt: skip
     """GQA attention. q [B,T,N,H], k/v [B,S,K,H], mask a `Mask` (or, `xla` only, a dense
-    [B,T,S] bool) -> [B,T,N,H]. implementation: one of `IMPLEMENTATIONS`."""
+    [B,T,S] bool) -> [B,T,N,H]. implementation: one of `IMPLEMENTATIONS`. sinks: [N]
+    attention-sink logits or None (module docstring)."""
     if not isinstance(mask, Mask):
-        return _attention_vjp(q, k, v, mask)
+        return _attention_vjp(q, k, v, mask, sinks)
     name = resolve(implementation, jax.default_backend(), q.shape[1], k.shape[1])
+    if sinks is not None and name in ("cudnn", "pallas"):
+        if implementation != "auto":
+            raise ValueError(f"model.attention={implementation!r} has no attention sinks")
+        name = "blockwise"
     if implementation == "auto" and name == "pallas" and mask.window is not None:
         name = "blockwise"  # splash has no position-based window
     if implementation == "auto" and name == "cudnn" and q.dtype not in _CUDNN_DTYPES:
         name = "blockwise"  # cuDNN's fused attention takes 16-bit inputs only
     if name == "xla":
-        return _attention_vjp(q, k, v, mask.dense())
+        return _attention_vjp(q, k, v, mask.dense(), sinks)
     if name == "blockwise":
-        return blockwise(q, k, v, mask, block)
+        return blockwise(q, k, v, mask, block, sinks)
     if name == "cudnn":
         return cudnn(q, k, v, mask)
     if name == "pallas":
@@ -143,21 +159,22 @@ def attention(q, k, v, mask, implementation: str = "xla", block: int = DEFAULT_B
     raise ValueError(f"model.attention={implementation!r}: expected one of {IMPLEMENTATIONS}")
 
 
-def cached_attention(q, kt, v, mask) -> jax.Array:
+def cached_attention(q, kt, v, mask, sinks=None) -> jax.Array:
     """`attention` (forward only) over one layer of the KV cache, in the cache's layout:
     kt [B,K,H,S] (keys transposed), v [B,K,S,H], mask [B,T,S] bool. Both matmuls then
     read the cache slice as it is, each with its contraction on the operand's leading
     axis."""
     B, T, N, H = q.shape
-    qr, mr = _q_rows(q, kt.shape[1]), _mask_rows(mask, N // kt.shape[1])
-    return _unrows(_attention_rows(qr, kt, v, mr, "bkhs")[0], B, T, N, H)
+    K = kt.shape[1]
+    qr, mr = _q_rows(q, K), _mask_rows(mask, N // K)
+    return _unrows(_attention_rows(qr, kt, v, mr, "bkhs", _sink_rows(sinks, K, T))[0], B, T, N, H)
 
 
-def cached_blockwise(q, kt, v, mask: Mask, block: int = DEFAULT_BLOCK) -> jax.Array:
+def cached_blockwise(q, kt, v, mask: Mask, block: int = DEFAULT_BLOCK, sinks=None) -> jax.Array:
     """`cached_attention` without the [B,N,T,S] scores: the cache read in key blocks
     (prefill of a long prompt, a chunk at a time). Forward only."""
-    k = kt.transpose(0, 3, 1, 2)
-    return blockwise(q, k.astype(q.dtype), v.transpose(0, 2, 1, 3).astype(q.dtype), mask, block)
+    k = kt.transpose(0, 3, 1, 2).astype(q.dtype)
+    return blockwise(q, k, v.transpose(0, 2, 1, 3).astype(q.dtype), mask, block, sinks)
 
 
 # ------------------------------------------------------------------- xla: full matrix
@@ -181,6 +198,16 @@ def _rows(q, k, v, mask):
     return _q_rows(q, K), kr, vr, _mask_rows(mask, q.shape[2] // K)
 
 
+def _sink_rows(sinks, K, T):
+    """sinks [N] -> [1,K,G*T,1] float32 (row g * T + t of kv head k is query head k G + g),
+    or None."""
+    if sinks is None:
+        return None
+    G = sinks.shape[0] // K
+    rows = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(K, G, 1), (K, G, T))
+    return rows.reshape(1, K, G * T, 1)
+
+
 def _unrows(o, B, T, N, H):
     K = o.shape[1]
     return o.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
@@ -191,39 +218,53 @@ def _scores(qr, kr, mr, scale, k_layout="bksh"):
     return jnp.where(mr, s * scale, _NEG)
 
 
-def _attention_rows(qr, kr, vr, mr, k_layout="bksh"):
-    """Row-layout attention -> (o [B,K,R,H], row logsumexp [B,K,R,1])."""
+def _attention_rows(qr, kr, vr, mr, k_layout="bksh", sinks=None):
+    """Row-layout attention -> (o [B,K,R,H], row logsumexp [B,K,R,1]). sinks: [1,K,R,1]
+    float32 (`_sink_rows`) or None."""
     s = _scores(qr, kr, mr, qr.shape[-1] ** -0.5, k_layout)
     m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks)
     e = jnp.exp(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - m)
     o = jnp.einsum("bkrs,bksh->bkrh", (e / total).astype(vr.dtype), vr)
     return o, m + jnp.log(total)
 
 
-def _attention(q, k, v, mask):
+def _attention(q, k, v, mask, sinks):
     B, T, N, H = q.shape
     qr, kr, vr, mr = _rows(q, k, v, mask)
-    o, lse = _attention_rows(qr, kr, vr, mr)
+    o, lse = _attention_rows(qr, kr, vr, mr, sinks=_sink_rows(sinks, k.shape[2], T))
     return _unrows(o, B, T, N, H), (qr, kr, vr, mr, o, lse)
 
 
 @jax.custom_vjp
-def _attention_vjp(q, k, v, mask):
-    """Full-matrix attention, mask [B,T,S]. The backward is written out (the
-    flash-attention formulas): only q, k, v, the output and the row logsumexp are kept
-    and the probabilities are recomputed; autodiff kept every layer's [B, N, T, S]
-    probabilities (benchmarks/RESULTS.md, "model")."""
-    return _attention(q, k, v, mask)[0]
+def _attention_vjp(q, k, v, mask, sinks=None):
+    """Full-matrix attention, mask [B,T,S], sinks [N] or None. The backward is written
+    out (the flash-attention formulas): only q, k, v, the output and the row logsumexp
+    are kept and the probabilities are recomputed; autodiff kept every layer's
+    [B, N, T, S] probabilities (benchmarks/RESULTS.md, "model")."""
+    return _attention(q, k, v, mask, sinks)[0]
 
 
-def _attention_fwd(q, k, v, mask):
-    out, res = _attention(q, k, v, mask)
-    return out, (*res, q.shape, k.shape)
+def _attention_fwd(q, k, v, mask, sinks=None):
+    out, res = _attention(q, k, v, mask, sinks)
+    return out, (*res, q.shape, k.shape, sinks)
+
+
+def _sink_grad(sinks, lse, delta, shape):
+    """d sink = -sum over rows of exp(sink - lse) * delta, from per-row lse and delta of
+    `shape` (B, K, G, rows per query head, 1) -> [N] in the sinks' dtype."""
+    B, K, G = shape[:3]
+    s = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)
+    p = jnp.exp(s - lse.reshape(shape)) * delta.reshape(shape)
+    return -jnp.sum(p, axis=(0, 3, 4)).reshape(K * G).astype(sinks.dtype)
 
 
 def _attention_bwd(res, g):
-    qr, kr, vr, mr, o, lse, q_shape, k_shape = res
+    qr, kr, vr, mr, o, lse, q_shape, k_shape, sinks = res
     B, T, N, H = q_shape
     K = k_shape[2]
     gr = g.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(o.shape)
@@ -234,17 +275,18 @@ def _attention_bwd(res, g):
     ds = (p * (dp - delta) * H**-0.5).astype(qr.dtype)
     dq = _unrows(jnp.einsum("bkrs,bksh->bkrh", ds, kr), B, T, N, H)
     dk = jnp.einsum("bkrs,bkrh->bksh", ds, qr).transpose(0, 2, 1, 3)
-    return dq, dk, dv.transpose(0, 2, 1, 3), None
+    dsinks = None if sinks is None else _sink_grad(sinks, lse, delta, (B, K, N // K, T, 1))
+    return dq, dk, dv.transpose(0, 2, 1, 3), None, dsinks
 
 
 _attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 
 
 # ------------------------------------------------------------- blockwise: O(T) memory
-def blockwise(q, k, v, mask: Mask, block: int = DEFAULT_BLOCK) -> jax.Array:
+def blockwise(q, k, v, mask: Mask, block: int = DEFAULT_BLOCK, sinks=None) -> jax.Array:
     """`attention` in query x key blocks of at most `block` tokens. q [B,T,N,H], k/v
     [B,S,K,H] -> [B,T,N,H]. T and S are padded to whole blocks (padding keys invalid,
-    padding queries dropped)."""
+    padding queries dropped). sinks: [N] or None."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     bq, bk = min(block, T), min(block, S)
@@ -256,7 +298,7 @@ def blockwise(q, k, v, mask: Mask, block: int = DEFAULT_BLOCK) -> jax.Array:
     # [B,T,N,H] -> [nq,B,K,G,bq,H]; [B,S,K,H] -> [nk,B,K,bk,H]
     qb = q.reshape(B, -1, bq, K, N // K, H).transpose(1, 0, 3, 4, 2, 5)
     kb, vb = (x.reshape(B, -1, bk, K, H).transpose(1, 0, 3, 2, 4) for x in (k, v))
-    o = _blockwise_vjp(qb, kb, vb, mask)
+    o = _blockwise_vjp(qb, kb, vb, mask, sinks)
     return o.transpose(1, 0, 4, 2, 3, 5).reshape(B, T + tp, N, H)[:, :T]
 
 
@@ -307,8 +349,9 @@ def _block_scores(qi, kj, m, scale):
     return jnp.where(m[:, None, None], s * scale, _NEG)
 
 
-def _blockwise_forward(qb, kb, vb, mask):
-    """-> (o [nq,B,K,G,bq,H], lse [nq,B,K,G,bq,1] float32)."""
+def _blockwise_forward(qb, kb, vb, mask, sinks=None):
+    """-> (o [nq,B,K,G,bq,H], lse [nq,B,K,G,bq,1] float32). sinks [N]: the running max
+    starts at the sink and the sum at 1 (the sink seen as a key of value zero)."""
     nq, bq, bk, H = qb.shape[0], qb.shape[4], kb.shape[3], qb.shape[-1]
     scale = H**-0.5
 
@@ -334,6 +377,10 @@ def _blockwise_forward(qb, kb, vb, mask):
         shape = qi.shape[:-1] + (1,)
         init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(qi.shape, jnp.float32))  # fmt: skip
+        if sinks is not None:
+            K, G = qi.shape[1:3]
+            s = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)
+            init = (jnp.broadcast_to(s, shape), jnp.ones(shape, jnp.float32), init[2])
         (mx, total, acc), _ = jax.lax.scan(k_step, init, jnp.arange(kb.shape[0]))
         total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # a row that saw nothing
         return (acc / total).astype(qb.dtype), mx + jnp.log(total)
@@ -342,19 +389,19 @@ def _blockwise_forward(qb, kb, vb, mask):
 
 
 @jax.custom_vjp
-def _blockwise_vjp(qb, kb, vb, mask):
-    return _blockwise_forward(qb, kb, vb, mask)[0]
+def _blockwise_vjp(qb, kb, vb, mask, sinks=None):
+    return _blockwise_forward(qb, kb, vb, mask, sinks)[0]
 
 
-def _blockwise_fwd(qb, kb, vb, mask):
-    o, lse = _blockwise_forward(qb, kb, vb, mask)
-    return o, (qb, kb, vb, mask, o, lse)
+def _blockwise_fwd(qb, kb, vb, mask, sinks=None):
+    o, lse = _blockwise_forward(qb, kb, vb, mask, sinks)
+    return o, (qb, kb, vb, mask, o, lse, sinks)
 
 
 def _blockwise_bwd(res, g):
     """Per query block, a scan over key blocks: p = exp(s - lse) recomputed, then
     dv += p^T g, ds = p (g v^T - delta) / sqrt(H), dq += ds k, dk += ds^T q."""
-    qb, kb, vb, mask, o, lse = res
+    qb, kb, vb, mask, o, lse, sinks = res
     bq, bk, H = qb.shape[4], kb.shape[3], qb.shape[-1]
     scale = H**-0.5
     delta = jnp.sum(g.astype(jnp.float32) * o.astype(jnp.float32), -1, keepdims=True)
@@ -390,7 +437,12 @@ def _blockwise_bwd(res, g):
 
     zeros = jnp.zeros(kb.shape, jnp.float32)
     (dk, dv), dq = jax.lax.scan(q_block, (zeros, zeros), jnp.arange(qb.shape[0]))
-    return dq, dk.astype(kb.dtype), dv.astype(vb.dtype), None
+    dsinks = None
+    if sinks is not None:  # rows: (nq, B) first, then (K, G), then bq
+        nq, B, K, G, bq = qb.shape[:5]
+        row = lambda x: x.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, nq * bq, 1)  # noqa: E731
+        dsinks = _sink_grad(sinks, row(lse), row(delta), (B, K, G, nq * bq, 1))
+    return dq, dk.astype(kb.dtype), dv.astype(vb.dtype), None, dsinks
 
 
 _blockwise_vjp.defvjp(_blockwise_fwd, _blockwise_bwd)

@@ -1,9 +1,10 @@
 """One decoder layer in Flax NNX (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3 / Qwen3-MoE /
-GLM-4.5): `Block` declares every layer's parameters, stacked on a leading `layers` axis
-with their logical axis names, and computes one layer: norms, q/k/v projections (with
-their biases, q/k norms and LoRA adapters), rotary embeddings, attention (teacher-forced,
-over a prefix, over a KV cache or over the page pool), the output projection and the MLP
-(dense SwiGLU / GeGLU, or the mixture of experts).
+GLM-4.5 / GPT-OSS): `Block` declares every layer's parameters, stacked on a leading
+`layers` axis with their logical axis names, and computes one layer: norms, q/k/v
+projections (with their biases, q/k norms and LoRA adapters), rotary embeddings, attention
+(teacher-forced, over a prefix, over a KV cache or over the page pool; with GPT-OSS's
+sinks), the output projection and the MLP (dense SwiGLU / GeGLU, or the mixture of
+experts).
 
 The layer's math is composed from `layer_math` (norms, the dense matmul, RoPE, layer
 kinds), `attention`, `context_parallel`, `paged_attention` and `moe`; the loop over
@@ -32,6 +33,7 @@ from jaxrl_llm.models.layer_math import (
     layer_mask,
     lora_target_index,
     norm,
+    rope_attention_factor,
     rope_frequencies,
 )
 from jaxrl_llm.models.moe import moe_mlp
@@ -80,6 +82,8 @@ class Block(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = const_param(one, (L, H), ("layers", "head_dim"), dtype)
             self.k_norm = const_param(one, (L, H), ("layers", "head_dim"), dtype)
+        if cfg.attention_sinks:  # GPT-OSS: a logit per query head in the softmax
+            self.sinks = normal((L, N), ("layers", "q_heads"))
         if cfg.gemma:  # norms of the attention's and the MLP's outputs
             self.post_attn_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
             self.post_mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
@@ -105,8 +109,13 @@ class Block(nnx.Module):
         self.expert_gate = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
         self.expert_up = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
         self.expert_down = normal((L, E, F, D), ("layers", "expert", "expert_mlp", "embed"))
-        if cfg.router == "sigmoid":
+        if cfg.router != "softmax":  # sigmoid: the selection bias; topk_softmax: the logits'
             self.router_bias = const_param(0.0, (L, E), ("layers", "router"), dtype)
+        if cfg.expert_bias:  # GPT-OSS: biases of each expert's projections
+            mlp_axes = ("layers", "expert", "expert_mlp")
+            self.expert_gate_bias = const_param(0.0, (L, E, F), mlp_axes, dtype)
+            self.expert_up_bias = const_param(0.0, (L, E, F), mlp_axes, dtype)
+            self.expert_down_bias = const_param(0.0, (L, E, D), ("layers", "expert", "norm"), dtype)
         if Fs:
             self.shared_gate = normal((L, D, Fs), ("layers", "embed", "mlp"))
             self.shared_up = normal((L, D, Fs), ("layers", "embed", "mlp"))
@@ -193,23 +202,27 @@ class Block(nnx.Module):
         if cfg.qk_norm:
             q, k = norm(cfg, q, self.q_norm[...]), norm(cfg, k, self.k_norm[...])
         inv_freq = rope_frequencies(cfg) if kind is None else kind["inv_freq"]
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        scale = rope_attention_factor(cfg)
+        q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
+        sinks = self.sinks[...] if cfg.attention_sinks else None
         if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim:
             # attention scales scores by head_dim^-1/2; Gemma by query_pre_attn_scalar^-1/2
             q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, q.dtype)
         if paged is not None:
             kv = write_layer(kv, layer, k, v, paged)
-            a = paged_attention(q, kv, layer, paged, mask, cfg.attention, cfg.attention_block)
+            a = paged_attention(
+                q, kv, layer, paged, mask, cfg.attention, cfg.attention_block, sinks
+            )
         elif prefix is not None:
             # Keys/values of earlier tokens ([B, P, K, H] each, e.g. a shared prompt's) come
             # first; this layer's own (after RoPE) are returned for a later suffix.
             own = (k, v)
             k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
             v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
-            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block)
+            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks)
             kv = own
         elif kv is None:
-            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block)
+            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks)
         else:
             # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache): at
             # [layer] of an [L, ...] cache (scanned layers), or into this layer's own arrays.
@@ -227,7 +240,7 @@ class Block(nnx.Module):
                 k, v = kv
             else:
                 k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
-            a = self._cached(q, k, v, mask)
+            a = self._cached(q, k, v, mask, sinks)
         a = self._proj("o", a, dropout)
         if cfg.o_bias:
             a = a + self.o_bias[...]
@@ -240,11 +253,12 @@ class Block(nnx.Module):
             y = norm(cfg, y, self.post_mlp_norm[...])
         return x + y, kv, chosen
 
-    def _cached(self, q, kt, v, mask):
+    def _cached(self, q, kt, v, mask, sinks=None):
         """Attention over the cache: the full score matrix for decode and short prefill,
         key blocks (`cached_blockwise`) where `cfg.attention` would not hold [T, S]."""
         cfg = self.cfg
         T, S = q.shape[1], v.shape[-2]
         if T > 1 and resolve(cfg.attention, jax.default_backend(), T, S) != "xla":
-            return cached_blockwise(q, kt, v, mask, cfg.attention_block)
-        return cached_attention(q, kt.astype(q.dtype), v.astype(q.dtype), mask.dense())
+            return cached_blockwise(q, kt, v, mask, cfg.attention_block, sinks)
+        kt, v = kt.astype(q.dtype), v.astype(q.dtype)
+        return cached_attention(q, kt, v, mask.dense(), sinks)

@@ -31,11 +31,12 @@ from jaxrl_llm.models.hf_config import (
     load_config_json,
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (Gemma 3 `layer_types`)
-ROUTERS = ("softmax", "sigmoid")  # models.moe: Qwen3-MoE's, DeepSeek-V3's (GLM-4.5)
+# models.moe: Qwen3-MoE's, DeepSeek-V3's (GLM-4.5), GPT-OSS's (softmax over the top-k logits)
+ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 MOE_IMPLS = ("auto", "gmm", "ragged", "blocked", "dense")  # models/moe.py, moe_kernels.py
 # model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
@@ -113,11 +114,13 @@ class ModelConfig:
     # those scores (renormalised over the k when `norm_topk_prob`). `router`: "softmax"
     # (Qwen3-MoE) or "sigmoid" (DeepSeek-V3 / GLM-4.5: sigmoid scores, a per-expert
     # `router_bias` added for the choice only, the choice limited to the `topk_group`
-    # best of `n_group` expert groups, weights times `routed_scaling_factor`), see
-    # `models.moe`. `n_shared_experts`: a dense SwiGLU of width n * moe_intermediate_size
-    # every token goes through besides (GLM-4.5). `dense_layers`: indices of the layers
-    # whose MLP is the dense one of width `intermediate_size` (GLM-4.5's first
-    # `first_k_dense_replace`, Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`).
+    # best of `n_group` expert groups, weights times `routed_scaling_factor`) or
+    # "topk_softmax" (GPT-OSS: the top-k of the logits plus `router_bias`, weighted by
+    # the softmax over those k), see `models.moe`. `n_shared_experts`: a dense SwiGLU
+    # of width n * moe_intermediate_size every token goes through besides (GLM-4.5).
+    # `dense_layers`: indices of the layers whose MLP is the dense one of width
+    # `intermediate_size` (GLM-4.5's first `first_k_dense_replace`, Qwen3-MoE's
+    # `mlp_only_layers` / `decoder_sparse_step`).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -134,6 +137,15 @@ class ModelConfig:
     # GLM-4.5: multi-token-prediction layers stored after the decoder's
     # (`model.layers.{num_layers}`..): not part of the decoder, skipped on load.
     mtp_layers: int = 0
+    # GPT-OSS: `attention_sinks`, a learned logit per query head in every softmax
+    # denominator (a key no query position owns, with a zero value); `expert_bias`, biases
+    # on the router's logits and on each expert's three projections; `swiglu_limit` > 0,
+    # the experts' clamped SwiGLU: (clip(up, -l, l) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, l), alpha = `swiglu_alpha` (0: the plain silu(gate) * up).
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
@@ -195,6 +207,8 @@ class ModelConfig:
                 "be a positive even number of dimensions"
             )
         if not self.moe:
+            if self.expert_bias or self.swiglu_limit:
+                raise ValueError("expert_bias / swiglu_limit: only a mixture-of-experts model")
             return
         if self.router not in ROUTERS:
             raise ValueError(f"router={self.router!r}; expected one of {ROUTERS}")
@@ -237,6 +251,11 @@ class ModelConfig:
             raise ValueError(f"model.attention_block={self.attention_block}: must be >= 1")
         if self.prefill_chunk < 0:
             raise ValueError(f"rollout.prefill_chunk={self.prefill_chunk}: must be >= 0")
+        if self.attention_sinks and self.attention in ("cudnn", "pallas"):
+            raise UnsupportedModelError(
+                f"model.attention={self.attention!r}: that kernel has no attention sinks "
+                "(this model has them); use 'auto', 'blockwise' or 'xla'"
+            )
         if self.attention == "pallas" and self.windowed:
             raise UnsupportedModelError(
                 "model.attention='pallas' cannot do sliding-window layers (this model has "
@@ -264,6 +283,12 @@ class ModelConfig:
         (1 + weight), norms after attention and after the MLP as well as before, GeGLU
         (tanh-approximated GELU) instead of SwiGLU."""
         return self.architecture == GEMMA3
+
+    @property
+    def local_rope(self) -> bool:
+        """Sliding-window layers have a RoPE of their own (Gemma 3: base `rope_local_theta`,
+        unscaled); else every layer's RoPE is the global one (GPT-OSS)."""
+        return self.gemma
 
     @property
     def moe(self) -> bool:
@@ -319,13 +344,15 @@ class ModelConfig:
         attn += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         attn += d if self.o_bias else 0
         attn += 2 * h if self.qk_norm else 0
+        attn += self.num_heads if self.attention_sinks else 0
         layer = attn + (4 if self.gemma else 2) * d
         sparse = self.num_sparse_layers
         n = self.num_layers * layer + (self.num_layers - sparse) * 3 * d * f + d
         if sparse:
             E, fm = self.num_experts, self.moe_intermediate_size
             per = d * E + 3 * d * fm * E + 3 * d * self.shared_intermediate_size
-            per += E if self.router == "sigmoid" else 0  # the selection bias
+            per += E if self.router != "softmax" else 0  # the router's bias
+            per += E * (2 * fm + d) if self.expert_bias else 0
             n += sparse * per
         if include_embeddings:
             n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
@@ -339,7 +366,9 @@ class ModelConfig:
         n = self.num_params(include_embeddings)
         if self.moe:
             idle = self.num_experts - self.num_experts_per_tok
-            n -= self.num_sparse_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size
+            d, f = self.hidden_size, self.moe_intermediate_size
+            per = 3 * d * f + ((2 * f + d) if self.expert_bias else 0)
+            n -= self.num_sparse_layers * idle * per
         return n
 
     # ----------------------------------------------------------------- HF conversion

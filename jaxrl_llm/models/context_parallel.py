@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.models.attention import attention
 from jaxrl_llm.models.partitioning import (
@@ -26,7 +27,7 @@ from jaxrl_llm.models.partitioning import (
 )
 
 
-def context_attention(q, k, v, mask, *args, **kwargs) -> jax.Array:
+def context_attention(q, k, v, mask, *args, sinks=None, **kwargs) -> jax.Array:
     """`attention` with the mesh's `context` axis (if > 1) moved from the sequence to the
     heads around it: q, k, v go to every position of a share of the heads (an
     all-to-all over `context`, `partitioning.shard_heads`), the output back to a share
@@ -38,27 +39,29 @@ def context_attention(q, k, v, mask, *args, **kwargs) -> jax.Array:
     whatever the implementation: the partitioner does not carry the heads split through
     the blockwise path's block layout and loops, and would otherwise replicate them.
     Key / value heads the axes do not divide come whole to every device, which takes
-    those its query heads read (`local_kv_heads`)."""
+    those its query heads read (`local_kv_heads`). sinks [N]: attention sinks, split like
+    the query heads."""
     if context_size() == 1:
-        return attention(q, k, v, mask, *args, **kwargs)
+        return attention(q, k, v, mask, *args, sinks=sinks, **kwargs)
     q, k, v = shard_heads(q), shard_heads(k, "kv"), shard_heads(v, "kv")
     q_spec, kv_spec = heads_spec(q.shape), heads_spec(k.shape)
     mask_spec = jax.tree.map(lambda x: rows_spec(jnp.shape(x)), mask)
     heads_axes, num_heads = q_spec[2], q.shape[2]
 
-    def local(q, k, v, mask):
+    def local(q, k, v, mask, *sinks):
         if kv_spec[2] is None and heads_axes is not None:
             shard = jax.lax.axis_index(heads_axes)
             k, v = local_kv_heads(k, v, q.shape[2], num_heads, shard)
-        return attention(q, k, v, mask, *args, **kwargs)
+        return attention(q, k, v, mask, *args, sinks=sinks[0] if sinks else None, **kwargs)
 
+    extra = () if sinks is None else (sinks,)
     out = jax.shard_map(
         local,
         mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(q_spec, kv_spec, kv_spec, mask_spec),
+        in_specs=(q_spec, kv_spec, kv_spec, mask_spec) + ((P(heads_axes),) if extra else ()),
         out_specs=q_spec,
         check_vma=False,
-    )(q, k, v, mask)
+    )(q, k, v, mask, *extra)
     return shard_sequence(out)
 
 

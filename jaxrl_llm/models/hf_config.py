@@ -1,9 +1,9 @@
 """The translation between a Hugging Face `config.json` and `ModelConfig`'s fields, per
-architecture (Llama 3, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, GLM-4.5).
+architecture (Llama 3, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, GLM-4.5, GPT-OSS).
 
 Reading (`fields_from_hf`) maps each architecture's HF keys onto the one set of
 `ModelConfig` fields and refuses, with one line naming the option, anything the decoder
-does not implement (sliding windows outside Gemma 3, other MoE families, other
+does not implement (sliding windows outside Gemma 3 and GPT-OSS, other MoE families, other
 activations, other RoPE variants, logit soft-capping), so a checkpoint never loads into a
 model that silently computes something else. Writing (`hf_dict`) gives back the HF dict a
 config came from, or builds one transformers loads for a config made from fields.
@@ -33,12 +33,14 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 GEMMA3 = "Gemma3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"
-MOE_ARCHITECTURES = (QWEN3_MOE, GLM4_MOE)
+GPT_OSS = "GptOssForCausalLM"
+MOE_ARCHITECTURES = (QWEN3_MOE, GLM4_MOE, GPT_OSS)
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -80,9 +82,9 @@ def fields_from_hf(d: dict, source: str = "config.json") -> dict:
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == GEMMA3)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", arch == GPT_OSS)),
             o_bias=arch not in ("Qwen2ForCausalLM", GLM4_MOE)
-            and bool(d.get("attention_bias", False)),
+            and bool(d.get("attention_bias", arch == GPT_OSS)),
             qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, QWEN3_MOE)
             or (arch == GLM4_MOE and bool(d.get("use_qk_norm", False))),
             initializer_range=float(d.get("initializer_range", 0.02)),
@@ -94,6 +96,8 @@ def fields_from_hf(d: dict, source: str = "config.json") -> dict:
             fields |= _moe_fields(d)
         if arch == GLM4_MOE:
             fields |= _glm4_moe_fields(d)
+        if arch == GPT_OSS:
+            fields |= _gpt_oss_fields(d)
         return fields
     except KeyError as e:
         raise ValueError(f"{source}: required key {e.args[0]!r} is missing") from None
@@ -139,6 +143,9 @@ def hf_dict(cfg: ModelConfig) -> dict:
         }
     if cfg.architecture == GLM4_MOE:
         d |= _glm4_moe_dict(cfg)
+    if cfg.architecture == GPT_OSS:
+        del d["rope_theta"], d["rope_scaling"]
+        d |= _gpt_oss_dict(cfg)
     if cfg.gemma:
         del d["hidden_act"], d["rope_theta"], d["rope_scaling"]
         full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -216,6 +223,9 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
 
     if arch == GEMMA3:
         _refuse_gemma3_options(d, refuse)
+        return
+    if arch == GPT_OSS:
+        _refuse_gpt_oss_options(d, refuse)
         return
     if d.get("hidden_act", "silu") not in ("silu", "swish"):
         refuse(f"hidden_act={d['hidden_act']!r} (only silu)")
@@ -370,4 +380,83 @@ def _gemma3_fields(d: dict, source: str) -> dict:
         "rope_scaling": scaling,
         "rope_local_theta": float(local_theta),
         "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
+    }
+
+
+# transformers' GptOssConfig when its config.json names no RoPE
+GPT_OSS_DEFAULT_ROPE = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 4096,
+}  # fmt: skip
+
+
+def _refuse_gpt_oss_options(d: dict, refuse) -> None:
+    """GPT-OSS's released checkpoints store the experts in MXFP4 (`quantization_config`);
+    the decoder reads unquantized tensors only (transformers dequantizes on load with
+    `Mxfp4Config(dequantize=True)`; save that model to get them)."""
+    if d.get("quantization_config"):
+        method = (d["quantization_config"] or {}).get("quant_method", "?")
+        refuse(f"quantization_config (quant_method={method!r}; dequantize the experts first)")
+    if int(d.get("num_local_experts", d.get("num_experts", 0)) or 0) < 1:
+        refuse("num_local_experts=0")
+    types = set(d.get("layer_types") or ["sliding_attention"]) - {
+        "sliding_attention",
+        "full_attention",
+    }
+    if types:
+        refuse(f"layer_types={sorted(types)} (only sliding_attention / full_attention)")
+
+
+def _gpt_oss_fields(d: dict) -> dict:
+    """GPT-OSS: every layer MoE (experts of width `intermediate_size`, the router's top-k
+    logits softmaxed), attention sinks, biases everywhere, layers alternating sliding /
+    full from a sliding first one (transformers' default `layer_types`), one YaRN RoPE
+    for all layers."""
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    window = d.get("sliding_window", 128)
+    if not d.get("rope_parameters") and not d.get("rope_scaling"):
+        d = d | {"rope_parameters": GPT_OSS_DEFAULT_ROPE}
+    theta, scaling = _rope({"rope_theta": 150000.0, **d})
+    return {
+        "num_experts": int(d.get("num_local_experts", d.get("num_experts", 0))),
+        "num_experts_per_tok": int(d["num_experts_per_tok"]),
+        "moe_intermediate_size": int(d["intermediate_size"]),
+        "norm_topk_prob": True,
+        "router": "topk_softmax",
+        "layer_types": tuple(types),
+        "sliding_window": None if window is None else int(window),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "attention_sinks": True,
+        "expert_bias": True,
+        "swiglu_limit": float(d.get("swiglu_limit", 7.0)),
+        "swiglu_alpha": float(d.get("swiglu_alpha", 1.702)),
+    }
+
+
+def _gpt_oss_dict(cfg: ModelConfig) -> dict:
+    if cfg.dense_layers or cfg.router != "topk_softmax" or not cfg.expert_bias:
+        raise ValueError(
+            "GptOssForCausalLM has every layer MoE, the top-k softmax router and expert "
+            "biases; cannot express this config"
+        )
+    if cfg.qkv_bias != cfg.o_bias or cfg.qk_norm or not cfg.attention_sinks:
+        raise ValueError(
+            "GptOssForCausalLM has attention sinks, no q/k norm and one attention_bias "
+            "for q/k/v and o; cannot express this config"
+        )
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | dict(cfg.rope_scaling or ())
+    return {
+        "attention_bias": cfg.o_bias,
+        "intermediate_size": cfg.moe_intermediate_size,
+        "num_local_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
+        "sliding_window": cfg.sliding_window,
+        "swiglu_limit": cfg.swiglu_limit,
+        "swiglu_alpha": cfg.swiglu_alpha,
+        "rope_parameters": rope,
     }

@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.models import partitioning
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.hf_config import GPT_OSS
 from jaxrl_llm.models.params import param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
 from jaxrl_llm.models.segments import mlp_kind
@@ -69,6 +70,26 @@ class Mapping:
     # the HF layer index of each row of a stacked parameter (None: row i is layer i); an
     # MLP parameter of an MoE model with dense layers is stacked over its kind's layers
     layer_ids: tuple[int, ...] | None = None
+    # (offset, stride): the parameter is every stride-th entry of the HF tensor's last
+    # axis from offset (GPT-OSS interleaves its experts' gate and up in `gate_up_proj`);
+    # (0, 1): the whole tensor
+    part: tuple[int, int] = (0, 1)
+
+    def ours(self, w: np.ndarray) -> np.ndarray:
+        """The HF array (this parameter's part of it) in our layout; a view."""
+        offset, stride = self.part
+        return self.to_ours(w if stride == 1 else w[..., offset::stride])
+
+    def into_hf(self, x: np.ndarray, tensors: dict, name: str, dtype) -> None:
+        """Writes our array x as (its part of) the HF tensor `name` in `tensors`."""
+        y = self.to_hf(x).astype(dtype or x.dtype)
+        offset, stride = self.part
+        if stride == 1:
+            tensors[name] = np.ascontiguousarray(y)
+            return
+        if name not in tensors:
+            tensors[name] = np.empty(y.shape[:-1] + (y.shape[-1] * stride,), y.dtype)
+        tensors[name][..., offset::stride] = y
 
     @property
     def stacked(self) -> bool:
@@ -146,6 +167,8 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         ("layers", "shared_up"): (layer + "mlp.shared_experts.up_proj.weight", transpose),
         ("layers", "shared_down"): (layer + "mlp.shared_experts.down_proj.weight", transpose),
     }
+    if cfg.architecture == GPT_OSS:
+        table |= _gpt_oss_table(layer, same, transpose)
     if cfg.gemma:  # norms before and after both the attention and the MLP
         table[("layers", "post_attn_norm")] = (layer + "post_attention_layernorm.weight", same)
         table[("layers", "mlp_norm")] = (layer + "pre_feedforward_layernorm.weight", same)
@@ -161,9 +184,32 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
     return out
 
 
+def _gpt_oss_table(layer: str, same: Mapping, transpose: Mapping) -> dict:
+    """GPT-OSS's names: the sinks, the router (`mlp.router`, with its bias) and the
+    experts stacked per layer in x @ W layout, gate and up interleaved in `gate_up_proj`
+    [E, D, 2F] (gate at even columns, as `GptOssExperts._apply_gate` reads them)."""
+    experts = layer + "mlp.experts."
+
+    def part(offset):
+        return dataclasses.replace(same, part=(offset, 2))
+
+    return {
+        ("layers", "sinks"): (layer + "self_attn.sinks", same),
+        ("layers", "router"): (layer + "mlp.router.weight", transpose),
+        ("layers", "router_bias"): (layer + "mlp.router.bias", same),
+        ("layers", "expert_gate"): (experts + "gate_up_proj", part(0)),
+        ("layers", "expert_up"): (experts + "gate_up_proj", part(1)),
+        ("layers", "expert_down"): (experts + "down_proj", same),
+        ("layers", "expert_gate_bias"): (experts + "gate_up_proj_bias", part(0)),
+        ("layers", "expert_up_bias"): (experts + "gate_up_proj_bias", part(1)),
+        ("layers", "expert_down_bias"): (experts + "down_proj_bias", same),
+    }
+
+
 def _hf_shape(m: Mapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
     per_tensor = our_shape[m.stacked + m.experts :]
-    return m.to_hf(np.empty(per_tensor, np.int8)).shape
+    shape = m.to_hf(np.empty(per_tensor, np.int8)).shape
+    return shape[:-1] + (shape[-1] * m.part[1],)
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -254,7 +300,7 @@ def load_params(
 def _shard_reader(ckpt, m: Mapping, shape, dtype):
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if not m.stacked:
-            return np.asarray(m.to_ours(ckpt.get(m.name))[index], dtype=dtype)
+            return np.asarray(m.ours(ckpt.get(m.name))[index], dtype=dtype)
         layers = m.layers_of(range(*index[0].indices(shape[0])))
         if m.experts:
             experts = range(*index[1].indices(shape[1]))
@@ -262,7 +308,7 @@ def _shard_reader(ckpt, m: Mapping, shape, dtype):
                 [
                     np.stack(
                         [
-                            np.asarray(m.to_ours(ckpt.get(m.name.format(i=i, e=e)))[index[2:]])
+                            np.asarray(m.ours(ckpt.get(m.name.format(i=i, e=e)))[index[2:]])
                             for e in experts
                         ]
                     ).astype(dtype)
@@ -271,7 +317,7 @@ def _shard_reader(ckpt, m: Mapping, shape, dtype):
             )
         return np.stack(
             [
-                np.asarray(m.to_ours(ckpt.get(m.name.format(i=i)))[index[1:]], dtype=dtype)
+                np.asarray(m.ours(ckpt.get(m.name.format(i=i)))[index[1:]], dtype=dtype)
                 for i in layers
             ]
         )
@@ -311,7 +357,8 @@ def save_hf(
             names.append((name, p, index, per))
     shards, size = [[]], 0
     for entry in sorted(names):
-        if shards[-1] and size + entry[3] > max_shard_bytes:
+        joined = shards[-1] and shards[-1][-1][0] == entry[0]  # parts of one HF tensor
+        if shards[-1] and size + entry[3] > max_shard_bytes and not joined:
             shards.append([])
             size = 0
         shards[-1].append(entry)
@@ -328,8 +375,7 @@ def save_hf(
         tensors = {}
         for name, p, i, _ in shard:
             leaf = params[p[0]] if len(p) == 1 else params[p[0]][p[1]]
-            x = _to_host(leaf[i] if i else leaf)
-            tensors[name] = np.ascontiguousarray(maps[p].to_hf(x).astype(dtype or x.dtype))
+            maps[p].into_hf(_to_host(leaf[i] if i else leaf), tensors, name, dtype)
             weight_map[name] = fn
         if write:
             write_file(os.path.join(out_dir, fn), tensors)

@@ -121,7 +121,47 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = np.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv_freq = _yarn(inv_freq, scaling, dim, theta, cfg.max_position_embeddings)
     return inv_freq.astype(np.float32)
+
+
+def _yarn(inv_freq, scaling: dict, dim: int, theta: float, max_positions: int) -> np.ndarray:
+    """YaRN (Peng et al. 2023, transformers' `_compute_yarn_parameters`): frequencies that
+    turn more than `beta_fast` times over the original context keep their value, those
+    turning fewer than `beta_slow` times are divided by `factor`, a linear ramp between."""
+    old_len = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / old_len)
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations):
+        return dim * np.log(old_len / (rotations * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN's scale of cos and sin (so of q and k): `attention_factor`, else
+    0.1 ln(factor) + 1 (or mscale's ratio, as transformers derives it); 1 otherwise."""
+    scaling = dict(cfg.rope_scaling or ())
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or cfg.max_position_embeddings / old_len)
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * np.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else float(mscale())
 
 
 def layer_kinds(cfg: ModelConfig) -> dict | None:
@@ -131,7 +171,7 @@ def layer_kinds(cfg: ModelConfig) -> dict | None:
     if not cfg.windowed:
         return None
     local = np.array([t == "sliding_attention" for t in cfg.layer_types])
-    freqs = np.stack([rope_frequencies(cfg, bool(flag)) for flag in local])
+    freqs = np.stack([rope_frequencies(cfg, bool(flag) and cfg.local_rope) for flag in local])
     return {"local": local, "inv_freq": freqs}
 
 
@@ -144,17 +184,20 @@ def layer_mask(cfg: ModelConfig, mask, kind: dict | None):
     return mask.replace(window=jnp.where(kind["local"], cfg.sliding_window, far))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
+) -> jax.Array:
     """Rotary embedding, HF `rotate_half` layout. x [B,T,N,H], positions [B,T]. With fewer
     than H / 2 frequencies (partial rotary, GLM-4.5) only the first 2 * len(inv_freq)
-    dimensions of each head rotate; the others pass unchanged."""
+    dimensions of each head rotate; the others pass unchanged. scale: multiplies cos and
+    sin (YaRN's `rope_attention_factor`)."""
     rot = 2 * inv_freq.shape[-1]
     if rot < x.shape[-1]:
-        rotated = apply_rope(x[..., :rot], positions, inv_freq)
+        rotated = apply_rope(x[..., :rot], positions, inv_freq, scale)
         return jnp.concatenate([rotated, x[..., rot:]], axis=-1)
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B,T,H/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    cos = jnp.concatenate([jnp.cos(angles) * scale] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles) * scale] * 2, axis=-1)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, GLM-4.5): a router picks k of E SwiGLU experts per token.
+"""Mixture-of-experts MLP (Qwen3-MoE, GLM-4.5, GPT-OSS): a router picks k of E SwiGLU experts
+per token.
 
 For a token h [D] with router weight W_r [D, E], `cfg.router` = "softmax" (Qwen3-MoE,
 `transformers` Qwen3MoeSparseMoeBlock):
@@ -19,6 +20,14 @@ Glm4MoeTopkRouter), with the per-expert selection bias b [E] and the experts spl
     w_e = p_e, / (sum_{j in S} p_j + 1e-20) when norm_topk_prob, times routed_scaling_factor
     y = sum_{e in S} w_e * expert_e(h) + shared(h)
 
+"topk_softmax" (GPT-OSS, `transformers` GptOssTopKRouter), with the router's bias b [E]
+added to the logits and biases on each expert's projections:
+
+    l = h W_r + b;   S = top_k(l);   w_e = softmax_{j in S}(l_j)_e
+    y = sum_{e in S} w_e * (down_e act(gate_e(h) + b^g_e, up_e(h) + b^u_e) + b^d_e)
+    act(g, u) = (clip(u, -limit, limit) + 1) * g' sigmoid(alpha g'),  g' = min(g, limit)
+
+(`swiglu_limit`, `swiglu_alpha`; the plain silu(g) * u when the limit is 0). And
 where shared is a dense SwiGLU of width n_shared_experts * moe_intermediate_size that
 every token goes through (`n_shared_experts` = 0: none). The bias is not trained here: it
 only picks experts, so its gradient is zero (DeepSeek-V3 adjusts it by a load rule in
@@ -58,11 +67,15 @@ def router_probs(h: jax.Array, router: jax.Array) -> jax.Array:
     return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
 
 
-def router_scores(cfg: ModelConfig, h: jax.Array, router: jax.Array) -> jax.Array:
-    """The router's scores [N, E] float32: `router_probs` (softmax), or for the sigmoid
-    router sigmoid(h W_r) with h and W_r in float32 (GLM-4.5 keeps its router in float32)."""
+def router_scores(cfg: ModelConfig, h: jax.Array, router: jax.Array, bias=None) -> jax.Array:
+    """The router's scores [N, E] float32: `router_probs` (softmax), for the sigmoid
+    router sigmoid(h W_r) with h and W_r in float32 (GLM-4.5 keeps its router in float32),
+    for topk_softmax the logits h W_r + bias (in h's dtype, as HF's F.linear)."""
     if cfg.router == "softmax":
         return router_probs(h, router)
+    if cfg.router == "topk_softmax":
+        logits = jnp.matmul(h, router.astype(h.dtype)) + bias.astype(h.dtype)
+        return logits.astype(jnp.float32)
     logits = jnp.matmul(h.astype(jnp.float32), router.astype(jnp.float32))
     return jax.nn.sigmoid(logits)
 
@@ -72,7 +85,7 @@ def own_choice(cfg: ModelConfig, scores: jax.Array, bias: jax.Array | None = Non
     of scores + bias over the experts of the `topk_group` groups whose two best biased
     scores sum highest (all experts when n_group = 1)."""
     k = cfg.num_experts_per_tok
-    if cfg.router == "softmax":
+    if cfg.router != "sigmoid":  # softmax, topk_softmax (whose bias is in the logits)
         return jax.lax.top_k(scores, k)[1]
     choice = scores + bias.astype(jnp.float32)
     if cfg.n_group > 1:
@@ -88,8 +101,11 @@ def own_choice(cfg: ModelConfig, scores: jax.Array, bias: jax.Array | None = Non
 def gate_weights(cfg: ModelConfig, scores: jax.Array, ids: jax.Array) -> jax.Array:
     """The weights [N, k] float32 of the experts ids [N, k] from the scores [N, E]: the
     scores there, renormalised over the k when `norm_topk_prob` (the sigmoid router adds
-    1e-20 to the sum, as HF does), times `routed_scaling_factor`."""
+    1e-20 to the sum, as HF does), times `routed_scaling_factor`. topk_softmax: the
+    softmax over the logits at ids."""
     weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.router == "topk_softmax":
+        return jax.nn.softmax(weights, axis=-1)
     if cfg.norm_topk_prob:
         total = jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights / (total + 1e-20 if cfg.router == "sigmoid" else total)
@@ -113,28 +129,53 @@ def select(
     return ids, gate_weights(cfg, probs, ids), own
 
 
-def _swiglu(x, gate, up, down, matmul):
-    return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
+def silu_glu(g: jax.Array, u: jax.Array) -> jax.Array:
+    """SwiGLU's gating: silu(gate x) * (up x)."""
+    return jax.nn.silu(g) * u
 
 
-def grouped_experts(x, ids, weights, gate, up, down) -> jax.Array:
+def clamped_glu(limit: float, alpha: float):
+    """GPT-OSS's gating (`GptOssExperts._apply_gate`): the gate clipped above at limit,
+    the up projection to [-limit, limit], (u + 1) * g * sigmoid(alpha g)."""
+
+    def glu(g, u):
+        g = jnp.minimum(g, jnp.asarray(limit, g.dtype))
+        u = jnp.clip(u, -limit, limit)
+        return (u + 1) * (g * jax.nn.sigmoid(g * jnp.asarray(alpha, g.dtype)))
+
+    return glu
+
+
+def _swiglu(x, gate, up, down, matmul, glu=silu_glu, biases=None):
+    """down(glu(gate x, up x)); biases (gate, up, down) [E, F] / [E, D] go to `matmul`'s
+    third argument (each path adds a row's expert's bias)."""
+    bg, bu, bd = biases or (None, None, None)
+    if bg is None:
+        return matmul(glu(matmul(x, gate), matmul(x, up)), down)
+    return matmul(glu(matmul(x, gate, bg), matmul(x, up, bu)), down, bd)
+
+
+def grouped_experts(x, ids, weights, gate, up, down, glu=silu_glu, biases=None) -> jax.Array:
     """Dropless grouped-matmul experts: x [N, D], ids/weights [N, k], gate/up [E, D, F],
     down [E, F, D] -> [N, D] = sum_j weights[n, j] * expert_{ids[n, j]}(x[n]).
 
     The N*k (token, expert) pairs are sorted by expert (stable), each expert's contiguous
     rows go through its own weights in one `ragged_dot`, and the outputs are gathered
-    back to token order and summed over the k choices with their weights."""
+    back to token order and summed over the k choices with their weights. glu: the
+    gating (`silu_glu`, `clamped_glu`); biases: (gate, up, down) per expert, or None."""
     n, k = ids.shape
     num_experts = gate.shape[0]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D]
+    row_expert = flat[order]
 
-    def matmul(a, w):
-        return jax.lax.ragged_dot(a, w.astype(a.dtype), sizes)
+    def matmul(a, w, b=None):
+        y = jax.lax.ragged_dot(a, w.astype(a.dtype), sizes)
+        return y if b is None else y + jnp.take(b, row_expert, axis=0).astype(y.dtype)
 
-    ys = _swiglu(xs, gate, up, down, matmul)
+    ys = _swiglu(xs, gate, up, down, matmul, glu, biases)
     inverse = jnp.argsort(order)
     ys = jnp.take(ys, inverse, axis=0).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
@@ -143,7 +184,9 @@ def grouped_experts(x, ids, weights, gate, up, down) -> jax.Array:
 BLOCK_ROWS = 128  # rows per block of `blocked_experts`
 
 
-def blocked_experts(x, ids, weights, gate, up, down, block: int = BLOCK_ROWS) -> jax.Array:
+def blocked_experts(
+    x, ids, weights, gate, up, down, glu=silu_glu, biases=None, block: int = BLOCK_ROWS
+) -> jax.Array:
     """`grouped_experts` as batched matmuls over blocks of rows, for backends without a
     grouped-matmul kernel (XLA:CPU computes `ragged_dot` densely over all groups).
 
@@ -168,25 +211,27 @@ def blocked_experts(x, ids, weights, gate, up, down, block: int = BLOCK_ROWS) ->
     owner = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), num_experts - 1)
     xb = rows.reshape(num_blocks, block, -1)
 
-    def matmul(a, w):  # a [B, block, in], w [E, in, out] -> [B, block, out]
-        return jnp.einsum("bri,bio->bro", a, jnp.take(w, owner, axis=0).astype(a.dtype))
+    def matmul(a, w, b=None):  # a [B, block, in], w [E, in, out] -> [B, block, out]
+        y = jnp.einsum("bri,bio->bro", a, jnp.take(w, owner, axis=0).astype(a.dtype))
+        return y if b is None else y + jnp.take(b, owner, axis=0)[:, None].astype(y.dtype)
 
-    yb = _swiglu(xb, gate, up, down, matmul).reshape(num_blocks * block, -1)
+    yb = _swiglu(xb, gate, up, down, matmul, glu, biases).reshape(num_blocks * block, -1)
     ys = jnp.take(yb, dest, axis=0)  # sorted order
     ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
 
 
-def dense_experts(x, ids, weights, gate, up, down) -> jax.Array:
+def dense_experts(x, ids, weights, gate, up, down, glu=silu_glu, biases=None) -> jax.Array:
     """`grouped_experts` computed densely: every expert on every token [N, E, D], then the
     weighted sum over each token's k selected experts (zero weight elsewhere)."""
     num_experts = gate.shape[0]
 
-    def matmul(a, w):  # a [N, D] or [E, N, F]
+    def matmul(a, w, b=None):  # a [N, D] or [E, N, F]
         spec = "nd,edf->enf" if a.ndim == 2 else "enf,efd->end"
-        return jnp.einsum(spec, a, w.astype(a.dtype))
+        y = jnp.einsum(spec, a, w.astype(a.dtype))
+        return y if b is None else y + b[:, None].astype(y.dtype)
 
-    ys = _swiglu(x, gate, up, down, matmul)  # [E, N, D]
+    ys = _swiglu(x, gate, up, down, matmul, glu, biases)  # [E, N, D]
     onehot = jax.nn.one_hot(ids, num_experts, dtype=weights.dtype)  # [N, k, E]
     combine = jnp.einsum("nke,nk->ne", onehot, weights)
     return jnp.einsum("end,ne->nd", ys, combine.astype(ys.dtype))
@@ -204,7 +249,7 @@ def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
     routes [B, T, k]: replayed experts (None: the router's own top-k)."""
     B, T, D = h.shape
     x = h.reshape(B * T, D)
-    probs = router_scores(cfg, x, weights["router"])
+    probs = router_scores(cfg, x, weights["router"], weights.get("router_bias"))
     flat_routes = None if routes is None else routes.reshape(B * T, -1)
     ids, w, own = select(cfg, probs, flat_routes, weights.get("router_bias"))
     mesh = jax.sharding.get_abstract_mesh()
@@ -212,7 +257,11 @@ def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
         cfg.moe_impl, jax.default_backend(), jax.device_count(), not mesh.empty
     )  # auto: gmm on TPU, ragged on GPU, blocked on CPU (models/moe_kernels.py)
     experts = moe_kernels.gmm_experts if impl == "gmm" else EXPERT_IMPLS[impl]
-    y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"])
+    glu = clamped_glu(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else silu_glu
+    biases = None
+    if cfg.expert_bias:
+        biases = (weights["gate_bias"], weights["up_bias"], weights["down_bias"])
+    y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"], glu, biases)
     if cfg.n_shared_experts:
         shared = (weights["shared_gate"], weights["shared_up"], weights["shared_down"])
         y = y + _swiglu(x, *shared, lambda a, w: jnp.matmul(a, w.astype(a.dtype)))

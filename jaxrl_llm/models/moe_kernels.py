@@ -68,9 +68,13 @@ def _gmm(lhs, rhs, sizes, offset, interpret: bool):
     return gmm(lhs, rhs.astype(lhs.dtype), sizes, lhs.dtype, tiling, offset, interpret=interpret)
 
 
-def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, interpret=False):
+def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, interpret=False,
+              glu=None, biases=None):  # fmt: skip
     """The experts `offset` .. `offset` + G - 1 (G = gate.shape[0]; offset None: all E) on
-    the (token, expert) pairs routed to them: x [N, D], ids / weights [N, k] -> [N, D]."""
+    the (token, expert) pairs routed to them: x [N, D], ids / weights [N, k] -> [N, D].
+    glu: the gating (None: silu(g) * u); biases: (gate, up, down) of these G experts, or
+    None; a row of another device's experts gets none (its output stays zero)."""
+
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair index, grouped by expert
@@ -79,20 +83,31 @@ def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, in
     sizes = sizes.at[num_experts - 1].add(rows - n * k)  # the padding rows: last group
     xs = jnp.pad(jnp.take(x, order // k, axis=0), ((0, rows - n * k), (0, 0)))
     off = None if offset is None else jnp.asarray(offset, jnp.int32)
+    local = jnp.pad(flat[order], (0, rows - n * k), constant_values=num_experts - 1)
+    local = local - (0 if off is None else off)
+    mine = (local >= 0) & (local < gate.shape[0])
 
-    def matmul(a, w):
-        return _gmm(a, w, sizes, off, interpret)
+    def matmul(a, w, b=None):
+        y = _gmm(a, w, sizes, off, interpret)
+        if b is None:
+            return y
+        rows_b = jnp.take(b, jnp.clip(local, 0, gate.shape[0] - 1), axis=0).astype(y.dtype)
+        return y + jnp.where(mine[:, None], rows_b, 0)
 
-    ys = matmul(jax.nn.silu(matmul(xs, gate)) * matmul(xs, up), down)[: n * k]
+    glu = glu or (lambda g, u: jax.nn.silu(g) * u)
+    bg, bu, bd = biases or (None, None, None)
+    ys = matmul(glu(matmul(xs, gate, bg), matmul(xs, up, bu)), down, bd)[: n * k]
     ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
 
 
-def gmm_experts(x, ids, weights, gate, up, down, interpret: bool | None = None) -> jax.Array:
+def gmm_experts(x, ids, weights, gate, up, down, glu=None, biases=None,
+                interpret: bool | None = None) -> jax.Array:  # fmt: skip
     """`moe.grouped_experts` through the TPU grouped-matmul kernel: x [N, D], ids /
     weights [N, k], gate / up [E, D, F], down [E, F, D] -> [N, D]. Per device inside
     `jax.shard_map` when a mesh of several devices is set around the trace (module
-    docstring). interpret None: interpret mode unless the backend is TPU."""
+    docstring). glu, biases: as `moe.grouped_experts`'. interpret None: interpret mode
+    unless the backend is TPU."""
     from jaxrl_llm.models import partitioning
 
     if interpret is None:
@@ -100,7 +115,7 @@ def gmm_experts(x, ids, weights, gate, up, down, interpret: bool | None = None) 
     num_experts = gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return gmm_local(x, ids, weights, gate, up, down, num_experts, None, interpret)
+        return gmm_local(x, ids, weights, gate, up, down, num_experts, None, interpret, glu, biases)
     rows = partitioning.logical_to_spec(("batch", None), x.shape, mesh)[0]
     rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
     ep = int(mesh.shape.get("expert", 1))
@@ -109,18 +124,24 @@ def gmm_experts(x, ids, weights, gate, up, down, interpret: bool | None = None) 
     w_spec = P("expert" if split_experts else None, None, None)
     local_experts = num_experts // ep if split_experts else num_experts
 
-    def local(x, ids, weights, gate, up, down):
+    b_spec = P("expert" if split_experts else None, None)
+
+    def local(x, ids, weights, gate, up, down, *biases):
+        biases = biases or None
         if not split_experts:
-            return gmm_local(x, ids, weights, gate, up, down, num_experts, None, interpret)
+            return gmm_local(
+                x, ids, weights, gate, up, down, num_experts, None, interpret, glu, biases
+            )
         gathered = [jax.lax.all_gather(a, "expert", tiled=True) for a in (x, ids, weights)]
         offset = jax.lax.axis_index("expert") * local_experts
-        y = gmm_local(*gathered, gate, up, down, num_experts, offset, interpret)
+        y = gmm_local(*gathered, gate, up, down, num_experts, offset, interpret, glu, biases)
         return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
 
+    biases = tuple(biases or ())
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(row_spec, row_spec, row_spec, w_spec, w_spec, w_spec),
+        in_specs=(row_spec, row_spec, row_spec, w_spec, w_spec, w_spec) + (b_spec,) * len(biases),
         out_specs=row_spec,
         check_vma=False,
-    )(x, ids, weights, gate, up, down)
+    )(x, ids, weights, gate, up, down, *biases)

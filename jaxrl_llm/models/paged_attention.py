@@ -124,17 +124,18 @@ def layer_pages(pool, layer, table, pallas: bool = False):
 
 
 def paged_attention(q, pool, layer, where: PagedWrite, mask: Mask, implementation="auto",
-                    block: int = 512):  # fmt: skip
+                    block: int = 512, sinks=None):  # fmt: skip
     """q [B, T, N, H] of the new tokens over layer `layer`'s pages of each row (written
     with the new tokens already, `write_layer`) -> [B, T, N, H]. mask: `paged_inputs`'
     (with this layer's window, if any). The full score matrix over the table's slots, or
     key blocks where `implementation` would not hold it (`blockwise`); the accelerators'
     kernels take no per-row query slots, so they run as `blockwise` here. A head-major
     pool (`where.pallas`): a decode call (T = 1) without a window runs the Pallas TPU
-    kernel (`paged_kernel.decode_attention`, in interpret mode off TPU)."""
-    if where.pallas and q.shape[1] == 1 and mask.window is None:
+    kernel (`paged_kernel.decode_attention`, in interpret mode off TPU); with attention
+    sinks [N] (which the kernel lacks) the portable path."""
+    if where.pallas and q.shape[1] == 1 and mask.window is None and sinks is None:
         return decode_attention(q, pool, layer, where.table, where.start, where.length)
     k, v = layer_pages(pool, layer, where.table, where.pallas)
     name = resolve(implementation, jax.default_backend(), q.shape[1], k.shape[1])
     name = "xla" if name == "xla" else "blockwise"
-    return attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, name, block)
+    return attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, name, block, sinks)

@@ -24,6 +24,9 @@ MOE_WEIGHTS = {
     "shared_gate": "shared_gate",
     "shared_up": "shared_up",
     "shared_down": "shared_down",
+    "gate_bias": "expert_gate_bias",
+    "up_bias": "expert_up_bias",
+    "down_bias": "expert_down_bias",
 }
 DENSE_MLP = ("gate", "up", "down")
 
