@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import Mask, causal_mask
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.gated_deltanet import LinearState
 from jaxrl_llm.models.kv_cache import KVCache
 from jaxrl_llm.models.layers import Transformer
 from jaxrl_llm.models.paged_attention import paged_inputs
@@ -228,15 +229,17 @@ def extend(
         q_pos=positions,
         k_pos=slot_pos,
     )
-    hidden, (k, v), own = _model(cfg, params)(
-        tokens, positions, mask, (cache.k, cache.v), cache.index, layers
-    )
+    kv = (cache.k, cache.v)
+    if cache.state is not None:  # a hybrid model: its DeltaNet layers' state rides along
+        kv = (*kv, cache.state.conv, cache.state.ssm)
+    hidden, kv, own = _model(cfg, params)(tokens, positions, mask, kv, cache.index, layers)
     new_cache = KVCache(
-        k=k,
-        v=v,
+        k=kv[0],
+        v=kv[1],
         valid=valid,
         pos=cache.pos + attention_mask.sum(-1, dtype=jnp.int32),
         index=cache.index + T,
+        state=None if cache.state is None else LinearState(conv=kv[2], ssm=kv[3]),
     )
     return (hidden, new_cache, token_major(own)) if with_routes else (hidden, new_cache)
 

@@ -1,0 +1,181 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated full attention; dense and MoE) against Hugging
+Face, and the two forms of the delta-rule recurrence against a numpy loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_reference import hf_logits, hf_model, padded_batch
+from test_sampler import PROMPTS, hf_greedy
+
+from jaxrl_llm import models, parallel, sampling
+from jaxrl_llm.models import gated_deltanet as gdn
+
+# float32 logits of these models (|logit| up to ~5): ours and transformers' each differ
+# from a float64 run by ~1.2e-5 at the largest logits (rounding in the recurrence), so
+# the bound is 1e-5 plus 1e-5 relative.
+ATOL = RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def qwen3_5(request, tmp_path_factory):
+    """(torch model, directory, cfg, params) of a tiny random Qwen3.5 (dense or MoE)."""
+    model = hf_model(request.param, seed=3)
+    d = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(d)
+    return (model, d, *models.load_hf(d, linear_chunk=4))
+
+
+def close(ours, ref, mask):
+    mask = np.asarray(mask, bool)
+    np.testing.assert_allclose(np.asarray(ours)[mask], np.asarray(ref)[mask], RTOL, ATOL)
+
+
+def test_logits_equal_transformers(qwen3_5):
+    """Padded rows (left, right, none); chunks of 4 over 12 and 20 tokens (a partial last
+    chunk), and one chunk longer than the sequence."""
+    model, _, cfg, params = qwen3_5
+    assert cfg.hybrid and cfg.linear_layers == (True, True, True, False)
+    assert len(cfg.layer_segments()) == 2 and params["layers"]["q"].shape[0] == 1
+    for length in (12, 20):
+        ids, mask = padded_batch(seed=length, length=length)
+        ref = hf_logits(model, ids, mask)
+        close(models.logits(cfg, params, ids, mask), ref, mask)
+        close(models.logits(cfg.replace(linear_chunk=64), params, ids, mask), ref, mask)
+
+
+def test_sharded_logits_equal_transformers(qwen3_5):
+    model, d, _, _ = qwen3_5
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    cfg, params = models.load_hf(d, mesh=mesh, linear_chunk=4)
+    ids, mask = padded_batch(seed=2)
+    out = models.logits(cfg, params, *parallel.shard_batch((ids, mask), mesh))
+    close(out, hf_logits(model, ids, mask), mask)
+
+
+def test_param_counts_equal_transformers(qwen3_5):
+    model, _, cfg, params = qwen3_5
+    assert cfg.num_params() == models.count_params(params) == model.num_parameters()
+
+
+def test_export_reloads_in_transformers(qwen3_5, tmp_path):
+    model, _, cfg, params = qwen3_5
+    models.save_hf(cfg, params, tmp_path / "out")
+    reloaded = type(model).from_pretrained(tmp_path / "out").eval()
+    ids, mask = padded_batch(seed=6)
+    close(hf_logits(reloaded, ids, mask), hf_logits(model, ids, mask), mask)
+    cfg2, params2 = models.load_hf(tmp_path / "out", linear_chunk=4)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # a config built from fields (no HF text kept) writes a dict transformers reads too
+    models.save_hf(cfg.replace(hf_config=""), params, tmp_path / "fields")
+    again = type(model).from_pretrained(tmp_path / "fields").eval()
+    close(hf_logits(again, ids, mask), hf_logits(model, ids, mask), mask)
+
+
+def test_random_init_runs(qwen3_5):
+    _, _, cfg, params = qwen3_5
+    fresh = models.init_params(cfg, 0)
+    assert jax.tree.map(jnp.shape, fresh) == jax.tree.map(jnp.shape, params)
+    ids, mask = padded_batch()
+    assert np.isfinite(np.asarray(models.logits(cfg, fresh, ids, mask))).all()
+
+
+def test_prefill_then_decode_equals_full_forward(qwen3_5):
+    """A left-padded prompt prefilled (chunked recurrence from a zero state, in chunks of
+    5 prompt tokens too), then one token at a time (the step form): the logits of every
+    token equal the full forward's."""
+    _, _, cfg, params = qwen3_5
+    ids, mask = padded_batch(seed=4, length=14)
+    mask[:, 8:] = True  # the decoded tokens are real
+    full = np.asarray(models.logits(cfg, params, ids, mask))
+    for c in (0, 5):
+        cfg_c = cfg.replace(prefill_chunk=c)
+        cache = models.init_cache(cfg_c, ids.shape[0], 16)
+        logits, cache = models.prefill(cfg_c, params, ids[:, :8], mask[:, :8], cache)
+        got = [np.asarray(logits)]
+        for t in range(8, 14):
+            logits, cache = models.decode_step(cfg_c, params, jnp.asarray(ids[:, t]), cache)
+            got.append(np.asarray(logits))
+        np.testing.assert_allclose(np.stack(got, 1), full[:, 7:], RTOL, ATOL)
+
+
+def test_greedy_equals_hf_generate(qwen3_5):
+    model, _, cfg, params = qwen3_5
+    out = sampling.generate(cfg, params, PROMPTS, max_new_tokens=10, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), hf_greedy(model, PROMPTS, 10))
+
+
+# ------------------------------------------------------------------ the recurrence
+def numpy_delta_rule(q, k, v, g, beta, S):
+    """The gated delta rule in float64, token by token (the paper's formula)."""
+    q, k, v, g, beta, S = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, S))
+    out = np.zeros(v.shape)
+    for t in range(q.shape[1]):
+        S = S * np.exp(g[:, t])[..., None, None]
+        delta = (v[:, t] - np.einsum("bhkv,bhk->bhv", S, k[:, t])) * beta[:, t][..., None]
+        S = S + k[:, t][..., :, None] * delta[..., None, :]
+        out[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
+    return out, S
+
+
+def random_inputs(seed, B=2, T=19, H=3, Dk=8, Dv=6):
+    r = np.random.RandomState(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(r.randn(B, T, H, Dk)) * Dk**-0.5
+    k = unit(r.randn(B, T, H, Dk))
+    v, S = r.randn(B, T, H, Dv), 0.3 * r.randn(B, H, Dk, Dv)
+    g, beta = -np.abs(r.randn(B, T, H)), 1 / (1 + np.exp(-r.randn(B, T, H)))
+    return [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, S)]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 8, 64])
+def test_chunked_and_recurrent_forms_equal_a_numpy_loop(chunk):
+    """From a nonzero state, over a length that is not a multiple of the chunk."""
+    args = random_inputs(0)
+    ref_o, ref_S = numpy_delta_rule(*args)
+    o, S = gdn.chunked_delta_rule(*args, chunk)
+    np.testing.assert_allclose(o, ref_o, atol=2e-5)
+    np.testing.assert_allclose(S, ref_S, atol=2e-5)
+    o, S = gdn.recurrent_delta_rule(*args)
+    np.testing.assert_allclose(o, ref_o, atol=2e-5)
+    np.testing.assert_allclose(S, ref_S, atol=2e-5)
+
+
+def test_masked_tokens_leave_the_state_alone():
+    """Holes anywhere in a row: the convolution and the recurrence skip them, so the real
+    tokens' outputs and the final state equal those of the row without the holes."""
+    x = jnp.asarray(np.random.RandomState(1).randn(1, 9, 5), jnp.float32)
+    w = jnp.asarray(np.random.RandomState(2).randn(3, 5), jnp.float32)
+    mask = jnp.asarray([[False, True, True, False, False, True, True, False, True]])
+    state = jnp.asarray(np.random.RandomState(3).randn(1, 2, 5), jnp.float32)
+    y, new = gdn.causal_conv(x, w, mask, state)
+    real = np.flatnonzero(np.asarray(mask[0]))
+    y2, new2 = gdn.causal_conv(x[:, real], w, jnp.ones((1, len(real)), bool), state)
+    np.testing.assert_allclose(np.asarray(y)[:, real], y2, atol=1e-6)
+    np.testing.assert_allclose(new, new2, atol=1e-6)
+    u = np.concatenate([np.asarray(state[0]), np.asarray(x[0, real])])  # numpy conv
+    ref = (u[:-2] * w[0] + u[1:-1] * w[1] + u[2:] * w[2]) / (1 + np.exp(-(u[:-2] * w[0] + u[1:-1] * w[1] + u[2:] * w[2])))  # fmt: skip
+    np.testing.assert_allclose(y2[0], ref, atol=1e-5)
+
+
+def test_step_and_chunked_forms_agree_in_the_model(qwen3_5):
+    """The decode path's step form against the chunked form over the same tokens
+    (prefill of everything at once vs one token at a time): float32 within 1e-5 at the
+    logits; bfloat16 within its rounding."""
+    _, _, cfg, params = qwen3_5
+    ids = jnp.asarray(np.random.RandomState(7).randint(0, cfg.vocab_size, (2, 10)))
+    mask = jnp.ones((2, 10), bool)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 0.1)):
+        p = jax.tree.map(lambda a, dtype=dtype: a.astype(dtype), params)
+        cache = models.init_cache(cfg, 2, 10, dtype)
+        chunked, _ = models.extend(cfg, p, ids, mask, cache)
+        cache = models.init_cache(cfg, 2, 10, dtype)
+        steps = []
+        for t in range(10):
+            h, cache = models.extend(cfg, p, ids[:, t : t + 1], mask[:, t : t + 1], cache)
+            steps.append(h)
+        a = models.project(cfg, p, chunked)
+        b = models.project(cfg, p, jnp.concatenate(steps, 1))
+        assert float(jnp.abs(a - b).max()) <= tol * max(1.0, float(jnp.abs(a).max()))
