@@ -11,10 +11,11 @@ from test_sampler import PROMPTS, hf_greedy
 from jaxrl_llm import models, parallel, sampling
 from jaxrl_llm.models import gated_deltanet as gdn
 
-# float32 logits of these models (|logit| up to ~5): ours and transformers' each differ
-# from a float64 run by ~1.2e-5 at the largest logits (rounding in the recurrence), so
-# the bound is 1e-5 plus 1e-5 relative.
-ATOL = RTOL = 1e-5
+# float32 logits of these random models (|logit| up to ~5): ours and transformers' each
+# differ from a float64 run by up to ~5e-5 (rounding in the recurrence, amplified by the
+# random weights), so against transformers the bound is that rounding (1e-4), and against
+# float64 ours must be as accurate as transformers' (`test_logits_equal_transformers`).
+ATOL, RTOL = 1e-4, 1e-5
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
@@ -37,11 +38,19 @@ def test_logits_equal_transformers(qwen3_5):
     model, _, cfg, params = qwen3_5
     assert cfg.hybrid and cfg.linear_layers == (True, True, True, False)
     assert len(cfg.layer_segments()) == 2 and params["layers"]["q"].shape[0] == 1
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        exact = {
+            n: np.asarray(models.logits(cfg, p64, *padded_batch(n, length=n))) for n in (12, 20)
+        }
     for length in (12, 20):
         ids, mask = padded_batch(seed=length, length=length)
         ref = hf_logits(model, ids, mask)
-        close(models.logits(cfg, params, ids, mask), ref, mask)
+        ours = np.asarray(models.logits(cfg, params, ids, mask))
+        close(ours, ref, mask)
         close(models.logits(cfg.replace(linear_chunk=64), params, ids, mask), ref, mask)
+        err = np.abs(ours - exact[length])[mask].max()
+        assert err <= max(1e-5, 1.5 * np.abs(ref - exact[length])[mask].max()), err
 
 
 def test_sharded_logits_equal_transformers(qwen3_5):
@@ -98,7 +107,9 @@ def test_prefill_then_decode_equals_full_forward(qwen3_5):
         for t in range(8, 14):
             logits, cache = models.decode_step(cfg_c, params, jnp.asarray(ids[:, t]), cache)
             got.append(np.asarray(logits))
-        np.testing.assert_allclose(np.stack(got, 1), full[:, 7:], RTOL, ATOL)
+        # rounding alone (two chunk sizes of the same forward) moves these random
+        # models' float32 logits by up to ~1.1e-4 at a token; the same bound doubled
+        np.testing.assert_allclose(np.stack(got, 1), full[:, 7:], RTOL, 2.5e-4)
 
 
 def test_greedy_equals_hf_generate(qwen3_5):
@@ -156,7 +167,8 @@ def test_masked_tokens_leave_the_state_alone():
     np.testing.assert_allclose(np.asarray(y)[:, real], y2, atol=1e-6)
     np.testing.assert_allclose(new, new2, atol=1e-6)
     u = np.concatenate([np.asarray(state[0]), np.asarray(x[0, real])])  # numpy conv
-    ref = (u[:-2] * w[0] + u[1:-1] * w[1] + u[2:] * w[2]) / (1 + np.exp(-(u[:-2] * w[0] + u[1:-1] * w[1] + u[2:] * w[2])))  # fmt: skip
+    pre = u[:-2] * w[0] + u[1:-1] * w[1] + u[2:] * w[2]
+    ref = pre / (1 + np.exp(-pre))
     np.testing.assert_allclose(y2[0], ref, atol=1e-5)
 
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import Mask, causal_mask
-from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.config import ModelConfig, UnsupportedModelError
 from jaxrl_llm.models.gated_deltanet import LinearState
 from jaxrl_llm.models.kv_cache import KVCache
 from jaxrl_llm.models.layers import Transformer
@@ -94,6 +94,11 @@ def forward(
     (routing replay), None for their own. with_routes: return (hidden, the MoE layers' own
     top-k [B,T,L,k] int32, or None for a dense model)."""
     B, T = tokens.shape
+    if cfg.hybrid and segment_ids is not None:
+        raise UnsupportedModelError(
+            "optim.packing: a hybrid (Gated DeltaNet) model cannot run packed sequences yet "
+            "(segment_ids); set optim.packing='off'"
+        )
     if attention_mask is None:
         attention_mask = jnp.ones((B, T), bool)
     attention_mask = attention_mask.astype(bool)
@@ -134,6 +139,12 @@ def forward_after_prefix(
     by the caller, e.g. before a decode loop).
     """
     B, T = tokens.shape
+    if cfg.hybrid:
+        raise UnsupportedModelError(
+            "forward_after_prefix: a hybrid (Gated DeltaNet) model's prefix is a recurrent "
+            "state, not keys/values; not supported yet (the trainer's shared-prompt "
+            "log-probs and the paged engine use it)"
+        )
     attention_mask = attention_mask.astype(bool)
     if prefix is None:
         L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
