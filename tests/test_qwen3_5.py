@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hf_reference import hf_logits, hf_model, padded_batch
 from test_sampler import PROMPTS, hf_greedy
+from tiny_run import teacher_forced_logprobs
 
 from jaxrl_llm import models, parallel, sampling
 from jaxrl_llm.models import gated_deltanet as gdn
@@ -83,6 +84,23 @@ def test_export_reloads_in_transformers(qwen3_5, tmp_path):
     close(hf_logits(again, ids, mask), hf_logits(model, ids, mask), mask)
 
 
+def test_flops_count_the_active_matmuls_and_the_recurrence(qwen3_5):
+    """A token's model FLOPs: twice its matmul parameters (`active_params` without norms,
+    the convolution and the DeltaNet's per-head scalars; k of the E experts), plus per
+    DeltaNet layer the delta rule (7 Dk Dv per value head) and the convolution."""
+    from jaxrl_llm.trainer import perf
+
+    _, _, cfg, _ = qwen3_5
+    D, n_lin = cfg.hidden_size, sum(cfg.linear_layers)
+    K, C = cfg.linear_conv_kernel, cfg.linear_conv_dim
+    Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    matmuls = cfg.active_params(include_embeddings=False) - D - cfg.vocab_size * D
+    matmuls -= cfg.num_layers * 2 * D + (cfg.num_layers - n_lin) * 2 * cfg.head_dim
+    matmuls -= n_lin * (K * C + 2 * Hv + Dv)
+    recurrence = n_lin * (7 * Hv * Dk * Dv + 2 * K * C)
+    assert perf.forward_flops(cfg, 1, 0, 0) == 2 * matmuls + recurrence
+
+
 def test_random_init_runs(qwen3_5):
     _, _, cfg, params = qwen3_5
     fresh = models.init_params(cfg, 0)
@@ -116,6 +134,23 @@ def test_greedy_equals_hf_generate(qwen3_5):
     model, _, cfg, params = qwen3_5
     out = sampling.generate(cfg, params, PROMPTS, max_new_tokens=10, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(out.tokens), hf_greedy(model, PROMPTS, 10))
+
+
+def test_sampled_logprobs_equal_teacher_forced(qwen3_5):
+    """3 samples per prompt (the prompt's cache and DeltaNet state copied to its rows),
+    rows that stop early (an eos token): the behaviour log-probs equal one teacher-forced
+    forward's."""
+    _, _, cfg, params = qwen3_5
+    out = sampling.generate(
+        cfg, params, PROMPTS, max_new_tokens=10, num_samples=3, temperature=0.7, seed=1,
+        stop_ids=(7, 20, 33),
+    )  # fmt: skip
+    mask = np.asarray(out.mask)
+    assert not mask.all()  # some rows stopped
+    ref = teacher_forced_logprobs(cfg, params, out, 0.7)
+    # the sampler decodes with the step form, the forward is chunked: these random
+    # models' rounding gives up to ~4e-5 (most tokens ~1e-6); the other samplers' bound
+    assert np.abs(np.asarray(out.logprobs) - ref)[mask].max() <= 1e-4
 
 
 # ------------------------------------------------------------------ the recurrence
@@ -191,3 +226,28 @@ def test_step_and_chunked_forms_agree_in_the_model(qwen3_5):
         a = models.project(cfg, p, chunked)
         b = models.project(cfg, p, jnp.concatenate(steps, 1))
         assert float(jnp.abs(a - b).max()) <= tol * max(1.0, float(jnp.abs(a).max()))
+
+
+# ------------------------------------------------------------------ in the trainer
+def test_grpo_two_steps_with_routing_replay(tmp_path):
+    """A tiny Qwen3.5-MoE built from fields (saved by `save_hf`) through the trainer: the
+    static sampler carries the DeltaNet state, each row reads its own prompt in the
+    reference and the update (beta > 0), and the update replays the sampler's routes."""
+    from tiny_run import TOKENIZER, tiny_config, tiny_model_config
+
+    from jaxrl_llm import train
+
+    cfg = tiny_model_config(
+        architecture="Qwen3_5MoeForCausalLM", vocab_size=33, tie_word_embeddings=True,
+        max_position_embeddings=256, num_layers=2, zero_centered_norm=True,
+        attn_output_gate=True, partial_rotary_factor=0.25,
+        layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        n_shared_experts=1, shared_expert_size=24, shared_expert_gate=True,
+    )  # fmt: skip
+    models.save_hf(cfg, models.init_params(cfg, seed=0), tmp_path / "m", tokenizer_dir=TOKENIZER)
+    c = tiny_config(str(tmp_path / "m"), beta=0.04, routing_replay="rollout")
+    last = train.train(c, str(tmp_path / "run"))
+    assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0
+    assert np.isfinite(last["loss/kl"])
