@@ -19,13 +19,24 @@ from jaxrl_llm.models import gated_deltanet as gdn
 ATOL, RTOL = 1e-4, 1e-5
 
 
+def load(name, tmp_path_factory):
+    model = hf_model(name, seed=3)
+    d = tmp_path_factory.mktemp(name)
+    model.save_pretrained(d)
+    return (model, d, *models.load_hf(d, linear_chunk=4))
+
+
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
 def qwen3_5(request, tmp_path_factory):
     """(torch model, directory, cfg, params) of a tiny random Qwen3.5 (dense or MoE)."""
-    model = hf_model(request.param, seed=3)
-    d = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(d)
-    return (model, d, *models.load_hf(d, linear_chunk=4))
+    return load(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """The dense one only: for the tests of the recurrence's paths (their MoE layers
+    change nothing there), which keeps the file's run time down."""
+    return load("qwen3_5", tmp_path_factory)
 
 
 def close(ours, ref, mask):
@@ -101,19 +112,19 @@ def test_flops_count_the_active_matmuls_and_the_recurrence(qwen3_5):
     assert perf.forward_flops(cfg, 1, 0, 0) == 2 * matmuls + recurrence
 
 
-def test_random_init_runs(qwen3_5):
-    _, _, cfg, params = qwen3_5
+def test_random_init_runs(dense):
+    _, _, cfg, params = dense
     fresh = models.init_params(cfg, 0)
     assert jax.tree.map(jnp.shape, fresh) == jax.tree.map(jnp.shape, params)
     ids, mask = padded_batch()
     assert np.isfinite(np.asarray(models.logits(cfg, fresh, ids, mask))).all()
 
 
-def test_prefill_then_decode_equals_full_forward(qwen3_5):
+def test_prefill_then_decode_equals_full_forward(dense):
     """A left-padded prompt prefilled (chunked recurrence from a zero state, in chunks of
     5 prompt tokens too), then one token at a time (the step form): the logits of every
     token equal the full forward's."""
-    _, _, cfg, params = qwen3_5
+    _, _, cfg, params = dense
     ids, mask = padded_batch(seed=4, length=14)
     mask[:, 8:] = True  # the decoded tokens are real
     full = np.asarray(models.logits(cfg, params, ids, mask))
@@ -207,11 +218,11 @@ def test_masked_tokens_leave_the_state_alone():
     np.testing.assert_allclose(y2[0], ref, atol=1e-5)
 
 
-def test_step_and_chunked_forms_agree_in_the_model(qwen3_5):
+def test_step_and_chunked_forms_agree_in_the_model(dense):
     """The decode path's step form against the chunked form over the same tokens
     (prefill of everything at once vs one token at a time): float32 within 1e-5 at the
     logits; bfloat16 within its rounding."""
-    _, _, cfg, params = qwen3_5
+    _, _, cfg, params = dense
     ids = jnp.asarray(np.random.RandomState(7).randint(0, cfg.vocab_size, (2, 10)))
     mask = jnp.ones((2, 10), bool)
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 0.1)):
