@@ -107,6 +107,33 @@ ARCHS = {
     ),
 }
 
+# Qwen3.5: 4 layers, three Gated DeltaNet then one full attention (the real pattern); 2
+# key heads of 8 serving 4 value heads of 8, a 4-tap convolution; gated attention with a
+# quarter of each head rotated. The MoE variant adds 8 experts (top 2) and a gated
+# shared expert.
+_QWEN3_5 = {
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
+ARCHS["qwen3_5"] = (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, _QWEN3_5)
+ARCHS["qwen3_5_moe"] = (
+    transformers.Qwen3_5MoeTextConfig,
+    transformers.Qwen3_5MoeForCausalLM,
+    _QWEN3_5
+    | {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
+)
+ZERO_CENTERED_NORMS = ("gemma3", "qwen3_5", "qwen3_5_moe")  # RMSNorm scales by 1 + weight
+
 
 def hf_config(arch: str, **overrides):
     config_cls, _, extra = ARCHS[arch]
@@ -135,8 +162,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # Gemma's norms scale by 1 + weight
-                offset = 0.0 if arch == "gemma3" else 1.0
-                p.copy_(offset + 0.3 * torch.randn_like(p))
+                centered = arch in ZERO_CENTERED_NORMS and "linear_attn" not in name
+                p.copy_((0.0 if centered else 1.0) + 0.3 * torch.randn_like(p))
+            elif name.endswith(("A_log", "dt_bias")):  # Gated DeltaNet: HF's own init
+                continue
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
             else:

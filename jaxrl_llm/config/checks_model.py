@@ -118,6 +118,16 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
         "optim.packing='on': a mixture-of-experts model runs its rows padded (its routes "
         "are laid out by row); use 'auto' or 'off'",
     )
+    require(
+        not (model_cfg.hybrid and config.optim.packing == "on"),
+        "optim.packing='on': a hybrid (Gated DeltaNet) model does not reset its recurrent "
+        "state between packed sequences yet; use 'off'",
+    )
+    require(
+        not (model_cfg.hybrid and config.rollout.engine == "paged"),
+        "rollout.engine='paged': the paged engine has no recurrent-state slots for a hybrid "
+        "(Gated DeltaNet) model yet; use 'static'",
+    )
     r = config.rollout
     prompt_len = config.data.max_prompt_len if prompt_len is None else prompt_len
     bucket = bucket_length(prompt_len, tuning.bucket_steps(config, jax.default_backend()))

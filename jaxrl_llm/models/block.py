@@ -25,6 +25,12 @@ from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import cached_attention, cached_blockwise, resolve
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.context_parallel import context_attention
+from jaxrl_llm.models.gated_deltanet import (
+    LINEAR_WEIGHTS,
+    LinearState,
+    gated_deltanet,
+    linear_shapes,
+)
 from jaxrl_llm.models.layer_math import (
     adapter_dropout,
     apply_rope,
@@ -67,9 +73,14 @@ class Block(nnx.Module):
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         normal = functools.partial(normal_param, rngs, std=cfg.initializer_range, dtype=dtype)
-        one = 0.0 if cfg.gemma else 1.0  # a norm's identity weight (Gemma scales by 1 + w)
+        # a norm's identity weight (Gemma and Qwen3.5 scale by 1 + w)
+        one = 0.0 if cfg.gemma or cfg.zero_centered_norm else 1.0
         self.attn_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
-        self.q = normal((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
+        if cfg.hybrid:
+            self._add_linear(cfg, normal, rngs, dtype)
+        L = cfg.num_layers - sum(cfg.linear_layers)  # the full-attention layers
+        Hq = 2 * H if cfg.attn_output_gate else H  # each head's query, then its gate
+        self.q = normal((L, D, N, Hq), ("layers", "embed", "q_heads", "head_dim"))
         self.k = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
         self.v = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
         self.o = normal((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
@@ -84,6 +95,7 @@ class Block(nnx.Module):
             self.k_norm = const_param(one, (L, H), ("layers", "head_dim"), dtype)
         if cfg.attention_sinks:  # GPT-OSS: a logit per query head in the softmax
             self.sinks = normal((L, N), ("layers", "q_heads"))
+        L = cfg.num_layers
         if cfg.gemma:  # norms of the attention's and the MLP's outputs
             self.post_attn_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
             self.post_mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
@@ -98,6 +110,21 @@ class Block(nnx.Module):
         if cfg.lora is not None:
             self._add_adapters(cfg.lora, rngs, dtype)
         self.cfg = cfg
+
+    def _add_linear(self, cfg: ModelConfig, normal, rngs: nnx.Rngs, dtype) -> None:
+        """The Gated DeltaNet layers' parameters (`gated_deltanet.LINEAR_WEIGHTS`),
+        stacked over those layers; initialised as transformers does (norm 1, dt_bias 1,
+        A = exp(A_log) ~ U(0.01, 16), the rest normal)."""
+        L = sum(cfg.linear_layers)
+        for name, (shape, axes) in linear_shapes(cfg).items():
+            shape, axes = (L, *shape), ("layers", *axes)
+            if name in ("lin_norm", "lin_dt_bias"):
+                setattr(self, name, const_param(1.0, shape, axes, dtype))
+            elif name == "lin_a_log":
+                a = jax.random.uniform(rngs.params(), shape, jnp.float32, 0.01, 16.0)
+                setattr(self, name, nnx.Param(jnp.log(a).astype(dtype), axes=axes))
+            else:
+                setattr(self, name, normal(shape, axes))
 
     def _add_experts(self, cfg: ModelConfig, normal, dtype) -> None:
         """Of the Lm MoE layers: router [Lm, D, E], the experts' SwiGLU weights
@@ -120,6 +147,8 @@ class Block(nnx.Module):
             self.shared_gate = normal((L, D, Fs), ("layers", "embed", "mlp"))
             self.shared_up = normal((L, D, Fs), ("layers", "embed", "mlp"))
             self.shared_down = normal((L, Fs, D), ("layers", "mlp", "embed"))
+        if cfg.shared_expert_gate:  # Qwen3.5-MoE: sigmoid(h w) scales the shared expert
+            self.shared_expert_gate = normal((L, D, 1), ("layers", "embed", None))
 
     def _mlp(self, h, dropout, routes, sparse):
         """The MLP of one layer: (y [B,T,D], the router's own top-k [B,T,k] or None).
@@ -170,7 +199,7 @@ class Block(nnx.Module):
 
     def __call__(
         self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None,
-        kind=None, routes=None, sparse=None, paged=None,
+        kind=None, routes=None, sparse=None, paged=None, linear=False,
     ):  # fmt: skip
         """One layer. x [B,T,D], positions [B,T], mask an `attention.Mask` over the S
         keys. dropout: this layer's key for LoRA dropout (`adapter_dropout`), None in
@@ -190,13 +219,55 @@ class Block(nnx.Module):
         (k, v) [L, P, page_size, K, H]; this layer's new keys/values are written to its
         pages at [layer] and x attends to the layer's pages of each row through the
         table (`paged_attention`), mask being `paged_attention.paged_inputs`'.
-        Returns (x [B,T,D], the updated (k, v) or None, the MoE router's own top-k
+        linear: a Gated DeltaNet layer (`_linear`), whose recurrent state replaces the
+        cache. Returns (x [B,T,D], the updated (k, v) or None, the MoE router's own top-k
         [B,T,k] int32 or None for a dense layer).
         """
+        cfg = self.cfg
+        if linear:
+            a, kv = self._linear(x, mask, kv, index, layer)
+        else:
+            a, kv = self._attention(x, positions, mask, kv, index, layer, prefix, dropout,
+                                    kind, paged)  # fmt: skip
+        x = x + a
+        h = norm(cfg, x, self.mlp_norm[...])
+        y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse)
+        if cfg.gemma:
+            y = norm(cfg, y, self.post_mlp_norm[...])
+        return x + y, kv, chosen
+
+    def _linear(self, x, mask, kv, index, layer):
+        """The DeltaNet token mixer (`gated_deltanet`): (its output [B,T,D], the cache
+        with this layer's state updated). Teacher-forced (kv None): from a zero state.
+        With a cache, kv is (k, v, conv, ssm), the last two the DeltaNet layers'
+        `LinearState` [L', B, ...] whose row `layer` is this layer's; one new token per
+        row runs the recurrence step by step, several chunked."""
+        cfg = self.cfg
+        h = norm(cfg, x, self.attn_norm[...])
+        w = {n: getattr(self, n)[...] for n in LINEAR_WEIGHTS}
+        T = x.shape[1]
+        if kv is None:
+            real = mask.k_valid[:, -T:]
+            return gated_deltanet(cfg, w, h, real, None)[0], None
+        real = jax.lax.dynamic_slice_in_dim(mask.k_valid, index, T, axis=1)
+        row = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, keepdims=False)
+        state = LinearState(conv=row(kv[2]), ssm=row(kv[3]))
+        a, new = gated_deltanet(cfg, w, h, real, state, step=T == 1)
+
+        def put(c, new):
+            return jax.lax.dynamic_update_index_in_dim(c, new.astype(c.dtype), layer, 0)
+
+        return a, (*kv[:2], put(kv[2], new.conv), put(kv[3], new.ssm))
+
+    def _attention(self, x, positions, mask, kv, index, layer, prefix, dropout, kind, paged):
+        """The attention token mixer: (its output [B,T,D], the updated cache or None)."""
         cfg = self.cfg
         mask = layer_mask(cfg, mask, kind)
         h = norm(cfg, x, self.attn_norm[...])
         q, k, v = (self._proj(n, h, dropout) for n in ("q", "k", "v"))
+        gate = None
+        if cfg.attn_output_gate:  # Qwen3.5: each head's query, then its output gate
+            q, gate = jnp.split(q, 2, axis=-1)
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -235,23 +306,21 @@ class Block(nnx.Module):
             kv = (
                 write(kv[0], k.transpose(0, 2, 3, 1), (0, 0, 0, index)),
                 write(kv[1], v.transpose(0, 2, 1, 3), (0, 0, index, 0)),
+                *kv[2:],  # a hybrid model's DeltaNet state, untouched here
             )
             if layer is None:
-                k, v = kv
+                k, v = kv[:2]
             else:
-                k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv)
+                k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv[:2])
             a = self._cached(q, k, v, mask, sinks)
+        if gate is not None:
+            a = a * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(a.dtype)
         a = self._proj("o", a, dropout)
         if cfg.o_bias:
             a = a + self.o_bias[...]
         if cfg.gemma:
             a = norm(cfg, a, self.post_attn_norm[...])
-        x = x + a
-        h = norm(cfg, x, self.mlp_norm[...])
-        y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse)
-        if cfg.gemma:
-            y = norm(cfg, y, self.post_mlp_norm[...])
-        return x + y, kv, chosen
+        return a, kv
 
     def _cached(self, q, kt, v, mask, sinks=None):
         """Attention over the cache: the full score matrix for decode and short prefill,

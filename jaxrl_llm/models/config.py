@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxrl_llm.models.hf_config import (
     GEMMA3,
+    HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
@@ -34,7 +35,8 @@ from jaxrl_llm.models.hf_config import (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
-LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names (Gemma 3 `layer_types`)
+# HF's names (Gemma 3's and Qwen3.5's `layer_types`)
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # models.moe: Qwen3-MoE's, DeepSeek-V3's (GLM-4.5), GPT-OSS's (softmax over the top-k logits)
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 MOE_IMPLS = ("auto", "gmm", "ragged", "blocked", "dense")  # models/moe.py, moe_kernels.py
@@ -72,6 +74,19 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+class Segment(NamedTuple):
+    """A run of consecutive alike layers [start, stop): its MLP kind (`sparse`) and the
+    index of `start` among the layers of that kind (`first`); its attention kind
+    (`linear`: Gated DeltaNet) and the index of `start` among those (`first_attn`)."""
+
+    start: int
+    stop: int
+    sparse: bool
+    first: int
+    linear: bool = False
+    first_attn: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +161,23 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    # Qwen3.5: `layer_types[i]` "linear_attention" is a Gated DeltaNet layer
+    # (`models.gated_deltanet`): `linear_num_key_heads` query/key heads of
+    # `linear_key_head_dim`, `linear_num_value_heads` value heads of
+    # `linear_value_head_dim`, a causal depthwise convolution of `linear_conv_kernel`
+    # taps. The full-attention layers multiply their output by sigmoid of a per-head gate
+    # projected with q (`attn_output_gate`). `zero_centered_norm`: every RMSNorm but the
+    # DeltaNet's output norm scales by (1 + weight), as Gemma's. Qwen3.5-MoE's shared
+    # expert has its own width (`shared_expert_size`) and a sigmoid gate [D] -> 1.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    attn_output_gate: bool = False
+    zero_centered_norm: bool = False
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
@@ -170,6 +202,9 @@ class ModelConfig:
     # and benchmark baseline); "gmm" (the TPU Pallas grouped-matmul kernel,
     # `moe_kernels`); "auto" (gmm on TPU, ragged on GPU, blocked on CPU). See `MOE_IMPLS`.
     moe_impl: str = "auto"
+    # Gated DeltaNet: tokens per chunk of the chunked (parallel) form of the recurrence
+    # (training, reference, prefill); memory O(T * chunk), a scan over T / chunk chunks.
+    linear_chunk: int = 64
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
@@ -272,6 +307,27 @@ class ModelConfig:
             )
         if "sliding_attention" in types and not (self.sliding_window or 0) > 0:
             raise ValueError(f"sliding_window={self.sliding_window}: sliding layers need >= 1")
+        if ("linear_attention" in types) != (self.architecture in HYBRID_ARCHITECTURES):
+            raise ValueError(f"layer_types={list(types)} does not fit {self.architecture}")
+        if self.hybrid:
+            self._check_linear()
+
+    def _check_linear(self) -> None:
+        nk, nv = self.linear_num_key_heads, self.linear_num_value_heads
+        if min(nk, nv, self.linear_key_head_dim, self.linear_value_head_dim) < 1 or nv % nk:
+            raise ValueError(
+                f"linear_num_key_heads={nk}, linear_num_value_heads={nv}: both >= 1, the "
+                "value heads a multiple of the key heads, head dims >= 1"
+            )
+        if self.linear_conv_kernel < 1 or self.linear_chunk < 1:
+            raise ValueError(
+                f"linear_conv_kernel={self.linear_conv_kernel}, model.linear_chunk="
+                f"{self.linear_chunk}: both must be >= 1"
+            )
+        if self.lora is not None:
+            raise UnsupportedModelError(
+                "model.lora: adapters on a hybrid (Gated DeltaNet) model are not supported"
+            )
 
     @property
     def model_type(self) -> str:
@@ -291,6 +347,23 @@ class ModelConfig:
         return self.gemma
 
     @property
+    def hybrid(self) -> bool:
+        """Some layers are Gated DeltaNet linear attention (Qwen3.5)."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    @property
+    def linear_layers(self) -> tuple[bool, ...]:
+        """Per layer: it is a Gated DeltaNet layer (else full attention)."""
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        return tuple(t == "linear_attention" for t in types)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet's convolution: q, k (key heads) and v (value heads)."""
+        k = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * k + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
     def moe(self) -> bool:
         """The model has mixture-of-experts layers (`models.moe`): all of them but
         `dense_layers`."""
@@ -306,19 +379,22 @@ class ModelConfig:
     def num_sparse_layers(self) -> int:
         return sum(self.sparse_layers)
 
-    def layer_segments(self) -> tuple[tuple[int, int, bool, int], ...]:
-        """The runs of consecutive layers with the same MLP kind: (start, stop, sparse,
-        the index of `start` among the layers of its kind). One run for a model whose
-        layers are all alike. The layer loop scans each run over its parameters, which
-        the layers of one kind share in a stack of their own."""
-        runs, kinds, seen = [], self.sparse_layers, {True: 0, False: 0}
-        for i, sparse in enumerate(kinds):
-            if runs and runs[-1][2] == sparse:
-                runs[-1][1] = i + 1
+    def layer_segments(self) -> tuple[Segment, ...]:
+        """The runs of consecutive layers with the same MLP kind and attention kind
+        (`Segment`). One run for a model whose layers are all alike. The layer loop scans
+        each run over its parameters, which the layers of one kind share in a stack of
+        their own."""
+        runs, seen = [], {}
+        for i, kind in enumerate(zip(self.sparse_layers, self.linear_layers, strict=True)):
+            if runs and (runs[-1].sparse, runs[-1].linear) == kind:
+                runs[-1] = runs[-1]._replace(stop=i + 1)
             else:
-                runs.append([i, i + 1, sparse, seen[sparse]])
-            seen[sparse] += 1
-        return tuple(tuple(r) for r in runs)
+                first = seen.get(("mlp", kind[0]), 0)
+                first_attn = seen.get(("attn", kind[1]), 0)
+                runs.append(Segment(i, i + 1, kind[0], first, kind[1], first_attn))
+            seen[("mlp", kind[0])] = seen.get(("mlp", kind[0]), 0) + 1
+            seen[("attn", kind[1])] = seen.get(("attn", kind[1]), 0) + 1
+        return tuple(runs)
 
     @property
     def rotary_dim(self) -> int:
@@ -327,6 +403,8 @@ class ModelConfig:
 
     @property
     def shared_intermediate_size(self) -> int:
+        if self.shared_expert_size:
+            return self.shared_expert_size * self.n_shared_experts
         return self.moe_intermediate_size * self.n_shared_experts
 
     @property
@@ -340,19 +418,28 @@ class ModelConfig:
     def num_params(self, include_embeddings: bool = True) -> int:
         """Parameter count, as `sum(p.size for p in params)` would give."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+        q_heads = self.num_heads * (2 if self.attn_output_gate else 1)
+        attn = d * h * (q_heads + self.num_heads + 2 * self.num_kv_heads)
         attn += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         attn += d if self.o_bias else 0
         attn += 2 * h if self.qk_norm else 0
         attn += self.num_heads if self.attention_sinks else 0
-        layer = attn + (4 if self.gemma else 2) * d
+        n_linear = sum(self.linear_layers)
+        layer = (4 if self.gemma else 2) * d
         sparse = self.num_sparse_layers
-        n = self.num_layers * layer + (self.num_layers - sparse) * 3 * d * f + d
+        n = self.num_layers * layer + (self.num_layers - n_linear) * attn
+        n += (self.num_layers - sparse) * 3 * d * f + d
+        if n_linear:
+            nv, dv = self.linear_num_value_heads, self.linear_value_head_dim
+            conv = self.linear_conv_dim
+            per = d * conv + d * nv * dv + 2 * d * nv + conv * self.linear_conv_kernel
+            n += n_linear * (per + 2 * nv + dv + nv * dv * d)
         if sparse:
             E, fm = self.num_experts, self.moe_intermediate_size
             per = d * E + 3 * d * fm * E + 3 * d * self.shared_intermediate_size
             per += E if self.router != "softmax" else 0  # the router's bias
             per += E * (2 * fm + d) if self.expert_bias else 0
+            per += d if self.shared_expert_gate else 0
             n += sparse * per
         if include_embeddings:
             n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)

@@ -34,13 +34,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 GEMMA3 = "Gemma3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
-MOE_ARCHITECTURES = (QWEN3_MOE, GLM4_MOE, GPT_OSS)
+QWEN3_5 = "Qwen3_5ForCausalLM"
+QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
+MOE_ARCHITECTURES = (QWEN3_MOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE)
+HYBRID_ARCHITECTURES = (QWEN3_5, QWEN3_5_MOE)  # Gated DeltaNet and full-attention layers
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -98,6 +103,8 @@ def fields_from_hf(d: dict, source: str = "config.json") -> dict:
             fields |= _glm4_moe_fields(d)
         if arch == GPT_OSS:
             fields |= _gpt_oss_fields(d)
+        if arch in HYBRID_ARCHITECTURES:
+            fields |= _qwen3_5_fields(d)
         return fields
     except KeyError as e:
         raise ValueError(f"{source}: required key {e.args[0]!r} is missing") from None
@@ -146,6 +153,9 @@ def hf_dict(cfg: ModelConfig) -> dict:
     if cfg.architecture == GPT_OSS:
         del d["rope_theta"], d["rope_scaling"]
         d |= _gpt_oss_dict(cfg)
+    if cfg.hybrid:
+        del d["rope_theta"], d["rope_scaling"]
+        d |= _qwen3_5_dict(cfg)
     if cfg.gemma:
         del d["hidden_act"], d["rope_theta"], d["rope_scaling"]
         full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -226,6 +236,9 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
         return
     if arch == GPT_OSS:
         _refuse_gpt_oss_options(d, refuse)
+        return
+    if arch in HYBRID_ARCHITECTURES:
+        _refuse_qwen3_5_options(d, refuse)
         return
     if d.get("hidden_act", "silu") not in ("silu", "swish"):
         refuse(f"hidden_act={d['hidden_act']!r} (only silu)")
@@ -460,3 +473,84 @@ def _gpt_oss_dict(cfg: ModelConfig) -> dict:
         "swiglu_alpha": cfg.swiglu_alpha,
         "rope_parameters": rope,
     }
+
+
+# ---------------------------------------------------------------------------- Qwen3.5
+def _refuse_qwen3_5_options(d: dict, refuse) -> None:
+    """What the Qwen3.5 text decoder lacks: other activations, attention biases, RoPE
+    scaling; Qwen3.5-MoE without experts."""
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):
+        refuse(f"hidden_act={d['hidden_act']!r} (only silu)")
+    if d.get("attention_bias"):
+        refuse("attention_bias=true")
+    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        refuse(f"rope_type={rope.get('rope_type', rope.get('type'))!r} (only default)")
+    if d.get("model_type") == "qwen3_5_moe_text" and _num_experts(d) < 1:
+        refuse("num_experts=0")
+    types = set(d.get("layer_types") or ())
+    if types - {"linear_attention", "full_attention"}:
+        refuse(f"layer_types={sorted(types)} (only linear_attention, full_attention)")
+
+
+def _qwen3_5_fields(d: dict) -> dict:
+    """Qwen3.5 / Qwen3.5-MoE text: Gated DeltaNet layers (`layer_types`, else every
+    `full_attention_interval`-th layer full attention), gated full attention with q/k
+    norms and partial rotary (`rope_parameters.partial_rotary_factor`, default 0.25),
+    (1 + w) RMSNorms. MoE: every layer, renormalised top-k, one gated shared expert."""
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if not types:
+        every = int(d.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    rope = d.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    fields = {
+        "layer_types": tuple(types),
+        "rope_scaling": None,  # text positions: the three M-RoPE sections coincide
+        "partial_rotary_factor": float(factor),
+        "qk_norm": True,
+        "attn_output_gate": True,
+        "zero_centered_norm": True,
+        "linear_num_key_heads": int(d.get("linear_num_key_heads", 16)),
+        "linear_num_value_heads": int(d.get("linear_num_value_heads", 32)),
+        "linear_key_head_dim": int(d.get("linear_key_head_dim", 128)),
+        "linear_value_head_dim": int(d.get("linear_value_head_dim", 128)),
+        "linear_conv_kernel": int(d.get("linear_conv_kernel_dim", 4)),
+    }
+    if d.get("model_type") == "qwen3_5_moe_text" or _num_experts(d):
+        shared = int(d.get("shared_expert_intermediate_size", 0) or 0)
+        fields |= {
+            "num_experts": _num_experts(d),
+            "num_experts_per_tok": int(d["num_experts_per_tok"]),
+            "moe_intermediate_size": int(d["moe_intermediate_size"]),
+            "norm_topk_prob": True,
+            "n_shared_experts": 1 if shared else 0,
+            "shared_expert_size": shared,
+            "shared_expert_gate": bool(shared),
+        }
+    return fields
+
+
+def _qwen3_5_dict(cfg: ModelConfig) -> dict:
+    d = {
+        "layer_types": list(cfg.layer_types),
+        "linear_num_key_heads": cfg.linear_num_key_heads,
+        "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        },
+    }
+    if cfg.moe:
+        d |= {
+            "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "shared_expert_intermediate_size": cfg.shared_intermediate_size,
+        }
+    return d

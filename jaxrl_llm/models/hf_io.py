@@ -34,7 +34,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf_config import GPT_OSS
 from jaxrl_llm.models.params import param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
-from jaxrl_llm.models.segments import mlp_kind
+from jaxrl_llm.models.segments import attn_kind, mlp_kind
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -129,7 +129,7 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
     D, H = cfg.hidden_size, cfg.head_dim
     N, K = cfg.num_heads, cfg.num_kv_heads
 
-    def in_heads(n):  # HF [n*H, D] <-> ours [D, n, H]
+    def in_heads(n, H=H):  # HF [n*H, D] <-> ours [D, n, H]
         return Mapping("", lambda w: w.T.reshape(D, n, H), lambda w: w.reshape(D, n * H).T)
 
     def bias(n):  # HF [n*H] <-> ours [n, H]
@@ -138,13 +138,14 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
     transpose = Mapping("", lambda w: w.T, lambda w: w.T)
     same = Mapping("", _identity, _identity)
     out_heads = Mapping("", lambda w: w.T.reshape(N, H, D), lambda w: w.reshape(N * H, D).T)
+    q_width = 2 if cfg.attn_output_gate else 1  # Qwen3.5: per head its query, then its gate
     layer = "model.layers.{i}."
     table = {
         ("embed",): ("model.embed_tokens.weight", same),
         ("final_norm",): ("model.norm.weight", same),
         ("lm_head",): ("lm_head.weight", transpose),
         ("layers", "attn_norm"): (layer + "input_layernorm.weight", same),
-        ("layers", "q"): (layer + "self_attn.q_proj.weight", in_heads(N)),
+        ("layers", "q"): (layer + "self_attn.q_proj.weight", in_heads(N, H * q_width)),
         ("layers", "k"): (layer + "self_attn.k_proj.weight", in_heads(K)),
         ("layers", "v"): (layer + "self_attn.v_proj.weight", in_heads(K)),
         ("layers", "o"): (layer + "self_attn.o_proj.weight", out_heads),
@@ -173,6 +174,8 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         table[("layers", "post_attn_norm")] = (layer + "post_attention_layernorm.weight", same)
         table[("layers", "mlp_norm")] = (layer + "pre_feedforward_layernorm.weight", same)
         table[("layers", "post_mlp_norm")] = (layer + "post_feedforward_layernorm.weight", same)
+    if cfg.hybrid:
+        table |= _qwen3_5_table(cfg, layer, same, transpose)
     specs, kinds = param_specs(cfg), cfg.sparse_layers
     out = {}
     for path in specs:
@@ -180,6 +183,9 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         ids = None
         if kind is not None and cfg.moe and cfg.dense_layers:
             ids = tuple(i for i, sparse in enumerate(kinds) if sparse == kind)
+        linear = attn_kind(cfg, path[-1]) if path[0] == "layers" else None
+        if linear is not None:  # a hybrid model's DeltaNet or full-attention parameter
+            ids = tuple(i for i, lin in enumerate(cfg.linear_layers) if lin == linear)
         out[path] = dataclasses.replace(table[path][1], name=table[path][0], layer_ids=ids)
     return out
 
@@ -203,6 +209,32 @@ def _gpt_oss_table(layer: str, same: Mapping, transpose: Mapping) -> dict:
         ("layers", "expert_gate_bias"): (experts + "gate_up_proj_bias", part(0)),
         ("layers", "expert_up_bias"): (experts + "gate_up_proj_bias", part(1)),
         ("layers", "expert_down_bias"): (experts + "down_proj_bias", same),
+    }
+
+
+def _qwen3_5_table(cfg: ModelConfig, layer: str, same: Mapping, transpose: Mapping) -> dict:
+    """Qwen3.5's Gated DeltaNet tensors (`linear_attn.*`) and Qwen3.5-MoE's gated shared
+    expert (`mlp.shared_expert.*`, `mlp.shared_expert_gate`)."""
+    D, Hv, Dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    lin = layer + "linear_attn."
+    z = Mapping("", lambda w: w.T.reshape(D, Hv, Dv), lambda w: w.reshape(D, Hv * Dv).T)
+    out = Mapping("", lambda w: w.T.reshape(Hv, Dv, D), lambda w: w.reshape(Hv * Dv, D).T)
+    conv = Mapping("", lambda w: w[:, 0, :].T, lambda w: w.T[:, None, :])  # [C,1,K] <-> [K,C]
+    mlp = layer + "mlp."
+    return {
+        ("layers", "lin_qkv"): (lin + "in_proj_qkv.weight", transpose),
+        ("layers", "lin_z"): (lin + "in_proj_z.weight", z),
+        ("layers", "lin_b"): (lin + "in_proj_b.weight", transpose),
+        ("layers", "lin_a"): (lin + "in_proj_a.weight", transpose),
+        ("layers", "lin_conv"): (lin + "conv1d.weight", conv),
+        ("layers", "lin_dt_bias"): (lin + "dt_bias", same),
+        ("layers", "lin_a_log"): (lin + "A_log", same),
+        ("layers", "lin_norm"): (lin + "norm.weight", same),
+        ("layers", "lin_out"): (lin + "out_proj.weight", out),
+        ("layers", "shared_gate"): (mlp + "shared_expert.gate_proj.weight", transpose),
+        ("layers", "shared_up"): (mlp + "shared_expert.up_proj.weight", transpose),
+        ("layers", "shared_down"): (mlp + "shared_expert.down_proj.weight", transpose),
+        ("layers", "shared_expert_gate"): (mlp + "shared_expert_gate.weight", transpose),
     }
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.gated_deltanet import LinearState, zero_state
 
 
 @struct.dataclass
@@ -34,6 +35,9 @@ class KVCache:
     valid: jax.Array  # [B, S] bool: the slot holds a real token
     pos: jax.Array  # [B] int32: position id of each row's next token
     index: jax.Array  # [] int32: next slot to write
+    # A hybrid model (Qwen3.5): k / v hold its full-attention layers only, and each row's
+    # Gated DeltaNet state (conv [L', B, K-1, C], ssm [L', B, Hv, Dk, Dv]) sits here.
+    state: LinearState | None = None
 
     @property
     def max_len(self) -> int:
@@ -45,9 +49,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     ([B, K, H, S] / [B, K, S, H]) and `extend` runs the layers unrolled: each layer's matmuls
     then read its cache buffer in place instead of a copy of its slice of an [L, ...] array.
     """
-    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    n_linear = sum(cfg.linear_layers)
+    L, K, H = cfg.num_layers - n_linear, cfg.num_kv_heads, cfg.head_dim
     k, v = jnp.zeros((L, batch, K, H, max_len), dtype), jnp.zeros((L, batch, K, max_len, H), dtype)
-    if not cfg.scan_layers:
+    if not cfg.scan_layers and not cfg.hybrid:  # a hybrid model's cache stays stacked
         k, v = tuple(k), tuple(v)
     return KVCache(
         k=k,
@@ -55,6 +60,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
         valid=jnp.zeros((batch, max_len), bool),
         pos=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
+        state=zero_state(cfg, batch, dtype, (n_linear,)) if cfg.hybrid else None,
     )
 
 
@@ -70,6 +76,7 @@ def cache_rows(cache: KVCache, rows: jax.Array) -> KVCache:
         v=jax.tree.map(lambda c: take(c, c.ndim - 4), cache.v),
         valid=take(cache.valid, 0),
         pos=take(cache.pos, 0),
+        state=jax.tree.map(lambda c: take(c, 1), cache.state),  # [L', B, ...]: rows too
     )
 
 

@@ -41,8 +41,10 @@ def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The architecture's RMSNorm (Gemma stores weight - 1, Llama / Qwen the scale)."""
-    return (gemma_rms_norm if cfg.gemma else rms_norm)(x, weight, cfg.rms_norm_eps)
+    """The architecture's RMSNorm (Gemma and Qwen3.5 store weight - 1, Llama / Qwen the
+    scale)."""
+    centered = cfg.gemma or cfg.zero_centered_norm
+    return (gemma_rms_norm if centered else rms_norm)(x, weight, cfg.rms_norm_eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

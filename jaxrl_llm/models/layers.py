@@ -42,7 +42,8 @@ class Transformer(nnx.Module):
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = normal_param(rngs, (V, D), ("vocab", "embed"), cfg.initializer_range, dtype)
         self.layers = Block(cfg, rngs, dtype)
-        self.final_norm = const_param(0.0 if cfg.gemma else 1.0, (D,), ("norm",), dtype)
+        centered = cfg.gemma or cfg.zero_centered_norm  # RMSNorm scales by 1 + weight
+        self.final_norm = const_param(0.0 if centered else 1.0, (D,), ("norm",), dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = normal_param(
                 rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype
@@ -69,14 +70,14 @@ class Transformer(nnx.Module):
         stacked = nnx.to_pure_dict(stacked)
         kinds = layer_kinds(cfg)
 
-        def layer(carry, xs, sparse):
+        def layer(carry, xs, sparse, linear):
             x, kv = carry
-            layer_state, i, kind, route = xs
+            layer_state, i, row, kind, route = xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, layer_state)
             x, kv, chosen = block(
-                x, positions, mask, kv, index, i, dropout=key, kind=kind, routes=route,
-                sparse=sparse, paged=paged,
+                x, positions, mask, kv, index, row, dropout=key, kind=kind, routes=route,
+                sparse=sparse, paged=paged, linear=linear,
             )  # fmt: skip
             return (x, kv), chosen
 
@@ -112,12 +113,16 @@ class Transformer(nnx.Module):
             return norm(cfg, x, self.final_norm[...]), kv, chosen
         carry, chosen = (x, cache), []
         for segment in cfg.layer_segments():
-            start, stop, sparse, _ = segment
-            body = _remat(functools.partial(layer, sparse=sparse), cfg.remat)
+            start, stop = segment.start, segment.stop
+            body = functools.partial(layer, sparse=segment.sparse, linear=segment.linear)
+            body = _remat(body, cfg.remat)
             unroll = stop - start if cache is None and not cfg.scan_layers else 1
+            # a hybrid model's cache holds each attention kind's layers apart: its rows
+            row = segment.first_attn if cfg.hybrid else start
             xs = (
                 segment_params(cfg, stacked, segment),
                 jnp.arange(start, stop),
+                jnp.arange(row, row + stop - start),
                 layer_rows(kinds, start, stop),
                 layer_rows(routes, start, stop),
             )
@@ -200,7 +205,7 @@ class Transformer(nnx.Module):
 
         kvs, chosen = [], []
         for segment in cfg.layer_segments():
-            start, stop, sparse, _ = segment
+            start, stop, sparse = segment.start, segment.stop, segment.sparse
             body = _remat(functools.partial(layer, sparse=sparse), cfg.remat)
             unroll = 1 if cfg.scan_layers else stop - start
             xs = (

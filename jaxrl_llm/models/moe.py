@@ -245,7 +245,8 @@ def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
 
     weights: {"router" [D, E], "gate"/"up" [E, D, F], "down" [E, F, D]} of this layer,
     and for the sigmoid router "router_bias" [E], with shared experts "shared_gate" /
-    "shared_up" [D, Fs], "shared_down" [Fs, D].
+    "shared_up" [D, Fs], "shared_down" [Fs, D], and Qwen3.5-MoE's "shared_expert_gate"
+    [D, 1].
     routes [B, T, k]: replayed experts (None: the router's own top-k)."""
     B, T, D = h.shape
     x = h.reshape(B * T, D)
@@ -264,7 +265,10 @@ def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
     y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"], glu, biases)
     if cfg.n_shared_experts:
         shared = (weights["shared_gate"], weights["shared_up"], weights["shared_down"])
-        y = y + _swiglu(x, *shared, lambda a, w: jnp.matmul(a, w.astype(a.dtype)))
+        ys = _swiglu(x, *shared, lambda a, w: jnp.matmul(a, w.astype(a.dtype)))
+        if cfg.shared_expert_gate:  # Qwen3.5-MoE: sigmoid(x w_g) [N, 1] scales it
+            ys = ys * jax.nn.sigmoid(jnp.matmul(x, weights["shared_expert_gate"].astype(x.dtype)))
+        y = y + ys
     k = cfg.num_experts_per_tok
     return y.reshape(B, T, D), own.reshape(B, T, k)
 

@@ -1,4 +1,5 @@
-"""An MoE model's layers of two MLP kinds (experts, or a dense MLP: `cfg.dense_layers`):
+"""Layers of two MLP kinds (an MoE model's experts, or a dense MLP: `cfg.dense_layers`)
+and of two attention kinds (a hybrid model's Gated DeltaNet or full attention, Qwen3.5):
 which Block parameters are stacked over which layers, and the rows a run of alike layers
 reads (`ModelConfig.layer_segments`: one scan per run) or one layer reads (unrolled).
 
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.gated_deltanet import LINEAR_WEIGHTS
 
 # moe.moe_mlp's weight names -> the Block parameters holding them (stacked over the MoE
 # layers only, as the dense MLP's gate / up / down are over the dense layers only).
@@ -27,8 +29,11 @@ MOE_WEIGHTS = {
     "gate_bias": "expert_gate_bias",
     "up_bias": "expert_up_bias",
     "down_bias": "expert_down_bias",
+    "shared_expert_gate": "shared_expert_gate",
 }
 DENSE_MLP = ("gate", "up", "down")
+# A hybrid model's full-attention parameters, stacked over its full-attention layers.
+FULL_ATTENTION = tuple("q k v o q_bias k_bias v_bias o_bias q_norm k_norm sinks".split())
 
 
 def mlp_kind(name: str) -> bool | None:
@@ -41,39 +46,60 @@ def mlp_kind(name: str) -> bool | None:
     return None
 
 
+def attn_kind(cfg: ModelConfig, name: str) -> bool | None:
+    """In a hybrid model (Qwen3.5): whether the Block parameter `name` is stacked over
+    the Gated DeltaNet layers (True) or the full-attention layers (False); None for the
+    parameters of every layer, and for every parameter of any other model."""
+    if not cfg.hybrid:
+        return None
+    if name in LINEAR_WEIGHTS:
+        return True
+    return False if name in FULL_ATTENTION else None
+
+
+def _kind_of(cfg: ModelConfig, name: str) -> tuple[str, bool] | None:
+    """("mlp" | "attn", kind) of a parameter stacked over one kind of layers, else None."""
+    kind = mlp_kind(name)
+    if kind is not None:
+        return "mlp", kind
+    kind = attn_kind(cfg, name)
+    return None if kind is None else ("attn", kind)
+
+
 def segment_params(cfg: ModelConfig, stacked: dict, segment) -> dict:
-    """The stacked parameters of one `cfg.layer_segments()` run (start, stop, sparse,
-    first): every layer's slice [start:stop], that MLP kind's [first:first + stop -
-    start], and for the other kind's parameters a placeholder of zeros [stop - start]
-    (never read by these layers; a scan needs every leaf to have their number of rows)."""
-    start, stop, sparse, first = segment
-    n, out = stop - start, {}
+    """The stacked parameters of one `cfg.layer_segments()` run: every layer's slice
+    [start:stop], each kind's own rows from the run's index among that kind's layers
+    (`first` for the MLP's, `first_attn` for the attention's), and for the other kind's
+    parameters a placeholder of zeros [stop - start] (never read by these layers; a scan
+    needs every leaf to have their number of rows)."""
+    n, out = segment.stop - segment.start, {}
+    mine = {"mlp": (segment.sparse, segment.first), "attn": (segment.linear, segment.first_attn)}
     for name, a in stacked.items():
-        kind = mlp_kind(name)
-        if kind is None:
-            out[name] = a if (start, stop) == (0, a.shape[0]) else a[start:stop]
-        elif kind == sparse:
-            out[name] = a if (first, n) == (0, a.shape[0]) else a[first : first + n]
-        else:
+        group = _kind_of(cfg, name)
+        start = segment.start if group is None else mine[group[0]][1]
+        if group is not None and group[1] != mine[group[0]][0]:
             out[name] = jnp.zeros((n,), a.dtype)
+        else:
+            out[name] = a if (start, n) == (0, a.shape[0]) else a[start : start + n]
     return out
 
 
 def layer_slice(cfg: ModelConfig, per_index: dict, i: int) -> dict:
     """Layer i's parameters out of {name: each row of that stack} (`transformer.
-    layer_params`): MLP parameters at the layer's row among its kind, a zero scalar
+    layer_params`): a kind's parameters at the layer's row among its kind, a zero scalar
     placeholder for the other kind's."""
-    sparse = cfg.sparse_layers[i]
-    row = sum(1 for j in range(i) if cfg.sparse_layers[j] == sparse)
+    kinds = {"mlp": cfg.sparse_layers, "attn": cfg.linear_layers}
     out = {}
     for name, rows in per_index.items():
-        kind = mlp_kind(name)
-        if kind is None:
+        group = _kind_of(cfg, name)
+        if group is None:
             out[name] = rows[i]
-        elif kind == sparse:
-            out[name] = rows[row]
-        else:
+            continue
+        of = kinds[group[0]]
+        if of[i] != group[1]:
             out[name] = jnp.zeros((), rows[0].dtype)
+        else:
+            out[name] = rows[sum(1 for j in range(i) if of[j] == of[i])]
     return out
 
 

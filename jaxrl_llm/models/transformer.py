@@ -36,7 +36,8 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import Mask, causal_mask
-from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.config import ModelConfig, UnsupportedModelError
+from jaxrl_llm.models.gated_deltanet import LinearState
 from jaxrl_llm.models.kv_cache import KVCache
 from jaxrl_llm.models.layers import Transformer
 from jaxrl_llm.models.paged_attention import paged_inputs
@@ -93,6 +94,11 @@ def forward(
     (routing replay), None for their own. with_routes: return (hidden, the MoE layers' own
     top-k [B,T,L,k] int32, or None for a dense model)."""
     B, T = tokens.shape
+    if cfg.hybrid and segment_ids is not None:
+        raise UnsupportedModelError(
+            "optim.packing: a hybrid (Gated DeltaNet) model cannot run packed sequences yet "
+            "(segment_ids); set optim.packing='off'"
+        )
     if attention_mask is None:
         attention_mask = jnp.ones((B, T), bool)
     attention_mask = attention_mask.astype(bool)
@@ -133,6 +139,12 @@ def forward_after_prefix(
     by the caller, e.g. before a decode loop).
     """
     B, T = tokens.shape
+    if cfg.hybrid:
+        raise UnsupportedModelError(
+            "forward_after_prefix: a hybrid (Gated DeltaNet) model's prefix is a recurrent "
+            "state, not keys/values; not supported yet (the trainer's shared-prompt "
+            "log-probs and the paged engine use it)"
+        )
     attention_mask = attention_mask.astype(bool)
     if prefix is None:
         L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -228,15 +240,17 @@ def extend(
         q_pos=positions,
         k_pos=slot_pos,
     )
-    hidden, (k, v), own = _model(cfg, params)(
-        tokens, positions, mask, (cache.k, cache.v), cache.index, layers
-    )
+    kv = (cache.k, cache.v)
+    if cache.state is not None:  # a hybrid model: its DeltaNet layers' state rides along
+        kv = (*kv, cache.state.conv, cache.state.ssm)
+    hidden, kv, own = _model(cfg, params)(tokens, positions, mask, kv, cache.index, layers)
     new_cache = KVCache(
-        k=k,
-        v=v,
+        k=kv[0],
+        v=kv[1],
         valid=valid,
         pos=cache.pos + attention_mask.sum(-1, dtype=jnp.int32),
         index=cache.index + T,
+        state=None if cache.state is None else LinearState(conv=kv[2], ssm=kv[3]),
     )
     return (hidden, new_cache, token_major(own)) if with_routes else (hidden, new_cache)
 

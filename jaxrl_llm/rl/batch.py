@@ -343,7 +343,9 @@ def make_logprob_fn(
     replay: route with the rows' recorded `routes` (routing replay) where they have them.
     """
     shards = 1 if mesh is None else batch_size_multiple(mesh)
-    capacity = resolve_packing(packing, packing_capacity, shards, model_cfg.moe)
+    # an MoE model's routes are laid out by row; a hybrid model's recurrent state does
+    # not reset between packed sequences: both run padded
+    capacity = resolve_packing(packing, packing_capacity, shards, model_cfg.moe or model_cfg.hybrid)
     kw = dict(num_generations=spec.num_generations, micro_batches=micro_batches,
               temperature=spec.logprob_temperature, chunk_size=chunk_size,
               packing=capacity)  # fmt: skip
@@ -370,7 +372,8 @@ def batch_logprobs(
     routes: replayed experts [N, P + T, L, k], or None."""
     rows = (prompt_tokens, prompt_mask, tokens, mask)
     kw = dict(temperature=temperature, chunk_size=chunk_size)
-    if num_generations > 1 and tokens.shape[1] > 1:
+    # a hybrid model's prompt is a recurrent state, not keys/values: every row reads its own
+    if num_generations > 1 and tokens.shape[1] > 1 and not model_cfg.hybrid:
         logp = shared_prompt_logprobs(
             model_cfg, params, *rows, num_generations=num_generations,
             micro_batches=micro_batches, routes=routes, **kw,

@@ -310,7 +310,8 @@ def make_update_fn(
         chunk_size=int(chunk_size),
         skip_nonfinite=bool(skip_nonfinite),
         seed=int(seed),
-        share_prompts=bool(share_prompts),
+        # a hybrid model's prompt is a recurrent state, which `prompt_prefix` cannot carry
+        share_prompts=bool(share_prompts) and not model_cfg.hybrid,
     )
     return UpdateFn(setup, packing, float(packing_capacity))
 
@@ -352,7 +353,8 @@ class UpdateFn:
         shards = 1
         if isinstance(sharding, NamedSharding):
             shards = batch_size_multiple(sharding.mesh)
-        capacity = resolve_packing(*self._packing, shards, self._setup.model_cfg.moe)
+        cfg = self._setup.model_cfg
+        capacity = resolve_packing(*self._packing, shards, cfg.moe or cfg.hybrid)
         return dataclasses.replace(self._setup, packing=capacity)
 
     def _traced(self, setup: Setup, sharding, state: TrainState, frozen, batch: RolloutBatch):

@@ -50,13 +50,20 @@ def layer_matmul_params(model_cfg) -> int:
     FLOPs and MFU count the work done."""
     c = model_cfg
     D = c.hidden_size
-    attn = D * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    q_heads = c.num_heads * (2 if getattr(c, "attn_output_gate", False) else 1)
+    attn = D * c.head_dim * (q_heads + c.num_heads + 2 * c.num_kv_heads)
+    n_linear = sum(getattr(c, "linear_layers", ()))
+    mixers = (c.num_layers - n_linear) * attn
+    if n_linear:  # Gated DeltaNet: in_proj_qkv / z / a / b and out_proj
+        value = c.linear_num_value_heads * c.linear_value_head_dim
+        mixers += n_linear * D * (c.linear_conv_dim + 2 * value + 2 * c.linear_num_value_heads)
     dense_mlp = 3 * D * c.intermediate_size
     if getattr(c, "moe", False):
         width = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_intermediate_size
         sparse, n = D * c.num_experts + 3 * D * width, c.num_sparse_layers
-        return c.num_layers * attn + n * sparse + (c.num_layers - n) * dense_mlp
-    return c.num_layers * (attn + dense_mlp)
+        sparse += D if getattr(c, "shared_expert_gate", False) else 0
+        return mixers + n * sparse + (c.num_layers - n) * dense_mlp
+    return mixers + c.num_layers * dense_mlp
 
 
 def forward_flops(model_cfg, positions: float, context: float, unembedded: float) -> float:
@@ -64,11 +71,17 @@ def forward_flops(model_cfg, positions: float, context: float, unembedded: float
     `context` keys, with the output projection applied at `unembedded` of them.
 
     Matmuls of the parameters (2 per parameter per token) + attention scores and values
-    (4 * heads * head_dim per key per layer) + the unembedding (2 * vocab * hidden per
+    (4 * heads * head_dim per key per full-attention layer; a Gated DeltaNet layer's
+    recurrence 7 * Dk * Dv per value head and its convolution, whatever the context) +
+    the unembedding (2 * vocab * hidden per
     projected token). The embedding lookup is not a matmul and is not counted.
     """
     c = model_cfg
-    attn = 4 * c.num_layers * c.num_heads * c.head_dim * context
+    n_linear = sum(getattr(c, "linear_layers", ()))
+    attn = 4 * (c.num_layers - n_linear) * c.num_heads * c.head_dim * context
+    if n_linear:  # the delta rule per token and value head: decay, read, update, query
+        state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        attn += n_linear * (7 * state + 2 * c.linear_conv_kernel * c.linear_conv_dim)
     per_token = 2 * layer_matmul_params(c) + attn
     return positions * per_token + unembedded * 2 * c.vocab_size * c.hidden_size
 
