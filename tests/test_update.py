@@ -10,6 +10,7 @@ either sign, and two correct computations could differ by the learning rate.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -443,6 +444,20 @@ def test_skip_nonfinite_leaves_state_unchanged(params, host_batch):
         after = host((new.params, new.opt_state))
         assert jax.tree.all(jax.tree.map(np.array_equal, after, before))
         assert int(new.step) == 1  # the trainer step still counts
+
+
+def test_update_without_skip_copies_no_optimizer_state(params, host_batch):
+    """Without skip_nonfinite the new moments overwrite the old ones in place. The skip
+    keeps the old state alive beside the new one to select between them, so XLA copies
+    the moments first (a float32 copy of the optimizer state at the update's peak)."""
+    state, batch = fresh_state(params), on_device(host_batch)
+
+    def copied_state(skip: bool) -> list[str]:
+        hlo = update_fn("grpo", micro=4, skip=skip).lower(state, batch).compile().as_text()
+        return [x for x in re.findall(r" copy\((%?[\w.]+)\)", hlo) if "opt_state" in x]
+
+    assert copied_state(skip=True)  # what the check looks for is there to find
+    assert copied_state(skip=False) == []
 
 
 def test_nonfinite_without_skip_is_reported(params, host_batch):

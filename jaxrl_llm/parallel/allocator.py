@@ -85,6 +85,24 @@ def reexec_with_tcmalloc() -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+def release_free_memory() -> bool:
+    """Hands the allocator's free pages back to the system: tcmalloc's page heap (which
+    `TCMALLOC_RELEASE_RATE=0` otherwise keeps for good), or glibc's heap top
+    (`malloc_trim`). XLA takes a program's temporaries as one block; the smaller spans
+    that compiling and earlier programs freed cannot serve it, so kept, they would stay
+    resident beside it. Once after a round of compiles the cost is one page fault per
+    page of the next block; every step, it would undo what tcmalloc is here for. Returns
+    whether an allocator took the call."""
+    process = ctypes.CDLL(None)
+    if hasattr(process, "MallocExtension_ReleaseFreeMemory"):
+        process.MallocExtension_ReleaseFreeMemory()
+        return True
+    if hasattr(process, "malloc_trim"):
+        process.malloc_trim(0)
+        return True
+    return False
+
+
 def active() -> str | None:
     """The path of the tcmalloc library mapped into this process, or None."""
     try:

@@ -119,6 +119,12 @@ def _batch_metrics(adv, mask, returns, old_values) -> dict:
 
 
 def _select(pred, new, old):
+    """new where pred, else old. A pred that is True in Python selects nothing: a traced
+    select keeps the old parameters and moments alive beside the new ones, so XLA copies
+    the moments before updating them in place (a float32 copy of the optimizer state in
+    the update's peak memory)."""
+    if pred is True:
+        return new
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
@@ -136,12 +142,13 @@ def _optimizer_step(s: Setup, step, policy_on, frozen, dropout, carry: Carry, xs
         finite &= jnp.isfinite(metrics["loss/value"]) & jnp.isfinite(c_norm)
         metrics["optim/critic_grad_norm"] = c_norm
     metrics["optim/nonfinite"] = 1.0 - finite.astype(jnp.float32)
-    apply = finite | (not s.skip_nonfinite)
+    apply = finite if s.skip_nonfinite else True
     params, opt_state = s.opt.step(
         grads["policy"], carry.opt_state, carry.params, s.opt.schedule(step)
     )
     keep_old = (carry.params, carry.opt_state)
-    params, opt_state = _select(apply & policy_on, (params, opt_state), keep_old)
+    gate = apply if policy_on is True else policy_on & apply
+    params, opt_state = _select(gate, (params, opt_state), keep_old)
     new = carry.replace(params=params, opt_state=opt_state)
     if "critic" in grads:
         c_params, c_state = s.critic_opt.step(
@@ -219,7 +226,9 @@ def _update(s: Setup, state: TrainState, batch: RolloutBatch, frozen=None):
     weights (state.params are then the adapters)."""
     _check(s, state, batch)
     rows = _prepare(s, state, batch, frozen)
-    policy_on = state.step >= (s.algo.critic_warmup_steps if s.algo.uses_critic else 0)
+    policy_on = True  # static where it always holds (see `_select`)
+    if s.algo.uses_critic and s.algo.critic_warmup_steps > 0:
+        policy_on = state.step >= s.algo.critic_warmup_steps
     key = jax.random.fold_in(jax.random.key(s.seed), state.step)
     drop_key = None  # LoRA dropout: its own stream of train.seed, one key per step and pass
     if s.lora_dropout:

@@ -33,6 +33,7 @@ import numpy as np
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, verifiers
 from jaxrl_llm.gateway.rollout import AgentRollout
+from jaxrl_llm.parallel import allocator
 from jaxrl_llm.startup import compilation, peak
 from jaxrl_llm.trainer import evaluation, judges, perf, scoring, teachers
 from jaxrl_llm.trainer.modes import make_source
@@ -74,6 +75,7 @@ class Run:
         self._build_rollout(rollout_mesh)
         self._build_programs(params)
         self.fresh = True  # no update applied yet by this Run (`reads_reference`)
+        self._compiled_at_release = 0  # compiled programs when free pages were last released
         cache = c.train.compilation_cache_dir  # the peak is kept there: reruns read it
         self.peak = peak.device_peak(c.model.dtype, cache and os.path.expanduser(cache))
 
@@ -237,6 +239,7 @@ class Run:
             warning = self._check_verifiers(scored, step)
             rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
             with self.compile_log.program("update", bucket(ro.out)):
+                self._release_after_compiles()
                 self.state, device = self.update(
                     self.state, rl.RolloutBatch.from_sample(ro.out, rewards, ref, teacher)
                 )
@@ -245,6 +248,16 @@ class Run:
         host = self._metrics(ro.out, scored, clock) | ro.metrics | staleness(step - ro.version)
         return StepResult(host=parallel.host_mean(host), device=device, scored=scored,
                           warning=warning, data_position=ro.position)  # fmt: skip
+
+    def _release_after_compiles(self) -> None:
+        """Before an update that follows new compiles (the first step's, a new prompt
+        bucket's), the allocator's free pages go back to the system: what compiling and
+        sampling freed would otherwise stay resident beside the update's temporaries,
+        which XLA takes as one block (`parallel.allocator.release_free_memory`)."""
+        compiled = len(self.compile_log.programs)
+        if compiled != self._compiled_at_release:
+            allocator.release_free_memory()
+            self._compiled_at_release = compiled
 
     def reads_reference(self, step: int) -> bool:
         """Whether `step`'s update needs the reference model's forward: not at a fresh
