@@ -223,7 +223,9 @@ def parse_flags(argv: list[str]) -> list[str]:
         ) from None
 
 
-def config_command(main: Callable, config_help: str, workdir_help: str) -> None:
+def config_command(
+    main: Callable, config_help: str, workdir_help: str, workdir_required: bool = True
+) -> None:
     """The `python -m jaxrl_llm.<command> --config=FILE --workdir=DIR` entry point: the
     XLA flags for a CPU-only machine (`parallel.xla_flags`), the process re-run with
     tcmalloc where installed, the two required flags (`--config` with `--config.KEY=VALUE`
@@ -237,5 +239,5 @@ def config_command(main: Callable, config_help: str, workdir_help: str) -> None:
     allocator.reexec_with_tcmalloc()
     config_flags.DEFINE_config_file("config", None, config_help, lock_config=True)
     flags.DEFINE_string("workdir", None, workdir_help)
-    flags.mark_flags_as_required(["config", "workdir"])
+    flags.mark_flags_as_required(["config", "workdir"] if workdir_required else ["config"])
     cli_main(lambda: run_absl(main))

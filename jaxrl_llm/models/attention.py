@@ -41,6 +41,7 @@ from flax import struct
 
 from jaxrl_llm.models.attention_kernels import cudnn, pallas
 from jaxrl_llm.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+from jaxrl_llm.parallel import target
 
 DEFAULT_BLOCK = 512  # query and key block of `blockwise`
 # `auto` on CPU: the full score matrix up to this many query x key pairs (faster on short
@@ -127,7 +128,7 @@ def attention(q, k, v, mask, implementation: str = "xla", block: int = DEFAULT_B
     [B,T,S] bool) -> [B,T,N,H]. implementation: one of `IMPLEMENTATIONS`."""
     if not isinstance(mask, Mask):
         return _attention_vjp(q, k, v, mask)
-    name = resolve(implementation, jax.default_backend(), q.shape[1], k.shape[1])
+    name = resolve(implementation, target.backend(), q.shape[1], k.shape[1])
     if implementation == "auto" and name == "pallas" and mask.window is not None:
         name = "blockwise"  # splash has no position-based window
     if implementation == "auto" and name == "cudnn" and q.dtype not in _CUDNN_DTYPES:

@@ -37,6 +37,7 @@ from jaxrl_llm.models.layer_math import (
 from jaxrl_llm.models.moe import moe_mlp
 from jaxrl_llm.models.paged_attention import paged_attention, write_layer
 from jaxrl_llm.models.segments import MOE_WEIGHTS
+from jaxrl_llm.parallel import target
 
 
 def normal_param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
@@ -245,6 +246,6 @@ class Block(nnx.Module):
         key blocks (`cached_blockwise`) where `cfg.attention` would not hold [T, S]."""
         cfg = self.cfg
         T, S = q.shape[1], v.shape[-2]
-        if T > 1 and resolve(cfg.attention, jax.default_backend(), T, S) != "xla":
+        if T > 1 and resolve(cfg.attention, target.backend(), T, S) != "xla":
             return cached_blockwise(q, kt, v, mask, cfg.attention_block)
         return cached_attention(q, kt.astype(q.dtype), v.astype(q.dtype), mask.dense())

@@ -41,6 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention_kernel as shipped
 
+from jaxrl_llm.parallel import target
+
 BLOCK_TOKENS = 256  # keys per kernel block (pages_per_compute_block * page_size), at most
 
 
@@ -75,7 +77,7 @@ def launch(q, k_pages, v_pages, lengths, page_indices, block: int):
     )  # fmt: skip
     buffer = pltpu.VMEM((2, block, S, H), k_pages.dtype)  # double-buffered page DMAs
     stat = jax.ShapeDtypeStruct((*q.shape[:-1], 1), jnp.float32)
-    on_tpu = jax.default_backend() == "tpu"
+    on_tpu = target.backend() == "tpu"
     o, m, total = pl.pallas_call(
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -62,6 +62,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
+from jaxrl_llm.parallel import target
 from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput
 from jaxrl_llm.sampling.paged_programs import (
     ATTENTION,
@@ -264,7 +265,7 @@ class PagedSampler:
 
     def _pool(self, cfg, pages: int, page_size: int, dtype) -> Pages:
         """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so."""
-        pallas = uses_pallas(cfg, self.attention, dtype, jax.default_backend(), page_size)
+        pallas = uses_pallas(cfg, self.attention, dtype, target.backend(), page_size)
         return self._init_pool(cfg, pages, page_size, dtype, pallas)
 
     # ----------------------------------------------------------------- device programs

@@ -1,0 +1,351 @@
+"""A run's programs compiled for a TPU topology from a CPU process: will it fit, how fast.
+
+    python -m jaxrl_llm.train --config=configs/<experiment>.py --compile_for=v6e:2x4
+
+Builds the programs one RL step executes, with the trainer's own builders (the sampler of
+`rollout.engine`'s static path, `trainer.run.make_reference`, `trainer.run.make_update`)
+and the config's shapes (the model's config.json, the largest prompt bucket, the full
+completion budget), on the config's mesh over the topology's chips
+(`tpu.chips.topology_devices`), from abstract arrays (`jax.ShapeDtypeStruct` with the run's
+shardings): no weight is made, nothing is read or downloaded but the model's config.json
+(or, for the hub models the shipped configs name, their shapes below). Each program is
+lowered and compiled by XLA:TPU; per chip it reports the compiler's memory analysis
+(arguments, temporaries, peak against the chip's HBM) and cost analysis, and a roofline
+time from the model's FLOPs and HBM traffic (`roofline`). Exit status 2 with one line
+when a program does not fit.
+
+XLA's cost analysis counts a loop body once (the layer scan, the micro-batch scan, the
+decode loop), so its FLOPs and bytes are those of one iteration: printed as the
+compiler's, while the roofline uses the model's FLOPs (`trainer.perf.step_flops`, the
+trainer's MFU numerator) and the weights and KV cache each phase must read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models, parallel
+from jaxrl_llm.config.derived import ConfigError
+from jaxrl_llm.parallel import target
+from jaxrl_llm.tpu import roofline
+from jaxrl_llm.tpu.chips import GiB, Topology, parse_topology, roofline_s, topology_devices
+
+# config.json shapes of the hub models the shipped TPU configs name (so a compile-only
+# run needs no download); any other model: a local directory or a built-in name.
+HUB_CONFIGS = {
+    "Qwen/Qwen3-1.7B": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1e6,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu",
+    ),
+    "Qwen/Qwen3-30B-A3B": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, tie_word_embeddings=False, rope_theta=1e6,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu", num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "meta-llama/Llama-3.1-8B-Instruct": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, rope_theta=500000.0,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+    ),
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
+        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu",
+    ),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program's figures on one chip (bytes, FLOPs, seconds)."""
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    compiler_flops: float  # XLA's cost analysis: loop bodies counted once
+    compiler_bytes: float
+    model_flops: float  # per chip, the whole program (`roofline.phase_costs`)
+    model_bytes: float
+    seconds: float  # roofline time on the chip
+    compile_s: float
+
+    @property
+    def peak(self) -> int:
+        """Bytes live at the program's peak: its arguments, its outputs not written over
+        donated arguments, and its temporaries."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A config's step compiled for a topology."""
+
+    topology: Topology
+    mesh: dict
+    programs: list[Program]
+    not_compiled: list[str]  # what the step runs that was not compiled, and why
+    step_flops: float  # model FLOPs of the whole step, all chips
+
+    @property
+    def step_s(self) -> float:
+        return sum(p.seconds for p in self.programs)
+
+    @property
+    def mfu(self) -> float:
+        chip = self.topology.chip
+        return (
+            self.step_flops / max(self.step_s, 1e-12) / (chip.bf16_flops * self.topology.num_chips)
+        )
+
+    def too_big(self) -> Program | None:
+        """The first program whose peak exceeds the chip's HBM (None: all fit)."""
+        hbm = self.topology.chip.hbm_bytes
+        return next((p for p in self.programs if p.peak > hbm), None)
+
+
+def model_config(c) -> models.ModelConfig:
+    """The config's model shapes, with its runtime settings: from HUB_CONFIGS for the
+    hub names there, else the local directory or built-in name (never a download)."""
+    m = c.model
+    runtime = dict(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                   attention_block=m.attention_block, moe_impl=m.moe_impl,
+                   prefill_chunk=c.rollout.prefill_chunk)  # fmt: skip
+    if m.path in HUB_CONFIGS:
+        return models.ModelConfig.from_hf_dict(HUB_CONFIGS[m.path], m.path, **runtime)
+    path = models.builtin.resolve(m.path, download=False)
+    if path is None:
+        raise ConfigError(
+            f"model.path={m.path!r}: a hub name whose shapes are not known here; give a "
+            f"local directory with its config.json (no download in a compile-only run)"
+        )
+    return models.builtin.model_config(path, **runtime)
+
+
+def compile_config(raw, topology: str, out=sys.stdout) -> Report:
+    """Compiles run config `raw`'s step for `topology` ('v6e:2x4'); prints and returns
+    the report."""
+    from jaxrl_llm.config import checks, tuning
+
+    topo = parse_topology(topology)
+    devices = topology_devices(topo)
+    shape = checks.check_mesh(raw, len(devices))  # the checks that read no data, no model
+    checks.check_rollout(raw, shape, 1)
+    checks.check_algo(raw)
+    checks.check_optim(raw)
+    cfg = model_config(raw)
+    c, _ = tuning.resolve(raw, cfg, "tpu", batch_shards=shape[0] * shape[1] * shape[2])
+    train_devices, rollout_devices = config_lib.split_devices(c, devices)
+    mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh), train_devices)
+    rollout_mesh = mesh
+    if rollout_devices:
+        rollout_mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh.rollout), rollout_devices)
+    print(f"{topo}: mesh {dict(mesh.shape)}; {cfg.architecture}, "
+          f"{cfg.num_params() / 1e9:.2f}B parameters, {c.model.dtype}; the step compiled "
+          f"(not run) by XLA:TPU", file=out, flush=True)  # fmt: skip
+    with target.compiling_for(devices):
+        report = _compile_step(c, cfg, mesh, rollout_mesh, topo, out)
+    print_report(report, out)
+    return report
+
+
+def _compile_step(c, cfg, mesh, rollout_mesh, topo, out) -> Report:
+    """Sampler, reference, update: compiled in the order the step runs them."""
+    from jaxrl_llm import rl, sampling
+    from jaxrl_llm.startup.compilation import shaped
+    from jaxrl_llm.trainer import perf
+    from jaxrl_llm.trainer.run import make_reference, make_update
+
+    algo = config_lib.algo_config(c)
+    skipped = _not_compiled(c, algo)
+    r = c.rollout
+    B, G = r.batch_size, r.num_generations
+    width = sampling.bucket_length(c.data.max_prompt_len, config_lib.tuning.bucket_steps(c, "tpu"))
+    spec = sampling.RolloutSpec(num_generations=G, max_new_tokens=r.max_new_tokens,
+                                temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                stop_ids=(0,))  # fmt: skip
+    params = abstract_params(cfg, mesh, c.model.dtype)
+    sampler = sampling.Sampler(cfg, rollout_mesh, cache_segments=r.cache_segments,
+                               seed=c.train.seed, bucket_steps=r.bucket_steps or 2)  # fmt: skip
+    rows = parallel.batch_sharding(rollout_mesh, 2)
+    ids = jax.ShapeDtypeStruct((B, width), jnp.int32, sharding=rows)
+    mask = jax.ShapeDtypeStruct((B, width), jnp.bool_, sharding=rows)
+    sample_params = params if rollout_mesh is mesh else abstract_params(cfg, rollout_mesh,
+                                                                        c.model.dtype)  # fmt: skip
+    program, args, kwargs = sampler.sample_program(sample_params, ids, mask, spec)
+    built = [_compile("sampler", program, args, kwargs, out)]
+    sample_out = shaped(built[0].out_info, NamedSharding(mesh, P(parallel.BATCH_AXES)))
+    ref = None
+    reference = make_reference(c, algo, cfg, spec, mesh)
+    if reference is not None:
+        built.append(_compile("reference", reference, (params, sample_out), {}, out))
+        ref = sample_out.logprobs
+    opt = rl.optimizer_from_config(c.optim, c.train.num_steps)
+    update = make_update(c, algo, cfg, opt, spec)
+    state = abstract_state(params, opt, mesh)
+    rewards = jax.ShapeDtypeStruct((B * G,), jnp.float32, sharding=parallel.batch_sharding(mesh, 1))
+    rollouts = rl.RolloutBatch.from_sample(sample_out, rewards, ref)
+    program, args = update.program(state, rollouts)
+    built.append(_compile("update", program, args, {}, out))
+    flops = perf.step_flops(
+        cfg, rows=B * G, prompts=B, prompt_len=width, new_tokens=r.max_new_tokens,
+        reference=reference is not None, update_forwards=update.forward_passes,
+        update_shared_forwards=update.shared_prompt_passes, reference_shares_prompts=G > 1,
+    )  # fmt: skip
+    m = dict(mesh.shape)
+    costs = roofline.phase_costs(
+        cfg, flops, rows=B * G, prompt_len=width, new_tokens=r.max_new_tokens,
+        chips=topo.num_chips, weight_shards=m.get("tensor", 1) * m.get("expert", 1),
+        row_shards=parallel.batch_size_multiple(mesh), itemsize=jnp.dtype(c.model.dtype).itemsize,
+        micro_batches=c.optim.micro_batches * c.optim.mini_batches,
+        update_forwards=update.forward_passes, reference=reference is not None,
+    )  # fmt: skip
+    phase = {"sampler": "sample", "reference": "reference", "update": "update"}
+    programs = [_measure(b, costs[phase[b.name]], topo) for b in built]
+    return Report(topo, m, programs, skipped, sum(flops.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    name: str
+    compiled: object  # jax.stages.Compiled
+    out_info: object  # the program's output shapes
+    seconds: float  # to lower and compile
+
+
+def _compile(name, program, args, kwargs, out) -> _Built:
+    start = time.perf_counter()
+    lowered = program.lower(*args, **kwargs)
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    print(f"  {name}: compiled in {seconds:.0f} s", file=out, flush=True)
+    return _Built(name, compiled, lowered.out_info, seconds)
+
+
+def _measure(built: _Built, cost: roofline.Cost, topo: Topology) -> Program:
+    mem = built.compiled.memory_analysis()
+    analysis = built.compiled.cost_analysis() or {}
+    if isinstance(analysis, list):  # older jax: one dict per program
+        analysis = analysis[0] if analysis else {}
+    return Program(
+        name=built.name,
+        arguments=mem.argument_size_in_bytes,
+        outputs=mem.output_size_in_bytes,
+        aliased=mem.alias_size_in_bytes,
+        temporaries=mem.temp_size_in_bytes,
+        compiler_flops=float(analysis.get("flops", 0.0)),
+        compiler_bytes=float(analysis.get("bytes accessed", 0.0)),
+        model_flops=cost.flops,
+        model_bytes=cost.hbm_bytes,
+        seconds=roofline_s(cost.flops, cost.hbm_bytes, topo.chip),
+        compile_s=built.seconds,
+    )
+
+
+def abstract_params(cfg, mesh, dtype: str):
+    """The model's parameters as ShapeDtypeStructs sharded by the rule table on `mesh`."""
+    shardings = models.param_shardings(cfg, mesh)
+    dt = jnp.dtype(dtype)
+    shapes = models.params.unflatten(
+        {path: jax.ShapeDtypeStruct(s.shape, dt) for path, s in models.param_specs(cfg).items()}
+    )
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def abstract_state(params, opt, mesh):
+    """`rl.TrainState` as `rl.init_train_state` places it, abstract: the subtrees shaped
+    like the params (master copy, moments) sharded like them, the rest replicated."""
+    from jaxrl_llm import rl
+
+    structure, replicated = jax.tree.structure(params), NamedSharding(mesh, P())
+
+    def like_params(x) -> bool:
+        return jax.tree.structure(x) == structure
+
+    def place(x):
+        if like_params(x):
+            return jax.tree.map(
+                lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding), x, params
+            )
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), x
+        )
+
+    opt_state = jax.tree.map(place, jax.eval_shape(opt.init, params), is_leaf=like_params)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return rl.TrainState(step=step, params=params, opt_state=opt_state)
+
+
+def _not_compiled(c, algo) -> list[str]:
+    """What the run executes that this compile-only run does not build, each with why."""
+    skipped = []
+    if c.rollout.engine == "paged":
+        skipped.append("the paged engine's programs (the static sampler's stand in)")
+    if algo.uses_critic:
+        skipped.append("the critic (PPO's value model)")
+    if config_lib.lora_config(c) is not None:
+        skipped.append("LoRA (the full model's update compiled instead)")
+    if c.teacher.path or c.teacher.field:
+        skipped.append("the teacher's log-probs (the reference's program, over its params)")
+    if any("judge" in str(k) for k in (c.rewards or {})):
+        skipped.append("the judges' samplers")
+    if c.eval.every > 0:
+        skipped.append("evaluation's samplers (the rollout's program at temperature 0)")
+    return skipped
+
+
+def print_report(report: Report, out=sys.stdout) -> None:
+    """The per-chip table: memory against HBM, the compiler's and the model's cost, the
+    roofline time; then the step's predicted time and MFU."""
+    chip = report.topology.chip
+    hbm = chip.hbm_bytes / GiB
+    print(f"per chip ({chip.name}: {hbm:.0f} GiB HBM, {chip.bf16_flops / 1e12:.0f} TFLOP/s "
+          f"bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s):", file=out)  # fmt: skip
+    head = (f"  {'program':<10} {'args GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} "
+            f"{'XLA GFLOP':>10} {'XLA GB':>8} {'model TFLOP':>12} {'model GB':>9} "
+            f"{'roofline s':>11}")  # fmt: skip
+    print(head, file=out)
+    for p in report.programs:
+        print(f"  {p.name:<10} {p.arguments / GiB:>9.2f} {p.temporaries / GiB:>9.2f} "
+              f"{p.peak / GiB:>9.2f} {p.peak / chip.hbm_bytes:>7.0%} "
+              f"{p.compiler_flops / 1e9:>10.1f} {p.compiler_bytes / 1e9:>8.2f} "
+              f"{p.model_flops / 1e12:>12.2f} {p.model_bytes / 1e9:>9.1f} "
+              f"{p.seconds:>11.3f}", file=out)  # fmt: skip
+    print(f"step: {report.step_s:.2f} s predicted (roofline), MFU {report.mfu:.1%}; XLA's "
+          f"FLOPs and bytes count each loop body once", file=out)  # fmt: skip
+    for what in report.not_compiled:
+        print(f"not compiled: {what}", file=out)
+    out.flush()
+
+
+def run(raw, topology: str) -> int:
+    """The command line's compile-only run: 0 when every program fits, 2 (and one line
+    naming the first that does not) otherwise."""
+    report = compile_config(raw, topology)
+    big = report.too_big()
+    if big is None:
+        return 0
+    chip = report.topology.chip
+    print(f"does not fit: {big.name} needs {big.peak / GiB:.2f} GiB per chip, a {chip.name} "
+          f"chip has {chip.hbm_bytes / GiB:.0f} GiB", file=sys.stderr, flush=True)  # fmt: skip
+    return 2
