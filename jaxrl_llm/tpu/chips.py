@@ -94,6 +94,16 @@ def parse_topology(text: str) -> Topology:
     return Topology(CHIPS[kind], dims, int(slices or 1))
 
 
+# libtpu's settings for a process that only describes chips: no metadata server query
+# (not a TPU VM), no lock file (several such processes may compile at once), this host
+# as the only worker (else libtpu logs an error about the missing worker list).
+DESCRIBE_ONLY = {
+    "TPU_SKIP_MDS_QUERY": "1",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+}
+
+
 def set_platforms(environ, compile_only: bool = False) -> None:
     """Before jax starts: a compile-only run is a CPU process that libtpu describes chips
     in (no metadata server query: there is no TPU VM; no TPU backend). Otherwise, where
@@ -101,7 +111,7 @@ def set_platforms(environ, compile_only: bool = False) -> None:
     no JAX_PLATFORMS, jax is kept on the CPU: with libtpu present it would try to start a
     TPU backend, print libtpu's errors about the missing TPU environment, and fall back."""
     if compile_only:
-        environ["TPU_SKIP_MDS_QUERY"] = "1"
+        environ.update(DESCRIBE_ONLY)
         environ["JAX_PLATFORMS"] = "cpu"
     elif "JAX_PLATFORMS" not in environ and not _has_accelerator() and _installed("libtpu"):
         environ["JAX_PLATFORMS"] = "cpu"
@@ -125,10 +135,10 @@ def _has_accelerator() -> bool:
 def topology_devices(topo: Topology) -> list:
     """The chips of `topo` (every host's, every slice's) as jax devices to compile for.
     Raises TopologyError when libtpu is not installed or cannot describe the topology."""
-    try:
-        from jax.experimental import topologies
-    except ImportError as err:  # pragma: no cover - jax always has it
-        raise TopologyError(f"jax.experimental.topologies: {err}") from None
+    from jax.experimental import topologies
+
+    for key, value in DESCRIBE_ONLY.items():  # read when libtpu first loads
+        os.environ.setdefault(key, value)
     # A host holds up to 2 x 2 chips of any kind: what is per host only decides which
     # process a chip belongs to, not what compiles.
     per_host = tuple(min(2, d) for d in topo.shape[:2]) + (1,)

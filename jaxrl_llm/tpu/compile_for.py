@@ -23,6 +23,7 @@ trainer's MFU numerator) and the weights and KV cache each phase must read.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 
@@ -87,6 +88,7 @@ class Program:
     model_bytes: float
     seconds: float  # roofline time on the chip
     compile_s: float
+    kernels: tuple[str, ...] = ()  # the Mosaic (Pallas) kernels in the program
 
     @property
     def peak(self) -> int:
@@ -257,7 +259,23 @@ def _measure(built: _Built, cost: roofline.Cost, topo: Topology) -> Program:
         model_bytes=cost.hbm_bytes,
         seconds=roofline_s(cost.flops, cost.hbm_bytes, topo.chip),
         compile_s=built.seconds,
+        kernels=mosaic_kernels(built.compiled.as_text()),
     )
+
+
+# The names the Pallas kernels jaxrl_llm calls leave in a compiled program's metadata.
+_KERNEL = re.compile(
+    r"splash_m[hq]a_(?:fwd|dkv|dq)[a-z_]*|\bt?gmm\b|ragged_paged_attention[a-z_]*|"
+    r"paged_flash_attention[a-z_]*"
+)
+
+
+def mosaic_kernels(hlo: str) -> tuple[str, ...]:
+    """The Pallas kernels in a compiled TPU program's text (none: it has no Mosaic
+    custom call)."""
+    if 'custom_call_target="tpu_custom_call"' not in hlo:
+        return ()
+    return tuple(sorted(set(_KERNEL.findall(hlo))))
 
 
 def abstract_params(cfg, mesh, dtype: str):
@@ -331,6 +349,9 @@ def print_report(report: Report, out=sys.stdout) -> None:
               f"{p.compiler_flops / 1e9:>10.1f} {p.compiler_bytes / 1e9:>8.2f} "
               f"{p.model_flops / 1e12:>12.2f} {p.model_bytes / 1e9:>9.1f} "
               f"{p.seconds:>11.3f}", file=out)  # fmt: skip
+    for p in report.programs:
+        if p.kernels:
+            print(f"  {p.name} kernels: {', '.join(p.kernels)}", file=out)
     print(f"step: {report.step_s:.2f} s predicted (roofline), MFU {report.mfu:.1%}; XLA's "
           f"FLOPs and bytes count each loop body once", file=out)  # fmt: skip
     for what in report.not_compiled:
