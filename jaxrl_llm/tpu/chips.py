@@ -3,7 +3,7 @@
     chip = CHIPS["v6e"]                         # published peak bf16 FLOP/s, HBM, bandwidth
     topo = parse_topology("v5p:4x4x4*2")        # 2 slices of a v5p 4x4x4 (64 chips each)
     devices = topology_devices(topo)            # the chips, as jax devices to compile for
-    seconds = roofline_s(flops, hbm_bytes, chip)
+    chip = chip_of(jax.devices()[0].device_kind)  # None: not a chip in these tables
 
 libtpu describes any topology without hardware: with `TPU_SKIP_MDS_QUERY=1` and
 `jax_platforms=cpu`, `jax.experimental.topologies.get_topology_desc` gives every chip of
@@ -40,6 +40,23 @@ CHIPS = {
     "v5p": Chip("v5p", "TPU v5", 459e12, 95 * GiB, 2765e9),
     "v6e": Chip("v6e", "TPU v6 lite", 918e12, 32 * GiB, 1640e9),
 }
+
+
+# GPUs, for benchmarks/device_check.py's roofline beside its measured phases: NVIDIA's
+# published dense (no sparsity) bf16 tensor-core peak, HBM size and bandwidth (SXM).
+GPUS = {
+    "h100": Chip("h100", "NVIDIA H100 80GB HBM3", 989e12, 80 * GiB, 3350e9),
+    "h200": Chip("h200", "NVIDIA H200", 989e12, 141 * GiB, 4800e9),
+}
+
+
+def chip_of(device_kind: str) -> Chip | None:
+    """The figures of the chip a jax device kind names (None: not in CHIPS or GPUS)."""
+    kind = device_kind.lower()
+    for chip in (*CHIPS.values(), *GPUS.values()):
+        if kind == chip.device_kind.lower() or (chip.name in GPUS and chip.name in kind):
+            return chip
+    return None
 
 
 class TopologyError(UserError, ValueError):
@@ -158,9 +175,3 @@ def topology_devices(topo: Topology) -> list:
             f"{topo.num_chips} chips"
         )
     return devices
-
-
-def roofline_s(flops: float, hbm_bytes: float, chip: Chip) -> float:
-    """The roofline time of a program on one chip: the longer of its FLOPs at the chip's
-    peak bf16 rate and its HBM traffic at the chip's bandwidth (seconds)."""
-    return max(flops / chip.bf16_flops, hbm_bytes / chip.hbm_bandwidth)

@@ -37,7 +37,7 @@ from jaxrl_llm import models, parallel
 from jaxrl_llm.config.derived import ConfigError
 from jaxrl_llm.parallel import target
 from jaxrl_llm.tpu import roofline
-from jaxrl_llm.tpu.chips import GiB, Topology, parse_topology, roofline_s, topology_devices
+from jaxrl_llm.tpu.chips import GiB, Topology, parse_topology, topology_devices
 
 # config.json shapes of the hub models the shipped TPU configs name (so a compile-only
 # run needs no download); any other model: a local directory or a built-in name.
@@ -257,7 +257,7 @@ def _measure(built: _Built, cost: roofline.Cost, topo: Topology) -> Program:
         compiler_bytes=float(analysis.get("bytes accessed", 0.0)),
         model_flops=cost.flops,
         model_bytes=cost.hbm_bytes,
-        seconds=roofline_s(cost.flops, cost.hbm_bytes, topo.chip),
+        seconds=roofline.roofline_s(cost.flops, cost.hbm_bytes, topo.chip),
         compile_s=built.seconds,
         kernels=mosaic_kernels(built.compiled.as_text()),
     )

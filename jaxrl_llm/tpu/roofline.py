@@ -1,7 +1,7 @@
 """Roofline estimates of a step's programs on one chip, from the model's arithmetic.
 
     costs = phase_costs(cfg, flops, rows=..., ...)   # {phase: Cost(flops, hbm_bytes)} per chip
-    seconds = chips.roofline_s(cost.flops, cost.hbm_bytes, chip)
+    seconds = predicted_seconds(costs, chip)          # {phase: roofline seconds}
 
 FLOPs are the trainer's model FLOPs (`trainer.perf.step_flops`: the MFU numerator)
 divided evenly over the chips. HBM traffic counts what each phase must read: the weights
@@ -56,3 +56,14 @@ def phase_costs(
     if reference:
         costs["reference"] = Cost(flops["reference"] / chips, passes)
     return costs
+
+
+def roofline_s(flops: float, hbm_bytes: float, chip) -> float:
+    """The roofline time of a program on one chip (`tpu.chips.Chip`): the longer of its
+    FLOPs at the chip's peak bf16 rate and its HBM traffic at the chip's bandwidth."""
+    return max(flops / chip.bf16_flops, hbm_bytes / chip.hbm_bandwidth)
+
+
+def predicted_seconds(costs: dict[str, Cost], chip) -> dict[str, float]:
+    """{phase: roofline seconds on `chip`} of `phase_costs`' costs."""
+    return {phase: roofline_s(c.flops, c.hbm_bytes, chip) for phase, c in costs.items()}
