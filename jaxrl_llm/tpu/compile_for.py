@@ -194,6 +194,9 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, out) -> Report:
                                                                         c.model.dtype)  # fmt: skip
     program, args, kwargs = sampler.sample_program(sample_params, ids, mask, spec)
     built = [_compile("sampler", program, args, kwargs, out)]
+    if r.engine == "paged":  # the engine's own programs; the static sampler's shapes stand
+        # for its output (what the reference and the update read)
+        built += _paged_programs(c, cfg, rollout_mesh, sample_params, spec, width, out)
     sample_out = shaped(built[0].out_info, NamedSharding(mesh, P(parallel.BATCH_AXES)))
     ref = None
     reference = make_reference(c, algo, cfg, spec, mesh)
@@ -221,8 +224,67 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, out) -> Report:
         update_forwards=update.forward_passes, reference=reference is not None,
     )  # fmt: skip
     phase = {"sampler": "sample", "reference": "reference", "update": "update"}
-    programs = [_measure(b, costs[phase[b.name]], topo) for b in built]
+    # The paged engine's chunks: one decode chunk's share of the sampler's roofline.
+    T, chunk = r.max_new_tokens, c.rollout.paged.chunk_steps
+    share = {"paged decode": chunk / T, "paged prefill": 0.0}
+    programs = []
+    for b in built:
+        cost = costs[phase.get(b.name, "sample")]
+        if b.name in share:
+            cost = roofline.Cost(cost.flops * share[b.name], cost.hbm_bytes * share[b.name])
+        programs.append(_measure(b, cost, topo))
     return Report(topo, m, programs, skipped, sum(flops.values()))
+
+
+def _paged_programs(c, cfg, mesh, params, spec, width: int, out) -> list:
+    """The paged engine's decode chunk (every slot, the full page table) and prefill chunk
+    (one per prompt), at the sizes `PagedSampler.session` picks for the step's rows; its
+    state (pool, slots, logits) replicated on the mesh, as the engine puts it."""
+    from jaxrl_llm.sampling import paged_programs
+    from jaxrl_llm.trainer.sources import make_sampler
+
+    engine = make_sampler(c, cfg, mesh, pad_id=0)
+    p, B, T = c.rollout.paged, c.rollout.batch_size, spec.max_new_tokens
+    rows = B * spec.num_generations
+    S = p.slots or rows
+    PS, C = p.page_size, p.prefill_chunk
+    pages = p.pages or 1 + -(-rows * (width + T) // PS)
+    M = -(-(-(-(width + T) // C) * C + C) // PS)  # page-table columns (`Session._fit`)
+    dtype = jnp.dtype(c.model.dtype)
+    pallas = paged_programs.uses_pallas(cfg, engine.attention, dtype, "tpu", PS)
+    everywhere = NamedSharding(mesh, P())
+
+    def put(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere)
+
+    pool = jax.tree.map(put, jax.eval_shape(
+        lambda: paged_programs.init_pages(cfg, pages, PS, dtype, pallas)))  # fmt: skip
+
+    def a(shape, dt=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=everywhere)
+
+    routes = None
+    if cfg.moe:
+        routes = a((S, T, cfg.num_layers, cfg.num_experts_per_tok), models.ROUTE_DTYPE)
+    slots = paged_programs.Slots(
+        table=a((S, M)), start=a((S,)), length=a((S,)), cap=a((S,)), last=a((S,)),
+        fresh=a((S,), bool), live=a((S,), bool), stopped=a((S,), bool), n=a((S,)),
+        budget=a((S,)), row=a((S,)), prompt=a((S,)), tokens=a((S, T)),
+        logprobs=a((S, T), jnp.float32), routes=routes,
+    )  # fmt: skip
+    logits = a((min(B, S + 1) + 1, cfg.vocab_size), jnp.float32)
+    weights = (params, None)  # an unrolled model's layers are then sliced in the program
+    seed_step, stops = a((2,), jnp.uint32), a((1,))
+    programs = engine.programs
+    decode = _compile(
+        "paged decode", programs["decode"], (weights, pool, slots, logits, seed_step, stops),
+        dict(steps=p.chunk_steps, spec=spec), out,
+    )  # fmt: skip
+    b = 1 << (B - 1).bit_length()
+    prefill_args = (weights, pool, logits, a((b,)), a((b, C)), a((b, C), bool), a((b, M)),
+                    a((b,)), a((b,)))  # fmt: skip
+    prefill = _compile("paged prefill", programs["prefill"], prefill_args, {}, out)
+    return [decode, prefill]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,11 +333,13 @@ _KERNEL = re.compile(
 
 
 def mosaic_kernels(hlo: str) -> tuple[str, ...]:
-    """The Pallas kernels in a compiled TPU program's text (none: it has no Mosaic
-    custom call)."""
-    if 'custom_call_target="tpu_custom_call"' not in hlo:
+    """The Pallas kernels in a compiled TPU program's text, by name where the kernel
+    leaves one (splash, megablox), else as 'N pallas_call' (the paged-attention kernel);
+    none: the program has no Mosaic custom call."""
+    calls = hlo.count('custom_call_target="tpu_custom_call"')
+    if not calls:
         return ()
-    return tuple(sorted(set(_KERNEL.findall(hlo))))
+    return tuple(sorted(set(_KERNEL.findall(hlo)))) or (f"{calls} pallas_call",)
 
 
 def abstract_params(cfg, mesh, dtype: str):
@@ -317,8 +381,6 @@ def abstract_state(params, opt, mesh):
 def _not_compiled(c, algo) -> list[str]:
     """What the run executes that this compile-only run does not build, each with why."""
     skipped = []
-    if c.rollout.engine == "paged":
-        skipped.append("the paged engine's programs (the static sampler's stand in)")
     if algo.uses_critic:
         skipped.append("the critic (PPO's value model)")
     if config_lib.lora_config(c) is not None:
@@ -339,12 +401,12 @@ def print_report(report: Report, out=sys.stdout) -> None:
     hbm = chip.hbm_bytes / GiB
     print(f"per chip ({chip.name}: {hbm:.0f} GiB HBM, {chip.bf16_flops / 1e12:.0f} TFLOP/s "
           f"bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s):", file=out)  # fmt: skip
-    head = (f"  {'program':<10} {'args GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} "
+    head = (f"  {'program':<13} {'args GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} "
             f"{'XLA GFLOP':>10} {'XLA GB':>8} {'model TFLOP':>12} {'model GB':>9} "
             f"{'roofline s':>11}")  # fmt: skip
     print(head, file=out)
     for p in report.programs:
-        print(f"  {p.name:<10} {p.arguments / GiB:>9.2f} {p.temporaries / GiB:>9.2f} "
+        print(f"  {p.name:<13} {p.arguments / GiB:>9.2f} {p.temporaries / GiB:>9.2f} "
               f"{p.peak / GiB:>9.2f} {p.peak / chip.hbm_bytes:>7.0%} "
               f"{p.compiler_flops / 1e9:>10.1f} {p.compiler_bytes / 1e9:>8.2f} "
               f"{p.model_flops / 1e12:>12.2f} {p.model_bytes / 1e9:>9.1f} "
