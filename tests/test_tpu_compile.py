@@ -40,13 +40,18 @@ def small(c):
     return c
 
 
-def test_tiny_step_compiles_for_v5e_with_splash_attention(tmp_path):
+def test_tiny_step_compiles_for_v5e_with_the_kernels(tmp_path):
+    """Sampler, the paged engine's chunks, reference and update on 4 chips: splash
+    attention in the reference and the update, the paged-attention kernel in decode."""
     c = small(tiny_config(model_dir(tmp_path)))
     c.model.attention = "auto"  # on TPU: the splash kernel
+    c.rollout.engine = "paged"  # paged.attention 'auto': the Pallas kernel (bf16, head 128)
     out = io.StringIO()
     report = compile_for.compile_config(c, "v5e:2x2", out=out)
     names = [p.name for p in report.programs]
-    assert names == ["sampler", "reference", "update"], out.getvalue()
+    assert names == ["sampler", "paged decode", "paged prefill", "reference", "update"], names
+    assert report.programs[1].kernels == ("1 pallas_call",), report.programs[1]
+    assert any(k.startswith("splash_mqa_fwd") for k in report.programs[3].kernels)
     for p in report.programs:
         assert 0 < p.peak < chips.CHIPS["v5e"].hbm_bytes, p
         assert p.compiler_flops > 0 and p.seconds > 0, p
@@ -69,3 +74,23 @@ def test_tiny_moe_update_compiles_with_gmm_over_the_expert_axis(tmp_path):
     update = report.programs[-1]
     assert update.name == "update"
     assert "gmm" in update.kernels and "tgmm" in update.kernels, update.kernels
+
+
+@pytest.mark.parametrize(
+    "topology, sizes", [("v5e:2x2*2", {"fsdp": -1}), ("v5p:2x2x2*2", {"data": 2, "fsdp": -1})]
+)
+def test_multi_slice_mesh_splits_the_batch_between_slices(topology, sizes):
+    """Two slices: each half of the outermost batch axis they divide lies in one slice
+    (only the gradient reduction crosses the data-center network)."""
+    from jaxrl_llm import parallel
+
+    devices = chips.topology_devices(chips.parse_topology(topology))
+    mesh = parallel.make_mesh(sizes, devices)
+    grid = mesh.devices.reshape(mesh.devices.shape[0], mesh.devices.shape[1], -1)
+    if grid.shape[0] > 1:  # split over data
+        first, second = grid[:1], grid[1:]
+    else:  # over fsdp
+        half = grid.shape[1] // 2
+        first, second = grid[:, :half], grid[:, half:]
+    assert {d.slice_index for d in first.flat} == {0}
+    assert {d.slice_index for d in second.flat} == {1}
