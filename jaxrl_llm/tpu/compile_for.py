@@ -23,6 +23,7 @@ trainer's MFU numerator) and the weights and KV cache each phase must read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 import time
@@ -142,9 +143,10 @@ def model_config(c) -> models.ModelConfig:
     return models.builtin.model_config(path, **runtime)
 
 
-def compile_config(raw, topology: str, out=sys.stdout) -> Report:
+def compile_config(raw, topology: str, out=sys.stdout, only=None) -> Report:
     """Compiles run config `raw`'s step for `topology` ('v6e:2x4'); prints and returns
-    the report."""
+    the report. only: the names of the programs to compile (default all); the others are
+    lowered only, for the shapes of what they produce."""
     from jaxrl_llm.config import checks, tuning
 
     topo = parse_topology(topology)
@@ -164,12 +166,13 @@ def compile_config(raw, topology: str, out=sys.stdout) -> Report:
           f"{cfg.num_params() / 1e9:.2f}B parameters, {c.model.dtype}; the step compiled "
           f"(not run) by XLA:TPU", file=out, flush=True)  # fmt: skip
     with target.compiling_for(devices):
-        report = _compile_step(c, cfg, mesh, rollout_mesh, topo, out)
+        build = functools.partial(_compile, out=out, only=only)
+        report = _compile_step(c, cfg, mesh, rollout_mesh, topo, build)
     print_report(report, out)
     return report
 
 
-def _compile_step(c, cfg, mesh, rollout_mesh, topo, out) -> Report:
+def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
     """Sampler, reference, update: compiled in the order the step runs them."""
     from jaxrl_llm import rl, sampling
     from jaxrl_llm.startup.compilation import shaped
@@ -193,15 +196,15 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, out) -> Report:
     sample_params = params if rollout_mesh is mesh else abstract_params(cfg, rollout_mesh,
                                                                         c.model.dtype)  # fmt: skip
     program, args, kwargs = sampler.sample_program(sample_params, ids, mask, spec)
-    built = [_compile("sampler", program, args, kwargs, out)]
+    built = [build("sampler", program, args, kwargs)]
     if r.engine == "paged":  # the engine's own programs; the static sampler's shapes stand
         # for its output (what the reference and the update read)
-        built += _paged_programs(c, cfg, rollout_mesh, sample_params, spec, width, out)
+        built += _paged_programs(c, cfg, rollout_mesh, sample_params, spec, width, build)
     sample_out = shaped(built[0].out_info, NamedSharding(mesh, P(parallel.BATCH_AXES)))
     ref = None
     reference = make_reference(c, algo, cfg, spec, mesh)
     if reference is not None:
-        built.append(_compile("reference", reference, (params, sample_out), {}, out))
+        built.append(build("reference", reference, (params, sample_out), {}))
         ref = sample_out.logprobs
     opt = rl.optimizer_from_config(c.optim, c.train.num_steps)
     update = make_update(c, algo, cfg, opt, spec)
@@ -209,7 +212,7 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, out) -> Report:
     rewards = jax.ShapeDtypeStruct((B * G,), jnp.float32, sharding=parallel.batch_sharding(mesh, 1))
     rollouts = rl.RolloutBatch.from_sample(sample_out, rewards, ref)
     program, args = update.program(state, rollouts)
-    built.append(_compile("update", program, args, {}, out))
+    built.append(build("update", program, args, {}))
     flops = perf.step_flops(
         cfg, rows=B * G, prompts=B, prompt_len=width, new_tokens=r.max_new_tokens,
         reference=reference is not None, update_forwards=update.forward_passes,
@@ -228,7 +231,7 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, out) -> Report:
     T, chunk = r.max_new_tokens, c.rollout.paged.chunk_steps
     share = {"paged decode": chunk / T, "paged prefill": 0.0}
     programs = []
-    for b in built:
+    for b in (b for b in built if b.compiled is not None):
         cost = costs[phase.get(b.name, "sample")]
         if b.name in share:
             cost = roofline.Cost(cost.flops * share[b.name], cost.hbm_bytes * share[b.name])
@@ -236,7 +239,7 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, out) -> Report:
     return Report(topo, m, programs, skipped, sum(flops.values()))
 
 
-def _paged_programs(c, cfg, mesh, params, spec, width: int, out) -> list:
+def _paged_programs(c, cfg, mesh, params, spec, width: int, build) -> list:
     """The paged engine's decode chunk (every slot, the full page table) and prefill chunk
     (one per prompt), at the sizes `PagedSampler.session` picks for the step's rows; its
     state (pool, slots, logits) replicated on the mesh, as the engine puts it."""
@@ -276,28 +279,31 @@ def _paged_programs(c, cfg, mesh, params, spec, width: int, out) -> list:
     weights = (params, None)  # an unrolled model's layers are then sliced in the program
     seed_step, stops = a((2,), jnp.uint32), a((1,))
     programs = engine.programs
-    decode = _compile(
+    decode = build(
         "paged decode", programs["decode"], (weights, pool, slots, logits, seed_step, stops),
-        dict(steps=p.chunk_steps, spec=spec), out,
+        dict(steps=p.chunk_steps, spec=spec),
     )  # fmt: skip
     b = 1 << (B - 1).bit_length()
     prefill_args = (weights, pool, logits, a((b,)), a((b, C)), a((b, C), bool), a((b, M)),
                     a((b,)), a((b,)))  # fmt: skip
-    prefill = _compile("paged prefill", programs["prefill"], prefill_args, {}, out)
+    prefill = build("paged prefill", programs["prefill"], prefill_args, {})
     return [decode, prefill]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Built:
     name: str
-    compiled: object  # jax.stages.Compiled
+    compiled: object  # jax.stages.Compiled (None: lowered only)
     out_info: object  # the program's output shapes
     seconds: float  # to lower and compile
 
 
-def _compile(name, program, args, kwargs, out) -> _Built:
+def _compile(name, program, args, kwargs, out, only=None) -> _Built:
+    """Lowers and (when `only` is None or names it) compiles one program."""
     start = time.perf_counter()
     lowered = program.lower(*args, **kwargs)
+    if only is not None and name not in only:
+        return _Built(name, None, lowered.out_info, time.perf_counter() - start)
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
     print(f"  {name}: compiled in {seconds:.0f} s", file=out, flush=True)
