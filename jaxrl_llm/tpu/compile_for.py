@@ -306,7 +306,11 @@ def _compile(name, program, args, kwargs, out, only=None) -> _Built:
         return _Built(name, None, lowered.out_info, time.perf_counter() - start)
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
-    print(f"  {name}: compiled in {seconds:.0f} s", file=out, flush=True)
+    mem = compiled.memory_analysis()  # printed now: a long compile's figures survive it
+    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    peak += mem.temp_size_in_bytes
+    print(f"  {name}: compiled in {seconds:.0f} s, {peak / GiB:.2f} GiB per chip at its peak "
+          f"({mem.temp_size_in_bytes / GiB:.2f} GiB temporaries)", file=out, flush=True)  # fmt: skip
     return _Built(name, compiled, lowered.out_info, seconds)
 
 
