@@ -309,8 +309,9 @@ def _compile(name, program, args, kwargs, out, only=None) -> _Built:
     mem = compiled.memory_analysis()  # printed now: a long compile's figures survive it
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     peak += mem.temp_size_in_bytes
+    temp = mem.temp_size_in_bytes / GiB
     print(f"  {name}: compiled in {seconds:.0f} s, {peak / GiB:.2f} GiB per chip at its peak "
-          f"({mem.temp_size_in_bytes / GiB:.2f} GiB temporaries)", file=out, flush=True)  # fmt: skip
+          f"({temp:.2f} GiB temporaries)", file=out, flush=True)  # fmt: skip
     return _Built(name, compiled, lowered.out_info, seconds)
 
 
