@@ -50,7 +50,8 @@ def test_tiny_step_compiles_for_v5e_with_the_kernels(tmp_path):
     report = compile_for.compile_config(c, "v5e:2x2", out=out)
     names = [p.name for p in report.programs]
     assert names == ["sampler", "paged decode", "paged prefill", "reference", "update"], names
-    assert report.programs[1].kernels == ("1 pallas_call",), report.programs[1]
+    (decode_kernels,) = report.programs[1].kernels  # the paged-attention kernel's calls
+    assert decode_kernels.endswith(" pallas_call"), report.programs[1]
     assert any(k.startswith("splash_mqa_fwd") for k in report.programs[3].kernels)
     for p in report.programs:
         assert 0 < p.peak < chips.CHIPS["v5e"].hbm_bytes, p
