@@ -31,6 +31,16 @@ def test_a_program_too_big_for_the_chip_exits_2(monkeypatch, capsys):
     assert err == ["does not fit: update needs 17.00 GiB per chip, a v5e chip has 16 GiB"]
 
 
+def test_a_program_the_compiler_refuses_exits_2(monkeypatch, capsys):
+    def refuse(raw, topology):
+        raise compile_for.DoesNotFit("update", "RESOURCE_EXHAUSTED: Ran out of memory on HBM")
+
+    monkeypatch.setattr(compile_for, "compile_config", refuse)
+    assert compile_for.run(None, "v5p:2x2x4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["does not fit: update: RESOURCE_EXHAUSTED: Ran out of memory on HBM"]
+
+
 def test_parse_topology():
     t = chips.parse_topology("v5p:4x4x4*2")
     assert (t.chip.name, t.shape, t.slices, t.num_chips) == ("v5p", (4, 4, 4), 2, 128)

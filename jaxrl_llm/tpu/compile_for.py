@@ -77,7 +77,9 @@ class Report:
 
     @property
     def step_s(self) -> float:
-        return sum(p.seconds for p in self.programs)
+        """The step's roofline: sampler, reference, update (the paged engine's chunks
+        are the sampler's work, one call each: not added again)."""
+        return sum(p.seconds for p in self.programs if not p.name.startswith("paged"))
 
     @property
     def mfu(self) -> float:
@@ -176,7 +178,8 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
         update_forwards=update.forward_passes, reference=reference is not None,
     )  # fmt: skip
     phase = {"sampler": "sample", "reference": "reference", "update": "update"}
-    # The paged engine's chunks: one decode chunk's share of the sampler's roofline.
+    # The paged engine's chunks, one call each: a decode chunk's share of the sampler's
+    # roofline; a prefill chunk's is left in the sampler's (0 here).
     T, chunk = r.max_new_tokens, c.rollout.paged.chunk_steps
     share = {"paged decode": chunk / T, "paged prefill": 0.0}
     programs = []
@@ -239,6 +242,14 @@ def _paged_programs(c, cfg, mesh, params, spec, width: int, build) -> list:
     return [decode, prefill]
 
 
+class DoesNotFit(Exception):
+    """XLA:TPU refused to compile a program: its buffers exceed the chip's HBM."""
+
+    def __init__(self, program: str, reason: str):
+        super().__init__(f"{program}: {reason}")
+        self.program, self.reason = program, reason
+
+
 @dataclasses.dataclass(frozen=True)
 class _Built:
     name: str
@@ -253,7 +264,12 @@ def _compile(name, program, args, kwargs, out, only=None) -> _Built:
     lowered = program.lower(*args, **kwargs)
     if only is not None and name not in only:
         return _Built(name, None, lowered.out_info, time.perf_counter() - start)
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:  # XLA:TPU refuses what exceeds the HBM
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise DoesNotFit(name, str(err).strip().splitlines()[0]) from None
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()  # printed now: a long compile's figures survive it
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
@@ -384,7 +400,11 @@ def print_report(report: Report, out=sys.stdout) -> None:
 def run(raw, topology: str) -> int:
     """The command line's compile-only run: 0 when every program fits, 2 (and one line
     naming the first that does not) otherwise."""
-    report = compile_config(raw, topology)
+    try:
+        report = compile_config(raw, topology)
+    except DoesNotFit as err:  # the compiler's own line says how much it needed
+        print(f"does not fit: {err.program}: {err.reason}", file=sys.stderr, flush=True)
+        return 2
     big = report.too_big()
     if big is None:
         return 0
