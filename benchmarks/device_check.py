@@ -14,7 +14,8 @@ Sections, each a markdown table in --out (and printed):
    phase: seconds, sampler tokens/s, and the model FLOPs of the reference and the update
    over the matmul peak measured on this device (`startup.peak.measure_matmul_peak`), i.e.
    their MFU. The reference's seconds are the wait for it after scoring (what did not
-   overlap), so its MFU is an upper bound.
+   overlap), so its MFU is an upper bound. On a TPU, H100 or H200, each phase's roofline
+   seconds beside it (`jaxrl_llm.tpu.roofline`: the chip's published peak and bandwidth).
 2. Decode at batch 1 and 64 (the sampler, one prompt per row): seconds per token and the
    bytes a decode step must read (the weights + the mean KV cache) over that time, as a
    fraction of the memory bandwidth measured by a large on-device copy.
@@ -47,9 +48,10 @@ from common import device_name, measure_matmul_peak, preset_config, table  # noq
 from grpo_step import TOKENIZER, make_config  # noqa: E402
 from packing import long_tailed_batch, measure, packed_micro_batches, padding_fraction  # noqa: E402
 
-from jaxrl_llm import models, sampling  # noqa: E402
+from jaxrl_llm import models, parallel, sampling  # noqa: E402
 from jaxrl_llm import train as train_lib  # noqa: E402
 from jaxrl_llm.models import attention as A  # noqa: E402
+from jaxrl_llm.tpu import chips, roofline  # noqa: E402
 from jaxrl_llm.trainer import perf  # noqa: E402
 
 
@@ -103,6 +105,7 @@ def grpo_step(preset: str, sizes: Sizes, model_dir: str, workdir: str, peak: flo
         reference_shares_prompts=sizes.generations > 1,
     )  # fmt: skip
     generated = rows_n * float(scored.lengths.mean())
+    predicted = roofline_prediction(run, flops, scored, rows_n)
     out = []
     for phase, key in (("sample", "sample"), ("reference (not overlapped)", "reference"),
                        ("update", "update"), ("whole step", "step")):  # fmt: skip
@@ -112,8 +115,31 @@ def grpo_step(preset: str, sizes: Sizes, model_dir: str, workdir: str, peak: flo
                "MFU": f"{f / s / peak:.1%}" if s > 0 else "-"}  # fmt: skip
         if key == "sample":
             row["tokens/s"] = f"{generated / s:.0f}"
+        if predicted is not None:  # the chip's roofline for this phase, beside the measure
+            p = sum(predicted.values()) if key == "step" else predicted.get(key, 0.0)
+            row["roofline s"] = f"{p:.3f}"
         out.append(row)
     return out
+
+
+def roofline_prediction(run, flops: dict, scored, rows: int) -> dict | None:
+    """{phase: roofline seconds} of the step just measured, on this device's chip
+    (`jaxrl_llm.tpu.roofline`, from its published peak and bandwidth); None on a device
+    not in `tpu.chips`' tables (a CPU)."""
+    chip = chips.chip_of(jax.devices()[0].device_kind)
+    if chip is None:
+        return None
+    m, o = dict(run.mesh.shape), run.config.optim
+    costs = roofline.phase_costs(
+        run.model_cfg, flops, rows=rows, prompt_len=float(scored.prompt_lengths.mean()),
+        new_tokens=float(scored.lengths.mean()), chips=run.mesh.size,
+        weight_shards=m.get("tensor", 1) * m.get("expert", 1),
+        row_shards=parallel.batch_size_multiple(run.mesh),
+        itemsize=jnp.dtype(run.config.model.dtype).itemsize,
+        micro_batches=o.micro_batches * o.mini_batches,
+        update_forwards=run.update.forward_passes, reference=run.ref_logprobs is not None,
+    )  # fmt: skip
+    return roofline.predicted_seconds(costs, chip)
 
 
 def bandwidth() -> float:

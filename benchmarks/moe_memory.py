@@ -59,14 +59,13 @@ if ARGS is not None:  # before jax is imported: the fake devices
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import table  # noqa: E402
 
 from jaxrl_llm import config as config_lib  # noqa: E402
 from jaxrl_llm import models, parallel, rl, sampling  # noqa: E402
+from jaxrl_llm.tpu import compile_for  # noqa: E402
 
 
 def load_config(path):
@@ -74,10 +73,6 @@ def load_config(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
-
-
-def abstract(x, sharding):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 def abstract_update(c, cfg, mesh):
@@ -92,27 +87,8 @@ def abstract_update(c, cfg, mesh):
         mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk, seed=c.train.seed,
         packing="off",  # an MoE model runs padded (docs/moe.md)
     )  # fmt: skip
-    dtype = jnp.dtype(c.model.dtype)
-    shardings = models.param_shardings(cfg, mesh)
-    params = models.params.unflatten(
-        {path: jax.ShapeDtypeStruct(s.shape, dtype) for path, s in models.param_specs(cfg).items()}
-    )
-    params = jax.tree.map(abstract, params, shardings)
-    # As `rl.init_train_state` places it: the subtrees shaped like the params (master
-    # copy, moments) like the params, the rest (counts, the step) replicated.
-    structure, replicated = jax.tree.structure(params), NamedSharding(mesh, P())
-
-    def like_params(x) -> bool:
-        return jax.tree.structure(x) == structure
-
-    def place(x):
-        if like_params(x):
-            return jax.tree.map(lambda a, p: abstract(a, p.sharding), x, params)
-        return jax.tree.map(lambda a: abstract(a, replicated), x)
-
-    opt_state = jax.tree.map(place, jax.eval_shape(opt.init, params), is_leaf=like_params)
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    state = rl.TrainState(step=step, params=params, opt_state=opt_state)
+    params = compile_for.abstract_params(cfg, mesh, c.model.dtype)
+    state = compile_for.abstract_state(params, opt, mesh)
     rows, prompt, new = c.rollout.batch_size * G, c.data.max_prompt_len, spec.max_new_tokens
 
     def a(shape, dt):

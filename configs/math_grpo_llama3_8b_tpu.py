@@ -11,6 +11,11 @@ with fp32 Adam moments), full remat of every layer, 8 micro-batches of 64 rollou
 Data: MATH as a local JSONL ({"problem", "solution"} rows) on every host; rewards: LaTeX
 answer equivalence (math-verify). Expected: eval/pass@1 on held-out MATH rises over the
 first hundred steps; not yet measured (no pod was available when this was written).
+
+Target topology `v5p:2x4x4` (the slice above). Its step compiled for those chips on any CPU
+machine with libtpu, nothing run (docs/tpu.md has the figures):
+
+    python -m jaxrl_llm.train --config=configs/math_grpo_llama3_8b_tpu.py --compile_for=v5p:2x4x4
 """
 
 from jaxrl_llm.config import base_config

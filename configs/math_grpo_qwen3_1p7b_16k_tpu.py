@@ -23,6 +23,15 @@ at most 256 rows x 17,408 slots x 28 layers x 8 kv heads x 128 x 2 (k, v) in bf1
 end). Expected: eval/pass@1 on held-out MATH rises over the first hundred steps, and
 the mean response length grows; not yet measured (no slice was available when this
 was written).
+
+Compiled for v5p:2x2x4 by XLA:TPU (docs/tpu.md), the update does NOT fit: its
+temporaries need 332.23 GB per chip of the 95.74 GB available, against the estimate
+above; not yet fixed.
+
+Target topology `v5p:2x2x4` (the slice above). Its step compiled for those chips on any CPU
+machine with libtpu, nothing run (docs/tpu.md has the figures):
+
+    python -m jaxrl_llm.train --config=configs/math_grpo_qwen3_1p7b_16k_tpu.py --compile_for=v5p:2x2x4
 """
 
 from jaxrl_llm.config import base_config

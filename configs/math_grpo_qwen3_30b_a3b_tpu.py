@@ -45,6 +45,11 @@ per device:
 
 Expected: eval/pass@1 on held-out MATH rises over the first hundred steps,
 moe/router_agreement stays below 1 (the mismatch replay removes); not yet measured.
+
+Target topology `v5p:2x4x4` (the slice above). Its step compiled for those chips on any CPU
+machine with libtpu, nothing run (docs/tpu.md has the figures):
+
+    python -m jaxrl_llm.train --config=configs/math_grpo_qwen3_30b_a3b_tpu.py --compile_for=v5p:2x4x4
 """
 
 from jaxrl_llm.config import base_config

@@ -262,7 +262,9 @@ def apply_free_form(config, taken: list) -> None:
             target[name] = value
 
 
-def config_command(main: Callable, config_help: str, workdir_help: str) -> None:
+def config_command(
+    main: Callable, config_help: str, workdir_help: str, workdir_required: bool = True
+) -> None:
     """The `python -m jaxrl_llm.<command> --config=FILE --workdir=DIR` entry point: the
     XLA flags for a CPU-only machine (`parallel.xla_flags`), the process re-run with
     tcmalloc where installed, the two required flags (`--config` with `--config.KEY=VALUE`
@@ -276,7 +278,7 @@ def config_command(main: Callable, config_help: str, workdir_help: str) -> None:
     allocator.reexec_with_tcmalloc()
     config_flags.DEFINE_config_file("config", None, config_help, lock_config=True)
     flags.DEFINE_string("workdir", None, workdir_help)
-    flags.mark_flags_as_required(["config", "workdir"])
+    flags.mark_flags_as_required(["config", "workdir"] if workdir_required else ["config"])
     sys.argv[1:], taken = take_free_form(sys.argv[1:])
 
     def main_with_free_form(argv):

@@ -3,18 +3,25 @@
     python -m jaxrl_llm.train --config=configs/quickstart.py --workdir=/tmp/quickstart \
         [--config.algo.beta=0.0 --config.rollout.num_generations=16 ...]
 
-Rerunning the same command resumes from the workdir's latest checkpoint. This module is
+Rerunning the same command resumes from the workdir's latest checkpoint. With
+`--compile_for=v6e:2x4` (no --workdir) it compiles the step for that TPU topology and
+reports whether it fits and how fast it could be (`jaxrl_llm.tpu.compile_for`). This module is
 the command line only: `train(config, workdir)` (`trainer.loop`) is the same run
 in-process, and `Run` (`trainer.run`) the run itself, its step and its jitted programs.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 if __name__ == "__main__":  # the command line re-runs itself under tcmalloc (where it is
     # installed) before it imports anything heavy: the imports below would be paid twice.
     from jaxrl_llm.parallel import allocator, xla_flags
+    from jaxrl_llm.tpu import chips
+
+    COMPILE_ONLY = any(a.split("=")[0] == "--compile_for" for a in sys.argv[1:])
+    chips.set_platforms(os.environ, compile_only=COMPILE_ONLY)
 
     xla_flags.set_cpu_defaults()
     allocator.reexec_with_tcmalloc()
@@ -36,6 +43,10 @@ def main(argv):
 
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         absl_logging.set_verbosity(absl_logging.WARNING)
+    if flags.FLAGS.compile_for:  # compile for a TPU topology, run nothing
+        from jaxrl_llm.tpu import compile_for
+
+        sys.exit(compile_for.run(flags.FLAGS.config, flags.FLAGS.compile_for))
     distributed.initialize()
     if jax.default_backend() == "cpu" and jax.process_index() == 0:
         if note := allocator.hint():
@@ -44,8 +55,16 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from absl import flags
+
     from jaxrl_llm.errors import config_command
 
+    flags.DEFINE_string(
+        "compile_for", None,
+        "compile the step for a TPU topology (v6e:2x4, v5p:4x4x4, v5e:16x16*2 for 2 slices) "
+        "and report its memory and roofline per chip; runs nothing, needs no --workdir",
+    )  # fmt: skip
     config_command(
-        main, "configs/<experiment>.py", "run directory (checkpoints, metrics); reruns resume"
-    )
+        main, "configs/<experiment>.py", "run directory (checkpoints, metrics); reruns resume",
+        workdir_required=not COMPILE_ONLY,
+    )  # fmt: skip

@@ -16,6 +16,7 @@ import jax
 
 from jaxrl_llm.config import tuning
 from jaxrl_llm.config.derived import ConfigError, mesh_axes, require, resolve_model_path
+from jaxrl_llm.parallel import target
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -71,7 +72,7 @@ def check_model(config) -> str | None:
         f"model.attention_block={m.attention_block!r}: must be an int >= 1",
     )
     require(
-        m.attention not in ("cudnn", "pallas") or jax.default_backend() != "cpu",
+        m.attention not in ("cudnn", "pallas") or target.backend() != "cpu",
         f"model.attention={m.attention!r}: a GPU/TPU kernel, not available on CPU; use "
         "'auto', 'xla' or 'blockwise'",
     )

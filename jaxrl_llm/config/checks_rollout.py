@@ -8,9 +8,8 @@ is also the check of any other global batch (the SFT trainer's).
 
 from __future__ import annotations
 
-import jax
-
 from jaxrl_llm.config.derived import mesh_axes, require
+from jaxrl_llm.parallel import target
 
 # Partial rollouts decode a chunk at a time, a compiled program per chunk (its cache width).
 MAX_PARTIAL_CHUNKS = 32
@@ -113,7 +112,7 @@ def check_engine(config, process_count: int) -> None:
     require(p.attention in names,
            f"rollout.paged.attention={p.attention!r}: expected one of "
            f"{', '.join(names)}")  # fmt: skip
-    require(p.attention != "pallas" or jax.default_backend() != "cpu",
+    require(p.attention != "pallas" or target.backend() != "cpu",
            "rollout.paged.attention='pallas': the kernel's interpret mode moves data "
            "between host and device, which the trainer's loop forbids on CPU; use 'auto' "
            "(the portable path on CPU)")  # fmt: skip

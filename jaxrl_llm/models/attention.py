@@ -51,6 +51,7 @@ from flax import struct
 
 from jaxrl_llm.models.attention_kernels import cudnn, pallas
 from jaxrl_llm.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+from jaxrl_llm.parallel import target
 
 DEFAULT_BLOCK = 512  # query and key block of `blockwise`
 # `auto` on CPU: the full score matrix up to this many query x key pairs (faster on short
@@ -139,7 +140,7 @@ def attention(q, k, v, mask, implementation: str = "xla", block: int = DEFAULT_B
     attention-sink logits or None (module docstring)."""
     if not isinstance(mask, Mask):
         return _attention_vjp(q, k, v, mask, sinks)
-    name = resolve(implementation, jax.default_backend(), q.shape[1], k.shape[1])
+    name = resolve(implementation, target.backend(), q.shape[1], k.shape[1])
     if sinks is not None and name in ("cudnn", "pallas"):
         if implementation != "auto":
             raise ValueError(f"model.attention={implementation!r} has no attention sinks")

@@ -7,8 +7,11 @@ Both take q [B,T,N,H], k/v [B,S,K,H] and an `attention.Mask`, and return [B,T,N,
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 def cudnn(q, k, v, mask) -> jax.Array:
@@ -26,7 +29,35 @@ def pallas(q, k, v, mask, block: int = 512, interpret: bool = False):
     Causality is the kernel's block-sparse causal mask (offset by a prefix, S - T);
     padding keys and segments become segment ids (a padding key's id differs from every
     query's), so a padding query sees no key and its row is left to the kernel (its
-    output is never read). Sequences are padded to whole blocks. No sliding window."""
+    output is never read). Sequences are padded to whole blocks. No sliding window. With
+    a mesh of several devices set around the trace (`rl.batch.context_mesh` sets it on
+    TPU), the kernel runs per device in `jax.shard_map`."""
+    if mask.window is not None:
+        raise ValueError("model.attention='pallas' has no sliding window; use 'blockwise'")
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    seg_q = jnp.zeros((B, T), jnp.int32) if mask.q_seg is None else mask.q_seg
+    seg_k = jnp.zeros((B, S), jnp.int32) if mask.k_seg is None else mask.k_seg
+    seg_k = jnp.where(mask.k_valid, seg_k, -1)
+    local = functools.partial(_splash, block=block, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q, k, v, seg_q, seg_k)
+    # A Mosaic kernel is not partitioned by XLA: on a mesh it runs per device, on its rows
+    # and (where `tensor` splits the kv heads) its heads.
+    from jaxrl_llm.models import partitioning
+
+    spec = partitioning.logical_to_spec(("batch", None, "kv_heads", None), k.shape, mesh)
+    rows = P(spec[0], None)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, spec, spec, rows, rows), out_specs=spec,
+        check_vma=False,
+    )(q, k, v, seg_q, seg_k)  # fmt: skip
+
+
+def _splash(q, k, v, seg_q, seg_k, block: int, interpret: bool):
+    """`pallas` on one device's rows: q [B,T,N,H], k / v [B,S,K,H], seg_q [B,T], seg_k
+    [B,S] (-1 at padding keys) -> [B,T,N,H]."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -34,16 +65,11 @@ def pallas(q, k, v, mask, block: int = 512, interpret: bool = False):
         splash_attention_mask as masks,
     )
 
-    if mask.window is not None:
-        raise ValueError("model.attention='pallas' has no sliding window; use 'blockwise'")
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
     bq, bk = min(block, _round_up(T, 128)), min(block, _round_up(S, 128))
     tp, sp = _round_up(T, bq) - T, _round_up(S, bk) - S
-    seg_q = jnp.zeros((B, T), jnp.int32) if mask.q_seg is None else mask.q_seg
-    seg_k = jnp.zeros((B, S), jnp.int32) if mask.k_seg is None else mask.k_seg
-    seg_k = jnp.where(mask.k_valid, seg_k, -1)
     seg_q = jnp.pad(seg_q, ((0, 0), (0, tp)), constant_values=-2)
     seg_k = jnp.pad(seg_k, ((0, 0), (0, sp)), constant_values=-1)
     q = jnp.pad(q * jnp.asarray(H**-0.5, q.dtype), ((0, 0), (0, tp), (0, 0), (0, 0)))

@@ -45,6 +45,7 @@ from jaxrl_llm.models.layer_math import (
 from jaxrl_llm.models.moe import moe_mlp
 from jaxrl_llm.models.paged_attention import paged_attention, write_layer
 from jaxrl_llm.models.segments import MOE_WEIGHTS
+from jaxrl_llm.parallel import target
 
 
 def normal_param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
@@ -327,7 +328,7 @@ class Block(nnx.Module):
         key blocks (`cached_blockwise`) where `cfg.attention` would not hold [T, S]."""
         cfg = self.cfg
         T, S = q.shape[1], v.shape[-2]
-        if T > 1 and resolve(cfg.attention, jax.default_backend(), T, S) != "xla":
+        if T > 1 and resolve(cfg.attention, target.backend(), T, S) != "xla":
             return cached_blockwise(q, kt, v, mask, cfg.attention_block, sinks)
         kt, v = kt.astype(q.dtype), v.astype(q.dtype)
         return cached_attention(q, kt, v, mask.dense(), sinks)

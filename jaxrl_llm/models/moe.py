@@ -56,6 +56,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import moe_kernels
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.parallel import target
 
 ROUTE_DTYPE = jnp.int16  # recorded expert ids: E <= 32767 (the largest models have 256)
 
@@ -255,7 +256,7 @@ def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
     ids, w, own = select(cfg, probs, flat_routes, weights.get("router_bias"))
     mesh = jax.sharding.get_abstract_mesh()
     impl = moe_kernels.resolve(
-        cfg.moe_impl, jax.default_backend(), jax.device_count(), not mesh.empty
+        cfg.moe_impl, target.backend(), target.device_count(), not mesh.empty
     )  # auto: gmm on TPU, ragged on GPU, blocked on CPU (models/moe_kernels.py)
     experts = moe_kernels.gmm_experts if impl == "gmm" else EXPERT_IMPLS[impl]
     glu = clamped_glu(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else silu_glu

@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.parallel import target
+
 GMM_TILING = (128, 128, 128)  # (rows, contracting, output) tile of the kernel (its default)
 
 
@@ -111,7 +113,7 @@ def gmm_experts(x, ids, weights, gate, up, down, glu=None, biases=None,
     from jaxrl_llm.models import partitioning
 
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = target.backend() != "tpu"
     num_experts = gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:

@@ -29,6 +29,7 @@ from flax import struct
 
 from jaxrl_llm.models.attention import Mask, attention, resolve
 from jaxrl_llm.models.paged_kernel import decode_attention
+from jaxrl_llm.parallel import target
 
 
 @struct.dataclass
@@ -136,6 +137,6 @@ def paged_attention(q, pool, layer, where: PagedWrite, mask: Mask, implementatio
     if where.pallas and q.shape[1] == 1 and mask.window is None and sinks is None:
         return decode_attention(q, pool, layer, where.table, where.start, where.length)
     k, v = layer_pages(pool, layer, where.table, where.pallas)
-    name = resolve(implementation, jax.default_backend(), q.shape[1], k.shape[1])
+    name = resolve(implementation, target.backend(), q.shape[1], k.shape[1])
     name = "xla" if name == "xla" else "blockwise"
     return attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, name, block, sinks)

@@ -40,6 +40,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention_kernel as shipped
+from jax.sharding import PartitionSpec
+
+from jaxrl_llm.parallel import target
 
 BLOCK_TOKENS = 256  # keys per kernel block (pages_per_compute_block * page_size), at most
 
@@ -75,7 +78,7 @@ def launch(q, k_pages, v_pages, lengths, page_indices, block: int):
     )  # fmt: skip
     buffer = pltpu.VMEM((2, block, S, H), k_pages.dtype)  # double-buffered page DMAs
     stat = jax.ShapeDtypeStruct((*q.shape[:-1], 1), jnp.float32)
-    on_tpu = jax.default_backend() == "tpu"
+    on_tpu = target.backend() == "tpu"
     o, m, total = pl.pallas_call(
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -142,8 +145,13 @@ def decode_attention(q, pool, layer, table, start, length):
     first = -(-start // S)  # the row's first whole page (table column)
     columns = jnp.minimum(first[:, None] + jnp.arange(M, dtype=jnp.int32)[None], M - 1)
     shifted = jnp.take_along_axis(table, columns, axis=1) + layer * P
-    whole = launch(q, k_pages, v_pages, jnp.maximum(end - first * S, 0), shifted,
-                   pages_per_block(M, S))  # fmt: skip
+    kernel = functools.partial(launch, block=pages_per_block(M, S))
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:  # XLA does not partition a Mosaic kernel: each
+        # device runs it on the engine's replicated rows and pool
+        every = PartitionSpec()
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=every, out_specs=every, check_vma=False)
+    whole = kernel(q, k_pages, v_pages, jnp.maximum(end - first * S, 0), shifted)
     # The partial page before them: column first - 1, slots [start, first * S).
     column = jnp.maximum(first - 1, 0)
     page = jnp.take_along_axis(table, column[:, None], axis=1)[:, 0] + layer * P

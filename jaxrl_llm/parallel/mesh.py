@@ -67,8 +67,31 @@ def make_mesh(
     """Mesh over `devices` (default: all) with the given axis sizes (default: all fsdp)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(sizes or {"fsdp": -1}, len(devices))
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    types = (AxisType.Auto,) * len(MESH_AXES)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:  # TPU multi-slice: jax.make_mesh refuses it
+        return Mesh(_hybrid_devices(shape, devices, slices), MESH_AXES, axis_types=types)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+
+
+def _hybrid_devices(shape: tuple[int, ...], devices, slices: int) -> np.ndarray:
+    """The devices of several TPU slices laid out for `shape`: the slices (joined by the
+    data-center network) split the outermost batch axis they divide, `data` else `fsdp`,
+    so that only the batch's gradient reduction crosses between slices."""
+    from jax.experimental import mesh_utils
+
+    axis = next((i for i in (0, 1) if shape[i] % slices == 0), None)
+    if axis is None:
+        raise ValueError(
+            f"mesh: {slices} TPU slices must divide mesh.data ({shape[0]}) or mesh.fsdp "
+            f"({shape[1]}): the slices split the batch"
+        )
+    dcn = [1] * len(shape)
+    dcn[axis] = slices
+    ici = list(shape)
+    ici[axis] //= slices
+    return mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices=devices, allow_split_physical_axes=True
     )
 
 

@@ -32,6 +32,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import models
+from jaxrl_llm.parallel import target
 from jaxrl_llm.parallel.mesh import BATCH_AXES, batch_size_multiple
 from jaxrl_llm.rl.logprobs import token_logprobs
 from jaxrl_llm.rl.packing import (
@@ -91,6 +92,8 @@ class RolloutBatch:
 
 def _rows_like(x, like: jax.Array) -> jax.Array:
     """Host [N, ...] -> float32 device array sharded over rows like `like`."""
+    if isinstance(x, jax.ShapeDtypeStruct):  # abstract, for compiling only
+        return x
     if isinstance(x, jax.Array):
         return x.astype(jnp.float32)
     x = np.asarray(x, np.float32)
@@ -317,11 +320,15 @@ def context_mesh(mesh_or_sharding):
     abstract mesh is set when its `context` axis is > 1, so that the model's forward
     splits the sequence over it (`models.partitioning.shard_sequence`), or its `expert`
     axis is > 1, so that an MoE layer's grouped-matmul kernel runs per device on its own
-    experts (`models.moe_kernels`: `auto` takes it on TPU); otherwise nothing."""
+    experts (`models.moe_kernels`: `auto` takes it on TPU), or the program is compiled for
+    TPU chips (the Pallas kernels run per device); otherwise nothing."""
     mesh = getattr(mesh_or_sharding, "mesh", mesh_or_sharding)
-    if not isinstance(mesh, jax.sharding.Mesh) or (
-        mesh.shape.get("context", 1) == 1 and mesh.shape.get("expert", 1) == 1
-    ):
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return contextlib.nullcontext()
+    # On TPU the Pallas kernels (splash attention, grouped matmul) run per device in
+    # `shard_map`, over the mesh set here: XLA does not partition a Mosaic kernel.
+    kernels = target.backend() == "tpu" and mesh.size > 1
+    if not kernels and mesh.shape.get("context", 1) == 1 and mesh.shape.get("expert", 1) == 1:
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 

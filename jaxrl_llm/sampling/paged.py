@@ -53,6 +53,7 @@ read in their own sharding.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 
 import jax
@@ -62,6 +63,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
+from jaxrl_llm.parallel import target
 from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput
 from jaxrl_llm.sampling.paged_programs import (
     ATTENTION,
@@ -135,6 +137,14 @@ class PagedSampler:
                                   out_shardings=where)  # fmt: skip
 
     # ----------------------------------------------------------- Sampler's interface
+    @property
+    def programs(self) -> dict:
+        """The engine's jitted device programs: 'decode' (weights, pages, slots,
+        prompt_logits, seed_step, stops; steps=, spec= static) and 'prefill' (weights,
+        pages, prompt_logits, index, tokens, mask, table, start, length); for compiling
+        them ahead of a run (`jaxrl_llm.tpu.compile_for`)."""
+        return {"decode": self._decode, "prefill": self._prefill}
+
     @property
     def row_sharding(self):
         return self.static.row_sharding
@@ -273,7 +283,7 @@ class PagedSampler:
 
     def _pool(self, cfg, pages: int, page_size: int, dtype) -> Pages:
         """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so."""
-        pallas = uses_pallas(cfg, self.attention, dtype, jax.default_backend(), page_size)
+        pallas = uses_pallas(cfg, self.attention, dtype, target.backend(), page_size)
         return self._init_pool(cfg, pages, page_size, dtype, pallas)
 
     # ----------------------------------------------------------------- device programs
@@ -293,15 +303,24 @@ class PagedSampler:
         self.traces["decode", slots.tokens.shape, pages.k.shape] += 1
         key = jax.random.fold_in(jax.random.key(seed_step[0]), seed_step[1])
         params, layers = weights
-        return decode_chunk(self.cfg, params, pages, slots, prompt_logits, key, stops, steps,
-                            spec, self.impl, layers)  # fmt: skip
+        with self._kernel_mesh():
+            return decode_chunk(self.cfg, params, pages, slots, prompt_logits, key, stops,
+                                steps, spec, self.impl, layers)  # fmt: skip
+
+    def _kernel_mesh(self):
+        """The context of a program's trace: on a TPU mesh of several chips, the mesh set,
+        so that the Pallas kernels run per device (`models.paged_kernel`)."""
+        if self.mesh is None or self.mesh.size == 1 or target.backend() != "tpu":
+            return contextlib.nullcontext()
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
 
     def _prefill_program(self, weights, pages, prompt_logits, index, tokens, mask, table, start,
                          length):  # fmt: skip
         self.traces["prefill", tokens.shape, pages.k.shape] += 1
         params, layers = weights
-        return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
-                             table, start, length, self.impl, layers)  # fmt: skip
+        with self._kernel_mesh():
+            return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
+                                 table, start, length, self.impl, layers)  # fmt: skip
 
     def decode_slots(self, weights, pages, host: dict, occupied, held: int, prompt_logits,
                      seed_step, stops, spec):  # fmt: skip

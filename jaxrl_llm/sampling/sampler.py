@@ -264,7 +264,8 @@ class Sampler:
         """Prompts at their bucket width on the mesh, and seed_index (seed, step, version):
         a device array, not a static value, so any seed and step share one program."""
         self._check_stops(spec.stop_ids)
-        if isinstance(prompt_ids, jax.Array):  # already placed: the caller chose the width
+        if isinstance(prompt_ids, (jax.Array, jax.ShapeDtypeStruct)):  # placed (or abstract,
+            # for compiling only): the caller chose the width
             ids, mask = prompt_ids, prompt_mask
             width = ids.shape[1]
         else:
@@ -281,6 +282,8 @@ class Sampler:
         seed = self.seed if seed is None else int(seed)
         seed_index = np.array([seed, 0 if step is None else int(step), version], np.uint32)
         replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        if isinstance(ids, jax.ShapeDtypeStruct):
+            return ids, mask, jax.ShapeDtypeStruct((3,), np.uint32, sharding=replicated)
         return ids, mask, jax.device_put(seed_index, replicated)
 
     def bucketed(self, prompt_ids, prompt_mask) -> tuple[np.ndarray, np.ndarray]:

@@ -55,6 +55,31 @@ class StepResult:
     data_position: object
 
 
+def make_update(c, algo, model_cfg, opt, spec, critic_opt=None) -> rl.UpdateFn:
+    """The run's jitted update (`rl.make_update_fn`) with run config `c`'s settings."""
+    o = c.optim
+    return rl.make_update_fn(
+        model_cfg, algo, opt, spec, micro_batches=o.micro_batches,
+        mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk,
+        critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
+        seed=c.train.seed, packing=o.packing, packing_capacity=o.packing_capacity,
+    )  # fmt: skip
+
+
+def make_reference(c, algo, base_cfg, spec, mesh):
+    """The reference's jitted log-prob program on `mesh`; None when the algorithm reads
+    no reference (beta = 0). The update's row slices bound its memory the same way."""
+    if not algo.needs_ref:
+        return None
+    o = c.optim
+    return rl.make_logprob_fn(
+        base_cfg, spec, chunk_size=c.train.logprob_chunk,
+        micro_batches=o.micro_batches * o.mini_batches, mesh=mesh,
+        packing=o.packing, packing_capacity=o.packing_capacity,
+        replay=algo.routing_replay == "rollout",
+    )  # fmt: skip
+
+
 class Run:
     """Everything a training run holds: built from a `config.Prepared`, stepped by
     `trainer.loop`."""
@@ -197,12 +222,7 @@ class Run:
         self.state = rl.init_train_state(
             params, opt, critic_params=critic_params, critic_optimizer=critic_opt, frozen=frozen
         )
-        self.update = rl.make_update_fn(
-            self.model_cfg, self.algo, opt, self.spec, micro_batches=o.micro_batches,
-            mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk,
-            critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
-            seed=c.train.seed, packing=o.packing, packing_capacity=o.packing_capacity,
-        )  # fmt: skip
+        self.update = make_update(c, self.algo, self.model_cfg, opt, self.spec, critic_opt)
         # The reference's program, over each teacher.
         self.teacher_programs = [
             rl.make_logprob_fn(
@@ -217,14 +237,7 @@ class Run:
         self.pick_teacher = jax.jit(
             teachers.pick_rows, out_shardings=parallel.batch_sharding(self.mesh, 2)
         )
-        self.ref_logprobs = None
-        if self.algo.needs_ref:  # the update's row slices bound its memory the same way
-            self.ref_logprobs = rl.make_logprob_fn(
-                self.base_cfg, self.spec, chunk_size=c.train.logprob_chunk,
-                micro_batches=o.micro_batches * o.mini_batches, mesh=self.mesh,
-                packing=o.packing, packing_capacity=o.packing_capacity,
-                replay=self.algo.routing_replay == "rollout",
-            )  # fmt: skip
+        self.ref_logprobs = make_reference(c, self.algo, self.base_cfg, self.spec, self.mesh)
 
     # ---------------------------------------------------------------------- the step
     def step(self, step: int) -> StepResult:

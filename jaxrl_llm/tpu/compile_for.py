@@ -1,0 +1,415 @@
+"""A run's programs compiled for a TPU topology from a CPU process: will it fit, how fast.
+
+    python -m jaxrl_llm.train --config=configs/<experiment>.py --compile_for=v6e:2x4
+
+Builds the programs one RL step executes, with the trainer's own builders (the sampler of
+`rollout.engine`'s static path, `trainer.run.make_reference`, `trainer.run.make_update`)
+and the config's shapes (the model's config.json, the largest prompt bucket, the full
+completion budget), on the config's mesh over the topology's chips
+(`tpu.chips.topology_devices`), from abstract arrays (`jax.ShapeDtypeStruct` with the run's
+shardings): no weight is made, nothing is read or downloaded but the model's config.json
+(or, for the hub models the shipped configs name, their shapes in `model_shapes`). Each program is
+lowered and compiled by XLA:TPU; per chip it reports the compiler's memory analysis
+(arguments, temporaries, peak against the chip's HBM) and cost analysis, and a roofline
+time from the model's FLOPs and HBM traffic (`roofline`). Exit status 2 with one line
+when a program does not fit.
+
+XLA's cost analysis counts a loop body once (the layer scan, the micro-batch scan, the
+decode loop), so its FLOPs and bytes are those of one iteration: printed as the
+compiler's, while the roofline uses the model's FLOPs (`trainer.perf.step_flops`, the
+trainer's MFU numerator) and the weights and KV cache each phase must read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import models, parallel
+from jaxrl_llm.parallel import target
+from jaxrl_llm.tpu import roofline
+from jaxrl_llm.tpu.chips import GiB, Topology, parse_topology, topology_devices
+from jaxrl_llm.tpu.model_shapes import model_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program's figures on one chip (bytes, FLOPs, seconds)."""
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    compiler_flops: float  # XLA's cost analysis: loop bodies counted once
+    compiler_bytes: float
+    model_flops: float  # per chip, the whole program (`roofline.phase_costs`)
+    model_bytes: float
+    seconds: float  # roofline time on the chip
+    compile_s: float
+    kernels: tuple[str, ...] = ()  # the Mosaic (Pallas) kernels in the program
+
+    @property
+    def peak(self) -> int:
+        """Bytes live at the program's peak: its arguments, its outputs not written over
+        donated arguments, and its temporaries."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A config's step compiled for a topology."""
+
+    topology: Topology
+    mesh: dict
+    programs: list[Program]
+    not_compiled: list[str]  # what the step runs that was not compiled, and why
+    step_flops: float  # model FLOPs of the whole step, all chips
+
+    @property
+    def step_s(self) -> float:
+        """The step's roofline: sampler, reference, update (the paged engine's chunks
+        are the sampler's work, one call each: not added again)."""
+        return sum(p.seconds for p in self.programs if not p.name.startswith("paged"))
+
+    @property
+    def mfu(self) -> float:
+        chip = self.topology.chip
+        return (
+            self.step_flops / max(self.step_s, 1e-12) / (chip.bf16_flops * self.topology.num_chips)
+        )
+
+    def too_big(self) -> Program | None:
+        """The first program whose peak exceeds the chip's HBM (None: all fit)."""
+        hbm = self.topology.chip.hbm_bytes
+        return next((p for p in self.programs if p.peak > hbm), None)
+
+
+def compile_config(raw, topology: str, out=sys.stdout, only=None) -> Report:
+    """Compiles run config `raw`'s step for `topology` ('v6e:2x4'); prints and returns
+    the report. only: the names of the programs to compile (default all); the others are
+    lowered only, for the shapes of what they produce."""
+    from jaxrl_llm.config import checks, tuning
+
+    topo = parse_topology(topology)
+    devices = topology_devices(topo)
+    with target.compiling_for(devices):  # the checks that read no data, no model
+        shape = checks.check_mesh(raw, len(devices))
+        checks.check_rollout(raw, shape, 1)
+        checks.check_algo(raw)
+        checks.check_optim(raw)
+    cfg = model_config(raw)
+    c, _ = tuning.resolve(raw, cfg, "tpu", batch_shards=shape[0] * shape[1] * shape[2])
+    train_devices, rollout_devices = config_lib.split_devices(c, devices)
+    mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh), train_devices)
+    rollout_mesh = mesh
+    if rollout_devices:
+        rollout_mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh.rollout), rollout_devices)
+    print(f"{topo}: mesh {dict(mesh.shape)}; {cfg.architecture}, "
+          f"{cfg.num_params() / 1e9:.2f}B parameters, {c.model.dtype}; the step compiled "
+          f"(not run) by XLA:TPU", file=out, flush=True)  # fmt: skip
+    with target.compiling_for(devices):
+        build = functools.partial(_compile, out=out, only=only)
+        report = _compile_step(c, cfg, mesh, rollout_mesh, topo, build)
+    print_report(report, out)
+    return report
+
+
+def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
+    """Sampler, reference, update: compiled in the order the step runs them."""
+    from jaxrl_llm import rl, sampling
+    from jaxrl_llm.startup.compilation import shaped
+    from jaxrl_llm.trainer import perf
+    from jaxrl_llm.trainer.run import make_reference, make_update
+
+    algo = config_lib.algo_config(c)
+    skipped = _not_compiled(c, algo)
+    r = c.rollout
+    B, G = r.batch_size, r.num_generations
+    width = sampling.bucket_length(c.data.max_prompt_len, config_lib.tuning.bucket_steps(c, "tpu"))
+    spec = sampling.RolloutSpec(num_generations=G, max_new_tokens=r.max_new_tokens,
+                                temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                stop_ids=(0,))  # fmt: skip
+    params = abstract_params(cfg, mesh, c.model.dtype)
+    sampler = sampling.Sampler(cfg, rollout_mesh, cache_segments=r.cache_segments,
+                               seed=c.train.seed, bucket_steps=r.bucket_steps or 2)  # fmt: skip
+    rows = parallel.batch_sharding(rollout_mesh, 2)
+    ids = jax.ShapeDtypeStruct((B, width), jnp.int32, sharding=rows)
+    mask = jax.ShapeDtypeStruct((B, width), jnp.bool_, sharding=rows)
+    sample_params = params if rollout_mesh is mesh else abstract_params(cfg, rollout_mesh,
+                                                                        c.model.dtype)  # fmt: skip
+    program, args, kwargs = sampler.sample_program(sample_params, ids, mask, spec)
+    built = [build("sampler", program, args, kwargs)]
+    if r.engine == "paged":  # the engine's own programs; the static sampler's shapes stand
+        # for its output (what the reference and the update read)
+        built += _paged_programs(c, cfg, rollout_mesh, sample_params, spec, width, build)
+    sample_out = shaped(built[0].out_info, NamedSharding(mesh, P(parallel.BATCH_AXES)))
+    ref = None
+    reference = make_reference(c, algo, cfg, spec, mesh)
+    if reference is not None:
+        built.append(build("reference", reference, (params, sample_out), {}))
+        ref = sample_out.logprobs
+    opt = rl.optimizer_from_config(c.optim, c.train.num_steps)
+    update = make_update(c, algo, cfg, opt, spec)
+    state = abstract_state(params, opt, mesh)
+    rewards = jax.ShapeDtypeStruct((B * G,), jnp.float32, sharding=parallel.batch_sharding(mesh, 1))
+    rollouts = rl.RolloutBatch.from_sample(sample_out, rewards, ref)
+    program, args = update.program(state, rollouts)
+    built.append(build("update", program, args, {}))
+    flops = perf.step_flops(
+        cfg, rows=B * G, prompts=B, prompt_len=width, new_tokens=r.max_new_tokens,
+        reference=reference is not None, update_forwards=update.forward_passes,
+        update_shared_forwards=update.shared_prompt_passes, reference_shares_prompts=G > 1,
+    )  # fmt: skip
+    m = dict(mesh.shape)
+    costs = roofline.phase_costs(
+        cfg, flops, rows=B * G, prompt_len=width, new_tokens=r.max_new_tokens,
+        chips=topo.num_chips, weight_shards=m.get("tensor", 1) * m.get("expert", 1),
+        row_shards=parallel.batch_size_multiple(mesh), itemsize=jnp.dtype(c.model.dtype).itemsize,
+        micro_batches=c.optim.micro_batches * c.optim.mini_batches,
+        update_forwards=update.forward_passes, reference=reference is not None,
+    )  # fmt: skip
+    phase = {"sampler": "sample", "reference": "reference", "update": "update"}
+    # The paged engine's chunks, one call each: a decode chunk's share of the sampler's
+    # roofline; a prefill chunk's is left in the sampler's (0 here).
+    T, chunk = r.max_new_tokens, c.rollout.paged.chunk_steps
+    share = {"paged decode": chunk / T, "paged prefill": 0.0}
+    programs = []
+    for b in (b for b in built if b.compiled is not None):
+        cost = costs[phase.get(b.name, "sample")]
+        if b.name in share:
+            cost = roofline.Cost(cost.flops * share[b.name], cost.hbm_bytes * share[b.name])
+        programs.append(_measure(b, cost, topo))
+    return Report(topo, m, programs, skipped, sum(flops.values()))
+
+
+def _paged_programs(c, cfg, mesh, params, spec, width: int, build) -> list:
+    """The paged engine's decode chunk (every slot, the full page table) and prefill chunk
+    (one per prompt), at the sizes `PagedSampler.session` picks for the step's rows; its
+    state (pool, slots, logits) replicated on the mesh, as the engine puts it."""
+    from jaxrl_llm.sampling import paged_programs
+    from jaxrl_llm.trainer.sources import make_sampler
+
+    engine = make_sampler(c, cfg, mesh, pad_id=0)
+    p, B, T = c.rollout.paged, c.rollout.batch_size, spec.max_new_tokens
+    rows = B * spec.num_generations
+    S = p.slots or rows
+    PS, C = p.page_size, p.prefill_chunk
+    pages = p.pages or 1 + -(-rows * (width + T) // PS)
+    M = -(-(-(-(width + T) // C) * C + C) // PS)  # page-table columns (`Session._fit`)
+    dtype = jnp.dtype(c.model.dtype)
+    pallas = paged_programs.uses_pallas(cfg, engine.attention, dtype, "tpu", PS)
+    everywhere = NamedSharding(mesh, P())
+
+    def put(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere)
+
+    pool = jax.tree.map(put, jax.eval_shape(
+        lambda: paged_programs.init_pages(cfg, pages, PS, dtype, pallas)))  # fmt: skip
+
+    def a(shape, dt=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=everywhere)
+
+    routes = None
+    if cfg.moe:
+        routes = a((S, T, cfg.num_layers, cfg.num_experts_per_tok), models.ROUTE_DTYPE)
+    slots = paged_programs.Slots(
+        table=a((S, M)), start=a((S,)), length=a((S,)), cap=a((S,)), last=a((S,)),
+        fresh=a((S,), bool), live=a((S,), bool), stopped=a((S,), bool), n=a((S,)),
+        budget=a((S,)), row=a((S,)), prompt=a((S,)), tokens=a((S, T)),
+        logprobs=a((S, T), jnp.float32), routes=routes,
+    )  # fmt: skip
+    logits = a((min(B, S + 1) + 1, cfg.vocab_size), jnp.float32)
+    weights = (params, None)  # an unrolled model's layers are then sliced in the program
+    seed_step, stops = a((2,), jnp.uint32), a((1,))
+    programs = engine.programs
+    decode = build(
+        "paged decode", programs["decode"], (weights, pool, slots, logits, seed_step, stops),
+        dict(steps=p.chunk_steps, spec=spec),
+    )  # fmt: skip
+    b = 1 << (B - 1).bit_length()
+    prefill_args = (weights, pool, logits, a((b,)), a((b, C)), a((b, C), bool), a((b, M)),
+                    a((b,)), a((b,)))  # fmt: skip
+    prefill = build("paged prefill", programs["prefill"], prefill_args, {})
+    return [decode, prefill]
+
+
+class DoesNotFit(Exception):
+    """XLA:TPU refused to compile a program: its buffers exceed the chip's HBM."""
+
+    def __init__(self, program: str, reason: str):
+        super().__init__(f"{program}: {reason}")
+        self.program, self.reason = program, reason
+
+
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    name: str
+    compiled: object  # jax.stages.Compiled (None: lowered only)
+    out_info: object  # the program's output shapes
+    seconds: float  # to lower and compile
+
+
+def _compile(name, program, args, kwargs, out, only=None) -> _Built:
+    """Lowers and (when `only` is None or names it) compiles one program."""
+    start = time.perf_counter()
+    lowered = program.lower(*args, **kwargs)
+    if only is not None and name not in only:
+        return _Built(name, None, lowered.out_info, time.perf_counter() - start)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:  # XLA:TPU refuses what exceeds the HBM
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise DoesNotFit(name, str(err).strip().splitlines()[0]) from None
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()  # printed now: a long compile's figures survive it
+    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    peak += mem.temp_size_in_bytes
+    temp = mem.temp_size_in_bytes / GiB
+    print(f"  {name}: compiled in {seconds:.0f} s, {peak / GiB:.2f} GiB per chip at its peak "
+          f"({temp:.2f} GiB temporaries)", file=out, flush=True)  # fmt: skip
+    return _Built(name, compiled, lowered.out_info, seconds)
+
+
+def _measure(built: _Built, cost: roofline.Cost, topo: Topology) -> Program:
+    mem = built.compiled.memory_analysis()
+    analysis = built.compiled.cost_analysis() or {}
+    if isinstance(analysis, list):  # older jax: one dict per program
+        analysis = analysis[0] if analysis else {}
+    return Program(
+        name=built.name,
+        arguments=mem.argument_size_in_bytes,
+        outputs=mem.output_size_in_bytes,
+        aliased=mem.alias_size_in_bytes,
+        temporaries=mem.temp_size_in_bytes,
+        compiler_flops=float(analysis.get("flops", 0.0)),
+        compiler_bytes=float(analysis.get("bytes accessed", 0.0)),
+        model_flops=cost.flops,
+        model_bytes=cost.hbm_bytes,
+        seconds=roofline.roofline_s(cost.flops, cost.hbm_bytes, topo.chip),
+        compile_s=built.seconds,
+        kernels=mosaic_kernels(built.compiled.as_text()),
+    )
+
+
+# The names the Pallas kernels jaxrl_llm calls leave in a compiled program's metadata.
+_KERNEL = re.compile(
+    r"splash_m[hq]a_(?:fwd|dkv|dq)[a-z_]*|\bt?gmm\b|ragged_paged_attention[a-z_]*|"
+    r"paged_flash_attention[a-z_]*"
+)
+
+
+def mosaic_kernels(hlo: str) -> tuple[str, ...]:
+    """The Pallas kernels in a compiled TPU program's text, by name where the kernel
+    leaves one (splash, megablox), else as 'N pallas_call' (the paged-attention kernel);
+    none: the program has no Mosaic custom call."""
+    calls = hlo.count('custom_call_target="tpu_custom_call"')
+    if not calls:
+        return ()
+    return tuple(sorted(set(_KERNEL.findall(hlo)))) or (f"{calls} pallas_call",)
+
+
+def abstract_params(cfg, mesh, dtype: str):
+    """The model's parameters as ShapeDtypeStructs sharded by the rule table on `mesh`."""
+    shardings = models.param_shardings(cfg, mesh)
+    dt = jnp.dtype(dtype)
+    shapes = models.params.unflatten(
+        {path: jax.ShapeDtypeStruct(s.shape, dt) for path, s in models.param_specs(cfg).items()}
+    )
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def abstract_state(params, opt, mesh):
+    """`rl.TrainState` as `rl.init_train_state` places it, abstract: the subtrees shaped
+    like the params (master copy, moments) sharded like them, the rest replicated."""
+    from jaxrl_llm import rl
+
+    structure, replicated = jax.tree.structure(params), NamedSharding(mesh, P())
+
+    def like_params(x) -> bool:
+        return jax.tree.structure(x) == structure
+
+    def place(x):
+        if like_params(x):
+            return jax.tree.map(
+                lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding), x, params
+            )
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), x
+        )
+
+    opt_state = jax.tree.map(place, jax.eval_shape(opt.init, params), is_leaf=like_params)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return rl.TrainState(step=step, params=params, opt_state=opt_state)
+
+
+def _not_compiled(c, algo) -> list[str]:
+    """What the run executes that this compile-only run does not build, each with why."""
+    skipped = []
+    if algo.uses_critic:
+        skipped.append("the critic (PPO's value model)")
+    if config_lib.lora_config(c) is not None:
+        skipped.append("LoRA (the full model's update compiled instead)")
+    if c.teacher.path or c.teacher.field:
+        skipped.append("the teacher's log-probs (the reference's program, over its params)")
+    if any("judge" in str(k) for k in (c.rewards or {})):
+        skipped.append("the judges' samplers")
+    if c.eval.every > 0:
+        skipped.append("evaluation's samplers (the rollout's program at temperature 0)")
+    return skipped
+
+
+def print_report(report: Report, out=sys.stdout) -> None:
+    """The per-chip table: memory against HBM, the compiler's and the model's cost, the
+    roofline time; then the step's predicted time and MFU."""
+    chip = report.topology.chip
+    hbm = chip.hbm_bytes / GiB
+    print(f"per chip ({chip.name}: {hbm:.0f} GiB HBM, {chip.bf16_flops / 1e12:.0f} TFLOP/s "
+          f"bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s):", file=out)  # fmt: skip
+    head = (f"  {'program':<13} {'args GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} "
+            f"{'XLA GFLOP':>10} {'XLA GB':>8} {'model TFLOP':>12} {'model GB':>9} "
+            f"{'roofline s':>11}")  # fmt: skip
+    print(head, file=out)
+    for p in report.programs:
+        print(f"  {p.name:<13} {p.arguments / GiB:>9.2f} {p.temporaries / GiB:>9.2f} "
+              f"{p.peak / GiB:>9.2f} {p.peak / chip.hbm_bytes:>7.0%} "
+              f"{p.compiler_flops / 1e9:>10.1f} {p.compiler_bytes / 1e9:>8.2f} "
+              f"{p.model_flops / 1e12:>12.2f} {p.model_bytes / 1e9:>9.1f} "
+              f"{p.seconds:>11.3f}", file=out)  # fmt: skip
+    for p in report.programs:
+        if p.kernels:
+            print(f"  {p.name} kernels: {', '.join(p.kernels)}", file=out)
+    print(f"step: {report.step_s:.2f} s predicted (roofline), MFU {report.mfu:.1%}; XLA's "
+          f"FLOPs and bytes count each loop body once", file=out)  # fmt: skip
+    for what in report.not_compiled:
+        print(f"not compiled: {what}", file=out)
+    out.flush()
+
+
+def run(raw, topology: str) -> int:
+    """The command line's compile-only run: 0 when every program fits, 2 (and one line
+    naming the first that does not) otherwise."""
+    try:
+        report = compile_config(raw, topology)
+    except DoesNotFit as err:  # the compiler's own line says how much it needed
+        print(f"does not fit: {err.program}: {err.reason}", file=sys.stderr, flush=True)
+        return 2
+    big = report.too_big()
+    if big is None:
+        return 0
+    chip = report.topology.chip
+    print(f"does not fit: {big.name} needs {big.peak / GiB:.2f} GiB per chip, a {chip.name} "
+          f"chip has {chip.hbm_bytes / GiB:.0f} GiB", file=sys.stderr, flush=True)  # fmt: skip
+    return 2
