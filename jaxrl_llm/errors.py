@@ -236,8 +236,9 @@ def take_free_form(argv: list[str]) -> tuple[list[str], list[tuple[str, str, obj
     rest, taken = [], []
     for arg in argv:
         for section in FREE_FORM_OVERRIDES:
-            name, sep, text = arg.removeprefix(f"--config.{section}.").partition("=")
-            if name != arg and sep and name and "." not in name:
+            prefix = f"--config.{section}."
+            name, sep, text = arg[len(prefix) :].partition("=")
+            if arg.startswith(prefix) and sep and name and "." not in name:
                 taken.append((section, name, _literal(text)))
                 break
         else:

@@ -207,9 +207,11 @@ def test_dotted_overrides_add_keys_to_free_form_sections():
     other override is left for ml_collections."""
     c = config_lib.base_config()
     c.lock()
+    others = ["--config=configs/quickstart.py", "--workdir=/tmp/w", "--debug",
+              "--config.agent.entry=a.py:run", "--config.env.options.a.b=1"]  # fmt: skip
     rest, taken = errors.take_free_form(["--config.agent.options.tries=2",
                                          "--config.teacher.paths.math=/models/math",
-                                         "--config.agent.entry=a.py:run"])  # fmt: skip
+                                         *others])  # fmt: skip
     errors.apply_free_form(c, taken)
-    assert rest == ["--config.agent.entry=a.py:run"]
+    assert rest == others
     assert c.agent.options.tries == 2 and c.teacher.paths.math == "/models/math"
