@@ -105,6 +105,12 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is XLA's device out-of-memory error (RESOURCE_EXHAUSTED)."""
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text and "memory" in text.lower()
+
+
 def format_error(err: BaseException) -> str:
     """The one line `error: ...` that reports `err` at the command line."""
     if isinstance(err, UserError):
@@ -125,7 +131,7 @@ def format_error(err: BaseException) -> str:
     elif isinstance(err, ModuleNotFoundError) and err.name:
         package = err.name.split(".")[0]
         line = f"{package}: python package not installed; pip install {package}"
-    elif "RESOURCE_EXHAUSTED" in text and "memory" in text.lower():
+    elif out_of_memory(err):
         line = (
             f"device out of memory ({_first_line(text)[:200]}); lower rollout.batch_size or "
             "rollout.max_new_tokens, raise optim.micro_batches, or set model.remat"

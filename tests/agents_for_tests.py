@@ -59,18 +59,24 @@ async def many(client: openai.AsyncOpenAI, example) -> float:
 MISDEEDS = ("sleep", "exit", "interrupt", "os_exit", "fork")
 
 
+def claim_number(claims: str) -> int:
+    """The lowest number k not yet claimed in the directory `claims` (each episode, in
+    whatever process it runs, claims one by creating the file `claims/k`)."""
+    k = 0
+    while True:
+        try:
+            os.close(os.open(os.path.join(claims, str(k)), os.O_CREAT | os.O_EXCL))
+            return k
+        except FileExistsError:
+            k += 1
+
+
 async def misbehave(client: openai.AsyncOpenAI, example, claims: str) -> float:
     """Episode k of a run (numbered by claiming files in the directory `claims`) asks one
     question, then does MISDEEDS[k]: blocks its thread for an hour, calls sys.exit,
     raises KeyboardInterrupt, ends its process, or forks a copy that sleeps (its pid
     written to claims/forked) and returns 1. Later episodes return 1."""
-    k = 0
-    while True:
-        try:
-            os.close(os.open(os.path.join(claims, str(k)), os.O_CREAT | os.O_EXCL))
-            break
-        except FileExistsError:
-            k += 1
+    k = claim_number(claims)
     deed = MISDEEDS[k] if k < len(MISDEEDS) else "play"
     messages = [{"role": "user", "content": example["question"]}]
     await client.chat.completions.create(model="policy", messages=messages)
@@ -104,6 +110,18 @@ async def intrude(client: openai.AsyncOpenAI, example) -> float:
     messages = [{"role": "user", "content": example["question"]}]
     await client.chat.completions.create(model="policy", messages=messages)
     return float(stolen.status_code == 401 and bare.status_code == 401)
+
+
+async def numbered(client: openai.AsyncOpenAI, example, claims: str) -> float:
+    """One request; for a row with `numbered`, the question starts with the episode's
+    number k (claimed as a file in the directory `claims`), so the episodes of that row
+    start with different messages."""
+    question = example["question"]
+    if example.get("numbered"):
+        question = f"{claim_number(claims)}{question}"
+    messages = [{"role": "user", "content": question}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return 1.0
 
 
 async def returns(client: openai.AsyncOpenAI, example) -> object:

@@ -164,7 +164,10 @@ def test_rewards_that_always_fail_stop_the_run(model_dir, tmp_path, capsys, monk
         train.train(c, str(tmp_path / "run"))
     assert str(err.value).startswith("rewards.needs_answer: ")
     assert "KeyError" in str(err.value) and "2 steps in a row" in str(err.value)
-    assert "warning: step 0: rewards.needs_answer:" in capsys.readouterr().err
+    # Numbered as metrics.jsonl numbers the step (its first record is step 1).
+    first = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))[0]
+    assert f"warning: step {first['step']}: rewards.needs_answer:" in capsys.readouterr().err
+    assert first["step"] == 1
 
 
 def _jsonl(path, rows):

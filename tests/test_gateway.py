@@ -703,6 +703,29 @@ def test_rows_cut_to_the_width_are_counted():
     assert rows["prompt_tokens"][:, -1].tolist() == [1, 1]
     assert rows["tokens"].tolist() == [[2, 3, 4, 9], [5, 6, 8, 8]]
     assert rows["cut"].tolist() == [len(eps[0].ids) - 1 - 4, 0]
+    assert rows["unshared"].tolist() == [True, True]
+
+
+def test_unshared_prompts_are_counted_and_warned_once(tiny, tok, tmp_path, caplog):
+    """Two steps of 2 prompts x 2 episodes, where the episodes of one prompt start with
+    different messages: `gateway/prompt_not_shared` is 1 at each step, that prompt's rows
+    share only `<bos>`-long prompts, and one warning line (at the first step, numbered as
+    metrics.jsonl numbers it) names the cause."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:numbered", batch_size=2, G=2,
+                              options={"claims": str(tmp_path)})  # fmt: skip
+    examples = [{"question": "1+2=", "numbered": True}, {"question": "1+2="}]
+    try:
+        for step in (0, 1):
+            out, scored, _ = agents(params, types.SimpleNamespace(examples=examples), step)
+            assert scored.metrics["gateway/prompt_not_shared"] == 1.0
+    finally:
+        agents.close()
+    prompt = np.asarray(out.prompt_mask).sum(axis=1)
+    assert prompt[0] == prompt[1] == 1 and prompt[2] == prompt[3] > 1
+    lines = [r.getMessage() for r in caplog.records if "prompt_not_shared" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("step 1: agent.entry: the 2 episodes of 1")
+    assert "must start with the same messages for the prompt to be shared" in lines[0]
 
 
 def test_closing_with_a_request_in_flight_raises_nothing():

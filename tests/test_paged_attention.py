@@ -202,9 +202,9 @@ def test_auto_picks_the_kernel_on_tpu_only():
                                          (cfg, "pages", jnp.bfloat16, "tpu")):  # fmt: skip
         assert not uses_pallas(c, attention, dtype, backend)
     assert uses_pallas(cfg, "pallas", jnp.float32, "cpu")
-    pool = PagedSampler(cfg, attention="pallas")._pool(cfg, 6, PS, jnp.float32)
+    pool = PagedSampler(cfg, attention="pallas").pool(cfg, 6, PS, jnp.float32)
     assert pool.pallas and pool.page_size == PS
     assert pool.k.shape == (cfg.num_kv_heads, cfg.num_layers, 6, PS, cfg.head_dim)
-    assert not PagedSampler(cfg)._pool(cfg, 6, PS, jnp.float32).pallas  # CPU: portable
+    assert not PagedSampler(cfg).pool(cfg, 6, PS, jnp.float32).pallas  # CPU: portable
     with pytest.raises(ValueError, match="sliding window"):
         PagedSampler(gemma, attention="pallas")

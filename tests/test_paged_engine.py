@@ -278,6 +278,50 @@ def test_a_page_pool_past_the_machines_memory_is_one_line(tiny):
     checks_model.check_page_pool(c, cfg)
 
 
+def test_device_out_of_memory_in_the_page_pool_names_rollout_paged_pages(tiny, monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED while a set pool is allocated, or while a decode chunk runs
+    over an automatic one, is one line naming rollout.paged.pages and the pool's size
+    (numpy reference: pages x page_size x layers x K,V x kv heads x head_dim x 4 bytes),
+    not the update's batch size and remat."""
+    from jaxrl_llm import errors
+
+    cfg, params = tiny
+    ids, mask = sampling.pad_prompts(PROMPTS[:2], 0)
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=5, temperature=0.0)
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
+
+    def fail(*args, **kwargs):
+        raise oom
+
+    def gib(pages):
+        size = [pages, 4, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, 4]
+        return f"{np.prod(size, dtype=np.float64) / 2**30:,.2f} GiB"
+
+    paged = sampling.PagedSampler(cfg, pages=10**7, page_size=4, prefill_chunk=8)
+    pool = paged.pool
+
+    def allocation_fails(*args, shapes=False):
+        return pool(*args, shapes=True) if shapes else fail()
+
+    monkeypatch.setattr(paged, "pool", allocation_fails)
+    with pytest.raises(errors.UserError) as err:
+        paged.sample(params, ids, mask, spec)
+    line = errors.format_error(err.value)
+    assert line.startswith("error: rollout.paged.pages=10000000: device out of memory")
+    assert f"10000000 pages of 4 tokens, {gib(10**7)} of KV cache" in line
+    assert line.endswith("lower rollout.paged.pages (0 = automatic)")
+    assert "remat" not in line and err.value.__cause__ is oom
+
+    paged = sampling.PagedSampler(cfg, page_size=4, prefill_chunk=8)
+    monkeypatch.setattr(paged, "decode_slots", fail)
+    with pytest.raises(errors.UserError) as err:
+        paged.sample(params, ids, mask, spec)
+    total = paged.auto_pages(4, ids.shape[1] + 5)
+    assert str(err.value).startswith("rollout.paged.pages=0: device out of memory")
+    assert f"automatic page pool of {total} pages of 4 tokens, {gib(total)}" in str(err.value)
+    assert f"set rollout.paged.pages below {total}" in str(err.value)
+
+
 def test_kernels_that_cannot_run_on_cpu_are_refused_naming_the_key(tmp_path):
     """On CPU, model.attention='cudnn' / 'pallas' and rollout.paged.attention='pallas' (in
     a training run) stop before the start with one line naming the key."""

@@ -142,7 +142,7 @@ def test_nonfinite_update_stops_naming_the_step(model_dir, tmp_path, monkeypatch
         return scored
 
     monkeypatch.setattr(scoring.Scorer, "__call__", nan_rewards)
-    with pytest.raises(train.NonFiniteError, match=r"step 0: non-finite loss or gradient"):
+    with pytest.raises(train.NonFiniteError, match=r"step 1: non-finite loss or gradient"):
         train.train(c, str(tmp_path / "stop"))
     c.train.skip_nonfinite = True
     last = train.train(c, str(tmp_path / "skip"))

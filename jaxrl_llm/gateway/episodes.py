@@ -116,13 +116,14 @@ def group_rows(episodes: list, prompt_width: int, width: int, pad_id: int) -> di
     wide. A record longer than that is cut to it; `cut` counts each row's dropped tokens:
     the gateway refuses requests past the limits, but when the episodes' prompts differ
     (an agent whose G episodes start with different messages) the shared prompt is
-    shorter than each one's and the rest of each prompt fills the completion."""
+    shorter than each one's and the rest of each prompt fills the completion;
+    `unshared` marks the rows of such a group (every row of it)."""
     played = [ep for ep in episodes if ep.ids]
     first = [ep.loss.index(True) if True in ep.loss else len(ep.ids) for ep in played]
-    common = min(first + [prompt_width])
+    common, unshared = min(first + [prompt_width]), False
     for j in range(common):
         if len({ep.ids[j] for ep in played}) > 1:
-            common = j
+            common, unshared = j, True
             break
     # One token at least (every row attends to something); an episode that never asked
     # gets the others' prompt and an empty completion.
@@ -138,6 +139,7 @@ def group_rows(episodes: list, prompt_width: int, width: int, pad_id: int) -> di
         "versions": np.full((n, width), -1, np.int64),
         "lengths": np.zeros(n, np.int32),
         "cut": np.zeros(n, np.int32),
+        "unshared": np.full(n, unshared),
     }
     for i, ep in enumerate(episodes):
         out["prompt_tokens"][i, prompt_width - len(shared) :] = shared

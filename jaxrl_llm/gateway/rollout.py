@@ -44,6 +44,7 @@ import time
 
 import jax
 import numpy as np
+from absl import logging
 
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.data import prompts as prompts_lib
@@ -75,6 +76,7 @@ class AgentRollout:
         self.server: Server | None = None
         self.label = "agent"
         self.eval_server: Server | None = None  # evaluation's own (beside the rollout thread)
+        self.warned_unshared = False  # `_warn_unshared`: once per run
 
     def close(self) -> None:
         for server in (self.server, self.eval_server):
@@ -274,7 +276,7 @@ class AgentRollout:
         parts = [group_rows([episodes[e] for e in order[g : g + G]], self.prompt_width, width,
                             pad) for g in range(0, len(order), G)]  # fmt: skip
         rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        versions, cut = rows.pop("versions"), rows.pop("cut")
+        versions, cut, unshared = rows.pop("versions"), rows.pop("cut"), rows.pop("unshared")
         sampled = np.where(versions >= 0, versions, np.iinfo(np.int64).max).min(axis=1)
         host = sampling.SampleOutput(
             tokens=rows["tokens"], mask=rows["mask"], loss_mask=rows["loss_mask"],
@@ -297,6 +299,8 @@ class AgentRollout:
         n = len(order)
         metrics = self._metrics(play, episodes, ends, rows["lengths"])
         metrics["gateway/truncated"] = float((cut > 0).sum())  # rows cut to the width
+        metrics["gateway/prompt_not_shared"] = float(unshared[::G].sum())  # groups
+        self._warn_unshared(int(unshared[::G].sum()), len(order) // G, play.step)
         failed = [i for i, end in enumerate(ends) if end != "done"]
         details = ScoreDetails(
             per_verifier={self.label: rewards.astype(np.float64)}, weights={self.label: 1.0},
@@ -315,6 +319,21 @@ class AgentRollout:
             prompt_lengths=rows["prompt_mask"].sum(axis=1), details=details,
         )  # fmt: skip
         return out, scored, versions
+
+    def _warn_unshared(self, groups: int, of: int, step: int) -> None:
+        """Once per run: the first step where the G episodes of some prompt started with
+        different messages (their rows share only the tokens those have in common as the
+        prompt; each episode's own prompt goes into its completion, loss mask 0)."""
+        if groups and not self.warned_unshared:
+            self.warned_unshared = True
+            logging.warning(
+                "step %d: agent.entry: the %d episodes of %d of %d prompts started with "
+                "different messages, so their rows do not share the prompt (each one's "
+                "prompt moves into its completion, where agent.max_total_tokens may cut "
+                "it); the episodes of one prompt must start with the same messages for "
+                "the prompt to be shared (gateway/prompt_not_shared counts such prompts)",
+                step + 1, self.spec.num_generations, groups, of,
+            )  # fmt: skip
 
     def _metrics(self, play, episodes, ends, lengths) -> dict:
         """gateway/* counters of one rollout (docs/agents.md)."""

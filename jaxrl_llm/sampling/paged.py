@@ -281,10 +281,12 @@ class PagedSampler:
         sharding = self.row_sharding
         return jax.tree.map(lambda x: jax.device_put(x, sharding), out)
 
-    def _pool(self, cfg, pages: int, page_size: int, dtype) -> Pages:
-        """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so."""
+    def pool(self, cfg, pages: int, page_size: int, dtype, *, shapes: bool = False) -> Pages:
+        """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so;
+        shapes=True: its `jax.ShapeDtypeStruct`s only (nothing allocated)."""
         pallas = uses_pallas(cfg, self.attention, dtype, target.backend(), page_size)
-        return self._init_pool(cfg, pages, page_size, dtype, pallas)
+        make = self._init_pool.eval_shape if shapes else self._init_pool
+        return make(cfg, pages, page_size, dtype, pallas)
 
     # ----------------------------------------------------------------- device programs
     def weights(self, params) -> tuple:

@@ -12,9 +12,13 @@ on their environments). A subclass admits rows (`_admit`), gives them pages as t
 from __future__ import annotations
 
 import collections
+import contextlib
+import math
 
 import jax
 import numpy as np
+
+from jaxrl_llm import errors
 
 NULL_PAGE = 0  # writes of masked tokens go here; never read unmasked
 PREFILL_BATCH = 8  # sequences prefilled by one program (batches of 1, 2, 4 or 8)
@@ -67,10 +71,41 @@ class PagePool:
             shape = (S, T, cfg.num_layers, cfg.num_experts_per_tok)
             self.host["routes"] = np.full(shape, -1, np.int16)
         dtype = params["embed"].dtype
-        self.pages = e._pool(e.cfg, pages, self.PS, dtype)  # noqa: SLF001
+        self.dtype = dtype
+        with self.out_of_memory():
+            # Blocked on: an allocation that fails is reported here, not by a later program.
+            self.pages = jax.block_until_ready(e.pool(e.cfg, pages, self.PS, dtype))
         rows = np.zeros((prompt_rows + 1, e.cfg.vocab_size), np.float32)
         self.prompt_logits = e._put(rows)  # noqa: SLF001
         self.stops = e._put(np.asarray(spec.stop_ids or (-1,), np.int32))  # noqa: SLF001
+
+    @contextlib.contextmanager
+    def out_of_memory(self):
+        """Device out of memory while the pool is allocated or a program over it runs:
+        one line naming the pool's size and `rollout.paged.pages`, the setting that sizes
+        it (the generic line would suggest the update's batch and remat)."""
+        try:
+            yield
+        except Exception as err:
+            if not errors.out_of_memory(err):
+                raise
+            raise errors.UserError(self._out_of_memory_line(err)) from err
+
+    def _out_of_memory_line(self, err: BaseException) -> str:
+        shapes = self.e.pool(self.e.cfg, self.total, self.PS, self.dtype, shapes=True)
+        size = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        cause = str(err).strip().splitlines()[0][:200]
+        pool = f"{self.total} pages of {self.PS} tokens, {size / 2**30:,.2f} GiB of KV cache"
+        if self.e.pages:
+            return (
+                f"rollout.paged.pages={self.total}: device out of memory ({cause}) with a "
+                f"page pool of {pool}; lower rollout.paged.pages (0 = automatic)"
+            )
+        return (
+            f"rollout.paged.pages=0: device out of memory ({cause}) with the automatic page "
+            f"pool of {pool}; set rollout.paged.pages below {self.total}, or lower "
+            "rollout.batch_size or rollout.max_new_tokens (they size the automatic pool)"
+        )
 
     def _fit(self, width: int) -> None:
         """Page-table columns for a prompt of `width` tokens and all it may draw (or, in
@@ -165,10 +200,11 @@ class PagePool:
                     where = np.arange(at, at + W)
                     mask[i] = (where >= lo) & (where < hi)
                     length[i] = offset + at
-                self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
-                    self.weights, self.pages, self.prompt_logits,
-                    *e._put((index, tokens, mask, table, start, length)),  # noqa: SLF001
-                )  # fmt: skip
+                with self.out_of_memory():
+                    self.pages, self.prompt_logits, own = e._prefill(  # noqa: SLF001
+                        self.weights, self.pages, self.prompt_logits,
+                        *e._put((index, tokens, mask, table, start, length)),  # noqa: SLF001
+                    )  # fmt: skip
                 owns.append(own)
                 self.stats["prefill_calls"] += 1
             if owns[0] is not None and any(j[7] is not None for j in batch):
@@ -196,9 +232,10 @@ class PagePool:
         program runs over those slots and the table cut to the most pages any of them
         holds (`PagedSampler.decode_slots`)."""
         held = max(self.owner[s].held for s in self.order)
-        self.pages, self.host = self.e.decode_slots(
-            self.weights, self.pages, self.host, self.order, held, self.prompt_logits,
-            self.seed_step, self.stops, self.spec,
-        )  # fmt: skip
+        with self.out_of_memory():
+            self.pages, self.host = self.e.decode_slots(
+                self.weights, self.pages, self.host, self.order, held, self.prompt_logits,
+                self.seed_step, self.stops, self.spec,
+            )  # fmt: skip
         self.stats["decode_chunks"] += 1
         return self.host

@@ -78,6 +78,7 @@ def _samples(s: scoring.Scored, count: int) -> list[dict]:
 
 
 def _check_finite(step: int, metrics: dict, skip: bool) -> None:
+    """step: the step's number as metrics.jsonl records it (the first step is 1)."""
     bad = [
         k for k in ("loss/total", "optim/grad_norm") if k in metrics and not np.isfinite(metrics[k])
     ]
@@ -219,7 +220,7 @@ def _one_step(run: Run, step: int, writer, progress, last: dict):
     done = step + 1
     if done % c.train.log_every == 0 or done == c.train.num_steps:
         dev = {k: float(v) for k, v in jax.device_get(result.device).items()}
-        _check_finite(step, dev, c.train.skip_nonfinite)
+        _check_finite(done, dev, c.train.skip_nonfinite)
         last = host | dev | {"perf/compile_s": run.compile_log.seconds - compiled_before}
         writer.write(done, last)
     if c.train.print_samples_every and done % c.train.print_samples_every == 0:

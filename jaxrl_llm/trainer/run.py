@@ -249,7 +249,7 @@ class Run:
             teacher = self.teacher(ro)  # dispatched, no wait
             scored = ro.scored or self.sampling.score(ro.out, ro.batch, clock)  # host
             clock.wait("reference", (ref, teacher))
-            warning = self._check_verifiers(scored, step)
+            warning = self._check_verifiers(scored, step + 1)  # numbered as metrics.jsonl
             rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
             with self.compile_log.program("update", bucket(ro.out)):
                 self._release_after_compiles()
