@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from jaxrl_llm.models.hf_config import (
     GEMMA3,
+    GPT_OSS,
     HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -32,7 +33,9 @@ from jaxrl_llm.models.hf_config import (
     load_config_json,
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# YaRN, checked against transformers for GPT-OSS (its RoPE) only
+YARN_ARCHITECTURES = (GPT_OSS,)
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 # HF's names (Gemma 3's and Qwen3.5's `layer_types`)
@@ -222,10 +225,13 @@ class ModelConfig:
             raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
         self._check_attention()
         scaling = dict(self.rope_scaling or ())
-        if scaling.get("rope_type", "default") not in SUPPORTED_ROPE_TYPES:
+        types = SUPPORTED_ROPE_TYPES + (
+            ("yarn",) if self.architecture in YARN_ARCHITECTURES else ()
+        )
+        if scaling.get("rope_type", "default") not in types:
             raise UnsupportedModelError(
                 f"rope type {scaling['rope_type']!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"{', '.join(types)}"
             )
         self._check_layer_types()
         self._check_moe()
