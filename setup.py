@@ -68,11 +68,6 @@ setup(
             "reasoning-gym==0.1.25",
             "textarena==0.7.4",
             "verifiers==0.4.0",
-            # XLA:TPU without a TPU: tests/test_tpu_compile.py compiles a tiny step for v5e
-            # chips (`--compile_for`). The version jax[tpu]==0.10.2 pins; on a machine
-            # without TPU chips the command lines keep jax on the CPU (`tpu.chips`) and the
-            # tests set JAX_PLATFORMS=cpu (conftest.py).
-            "libtpu==0.0.42.1",
         ],
         # data.name=reasoning_gym/<task>, env.name=textarena/<game id>,
         # agent.entry=verifiers:<taskset>.
