@@ -17,6 +17,7 @@ from tiny_run import make_model_dir, signal_config
 
 from jaxrl_llm import data, parallel, rl, sampling, train
 from jaxrl_llm.config import ConfigError, validate
+from jaxrl_llm.startup import compilation
 from jaxrl_llm.trainer import checkpoint
 from jaxrl_llm.trainer.metrics import read_metrics
 from jaxrl_llm.trainer.rollout_thread import RolloutThread
@@ -292,7 +293,15 @@ def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkey
     monkeypatch.setattr(sampling.Sampler, "decode", slow_decode)
     c = split_config(model_dir, steps=5, max_staleness=1)
     c.rollout.partial, c.rollout.partial_chunk = True, 1
-    train.train(c, str(tmp_path / "run"))
+    # Compiled, not loaded: here the rollout thread compiles each chunk while the compile
+    # pool builds the step, and twice in the full suite XLA:CPU aborted the process while
+    # the pool loaded a program from the session's cache (docs/performance.md).
+    c.train.compilation_cache_dir = ""
+    session_cache = jax.config.jax_compilation_cache_dir
+    try:
+        train.train(c, str(tmp_path / "run"))
+    finally:
+        compilation.use_cache(session_cache or "")
     logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl")
               if "rollout/partial_frac" in m]  # fmt: skip
     assert len(logged) == 5

@@ -139,7 +139,22 @@ def model_dir(tmp_path_factory):
     return make_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
 
 
-def _train(model_dir, workdir, *overrides):
+# The command line with the stop's wait for its save made slow: a second Ctrl-C sent once
+# the first is answered lands during it however fast the tiny run saves (without it, the
+# run could finish its save and exit 0 before the test's second press arrived).
+_SLOW_STOP = """
+import runpy, time
+from jaxrl_llm.trainer.checkpoint import Checkpointer
+wait = Checkpointer.wait
+def slow_wait(self):
+    time.sleep(60)
+    wait(self)
+Checkpointer.wait = slow_wait
+runpy.run_module("jaxrl_llm.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def _train(model_dir, workdir, *overrides, slow_stop=False):
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
@@ -149,8 +164,7 @@ def _train(model_dir, workdir, *overrides):
     }
     cmd = [
         sys.executable,
-        "-m",
-        "jaxrl_llm.train",
+        *(["-c", _SLOW_STOP] if slow_stop else ["-m", "jaxrl_llm.train"]),
         f"--config={os.path.join(REPO, 'tests', 'tiny_run.py')}",
         f"--workdir={workdir}",
         "--config.train.num_steps=1000",
@@ -214,7 +228,7 @@ def test_ctrl_c_saves_the_step_and_exits_cleanly(model_dir, tmp_path):
 
 def test_second_ctrl_c_aborts_with_one_line(model_dir, tmp_path):
     workdir = str(tmp_path / "run")
-    proc = _train(model_dir, workdir)
+    proc = _train(model_dir, workdir, slow_stop=True)
     err = _interrupt_after(proc, workdir, steps=1, presses=2)
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1].startswith("error: interrupted; ")
