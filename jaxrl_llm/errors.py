@@ -50,6 +50,10 @@ class UserError(Exception):
         self.where, self.what, self.fix = where, what, fix
 
 
+class UnsupportedModelError(UserError, ValueError):
+    """The checkpoint asks for an architecture or option the decoder does not implement."""
+
+
 def free_space(path: str) -> str:
     """Free space on the file system holding `path` (or its nearest existing parent),
     e.g. "1.2 GiB free"; "" when it cannot be read."""
