@@ -59,7 +59,7 @@ class PagedStream(RolloutThread):
                     return
                 params, version = self._params, self._version
             if session is not None and version != session.version:
-                if self.partial or not (session.waiting or session.in_flight):
+                if self.partial or not session.in_flight:
                     session.swap(params, version)
             current = version if session is None else session.version
             # Queue the next steps the bound allows (without partial, none on parameters
