@@ -203,12 +203,8 @@ class PagedSampler:
         budgets = np.full(N, T, np.int64) if budgets is None else np.asarray(budgets, np.int64)
         if budgets.shape != (N,) or budgets.min() < 1 or budgets.max() > T:
             raise ValueError(f"budgets: expected [{N}] values in [1, {T}]")
-        seed = self.seed if seed is None else int(seed)
-        # (seed, step) go to the device as numbers and the key is made there: a key built
-        # on the host would be an implicit transfer (refused under the trainer's guard).
-        seed_step = self.put(np.array([seed, 0 if step is None else int(step)], np.uint32))
-        run = self.session(params, version, spec, seed_step=seed_step, width=width, rows=N,
-                           prompts=B)  # fmt: skip
+        run = self.stream(params, version, spec, width=width, rows=N, prompts=B, seed=seed,
+                          step=0 if step is None else int(step))  # fmt: skip
         run.submit(0, ids, mask, budgets)
         while run.busy:
             run.run_chunk()
@@ -216,15 +212,20 @@ class PagedSampler:
         return run.output(0)[0]
 
     def stream(self, params, version: int, spec: RolloutSpec, *, width: int, rows: int,
-               seed=None) -> Session:  # fmt: skip
-        """A session kept across training steps (a streaming rollout source): submit step
-        s's bucketed prompts with key_base s * rows; rows of step 0 draw the keys
-        `sample(..., step=0)` gives them. Sized as `session` for `rows` rows of bucket
-        `width` (pages 0: one step's static cache)."""
+               prompts: int = 0, seed=None, step: int = 0) -> Session:  # fmt: skip
+        """A `paged_schedule.Session` over this engine's settings, sized for requests of
+        `rows` rows over `prompts` prompts (0: rows) of bucket `width` (slots 0: `rows`
+        slots; pages 0: the static sampler's cache for them); kept across training steps
+        by a streaming rollout source, which submits step s's bucketed prompts with
+        key_base s * rows (rows of step 0 draw the keys `sample(..., step=0)` gives them).
+        (seed, step) go to the device as numbers and the keys are made there: a key built
+        on the host would be an implicit transfer (refused under the trainer's guard)."""
         seed = self.seed if seed is None else int(seed)
-        seed_step = self.put(np.array([seed, 0], np.uint32))
-        return self.session(params, version, spec, seed_step=seed_step, width=width,
-                            rows=rows, prompts=rows)  # fmt: skip
+        slots = self.slots or rows
+        pages = self.pages or self.auto_pages(rows, width + spec.max_new_tokens)
+        return Session(self, params, version, spec, slots=slots, pages=pages,
+                       seed_step=self.put(np.array([seed, step], np.uint32)),
+                       prompt_rows=min(prompts or rows, slots + 1))  # fmt: skip
 
     def auto_pages(self, rows: int, tokens: int) -> int:
         """The pool of `rollout.paged.pages=0` for `rows` sequences of `tokens` tokens:
@@ -234,16 +235,6 @@ class PagedSampler:
         C, PS = self.prefill_chunk, self.page_size
         one = -(-(-(-tokens // C) * C + C) // PS)
         return 1 + max(-(-rows * tokens // PS), one)
-
-    def session(self, params, version: int, spec: RolloutSpec, *, seed_step, width: int,
-                rows: int, prompts: int) -> Session:  # fmt: skip
-        """A `paged_schedule.Session` over this engine's settings, sized for requests of
-        `rows` rows over `prompts` prompts of bucket `width` (slots 0: `rows` slots; pages
-        0: the static sampler's cache for them). seed_step: (seed, salt) on device."""
-        slots = self.slots or rows
-        pages = self.pages or self.auto_pages(rows, width + spec.max_new_tokens)
-        return Session(self, params, version, spec, seed_step=seed_step, slots=slots,
-                       pages=pages, prompt_rows=min(prompts, slots + 1))  # fmt: skip
 
     def pool(self, cfg, pages: int, page_size: int, dtype, *, shapes: bool = False) -> Pages:
         """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so;

@@ -1,14 +1,6 @@
 """The page pool and decode slots of a paged engine session: one `Pool` record and the
-plain functions that change it.
-
-    pool = new_pool(engine, params, version, spec, seed_step=..., slots=S, pages=P,
-                    prompt_rows=R)
-    got = queue_prefill(pool, ids, logits_row)   # pages for a sequence, its prefill queued
-    run_prefills(pool)                           # the queued prefills, batched
-    seat(pool, s, holder, ...)                   # a row takes slot s
-    grow(pool, preempt)                          # pages for every slot's next chunk
-    host = decode(pool)                          # one decode chunk of the occupied slots
-    vacate(pool, s)                              # slot s is free again
+plain functions that change it (`queue_prefill` / `run_prefills`, `seat`, `grow`,
+`decode`, `vacate`, `unshare`, `reweigh`).
 
 A `Pool` holds the KV pages (a free list, page 0 the null page), the page-table columns,
 the prompts' shared pages and first-draw logits rows, the slots' host arrays, the waiting
@@ -25,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import math
 
 import jax
@@ -37,71 +28,59 @@ NULL_PAGE = 0  # writes of masked tokens go here; never read unmasked
 PREFILL_BATCH = 8  # sequences prefilled by one program (batches of 1, 2, 4 or 8)
 
 
-@dataclasses.dataclass
 class Pool:
-    """A page pool, decode slots and their host state over one engine (`new_pool`)."""
+    """A page pool, decode slots and their host state over one engine: a record, changed
+    by this module's functions.
 
-    engine: object  # the `PagedSampler` whose programs run the chunks and prefills
-    spec: object  # the `RolloutSpec` every row samples with
-    version: int  # the parameters' version
-    weights: tuple  # the programs' parameters (`PagedSampler.weights`)
-    seed_step: jax.Array  # (seed, salt) on device, uint32 [2]: the keys' base
-    T: int  # max_new_tokens
-    C: int  # prefill chunk
-    PS: int  # page size
-    total: int  # pages, the null page included
-    M: int  # page-table columns (grows with the widest request)
-    free: list  # free pages (page 0: the null page, never free)
-    prompt_pages: dict  # prompt key -> [pages, padded, start, rows, logits row]
-    logit_rows: list  # free first-draw logits rows
-    scratch: int  # prompt_logits row of a recompute's prefill (not read)
-    host: dict  # the slots' host arrays (`Slots`' fields, [S, ...] each)
-    pages: object  # the device pool (`Pages`)
-    prompt_logits: jax.Array  # [rows, V] first-draw logits
-    stops: jax.Array  # the stop ids
-    dtype: object
-    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
-    owner: list = dataclasses.field(default_factory=list)  # slot -> its holder (None: free)
-    order: list = dataclasses.field(default_factory=list)  # occupied slots, oldest first
-    # Prefill jobs (`run_prefills`): (sequence, lo, hi, offset, first, pages, logits row,
-    # record or None)
-    prefills: list = dataclasses.field(default_factory=list)
-    stats: dict = dataclasses.field(
-        default_factory=lambda: dict(
-            decode_chunks=0, prefills=0, prefill_calls=0, preempted=0, peak_pages=0, swaps=0
+    Args:
+      engine: the `PagedSampler` whose programs run the chunks and prefills.
+      params, version: the parameters decoding starts with, and their version.
+      spec: the `RolloutSpec` every row samples with.
+      seed_step: (seed, salt) on device, uint32 [2] (the keys' base).
+      slots: sequences decoded at once.
+      pages: KV pages in the pool, the null page included.
+      prompt_rows: prompts whose first-draw logits are held at once (a slot whose prompt
+        has no free row waits).
+      slot_rows: also a first-draw logits row per slot (a resumed or recomputed row's).
+    """
+
+    def __init__(self, engine, params, version: int, spec, *, seed_step, slots: int,
+                 pages: int, prompt_rows: int, slot_rows: bool = False):  # fmt: skip
+        e, T, S = engine, spec.max_new_tokens, slots
+        self.engine, self.version, self.spec, self.seed_step = e, int(version), spec, seed_step
+        self.weights = e.weights(params)  # the programs' parameters (`PagedSampler.weights`)
+        self.T, self.C, self.PS, self.total = T, e.prefill_chunk, e.page_size, pages
+        self.M = 1  # page-table columns (grows with the widest request)
+        self.free = list(range(pages - 1, 0, -1))  # page 0: the null page
+        self.prompt_pages: dict = {}  # prompt key -> [pages, padded, start, rows, logits row]
+        self.logit_rows = list(range(prompt_rows - 1, -1, -1))
+        self.scratch = prompt_rows  # prompt_logits row of a recompute's prefill (not read)
+        self.waiting: collections.deque = collections.deque()  # holders waiting for a slot
+        self.owner: list = [None] * S  # slot -> its holder (None: free)
+        self.order: list = []  # occupied slots, oldest first
+        self.stats = dict(decode_chunks=0, prefills=0, prefill_calls=0, preempted=0,
+                          peak_pages=0, swaps=0)  # fmt: skip
+        # Prefill jobs (`run_prefills`): (sequence, lo, hi, offset, first, pages, logits
+        # row, record or None)
+        self.prefills: list = []
+        z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+        self.host = dict(
+            table=z(S, 1), start=z(S), length=z(S), cap=z(S), last=z(S),
+            fresh=z(S, dtype=bool), live=z(S, dtype=bool), stopped=z(S, dtype=bool), n=z(S),
+            budget=z(S), row=z(S), prompt=z(S), tokens=z(S, T), logprobs=z(S, T, dtype=np.float32),
         )  # fmt: skip
-    )
-
-
-def new_pool(engine, params, version: int, spec, *, seed_step, slots: int, pages: int,
-             prompt_rows: int, slot_rows: bool = False) -> Pool:  # fmt: skip
-    """A pool of `pages` KV pages (the null page included) and `slots` decode slots, with
-    first-draw logits rows for `prompt_rows` prompts, a scratch row, and (slot_rows) one
-    row per slot: a resumed or recomputed row's first draw."""
-    e, T, S = engine, spec.max_new_tokens, slots
-    z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
-    host = dict(
-        table=z(S, 1), start=z(S), length=z(S), cap=z(S), last=z(S),
-        fresh=z(S, dtype=bool), live=z(S, dtype=bool), stopped=z(S, dtype=bool), n=z(S),
-        budget=z(S), row=z(S), prompt=z(S), tokens=z(S, T), logprobs=z(S, T, dtype=np.float32),
-    )  # fmt: skip
-    if e.cfg.moe:  # each drawn token's experts (sampling/decode.py's routes)
-        host["routes"] = np.full((S, T, e.cfg.num_layers, e.cfg.num_experts_per_tok), -1,
-                                 np.int16)  # fmt: skip
-    rows = np.zeros((prompt_rows + 1 + S * slot_rows, e.cfg.vocab_size), np.float32)
-    pool = Pool(
-        engine=e, spec=spec, version=int(version), weights=e.weights(params),
-        seed_step=seed_step, T=T, C=e.prefill_chunk, PS=e.page_size, total=pages, M=1,
-        free=list(range(pages - 1, 0, -1)), prompt_pages={},
-        logit_rows=list(range(prompt_rows - 1, -1, -1)), scratch=prompt_rows, host=host,
-        pages=None, prompt_logits=e.put(rows),
-        stops=e.put(np.asarray(spec.stop_ids or (-1,), np.int32)),
-        dtype=params["embed"].dtype, owner=[None] * S,
-    )  # fmt: skip
-    with out_of_memory(pool):
-        # Blocked on: an allocation that fails is reported here, not by a later program.
-        pool.pages = jax.block_until_ready(e.pool(e.cfg, pages, pool.PS, pool.dtype))
-    return pool
+        cfg = e.cfg
+        if cfg.moe:  # each drawn token's experts (sampling/decode.py's routes)
+            shape = (S, T, cfg.num_layers, cfg.num_experts_per_tok)
+            self.host["routes"] = np.full(shape, -1, np.int16)
+        self.dtype = params["embed"].dtype
+        self.pages = None
+        with out_of_memory(self):
+            # Blocked on: an allocation that fails is reported here, not by a later program.
+            self.pages = jax.block_until_ready(e.pool(cfg, pages, self.PS, self.dtype))
+        rows = np.zeros((prompt_rows + 1 + S * slot_rows, cfg.vocab_size), np.float32)
+        self.prompt_logits = e.put(rows)
+        self.stops = e.put(np.asarray(spec.stop_ids or (-1,), np.int32))
 
 
 @contextlib.contextmanager

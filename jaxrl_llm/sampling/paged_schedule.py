@@ -6,7 +6,7 @@ drew.
     session.submit(key, prompt_ids, prompt_mask, budgets, key_base)   # a batch of prompts
     while session.busy:
         for key in session.run_chunk():        # one decode chunk; requests that finished
-            drawn, logprobs, stopped, versions, token_versions = session.pop(key)
+            out, token_versions = session.output(key)
     session.swap(new_params, new_version)      # newer parameters between chunks
 
 `PagedSampler.sample` is one request run to the end; a streaming source keeps one session
@@ -55,8 +55,9 @@ class _Request:
 
 @dataclasses.dataclass
 class _Row:
-    """A row waiting for a slot: its request and index, and the tokens / log-probs /
-    versions it drew before it was preempted (none for a fresh row)."""
+    """A row of a request: its request and index, the tokens / log-probs / versions it
+    drew before it was last preempted (none for a fresh row), and in a slot the pages its
+    table holds, its own pages and its shared prompt (or None)."""
 
     req: object
     row: int
@@ -64,38 +65,24 @@ class _Row:
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
     routes: np.ndarray | None = None  # MoE: the drawn tokens' recorded routes [n, L, k]
-
-
-@dataclasses.dataclass
-class _Slot:
-    """An occupied slot's holder: its row, the pages its table holds, its own pages, and
-    its shared prompt (or None)."""
-
-    item: _Row
-    table: list
-    mine: list
-    shared: object
+    table: list = dataclasses.field(default_factory=list)
+    mine: list = dataclasses.field(default_factory=list)
+    shared: object = None
 
 
 class Session:
     """Continuous batching of the rows of any number of requests over one page pool
-    (`paged_pool.new_pool`'s arguments; `spec` the one every request samples with)."""
+    (`paged_pool.Pool`'s arguments; `spec` the one every request samples with)."""
 
     def __init__(self, engine, params, version: int, spec, *, seed_step, slots: int,
                  pages: int, prompt_rows: int):  # fmt: skip
-        self.pool = pp.new_pool(engine, params, version, spec, seed_step=seed_step,
+        self.pool = pp.Pool(engine, params, version, spec, seed_step=seed_step,
                                 slots=slots, pages=pages, prompt_rows=prompt_rows)  # fmt: skip
         self.requests: dict = {}
         self.done: list = []  # keys of requests whose rows all ended, in completion order
 
-    @property
-    def stats(self) -> dict:
-        """Counters: decode chunks, prefills, preemptions, peak pages in use, swaps."""
-        return self.pool.stats
-
-    @property
-    def version(self) -> int:
-        return self.pool.version
+    stats = property(lambda self: self.pool.stats, doc="The pool's counters (`Pool.stats`).")
+    version = property(lambda self: self.pool.version, doc="The parameters' version.")
 
     # -------------------------------------------------------------------- requests
     def submit(self, key, ids: np.ndarray, mask: np.ndarray, budgets: np.ndarray,
@@ -130,53 +117,34 @@ class Session:
         """Rows wait for a slot or hold one."""
         return bool(self.pool.waiting or self.pool.order)
 
-    def started(self, key) -> bool:
-        """Some row of the request has had a slot."""
-        return bool((self.requests[key].started >= 0).any())
-
-    def pop(self, key):
-        """A finished request's results -> (drawn, logprobs, stopped, versions [N] (the
-        version that started each row), token_versions [N, T] (-1 past each row's end))."""
-        req = self.requests.pop(key)
-        N = len(req.drawn)
-        tv = np.full((N, self.pool.T), -1, np.int32)
-        for r, v in enumerate(req.versions):
-            tv[r, : len(v)] = v
-        started = req.started
-        first = started[started >= 0].min() if (started >= 0).any() else self.version
-        started = np.where(started >= 0, started, first).astype(np.int32)
-        return req.drawn, req.logprobs, req.stopped, started, tv
-
-    def routes(self, key) -> np.ndarray | None:
-        """A finished request's `SampleOutput.routes` (MoE; None for a dense model): its
-        prompts' routes from their first prefill, then each row's drawn tokens'."""
-        req, cfg = self.requests[key], self.pool.engine.cfg
-        if not cfg.moe:
-            return None
-        return static_routes(cfg, req.ids, req.mask, len(req.drawn), self.pool.T,
-                             req.prompt_routes, dict(enumerate(req.routes)))  # fmt: skip
-
     def output(self, key):
-        """A finished request as (`SampleOutput` on the engine's rows, token_versions
-        [N, T]): each row's policy_version is the version that started it."""
-        ids, mask = self.requests[key].ids, self.requests[key].mask
-        routes = self.routes(key)
-        drawn, logprobs, stopped, started, tv = self.pop(key)
-        e, spec = self.pool.engine, self.pool.spec
-        G, T = spec.num_generations, spec.max_new_tokens
-        N = ids.shape[0] * G
+        """A finished request's results -> (`SampleOutput` on the engine's rows,
+        token_versions [N, T]: the version that drew each token, -1 past each row's end).
+        Each row's policy_version is the version that started it; MoE routes: its
+        prompt's from their first prefill, then its drawn tokens'."""
+        req, e, spec = self.requests.pop(key), self.pool.engine, self.pool.spec
+        G, T, N = spec.num_generations, spec.max_new_tokens, len(req.drawn)
         tokens = np.full((N, T), e.pad_id, np.int32)
         lps = np.zeros((N, T), np.float32)
-        lengths = np.array([len(d) for d in drawn], np.int32)
+        tv = np.full((N, T), -1, np.int32)
+        lengths = np.array([len(d) for d in req.drawn], np.int32)
         for i in range(N):
-            tokens[i, : lengths[i]] = drawn[i]
-            lps[i, : lengths[i]] = logprobs[i]
+            tokens[i, : lengths[i]], lps[i, : lengths[i]] = req.drawn[i], req.logprobs[i]
+            tv[i, : len(req.versions[i])] = req.versions[i]
+        started = req.started
+        first = started[started >= 0].min() if (started >= 0).any() else self.version
+        routes = None
+        if e.cfg.moe:
+            routes = static_routes(e.cfg, req.ids, req.mask, N, T, req.prompt_routes,
+                                   dict(enumerate(req.routes)))  # fmt: skip
         real = np.arange(T)[None] < lengths[:, None]
         out = SampleOutput(
             tokens=tokens, mask=real, loss_mask=real, logprobs=lps, lengths=lengths,
-            finish=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32),
-            prompt_tokens=np.repeat(ids, G, axis=0), prompt_mask=np.repeat(mask, G, axis=0),
-            policy_version=started, num_generations=G, routes=routes,
+            finish=np.where(req.stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32),
+            prompt_tokens=np.repeat(req.ids, G, axis=0),
+            prompt_mask=np.repeat(req.mask, G, axis=0),
+            policy_version=np.where(started >= 0, started, first).astype(np.int32),
+            num_generations=G, routes=routes,
         )  # fmt: skip
         return jax.tree.map(lambda x: jax.device_put(x, e.row_sharding), out), tv
 
@@ -210,7 +178,7 @@ class Session:
                 if got is None:
                     return
                 own, padded, start = got
-                slot, logits = _Slot(item, list(own), own, None), pool.scratch
+                item.table, item.mine, item.shared, logits = list(own), own, None, pool.scratch
             else:
                 if pkey not in pool.prompt_pages:
                     if not pool.logit_rows:
@@ -226,11 +194,11 @@ class Session:
                                and not w.drawn)  # fmt: skip
                     pool.prompt_pages[pkey] = [*got, rows, pool.logit_rows.pop()]
                 pages, padded, start, _, logits = pool.prompt_pages[pkey]
-                slot = _Slot(item, list(pages), [], pkey)
+                item.table, item.mine, item.shared = list(pages), [], pkey
             pool.waiting.popleft()
             n = len(item.drawn)
             pp.seat(
-                pool, s, slot, start=start, length=padded, last=item.drawn[-1] if n else pad,
+                pool, s, item, start=start, length=padded, last=item.drawn[-1] if n else pad,
                 n=n, budget=req.budgets[item.row], row=req.key_base + item.row, prompt=logits,
                 drawn=item.drawn, logprobs=item.logprobs, routes=item.routes,
             )  # fmt: skip
@@ -248,7 +216,7 @@ class Session:
         h, slot = pool.host, pool.owner[s]
         n = int(h["n"][s])
         routes = h["routes"][s, :n].copy() if "routes" in h else None
-        item = dataclasses.replace(slot.item, drawn=list(h["tokens"][s, :n]),
+        item = dataclasses.replace(slot, drawn=list(h["tokens"][s, :n]),
                                    logprobs=list(h["logprobs"][s, :n]), routes=routes)  # fmt: skip
         if n == 0 and slot.shared in pool.prompt_pages:
             pool.prompt_pages[slot.shared][3] += 1  # it comes back to the same prompt
@@ -269,7 +237,7 @@ class Session:
             before = pool.host["n"].copy()
             h = pp.decode(pool)
             for s in list(pool.order):
-                item = pool.owner[s].item
+                item = pool.owner[s]
                 item.versions.extend([self.version] * int(h["n"][s] - before[s]))
                 if not h["live"][s]:
                     req, n = self.requests[item.req], int(h["n"][s])

@@ -7,7 +7,7 @@ to another row and keeps its pages while its environment works.
     session.add(r, ids, turn_tokens)                  # or one row with its own prompt
     while session.busy or <environment steps in flight>:
         for r in session.run_chunk():                  # rows whose turn ended in the chunk
-            action = session.turn(r)                    # the turn's sampled ids
+            t = session.result(r)                       # its turn: t.tokens[t.turn_from:]
             ...                                         # the caller steps r's environment
         session.resume(r, observation_ids, turn_tokens) # when its observation is back
         session.end(r)                                  # or: its trajectory is over
@@ -113,21 +113,15 @@ class TurnSession:
         seed_step = engine.put(np.array([seed, step], np.uint32))
         # Logits rows [0, prompts): prompts; then the scratch row; then one per slot: the
         # first-draw logits of a row resumed or recomputed into that slot.
-        self.pool = pp.new_pool(engine, params, version, spec, seed_step=seed_step, slots=slots,
+        self.pool = pp.Pool(engine, params, version, spec, seed_step=seed_step, slots=slots,
                                 pages=pages, prompt_rows=prompts, slot_rows=True)  # fmt: skip
         self.trajs: dict = {}
         self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
-        self.pool.stats.update(evicted=0, appends=0, prompt_kept=0)
+        self.pool.stats.update(evicted=0, appends=0, prompt_kept=0)  # and `Pool.stats`
         self.prompt_routes: dict = {}  # MoE: prompt -> its real tokens' routes [p, L, k]
 
-    @property
-    def stats(self) -> dict:
-        """Counters: `Session.stats`', and evictions, appends, prompts' pages kept."""
-        return self.pool.stats
-
-    @property
-    def version(self) -> int:
-        return self.pool.version
+    stats = property(lambda self: self.pool.stats, doc="The pool's counters (`Pool.stats`).")
+    version = property(lambda self: self.pool.version, doc="The parameters' version.")
 
     # ------------------------------------------------------------------------ rows
     def submit(self, ids: np.ndarray, mask: np.ndarray, turn_tokens: int, live) -> None:
@@ -167,11 +161,6 @@ class TurnSession:
     def decoding(self) -> int:
         """Rows in a slot."""
         return len(self.pool.order)
-
-    def turn(self, r: int) -> list:
-        """The ids row r sampled in its last turn."""
-        t = self.trajs[r]
-        return t.tokens[t.turn_from :]
 
     def resume(self, r: int, ids, turn_tokens: int) -> None:
         """Row r goes on: `ids` (not sampled) follow its turn, then it draws at most
