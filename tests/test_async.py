@@ -20,7 +20,7 @@ from jaxrl_llm.config import ConfigError, validate
 from jaxrl_llm.startup import compilation
 from jaxrl_llm.trainer import checkpoint
 from jaxrl_llm.trainer.metrics import read_metrics
-from jaxrl_llm.trainer.rollout_thread import RolloutThread
+from jaxrl_llm.trainer.rollout_thread import Handoff
 from jaxrl_llm.trainer.run import Run
 from jaxrl_llm.trainer.sources import SampledAhead
 
@@ -101,7 +101,7 @@ def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkey
     rollouts are in flight; the resumed run samples their prompts again, so the prompts
     trained on, step by step, are those of a synchronous run (none twice, none skipped)."""
     seen = []
-    rollout, take, step = SampledAhead.next, RolloutThread.take, Run.step
+    rollout, take, step = SampledAhead.next, Handoff.take, Run.step
 
     def recording(self, t, params, clock):
         ro = rollout(self, t, params, clock)
@@ -120,7 +120,7 @@ def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkey
         return out
 
     monkeypatch.setattr(SampledAhead, "next", recording)
-    monkeypatch.setattr(RolloutThread, "take", taking)
+    monkeypatch.setattr(Handoff, "take", taking)
     monkeypatch.setattr(Run, "step", step_then_sigterm)
     c = overlap_config(model_dir, steps=5) if mode == "overlap" else split_config(model_dir, 5, 2)
     train.train(c, str(tmp_path / "run"))
@@ -190,9 +190,9 @@ def test_split_staleness_stays_within_the_bound(model_dir, tmp_path, monkeypatch
         versions.append((t, item.version))
         return item
 
-    take = RolloutThread.take
+    take = Handoff.take
     monkeypatch.setattr(Run, "step", slow_learner)
-    monkeypatch.setattr(RolloutThread, "take", checked_take)
+    monkeypatch.setattr(Handoff, "take", checked_take)
     train.train(c, str(tmp_path / "run"))
     logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in m]
     lags = [m["rollout/staleness_max"] for m in logged if "rollout/staleness_max" in m]

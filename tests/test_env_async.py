@@ -17,7 +17,7 @@ from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
 from jaxrl_llm import envs, models, rl, sampling, train
 from jaxrl_llm.models import builtin
 from jaxrl_llm.trainer.metrics import read_metrics
-from jaxrl_llm.trainer.rollout_thread import RolloutThread
+from jaxrl_llm.trainer.rollout_thread import Handoff
 from jaxrl_llm.trainer.run import Run
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -88,7 +88,7 @@ def test_multi_turn_overlap_stays_within_the_bound(model_dir, tmp_path, monkeypa
     token's recorded version lies between that and the step's."""
     steps, bound = 3, 1
     c = env_config(model_dir, "overlap", steps)
-    take, step, seen = RolloutThread.take, Run.step, []
+    take, step, seen = Handoff.take, Run.step, []
 
     def checked_take(self, t):
         item = take(self, t)
@@ -107,7 +107,7 @@ def test_multi_turn_overlap_stays_within_the_bound(model_dir, tmp_path, monkeypa
             time.sleep(0.5)  # the thread runs ahead to the bound
         return step(self, t)
 
-    monkeypatch.setattr(RolloutThread, "take", checked_take)
+    monkeypatch.setattr(Handoff, "take", checked_take)
     monkeypatch.setattr(Run, "step", slow_learner)
     train.train(c, str(tmp_path / "run"))
     logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in m]

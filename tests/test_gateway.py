@@ -262,7 +262,7 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
     read of the newest parameters for version 1 and swaps it in; a token's version is its
     rollout's or a newer one, up to the step's, never decreasing along a row, and step 1
     holds both."""
-    from jaxrl_llm.trainer.rollout_thread import RolloutThread
+    from jaxrl_llm.trainer.rollout_thread import Handoff, RolloutThread
 
     c = tiny_config(make_model_dir(str(tmp_path / "model")))
     c.rewards, c.rollout.engine = {}, "paged"
@@ -275,10 +275,11 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
     if mode == "split":
         c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
         c.rollout.partial, c.rollout.paged.chunk_steps = True, 2  # a reply spans 2 chunks
-    take, taken, produce, newest, playing = (RolloutThread.take, [], RolloutThread._produce,
-                                             RolloutThread.newest, [])  # fmt: skip
+    take, taken, produce, newest, playing = (Handoff.take, [], RolloutThread._produce,
+                                             Handoff.newest, [])  # fmt: skip
 
     def tracked_produce(self, step, params, version, wait_s):
+        assert isinstance(self.s.sampler, sampling.PagedSampler)
         playing[:] = [step, version, 0]
         return produce(self, step, params, version, wait_s)
 
@@ -286,13 +287,11 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
         step, version, reads = playing
         playing[2] = reads + 1
         if (step, version, reads) == (1, 0, 0):
-            with self._cond:
-                self._cond.wait_for(lambda: self._version >= 1 or self._stopping, timeout=120)
+            self.wait(lambda v: v >= 1, timeout=120)
         return newest(self)
 
     def checked_take(self, t):
         item = take(self, t)
-        assert isinstance(self.s.sampler, sampling.PagedSampler)
         v, loss_mask = item.token_versions, np.asarray(item.out.loss_mask)
         if mode == "split":  # partial: newer parameters swapped in while it plays
             assert np.all((v[loss_mask] >= item.version) & (v[loss_mask] <= t))
@@ -304,9 +303,9 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
         taken.append(t)
         return item
 
-    monkeypatch.setattr(RolloutThread, "take", checked_take)
+    monkeypatch.setattr(Handoff, "take", checked_take)
     monkeypatch.setattr(RolloutThread, "_produce", tracked_produce)
-    monkeypatch.setattr(RolloutThread, "newest", held_newest)
+    monkeypatch.setattr(Handoff, "newest", held_newest)
     train.train(c, str(tmp_path / "run"))
     rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
     assert len(rows) == 2

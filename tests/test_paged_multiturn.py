@@ -221,7 +221,7 @@ def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_pat
 
     from jaxrl_llm import train
     from jaxrl_llm.trainer.metrics import read_metrics
-    from jaxrl_llm.trainer.rollout_thread import RolloutThread
+    from jaxrl_llm.trainer.rollout_thread import Handoff, RolloutThread
     from jaxrl_llm.trainer.run import Run
 
     steps = 3
@@ -229,11 +229,14 @@ def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_pat
     c.rollout.engine, c.rollout.paged.slots, c.rollout.paged.page_size = "paged", 4, 8
     c.rollout.paged.prefill_chunk = 16
     c.rollout.partial = mode == "split"
-    take, step, seen = RolloutThread.take, Run.step, []
+    take, step, seen, init = Handoff.take, Run.step, [], RolloutThread.__init__
+
+    def checked_init(self, s, *args, **kw):
+        assert isinstance(s.sampler, sampling.PagedSampler)
+        init(self, s, *args, **kw)
 
     def checked_take(self, t):
         item = take(self, t)
-        assert isinstance(self.s.sampler, sampling.PagedSampler)
         assert np.all(np.asarray(item.out.policy_version) == item.version)
         v, loss_mask = item.token_versions, np.asarray(item.out.loss_mask)
         assert v.shape == (8, 16)
@@ -250,7 +253,8 @@ def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_pat
             time.sleep(0.5)  # the thread runs ahead to the bound
         return step(self, t)
 
-    monkeypatch.setattr(RolloutThread, "take", checked_take)
+    monkeypatch.setattr(RolloutThread, "__init__", checked_init)
+    monkeypatch.setattr(Handoff, "take", checked_take)
     monkeypatch.setattr(Run, "step", slow_learner)
     train.train(c, str(tmp_path / "run"))
     logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in m]

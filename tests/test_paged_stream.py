@@ -53,7 +53,7 @@ def test_greedy_across_steps_equals_the_static_sampler(tiny, paged):
     done, mixed = [], False
     while session.busy:
         done += session.run_chunk()
-        mixed |= {session.owner[s].item.req for s in session.order} == {0, 1}
+        mixed |= {session.pool.owner[s].req for s in session.pool.order} == {0, 1}
     assert done == [0, 1] and mixed
     # Prompts admitted together were prefilled in one program (batched prefill).
     assert any(k[0] == "prefill" and k[1][0] > 1 for k in paged.traces), paged.traces
@@ -152,6 +152,7 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
     import types
 
     from jaxrl_llm.trainer.paged_stream import PagedStream
+    from jaxrl_llm.trainer.rollout_thread import Handoff
 
     cfg, p0, p1 = tiny
     spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=12, temperature=0.9)
@@ -176,7 +177,8 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
     config = types.SimpleNamespace(rollout=types.SimpleNamespace(max_staleness=1, partial=False),
                                    train=types.SimpleNamespace(num_steps=4))  # fmt: skip
     versions = [p0, p1, p0, p1]  # version v: versions[v]
-    stream = PagedStream(s, config, 0, p0, 0)
+    stream = Handoff(p0, 0, s.data.state())
+    PagedStream(s, config, 0, stream)
     items = []
     try:
         for t in range(4):
@@ -225,13 +227,15 @@ class Recorder:
 
     def __init__(self, monkeypatch):
         from jaxrl_llm.trainer.paged_stream import PagedStream
+        from jaxrl_llm.trainer.rollout_thread import Handoff
 
         self.params, self.items = {}, []
-        init, publish, take = PagedStream.__init__, PagedStream.publish, PagedStream.take
+        init, publish, take = PagedStream.__init__, Handoff.publish, Handoff.take
 
-        def on_init(this, s, config, start, params, version, **kw):
+        def on_init(this, s, config, start, handoff, **kw):
+            params, version = handoff.newest()
             self.params[version], self.sampler = jax.device_get(params), s.sampler
-            init(this, s, config, start, params, version, **kw)
+            init(this, s, config, start, handoff, **kw)
 
         def on_publish(this, params, version):
             self.params[version] = jax.device_get(params)
@@ -243,8 +247,8 @@ class Recorder:
             return item
 
         monkeypatch.setattr(PagedStream, "__init__", on_init)
-        monkeypatch.setattr(PagedStream, "publish", on_publish)
-        monkeypatch.setattr(PagedStream, "take", on_take)
+        monkeypatch.setattr(Handoff, "publish", on_publish)
+        monkeypatch.setattr(Handoff, "take", on_take)
 
 
 def check_items(rec, c, bound):
@@ -289,12 +293,12 @@ def test_split_with_partial_rollouts_and_a_resume(model_dir, tmp_path, monkeypat
     from jaxrl_llm import train
     from jaxrl_llm.sampling.paged_schedule import Session
     from jaxrl_llm.trainer.metrics import read_metrics
-    from jaxrl_llm.trainer.paged_stream import PagedStream
+    from jaxrl_llm.trainer.rollout_thread import Handoff
     from jaxrl_llm.trainer.run import Run
 
     chunk, step = Session.run_chunk, Run.step
     rec = Recorder(monkeypatch)
-    publish, close = PagedStream.publish, PagedStream.close
+    publish, close = Handoff.publish, Handoff.close
     published, held = collections.defaultdict(threading.Event), set()
 
     def on_publish(this, params, version):
@@ -322,8 +326,8 @@ def test_split_with_partial_rollouts_and_a_resume(model_dir, tmp_path, monkeypat
         return out
 
     monkeypatch.setattr(Session, "run_chunk", holding_chunk)
-    monkeypatch.setattr(PagedStream, "publish", on_publish)
-    monkeypatch.setattr(PagedStream, "close", on_close)
+    monkeypatch.setattr(Handoff, "publish", on_publish)
+    monkeypatch.setattr(Handoff, "close", on_close)
     monkeypatch.setattr(Run, "step", step_then_sigterm)
     c = paged_config(model_dir, "split", 3)
     c.rollout.max_staleness, c.rollout.partial = 1, True

@@ -89,7 +89,7 @@ class EngineRows:
             chunks = session.stats["decode_chunks"]
             ended = session.run_chunk()
             if session.stats["decode_chunks"] > chunks:  # rows decoded in this chunk
-                k = len(session.order) + len(ended)
+                k = session.decoding + len(ended)
                 play.stats["calls"] += 1
                 play.stats["batched"] += k
                 play.stats["batch_max"] = max(play.stats["batch_max"], k)

@@ -43,7 +43,8 @@ static sampler's. A row whose prompt has no real token (a dummy row that makes t
 divide the mesh) draws nothing (length 0). `sample` and `stream` are single-turn; the
 multi-turn rows of environment rollouts are `paged_turns.TurnSession`'s (a row parks
 between turns, keeping its pages; `envs.play_paged`); all on one process. The host
-scheduling is `paged_schedule.Session`; `stream` keeps one session across training steps
+scheduling is `paged_schedule.Session`, over a `paged_pool.Pool` record of pages and
+slots changed by plain functions; `stream` keeps one session across training steps
 (the overlap / split rollout source). The device programs this class jits (the pool,
 `forward_paged`, `decode_chunk`, `prefill_chunk`) are `paged_programs`'s. The
 engine's small state (slots, page pool) is replicated over the mesh; the parameters are
@@ -64,7 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
 from jaxrl_llm.parallel import target
-from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput
+from jaxrl_llm.sampling.decode import SampleOutput
 from jaxrl_llm.sampling.paged_programs import (
     ATTENTION,
     Pages,
@@ -102,6 +103,9 @@ class PagedSampler:
 
     `traces` counts compiled programs; `stats` holds the last call's counters (decode
     chunks, prefills, preemptions, peak pages in use).
+
+    What the sessions (`paged_pool`, `paged_schedule`, `paged_turns`) call: `prefill` and
+    `decode` (the jitted programs, `programs`), `decode_slots`, `weights`, `pool`, `put`.
     """
 
     def __init__(self, model_cfg, mesh=None, *, seed=0, pad_id=0, bucket_steps=2, slots=0,
@@ -127,9 +131,9 @@ class PagedSampler:
         self.static = Sampler(model_cfg, mesh, seed=seed, pad_id=pad_id, bucket_steps=bucket_steps)
         self.traces: collections.Counter = collections.Counter()
         self.stats: dict = {}
-        self._decode = jax.jit(self._decode_program, static_argnames=("steps", "spec"),
+        self.decode = jax.jit(self._decode_program, static_argnames=("steps", "spec"),
                                donate_argnums=(1, 2))  # fmt: skip
-        self._prefill = jax.jit(self._prefill_program, donate_argnums=(1, 2))
+        self.prefill = jax.jit(self._prefill_program, donate_argnums=(1, 2))
         self._slice = jax.jit(models.layer_params)
         # The pool is made on device (zeros from the host would be an implicit transfer).
         where = None if mesh is None else NamedSharding(mesh, P())
@@ -143,7 +147,7 @@ class PagedSampler:
         prompt_logits, seed_step, stops; steps=, spec= static) and 'prefill' (weights,
         pages, prompt_logits, index, tokens, mask, table, start, length); for compiling
         them ahead of a run (`jaxrl_llm.tpu.compile_for`)."""
-        return {"decode": self._decode, "prefill": self._prefill}
+        return {"decode": self.decode, "prefill": self.prefill}
 
     @property
     def row_sharding(self):
@@ -199,87 +203,38 @@ class PagedSampler:
         budgets = np.full(N, T, np.int64) if budgets is None else np.asarray(budgets, np.int64)
         if budgets.shape != (N,) or budgets.min() < 1 or budgets.max() > T:
             raise ValueError(f"budgets: expected [{N}] values in [1, {T}]")
-        seed = self.seed if seed is None else int(seed)
-        # (seed, step) go to the device as numbers and the key is made there: a key built
-        # on the host would be an implicit transfer (refused under the trainer's guard).
-        seed_step = self._put(np.array([seed, 0 if step is None else int(step)], np.uint32))
-        run = self.session(params, version, spec, seed_step=seed_step, width=width, rows=N,
-                           prompts=B)  # fmt: skip
+        run = self.stream(params, version, spec, width=width, rows=N, prompts=B, seed=seed,
+                          step=0 if step is None else int(step))  # fmt: skip
         run.submit(0, ids, mask, budgets)
         while run.busy:
             run.run_chunk()
-        routes = run.routes(0)
-        drawn, logprobs, stopped, versions, _ = run.pop(0)
         self.stats = run.stats
-        return self._output(ids, mask, spec, drawn, logprobs, stopped, versions, routes)
+        return run.output(0)[0]
 
     def stream(self, params, version: int, spec: RolloutSpec, *, width: int, rows: int,
-               seed=None) -> Session:  # fmt: skip
-        """A session kept across training steps (a streaming rollout source): submit step
-        s's bucketed prompts with key_base s * rows; rows of step 0 draw the keys
-        `sample(..., step=0)` gives them. Sized as `session` for `rows` rows of bucket
-        `width` (pages 0: one step's static cache)."""
+               prompts: int = 0, seed=None, step: int = 0) -> Session:  # fmt: skip
+        """A `paged_schedule.Session` over this engine's settings, sized for requests of
+        `rows` rows over `prompts` prompts (0: rows) of bucket `width` (slots 0: `rows`
+        slots; pages 0: the static sampler's cache for them); kept across training steps
+        by a streaming rollout source, which submits step s's bucketed prompts with
+        key_base s * rows (rows of step 0 draw the keys `sample(..., step=0)` gives them).
+        (seed, step) go to the device as numbers and the keys are made there: a key built
+        on the host would be an implicit transfer (refused under the trainer's guard)."""
         seed = self.seed if seed is None else int(seed)
-        seed_step = self._put(np.array([seed, 0], np.uint32))
-        return self.session(params, version, spec, seed_step=seed_step, width=width,
-                            rows=rows, prompts=rows)  # fmt: skip
+        slots = self.slots or rows
+        pages = self.pages or self.auto_pages(rows, width + spec.max_new_tokens)
+        return Session(self, params, version, spec, slots=slots, pages=pages,
+                       seed_step=self.put(np.array([seed, step], np.uint32)),
+                       prompt_rows=min(prompts or rows, slots + 1))  # fmt: skip
 
     def auto_pages(self, rows: int, tokens: int) -> int:
         """The pool of `rollout.paged.pages=0` for `rows` sequences of `tokens` tokens:
         the pages they fill, at least one whole sequence as a session lays it out (its
-        tokens rounded up to prefill chunks, plus one chunk: `PagePool._fit`), and the
+        tokens rounded up to prefill chunks, plus one chunk: `paged_pool.fit`), and the
         null page."""
         C, PS = self.prefill_chunk, self.page_size
         one = -(-(-(-tokens // C) * C + C) // PS)
         return 1 + max(-(-rows * tokens // PS), one)
-
-    def session(self, params, version: int, spec: RolloutSpec, *, seed_step, width: int,
-                rows: int, prompts: int) -> Session:  # fmt: skip
-        """A `paged_schedule.Session` over this engine's settings, sized for requests of
-        `rows` rows over `prompts` prompts of bucket `width` (slots 0: `rows` slots; pages
-        0: the static sampler's cache for them). seed_step: (seed, salt) on device."""
-        slots = self.slots or rows
-        pages = self.pages or self.auto_pages(rows, width + spec.max_new_tokens)
-        return Session(self, params, version, spec, seed_step=seed_step, slots=slots,
-                       pages=pages, prompt_rows=min(prompts, slots + 1))  # fmt: skip
-
-    def _routes(self, ids, mask, spec, prompt_routes: dict, rows: list) -> np.ndarray:
-        """`SampleOutput.routes` [N, width + T, L, k] int16 as the static sampler lays
-        them out: each prompt's real tokens' routes (from its one prefill) in every row of
-        its group, then the row's drawn tokens' (the last one, never fed: -1); -1 at
-        padding and after the end."""
-        G, T = spec.num_generations, spec.max_new_tokens
-        (B, width), cfg = ids.shape, self.cfg
-        out = np.full((B * G, width + T, cfg.num_layers, cfg.num_experts_per_tok), -1,
-                      np.int16)  # fmt: skip
-        for n in range(B * G):
-            b = n // G
-            if b in prompt_routes:
-                out[n, :width][mask[b]] = prompt_routes[b]
-            if rows[n] is not None:
-                out[n, width : width + len(rows[n])] = rows[n]
-        return out
-
-    def _output(self, ids, mask, spec, drawn, logprobs, stopped, version, routes=None):
-        """The rows' results as a `SampleOutput`; version: one int or one per row; routes:
-        `_routes`' array (MoE) or None."""
-        G, T = spec.num_generations, spec.max_new_tokens
-        N = ids.shape[0] * G
-        tokens = np.full((N, T), self.pad_id, np.int32)
-        lps = np.zeros((N, T), np.float32)
-        lengths = np.array([len(d) for d in drawn], np.int32)
-        for i in range(N):
-            tokens[i, : lengths[i]] = drawn[i]
-            lps[i, : lengths[i]] = logprobs[i]
-        real = np.arange(T)[None] < lengths[:, None]
-        out = SampleOutput(
-            tokens=tokens, mask=real, loss_mask=real, logprobs=lps, lengths=lengths,
-            finish=np.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32),
-            prompt_tokens=np.repeat(ids, G, axis=0), prompt_mask=np.repeat(mask, G, axis=0),
-            policy_version=np.full((N,), version, np.int32), num_generations=G, routes=routes,
-        )  # fmt: skip
-        sharding = self.row_sharding
-        return jax.tree.map(lambda x: jax.device_put(x, sharding), out)
 
     def pool(self, cfg, pages: int, page_size: int, dtype, *, shapes: bool = False) -> Pages:
         """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so;
@@ -346,8 +301,8 @@ class PagedSampler:
         names = [f.name for f in dataclasses.fields(Slots) if f.name in host]
         cut = {k: host[k][pick] for k in names}
         cut["table"] = cut["table"][:, :width]
-        pages, slots = self._decode(
-            weights, pages, self._put(Slots(**cut)), prompt_logits, seed_step, stops,
+        pages, slots = self.decode(
+            weights, pages, self.put(Slots(**cut)), prompt_logits, seed_step, stops,
             steps=self.chunk_steps, spec=spec,
         )  # fmt: skip
         got = jax.device_get(slots)
@@ -357,7 +312,7 @@ class PagedSampler:
                 out[k][pick] = np.asarray(getattr(got, k))
         return pages, out
 
-    def _put(self, tree):
+    def put(self, tree):
         """Host arrays -> device, replicated over the mesh (the engine's state is small
         next to the parameters; the pages stay where the programs put them)."""
         where = None if self.mesh is None else NamedSharding(self.mesh, P())

@@ -1,11 +1,12 @@
-"""The paged engine's host side: a `Session` queues requests' rows, gives them slots and
-pages between decode chunks, and collects what they drew.
+"""The paged engine's single-turn host side: a `Session` queues requests' rows, gives them
+slots and pages of its `paged_pool.Pool` between decode chunks, and collects what they
+drew.
 
     session = Session(engine, params, version, spec, seed_step=..., slots=S, pages=P, ...)
     session.submit(key, prompt_ids, prompt_mask, budgets, key_base)   # a batch of prompts
     while session.busy:
         for key in session.run_chunk():        # one decode chunk; requests that finished
-            drawn, logprobs, stopped, versions, token_versions = session.pop(key)
+            out, token_versions = session.output(key)
     session.swap(new_params, new_version)      # newer parameters between chunks
 
 `PagedSampler.sample` is one request run to the end; a streaming source keeps one session
@@ -26,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import numpy as np
 
-from jaxrl_llm.sampling.paged_pool import NULL_PAGE, PagePool
+from jaxrl_llm.sampling import paged_pool as pp
+from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput
 
 
 @dataclasses.dataclass
@@ -52,8 +55,9 @@ class _Request:
 
 @dataclasses.dataclass
 class _Row:
-    """A row waiting for a slot: its request and index, and the tokens / log-probs /
-    versions it drew before it was preempted (none for a fresh row)."""
+    """A row of a request: its request and index, the tokens / log-probs / versions it
+    drew before it was last preempted (none for a fresh row), and in a slot the pages its
+    table holds, its own pages and its shared prompt (or None)."""
 
     req: object
     row: int
@@ -61,30 +65,24 @@ class _Row:
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
     routes: np.ndarray | None = None  # MoE: the drawn tokens' recorded routes [n, L, k]
+    table: list = dataclasses.field(default_factory=list)
+    mine: list = dataclasses.field(default_factory=list)
+    shared: object = None
 
 
-@dataclasses.dataclass
-class _Slot:
-    """An occupied slot: its row, the pages it owns, its shared prompt (or None), the pages
-    its table holds, and its tokens' versions."""
-
-    item: _Row
-    mine: list
-    shared: object
-    held: int
-
-
-class Session(PagePool):
+class Session:
     """Continuous batching of the rows of any number of requests over one page pool
-    (`PagePool`'s pool, slots and programs; the same arguments, `spec` the one every
-    request samples with)."""
+    (`paged_pool.Pool`'s arguments; `spec` the one every request samples with)."""
 
     def __init__(self, engine, params, version: int, spec, *, seed_step, slots: int,
                  pages: int, prompt_rows: int):  # fmt: skip
-        super().__init__(engine, params, version, spec, seed_step=seed_step, slots=slots,
-                         pages=pages, prompt_rows=prompt_rows)  # fmt: skip
+        self.pool = pp.Pool(engine, params, version, spec, seed_step=seed_step,
+                                slots=slots, pages=pages, prompt_rows=prompt_rows)  # fmt: skip
         self.requests: dict = {}
         self.done: list = []  # keys of requests whose rows all ended, in completion order
+
+    stats = property(lambda self: self.pool.stats, doc="The pool's counters (`Pool.stats`).")
+    version = property(lambda self: self.pool.version, doc="The parameters' version.")
 
     # -------------------------------------------------------------------- requests
     def submit(self, key, ids: np.ndarray, mask: np.ndarray, budgets: np.ndarray,
@@ -92,9 +90,9 @@ class Session(PagePool):
         """Queues the G rows of every prompt of ids / mask [B, width] (bucketed), after
         the rows already waiting; budgets [B * G] max_new_tokens per row."""
         B, width = ids.shape
-        G = self.spec.num_generations
+        G = self.pool.spec.num_generations
         N = B * G
-        self._fit(width)
+        pp.fit(self.pool, width)
         req = _Request(
             ids=ids, mask=mask, G=G, budgets=budgets, key_base=int(key_base),
             drawn=[[] for _ in range(N)], logprobs=[[] for _ in range(N)],
@@ -105,188 +103,141 @@ class Session(PagePool):
         rows = [r for r in range(N) if lengths[r // G]]  # dummy rows draw nothing
         req.left = len(rows)
         self.requests[key] = req
-        self.waiting.extend(_Row(key, r) for r in rows)
+        self.pool.waiting.extend(_Row(key, r) for r in rows)
         if not rows:
             self.done.append(key)
 
     @property
     def busy(self) -> bool:
         """Rows wait or decode, or a finished request was not collected yet."""
-        return bool(self.waiting or self.order or self.done)
+        return bool(self.in_flight or self.done)
 
     @property
     def in_flight(self) -> bool:
-        """Rows hold slots."""
-        return bool(self.order)
-
-    def started(self, key) -> bool:
-        """Some row of the request has had a slot."""
-        return bool((self.requests[key].started >= 0).any())
-
-    def pop(self, key):
-        """A finished request's results -> (drawn, logprobs, stopped, versions [N] (the
-        version that started each row), token_versions [N, T] (-1 past each row's end))."""
-        req = self.requests.pop(key)
-        N = len(req.drawn)
-        tv = np.full((N, self.T), -1, np.int32)
-        for r, v in enumerate(req.versions):
-            tv[r, : len(v)] = v
-        started = req.started
-        first = started[started >= 0].min() if (started >= 0).any() else self.version
-        started = np.where(started >= 0, started, first).astype(np.int32)
-        return req.drawn, req.logprobs, req.stopped, started, tv
-
-    def routes(self, key) -> np.ndarray | None:
-        """A finished request's `SampleOutput.routes` (MoE; None for a dense model): its
-        prompts' routes from their first prefill, then each row's drawn tokens'."""
-        if not self.e.cfg.moe:
-            return None
-        req = self.requests[key]
-        return self.e._routes(req.ids, req.mask, self.spec, req.prompt_routes, req.routes)  # noqa: SLF001
+        """Rows wait for a slot or hold one."""
+        return bool(self.pool.waiting or self.pool.order)
 
     def output(self, key):
-        """A finished request as (`SampleOutput` on the engine's rows, token_versions
-        [N, T]): each row's policy_version is the version that started it."""
-        ids, mask = self.requests[key].ids, self.requests[key].mask
-        routes = self.routes(key)
-        drawn, logprobs, stopped, started, tv = self.pop(key)
-        out = self.e._output(ids, mask, self.spec, drawn, logprobs, stopped, started, routes)  # noqa: SLF001
-        return out, tv
+        """A finished request's results -> (`SampleOutput` on the engine's rows,
+        token_versions [N, T]: the version that drew each token, -1 past each row's end).
+        Each row's policy_version is the version that started it; MoE routes: its
+        prompt's from their first prefill, then its drawn tokens'."""
+        req, e, spec = self.requests.pop(key), self.pool.engine, self.pool.spec
+        G, T, N = spec.num_generations, spec.max_new_tokens, len(req.drawn)
+        tokens = np.full((N, T), e.pad_id, np.int32)
+        lps = np.zeros((N, T), np.float32)
+        tv = np.full((N, T), -1, np.int32)
+        lengths = np.array([len(d) for d in req.drawn], np.int32)
+        for i in range(N):
+            tokens[i, : lengths[i]], lps[i, : lengths[i]] = req.drawn[i], req.logprobs[i]
+            tv[i, : len(req.versions[i])] = req.versions[i]
+        started = req.started
+        first = started[started >= 0].min() if (started >= 0).any() else self.version
+        routes = None
+        if e.cfg.moe:
+            routes = static_routes(e.cfg, req.ids, req.mask, N, T, req.prompt_routes,
+                                   dict(enumerate(req.routes)))  # fmt: skip
+        real = np.arange(T)[None] < lengths[:, None]
+        out = SampleOutput(
+            tokens=tokens, mask=real, loss_mask=real, logprobs=lps, lengths=lengths,
+            finish=np.where(req.stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32),
+            prompt_tokens=np.repeat(req.ids, G, axis=0),
+            prompt_mask=np.repeat(req.mask, G, axis=0),
+            policy_version=np.where(started >= 0, started, first).astype(np.int32),
+            num_generations=G, routes=routes,
+        )  # fmt: skip
+        return jax.tree.map(lambda x: jax.device_put(x, e.row_sharding), out), tv
 
     def swap(self, params, version: int) -> None:
         """Decodes on with `params` (version `version`). Rows in flight are preempted and
         come back prefilled by them (their tokens so far kept, with their versions); the
         prompts' pages and first-draw logits are dropped, so they are prefilled anew."""
-        for s in reversed(list(self.order)):  # youngest first: the oldest ends up first
+        for s in reversed(list(self.pool.order)):  # youngest first: the oldest ends up first
             self._preempt(s, count=False)
-        for key in list(self.prompt_pages):
-            self._drop_prompt(key)
-        self.weights, self.version = self.e.weights(params), int(version)
-        self.stats["swaps"] += 1
+        pp.reweigh(self.pool, params, version)
 
     # ------------------------------------------------------------------------ slots
     def _admit(self) -> None:
         """Fills free slots with waiting rows while the pool has pages for them."""
-        h = self.host
-        while self.waiting and None in self.owner:
-            s = self.owner.index(None)
-            item = self.waiting[0]
+        pool, pad = self.pool, self.pool.engine.pad_id
+        while pool.waiting and None in pool.owner:
+            s = pool.owner.index(None)
+            item = pool.waiting[0]
             req = self.requests[item.req]
             b = item.row // req.G
             pkey = (item.req, b)
             real = req.ids[b][req.mask[b]]
             # Admitted only with pages for its prefill and first chunk left over after the
-            # next chunk of the rows already in: a row taken in only to be preempted at
-            # once would cost a prefill for nothing.
-            fresh_prompt = not item.drawn and pkey not in self.prompt_pages
-            cost = self._pages_of(len(real) + len(item.drawn)) if item.drawn or fresh_prompt else 0
-            cost += -(-self.e.chunk_steps // self.PS) + 1
-            reserve = sum(self._need(t) for t in self.order)
-            if self.order and cost + reserve > len(self.free):
+            # next chunk of the rows already in.
+            on_prompt = not item.drawn and pkey in pool.prompt_pages
+            cost = 0 if on_prompt else pp.pages_of(pool, len(real) + len(item.drawn))
+            if pool.order and pp.short(pool, cost) > 0:
                 return
             if item.drawn:  # preempted: its prompt and tokens so far, recomputed
-                got = self._prefill(np.concatenate([real, item.drawn[:-1]]), self.scratch)
+                got = pp.queue_prefill(pool, np.concatenate([real, item.drawn[:-1]]), pool.scratch)
                 if got is None:
                     return
                 own, padded, start = got
-                shared = None
+                item.table, item.mine, item.shared, logits = list(own), own, None, pool.scratch
             else:
-                if pkey not in self.prompt_pages:
-                    if not self.logit_rows:
+                if pkey not in pool.prompt_pages:
+                    if not pool.logit_rows:
                         return
                     record = None
-                    if self.e.cfg.moe and b not in req.prompt_routes:
+                    if pool.engine.cfg.moe and b not in req.prompt_routes:
                         record = functools.partial(req.prompt_routes.__setitem__, b)
-                    got = self._prefill(real, self.logit_rows[-1], record)
+                    got = pp.queue_prefill(pool, real, pool.logit_rows[-1], record)
                     if got is None:
                         return
                     # The rows that will read these pages: this prompt's fresh waiting rows.
-                    rows = sum(1 for w in self.waiting if (w.req, w.row // req.G) == pkey
+                    rows = sum(1 for w in pool.waiting if (w.req, w.row // req.G) == pkey
                                and not w.drawn)  # fmt: skip
-                    self.prompt_pages[pkey] = [*got, rows, self.logit_rows.pop()]
-                pages, padded, start, _, logits_row = self.prompt_pages[pkey]
-                own, shared = list(pages), pkey
-            self.waiting.popleft()
+                    pool.prompt_pages[pkey] = [*got, rows, pool.logit_rows.pop()]
+                pages, padded, start, _, logits = pool.prompt_pages[pkey]
+                item.table, item.mine, item.shared = list(pages), [], pkey
+            pool.waiting.popleft()
             n = len(item.drawn)
-            h["table"][s] = 0
-            h["table"][s, : len(own)] = own
-            h["start"][s], h["length"][s], h["cap"][s] = start, padded, padded
-            h["last"][s] = item.drawn[-1] if n else self.e.pad_id
-            h["fresh"][s], h["live"][s], h["stopped"][s] = n == 0, True, False
-            h["n"][s], h["budget"][s] = n, req.budgets[item.row]
-            h["row"][s] = req.key_base + item.row
-            h["prompt"][s] = self.prompt_pages[pkey][4] if shared is not None else self.scratch
-            h["tokens"][s] = self.e.pad_id
-            h["tokens"][s, :n] = item.drawn
-            h["logprobs"][s] = 0
-            h["logprobs"][s, :n] = item.logprobs
-            if "routes" in h:
-                h["routes"][s] = -1
-                if n:
-                    h["routes"][s, :n] = item.routes
+            pp.seat(
+                pool, s, item, start=start, length=padded, last=item.drawn[-1] if n else pad,
+                n=n, budget=req.budgets[item.row], row=req.key_base + item.row, prompt=logits,
+                drawn=item.drawn, logprobs=item.logprobs, routes=item.routes,
+            )  # fmt: skip
             if req.started[item.row] < 0:
                 req.started[item.row] = self.version
-            mine = [] if shared is not None else own
-            self.owner[s] = _Slot(item, mine, shared, len(own))
-            self.order.append(s)
 
     def _release(self, s: int) -> None:
-        slot = self.owner[s]
-        self.free.extend(p for p in slot.mine if p != NULL_PAGE)
-        if slot.shared is not None and slot.shared in self.prompt_pages:
-            entry = self.prompt_pages[slot.shared]
-            entry[3] -= 1
-            if entry[3] == 0:
-                self._drop_prompt(slot.shared)
-        self.owner[s] = None
-        self.order.remove(s)
-        self.host["live"][s] = False
+        slot = self.pool.owner[s]
+        pp.give_back(self.pool, slot.mine)
+        pp.unshare(self.pool, slot.shared)
+        pp.vacate(self.pool, s)
 
     def _preempt(self, s: int, count: bool = True) -> None:
-        h, slot = self.host, self.owner[s]
+        pool = self.pool
+        h, slot = pool.host, pool.owner[s]
         n = int(h["n"][s])
         routes = h["routes"][s, :n].copy() if "routes" in h else None
-        item = dataclasses.replace(slot.item, drawn=list(h["tokens"][s, :n]),
+        item = dataclasses.replace(slot, drawn=list(h["tokens"][s, :n]),
                                    logprobs=list(h["logprobs"][s, :n]), routes=routes)  # fmt: skip
-        if n == 0 and slot.shared in self.prompt_pages:
-            self.prompt_pages[slot.shared][3] += 1  # it comes back to the same prompt
+        if n == 0 and slot.shared in pool.prompt_pages:
+            pool.prompt_pages[slot.shared][3] += 1  # it comes back to the same prompt
         self._release(s)
-        self.waiting.appendleft(item)
-        self.stats["preempted"] += count
-
-    def _grow(self) -> None:
-        """Pages for the next chunk of every live slot, oldest first; the youngest are
-        preempted when the pool runs short, so the oldest always advances."""
-        h, PS = self.host, self.PS
-        for s in list(self.order):
-            if self.owner[s] is None:
-                continue
-            slot = self.owner[s]
-            need = self._need(s)
-            while need > len(self.free) and self.order[-1] != s:
-                self._preempt(self.order[-1])
-            got = min(need, len(self.free))
-            new = self._take(got)
-            h["table"][s, slot.held : slot.held + got] = new
-            slot.mine.extend(new)
-            slot.held += got
-            h["cap"][s] = slot.held * PS
-        self.stats["peak_pages"] = max(self.stats["peak_pages"], self._in_use())
+        pool.waiting.appendleft(item)
+        pool.stats["preempted"] += count
 
     def run_chunk(self) -> list:
         """Admits waiting rows, decodes one chunk of every slot, collects the rows that
         ended -> the keys of requests finished since the last call, in completion order."""
-        h = self.host
-        if self.waiting or self.order:
+        pool = self.pool
+        if self.in_flight:
             self._admit()
-            self._run_prefills()
-            self._grow()
-            if not self.order:
+            pp.run_prefills(pool)
+            pp.grow(pool, self._preempt)
+            if not pool.order:
                 raise RuntimeError("paged engine: no sequence fits the page pool")
-            before = h["n"].copy()
-            h = self._decode_occupied()
-            for s in list(self.order):
-                item = self.owner[s].item
+            before = pool.host["n"].copy()
+            h = pp.decode(pool)
+            for s in list(pool.order):
+                item = pool.owner[s]
                 item.versions.extend([self.version] * int(h["n"][s] - before[s]))
                 if not h["live"][s]:
                     req, n = self.requests[item.req], int(h["n"][s])
@@ -302,3 +253,20 @@ class Session(PagePool):
                         self.done.append(item.req)
         done, self.done = self.done, []
         return done
+
+
+def static_routes(cfg, ids, mask, n: int, T: int, prompt_routes: dict, rows: dict):
+    """Routes [n, width + T, L, k] int16 as the static sampler lays them out, for n rows
+    over prompts ids / mask [B, width] (G = n // B rows each): each prompt's real tokens'
+    routes (prompt_routes[b], from its one prefill) in every row of its group, then the
+    row's completion tokens' (rows[i], from the forward that fed each; the last drawn
+    one, never fed: -1); -1 at padding and past the end."""
+    B, width = ids.shape
+    G = n // B
+    out = np.full((n, width + T, cfg.num_layers, cfg.num_experts_per_tok), -1, np.int16)
+    for i in range(n):
+        if i // G in prompt_routes:
+            out[i, :width][mask[i // G]] = prompt_routes[i // G]
+        if rows.get(i) is not None:
+            out[i, width : width + len(rows[i])] = rows[i]
+    return out

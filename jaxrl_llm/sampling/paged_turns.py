@@ -7,7 +7,7 @@ to another row and keeps its pages while its environment works.
     session.add(r, ids, turn_tokens)                  # or one row with its own prompt
     while session.busy or <environment steps in flight>:
         for r in session.run_chunk():                  # rows whose turn ended in the chunk
-            action = session.turn(r)                    # the turn's sampled ids
+            t = session.result(r)                       # its turn: t.tokens[t.turn_from:]
             ...                                         # the caller steps r's environment
         session.resume(r, observation_ids, turn_tokens) # when its observation is back
         session.end(r)                                  # or: its trajectory is over
@@ -57,8 +57,8 @@ import functools
 
 import numpy as np
 
-from jaxrl_llm.sampling.paged_pool import NULL_PAGE
-from jaxrl_llm.sampling.paged_schedule import Session
+from jaxrl_llm.sampling import paged_pool as pp
+from jaxrl_llm.sampling.paged_schedule import static_routes
 
 
 @dataclasses.dataclass
@@ -88,58 +88,52 @@ class _Traj:
     fed: int = 0  # completion tokens whose routes are recorded (a prefix)
 
     @property
-    def held(self) -> int:
-        return len(self.table)
-
-    @property
     def cached(self) -> int:
         """Completion tokens in the cache (the pending token and an observation not yet
         appended are not)."""
         return self.length - self.base if self.table else 0
 
 
-class TurnSession(Session):
-    """Continuous batching of multi-turn rows over one page pool (`Session`'s pool, slots
-    and programs; its single-turn request API is not used).
+class TurnSession:
+    """Continuous batching of multi-turn rows over one page pool (`paged_pool.Pool`).
 
     Args:
-      engine, params, version: as `Session`.
+      engine, params, version: the `PagedSampler`, the parameters decoding starts with
+        and their version.
       spec: the `RolloutSpec`; max_new_tokens bounds a trajectory's completion (sampled
         and appended tokens), stop_ids end a turn.
       seed, step: the keys' base (fold_in(key(seed), step)).
       slots, pages: decode slots and KV pages (the null page included).
-      prompts: prompts in the batch (their first-draw logits rows).
+      prompts: prompts in the batch (their first-draw logits rows; a parked row keeps its
+        prompt's pages and logits row).
     """
 
     def __init__(self, engine, params, version: int, spec, *, seed: int, step: int,
                  slots: int, pages: int, prompts: int):  # fmt: skip
-        seed_step = engine._put(np.array([seed, step], np.uint32))  # noqa: SLF001
-        prompt_rows = prompts  # a parked row keeps its prompt's pages (and logits row)
-        super().__init__(engine, params, version, spec, seed_step=seed_step, slots=slots,
-                         pages=pages, prompt_rows=prompt_rows)  # fmt: skip
-        # Rows [0, prompt_rows): prompts; then the scratch row; then one per slot: the
+        seed_step = engine.put(np.array([seed, step], np.uint32))
+        # Logits rows [0, prompts): prompts; then the scratch row; then one per slot: the
         # first-draw logits of a row resumed or recomputed into that slot.
-        rows = np.zeros((prompt_rows + 1 + slots, engine.cfg.vocab_size), np.float32)
-        self.prompt_logits = engine._put(rows)  # noqa: SLF001
+        self.pool = pp.Pool(engine, params, version, spec, seed_step=seed_step, slots=slots,
+                                pages=pages, prompt_rows=prompts, slot_rows=True)  # fmt: skip
         self.trajs: dict = {}
         self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
-        self.stats.update(evicted=0, appends=0, prompt_kept=0)
+        self.pool.stats.update(evicted=0, appends=0, prompt_kept=0)  # and `Pool.stats`
         self.prompt_routes: dict = {}  # MoE: prompt -> its real tokens' routes [p, L, k]
+
+    stats = property(lambda self: self.pool.stats, doc="The pool's counters (`Pool.stats`).")
+    version = property(lambda self: self.pool.version, doc="The parameters' version.")
 
     # ------------------------------------------------------------------------ rows
     def submit(self, ids: np.ndarray, mask: np.ndarray, turn_tokens: int, live) -> None:
         """Queues the G rows of every prompt of ids / mask [B, width] (bucketed) whose
         live[r] is true (B * G flags); each draws at most turn_tokens in its first turn."""
         B, width = ids.shape
-        G = self.spec.num_generations
-        self._fit(width)
+        G = self.pool.spec.num_generations
+        pp.fit(self.pool, width)
         for r in range(B * G):
             b = r // G
             if live[r] and mask[b].any():
-                t = _Traj(row=r, b=b, prompt=ids[b][mask[b]], budget=int(turn_tokens),
-                          routes=self._no_routes())  # fmt: skip
-                self.trajs[r] = t
-                self.waiting.append(t)
+                self._queue(_Traj(row=r, b=b, prompt=ids[b][mask[b]], budget=int(turn_tokens)))
 
     def add(self, r: int, ids, turn_tokens: int) -> None:
         """Queues row r (an id not used before in the session) with its own prompt `ids`
@@ -147,26 +141,31 @@ class TurnSession(Session):
         come one at a time (`submit` queues a batch of prompts at once). Its prompt's
         pages and first-draw logits row are its own (shared with no other row)."""
         prompt = np.asarray(ids, np.int32)
-        self._fit(len(prompt))
-        t = _Traj(row=int(r), b=("row", int(r)), prompt=prompt, budget=int(turn_tokens),
-                  routes=self._no_routes())  # fmt: skip
+        pp.fit(self.pool, len(prompt))
+        self._queue(_Traj(row=int(r), b=("row", int(r)), prompt=prompt, budget=int(turn_tokens)))
+
+    def _queue(self, t: _Traj) -> None:
+        cfg = self.pool.engine.cfg
+        if cfg.moe:
+            t.routes = np.full((self.pool.T, cfg.num_layers, cfg.num_experts_per_tok), -1,
+                               np.int16)  # fmt: skip
         self.trajs[t.row] = t
-        self.waiting.append(t)
+        self.pool.waiting.append(t)
 
     @property
     def busy(self) -> bool:
         """Rows wait for a slot or decode."""
-        return bool(self.waiting or self.order)
+        return bool(self.pool.waiting or self.pool.order)
 
-    def turn(self, r: int) -> list:
-        """The ids row r sampled in its last turn."""
-        t = self.trajs[r]
-        return t.tokens[t.turn_from :]
+    @property
+    def decoding(self) -> int:
+        """Rows in a slot."""
+        return len(self.pool.order)
 
     def resume(self, r: int, ids, turn_tokens: int) -> None:
         """Row r goes on: `ids` (not sampled) follow its turn, then it draws at most
         turn_tokens more. It waits for a slot ahead of rows that have not started."""
-        t = self.trajs[r]
+        t, waiting = self.trajs[r], self.pool.waiting
         ids = [int(x) for x in ids]
         t.tokens += ids
         t.sampled += [False] * len(ids)
@@ -174,15 +173,16 @@ class TurnSession(Session):
         t.versions += [-1] * len(ids)
         t.turn_from, t.budget = len(t.tokens), t.n + int(turn_tokens)
         i = 0
-        while i < len(self.waiting) and self.waiting[i].tokens:
+        while i < len(waiting) and waiting[i].tokens:
             i += 1
-        self.waiting.insert(i, t)
+        waiting.insert(i, t)
 
     def end(self, r: int) -> None:
         """Row r's trajectory is over: its pages go back to the pool."""
         t = self.trajs[r]
         self._unpage(t)
-        self._unshare(t)
+        pp.unshare(self.pool, t.shared)
+        t.shared = None
 
     def result(self, r: int) -> _Traj:
         return self.trajs[r]
@@ -193,42 +193,26 @@ class TurnSession(Session):
         ends up first in line), parked rows evicted and the prompts' pages dropped; each
         row comes back by recompute under `params` (a row that drew nothing by a new
         prefill of its prompt). Tokens drawn so far keep their log-probs and versions."""
-        for s in reversed(list(self.order)):
+        for s in reversed(list(self.pool.order)):
             self._preempt(s, count=False)
         for t in list(self.holders.values()):
             self._unpage(t)
-        for b in list(self.prompt_pages):
-            self._drop_prompt(b)
         for t in self.trajs.values():
             t.shared = None
-        self.weights, self.version = self.e.weights(params), int(version)
-        self.stats["swaps"] += 1
+        pp.reweigh(self.pool, params, version)
 
     def trajectory_routes(self, ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray | None:
         """The routes of `submit`'s n rows over prompts ids / mask [B, width] ->
         [n, width + T, L, k] int16 as the static turn loop lays them out (prompt, then
         completion; -1 at padding, at each row's last drawn token and past its end); None
         for a dense model."""
-        if not self.e.cfg.moe:
-            return None
-        cfg, (B, width) = self.e.cfg, ids.shape
-        G = n // B
-        out = np.full((n, width + self.T, cfg.num_layers, cfg.num_experts_per_tok), -1,
-                      np.int16)  # fmt: skip
-        for i in range(n):
-            if i // G in self.prompt_routes:
-                out[i, :width][mask[i // G]] = self.prompt_routes[i // G]
-            if i in self.trajs:
-                out[i, width:] = self.trajs[i].routes
-        return out
-
-    # ------------------------------------------------------------------------ routes
-    def _no_routes(self) -> np.ndarray | None:
-        cfg = self.e.cfg
+        cfg = self.pool.engine.cfg
         if not cfg.moe:
             return None
-        return np.full((self.T, cfg.num_layers, cfg.num_experts_per_tok), -1, np.int16)
+        rows = {i: t.routes for i, t in self.trajs.items() if i < n}
+        return static_routes(cfg, ids, mask, n, self.pool.T, self.prompt_routes, rows)
 
+    # ------------------------------------------------------------------------ routes
     def _record(self, t: _Traj, first: int, routes: np.ndarray) -> None:
         """Routes [m, L, k] of t's completion tokens first .. first + m - 1 (a negative
         index: a prompt token), fed by a prefill: kept where t has none yet (a token's
@@ -239,23 +223,14 @@ class TurnSession(Session):
             t.fed = end
 
     # ------------------------------------------------------------------------ pages
-    def _unshare(self, t: _Traj) -> None:
-        """Drops t's reference on its prompt's pages (the last one returns them)."""
-        if t.shared is not None and t.shared in self.prompt_pages:
-            entry = self.prompt_pages[t.shared]
-            entry[3] -= 1
-            if entry[3] == 0:
-                self._drop_prompt(t.shared)
-        t.shared = None
-
     def _unpage(self, t: _Traj) -> None:
         """Returns t's own pages; its reference on its prompt's pages stays (it comes back
         on them, recomputing its completion only; `end` drops it)."""
-        self.free.extend(p for p in t.mine if p != NULL_PAGE)
+        pp.give_back(self.pool, t.mine)
         t.table, t.mine, t.length, t.base = [], [], 0, 0
         self.holders.pop(t.row, None)
 
-    def _evict_one(self, keep) -> bool:
+    def _evict_one(self, keep=None) -> bool:
         """Evicts the most recently parked row that holds pages outside a slot (not
         `keep`); when none does, drops the prompt reference an evicted row kept (not
         `keep`'s) -> whether there was one."""
@@ -263,7 +238,7 @@ class TurnSession(Session):
             t = self.holders[r]
             if t is not keep:
                 self._unpage(t)
-                self.stats["evicted"] += 1
+                self.pool.stats["evicted"] += 1
                 return True
         for t in self.trajs.values():
             if (
@@ -272,159 +247,128 @@ class TurnSession(Session):
                 and t.shared is not None
                 and (keep is None or t.shared != keep.b)
             ):
-                self._unshare(t)
+                pp.unshare(self.pool, t.shared)
+                t.shared = None
                 return True
         return False
 
     def _cost(self, t: _Traj) -> int:
         """Pages t takes to be seated (its prefill, before its first chunk)."""
+        pool = self.pool
         if t.table:
-            return max(0, -(-(t.length + len(t.tokens) - t.cached) // self.PS) - t.held)
-        if t.tokens and t.b in self.prompt_pages:  # its completion on its prompt's pages
-            return -(-len(t.tokens) // self.PS)
+            return max(0, -(-(t.length + len(t.tokens) - t.cached) // pool.PS) - len(t.table))
+        if t.tokens and t.b in pool.prompt_pages:  # its completion on its prompt's pages
+            return -(-len(t.tokens) // pool.PS)
         if t.tokens:
-            return self._pages_of(len(t.prompt) + len(t.tokens))
-        return 0 if t.b in self.prompt_pages else self._pages_of(len(t.prompt))
+            return pp.pages_of(pool, len(t.prompt) + len(t.tokens))
+        return 0 if t.b in pool.prompt_pages else pp.pages_of(pool, len(t.prompt))
 
     # ------------------------------------------------------------------------ slots
     def _admit(self) -> None:
         """Seats waiting rows in free slots while the pool has pages for them: a row that
         has started evicts parked rows for its pages (any row does when nothing decodes)."""
-        while self.waiting and None in self.owner:
-            s = self.owner.index(None)
-            t = self.waiting[0]
-            cost = self._cost(t) + -(-self.e.chunk_steps // self.PS) + 1
-            reserve = sum(self._need(u) for u in self.order)
-            while (cost + reserve > len(self.free) and (t.tokens or not self.order)
-                   and self._evict_one(t)):  # fmt: skip
+        pool = self.pool
+        while pool.waiting and None in pool.owner:
+            s = pool.owner.index(None)
+            t = pool.waiting[0]
+            cost = self._cost(t)
+            while pp.short(pool, cost) > 0 and (t.tokens or not pool.order) and self._evict_one(t):
                 pass
-            if self.order and cost + reserve > len(self.free):
+            if pool.order and pp.short(pool, cost) > 0:
                 return
             prompt_row = self._seat(t, s)
             if prompt_row is None:
                 return
-            self.waiting.popleft()
+            pool.waiting.popleft()
             self.holders.pop(t.row, None)
-            h, n = self.host, t.n
-            h["table"][s] = 0
-            h["table"][s, : t.held] = t.table
-            h["start"][s], h["length"][s], h["cap"][s] = t.start, t.length, t.held * self.PS
-            h["last"][s], h["fresh"][s], h["live"][s], h["stopped"][s] = self.e.pad_id, 1, 1, 0
-            h["n"][s], h["budget"][s], h["row"][s], h["prompt"][s] = n, t.budget, t.row, prompt_row
-            t.seated = n
-            h["tokens"][s], h["logprobs"][s] = self.e.pad_id, 0
-            if "routes" in h:
-                h["routes"][s] = -1
-            self.owner[s] = t
-            self.order.append(s)
+            t.seated = t.n
+            pp.seat(pool, s, t, start=t.start, length=t.length, last=pool.engine.pad_id,
+                    n=t.n, budget=t.budget, row=t.row, prompt=prompt_row)  # fmt: skip
 
     def _seat(self, t: _Traj, s: int) -> int | None:
         """Queues t's prefill for slot s -> the logits row of its next draw (None: the
         pool lacks the pages)."""
-        logits = self.scratch + 1 + s
-        if t.tokens and not t.table and t.b in self.prompt_pages:
+        pool = self.pool
+        logits = pool.scratch + 1 + s
+        if t.tokens and not t.table and t.b in pool.prompt_pages:
             # Evicted or preempted while its prompt's pages stayed: it takes them again
             # (referenced still, unless a swap dropped them and they were prefilled anew),
             # and only its completion is recomputed, appended on them.
-            entry = self.prompt_pages[t.b]
+            entry = pool.prompt_pages[t.b]
             if t.shared is None:
                 entry[3] += 1
-            self.stats["prompt_kept"] += 1
+            pool.stats["prompt_kept"] += 1
             t.shared, t.table, t.mine = t.b, list(entry[0]), []
             t.start, t.length, t.base = entry[2], entry[1], entry[1]
         if t.table:  # parked with its pages: the pending token and the observation
             add = t.tokens[t.cached :]
             need = self._cost(t)
-            if need > len(self.free):
+            if need > len(pool.free):
                 return None
-            new = self._take(need)
+            new = pp.take(pool, need)
             t.table, t.mine = t.table + new, t.mine + new
-            C = self.C
-            seq = np.full(-(-len(add) // C) * C, self.e.pad_id, np.int32)
+            seq = np.full(-(-len(add) // pool.C) * pool.C, pool.engine.pad_id, np.int32)
             seq[: len(add)] = add
             record = None if t.routes is None else functools.partial(self._record, t, t.cached)
-            self.prefills.append((seq, 0, len(add), t.length, t.start, list(t.table), logits,
+            pool.prefills.append((seq, 0, len(add), t.length, t.start, list(t.table), logits,
                                   record))  # fmt: skip
             t.length += len(add)
-            self.stats["appends"] += 1
+            pool.stats["appends"] += 1
             return logits
         if t.tokens:  # evicted or preempted: prompt and completion recomputed
             record = None
             if t.routes is not None:  # the prompt's tokens first: completion index -p
                 record = functools.partial(self._record, t, -len(t.prompt))
             seq = np.concatenate([t.prompt, t.tokens]).astype(np.int32)
-            got = self._prefill(seq, logits, record)
+            got = pp.queue_prefill(pool, seq, logits, record)
             if got is None:
                 return None
             pages, padded, start = got
-            t.table, t.mine = list(pages), [p for p in pages if p != NULL_PAGE]
+            t.table, t.mine = list(pages), [p for p in pages if p != pp.NULL_PAGE]
             t.start, t.length, t.base = start, padded, padded - len(t.tokens)
             return logits
-        if t.b not in self.prompt_pages:  # the first of its prompt's rows
-            if not self.logit_rows:
+        if t.b not in pool.prompt_pages:  # the first of its prompt's rows
+            if not pool.logit_rows:
                 return None
             record = None
             if t.routes is not None and t.b not in self.prompt_routes:
                 record = functools.partial(self.prompt_routes.setdefault, t.b)
-            got = self._prefill(t.prompt, self.logit_rows[-1], record)
+            got = pp.queue_prefill(pool, t.prompt, pool.logit_rows[-1], record)
             if got is None:
                 return None
-            rows = sum(1 for w in self.waiting if w.b == t.b and not w.tokens and w.shared is None)
-            self.prompt_pages[t.b] = [*got, rows, self.logit_rows.pop()]
-        pages, padded, start, _, row = self.prompt_pages[t.b]
+            rows = sum(1 for w in pool.waiting if w.b == t.b and not w.tokens and w.shared is None)
+            pool.prompt_pages[t.b] = [*got, rows, pool.logit_rows.pop()]
+        pages, padded, start, _, row = pool.prompt_pages[t.b]
         t.shared, t.table, t.mine = t.b, list(pages), []
         t.start, t.length, t.base = start, padded, padded
         return row
 
     def _preempt(self, s: int, count: bool = True) -> None:
         """Slot s's row leaves it and its pages; it waits first in line (recompute)."""
-        t = self.owner[s]
-        self._vacate(s)
+        t = self.pool.owner[s]
+        pp.vacate(self.pool, s)
         self._unpage(t)
-        self.waiting.appendleft(t)
-        self.stats["preempted"] += count
-
-    def _vacate(self, s: int) -> None:
-        self.owner[s] = None
-        self.order.remove(s)
-        self.host["live"][s] = False
-
-    def _grow(self) -> None:
-        """Pages for the next chunk of every live slot, oldest first: parked rows are
-        evicted, then the youngest slots preempted, when the pool runs short."""
-        h = self.host
-        for s in list(self.order):
-            t = self.owner[s]
-            if t is None:
-                continue
-            need = self._need(s)
-            while need > len(self.free) and self._evict_one(None):
-                pass
-            while need > len(self.free) and self.order[-1] != s:
-                self._preempt(self.order[-1])
-            new = self._take(min(need, len(self.free)))
-            h["table"][s, t.held : t.held + len(new)] = new
-            t.table, t.mine = t.table + new, t.mine + new
-            h["cap"][s] = t.held * self.PS
-        self.stats["peak_pages"] = max(self.stats["peak_pages"], self._in_use())
+        self.pool.waiting.appendleft(t)
+        self.pool.stats["preempted"] += count
 
     def run_chunk(self) -> list:
         """Seats waiting rows, decodes one chunk of the occupied slots -> the rows whose
         turn ended in it (they left their slots and keep their pages)."""
-        if not (self.waiting or self.order):
+        pool = self.pool
+        if not self.busy:
             return []
         self._admit()
-        self._run_prefills()
-        self._grow()
-        if not self.order:
-            head = self.waiting[0] if self.waiting else None
+        pp.run_prefills(pool)
+        pp.grow(pool, self._preempt, self._evict_one)
+        if not pool.order:
+            head = pool.waiting[0] if pool.waiting else None
             if head is not None and all(t is head for t in self.holders.values()):
                 raise RuntimeError("paged engine: no trajectory fits the page pool")
             return []  # what waits needs the pages of rows parked on their environments
-        h = self._decode_occupied()
+        h = pp.decode(pool)
         ended = []
-        for s in list(self.order):
-            t = self.owner[s]
+        for s in list(pool.order):
+            t = pool.owner[s]
             n = int(h["n"][s])
             new = h["tokens"][s, t.n : n].tolist()
             t.at += range(len(t.tokens), len(t.tokens) + len(new))
@@ -439,7 +383,7 @@ class TurnSession(Session):
                 t.fed = len(t.tokens) - 1
             if not h["live"][s]:  # its turn ended: the slot goes, the pages stay
                 t.stopped = bool(h["stopped"][s])
-                self._vacate(s)
+                pp.vacate(pool, s)
                 self.holders[t.row] = t
                 ended.append(t.row)
         return ended

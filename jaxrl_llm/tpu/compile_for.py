@@ -205,7 +205,7 @@ def _paged_programs(c, cfg, mesh, params, spec, width: int, build) -> list:
     S = p.slots or rows
     PS, C = p.page_size, p.prefill_chunk
     pages = p.pages or 1 + -(-rows * (width + T) // PS)
-    M = -(-(-(-(width + T) // C) * C + C) // PS)  # page-table columns (`Session._fit`)
+    M = -(-(-(-(width + T) // C) * C + C) // PS)  # page-table columns (`paged_pool.fit`)
     dtype = jnp.dtype(c.model.dtype)
     pallas = paged_programs.uses_pallas(cfg, engine.attention, dtype, "tpu", PS)
     everywhere = NamedSharding(mesh, P())

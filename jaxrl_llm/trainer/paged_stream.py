@@ -1,9 +1,9 @@
 """rollout.engine='paged' in 'overlap' and 'split': one engine session kept across steps,
 its slots filled with the next steps' prompts, finished steps handed to the learner.
 
-    thread = PagedStream(sampling, config, start=step, params=params, version=step)
-    item = thread.take(step)          # as `rollout_thread.RolloutThread`
-    thread.publish(new_params, version=step + 1)
+    PagedStream(sampling, config, start=step, handoff=handoff)   # as `RolloutThread`
+    item = handoff.take(step)
+    handoff.publish(new_params, version=step + 1)
 
 A thread runs one `sampling.PagedSampler.stream` session. It draws step s's prompts and
 queues its rows behind those already in the engine as soon as the parameters it decodes
@@ -22,9 +22,10 @@ between chunks:
 
 Each row's `policy_version` is the version that started it (what max_staleness bounds;
 the step's version is the oldest of its rows), and `Item.token_versions` [N, T] gives the
-version that drew each token (-1 past the row's end). Data position and resume are
-`RolloutThread`'s: `consumed` is the position after the last step taken, and the steps
-drawn but not taken are drawn again by a resumed run.
+version that drew each token (-1 past the row's end). The hand-off with the learner, the
+data position and resume are `RolloutThread`'s (`rollout_thread.Handoff`): `consumed` is
+the position after the last step taken, and the steps drawn but not taken are drawn again
+by a resumed run.
 """
 
 from __future__ import annotations
@@ -34,32 +35,35 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm.trainer.rollout_thread import Item, RolloutThread
+from jaxrl_llm.trainer.rollout_thread import Handoff, Item
 
 
-class PagedStream(RolloutThread):
-    """`RolloutThread` over a streaming paged engine session: its hand-off (`publish`,
-    `newest`, `take`, `close`), its own `_run`."""
+class PagedStream:
+    """A rollout thread over a streaming paged engine session, on the `Handoff` it is
+    given (as `RolloutThread`)."""
 
-    def __init__(self, s, config, start: int, params, version: int, *, player=None,
+    def __init__(self, s, config, start: int, handoff: Handoff, *, player=None,
                  max_staleness: int | None = None):  # fmt: skip
         if player is not None:
             raise ValueError("the paged stream samples single-turn rollouts")
-        self.partial = bool(config.rollout.partial)
+        r = config.rollout
+        self.s, self.num_steps, self.partial = s, config.train.num_steps, bool(r.partial)
+        self.max_staleness = r.max_staleness if max_staleness is None else max_staleness
         self.stats: dict = {}  # the session's counters, after each chunk
-        super().__init__(s, config, start, params, version, max_staleness=max_staleness)
+        self.handoff = handoff
+        handoff.start(s, self._run, start)
 
     def _run(self, start: int) -> None:
         s, spec = self.s, self.s.spec
-        session, pending = None, {}  # step -> (batch, position, ids, mask, queued at, waited)
+        session, pending = None, {}  # step -> (batch, position, queued at, waited)
         step, waited = start, time.perf_counter()
         while True:
-            with self._cond:
-                if self._stopping:
-                    return
-                params, version = self._params, self._version
+            got = self.handoff.wait(lambda v: True)
+            if got is None:
+                return
+            params, version = got
             if session is not None and version != session.version:
-                if self.partial or not (session.waiting or session.in_flight):
+                if self.partial or not session.in_flight:
                     session.swap(params, version)
             current = version if session is None else session.version
             # Queue the next steps the bound allows (without partial, none on parameters
@@ -85,8 +89,7 @@ class PagedStream(RolloutThread):
                     self._hand_over(session, done, pending.pop(done))
                 self.stats = dict(session.stats)
                 continue
-            with self._cond:  # idle: wait for newer parameters (or the end)
-                self._cond.wait_for(lambda v=version: self._stopping or self._version != v)
+            self.handoff.wait(lambda v, was=version: v != was)  # idle: newer parameters
 
     def _hand_over(self, session, step: int, queued) -> None:
         batch, position, start, wait_s = queued
@@ -94,12 +97,9 @@ class PagedStream(RolloutThread):
         jax.block_until_ready(out.tokens)
         sampled = time.perf_counter()
         scored = self.s.scorer(out, batch)
-        item = Item(
+        self.handoff.put(Item(
             step=step, batch=batch, out=out, scored=scored,
             version=int(np.min(np.asarray(out.policy_version))), position=position,
             wait_s=wait_s, sample_s=sampled - start, score_s=time.perf_counter() - sampled,
             token_versions=token_versions,
-        )  # fmt: skip
-        with self._cond:
-            self._items[step] = item
-            self._cond.notify_all()
+        ))  # fmt: skip

@@ -2,11 +2,12 @@
 the learner by at most `rollout.max_staleness` parameter versions; `Threaded` is the
 rollout source (`sources`) over it.
 
-    thread = RolloutThread(sampling, config, start=step, params=params, version=step)
-    item = thread.take(step)                  # the learner: step's rollout, scored
+    handoff = Handoff(params, version=step, consumed=data.state())
+    RolloutThread(sampling, config, start=step, handoff=handoff)
+    item = handoff.take(step)                 # the learner: step's rollout, scored
     ...update...
-    thread.publish(new_params, version=step + 1)
-    thread.close()
+    handoff.publish(new_params, version=step + 1)
+    handoff.close()                           # stops the thread
 
 The thread produces the rollouts of steps start, start + 1, ... in order. Before it draws
 step s's prompts it waits until the newest published parameters have version
@@ -66,28 +67,36 @@ class Item:
     token_versions: np.ndarray  # [T] version of each column, or [N, T] (multi-turn)
 
 
-class RolloutThread:
-    """Samples and scores steps start, start + 1, ... with `s` (a `sources.Sampling` on
-    the rollout mesh), within the staleness bound of `config.rollout` (or
-    `max_staleness`); with a `player` (an `EnvRollout`) it plays multi-turn trajectories."""
+class Handoff:
+    """What the learner and a rollout thread share, under one lock: the newest published
+    parameters and their version, the steps produced and not taken yet, the thread's
+    error and the stop flag. `consumed` is the data position after the last step taken.
+    `start` runs a thread's body (`body(start_step)`) under `s.guard()`, an exception
+    going to the learner at its next `take`."""
 
-    def __init__(self, s: Sampling, config, start: int, params, version: int, *,
-                 player=None, max_staleness: int | None = None):  # fmt: skip
-        r = config.rollout
-        self.s, self.num_steps, self.player = s, config.train.num_steps, player
-        self.max_staleness = r.max_staleness if max_staleness is None else max_staleness
-        self.partial_chunk = r.partial_chunk if r.partial else 0
-        self.consumed = s.data.state()
+    def __init__(self, params, version: int, consumed):
+        self.consumed = consumed
         self._params, self._version = params, version
         self._items: dict[int, Item] = {}
         self._error: BaseException | None = None
         self._stopping = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(
-            target=self._loop, args=(start,), name="rollout", daemon=True
-        )
+        self._thread = None
+
+    def start(self, s: Sampling, body, step: int) -> None:
+        def loop():
+            try:
+                with s.guard():
+                    body(step)
+            except BaseException as err:  # noqa: BLE001  (handed to the learner)
+                with self._cond:
+                    self._error = err
+                    self._cond.notify_all()
+
+        self._thread = threading.Thread(target=loop, name="rollout", daemon=True)
         self._thread.start()
 
+    # ------------------------------------------------------------ the learner's side
     def publish(self, params, version: int) -> None:
         """New parameters (already on the rollout mesh) and their version."""
         with self._cond:
@@ -114,29 +123,46 @@ class RolloutThread:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
-    def _loop(self, start: int) -> None:
-        try:
-            with self.s.guard():
-                self._run(start)
-        except BaseException as err:  # noqa: BLE001  (handed to the learner)
-            with self._cond:
-                self._error = err
-                self._cond.notify_all()
+    # ------------------------------------------------------------- the thread's side
+    def wait(self, ready, timeout=None):
+        """Waits until ready(newest version) or a stop -> (params, version) at that
+        moment, or None when the thread is to stop."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopping or ready(self._version), timeout)
+            return None if self._stopping else (self._params, self._version)
+
+    def put(self, item: Item) -> None:
+        with self._cond:
+            self._items[item.step] = item
+            self._cond.notify_all()
+
+
+class RolloutThread:
+    """Samples and scores steps start, start + 1, ... with `s` (a `sources.Sampling` on
+    the rollout mesh), within the staleness bound of `config.rollout` (or
+    `max_staleness`); with a `player` (an `EnvRollout`) it plays multi-turn trajectories.
+    It runs on the `Handoff` it is given, from which the learner takes its steps."""
+
+    def __init__(self, s: Sampling, config, start: int, handoff: Handoff, *, player=None,
+                 max_staleness: int | None = None):  # fmt: skip
+        r = config.rollout
+        self.s, self.num_steps, self.player = s, config.train.num_steps, player
+        self.max_staleness = r.max_staleness if max_staleness is None else max_staleness
+        self.partial_chunk = r.partial_chunk if r.partial else 0
+        self.handoff = handoff
+        handoff.start(s, self._run, start)
 
     def _run(self, start: int) -> None:
         """Produces steps start, start + 1, ... in order, each within the bound."""
         for step in range(start, self.num_steps):
             waited = time.perf_counter()
-            with self._cond:
-                self._cond.wait_for(
-                    lambda s=step: self._stopping or self._version >= s - self.max_staleness
-                )
-                if self._stopping:
-                    return
-                params, version = self._params, self._version
-            self._produce(step, params, version, time.perf_counter() - waited)
+            got = self.handoff.wait(lambda v, s=step: v >= s - self.max_staleness)
+            if got is None:
+                return
+            self._produce(step, *got, time.perf_counter() - waited)
 
     def _produce(self, step: int, params, version: int, wait_s: float) -> None:
         batch = next(self.s.data)
@@ -144,7 +170,7 @@ class RolloutThread:
         start = time.perf_counter()
         if self.player is not None:  # multi-turn: the environments score as they play
             with self.s.compile_log.program("sampler", "multi-turn", runs=True):
-                refresh = self.newest if self.partial_chunk else None
+                refresh = self.handoff.newest if self.partial_chunk else None
                 out, scored, columns = self.player(params, batch, step, version=version,
                                                    refresh=refresh)  # fmt: skip
             jax.block_until_ready(out.tokens)
@@ -163,9 +189,7 @@ class RolloutThread:
             position=position, wait_s=wait_s, sample_s=sampled - start,
             score_s=time.perf_counter() - sampled, token_versions=columns,
         )  # fmt: skip
-        with self._cond:
-            self._items[step] = item
-            self._cond.notify_all()
+        self.handoff.put(item)
 
     def _partial(self, batch, step: int, params, version: int):
         """The rollout decoded partial_chunk tokens at a time, switching to the newest
@@ -176,8 +200,7 @@ class RolloutThread:
         state = sampler.start(params, batch.prompt_ids, batch.prompt_mask, spec, step,
                               version=version)  # fmt: skip
         for first in range(0, T, chunk):
-            with self._cond:
-                newest, newest_version = self._params, self._version
+            newest, newest_version = self.handoff.newest()
             # Each chunk's cache width is a program of its own, compiled at first use (at
             # most MAX_PARTIAL_CHUNKS of them, `config.checks_rollout`): each says so in a line.
             detail = f"{bucket(state)}, partial tokens {first}-{min(first + chunk, T)}"
@@ -205,21 +228,20 @@ class Threaded:
 
     def __init__(self, s: Sampling, config, *, player=None, max_staleness: int | None = None,
                  copy: bool = False, thread=None):  # fmt: skip
-        self.s, self.config, self.thread = s, config, None
+        self.s, self.config, self.handoff = s, config, None
         self.player, self.max_staleness, self.copy = player, max_staleness, copy
         self.make_thread = thread or RolloutThread  # or `paged_stream.PagedStream`
 
     def next(self, step: int, params, clock) -> Rollout:
         if self.copy:
             params = jax.tree.map(jnp.copy, params)
-        if self.thread is None:
-            self.thread = self.make_thread(
-                self.s, self.config, step, params, step, player=self.player,
-                max_staleness=self.max_staleness,
-            )  # fmt: skip
+        if self.handoff is None:
+            self.handoff = Handoff(params, step, self.s.data.state())
+            self.make_thread(self.s, self.config, step, self.handoff, player=self.player,
+                             max_staleness=self.max_staleness)  # fmt: skip
         else:
-            self.thread.publish(params, step)
-        item = self.thread.take(step)  # waits while the thread is behind
+            self.handoff.publish(params, step)
+        item = self.handoff.take(step)  # waits while the thread is behind
         clock.mark("learner_wait")
         clock.seconds |= {"sample": item.sample_s, "score": item.score_s}
         out = jax.device_put(item.out, self.s.row_sharding)  # rollout -> training mesh
@@ -230,8 +252,8 @@ class Threaded:
                        position=item.position, scored=item.scored, metrics=metrics)  # fmt: skip
 
     def close(self) -> None:
-        if self.thread is not None:
-            self.thread.close()
+        if self.handoff is not None:
+            self.handoff.close()
         if self.player is not None:
             self.player.close()
 
