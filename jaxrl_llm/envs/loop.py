@@ -4,7 +4,7 @@
                       trajs, renderer, tokenizer, step=step)
 
 One loop for every rollout engine, written against `sampling.engine.TurnRows` (the
-static `Sampler` or the paged engine; `open_turns` picks the session). A row whose turn
+static `Sampler` or the paged engine; `open_session` picks the session). A row whose turn
 ends (an end-of-turn or tool-call stop id, or `settings.turn_tokens` spent) comes back
 from `run_chunk`; the host decodes its new tokens as the action and a thread steps its
 environment (`EnvPool.step`; rows whose turns ended together, or while a step ran, go in
@@ -40,7 +40,7 @@ import threading
 
 import numpy as np
 
-from jaxrl_llm.sampling.engine import open_turns
+from jaxrl_llm.sampling.engine import open_session
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,19 +90,9 @@ def play(
     a function -> (newest params, their version), read before every decode after the
     first."""
     s, n = settings, len(trajs)
-    session = open_turns(
-        engine,
-        params,
-        prompt_ids,
-        prompt_mask,
-        spec,
-        turn_tokens=s.turn_tokens,
-        stop_ids=s.stop_ids,
-        total_tokens=s.max_total_tokens,
-        live=[t.live for t in trajs],
-        step=step,
-        version=version,
-        mesh=mesh,
+    live = [t.live for t in trajs]
+    session = open_session(
+        engine, "turns", params, prompt_ids, prompt_mask, spec, s, live, step, version, mesh
     )
     turns = Turns(
         [[] for _ in range(n)],

@@ -12,7 +12,7 @@ pending requests in one sampler call of fixed width (rollout.batch_size x G rows
 with copies of a real row whose draws are dropped; more rows than that take more calls).
 `gateway/batch_mean` and `gateway/batch_max` are the requests per sampler call.
 
-The requests are served through `sampling.engine.open_requests`, one path for every
+The requests are served through `sampling.engine.open_session`, one path for every
 engine (`sampling/serve.py`): on the static sampler each request re-reads its episode's
 whole token record (a prefill of it): it keeps no cache between calls. On the paged
 engine (`rollout.engine='paged'`) an episode is a row of a `TurnSession` that keeps its
@@ -145,8 +145,9 @@ class AgentRollout:
         episodes = {e: Episode(self.renderer, self.spec.stop_ids) for e in order}
         over = set()  # episodes refused for passing a limit
         started = time.perf_counter()
-        session = engine.open_requests(
+        session = engine.open_session(
             self.sampler,
+            "requests",
             params,
             play.version,
             play.spec,

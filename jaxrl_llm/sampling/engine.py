@@ -1,7 +1,7 @@
 """The rollout engines behind one protocol: a session of rows that decode turns.
 
-    session = open_turns(engine, params, prompt_ids, prompt_mask, spec, turn_tokens=32,
-                         stop_ids=stops, total_tokens=T, live=live, step=s, version=v)
+    session = open_session(engine, "turns", params, prompt_ids, prompt_mask, spec,
+                           settings, live, step, version, mesh)   # envs.TurnSettings
     while session.busy or <environment steps in flight>:
         for r in session.run_chunk():            # rows whose turn ended
             row = session.result(r)              # .tokens, .versions, .turn_from
@@ -12,8 +12,9 @@
     out = session.output(final_turn)             # SampleOutput [n, T]
 
 Every consumer of multi-turn rows (the environment turn loop, `envs.play`) is written
-once against `TurnRows`; `open_turns` picks the session class of the engine it is given
-(`SESSIONS`, keyed by the engine's class: a new engine is one class and one entry).
+once against `TurnRows`, the gateway's requests against `serve`'s sessions;
+`open_session` picks the session class of the engine it is given (`SESSIONS`, keyed by
+the engine's class: a new engine is its session classes and one entry).
 
 - `StaticTurns`: the static `Sampler` as a session (one batch, no admission, the exact
   reference). Its rows decode together: `run_chunk` waits until every row whose turn
@@ -46,22 +47,15 @@ from jaxrl_llm.sampling.sampler import Sampler, append_end
 from jaxrl_llm.sampling.serve import PagedRequests, StaticRequests
 
 
-class Row(Protocol):
-    """A row's completion so far: sampled and appended tokens."""
-
-    tokens: list  # its completion ids
-    versions: list  # the version that drew each token, -1 on appended ones
-    turn_from: int  # completion index where its current (or last) turn began
-
-
 class TurnRows(Protocol):
-    """A batch of multi-turn rows on an engine (the module docstring)."""
+    """A batch of multi-turn rows on an engine (the module docstring). `result(r)` has
+    the row's completion so far: `tokens` (sampled and appended ids), `versions` (the
+    version that drew each, -1 on appended ones) and `turn_from` (where its last turn
+    began)."""
 
     version: int  # the parameters' version the rows draw with
     stats: dict  # the session's counters ('decode_chunks': decodes so far)
-
-    @property
-    def busy(self) -> bool: ...  # run_chunk has rows to decode (or a turn to finish)
+    busy: bool  # run_chunk has rows to decode (or a turn to finish)
 
     def run_chunk(self) -> list: ...  # -> rows whose turn ended
 
@@ -69,7 +63,7 @@ class TurnRows(Protocol):
 
     def end(self, r: int) -> None: ...
 
-    def result(self, r: int) -> Row: ...
+    def result(self, r: int): ...
 
     def swap(self, params, version: int) -> None: ...  # newer parameters, from the next decode
 
@@ -78,79 +72,14 @@ class TurnRows(Protocol):
     def output(self, final_turn) -> SampleOutput: ...  # [n, total_tokens] on the row sharding
 
 
-def open_turns(
-    engine,
-    params,
-    prompt_ids,
-    prompt_mask,
-    spec,
-    *,
-    turn_tokens: int,
-    stop_ids,
-    total_tokens: int,
-    live,
-    step=None,
-    version: int = 0,
-    mesh=None,
-) -> TurnRows:
-    """The rows of prompts [B, W] (left-padded host arrays), spec.num_generations each
-    (live[r]: row r plays; the others draw nothing), as a session of `engine`'s kind.
-    turn_tokens: the first turn's budget; stop_ids: ids that end a turn; total_tokens: a
-    row's completion (sampled and appended tokens); step: the random key's (None: 0);
-    version: the parameters'; mesh: the static sampler's rows' (the paged engine's are
-    its own)."""
-    return _session(engine, "turns")(
-        engine,
-        params,
-        prompt_ids,
-        prompt_mask,
-        spec,
-        turn_tokens=int(turn_tokens),
-        stop_ids=tuple(stop_ids),
-        total_tokens=int(total_tokens),
-        live=list(live),
-        step=step,
-        version=int(version),
-        mesh=mesh,
-    )
-
-
-def open_requests(
-    engine,
-    params,
-    version: int,
-    spec,
-    *,
-    key: int,
-    width: int,
-    episodes: int,
-    prompt_tokens: int,
-    total_tokens: int,
-    mesh=None,
-):
-    """Requests served one at a time (`serve`) on `engine`, drawn with `spec` (its
-    num_generations unused: a request says how many choices it wants). key: the random
-    keys' base; width: rows per static sampler call; episodes: the conversations (rows
-    of a paged session); prompt_tokens, total_tokens: a conversation's prompt and
-    completion (drawn and appended) tokens at most; mesh: the static sampler's rows'."""
-    return _session(engine, "requests")(
-        engine,
-        params,
-        int(version),
-        spec,
-        key=int(key),
-        width=int(width),
-        episodes=int(episodes),
-        prompt_tokens=int(prompt_tokens),
-        total_tokens=int(total_tokens),
-        mesh=mesh,
-    )
-
-
-def _session(engine, kind: str):
+def open_session(engine, kind: str, *args, **kwargs):
+    """A session of `kind` on `engine`: 'turns', a `TurnRows` (`StaticTurns` /
+    `PagedTurns`: the rows of a batch of prompts, G each), or 'requests' (`serve`:
+    conversations asked one request at a time); of the class `SESSIONS` names for the
+    engine's class, args as that class takes them."""
     for cls in type(engine).__mro__:
         if cls in SESSIONS:
-            return SESSIONS[cls][kind]
+            return SESSIONS[cls][kind](engine, *args, **kwargs)
     raise TypeError(f"no {kind} session for a {type(engine).__name__} (sampling.engine.SESSIONS)")
 
 
@@ -162,26 +91,19 @@ class _StaticRow:
 
 
 class StaticTurns:
-    """`TurnRows` on the static `Sampler` (the module docstring)."""
+    """`TurnRows` on the static `Sampler` (the module docstring): the rows of prompts
+    [B, W] (left-padded host arrays), spec.num_generations each (live[r]: row r plays; the
+    others draw nothing). turns (`envs.TurnSettings`): turn_tokens, a turn's budget;
+    stop_ids, ids that end a turn; max_total_tokens, a row's completion (sampled and
+    appended tokens). step: the random key's (None: 0); version: the parameters'; mesh:
+    the rows' (the paged engine's are its own)."""
 
     def __init__(
-        self,
-        sampler: Sampler,
-        params,
-        prompt_ids,
-        prompt_mask,
-        spec,
-        *,
-        turn_tokens,
-        stop_ids,
-        total_tokens,
-        live,
-        step,
-        version,
-        mesh,
+        self, sampler, params, prompt_ids, prompt_mask, spec, turns, live, step, version, mesh
     ):
         self.sampler, self.params, self.version, self.mesh = sampler, params, version, mesh
-        self.turn_tokens, self.stop_ids, self.total = turn_tokens, stop_ids, total_tokens
+        self.turn_tokens, self.stop_ids = turns.turn_tokens, tuple(turns.stop_ids)
+        self.total = turns.max_total_tokens
         state = sampler.start(params, prompt_ids, prompt_mask, spec, step, version=version)
         self.state = sampler.stop(state, [not x for x in live])  # reset failed: no turn
         n = len(live)
@@ -216,8 +138,9 @@ class StaticTurns:
 
     def run_chunk(self) -> list:
         """Appends the observations of the rows resumed since the last turn and decodes the
-        next turn of every resumed row -> the rows that drew (all at once)."""
-        if self.done:
+        next turn of every resumed row -> the rows that drew (all at once); nothing while
+        a row's environment is still out."""
+        if self.done or self.parked:
             return []
         sampler = self.sampler
         if self.stats["decode_chunks"] and not self._append():
@@ -298,26 +221,15 @@ def fit(out: SampleOutput, width: int, pad_id: int) -> SampleOutput:
 
 
 class PagedTurns:
-    """`TurnRows` on the paged engine: its `TurnSession` (the module docstring)."""
+    """`TurnRows` on the paged engine: its `TurnSession` (the module docstring); args
+    as `StaticTurns`'. busy, version, stats, run_chunk, end, result and swap are the
+    session's."""
 
     def __init__(
-        self,
-        engine: PagedSampler,
-        params,
-        prompt_ids,
-        prompt_mask,
-        spec,
-        *,
-        turn_tokens,
-        stop_ids,
-        total_tokens,
-        live,
-        step,
-        version,
-        mesh,
+        self, engine, params, prompt_ids, prompt_mask, spec, turns, live, step, version, mesh
     ):
         ids, mask = engine.bucketed(prompt_ids, prompt_mask)
-        G, n, T = spec.num_generations, len(live), total_tokens
+        G, n, T = spec.num_generations, len(live), turns.max_total_tokens
         if ids.shape[0] * G != n:
             raise ValueError(f"{n} trajectories for {ids.shape[0]} prompts x G={G}")
         self.engine, self.ids, self.mask, self.spec = engine, ids, mask, spec
@@ -325,27 +237,18 @@ class PagedTurns:
             engine,
             params,
             version,
-            spec.replace(max_new_tokens=T, stop_ids=stop_ids),
+            spec.replace(max_new_tokens=T, stop_ids=tuple(turns.stop_ids)),
             seed=engine.seed,
             step=0 if step is None else int(step),
             slots=engine.slots or n,
             pages=engine.pages or engine.auto_pages(n, ids.shape[1] + T),
             prompts=ids.shape[0],
         )
-        self.session.submit(ids, mask, turn_tokens, live)
+        self.session.submit(ids, mask, turns.turn_tokens, live)
         self.first_version, self.total, self.dropped = version, T, []
-        self.stats = self.session.stats
 
-    @property
-    def busy(self) -> bool:
-        return self.session.busy
-
-    @property
-    def version(self) -> int:
-        return self.session.version
-
-    def run_chunk(self) -> list:
-        return self.session.run_chunk()
+    def __getattr__(self, name):
+        return getattr(self.session, name)
 
     def resume(self, r: int, ids, turn_tokens: int) -> None:
         t = self.session.result(r)
@@ -355,15 +258,6 @@ class PagedTurns:
             self.dropped.append(r)
         else:
             self.session.resume(r, ids, turn_tokens)
-
-    def end(self, r: int) -> None:
-        self.session.end(r)
-
-    def result(self, r: int):
-        return self.session.result(r)
-
-    def swap(self, params, version: int) -> None:
-        self.session.swap(params, version)
 
     def refused(self) -> list:
         out, self.dropped = self.dropped, []
@@ -404,7 +298,7 @@ class PagedTurns:
         return jax.tree.map(lambda x: jax.device_put(x, e.row_sharding), out)
 
 
-# The session classes of each engine class (`open_turns`, `open_requests`).
+# The session classes of each engine class (`open_session`).
 SESSIONS = {
     Sampler: {"turns": StaticTurns, "requests": StaticRequests},
     PagedSampler: {"turns": PagedTurns, "requests": PagedRequests},

@@ -1,8 +1,8 @@
 """Requests served one at a time: each asks for the next reply of a conversation (an agent
 episode through the gateway) given its whole context.
 
-    session = open_requests(engine, params, version, spec, key=k, width=R, episodes=E,
-                            prompt_tokens=P, total_tokens=T)   # `engine.open_requests`
+    session = open_session(engine, "requests", params, version, spec, key=k, width=R,
+                           episodes=E, prompt_tokens=P, total_tokens=T)  # `engine`
     session.ask(episode, context_ids, max_tokens, n)       # n choices of one request
     for episode in session.run_chunk():                     # requests answered
         choices = session.answer(episode)                   # [(ids, logprobs, versions, stopped)]
@@ -36,33 +36,25 @@ from jaxrl_llm.sampling.paged_turns import TurnSession
 from jaxrl_llm.sampling.sampler import pad_prompts
 
 COUNTERS = (
-    "calls",
-    "batched",
-    "batch_max",
-    "prefill_tokens",
-    "cached_tokens",
-    "cache_restarts",
-    "evicted",
-    "decode_chunks",
+    "calls batched batch_max prefill_tokens cached_tokens cache_restarts evicted decode_chunks"
 )
 
 
-def sample_rows(
-    engine, params, rows: list, spec, stats: dict, *, width: int, key: int, version: int, mesh=None
-) -> list:
+def sample_rows(session, rows: list, stats: dict) -> list:
     """Each row's (drawn ids, log-probs, versions, stopped), rows being token-id lists
-    sampled by `engine.sample` in calls of `width` rows; a call's step is key + calls %
-    1024 (a fresh draw per call), every id drawn by `version`."""
-    drawn = []
+    sampled by the session's `engine.sample` with its params, spec and version in calls
+    of `session.width` rows; a call's step is session.key + calls % 1024 (a fresh draw
+    per call)."""
+    drawn, width, version = [], session.width, session.version
     for first in range(0, len(rows), width):
         chunk = rows[first : first + width]
         real = len(chunk)
         chunk += [chunk[0]] * (width - real)  # fixed width: one program
-        ids, mask = pad_prompts(chunk, engine.pad_id)
-        step = key + stats["calls"] % 1024
-        out = engine.sample(params, ids, mask, spec, step, version=version)
-        got = mesh_lib.local_rows((out.tokens, out.lengths, out.logprobs, out.finish), mesh)
-        tokens, lengths, logprobs, finish = (np.asarray(x) for x in got)
+        ids, mask = pad_prompts(chunk, session.engine.pad_id)
+        step = session.key + stats["calls"] % 1024
+        out = session.engine.sample(session.params, ids, mask, session.spec, step, version=version)
+        got = (out.tokens, out.lengths, out.logprobs, out.finish)
+        tokens, lengths, logprobs, finish = map(np.asarray, mesh_lib.local_rows(got, session.mesh))
         for r in range(real):
             n = int(lengths[r])
             stopped = int(finish[r]) == FINISH_STOP
@@ -78,27 +70,15 @@ def _count(stats: dict, rows: int) -> None:
 
 
 class StaticRequests:
-    """Requests on the static `Sampler` (the module docstring)."""
+    """Requests on the static `Sampler` (the module docstring); args as `PagedRequests`'
+    (the sizes of a cache it does not keep unused)."""
 
-    def __init__(
-        self,
-        engine,
-        params,
-        version: int,
-        spec,
-        *,
-        key: int,
-        width: int,
-        episodes: int,
-        prompt_tokens: int,
-        total_tokens: int,
-        mesh=None,
-    ):
+    def __init__(self, engine, params, version: int, spec, *, key, width, mesh=None, **_):
         self.engine, self.params, self.version, self.spec = engine, params, version, spec
         self.key, self.width, self.mesh = key, width, mesh
         self.asked: list = []  # (episode, ids, n)
         self.answers: dict = {}
-        self.stats = dict.fromkeys(COUNTERS, 0)
+        self.stats = dict.fromkeys(COUNTERS.split(), 0)
 
     @property
     def busy(self) -> bool:
@@ -114,17 +94,7 @@ class StaticRequests:
         rows = [ids for _, ids, n in asked for _ in range(n)]
         if not rows:
             return []
-        drawn = sample_rows(
-            self.engine,
-            self.params,
-            rows,
-            self.spec,
-            self.stats,
-            width=self.width,
-            key=self.key,
-            version=self.version,
-            mesh=self.mesh,
-        )
+        drawn = sample_rows(self, rows, self.stats)
         self.stats["decode_chunks"] += 1
         first = 0
         for episode, _, n in asked:
@@ -182,7 +152,7 @@ class PagedRequests:
         self.answers: dict = {}  # episode -> its choices (n > 1: sampled apart)
         self.unkept: set = set()  # episodes whose last request had n > 1 (no row)
         self.count = 0  # row ids used
-        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.counts = dict.fromkeys(COUNTERS.split(), 0)
 
     @property
     def busy(self) -> bool:
@@ -205,17 +175,7 @@ class PagedRequests:
                 session.end(row)
             self.unkept.add(episode)
             counts["prefill_tokens"] += len(ids) * n
-            self.answers[episode] = sample_rows(
-                self.engine,
-                self.params,
-                [ids] * n,
-                self.spec,
-                counts,
-                width=self.width,
-                key=self.key,
-                version=self.version,
-                mesh=self.mesh,
-            )
+            self.answers[episode] = sample_rows(self, [ids] * n, counts)
             return
         if row is not None:
             t = session.result(row)
