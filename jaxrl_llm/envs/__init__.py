@@ -45,7 +45,7 @@ __all__ = [
     "turns_at",
 ]
 
-_LOOP = ("TurnSettings", "Turns", "fit", "play")
+_LOOP = ("TurnSettings", "Turns", "play")
 
 
 def __getattr__(name):
@@ -53,8 +53,12 @@ def __getattr__(name):
         from jaxrl_llm.envs import loop
 
         return getattr(loop, name)
-    if name == "play_paged":
-        from jaxrl_llm.envs import paged_play
+    if name == "play_paged":  # the same loop: the engine it is given decides
+        from jaxrl_llm.envs import loop
 
-        return paged_play.play_paged
+        return loop.play
+    if name == "fit":
+        from jaxrl_llm.sampling import engine
+
+        return engine.fit
     raise AttributeError(f"module 'jaxrl_llm.envs' has no attribute {name!r}")

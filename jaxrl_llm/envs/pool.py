@@ -82,7 +82,7 @@ class EnvPool:
       lanes: the workers split into this many pools (`VerifierPool`s) that run calls
         at the same time: a call takes as many free lanes as its rows need (all of them
         for a batch of every row) and waits while none is free, so a caller that steps
-        rows as their turns end (`play_paged`) starts a step while another still runs.
+        rows as their turns end (`play` on the paged engine) starts a step while another still runs.
         1: one call at a time.
     """
 

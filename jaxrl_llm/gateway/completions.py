@@ -4,7 +4,7 @@ messages and tools), the drawn tokens cut into a choice (`make_choice`: max_toke
 strings, tool calls in the model's format) and the response and error bodies
 (`response`, `error`).
 
-`rollout.AgentRollout` batches the requests into the sampler, and `engine_rows.EngineRows`
+`rollout.AgentRollout` batches the requests into the sampler, and `sampling.serve`
 serves them on the paged engine; both read and answer a request through these, so an
 agent sees the same protocol whichever engine draws its tokens.
 """

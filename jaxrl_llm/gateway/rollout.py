@@ -12,10 +12,12 @@ pending requests in one sampler call of fixed width (rollout.batch_size x G rows
 with copies of a real row whose draws are dropped; more rows than that take more calls).
 `gateway/batch_mean` and `gateway/batch_max` are the requests per sampler call.
 
-On the static sampler each request re-reads its episode's whole token record (a prefill
-of it): it keeps no cache between calls. On the paged engine (`rollout.engine='paged'`)
-an episode is a row of a `TurnSession` that keeps its KV cache between the episode's
-requests (`engine_rows.EngineRows`). The tokens are exact either way (`episodes.Episode`).
+The requests are served through `sampling.engine.open_session`, one path for every
+engine (`sampling/serve.py`): on the static sampler each request re-reads its episode's
+whole token record (a prefill of it): it keeps no cache between calls. On the paged
+engine (`rollout.engine='paged'`) an episode is a row of a `TurnSession` that keeps its
+KV cache between the episode's requests, and requests are taken as they come, between
+decode chunks. The tokens are exact either way (`episodes.Episode`).
 The request's `temperature` is not used: a training rollout samples at
 `rollout.temperature`, the temperature the update's log-probs (and so the ratio to the
 behaviour log-probs) are taken at; held-out evaluation samples greedily (and at
@@ -31,8 +33,8 @@ two versions. Every drawn token records the version that drew it; a response's
 `AgentRollout.reply`).
 
 This module holds the batching and the turning of episodes into rows; the protocol of a
-request (its options, its choices, the response body) is `completions`, the paged
-engine's serving of the requests `engine_rows`.
+request (its options, its choices, the response body) is `completions`, the engines'
+serving of the requests `sampling.serve`.
 """
 
 from __future__ import annotations
@@ -47,12 +49,11 @@ import numpy as np
 from absl import logging
 
 from jaxrl_llm import parallel, sampling
-from jaxrl_llm.data import prompts as prompts_lib
 from jaxrl_llm.envs.render import Renderer
 from jaxrl_llm.gateway import completions
-from jaxrl_llm.gateway.engine_rows import EngineRows
 from jaxrl_llm.gateway.episodes import Episode, group_rows
 from jaxrl_llm.gateway.server import Server
+from jaxrl_llm.sampling import engine
 from jaxrl_llm.trainer import evaluation, scoring
 from jaxrl_llm.verifiers import ScoreDetails
 
@@ -144,18 +145,61 @@ class AgentRollout:
         episodes = {e: Episode(self.renderer, self.spec.stop_ids) for e in order}
         over = set()  # episodes refused for passing a limit
         started = time.perf_counter()
-        if isinstance(self.sampler, sampling.PagedSampler):
-            EngineRows(self, params, play, len(order)).serve(futures, episodes, over, refresh)
-        else:
-            while pending := self.gather(futures, play.server):
-                if refresh is not None:  # partial: the newest parameters for this call
-                    params, play.version = refresh()
-                self._answer(pending, episodes, over, params, play)
+        session = engine.open_session(
+            self.sampler,
+            "requests",
+            params,
+            play.version,
+            play.spec,
+            key=play.key,
+            width=self.rows,
+            episodes=len(order),
+            prompt_tokens=self.prompt_width,
+            total_tokens=self.width,
+            mesh=self.mesh,
+        )
+        self._serve(session, futures, episodes, over, play, refresh)
+        for k, v in session.stats.items():
+            if k in play.stats:
+                play.stats[k] = max(play.stats[k], v) if k == "batch_max" else play.stats[k] + v
         results = [futures[e].result() for e in order]
         for e in order:
             episodes[e].close()
         play.seconds = time.perf_counter() - started
         return order, episodes, results, over
+
+    def _serve(self, session, futures, episodes, over, play: Play, refresh) -> None:
+        """Answers the episodes' requests until every episode has ended: requests that
+        arrived are asked between decode chunks while rows decode, else gathered
+        (`gather`). refresh: None, or a function -> (newest params, their version), read
+        before every decode chunk after the first."""
+        asked: dict = {}  # episode -> (body, reply, ask) of its request in flight
+        while True:
+            if session.busy:
+                pending = []
+                while True:
+                    try:
+                        pending.append(play.server.requests.get_nowait())
+                    except queue.Empty:
+                        break
+            else:
+                pending = self.gather(futures, play.server)
+                if not pending:
+                    return
+            for episode, body, reply, ask in self.accept(pending, episodes, over, play):
+                session.ask(episode, ask["ids"], ask["max_tokens"], ask["n"], ask["rewrite"])
+                asked[episode] = (body, reply, ask)
+            if refresh is not None and session.busy and session.stats["decode_chunks"]:
+                newest, newest_version = refresh()
+                if newest_version != session.version:  # the rows' caches recomputed by them
+                    session.swap(newest, newest_version)
+                    play.version = int(newest_version)
+            for episode in session.run_chunk():
+                body, reply, ask = asked.pop(episode)
+                drawn = session.answer(episode)
+                self.reply(episode, body, reply, ask, drawn, episodes, play)
+            for episode in [e for e in futures if futures[e].done() and e not in asked]:
+                session.forget(episode)
 
     def gather(self, futures, server) -> list:
         """Pending requests: once every running episode has one, or after `batch_wait_s`
@@ -172,20 +216,6 @@ class AgentRollout:
             except queue.Empty:
                 if pending:
                     return pending
-
-    def _answer(self, pending, episodes, over, params, play: Play) -> None:
-        """Renders each request's context, samples them together, replies to each."""
-        rows, asks = [], []
-        for episode, body, reply, ask in self.accept(pending, episodes, over, play):
-            asks.append((episode, body, reply, ask, len(rows)))
-            rows += [ask["ids"]] * ask["n"]
-            play.stats["prefill_tokens"] += len(ask["ids"]) * ask["n"]
-        if not rows:
-            return
-        drawn = self.sample(params, rows, play)
-        for episode, body, reply, ask, first in asks:
-            self.reply(episode, body, reply, ask, drawn[first : first + ask["n"]], episodes,
-                        play)  # fmt: skip
 
     def accept(self, pending, episodes, over, play: Play) -> list:
         """Each request's options and context -> [(episode, body, reply, ask)] of those
@@ -232,29 +262,6 @@ class AgentRollout:
         reply(200, completions.response(episode, episodes[episode].turns, [c[0] for c in choices],
                              len(ask["ids"]), drew, sampled))  # fmt: skip
         play.stats["requests"] += 1
-
-    def sample(self, params, rows: list, play: Play) -> list:
-        """Each row's (drawn ids, log-probs, versions, stopped), in calls of `self.rows`
-        rows (every id drawn by `play.version`)."""
-        drawn, stats = [], play.stats
-        for first in range(0, len(rows), self.rows):
-            chunk = rows[first : first + self.rows]
-            real = len(chunk)
-            chunk += [chunk[0]] * (self.rows - real)  # fixed width: one program
-            ids, mask = prompts_lib.collate(chunk, self.sampler.pad_id, 8, 0)
-            key = play.key + stats["calls"] % 1024  # a fresh draw per call
-            out = self.sampler.sample(params, ids, mask, play.spec, key, version=play.version)
-            tokens, lengths, logprobs, finish = (np.asarray(x) for x in parallel.local_rows(
-                (out.tokens, out.lengths, out.logprobs, out.finish), self.mesh))  # fmt: skip
-            for r in range(real):
-                n = int(lengths[r])
-                stopped = int(finish[r]) == sampling.FINISH_STOP
-                drawn.append((tokens[r, :n].tolist(), logprobs[r, :n].tolist(),
-                              [play.version] * n, stopped))  # fmt: skip
-            stats["calls"] += 1
-            stats["batched"] += real
-            stats["batch_max"] = max(stats["batch_max"], real)
-        return drawn
 
     def _rewards(self, order, results, over):
         """-> (rewards, ends, errors): 0 for an episode that failed or passed a limit."""

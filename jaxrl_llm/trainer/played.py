@@ -24,7 +24,6 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.data import prompts as prompts_lib
 from jaxrl_llm.envs.loop import TurnSettings, play
-from jaxrl_llm.envs.paged_play import play_paged
 from jaxrl_llm.envs.pool import FAILED, EnvPool, replicate, score
 from jaxrl_llm.envs.render import Renderer
 from jaxrl_llm.envs.schedule import turns_at
@@ -75,9 +74,7 @@ class EnvRollout:
         prompt_ids = [self._prompt(batch, i, obs, trajs[i]) for i, obs in enumerate(observations)]
         ids, mask = prompts_lib.collate(prompt_ids, self.sampler.pad_id, 1, 0)
         trajs, _ = replicate(trajs, observations, spec.num_generations)
-        # rollout.engine='paged': a row's environment steps while other rows decode.
-        player = play_paged if isinstance(self.sampler, sampling.PagedSampler) else play
-        out, turns = player(self.sampler, params, ids, mask, spec, settings, self.pool,
+        out, turns = play(self.sampler, params, ids, mask, spec, settings, self.pool,
                           trajs, self.renderer, self.tokenizer, step=step,
                           version=step if version is None else version, mesh=self.mesh,
                           refresh=refresh)  # fmt: skip

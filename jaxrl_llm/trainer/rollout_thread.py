@@ -29,8 +29,8 @@ column (every row's column j was drawn by the same parameters).
 Multi-turn (`player`: an `EnvRollout`): the thread plays step s's trajectories to the end
 with the parameters it started them with; with `rollout.partial`, before each turn after
 the first it switches to the newest published parameters (the KV cache recomputed by
-them, `envs.play`; on the paged engine, between decode chunks: `envs.play_paged`, and
-the gateway's `engine_rows.EngineRows`).
+them, `envs.play`; on the paged engine between decode chunks, and so the gateway's
+`sampling.serve`).
 `token_versions` is then [N, T]: the version that drew each
 completion token, -1 on observation tokens. 'overlap' with environments is this thread
 with a bound of 1 on the training mesh: step s + 1's trajectories are played while step

@@ -1,0 +1,305 @@
+"""The rollout engines behind one protocol: a session of rows that decode turns.
+
+    session = open_session(engine, "turns", params, prompt_ids, prompt_mask, spec,
+                           settings, live, step, version, mesh)   # envs.TurnSettings
+    while session.busy or <environment steps in flight>:
+        for r in session.run_chunk():            # rows whose turn ended
+            row = session.result(r)              # .tokens, .versions, .turn_from
+            ...                                  # the caller steps r's environment
+        session.resume(r, observation_ids, turn_tokens)   # when its observation is back
+        session.end(r)                                    # or: its trajectory is over
+        session.refused()                        # rows ended because the model's context ran out
+    out = session.output(final_turn)             # SampleOutput [n, T]
+
+Every consumer of multi-turn rows (the environment turn loop, `envs.play`) is written
+once against `TurnRows`, the gateway's requests against `serve`'s sessions;
+`open_session` picks the session class of the engine it is given (`SESSIONS`, keyed by
+the engine's class: a new engine is its session classes and one entry).
+
+- `StaticTurns`: the static `Sampler` as a session (one batch, no admission, the exact
+  reference). Its rows decode together: `run_chunk` waits until every row whose turn
+  ended is resumed or ended, appends the observations (`Sampler.append`, one width for the
+  batch rounded up to 8 and the cache bound to a bucket, `append_end`), and decodes the
+  next turn of the resumed rows. A swap recomputes the cache before that decode
+  (`Sampler.refresh`). A batch whose shared cache layout would pass the model's positions
+  refuses every observation of that turn. Several processes: each holds its own rows, and
+  every process runs the same programs (the widths are agreed, `host_max`).
+- `PagedTurns`: the paged engine's `TurnSession`: a row whose turn ends leaves its slot
+  and another takes it; a row is refused when its own prompt, completion, observation and
+  next turn would pass the model's positions. Single process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.parallel import mesh as mesh_lib
+from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput, fit_routes
+from jaxrl_llm.sampling.paged import PagedSampler
+from jaxrl_llm.sampling.paged_turns import TurnSession
+from jaxrl_llm.sampling.sampler import Sampler, append_end
+from jaxrl_llm.sampling.serve import PagedRequests, StaticRequests
+
+
+class TurnRows(Protocol):
+    """A batch of multi-turn rows on an engine (the module docstring). `result(r)` has
+    the row's completion so far: `tokens` (sampled and appended ids), `versions` (the
+    version that drew each, -1 on appended ones) and `turn_from` (where its last turn
+    began)."""
+
+    version: int  # the parameters' version the rows draw with
+    stats: dict  # the session's counters ('decode_chunks': decodes so far)
+    busy: bool  # run_chunk has rows to decode (or a turn to finish)
+
+    def run_chunk(self) -> list: ...  # -> rows whose turn ended
+
+    def resume(self, r: int, ids, turn_tokens: int) -> None: ...
+
+    def end(self, r: int) -> None: ...
+
+    def result(self, r: int): ...
+
+    def swap(self, params, version: int) -> None: ...  # newer parameters, from the next decode
+
+    def refused(self) -> list: ...  # rows ended since the last call: context
+
+    def output(self, final_turn) -> SampleOutput: ...  # [n, total_tokens] on the row sharding
+
+
+def open_session(engine, kind: str, *args, **kwargs):
+    """A session of `kind` on `engine`: 'turns', a `TurnRows` (`StaticTurns` /
+    `PagedTurns`: the rows of a batch of prompts, G each), or 'requests' (`serve`:
+    conversations asked one request at a time); of the class `SESSIONS` names for the
+    engine's class, args as that class takes them."""
+    for cls in type(engine).__mro__:
+        if cls in SESSIONS:
+            return SESSIONS[cls][kind](engine, *args, **kwargs)
+    raise TypeError(f"no {kind} session for a {type(engine).__name__} (sampling.engine.SESSIONS)")
+
+
+@dataclasses.dataclass
+class _StaticRow:
+    tokens: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    turn_from: int = 0
+
+
+class StaticTurns:
+    """`TurnRows` on the static `Sampler` (the module docstring): the rows of prompts
+    [B, W] (left-padded host arrays), spec.num_generations each (live[r]: row r plays; the
+    others draw nothing). turns (`envs.TurnSettings`): turn_tokens, a turn's budget;
+    stop_ids, ids that end a turn; max_total_tokens, a row's completion (sampled and
+    appended tokens). step: the random key's (None: 0); version: the parameters'; mesh:
+    the rows' (the paged engine's are its own)."""
+
+    def __init__(
+        self, sampler, params, prompt_ids, prompt_mask, spec, turns, live, step, version, mesh
+    ):
+        self.sampler, self.params, self.version, self.mesh = sampler, params, version, mesh
+        self.turn_tokens, self.stop_ids = turns.turn_tokens, tuple(turns.stop_ids)
+        self.total = turns.max_total_tokens
+        state = sampler.start(params, prompt_ids, prompt_mask, spec, step, version=version)
+        self.state = sampler.stop(state, [not x for x in live])  # reset failed: no turn
+        n = len(live)
+        self.rows = [_StaticRow() for _ in range(n)]
+        self.drawing = {r for r in range(n) if live[r]}  # rows the next decode draws for
+        self.parked: set = set()  # turn ended: not resumed or ended yet
+        self.appended: dict = {}  # row -> observation ids for the next append
+        self.newer = None  # swapped-in (params, version), for the next decode
+        self.done, self.dropped = False, []
+        self.stats = {"decode_chunks": 0, "appends": 0, "swaps": 0}
+
+    @property
+    def busy(self) -> bool:
+        return not self.done and not self.parked
+
+    def resume(self, r: int, ids, turn_tokens: int) -> None:
+        self.parked.discard(r)
+        self.appended[r] = [int(x) for x in ids]
+
+    def end(self, r: int) -> None:
+        self.parked.discard(r)
+
+    def result(self, r: int) -> _StaticRow:
+        return self.rows[r]
+
+    def swap(self, params, version: int) -> None:
+        self.newer = (params, int(version))
+
+    def refused(self) -> list:
+        out, self.dropped = self.dropped, []
+        return out
+
+    def run_chunk(self) -> list:
+        """Appends the observations of the rows resumed since the last turn and decodes the
+        next turn of every resumed row -> the rows that drew (all at once); nothing while
+        a row's environment is still out."""
+        if self.done or self.parked:
+            return []
+        sampler = self.sampler
+        if self.stats["decode_chunks"] and not self._append():
+            self.done = True
+            return []
+        if self.newer is not None:  # the cache as the newer parameters compute it
+            self.state = sampler.refresh(self.newer[0], self.state)
+            (self.params, self.version), self.newer = self.newer, None
+            self.stats["swaps"] += 1
+        self.state = sampler.decode(self.params, self.state, self.turn_tokens, self.stop_ids)
+        self.stats["decode_chunks"] += 1
+        out = sampler.result(self.state)
+        tokens, lengths = mesh_lib.local_rows((out.tokens, out.lengths), self.mesh)
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        ended, self.drawing = sorted(self.drawing), set()
+        for r in ended:
+            row, L = self.rows[r], int(lengths[r])
+            row.turn_from = len(row.tokens)
+            row.versions += [self.version] * (L - row.turn_from)
+            row.tokens = tokens[r, :L].tolist()
+        self.parked = set(ended)
+        return ended
+
+    def _append(self) -> bool:
+        """The observations queued since the last decode go into the cache -> whether any
+        row goes on (on any process)."""
+        sampler, n, appended = self.sampler, len(self.rows), self.appended
+        # Every process appends the same width (or none): the programs are collective.
+        width = mesh_lib.host_max(-(-max(map(len, appended.values()), default=0) // 8) * 8)
+        limit = sampler.cfg.max_position_embeddings - self.turn_tokens
+        if self.state.end + width > limit:  # the shared cache slots would pass the context
+            self.dropped += sorted(appended)
+            appended, width = {}, 0
+        self.appended = {}
+        if not width:  # `output` marks the rows stopped
+            return False
+        self.state = sampler.stop(self.state, [r not in appended for r in range(n)])
+        ids = np.full((n, width), sampler.pad_id, np.int32)
+        mask = np.zeros((n, width), bool)
+        for r, obs in appended.items():
+            ids[r, : len(obs)], mask[r, : len(obs)] = obs, True
+            row = self.rows[r]
+            row.tokens += obs
+            row.versions += [-1] * len(obs)
+        # Masked columns are holes that `result` compacts away; the bound is bucketed so
+        # the observations' varying widths compile a few programs.
+        end = append_end(self.state.end + width, limit)
+        self.state = sampler.append(self.params, self.state, ids, mask, end)
+        self.drawing = set(appended)
+        self.stats["appends"] += 1
+        return True
+
+    def output(self, final_turn) -> SampleOutput:
+        """The rows' completions in total_tokens columns; a row whose final turn ran out
+        of budget FINISH_LENGTH."""
+        self.state = self.sampler.stop(self.state, ~np.asarray(final_turn, bool))
+        return fit(self.sampler.result(self.state), self.total, self.sampler.pad_id)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def fit(out: SampleOutput, width: int, pad_id: int) -> SampleOutput:
+    """The completion columns cut or padded to `width` (rows are compacted to the left
+    and no longer than `width`, so nothing real is cut)."""
+
+    P = out.prompt_tokens.shape[1]
+
+    def fix(x, fill):
+        x = x[:, :width]
+        return jnp.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=fill)
+
+    return out.replace(
+        tokens=fix(out.tokens, pad_id),
+        mask=fix(out.mask, False),
+        loss_mask=fix(out.loss_mask, False),
+        logprobs=fix(out.logprobs, 0.0),
+        routes=fit_routes(out.routes, P, P, width),
+    )
+
+
+class PagedTurns:
+    """`TurnRows` on the paged engine: its `TurnSession` (the module docstring); args
+    as `StaticTurns`'. busy, version, stats, run_chunk, end, result and swap are the
+    session's."""
+
+    def __init__(
+        self, engine, params, prompt_ids, prompt_mask, spec, turns, live, step, version, mesh
+    ):
+        ids, mask = engine.bucketed(prompt_ids, prompt_mask)
+        G, n, T = spec.num_generations, len(live), turns.max_total_tokens
+        if ids.shape[0] * G != n:
+            raise ValueError(f"{n} trajectories for {ids.shape[0]} prompts x G={G}")
+        self.engine, self.ids, self.mask, self.spec = engine, ids, mask, spec
+        self.session = TurnSession(
+            engine,
+            params,
+            version,
+            spec.replace(max_new_tokens=T, stop_ids=tuple(turns.stop_ids)),
+            seed=engine.seed,
+            step=0 if step is None else int(step),
+            slots=engine.slots or n,
+            pages=engine.pages or engine.auto_pages(n, ids.shape[1] + T),
+            prompts=ids.shape[0],
+        )
+        self.session.submit(ids, mask, turns.turn_tokens, live)
+        self.first_version, self.total, self.dropped = version, T, []
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def resume(self, r: int, ids, turn_tokens: int) -> None:
+        t = self.session.result(r)
+        limit = self.engine.cfg.max_position_embeddings
+        if len(t.prompt) + len(t.tokens) + len(ids) + turn_tokens > limit:
+            self.session.end(r)
+            self.dropped.append(r)
+        else:
+            self.session.resume(r, ids, turn_tokens)
+
+    def refused(self) -> list:
+        out, self.dropped = self.dropped, []
+        return out
+
+    def output(self, final_turn) -> SampleOutput:
+        """The static loop's output: each row's completion (sampled tokens with their
+        log-probs, appended ones with loss mask 0) in total_tokens columns, a row whose
+        final turn ran out of budget FINISH_LENGTH, and its routes (MoE) prompt then
+        completion."""
+        e, ids, mask, session = self.engine, self.ids, self.mask, self.session
+        G, T, n = self.spec.num_generations, self.total, len(final_turn)
+        tokens = np.full((n, T), e.pad_id, np.int32)
+        real, sampled = np.zeros((n, T), bool), np.zeros((n, T), bool)
+        logprobs = np.zeros((n, T), np.float32)
+        lengths = np.zeros(n, np.int32)
+        finish = np.full(n, FINISH_STOP, np.int32)
+        for i, row in session.trajs.items():
+            L = lengths[i] = len(row.tokens)
+            tokens[i, :L], real[i, :L], sampled[i, :L] = row.tokens, True, row.sampled
+            logprobs[i, :L] = row.logprobs
+            if final_turn[i] and not row.stopped:
+                finish[i] = FINISH_LENGTH
+        out = SampleOutput(
+            tokens=tokens,
+            mask=real,
+            loss_mask=sampled,
+            logprobs=logprobs,
+            lengths=lengths,
+            finish=finish,
+            prompt_tokens=np.repeat(ids, G, axis=0),
+            prompt_mask=np.repeat(mask, G, axis=0),
+            policy_version=np.full(n, self.first_version, np.int32),
+            num_generations=G,
+            routes=session.trajectory_routes(ids, mask, n),
+        )
+        e.stats = session.stats
+        return jax.tree.map(lambda x: jax.device_put(x, e.row_sharding), out)
+
+
+# The session classes of each engine class (`open_session`).
+SESSIONS = {
+    Sampler: {"turns": StaticTurns, "requests": StaticRequests},
+    PagedSampler: {"turns": PagedTurns, "requests": PagedRequests},
+}
