@@ -36,9 +36,9 @@ from common import device_name, table, uptime  # noqa: E402
 
 from jaxrl_llm import assets, data, models, sampling  # noqa: E402
 from jaxrl_llm import config as config_lib  # noqa: E402
-from jaxrl_llm.gateway.rollout import AgentRollout  # noqa: E402
 from jaxrl_llm.models import builtin  # noqa: E402
-from jaxrl_llm.trainer.played import EnvRollout  # noqa: E402
+from jaxrl_llm.rollout.agents import AgentRollout  # noqa: E402
+from jaxrl_llm.rollout.played import EnvRollout  # noqa: E402
 
 TASK = '''"""The benchmark's task as an environment and as an openai-client agent."""
 

@@ -17,12 +17,12 @@ from tiny_run import make_model_dir, signal_config
 
 from jaxrl_llm import data, parallel, rl, sampling, train
 from jaxrl_llm.config import ConfigError, validate
+from jaxrl_llm.rollout.sources import SampledAhead
+from jaxrl_llm.rollout.thread import Handoff
 from jaxrl_llm.startup import compilation
 from jaxrl_llm.trainer import checkpoint
 from jaxrl_llm.trainer.metrics import read_metrics
-from jaxrl_llm.trainer.rollout_thread import Handoff
 from jaxrl_llm.trainer.run import Run
-from jaxrl_llm.trainer.sources import SampledAhead
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,8 +16,8 @@ from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
 
 from jaxrl_llm import envs, models, rl, sampling, train
 from jaxrl_llm.models import builtin
+from jaxrl_llm.rollout.thread import Handoff
 from jaxrl_llm.trainer.metrics import read_metrics
-from jaxrl_llm.trainer.rollout_thread import Handoff
 from jaxrl_llm.trainer.run import Run
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -300,7 +300,7 @@ def test_observations_cannot_forge_a_turn_in_smollm2s_chat_template():
 
 def test_env_stop_tokens_errors_name_env_stop_tokens():
     """Row 12: a bad `env.stop_tokens` entry is reported under its own key."""
-    from jaxrl_llm.trainer.played import EnvRollout
+    from jaxrl_llm.rollout.played import EnvRollout
 
     c = config_lib.base_config()
     c.env.name, c.env.stop_tokens = "guess_number", ("<nope>",)

@@ -252,8 +252,8 @@ def test_env_evaluation_plays_greedy_trajectories(tmp_path, tok):
     from tiny_run import tiny_config
 
     from jaxrl_llm import assets
-    from jaxrl_llm.trainer import evaluation
-    from jaxrl_llm.trainer.played import EnvRollout
+    from jaxrl_llm.rollout import evaluation
+    from jaxrl_llm.rollout.played import EnvRollout
 
     c = tiny_config(assets.QUICKSTART_MODEL)  # trained: greedy answers of varied lengths
     c.data.name = "arithmetic/digits_2"

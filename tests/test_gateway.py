@@ -17,8 +17,8 @@ from tiny_run import TOKENIZER, make_model_dir, tiny_config
 
 from jaxrl_llm import envs, models, rl, sampling, train
 from jaxrl_llm.gateway import parse_tool_calls
-from jaxrl_llm.gateway.rollout import AgentRollout
 from jaxrl_llm.models import builtin
+from jaxrl_llm.rollout.agents import AgentRollout
 from jaxrl_llm.trainer import metrics
 
 AGENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agents_for_tests.py")
@@ -262,7 +262,7 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
     read of the newest parameters for version 1 and swaps it in; a token's version is its
     rollout's or a newer one, up to the step's, never decreasing along a row, and step 1
     holds both."""
-    from jaxrl_llm.trainer.rollout_thread import Handoff, RolloutThread
+    from jaxrl_llm.rollout.thread import Handoff, RolloutThread
 
     c = tiny_config(make_model_dir(str(tmp_path / "model")))
     c.rewards, c.rollout.engine = {}, "paged"

@@ -183,7 +183,7 @@ def test_trainer_with_the_paged_engine(tmp_path):
     from jaxrl_llm import config as config_lib
     from jaxrl_llm import data, train
     from jaxrl_llm.models import builtin
-    from jaxrl_llm.trainer import sources
+    from jaxrl_llm.rollout import sources
     from jaxrl_llm.trainer.metrics import read_metrics
 
     c = signal_config(make_model_dir(str(tmp_path / "model")))

@@ -220,8 +220,8 @@ def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_pat
     from test_env_async import env_config
 
     from jaxrl_llm import train
+    from jaxrl_llm.rollout.thread import Handoff, RolloutThread
     from jaxrl_llm.trainer.metrics import read_metrics
-    from jaxrl_llm.trainer.rollout_thread import Handoff, RolloutThread
     from jaxrl_llm.trainer.run import Run
 
     steps = 3

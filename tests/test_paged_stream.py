@@ -151,8 +151,8 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
     import contextlib
     import types
 
-    from jaxrl_llm.trainer.paged_stream import PagedStream
-    from jaxrl_llm.trainer.rollout_thread import Handoff
+    from jaxrl_llm.rollout.paged_stream import PagedStream
+    from jaxrl_llm.rollout.thread import Handoff
 
     cfg, p0, p1 = tiny
     spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=12, temperature=0.9)
@@ -226,8 +226,8 @@ class Recorder:
     the host) and every step's item as the learner takes it."""
 
     def __init__(self, monkeypatch):
-        from jaxrl_llm.trainer.paged_stream import PagedStream
-        from jaxrl_llm.trainer.rollout_thread import Handoff
+        from jaxrl_llm.rollout.paged_stream import PagedStream
+        from jaxrl_llm.rollout.thread import Handoff
 
         self.params, self.items = {}, []
         init, publish, take = PagedStream.__init__, Handoff.publish, Handoff.take
@@ -291,9 +291,9 @@ def test_split_with_partial_rollouts_and_a_resume(model_dir, tmp_path, monkeypat
     import threading
 
     from jaxrl_llm import train
+    from jaxrl_llm.rollout.thread import Handoff
     from jaxrl_llm.sampling.paged_schedule import Session
     from jaxrl_llm.trainer.metrics import read_metrics
-    from jaxrl_llm.trainer.rollout_thread import Handoff
     from jaxrl_llm.trainer.run import Run
 
     chunk, step = Session.run_chunk, Run.step
@@ -360,8 +360,8 @@ def test_overlap_runs_the_stream_one_version_behind(model_dir):
     training mesh, bounded to one version, on its own copy of the parameters (the update
     donates the step's); the config check no longer refuses it."""
     from jaxrl_llm.config import algo_config, checks_rollout
-    from jaxrl_llm.trainer.modes import make_source
-    from jaxrl_llm.trainer.paged_stream import PagedStream
+    from jaxrl_llm.rollout.modes import make_source
+    from jaxrl_llm.rollout.paged_stream import PagedStream
 
     c = paged_config(model_dir, "overlap", 2)
     checks_rollout.check_engine(c, 1)

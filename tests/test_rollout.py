@@ -9,7 +9,7 @@ import pytest
 from tiny_run import TOKENIZER, tiny_model_config
 
 from jaxrl_llm import parallel, sampling, verifiers
-from jaxrl_llm.trainer import scoring
+from jaxrl_llm.rollout import scoring
 
 G, T = 2, 6
 

@@ -132,7 +132,7 @@ def test_export_after_training_loads_in_transformers(model_dir, tmp_path):
 
 def test_nonfinite_update_stops_naming_the_step(model_dir, tmp_path, monkeypatch):
     c = tiny_config(model_dir)
-    from jaxrl_llm.trainer import scoring
+    from jaxrl_llm.rollout import scoring
 
     original = scoring.Scorer.__call__
 

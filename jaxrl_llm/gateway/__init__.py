@@ -1,13 +1,13 @@
 """An OpenAI-compatible gateway over the policy: agents written against the `openai`
 client are trained through it (docs/agents.md).
 
-    agents = AgentRollout(config, tokenizer, sampler, spec, mesh)   # agent.entry
-    out, scored, versions = agents(params, batch, step)
-
+`rollout.agents.AgentRollout` (agent.entry) plays a step's episodes through it.
 `server.Server` is the HTTP endpoint (aiohttp, localhost; a key per episode),
 `launcher.Launcher` runs each episode's agent in a process of its own,
-`episodes.Episode` keeps one episode's exact tokens, `envs.tool_calls.parse_tool_calls`
-reads tool calls in the model's format.
+`episodes.Episode` keeps one episode's exact tokens (`episodes.Play`: a batch of them in
+progress), `envs.tool_calls.parse_tool_calls`
+reads tool calls in the model's format. It imports nothing from the trainer or the
+rollout wing.
 """
 
 from jaxrl_llm.envs.tool_calls import ParsedCalls, parse_tool_calls

@@ -18,7 +18,7 @@ from jaxrl_llm.envs.tool_calls import parse_tool_calls
 from jaxrl_llm.gateway.episodes import Episode
 
 if TYPE_CHECKING:
-    from jaxrl_llm.gateway.rollout import Play
+    from jaxrl_llm.gateway.episodes import Play
 
 MAX_N = 16  # choices per request
 

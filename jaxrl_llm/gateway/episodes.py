@@ -25,7 +25,13 @@ trained on (their text, as the agent sent it back, is part of the new context).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxrl_llm.gateway.server import Server
+    from jaxrl_llm.sampling import RolloutSpec
 
 
 class Episode:
@@ -154,3 +160,17 @@ def group_rows(episodes: list, prompt_width: int, width: int, pad_id: int) -> di
         out["lengths"][i] = m
         out["cut"][i] = max(len(ep.ids) - len(shared) - width, 0)
     return out
+
+
+class Play:
+    """One batch of episodes in progress: where its requests arrive, the spec and key
+    stream it samples with, the parameters' version, and its counters."""
+
+    def __init__(self, server: Server, spec: RolloutSpec, *, key: int, step: int,
+                 version: int):  # fmt: skip
+        self.server, self.spec, self.key, self.step, self.version = (
+            server, spec, key, step, version)  # fmt: skip
+        self.stats = {"requests": 0, "calls": 0, "batched": 0, "batch_max": 0,
+                      "temperature_ignored": 0, "tool_call_errors": 0, "prefill_tokens": 0,
+                      "cached_tokens": 0, "cache_restarts": 0, "evicted": 0}  # fmt: skip
+        self.seconds = 0.0

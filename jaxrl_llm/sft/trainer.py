@@ -29,10 +29,11 @@ import optax
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, sampling
+from jaxrl_llm.rollout import evaluation, scoring
 from jaxrl_llm.sft import data as sft_data
 from jaxrl_llm.sft import model as sft_model
 from jaxrl_llm.sft.config import check_config
-from jaxrl_llm.trainer import console, evaluation, scoring
+from jaxrl_llm.trainer import console
 
 # --------------------------------------------------------------------- loss and update
 

@@ -196,8 +196,8 @@ def _paged_programs(c, cfg, mesh, params, spec, width: int, build) -> list:
     """The paged engine's decode chunk (every slot, the full page table) and prefill chunk
     (one per prompt), at the sizes `PagedSampler.session` picks for the step's rows; its
     state (pool, slots, logits) replicated on the mesh, as the engine puts it."""
+    from jaxrl_llm.rollout.sources import make_sampler
     from jaxrl_llm.sampling import paged_programs
-    from jaxrl_llm.trainer.sources import make_sampler
 
     engine = make_sampler(c, cfg, mesh, pad_id=0)
     p, B, T = c.rollout.paged, c.rollout.batch_size, spec.max_new_tokens

@@ -21,9 +21,10 @@ import numpy as np
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import parallel, rl
 from jaxrl_llm.errors import UserError
+from jaxrl_llm.rollout import scoring
 from jaxrl_llm.startup import compilation
 from jaxrl_llm.startup.precompile import precompile_step
-from jaxrl_llm.trainer import checkpoint, console, scoring
+from jaxrl_llm.trainer import checkpoint, console
 from jaxrl_llm.trainer import metrics as metrics_lib
 from jaxrl_llm.trainer import workdir as workdir_lib
 from jaxrl_llm.trainer.run import Run

@@ -32,13 +32,14 @@ import numpy as np
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, verifiers
-from jaxrl_llm.gateway.rollout import AgentRollout
 from jaxrl_llm.parallel import allocator
+from jaxrl_llm.rollout import evaluation, scoring
+from jaxrl_llm.rollout.agents import AgentRollout
+from jaxrl_llm.rollout.modes import make_source
+from jaxrl_llm.rollout.played import EnvRollout
+from jaxrl_llm.rollout.sources import Sampling, bucket, make_sampler, staleness
 from jaxrl_llm.startup import compilation, peak
-from jaxrl_llm.trainer import evaluation, judges, perf, scoring, teachers
-from jaxrl_llm.trainer.modes import make_source
-from jaxrl_llm.trainer.played import EnvRollout
-from jaxrl_llm.trainer.sources import Sampling, bucket, make_sampler, staleness
+from jaxrl_llm.trainer import judges, perf, teachers
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@
 | `Threaded` + player | overlap / split + env | trajectories played by the thread | <= bound |
 | `Refilled` | sync + DAPO | `Sampled`, then more batches until B mixed groups | 0 |
 
-(`Threaded` is in rollout_thread.py, `Played` in played.py; the bound is
+(`Threaded` is in thread.py, `Played` in played.py; the bound is
 `rollout.max_staleness`.) Every source samples with the engine `make_sampler` builds:
 `rollout.engine` static (`sampling.Sampler`) or paged (`sampling.PagedSampler`); with the
 paged engine, overlap and split are `Threaded` over `paged_stream.PagedStream`, one engine
@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 
 from jaxrl_llm import parallel, sampling
-from jaxrl_llm.trainer import scoring
+from jaxrl_llm.rollout import scoring
 
 
 @dataclasses.dataclass

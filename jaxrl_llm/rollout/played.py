@@ -27,8 +27,8 @@ from jaxrl_llm.envs.loop import TurnSettings, play
 from jaxrl_llm.envs.pool import FAILED, EnvPool, replicate, score
 from jaxrl_llm.envs.render import Renderer
 from jaxrl_llm.envs.schedule import turns_at
-from jaxrl_llm.trainer import evaluation, scoring
-from jaxrl_llm.trainer.sources import Rollout, Sampling
+from jaxrl_llm.rollout import evaluation, scoring
+from jaxrl_llm.rollout.sources import Rollout, Sampling
 
 
 class EnvRollout:
@@ -186,7 +186,7 @@ def _local(out, mesh):
 class Played:
     """Multi-turn rollouts (env.name, rollout.mode='sync') as a rollout source: the step's
     prompts played to the end by the current parameters, scored by their environments.
-    In 'overlap' and 'split' a rollout thread plays them (`rollout_thread.Threaded` with
+    In 'overlap' and 'split' a rollout thread plays them (`rollout.thread.Threaded` with
     `EnvRollout` as its player)."""
 
     def __init__(self, s: Sampling, env_rollout: EnvRollout):

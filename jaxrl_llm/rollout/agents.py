@@ -51,10 +51,10 @@ from absl import logging
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.envs.render import Renderer
 from jaxrl_llm.gateway import completions
-from jaxrl_llm.gateway.episodes import Episode, group_rows
+from jaxrl_llm.gateway.episodes import Episode, Play, group_rows
 from jaxrl_llm.gateway.server import Server
+from jaxrl_llm.rollout import evaluation, scoring
 from jaxrl_llm.sampling import engine
-from jaxrl_llm.trainer import evaluation, scoring
 from jaxrl_llm.verifiers import ScoreDetails
 
 
@@ -367,17 +367,3 @@ class AgentRollout:
             "rollout/length_mean": float(lengths.mean()),
             "rollout/length_max": float(lengths.max()),
         }
-
-
-class Play:
-    """One batch of episodes in progress: where its requests arrive, the spec and key
-    stream it samples with, the parameters' version, and its counters."""
-
-    def __init__(self, server: Server, spec: sampling.RolloutSpec, *, key: int, step: int,
-                 version: int):  # fmt: skip
-        self.server, self.spec, self.key, self.step, self.version = (
-            server, spec, key, step, version)  # fmt: skip
-        self.stats = {"requests": 0, "calls": 0, "batched": 0, "batch_max": 0,
-                      "temperature_ignored": 0, "tool_call_errors": 0, "prefill_tokens": 0,
-                      "cached_tokens": 0, "cache_restarts": 0, "evicted": 0}  # fmt: skip
-        self.seconds = 0.0

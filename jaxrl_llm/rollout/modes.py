@@ -4,7 +4,7 @@ single-turn stream (rollout.engine='paged') and DAPO's dynamic sampling around t
 
     source = make_source(config, sampling, algo, env_rollout)   # -> a `sources` object
 
-The sources themselves are `sources`' (sync, overlap, DAPO's refill), `rollout_thread`'s
+The sources themselves are `sources`' (sync, overlap, DAPO's refill), `thread`'s
 (split), `played`'s (environments) and `paged_stream`'s (the paged engine's thread); the
 choice sits above them so that none imports the others. Adding a mode is an entry in
 `SOURCES` (or a case in `make_source`); docs/step.md says how.
@@ -12,10 +12,10 @@ choice sits above them so that none imports the others. Adding a mode is an entr
 
 from __future__ import annotations
 
-from jaxrl_llm.trainer.paged_stream import PagedStream
-from jaxrl_llm.trainer.played import Played
-from jaxrl_llm.trainer.rollout_thread import Threaded
-from jaxrl_llm.trainer.sources import Refilled, Sampled, SampledAhead, Sampling
+from jaxrl_llm.rollout.paged_stream import PagedStream
+from jaxrl_llm.rollout.played import Played
+from jaxrl_llm.rollout.sources import Refilled, Sampled, SampledAhead, Sampling
+from jaxrl_llm.rollout.thread import Threaded
 
 # rollout.mode -> its rollout source (`sources`); each takes (Sampling, config).
 SOURCES = {"sync": Sampled, "overlap": SampledAhead, "split": Threaded}

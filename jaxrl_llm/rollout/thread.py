@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.trainer.sources import Rollout, Sampling, bucket
+from jaxrl_llm.rollout.sources import Rollout, Sampling, bucket
 
 
 @dataclasses.dataclass

@@ -23,7 +23,7 @@ between chunks:
 Each row's `policy_version` is the version that started it (what max_staleness bounds;
 the step's version is the oldest of its rows), and `Item.token_versions` [N, T] gives the
 version that drew each token (-1 past the row's end). The hand-off with the learner, the
-data position and resume are `RolloutThread`'s (`rollout_thread.Handoff`): `consumed` is
+data position and resume are `RolloutThread`'s (`rollout.thread.Handoff`): `consumed` is
 the position after the last step taken, and the steps drawn but not taken are drawn again
 by a resumed run.
 """
@@ -35,7 +35,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_llm.trainer.rollout_thread import Handoff, Item
+from jaxrl_llm.rollout.thread import Handoff, Item
 
 
 class PagedStream:
