@@ -104,8 +104,13 @@ def measure(rollout, params, batch, step: int) -> tuple:
     seconds = time.perf_counter() - t0
     assert np.all(scored.rewards == 1.0), scored.rewards  # every episode played to the end
     m = scored.metrics
-    return (seconds, float(loss.shape[0]), float(loss.sum()),
-            m.get("gateway/prefill_tokens", 0.0), m.get("gateway/cached_tokens", 0.0))  # fmt: skip
+    return (
+        seconds,
+        float(loss.shape[0]),
+        float(loss.sum()),
+        m.get("gateway/prefill_tokens", 0.0),
+        m.get("gateway/cached_tokens", 0.0),
+    )
 
 
 def main():
@@ -132,10 +137,10 @@ def main():
             "env (EnvRollout)": EnvRollout(c, tok, sampling.Sampler(cfg, None, seed=0), spec),
             "gateway (AgentRollout)": AgentRollout(
                 c, tok, sampling.Sampler(cfg, None, seed=0), spec
-            ),  # fmt: skip
+            ),
             "gateway, paged engine": AgentRollout(
                 c, tok, sampling.PagedSampler(cfg, None, seed=0), spec
-            ),  # fmt: skip
+            ),
         }
         results = {name: [] for name in paths}
         try:
@@ -155,22 +160,40 @@ def main():
         runs = np.array(runs)
         trajs, toks = runs[:, 1] / runs[:, 0], runs[:, 2] / runs[:, 0]
         medians[name] = (np.median(trajs), np.median(toks))
-        rows.append({
-            "path": name,
-            "trajectories/s": f"{np.median(trajs):.1f} ({trajs.min():.1f}-{trajs.max():.1f})",
-            "sampled tokens/s": f"{np.median(toks):.0f} ({toks.min():.0f}-{toks.max():.0f})",
-            "s/rollout": f"{np.median(runs[:, 0]):.2f}",
-            "prefilled / cached context tokens": f"{runs[-1, 3]:.0f} / {runs[-1, 4]:.0f}",
-        })  # fmt: skip
+        rows.append(
+            {
+                "path": name,
+                "trajectories/s": f"{np.median(trajs):.1f} ({trajs.min():.1f}-{trajs.max():.1f})",
+                "sampled tokens/s": f"{np.median(toks):.0f} ({toks.min():.0f}-{toks.max():.0f})",
+                "s/rollout": f"{np.median(runs[:, 0]):.2f}",
+                "prefilled / cached context tokens": f"{runs[-1, 3]:.0f} / {runs[-1, 4]:.0f}",
+            }
+        )
     env, gateway, engine = medians.values()
-    print(f"device: {device_name()}; model {a.model}; {a.batch} rows x G={a.G}, {a.turns} "
-          f"turns of <= {a.turn_tokens} tokens; {a.repeats} interleaved repeats")  # fmt: skip
-    print(table(rows, ["path", "trajectories/s", "sampled tokens/s", "s/rollout",
-                       "prefilled / cached context tokens"]))  # fmt: skip
-    print(f"gateway / env: trajectories/s x{gateway[0] / env[0]:.2f}, "
-          f"tokens/s x{gateway[1] / env[1]:.2f}  (medians)")  # fmt: skip
-    print(f"gateway on the paged engine / on the static sampler: trajectories/s "
-          f"x{engine[0] / gateway[0]:.2f}; / env x{engine[0] / env[0]:.2f}  (medians)")  # fmt: skip
+    print(
+        f"device: {device_name()}; model {a.model}; {a.batch} rows x G={a.G}, {a.turns} "
+        f"turns of <= {a.turn_tokens} tokens; {a.repeats} interleaved repeats"
+    )
+    print(
+        table(
+            rows,
+            [
+                "path",
+                "trajectories/s",
+                "sampled tokens/s",
+                "s/rollout",
+                "prefilled / cached context tokens",
+            ],
+        )
+    )
+    print(
+        f"gateway / env: trajectories/s x{gateway[0] / env[0]:.2f}, "
+        f"tokens/s x{gateway[1] / env[1]:.2f}  (medians)"
+    )
+    print(
+        f"gateway on the paged engine / on the static sampler: trajectories/s "
+        f"x{engine[0] / gateway[0]:.2f}; / env x{engine[0] / env[0]:.2f}  (medians)"
+    )
     print(uptime())
 
 

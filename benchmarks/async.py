@@ -59,13 +59,21 @@ SETUP = """    import os
 
 
 def run_once(args, config: str, mode: str, workdir: str, cache: str) -> dict:
-    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}",
-           f"--workdir={workdir}", f"--config.train.num_steps={args.steps}",
-           f"--config.rollout.mode={mode}",
-           f"--config.train.compilation_cache_dir={cache}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxrl_llm.train",
+        f"--config={config}",
+        f"--workdir={workdir}",
+        f"--config.train.num_steps={args.steps}",
+        f"--config.rollout.mode={mode}",
+        f"--config.train.compilation_cache_dir={cache}",
+    ]
     if mode == "split":
-        cmd += ["--config.mesh.rollout_devices=1",
-                f"--config.rollout.max_staleness={args.max_staleness}"]  # fmt: skip
+        cmd += [
+            "--config.mesh.rollout_devices=1",
+            f"--config.rollout.max_staleness={args.max_staleness}",
+        ]
     env = dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
     if args.devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -75,8 +83,15 @@ def run_once(args, config: str, mode: str, workdir: str, cache: str) -> dict:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     steps = [r for r in records if "perf/step_s" in r][1:]
-    keys = ("perf/step_s", "perf/sample_s", "perf/score_s", "perf/update_s",
-            "perf/learner_wait_s", "perf/rollout_wait_s", "rollout/staleness_mean")  # fmt: skip
+    keys = (
+        "perf/step_s",
+        "perf/sample_s",
+        "perf/score_s",
+        "perf/update_s",
+        "perf/learner_wait_s",
+        "perf/rollout_wait_s",
+        "rollout/staleness_mean",
+    )
     return {k: float(np.median([r.get(k, 0.0) for r in steps])) for k in keys}
 
 
@@ -108,15 +123,18 @@ def main() -> None:
         for i in range(args.repeats):
             for mode in results:
                 r = run_once(args, config, mode, os.path.join(tmp, f"{mode}{i}"), cache)
-                print(f"{mode} #{i}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()),
-                      flush=True)  # fmt: skip
+                print(
+                    f"{mode} #{i}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True
+                )
                 results[mode].append(r)
     rows = [
         {"mode": mode, **{k: _spread([r[k] for r in rs]) for k in rs[0]}}
         for mode, rs in results.items()
     ]
-    print(f"\nconfig {args.config}, verifier {args.verifier_s} s per batch, steps 2..{args.steps}"
-          f" medians [min, max] over {args.repeats} runs; {uptime()}")  # fmt: skip
+    print(
+        f"\nconfig {args.config}, verifier {args.verifier_s} s per batch, steps 2..{args.steps}"
+        f" medians [min, max] over {args.repeats} runs; {uptime()}"
+    )
     print(table(rows, list(rows[0])))
 
 

@@ -34,10 +34,18 @@ GiB = 2**30
 PROMPT = 256
 # Qwen3-1.7B as it is (configs/math_grpo_qwen3_1p7b_16k_tpu.py).
 QWEN3_1P7B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
-    num_kv_heads=8, head_dim=128, qk_norm=True, tie_word_embeddings=True, rope_theta=1e6,
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
     max_position_embeddings=40960,
-)  # fmt: skip
+)
 MODELS = {
     "qwen2.5-0.5b": ("Qwen2ForCausalLM", QWEN2P5_0P5B),
     "qwen3-1.7b": ("Qwen3ForCausalLM", QWEN3_1P7B),
@@ -82,8 +90,11 @@ def main():
             )
             start = time.perf_counter()
             row[f"{path} GiB"] = compiled_temporaries(cfg, new, args.prompt) / GiB
-            print(f"  T={t} {path}: {row[f'{path} GiB']:.2f} GiB temporaries "
-                  f"({time.perf_counter() - start:.0f} s to compile)", flush=True)  # fmt: skip
+            print(
+                f"  T={t} {path}: {row[f'{path} GiB']:.2f} GiB temporaries "
+                f"({time.perf_counter() - start:.0f} s to compile)",
+                flush=True,
+            )
         rows.append(row)
     for prev, row in zip(rows, rows[1:], strict=False):
         for path in paths:

@@ -83,11 +83,21 @@ XLA_MAX_SCORE_BYTES = 8 * 2**30  # the xla path's [N, T, T] float32 scores, at m
 def grpo_step(preset: str, sizes: Sizes, model_dir: str, workdir: str, peak: float) -> list[dict]:
     """Section 1: the last of a few steps (the first ones compile), phase by phase."""
     args = argparse.Namespace(
-        dtype=sizes.dtype, remat="full", scan_layers=preset == "tiny", beta=0.04,
-        prompts=sizes.prompts, generations=sizes.generations, new_tokens=sizes.new_tokens,
-        bucket_steps=4, cache_segments=sampling.CACHE_SEGMENTS, micro_batches=2,
-        logprob_chunk=128, warmup=1, steps=1, ignore_eos=True,
-    )  # fmt: skip
+        dtype=sizes.dtype,
+        remat="full",
+        scan_layers=preset == "tiny",
+        beta=0.04,
+        prompts=sizes.prompts,
+        generations=sizes.generations,
+        new_tokens=sizes.new_tokens,
+        bucket_steps=4,
+        cache_segments=sampling.CACHE_SEGMENTS,
+        micro_batches=2,
+        logprob_chunk=128,
+        warmup=1,
+        steps=1,
+        ignore_eos=True,
+    )
     run = train_lib.Run.build(make_config(args, model_dir), workdir)
     try:  # the last step's phases: the earlier ones compile
         for i in range(2 if preset == "tiny" else 3):
@@ -97,22 +107,33 @@ def grpo_step(preset: str, sizes: Sizes, model_dir: str, workdir: str, peak: flo
     host, scored = dict(result.host), result.scored
     rows_n = sizes.prompts * sizes.generations
     flops = perf.step_flops(
-        run.model_cfg, rows=rows_n, prompts=sizes.prompts,
+        run.model_cfg,
+        rows=rows_n,
+        prompts=sizes.prompts,
         prompt_len=float(scored.prompt_lengths.mean()),
-        new_tokens=float(scored.lengths.mean()), reference=True,
+        new_tokens=float(scored.lengths.mean()),
+        reference=True,
         update_forwards=run.update.forward_passes,
         update_shared_forwards=run.update.shared_prompt_passes,
         reference_shares_prompts=sizes.generations > 1,
-    )  # fmt: skip
+    )
     generated = rows_n * float(scored.lengths.mean())
     predicted = roofline_prediction(run, flops, scored, rows_n)
     out = []
-    for phase, key in (("sample", "sample"), ("reference (not overlapped)", "reference"),
-                       ("update", "update"), ("whole step", "step")):  # fmt: skip
+    for phase, key in (
+        ("sample", "sample"),
+        ("reference (not overlapped)", "reference"),
+        ("update", "update"),
+        ("whole step", "step"),
+    ):
         s = host[f"perf/{key}_s"]
         f = sum(flops.values()) if key == "step" else flops.get(key, 0.0)
-        row = {"phase": phase, "s": f"{s:.3f}", "GFLOP": f"{f / 1e9:.1f}",
-               "MFU": f"{f / s / peak:.1%}" if s > 0 else "-"}  # fmt: skip
+        row = {
+            "phase": phase,
+            "s": f"{s:.3f}",
+            "GFLOP": f"{f / 1e9:.1f}",
+            "MFU": f"{f / s / peak:.1%}" if s > 0 else "-",
+        }
         if key == "sample":
             row["tokens/s"] = f"{generated / s:.0f}"
         if predicted is not None:  # the chip's roofline for this phase, beside the measure
@@ -131,14 +152,19 @@ def roofline_prediction(run, flops: dict, scored, rows: int) -> dict | None:
         return None
     m, o = dict(run.mesh.shape), run.config.optim
     costs = roofline.phase_costs(
-        run.model_cfg, flops, rows=rows, prompt_len=float(scored.prompt_lengths.mean()),
-        new_tokens=float(scored.lengths.mean()), chips=run.mesh.size,
+        run.model_cfg,
+        flops,
+        rows=rows,
+        prompt_len=float(scored.prompt_lengths.mean()),
+        new_tokens=float(scored.lengths.mean()),
+        chips=run.mesh.size,
         weight_shards=m.get("tensor", 1) * m.get("expert", 1),
         row_shards=parallel.batch_size_multiple(run.mesh),
         itemsize=jnp.dtype(run.config.model.dtype).itemsize,
         micro_batches=o.micro_batches * o.mini_batches,
-        update_forwards=run.update.forward_passes, reference=run.ref_logprobs is not None,
-    )  # fmt: skip
+        update_forwards=run.update.forward_passes,
+        reference=run.ref_logprobs is not None,
+    )
     return roofline.predicted_seconds(costs, chip)
 
 
@@ -181,12 +207,15 @@ def decode(cfg, params, sizes: Sizes, bw: float) -> list[dict]:
         itemsize = jnp.dtype(params["embed"].dtype).itemsize
         kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
         cache = batch * kv * (16 + sizes.decode_tokens / 2)
-        out.append({
-            "batch": batch, "ms/token": f"{per_token * 1e3:.2f}",
-            "tokens/s": f"{batch / per_token:.0f}",
-            "GB read/step": f"{(weights + cache) / 1e9:.3f}",
-            "of bandwidth": f"{(weights + cache) / per_token / bw:.1%}",
-        })  # fmt: skip
+        out.append(
+            {
+                "batch": batch,
+                "ms/token": f"{per_token * 1e3:.2f}",
+                "tokens/s": f"{batch / per_token:.0f}",
+                "GB read/step": f"{(weights + cache) / 1e9:.3f}",
+                "of bandwidth": f"{(weights + cache) / per_token / bw:.1%}",
+            }
+        )
     return out
 
 
@@ -227,9 +256,15 @@ def attention(sizes: Sizes) -> list[dict]:
                 continue
             real = np.asarray(valid)[0]
             diff = np.abs(np.asarray(o, np.float32) - np.asarray(base, np.float32))[0, real]
-            out.append({"T": T, "path": path, "fwd+bwd s": f"{s:.4f}",
-                        "blockwise / this": f"{base_s / s:.2f}x",
-                        "max |diff|": f"{diff.max():.2e}"})  # fmt: skip
+            out.append(
+                {
+                    "T": T,
+                    "path": path,
+                    "fwd+bwd s": f"{s:.4f}",
+                    "blockwise / this": f"{base_s / s:.2f}x",
+                    "max |diff|": f"{diff.max():.2e}",
+                }
+            )
     return out
 
 
@@ -239,9 +274,11 @@ def packed_vs_padded(cfg, params, sizes: Sizes) -> list[dict]:
     rows_n, prompt_len, completion_len, repeats = sizes.packing
     batch = long_tailed_batch(cfg, rows_n, prompt_len, completion_len, padding=0.5)
     args = argparse.Namespace(
-        completion_len=completion_len, micro_batches=PACKING_MICRO_BATCHES, chunk_size=128,
+        completion_len=completion_len,
+        micro_batches=PACKING_MICRO_BATCHES,
+        chunk_size=128,
         repeats=repeats,
-    )  # fmt: skip
+    )
     fits = packed_micro_batches(batch, PACKING_MICRO_BATCHES)
     label = f"{rows_n} x {prompt_len} + {completion_len}, {padding_fraction(batch):.0%} padding"
     out = measure(cfg, args, batch, label, params=params)
@@ -274,10 +311,13 @@ def main(argv=None):
         params = models.init_params(cfg, seed=0, dtype=sizes.dtype)
         models.save_hf(cfg, params, model_dir, tokenizer_dir=TOKENIZER)
         step = grpo_step(args.preset, sizes, model_dir, os.path.join(tmp, "run"), peak)
-        sections.append((
-            f"## GRPO step ({sizes.prompts} prompts x {sizes.generations} samples, "
-            f"{sizes.new_tokens} new tokens, beta 0.04, remat full)", step,
-        ))  # fmt: skip
+        sections.append(
+            (
+                f"## GRPO step ({sizes.prompts} prompts x {sizes.generations} samples, "
+                f"{sizes.new_tokens} new tokens, beta 0.04, remat full)",
+                step,
+            )
+        )
         print(sections[-1][0] + "\n" + table(step, list(step[0])) + "\n", flush=True)
     print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
     rows = decode(cfg, params, sizes, bw)
@@ -289,10 +329,13 @@ def main(argv=None):
     print(sections[-1][0] + "\n" + table(rows, _columns(rows)) + "\n", flush=True)
     print(f"[{time.perf_counter() - start:.0f} s]", flush=True)
     rows = packed_vs_padded(cfg, params, sizes)
-    sections.append((
-        f"## Packed vs padded update ({PACKING_MICRO_BATCHES} micro-batches, "
-        f"{sizes.packing[3]} interleaved pairs; s per call)", rows,
-    ))  # fmt: skip
+    sections.append(
+        (
+            f"## Packed vs padded update ({PACKING_MICRO_BATCHES} micro-batches, "
+            f"{sizes.packing[3]} interleaved pairs; s per call)",
+            rows,
+        )
+    )
     print(sections[-1][0] + "\n" + table(rows, _columns(rows)) + "\n", flush=True)
     text = head
     for title, rows in sections:

@@ -86,17 +86,28 @@ def step_costs(cfg, params, rows: int, cached: list[int], page_size: int, impls,
     def paged_step(params, layers, pages, table, length, impl):
         tokens, start = jnp.ones((rows,), jnp.int32), jnp.zeros_like(length)
         hidden, pages, _ = paged_lib.forward_paged(
-            cfg, params, pages, tokens[:, None], jnp.ones((rows, 1), bool), table, start,
-            length, layers, impl,
-        )  # fmt: skip
+            cfg,
+            params,
+            pages,
+            tokens[:, None],
+            jnp.ones((rows, 1), bool),
+            table,
+            start,
+            length,
+            layers,
+            impl,
+        )
         return models.project(cfg, params, hidden[:, 0]), pages
 
     out = []
     for n in cached:
         M = -(-(n + 1) // page_size)
         cache = models.init_cache(cfg, rows, M * page_size)
-        cache = cache.replace(valid=cache.valid.at[:, :n].set(True), index=jnp.int32(n),
-                              pos=jnp.full((rows,), n, jnp.int32))  # fmt: skip
+        cache = cache.replace(
+            valid=cache.valid.at[:, :n].set(True),
+            index=jnp.int32(n),
+            pos=jnp.full((rows,), n, jnp.int32),
+        )
         ptable = jnp.arange(1, 1 + rows * M, dtype=jnp.int32).reshape(rows, M)
         length = jnp.full((rows,), n, jnp.int32)
         state = {"static": cache}  # each path its own pool (donated)
@@ -122,8 +133,9 @@ def step_costs(cfg, params, rows: int, cached: list[int], page_size: int, impls,
         for i in impls:
             ratios = [p / s for p, s in zip(cpu[i], cpu["static"], strict=True)]
             row[f"{i} ms"] = f"{1e3 * statistics.median(cpu[i]):.1f}"
-            row[f"{i} / static"] = (f"{statistics.median(ratios):.2f}x "
-                                    f"({min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
+            row[f"{i} / static"] = (
+                f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+            )
         print(row, flush=True)
         out.append(row)
     return out
@@ -179,36 +191,58 @@ def main(argv=None) -> None:
     static = sampling.Sampler(cfg)
     kv_tokens = batch * (bucket + args.new)
     pages = 1 + kv_tokens // args.page_size
-    print(f"{device_name()}; {uptime()}; {args.preset}, {N} rows (G={G}), prompt bucket "
-          f"{bucket}, max_new_tokens {args.new}; lengths median {int(np.median(lengths))}, "
-          f"mean {lengths.mean():.1f}, max {lengths.max()}; KV {kv_tokens} tokens "
-          f"({pages} pages of {args.page_size})")  # fmt: skip
+    print(
+        f"{device_name()}; {uptime()}; {args.preset}, {N} rows (G={G}), prompt bucket "
+        f"{bucket}, max_new_tokens {args.new}; lengths median {int(np.median(lengths))}, "
+        f"mean {lengths.mean():.1f}, max {lengths.max()}; KV {kv_tokens} tokens "
+        f"({pages} pages of {args.page_size})"
+    )
 
     chunks = [int(x) for x in args.chunk_steps.split(",")]
     impls = args.attention.split(",")
     if args.step_rows:
-        rows = step_costs(cfg, params, args.step_rows,
-                          [int(x) for x in args.step_cached.split(",")], args.page_size, impls,
-                          max(3, args.repeats))  # fmt: skip
+        rows = step_costs(
+            cfg,
+            params,
+            args.step_rows,
+            [int(x) for x in args.step_cached.split(",")],
+            args.page_size,
+            impls,
+            max(3, args.repeats),
+        )
         print(table(rows, list(rows[0])))
 
     slot_counts = [int(x) for x in args.slots.split(",")] if args.slots else [batch]
 
     def engine(chunk=chunks[0], impl=impls[0], slots=slot_counts[0]):
         return sampling.PagedSampler(
-            cfg, slots=slots, pages=pages, page_size=args.page_size, chunk_steps=chunk,
-            prefill_chunk=args.prefill_chunk, attention=impl,
-        )  # fmt: skip
+            cfg,
+            slots=slots,
+            pages=pages,
+            page_size=args.page_size,
+            chunk_steps=chunk,
+            prefill_chunk=args.prefill_chunk,
+            attention=impl,
+        )
 
-    engines = {f"paged ({i}), chunk {c}, {n} slots": engine(c, i, n)
-               for i in impls for c in chunks for n in slot_counts}  # fmt: skip
+    engines = {
+        f"paged ({i}), chunk {c}, {n} slots": engine(c, i, n)
+        for i in impls
+        for c in chunks
+        for n in slot_counts
+    }
     per = batch // G  # prompts per static batch
 
     def run_static():
         for b in range(0, N // G, per):
             longest = int(lengths[b * G : (b + per) * G].max())
-            out = static.sample(params, ids[b : b + per], mask[b : b + per],
-                                spec.replace(max_new_tokens=longest), step=b)  # fmt: skip
+            out = static.sample(
+                params,
+                ids[b : b + per],
+                mask[b : b + per],
+                spec.replace(max_new_tokens=longest),
+                step=b,
+            )
             block(out.tokens)
 
     def run_paged(eng, mix=lengths, s=spec):
@@ -230,21 +264,32 @@ def main(argv=None) -> None:
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
     rows = [
-        dict(engine=name, **{"median s": f"{statistics.median(t):.2f}",
-             "spread s": f"{min(t):.2f}-{max(t):.2f}",
-             "useful tok/s": f"{useful / statistics.median(t):.0f}",
-             "median CPU s": f"{statistics.median(cpu[name]):.2f}",
-             "useful tok/CPU s": f"{useful / statistics.median(cpu[name]):.0f}"})
+        dict(
+            engine=name,
+            **{
+                "median s": f"{statistics.median(t):.2f}",
+                "spread s": f"{min(t):.2f}-{max(t):.2f}",
+                "useful tok/s": f"{useful / statistics.median(t):.0f}",
+                "median CPU s": f"{statistics.median(cpu[name]):.2f}",
+                "useful tok/CPU s": f"{useful / statistics.median(cpu[name]):.0f}",
+            },
+        )
         for name, t in times.items()
-    ]  # fmt: skip
-    print(table(rows, ["engine", "median s", "spread s", "useful tok/s", "median CPU s",
-                       "useful tok/CPU s"]))  # fmt: skip
+    ]
+    print(
+        table(
+            rows,
+            ["engine", "median s", "spread s", "useful tok/s", "median CPU s", "useful tok/CPU s"],
+        )
+    )
     for name, eng in engines.items():
         for what, t in (("wall", times), ("CPU", cpu)):
             ratios = [s / p for s, p in zip(t["static"], t[name], strict=True)]
             pairs = ", ".join(f"{r:.2f}" for r in ratios)
-            print(f"{name} / static useful tokens per {what} second: median "
-                  f"{statistics.median(ratios):.2f}x (pairs: {pairs})")  # fmt: skip
+            print(
+                f"{name} / static useful tokens per {what} second: median "
+                f"{statistics.median(ratios):.2f}x (pairs: {pairs})"
+            )
         print(f"{name}: {eng.stats}; programs compiled: {sum(eng.traces.values())}")
 
     rows = []
@@ -261,18 +306,39 @@ def main(argv=None) -> None:
             took, fits = time.perf_counter() - t0, "yes"
         except (ValueError, RuntimeError) as e:
             took, fits = float("nan"), f"no ({e})"
-        rows.append(dict(max_new_tokens=new, median=int(np.median(mix)), longest=int(mix.max()),
-                         static=("fits" if static_fits else
-                                 f"needs {batch * (bucket + new)} tokens"),
-                         paged=fits, preempted=eng.stats.get("preempted", ""),
-                         **{"peak pages": eng.stats.get("peak_pages", ""),
-                            "useful tok/s": f"{mix.sum() / took:.0f}"}))  # fmt: skip
+        rows.append(
+            dict(
+                max_new_tokens=new,
+                median=int(np.median(mix)),
+                longest=int(mix.max()),
+                static=("fits" if static_fits else f"needs {batch * (bucket + new)} tokens"),
+                paged=fits,
+                preempted=eng.stats.get("preempted", ""),
+                **{
+                    "peak pages": eng.stats.get("peak_pages", ""),
+                    "useful tok/s": f"{mix.sum() / took:.0f}",
+                },
+            )
+        )
         print(f"max_new_tokens {new}: {rows[-1]}", flush=True)
     if not rows:
         return
     print(f"KV budget {kv_tokens} tokens, {slot_counts[0]} slots:")
-    print(table(rows, ["max_new_tokens", "median", "longest", "static", "paged", "preempted",
-                       "peak pages", "useful tok/s"]))  # fmt: skip
+    print(
+        table(
+            rows,
+            [
+                "max_new_tokens",
+                "median",
+                "longest",
+                "static",
+                "paged",
+                "preempted",
+                "peak pages",
+                "useful tok/s",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

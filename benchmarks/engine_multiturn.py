@@ -56,8 +56,10 @@ TOKENIZER = os.path.join(os.path.dirname(assets.__file__), "arithmetic_tokenizer
 def examples(rows: int, turns: int, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     ops = "+-*"
-    return [{"question": f"{rng.integers(1, 99)}{ops[i % 3]}{rng.integers(1, 99)}=",
-             "turns": turns} for i in range(rows)]  # fmt: skip
+    return [
+        {"question": f"{rng.integers(1, 99)}{ops[i % 3]}{rng.integers(1, 99)}=", "turns": turns}
+        for i in range(rows)
+    ]
 
 
 def run(player, engine, params, pool, rows, per_call, G, spec, settings, renderer, tok, step):
@@ -69,8 +71,9 @@ def run(player, engine, params, pool, rows, per_call, G, spec, settings, rendere
         trajs, observations = pool.reset(rows[at : at + per_call])
         ids, mask = sampling.pad_prompts([renderer.prompt(o) for o in observations], 0)
         trajs, _ = envs.replicate(trajs, observations, G)
-        out, record = player(engine, params, ids, mask, spec, settings, pool, trajs,
-                             renderer, tok, step=step)  # fmt: skip
+        out, record = player(
+            engine, params, ids, mask, spec, settings, pool, trajs, renderer, tok, step=step
+        )
         sampled += int(np.asarray(out.loss_mask).sum())
         turns += int(record.model_turns.sum())
     return time.perf_counter() - t0, sampled, turns
@@ -123,8 +126,9 @@ def main(argv=None) -> None:
         obs_tokens = 32  # an observation inside the chat template's turn markers
     else:
         tok = builtin.load_tokenizer(TOKENIZER)
-        cfg = dataclasses.replace(preset_config(args.preset), vocab_size=len(tok),
-                                  scan_layers=not args.unrolled)  # fmt: skip
+        cfg = dataclasses.replace(
+            preset_config(args.preset), vocab_size=len(tok), scan_layers=not args.unrolled
+        )
         params = models.init_params(cfg, seed=0)
         stops = tuple(int(s) for s in args.stop_ids.split(","))
         obs_tokens = 16
@@ -132,30 +136,53 @@ def main(argv=None) -> None:
     renderer = envs.Renderer(tok, use_chat=bool(args.model_path))
     rows = examples(args.rows // G, args.turns, seed=0)
     total = args.turns * args.turn_tokens + (args.turns - 1) * obs_tokens
-    settings = envs.TurnSettings(max_turns=args.turns, turn_tokens=args.turn_tokens,
-                                 max_total_tokens=total, stop_ids=stops)  # fmt: skip
+    settings = envs.TurnSettings(
+        max_turns=args.turns, turn_tokens=args.turn_tokens, max_total_tokens=total, stop_ids=stops
+    )
     spec = sampling.RolloutSpec(G, args.turn_tokens, temperature=1.0, stop_ids=stops)
     static = sampling.Sampler(cfg, cache_segments=1)
     bucket = sampling.bucket_length(max(len(renderer.prompt(r["question"])) for r in rows))
     pages = 1 + -(-args.batch * (bucket + total) // args.page_size)
     slot_counts = [int(x) for x in args.slots.split(",")] if args.slots else [args.batch]
-    engines = {f"paged, {n} slots": sampling.PagedSampler(
-        cfg, slots=n, pages=pages, page_size=args.page_size, chunk_steps=args.chunk_steps,
-        prefill_chunk=args.prefill_chunk) for n in slot_counts}  # fmt: skip
+    engines = {
+        f"paged, {n} slots": sampling.PagedSampler(
+            cfg,
+            slots=n,
+            pages=pages,
+            page_size=args.page_size,
+            chunk_steps=args.chunk_steps,
+            prefill_chunk=args.prefill_chunk,
+        )
+        for n in slot_counts
+    }
     players = {"static": (envs.play, static, args.batch // G)}
     players |= {name: (envs.play_paged, e, len(rows)) for name, e in engines.items()}
     results = {name: [] for name in players}
-    print(f"# {device_name()}; {args.model_path or args.preset}; {args.rows} trajectories of "
-          f"{args.turns} turns (<= "
-          f"{args.turn_tokens} tokens), env step {args.delay} s, {args.batch} static rows, "
-          f"engine slots {slot_counts}, pool {pages} pages x {args.page_size}")  # fmt: skip
+    print(
+        f"# {device_name()}; {args.model_path or args.preset}; {args.rows} trajectories of "
+        f"{args.turns} turns (<= "
+        f"{args.turn_tokens} tokens), env step {args.delay} s, {args.batch} static rows, "
+        f"engine slots {slot_counts}, pool {pages} pages x {args.page_size}"
+    )
     with envs.EnvPool(
         SLEEPY, {"delay_s": args.delay}, workers=args.workers, lanes=args.lanes
     ) as pool:
         for r in range(args.warmup + args.repeats):
             for name, (player, engine, per_call) in players.items():
-                got = run(player, engine, params, pool, rows, per_call, G, spec, settings,
-                          renderer, tok, step=r)  # fmt: skip
+                got = run(
+                    player,
+                    engine,
+                    params,
+                    pool,
+                    rows,
+                    per_call,
+                    G,
+                    spec,
+                    settings,
+                    renderer,
+                    tok,
+                    step=r,
+                )
                 if r >= args.warmup:
                     results[name].append(got)
                 print(
@@ -169,20 +196,31 @@ def main(argv=None) -> None:
     for name, runs in results.items():
         seconds = [s for s, _, _ in runs]
         rates = [args.rows / s for s in seconds]
-        table_rows.append({
-            "engine": name, "median s": f"{statistics.median(seconds):.2f}",
-            "spread s": f"{min(seconds):.2f}-{max(seconds):.2f}",
-            "trajectories/s": f"{statistics.median(rates):.2f}",
-            "turn tokens (median)": f"{statistics.median(t / max(n, 1) for _, t, n in runs):.1f}",
-        })  # fmt: skip
-    print(table(table_rows, ["engine", "median s", "spread s", "trajectories/s",
-                             "turn tokens (median)"]))  # fmt: skip
+        table_rows.append(
+            {
+                "engine": name,
+                "median s": f"{statistics.median(seconds):.2f}",
+                "spread s": f"{min(seconds):.2f}-{max(seconds):.2f}",
+                "trajectories/s": f"{statistics.median(rates):.2f}",
+                "turn tokens (median)": (
+                    f"{statistics.median(t / max(n, 1) for _, t, n in runs):.1f}"
+                ),
+            }
+        )
+    print(
+        table(
+            table_rows, ["engine", "median s", "spread s", "trajectories/s", "turn tokens (median)"]
+        )
+    )
     for name in engines:
-        ratios = [s / p for (s, _, _), (p, _, _) in zip(results["static"], results[name],
-                                                        strict=True)]  # fmt: skip
-        print(f"{name} / static trajectories/s per round: "
-              f"{', '.join(f'{x:.2f}' for x in ratios)} "
-              f"(median {statistics.median(ratios):.2f}x)")  # fmt: skip
+        ratios = [
+            s / p for (s, _, _), (p, _, _) in zip(results["static"], results[name], strict=True)
+        ]
+        print(
+            f"{name} / static trajectories/s per round: "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} "
+            f"(median {statistics.median(ratios):.2f}x)"
+        )
 
 
 if __name__ == "__main__":

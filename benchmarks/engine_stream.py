@@ -62,14 +62,21 @@ def main(argv=None) -> None:
     kv_tokens = slots * (bucket + args.new)
     pages = 1 + kv_tokens // args.page_size
     useful = int(sum(m.sum() for m in mixes))
-    print(f"{device_name()}; {uptime()}; {args.preset}, {K} steps of {N} rows (G={G}), "
-          f"max_new_tokens {args.new}; lengths median {int(np.median(np.concatenate(mixes)))}"
-          f", max {max(m.max() for m in mixes)}; KV {kv_tokens} tokens ({pages} pages of "
-          f"{args.page_size}), {slots} slots")  # fmt: skip
+    print(
+        f"{device_name()}; {uptime()}; {args.preset}, {K} steps of {N} rows (G={G}), "
+        f"max_new_tokens {args.new}; lengths median {int(np.median(np.concatenate(mixes)))}"
+        f", max {max(m.max() for m in mixes)}; KV {kv_tokens} tokens ({pages} pages of "
+        f"{args.page_size}), {slots} slots"
+    )
 
-    engine = sampling.PagedSampler(cfg, slots=slots, pages=pages, page_size=args.page_size,
-                                   chunk_steps=args.chunk_steps,
-                                   prefill_chunk=args.prefill_chunk)  # fmt: skip
+    engine = sampling.PagedSampler(
+        cfg,
+        slots=slots,
+        pages=pages,
+        page_size=args.page_size,
+        chunk_steps=args.chunk_steps,
+        prefill_chunk=args.prefill_chunk,
+    )
     static = sampling.Sampler(cfg)
     per = slots // G  # prompts per static batch
 
@@ -77,8 +84,13 @@ def main(argv=None) -> None:
         for s, (ids, mask) in enumerate(batches):
             for b in range(0, N // G, per):
                 longest = int(mixes[s][b * G : (b + per) * G].max())
-                out = static.sample(params, ids[b : b + per], mask[b : b + per],
-                                    spec.replace(max_new_tokens=longest), step=s)  # fmt: skip
+                out = static.sample(
+                    params,
+                    ids[b : b + per],
+                    mask[b : b + per],
+                    spec.replace(max_new_tokens=longest),
+                    step=s,
+                )
                 block(out.tokens)
 
     def run_per_step():
@@ -111,17 +123,24 @@ def main(argv=None) -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     rows = [
-        dict(engine=name, **{"median s": f"{statistics.median(t):.2f}",
-             "spread s": f"{min(t):.2f}-{max(t):.2f}",
-             "useful tok/s": f"{useful / statistics.median(t):.0f}"})
+        dict(
+            engine=name,
+            **{
+                "median s": f"{statistics.median(t):.2f}",
+                "spread s": f"{min(t):.2f}-{max(t):.2f}",
+                "useful tok/s": f"{useful / statistics.median(t):.0f}",
+            },
+        )
         for name, t in times.items()
-    ]  # fmt: skip
+    ]
     print(table(rows, ["engine", "median s", "spread s", "useful tok/s"]))
     for name in ("static", "paged per step"):
         ratios = [a / b for a, b in zip(times[name], times["paged stream"], strict=True)]
         pairs = ", ".join(f"{r:.2f}" for r in ratios)
-        print(f"paged stream / {name} useful tokens/s: median {statistics.median(ratios):.2f}x "
-              f"(pairs: {pairs})")  # fmt: skip
+        print(
+            f"paged stream / {name} useful tokens/s: median {statistics.median(ratios):.2f}x "
+            f"(pairs: {pairs})"
+        )
     print(f"paged per step (last step): {engine.stats}; stream: {run_stream.stats}")
 
 

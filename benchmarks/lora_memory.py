@@ -31,9 +31,12 @@ from jaxrl_llm.rl import update as U  # noqa: E402
 
 # Qwen2.5-0.5B as it is (the shapes of common.PRESETS["0.5b"], with its biases and ties).
 QWEN2P5_0P5B = dict(
-    PRESETS["0.5b"], qkv_bias=True, tie_word_embeddings=True, rope_theta=1e6,
+    PRESETS["0.5b"],
+    qkv_bias=True,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
     max_position_embeddings=32768,
-)  # fmt: skip
+)
 GiB = 2**30
 
 
@@ -85,9 +88,13 @@ def measure(cfg, args, dtype) -> dict:
     opt = U.make_optimizer(learning_rate=1e-6)
     spec = sampling.RolloutSpec(num_generations=args.g, max_new_tokens=args.new)
     update = U.make_update_fn(
-        cfg, rl.preset("grpo", beta=0.04), opt, spec,
-        micro_batches=args.micro_batches, chunk_size=args.chunk,
-    )  # fmt: skip
+        cfg,
+        rl.preset("grpo", beta=0.04),
+        opt,
+        spec,
+        micro_batches=args.micro_batches,
+        chunk_size=args.chunk,
+    )
     state = abstract_state(cfg, opt, dtype, sharding)
     batch = abstract_batch(args.prompts * args.g, args.prompt, args.new, args.g, sharding)
     m = update.lower(state, batch).compile().memory_analysis()
@@ -95,9 +102,12 @@ def measure(cfg, args, dtype) -> dict:
     weights = nbytes(state.params if state.frozen is None else state.frozen)
     reference = weights if cfg.lora is None else 0  # LoRA: the reference reads `frozen`
     peak = (
-        m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-        + m.temp_size_in_bytes + reference
-    )  # fmt: skip
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+        + reference
+    )
     return {
         "setting": "full fine-tune" if cfg.lora is None else f"LoRA r={cfg.lora.rank}",
         "trainable M": f"{nbytes(state.params) / dtype.itemsize / 1e6:.1f}",

@@ -36,12 +36,21 @@ from jaxrl_llm.rl.batch import sequence_logprobs  # noqa: E402
 
 def model_config(args, impl: str) -> models.ModelConfig:
     return models.ModelConfig(
-        architecture="Qwen3MoeForCausalLM", vocab_size=8192, hidden_size=args.hidden,
-        intermediate_size=args.hidden * 3, num_layers=args.layers, num_heads=8,
-        num_kv_heads=2, head_dim=args.hidden // 8, qk_norm=True, num_experts=args.experts,
-        num_experts_per_tok=args.k, moe_intermediate_size=args.expert_width,
-        norm_topk_prob=True, moe_impl=impl,
-    )  # fmt: skip
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=8192,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        num_layers=args.layers,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=args.hidden // 8,
+        qk_norm=True,
+        num_experts=args.experts,
+        num_experts_per_tok=args.k,
+        moe_intermediate_size=args.expert_width,
+        norm_topk_prob=True,
+        moe_impl=impl,
+    )
 
 
 def programs(cfg, rows: int, length: int):
@@ -92,18 +101,24 @@ def main() -> None:
         med = {i: float(np.median(times[(i, kind)])) for i in impls}
         for i in impls:
             t = times[(i, kind)]
-            rows.append({
-                "pass": kind, "experts": i, "median s": f"{med[i]:.3f}",
-                "spread s": f"{min(t):.3f}-{max(t):.3f}",
-                "tokens/s": f"{tokens / med[i]:.0f}",
-                "dense / this": f"{med['dense'] / med[i]:.2f}x",
-            })  # fmt: skip
+            rows.append(
+                {
+                    "pass": kind,
+                    "experts": i,
+                    "median s": f"{med[i]:.3f}",
+                    "spread s": f"{min(t):.3f}-{max(t):.3f}",
+                    "tokens/s": f"{tokens / med[i]:.0f}",
+                    "dense / this": f"{med['dense'] / med[i]:.2f}x",
+                }
+            )
     cfg = cfgs["ragged"]
     print(f"device: {device_name()}; {uptime()}")
-    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} "
-          f"experts of width {cfg.moe_intermediate_size}, k={cfg.num_experts_per_tok}; "
-          f"{cfg.num_params() / 1e6:.1f}M params, {cfg.active_params() / 1e6:.1f}M active; "
-          f"batch {args.rows} x {args.length} tokens")  # fmt: skip
+    print(
+        f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} "
+        f"experts of width {cfg.moe_intermediate_size}, k={cfg.num_experts_per_tok}; "
+        f"{cfg.num_params() / 1e6:.1f}M params, {cfg.active_params() / 1e6:.1f}M active; "
+        f"batch {args.rows} x {args.length} tokens"
+    )
     print(table(rows, ["pass", "experts", "median s", "spread s", "tokens/s", "dense / this"]))
 
 

@@ -30,11 +30,23 @@ import time
 CONFIG = "configs/math_grpo_qwen3_30b_a3b_tpu.py"
 # Qwen/Qwen3-30B-A3B's config.json.
 QWEN3_30B_A3B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
-    num_kv_heads=4, head_dim=128, qk_norm=True, tie_word_embeddings=False, rope_theta=1e6,
-    max_position_embeddings=40960, rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8,
-    moe_intermediate_size=768, norm_topk_prob=True,
-)  # fmt: skip
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    qk_norm=True,
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+)
 GiB = 2**30
 
 
@@ -45,9 +57,10 @@ def parse_args():
     ap.add_argument("--layers", default="48", help="layer counts, comma-separated")
     ap.add_argument("--moe-impl", default="blocked", help="model.moe_impl compiled")
     ap.add_argument(
-        "--set-mesh", action="store_true",
+        "--set-mesh",
+        action="store_true",
         help="trace under jax.set_mesh (gmm then runs per device in shard_map)",
-    )  # fmt: skip
+    )
     return ap.parse_args()
 
 
@@ -83,10 +96,16 @@ def abstract_update(c, cfg, mesh):
     spec = sampling.RolloutSpec(num_generations=G, max_new_tokens=c.rollout.max_new_tokens)
     algo = config_lib.algo_config(c)
     update = rl.make_update_fn(
-        cfg, algo, opt, spec, micro_batches=o.micro_batches,
-        mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk, seed=c.train.seed,
+        cfg,
+        algo,
+        opt,
+        spec,
+        micro_batches=o.micro_batches,
+        mini_batches=o.mini_batches,
+        chunk_size=c.train.logprob_chunk,
+        seed=c.train.seed,
         packing="off",  # an MoE model runs padded (docs/moe.md)
-    )  # fmt: skip
+    )
     params = compile_for.abstract_params(cfg, mesh, c.model.dtype)
     state = compile_for.abstract_state(params, opt, mesh)
     rows, prompt, new = c.rollout.batch_size * G, c.data.max_prompt_len, spec.max_new_tokens
@@ -95,13 +114,18 @@ def abstract_update(c, cfg, mesh):
         return jax.ShapeDtypeStruct(shape, dt, sharding=parallel.batch_sharding(mesh, len(shape)))
 
     batch = rl.RolloutBatch(
-        prompt_tokens=a((rows, prompt), jnp.int32), prompt_mask=a((rows, prompt), jnp.bool_),
-        tokens=a((rows, new), jnp.int32), mask=a((rows, new), jnp.bool_),
-        loss_mask=a((rows, new), jnp.bool_), behaviour_logprobs=a((rows, new), jnp.float32),
-        rewards=a((rows,), jnp.float32), policy_version=a((rows,), jnp.int32),
-        ref_logprobs=a((rows, new), jnp.float32) if algo.beta > 0 else None, num_generations=G,
+        prompt_tokens=a((rows, prompt), jnp.int32),
+        prompt_mask=a((rows, prompt), jnp.bool_),
+        tokens=a((rows, new), jnp.int32),
+        mask=a((rows, new), jnp.bool_),
+        loss_mask=a((rows, new), jnp.bool_),
+        behaviour_logprobs=a((rows, new), jnp.float32),
+        rewards=a((rows,), jnp.float32),
+        policy_version=a((rows,), jnp.int32),
+        ref_logprobs=a((rows, new), jnp.float32) if algo.beta > 0 else None,
+        num_generations=G,
         routes=a((rows, prompt + new, cfg.num_layers, cfg.num_experts_per_tok), jnp.int16),
-    )  # fmt: skip
+    )
     return update, state, batch
 
 
@@ -121,9 +145,13 @@ def main():
     rows = []
     for layers in [int(x) for x in args.layers.split(",")]:
         cfg = models.ModelConfig(
-            "Qwen3MoeForCausalLM", **(QWEN3_30B_A3B | {"num_layers": layers}), remat=m.remat,
-            scan_layers=True, moe_impl=args.moe_impl, attention="blockwise",
-        )  # fmt: skip
+            "Qwen3MoeForCausalLM",
+            **(QWEN3_30B_A3B | {"num_layers": layers}),
+            remat=m.remat,
+            scan_layers=True,
+            moe_impl=args.moe_impl,
+            attention="blockwise",
+        )
         start = time.perf_counter()
         update, state, batch = abstract_update(c, cfg, mesh)
         context = jax.set_mesh(mesh) if args.set_mesh else contextlib.nullcontext()
@@ -142,8 +170,11 @@ def main():
             row["argument GiB"] + row["output GiB"] - row["alias GiB"] + row["temp GiB"]
         )
         rows.append(row)
-        print(f"  {layers} layers: {row['peak GiB']:.2f} GiB per device "
-              f"({time.perf_counter() - start:.0f} s to compile)", flush=True)  # fmt: skip
+        print(
+            f"  {layers} layers: {row['peak GiB']:.2f} GiB per device "
+            f"({time.perf_counter() - start:.0f} s to compile)",
+            flush=True,
+        )
     keys = ["argument GiB", "output GiB", "alias GiB", "temp GiB", "peak GiB"]
     if len(rows) >= 2:
         a, b = rows[-2], rows[-1]
@@ -151,9 +182,10 @@ def main():
         per = {k: (b[k] - a[k]) / span for k in keys}
         full = QWEN3_30B_A3B["num_layers"]
         rows.append({"layers": "per layer"} | per)
-        rows.append({"layers": f"{full} (extrapolated)"} | {
-            k: b[k] + per[k] * (full - b["layers"]) for k in keys
-        })  # fmt: skip
+        rows.append(
+            {"layers": f"{full} (extrapolated)"}
+            | {k: b[k] + per[k] * (full - b["layers"]) for k in keys}
+        )
     for row in rows:
         for k in keys:
             row[k] = f"{row[k]:.3f}"

@@ -83,14 +83,22 @@ def main():
     s_append = timed(appended, sampling.Sampler(cfg, cache_segments=1), *args, spec_append, *turn)
     s_prefill = timed(reprefilled, sampling.Sampler(cfg, cache_segments=1), *args, spec_turn, *turn)
     sampled = a.batch * a.turns * a.turn_tokens
-    print(f"{device_name()}, {a.preset} {a.dtype}, batch {a.batch}, prompt {a.prompt}, "
-          f"{a.turns} turns x {a.turn_tokens} tokens, observations of {a.obs}")  # fmt: skip
+    print(
+        f"{device_name()}, {a.preset} {a.dtype}, batch {a.batch}, prompt {a.prompt}, "
+        f"{a.turns} turns x {a.turn_tokens} tokens, observations of {a.obs}"
+    )
     rows = [
-        {"path": "append (KV cache kept)", "seconds": f"{s_append:.2f}",
-         "sampled tokens/s": f"{sampled / s_append:,.0f}"},
-        {"path": "re-prefill every turn", "seconds": f"{s_prefill:.2f}",
-         "sampled tokens/s": f"{sampled / s_prefill:,.0f}"},
-    ]  # fmt: skip
+        {
+            "path": "append (KV cache kept)",
+            "seconds": f"{s_append:.2f}",
+            "sampled tokens/s": f"{sampled / s_append:,.0f}",
+        },
+        {
+            "path": "re-prefill every turn",
+            "seconds": f"{s_prefill:.2f}",
+            "sampled tokens/s": f"{sampled / s_prefill:,.0f}",
+        },
+    ]
     print(table(rows, ["path", "seconds", "sampled tokens/s"]))
     print(f"speed-up: {s_prefill / s_append:.2f}x")
 

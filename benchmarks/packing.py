@@ -70,13 +70,22 @@ def programs(cfg, args, mode):
     spec = sampling.RolloutSpec(2, args.completion_len)
     opt = U.make_optimizer(learning_rate=1e-6)
     update = U.make_update_fn(
-        cfg, rl.preset("grpo"), opt, spec, micro_batches=args.micro_batches,
-        chunk_size=args.chunk_size, share_prompts=False, packing=mode,
-    )  # fmt: skip
+        cfg,
+        rl.preset("grpo"),
+        opt,
+        spec,
+        micro_batches=args.micro_batches,
+        chunk_size=args.chunk_size,
+        share_prompts=False,
+        packing=mode,
+    )
     ref = U.make_logprob_fn(
-        cfg, spec.replace(num_generations=1), chunk_size=args.chunk_size,
-        micro_batches=args.micro_batches, packing=mode,
-    )  # fmt: skip
+        cfg,
+        spec.replace(num_generations=1),
+        chunk_size=args.chunk_size,
+        micro_batches=args.micro_batches,
+        packing=mode,
+    )
     return update, ref
 
 
@@ -91,7 +100,7 @@ def packed_micro_batches(batch, micro_batches) -> list[bool]:
             *(split_rows(x, micro_batches) for x in (batch.prompt_mask, batch.mask)),
             strict=True,
         )
-    ]  # fmt: skip
+    ]
 
 
 def padding_fraction(batch) -> float:
@@ -126,13 +135,15 @@ def measure(cfg, args, batch, label, params=None) -> list[dict]:
     rows = []
     for what in ("update", "reference"):
         off, on = (np.array(times[m, what]) for m in ("off", "on"))
-        rows.append({
-            "batch": label,
-            "program": what,
-            "padded s (median)": f"{np.median(off):.3f} [{off.min():.3f}-{off.max():.3f}]",
-            "packed s (median)": f"{np.median(on):.3f} [{on.min():.3f}-{on.max():.3f}]",
-            "speed-up (median of pairs)": f"{np.median(off / on):.2f}x",
-        })  # fmt: skip
+        rows.append(
+            {
+                "batch": label,
+                "program": what,
+                "padded s (median)": f"{np.median(off):.3f} [{off.min():.3f}-{off.max():.3f}]",
+                "packed s (median)": f"{np.median(on):.3f} [{on.min():.3f}-{on.max():.3f}]",
+                "speed-up (median of pairs)": f"{np.median(off / on):.2f}x",
+            }
+        )
     rows[0]["loss padded / packed"] = f"{losses['off'][0]:.5g} / {losses['on'][0]:.5g}"
     print(f"{label}: loss / grad norm padded {losses['off']}, packed {losses['on']}")
     return rows
@@ -155,10 +166,12 @@ def main():
     n = args.seqs // args.micro_batches
     pad = padding_fraction(batch)
     fits = packed_micro_batches(batch, args.micro_batches)
-    print(f"{device_name()}; {args.preset}, {args.seqs} rows x {args.prompt_len} + "
-          f"{args.completion_len}, {args.micro_batches} micro-batches of {n} rows -> "
-          f"{packing.packed_seqs(n, packing.DEFAULT_CAPACITY)} packed; padding {pad:.2f}; "
-          f"micro-batches packed: {fits}")  # fmt: skip
+    print(
+        f"{device_name()}; {args.preset}, {args.seqs} rows x {args.prompt_len} + "
+        f"{args.completion_len}, {args.micro_batches} micro-batches of {n} rows -> "
+        f"{packing.packed_seqs(n, packing.DEFAULT_CAPACITY)} packed; padding {pad:.2f}; "
+        f"micro-batches packed: {fits}"
+    )
     rows = measure(cfg, args, batch, f"long-tailed ({pad:.0%} padding)")
     if args.full:
         full = long_tailed_batch(cfg, args.seqs, args.prompt_len, args.completion_len, 0, True)

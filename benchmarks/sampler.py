@@ -90,13 +90,17 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument(
-        "--scan-layers", type=bool_flag, default=False,
+        "--scan-layers",
+        type=bool_flag,
+        default=False,
         help="model.scan_layers (false: unrolled layers, one cache array per layer)",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--cache-segments", type=int, default=sampling.CACHE_SEGMENTS,
+        "--cache-segments",
+        type=int,
+        default=sampling.CACHE_SEGMENTS,
         help="decode loops over a growing KV cache (rollout.cache_segments)",
-    )  # fmt: skip
+    )
     args = ap.parse_args()
 
     cfg = dataclasses.replace(preset_config(args.preset), scan_layers=args.scan_layers)

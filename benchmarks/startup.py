@@ -52,8 +52,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import config_wrapper, device_name, table, uptime  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LINE = re.compile(r"(?:compiling|loading) (.+?)\.\.\. ([0-9.]+) s( \((?:compilation cache|stored"
-                  r" executable)\))?")  # fmt: skip
+LINE = re.compile(
+    r"(?:compiling|loading) (.+?)\.\.\. ([0-9.]+) s( \((?:compilation cache|stored"
+    r" executable)\))?"
+)
 READY = re.compile(r"programs ready in ([0-9.]+) s")
 
 AUTO = """    for key in {keys!r}:
@@ -87,8 +89,15 @@ def run_once(args, src, config, cache, workdir, extra, xla_flags=None) -> dict:
     """One trainer process, from the checkout `src` with `config` (+ the `--config.*`
     arguments `extra`), the compilation cache `cache` (None: no cache key) and XLA_FLAGS
     `xla_flags` (None: this process's own) -> its start-up figures."""
-    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}",
-           f"--config.train.num_steps={args.steps}", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxrl_llm.train",
+        f"--config={config}",
+        f"--workdir={workdir}",
+        f"--config.train.num_steps={args.steps}",
+        *extra,
+    ]
     if cache is not None:
         cmd.append(f"--config.train.compilation_cache_dir={cache}")
     env = dict(os.environ, PYTHONPATH=src, TOKENIZERS_PARALLELISM="false")
@@ -199,10 +208,16 @@ def main() -> None:
     short = [os.path.basename(s) or s for s in checkouts]
     short = short if len(set(short)) == len(short) else checkouts
     names = [
-        " ".join(x for x in (short[checkouts.index(src)] if len(checkouts) > 1 else "",
-                             f"[{f}]" if len(flag_sets) > 1 else "") if x)
+        " ".join(
+            x
+            for x in (
+                short[checkouts.index(src)] if len(checkouts) > 1 else "",
+                f"[{f}]" if len(flag_sets) > 1 else "",
+            )
+            if x
+        )
         for src, f in variants
-    ]  # fmt: skip
+    ]
     where = ", ".join(checkouts)
     print(f"trainer from {where}; config {args.config} {' '.join(extra)}", flush=True)
     rows = []

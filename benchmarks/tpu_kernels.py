@@ -47,10 +47,12 @@ def splash_case():
 
     def loss(q, k, v):
         mask = attention.Mask(
-            q_idx=jnp.arange(T), k_idx=jnp.arange(T), k_valid=jnp.ones((B, T), bool),
+            q_idx=jnp.arange(T),
+            k_idx=jnp.arange(T),
+            k_valid=jnp.ones((B, T), bool),
             q_pos=jnp.broadcast_to(jnp.arange(T), (B, T)),
             k_pos=jnp.broadcast_to(jnp.arange(T), (B, T)),
-        )  # fmt: skip
+        )
         return splash(q, k, v, mask).astype(jnp.float32).sum()
 
     return jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv)

@@ -54,8 +54,9 @@ from jaxrl_llm.rl import update as U  # noqa: E402
 from jaxrl_llm.trainer import perf
 
 
-def random_batch(cfg, n: int, prompt_len: int, completion_len: int, group: int,
-                 generations: int) -> U.RolloutBatch:  # fmt: skip
+def random_batch(
+    cfg, n: int, prompt_len: int, completion_len: int, group: int, generations: int
+) -> U.RolloutBatch:
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (n // group, prompt_len), dtype=np.int32)
     return jax.device_put(
@@ -81,11 +82,19 @@ def setup(cfg, args, chunk_size: int):
     params = models.init_params(cfg, seed=0, dtype=args.dtype)
     ref_params = jax.tree.map(jnp.copy, params)
     share = args.group > 1
-    update = U.make_update_fn(cfg, rl.preset("grpo"), opt, spec, share_prompts=share,
-                              micro_batches=args.micro_batches, chunk_size=chunk_size)  # fmt: skip
+    update = U.make_update_fn(
+        cfg,
+        rl.preset("grpo"),
+        opt,
+        spec,
+        share_prompts=share,
+        micro_batches=args.micro_batches,
+        chunk_size=chunk_size,
+    )
     ref_spec = spec if share else spec.replace(num_generations=1)
-    ref_fn = U.make_logprob_fn(cfg, ref_spec, chunk_size=chunk_size,
-                               micro_batches=args.micro_batches)  # fmt: skip
+    ref_fn = U.make_logprob_fn(
+        cfg, ref_spec, chunk_size=chunk_size, micro_batches=args.micro_batches
+    )
     batch = random_batch(cfg, args.seqs, args.prompt_len, args.completion_len, args.group, G)
     return update, ref_fn, U.init_train_state(params, opt), ref_params, batch
 
@@ -136,13 +145,15 @@ def memory_rows(args) -> list[dict]:
     rows = []
     for label, chunk in (("chunked (128)", 128), ("one chunk = [n, T, V]", t)):
         lp = logprob_temp_bytes(n, t, cfg.hidden_size, cfg.vocab_size, chunk)
-        rows.append({
-            "logprobs": label,
-            "rows / micro-batch": n,
-            "[n, chunk, V] f32 GiB": f"{n * chunk * cfg.vocab_size * 4 / 2**30:.2f}",
-            "update temp GiB": f"{temp_bytes(cfg, args, chunk) / 2**30:.2f}",
-            "logprob loss temp GiB": f"{lp / 2**30:.2f}",
-        })  # fmt: skip
+        rows.append(
+            {
+                "logprobs": label,
+                "rows / micro-batch": n,
+                "[n, chunk, V] f32 GiB": f"{n * chunk * cfg.vocab_size * 4 / 2**30:.2f}",
+                "update temp GiB": f"{temp_bytes(cfg, args, chunk) / 2**30:.2f}",
+                "logprob loss temp GiB": f"{lp / 2**30:.2f}",
+            }
+        )
     return rows
 
 
@@ -186,7 +197,7 @@ def main():
             "peak GFLOP/s": f"{peak / 1e9:.1f}",
             "MFU": f"{flops / r['seconds'] / peak:.1%}",
             "memory": peak_memory(),
-        }  # fmt: skip
+        }
         print(table([row], list(row)))
     if not args.skip_memory:
         rows = memory_rows(args)

@@ -103,8 +103,10 @@ def main() -> None:
                     compiled[name, level] = program.compile({LEVEL: level})
                     seconds.setdefault((name, level), []).append(time.perf_counter() - start)
                 print(f"compiled at level {level} (round {r + 1})", flush=True)
-        rows_out = [{"program": name, "level": level, "compile s": _spread(v)}
-                    for (name, level), v in seconds.items()]  # fmt: skip
+        rows_out = [
+            {"program": name, "level": level, "compile s": _spread(v)}
+            for (name, level), v in seconds.items()
+        ]
 
         timed = {}
         out = compiled["sampler", levels[0]](*s_args, **s_dynamic)

@@ -31,14 +31,14 @@ def _score(example: dict, text: str) -> float:
     return float(scorer(answer=numbers[-1], entry=entry))
 
 
-async def run(client: openai.AsyncOpenAI, example: dict, tries: int = 2,
-              retry_reward: float = 0.5) -> float:  # fmt: skip
+async def run(
+    client: openai.AsyncOpenAI, example: dict, tries: int = 2, retry_reward: float = 0.5
+) -> float:
     messages = [{"role": "user", "content": ASK.format(question=example["question"])}]
     for attempt in range(tries):
         reply = await client.chat.completions.create(model="policy", messages=messages)
         answer = reply.choices[0].message.content or ""
         if _score(example, answer) >= 1.0:
             return 1.0 if attempt == 0 else retry_reward
-        messages += [{"role": "assistant", "content": answer},
-                     {"role": "user", "content": RETRY}]  # fmt: skip
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": RETRY}]
     return 0.0

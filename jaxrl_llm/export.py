@@ -49,9 +49,13 @@ LORA_MODES = ("merged", "peft")
 
 
 def export(
-    workdir, out, step: int | None = None, dtype: str | None = None, mesh=None,
+    workdir,
+    out,
+    step: int | None = None,
+    dtype: str | None = None,
+    mesh=None,
     lora: str | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Writes the policy of checkpoint `step` (default: latest) to `out`; returns the step.
 
     `dtype` ("bfloat16", "float32", ...) defaults to the checkpoint's dtype. `mesh`
@@ -118,15 +122,17 @@ def check_out(out: str) -> None:
     entries = sorted(os.listdir(out))
     if CHECKPOINT_DIR in entries or "trainer.lock" in entries:
         raise UserError(
-            out, "--out is a run directory; exporting there would overwrite its config.json",
+            out,
+            "--out is a run directory; exporting there would overwrite its config.json",
             "give --out a new or empty directory",
-        )  # fmt: skip
+        )
     if entries:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise UserError(
-            out, f"--out is not empty ({len(entries)} entries: {shown})",
+            out,
+            f"--out is not empty ({len(entries)} entries: {shown})",
             "give --out a new or empty directory, or empty it first",
-        )  # fmt: skip
+        )
 
 
 def _lora_config(model: dict, lora: str | None, workdir: str):
@@ -139,9 +145,11 @@ def _lora_config(model: dict, lora: str | None, workdir: str):
             raise ValueError(f"--lora={lora}: the run in {workdir} trained no adapters")
         return None
     return models.LoraConfig(
-        rank=int(spec["rank"]), alpha=float(spec["alpha"]), targets=tuple(spec["targets"]),
+        rank=int(spec["rank"]),
+        alpha=float(spec["alpha"]),
+        targets=tuple(spec["targets"]),
         dropout=float(spec.get("dropout", 0.0)),
-    )  # fmt: skip
+    )
 
 
 def model_config(workdir: str, run_config: dict) -> models.ModelConfig:
@@ -231,9 +239,11 @@ def _define_flags() -> None:
     flags.DEFINE_integer("step", None, "checkpoint step to export (default: the latest)")
     flags.DEFINE_string("dtype", None, "weight dtype, e.g. bfloat16 (default: as saved)")
     flags.DEFINE_enum(
-        "lora", None, list(LORA_MODES),
+        "lora",
+        None,
+        list(LORA_MODES),
         "a LoRA run: merged (a full HF model, the default) or peft (the adapters alone)",
-    )  # fmt: skip
+    )
     flags.mark_flags_as_required(["workdir", "out"])
 
 

@@ -60,11 +60,14 @@ if __name__ == "__main__":
     from jaxrl_llm.errors import config_command
 
     flags.DEFINE_string(
-        "compile_for", None,
+        "compile_for",
+        None,
         "compile the step for a TPU topology (v6e:2x4, v5p:4x4x4, v5e:16x16*2 for 2 slices) "
         "and report its memory and roofline per chip; runs nothing, needs no --workdir",
-    )  # fmt: skip
+    )
     config_command(
-        main, "configs/<experiment>.py", "run directory (checkpoints, metrics); reruns resume",
+        main,
+        "configs/<experiment>.py",
+        "run directory (checkpoints, metrics); reruns resume",
         workdir_required=not COMPILE_ONLY,
-    )  # fmt: skip
+    )

@@ -10,8 +10,9 @@ import httpx
 import openai
 
 
-async def two_turns(client: openai.AsyncOpenAI, example, rewrite: bool = False,
-                    stop: str | None = None) -> float:  # fmt: skip
+async def two_turns(
+    client: openai.AsyncOpenAI, example, rewrite: bool = False, stop: str | None = None
+) -> float:
     """Asks the row's question, says "again" after the answer, returns 1 when the second
     answer starts with a digit. With `rewrite` (or the row's `rewrite`), a third request
     drops the first answer from the history (a rewrite the gateway must detect). `stop`
@@ -21,10 +22,11 @@ async def two_turns(client: openai.AsyncOpenAI, example, rewrite: bool = False,
     options = {"stop": stop} if stop else {}
     messages = [{"role": "user", "content": example["question"]}]
     n = {"n": example["n"]} if example.get("n") else {}
-    first = await client.chat.completions.create(model="policy", messages=messages, **options,
-                                                 **n)  # fmt: skip
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "7"}]  # fmt: skip
+    first = await client.chat.completions.create(model="policy", messages=messages, **options, **n)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "7"},
+    ]
     second = await client.chat.completions.create(model="policy", messages=messages, **options)
     answer = second.choices[0].message.content
     if rewrite or example.get("rewrite"):
@@ -42,10 +44,13 @@ async def many(client: openai.AsyncOpenAI, example) -> float:
     messages = [{"role": "user", "content": example["question"]}]
     first = await client.chat.completions.create(model="policy", messages=messages)
     await asyncio.sleep(0.01)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "="}]  # fmt: skip
-    second = await client.chat.completions.create(model="policy", messages=messages,
-                                                  temperature=0.7)  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "="},
+    ]
+    second = await client.chat.completions.create(
+        model="policy", messages=messages, temperature=0.7
+    )
     said = [first.model_extra["jaxrl_llm"], second.model_extra["jaxrl_llm"]]
     expected = [
         {"temperature": 0.0, "requested_temperature": None, "policy_version": 0},
@@ -104,8 +109,11 @@ async def intrude(client: openai.AsyncOpenAI, example) -> float:
     other = url.replace(f"/e/{mine}/", f"/e/{mine ^ 1}/")
     body = {"model": "policy", "messages": [{"role": "user", "content": "injected"}]}
     async with httpx.AsyncClient() as http:
-        stolen = await http.post(f"{other}/chat/completions", json=body,
-                                 headers={"Authorization": f"Bearer {client.api_key}"})  # fmt: skip
+        stolen = await http.post(
+            f"{other}/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {client.api_key}"},
+        )
         bare = await http.post(f"{url}/chat/completions", json=body)
     messages = [{"role": "user", "content": example["question"]}]
     await client.chat.completions.create(model="policy", messages=messages)
@@ -134,22 +142,32 @@ async def bad_requests(client: openai.AsyncOpenAI, example) -> float:
     episode alone; then OpenAI's own tool-call message sent back, and two requests at
     once, both answered. Returns 1 when every status is the expected one."""
     question = [{"role": "user", "content": example["question"]}]
-    bad = [{"stop": 5}, {"stop": [None]}, {"n": 0}, {"max_tokens": 0}, {"n": True},
-           {"messages": [{"role": "user", "content": {"a": 1}}]},
-           {"messages": [{"role": "user", "content": "9" * 4096}]}]  # fmt: skip
+    bad = [
+        {"stop": 5},
+        {"stop": [None]},
+        {"n": 0},
+        {"max_tokens": 0},
+        {"n": True},
+        {"messages": [{"role": "user", "content": {"a": 1}}]},
+        {"messages": [{"role": "user", "content": "9" * 4096}]},
+    ]
     statuses = []
     for options in bad:
         try:
-            await client.chat.completions.create(**({"model": "policy", "messages": question}
-                                                    | options))  # fmt: skip
+            await client.chat.completions.create(
+                **({"model": "policy", "messages": question} | options)
+            )
             statuses.append(200)
         except openai.APIStatusError as err:
             statuses.append(err.status_code)
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
-    tool_turn = [*question, {"role": "assistant", "content": None, "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": "c1", "content": "3"}]  # fmt: skip
+    tool_turn = [
+        *question,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
     await client.chat.completions.create(model="policy", messages=tool_turn)
-    both = await asyncio.gather(*(client.chat.completions.create(model="policy",
-                                                                 messages=question)
-                                  for _ in range(2)))  # fmt: skip
+    both = await asyncio.gather(
+        *(client.chat.completions.create(model="policy", messages=question) for _ in range(2))
+    )
     return float(statuses == [400] * 6 + [413] and len(both) == 2)

@@ -11,20 +11,40 @@ from jaxrl_llm.rl.algos import AlgoConfig, preset
 
 # The presets as ../shared/ALGORITHMS.md states them (written out here, not read from code).
 EXPECTED = {
-    "grpo": dict(advantage="grpo", adv_scale="group", policy_loss="ppo", eps_low=0.2,
-                 eps_high=0.2, beta=0.04, kl_estimator="k3", kl_in_reward=False,
-                 loss_agg="seq-mean-token-mean"),
-    "dr_grpo": dict(advantage="grpo", adv_scale="none", beta=0.0,
-                    loss_agg="seq-mean-token-sum-norm"),
-    "dapo": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean", beta=0.0,
-                 dynamic_sampling=True, overlong_penalty=True),
-    "gspo": dict(policy_loss="gspo", eps_low=3e-4, eps_high=4e-4,
-                 loss_agg="seq-mean-token-mean"),
+    "grpo": dict(
+        advantage="grpo",
+        adv_scale="group",
+        policy_loss="ppo",
+        eps_low=0.2,
+        eps_high=0.2,
+        beta=0.04,
+        kl_estimator="k3",
+        kl_in_reward=False,
+        loss_agg="seq-mean-token-mean",
+    ),
+    "dr_grpo": dict(
+        advantage="grpo", adv_scale="none", beta=0.0, loss_agg="seq-mean-token-sum-norm"
+    ),
+    "dapo": dict(
+        eps_low=0.2,
+        eps_high=0.28,
+        loss_agg="token-mean",
+        beta=0.0,
+        dynamic_sampling=True,
+        overlong_penalty=True,
+    ),
+    "gspo": dict(policy_loss="gspo", eps_low=3e-4, eps_high=4e-4, loss_agg="seq-mean-token-mean"),
     "rloo": dict(advantage="rloo", policy_loss="ppo", eps_low=0.2, loss_agg="token-mean"),
-    "reinforce_pp": dict(advantage="reinforce_pp", policy_loss="ppo", loss_agg="token-mean",
-                         kl_in_reward=True, kl_estimator="k1", whiten_advantages=True),
+    "reinforce_pp": dict(
+        advantage="reinforce_pp",
+        policy_loss="ppo",
+        loss_agg="token-mean",
+        kl_in_reward=True,
+        kl_estimator="k1",
+        whiten_advantages=True,
+    ),
     "ppo": dict(advantage="gae", gamma=1.0, lam=0.95, kl_in_reward=True, value_clip=0.2),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -101,7 +101,8 @@ print(allocator.release_free_memory(), kept - rss_mb())
 def test_release_free_memory_returns_what_tcmalloc_kept():
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
     env |= allocator.preload_environ(env) or {}
-    out = subprocess.run([sys.executable, "-c", _RELEASE], env=env, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _RELEASE], env=env, capture_output=True, text=True, check=True
+    ).stdout
     took, released_mb = out.split()
     assert took == "True" and int(released_mb) >= 200

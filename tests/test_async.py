@@ -68,8 +68,9 @@ def test_overlap_equals_a_loop_sampling_with_the_parameters_before_the_update(mo
     for t in range(4):
         batch = next(s.data)
         version = max(t - 1, 0)
-        out = s.sampler.sample(history[version], batch.prompt_ids, batch.prompt_mask,
-                               run.spec, t, version=version)  # fmt: skip
+        out = s.sampler.sample(
+            history[version], batch.prompt_ids, batch.prompt_mask, run.spec, t, version=version
+        )
         # The reference is the initial policy: step 0's update reads the rollout's
         # behaviour log-probs in its place (`Run.reads_reference`), later ones its forward.
         ref = out.logprobs if t == 0 else run.ref_logprobs(run.ref_params, out)
@@ -199,8 +200,11 @@ def test_split_staleness_stays_within_the_bound(model_dir, tmp_path, monkeypatch
     assert len(lags) == 8 and max(lags) <= 2.0
     assert max(lags[3:]) == 2.0  # the slow learner let the thread run to the bound
     assert [t - v for t, v in versions] == lags
-    assert all(m["perf/rollout_wait_s"] >= 0 and m["perf/learner_wait_s"] >= 0 for m in logged
-               if "perf/rollout_wait_s" in m)  # fmt: skip
+    assert all(
+        m["perf/rollout_wait_s"] >= 0 and m["perf/learner_wait_s"] >= 0
+        for m in logged
+        if "perf/rollout_wait_s" in m
+    )
 
 
 KILLED_CONFIG = """
@@ -241,10 +245,15 @@ def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path, engine,
         "    return float(completion[:1].isdigit())\n"
     )
     config = tmp_path / "config.py"
-    config.write_text(KILLED_CONFIG.format(
-        tests=os.path.dirname(__file__), model_dir=model_dir, reward=f"{reward}:slow",
-        engine=engine, steps=steps,
-    ))  # fmt: skip
+    config.write_text(
+        KILLED_CONFIG.format(
+            tests=os.path.dirname(__file__),
+            model_dir=model_dir,
+            reward=f"{reward}:slow",
+            engine=engine,
+            steps=steps,
+        )
+    )
     workdir = tmp_path / "split"
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={config}", f"--workdir={workdir}"]
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
@@ -302,8 +311,9 @@ def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkey
         train.train(c, str(tmp_path / "run"))
     finally:
         compilation.use_cache(session_cache or "")
-    logged = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl")
-              if "rollout/partial_frac" in m]  # fmt: skip
+    logged = [
+        m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "rollout/partial_frac" in m
+    ]
     assert len(logged) == 5
     assert max(m["rollout/staleness_max"] for m in logged) <= 1.0
     assert any(m["rollout/partial_frac"] > 0 for m in logged)

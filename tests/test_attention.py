@@ -56,9 +56,12 @@ def case(kind, dtype=jnp.float32, seed=0):
         ppos = np.maximum(np.cumsum(prefix_valid, 1) - 1, 0)
         kpos = np.concatenate([ppos, qpos], 1)
         mask = A.causal_mask(
-            jnp.asarray(valid), jnp.asarray(qpos, jnp.int32), None, jnp.asarray(prefix_valid),
+            jnp.asarray(valid),
+            jnp.asarray(qpos, jnp.int32),
+            None,
+            jnp.asarray(prefix_valid),
             jnp.asarray(ppos, jnp.int32),
-        )  # fmt: skip
+        )
     else:
         kpos = qpos
         mask = A.causal_mask(jnp.asarray(valid), jnp.asarray(qpos, jnp.int32), seg)

@@ -105,8 +105,11 @@ def test_a_compressed_checkpoint_still_restores_exactly(tmp_path, monkeypatch):
     state = _state(mesh)
     expected = _host(state)
     handler = checkpoint.ocp.PyTreeCheckpointHandler
-    monkeypatch.setattr(checkpoint.ocp, "PyTreeCheckpointHandler",
-                        lambda **kw: handler(**kw | {"use_compression": True}))  # fmt: skip
+    monkeypatch.setattr(
+        checkpoint.ocp,
+        "PyTreeCheckpointHandler",
+        lambda **kw: handler(**kw | {"use_compression": True}),
+    )
     with Checkpointer(tmp_path, save_interval_steps=1) as ckpt:
         ckpt.save(3, state, {"step": 3})
     monkeypatch.undo()

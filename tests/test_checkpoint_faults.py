@@ -282,9 +282,14 @@ def test_orbax_records_of_an_abort_are_dropped():
         raise KeyboardInterrupt("second Ctrl-C")
     except KeyboardInterrupt:
         record = logging.LogRecord(
-            "absl", logging.ERROR, "/x/orbax/checkpoint/checkpoint_manager.py", 1,
-            "Save Finalize thread (save_finalize) failed.", (), sys.exc_info(),
-        )  # fmt: skip
+            "absl",
+            logging.ERROR,
+            "/x/orbax/checkpoint/checkpoint_manager.py",
+            1,
+            "Save Finalize thread (save_finalize) failed.",
+            (),
+            sys.exc_info(),
+        )
     assert not checkpoint._REPORTED_FILTER.filter(record)
 
 
@@ -300,9 +305,13 @@ def test_ctrl_c_while_the_trainer_exits_is_one_line(tmp_path):
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
         env={**os.environ, "PYTHONPATH": REPO},
-    )  # fmt: skip
+    )
     assert proc.returncode == 130, proc.stderr
     assert proc.stdout == "trained\n"
     assert proc.stderr.strip().splitlines() == [

@@ -29,14 +29,29 @@ def model_dir(tmp_path_factory):
 def _train(model_dir, workdir, cache, *overrides) -> list[str]:
     """The command line in a fresh process, on one device -> its lines about compiled
     and loaded programs."""
-    env = dict(os.environ, TINY_MODEL_DIR=model_dir, PYTHONPATH=os.pathsep.join([ROOT, HERE]),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
+    env = dict(
+        os.environ,
+        TINY_MODEL_DIR=model_dir,
+        PYTHONPATH=os.pathsep.join([ROOT, HERE]),
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl_llm.train", f"--config={HERE}/tiny_run.py",
-         f"--workdir={workdir}", f"--config.train.compilation_cache_dir={cache}",
-         "--config.mesh.fsdp=1", "--config.mesh.tensor=1", *overrides],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "jaxrl_llm.train",
+            f"--config={HERE}/tiny_run.py",
+            f"--workdir={workdir}",
+            f"--config.train.compilation_cache_dir={cache}",
+            "--config.mesh.fsdp=1",
+            "--config.mesh.tensor=1",
+            *overrides,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stderr.replace("\r", "\n")
     # XLA_FLAGS did not name the level: the command line compiles at -O1 on a CPU-only
@@ -77,8 +92,13 @@ def test_the_first_step_compiles_nothing_and_a_rerun_loads_from_the_cache(model_
 
     # A rerun finds every program in XLA's persistent cache; one more step and another
     # checkpoint setting change nothing of what the first two steps compute.
-    warm = _train(model_dir, tmp_path / "warm", cache, "--config.train.num_steps=3",
-                  "--config.checkpoint.keep=1")  # fmt: skip
+    warm = _train(
+        model_dir,
+        tmp_path / "warm",
+        cache,
+        "--config.train.num_steps=3",
+        "--config.checkpoint.keep=1",
+    )
     assert sorted(line.split(" (")[0] for line in warm) == sorted(names), warm
     assert all(line.endswith("(compilation cache)") for line in warm), warm
     assert _learning(tmp_path / "warm")[:2] == _learning(tmp_path / "cold")

@@ -40,9 +40,17 @@ def tiny_model_dir(tmp_path_factory):
 def long_model_dir(tmp_path_factory):
     """The tiny model with a 40k context, for configs of long responses (16k tokens)."""
     cfg = models.ModelConfig(
-        "Qwen3ForCausalLM", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
-        num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True, max_position_embeddings=40960,
-    )  # fmt: skip
+        "Qwen3ForCausalLM",
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        qk_norm=True,
+        max_position_embeddings=40960,
+    )
     d = tmp_path_factory.mktemp("tiny_long")
     models.save_hf(cfg, models.init_params(cfg), d)
     return str(d)

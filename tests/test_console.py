@@ -44,17 +44,25 @@ def test_terminal_bar_shows_step_values_and_time_left(capsys):
 
 
 def test_eval_line_has_the_headline_metrics():
-    ev = {"eval/pass@8": 0.640625, "eval/pass@1": 0.4921875, "eval/num_prompts": 256.0,
-          "eval/length_mean": 3.2}  # fmt: skip
+    ev = {
+        "eval/pass@8": 0.640625,
+        "eval/pass@1": 0.4921875,
+        "eval/num_prompts": 256.0,
+        "eval/length_mean": 3.2,
+    }
     assert eval_line(50, ev) == "[eval step 50] pass@1 0.49 pass@8 0.64 (256 prompts)"
     agent = {"eval/pass@1": 0.5, "eval/reward_mean": 0.625, "eval/turns_mean": 1.5}
     assert eval_line(10, agent) == "[eval step 10] pass@1 0.50 reward 0.62 turns 1.50"
 
 
 def test_summary_names_final_and_best_eval_and_the_next_commands():
-    records = [{"step": 0, "eval/pass@1": 0.28}, {"step": 5, "reward/mean": 0.4},
-               {"step": 50, "eval/pass@1": 0.53}, {"step": 100, "eval/pass@1": 0.53},
-               {"step": 150, "eval/pass@1": 0.5}]  # fmt: skip
+    records = [
+        {"step": 0, "eval/pass@1": 0.28},
+        {"step": 5, "reward/mean": 0.4},
+        {"step": 50, "eval/pass@1": 0.53},
+        {"step": 100, "eval/pass@1": 0.53},
+        {"step": 150, "eval/pass@1": 0.5},
+    ]
     assert summary(records, 150, 3725.4, "/tmp/run") == [
         "done: 150 steps in 1:02:05; workdir /tmp/run",
         "eval/pass@1: final 0.50 (step 150), best 0.53 (step 50)",

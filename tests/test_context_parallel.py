@@ -62,9 +62,11 @@ def test_context_parallel_equals_one_device(implementation):
     assert " all-to-all(" in compiled.as_text()
     assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
     for path, g, w in zip(
-        jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(got[1]),
-        jax.tree.leaves(want[1]), strict=True,
-    ):  # fmt: skip
+        jax.tree_util.tree_leaves_with_path(got[1]),
+        jax.tree.leaves(got[1]),
+        jax.tree.leaves(want[1]),
+        strict=True,
+    ):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=str(path[0]))
 
 
@@ -75,8 +77,14 @@ def test_key_value_heads_the_axis_does_not_divide(heads):
     read (the one kv head of 8 / 2 heads on 4 devices, one per query head for 6 / 3 heads
     on 2), and the forward equals one device's."""
     n, k = heads
-    cfg = tiny_model_config(num_layers=1, num_heads=n, num_kv_heads=k, head_dim=4,
-                            attention="blockwise", attention_block=8)  # fmt: skip
+    cfg = tiny_model_config(
+        num_layers=1,
+        num_heads=n,
+        num_kv_heads=k,
+        head_dim=4,
+        attention="blockwise",
+        attention_block=8,
+    )
     params = models.init_params(cfg, seed=1)
     rng = np.random.default_rng(1)
     ids = jnp.asarray(rng.integers(1, 64, (2, 24)), jnp.int32)
@@ -104,11 +112,16 @@ def test_update_and_reference_split_sequences_on_a_context_mesh():
     n, t = 4, 28
     prompt, prompt_mask, tokens, mask = rows(n, seed=2)
     batch = rl.RolloutBatch(
-        prompt_tokens=prompt, prompt_mask=prompt_mask, tokens=tokens[:, :t], mask=mask[:, :t],
-        loss_mask=mask[:, :t], behaviour_logprobs=np.zeros((n, t), np.float32),
-        rewards=np.zeros(n, np.float32), policy_version=np.zeros(n, np.int32),
+        prompt_tokens=prompt,
+        prompt_mask=prompt_mask,
+        tokens=tokens[:, :t],
+        mask=mask[:, :t],
+        loss_mask=mask[:, :t],
+        behaviour_logprobs=np.zeros((n, t), np.float32),
+        rewards=np.zeros(n, np.float32),
+        policy_version=np.zeros(n, np.int32),
         num_generations=2,
-    )  # fmt: skip
+    )
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=t)
     opt = rl.make_optimizer(learning_rate=0.1)
     mesh = parallel.make_mesh({"fsdp": 2, "context": 4})

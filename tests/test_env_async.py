@@ -53,8 +53,9 @@ def test_turns_drawn_by_newer_parameters_keep_their_versions():
     cfg = tiny_model_config(vocab_size=33, max_position_embeddings=256)
     a, b = models.init_params(cfg, seed=0), models.init_params(cfg, seed=1)
     tok = builtin.load_tokenizer(TOKENIZER)
-    settings = envs.TurnSettings(max_turns=3, turn_tokens=5, max_total_tokens=24,
-                                 stop_ids=(18, 22), end_of_turn_ids=(18, 22))  # fmt: skip
+    settings = envs.TurnSettings(
+        max_turns=3, turn_tokens=5, max_total_tokens=24, stop_ids=(18, 22), end_of_turn_ids=(18, 22)
+    )
     spec = sampling.RolloutSpec(2, 24, 1.0, stop_ids=(18, 22))
     renderer = envs.Renderer(tok, use_chat=False)
     with envs.EnvPool(SCRIPTED, {"turns": 3}, workers=1) as pool:
@@ -63,8 +64,21 @@ def test_turns_drawn_by_newer_parameters_keep_their_versions():
         ids, mask = sampling.pad_prompts([renderer.prompt(o) for o in observations], 0)
         trajs, _ = envs.replicate(trajs, observations, 2)
         sampler = sampling.Sampler(cfg, None, seed=3, cache_segments=1)
-        out, turns = envs.play(sampler, a, ids, mask, spec, settings, pool, trajs, renderer,
-                               tok, step=0, version=4, refresh=lambda: (b, 5))  # fmt: skip
+        out, turns = envs.play(
+            sampler,
+            a,
+            ids,
+            mask,
+            spec,
+            settings,
+            pool,
+            trajs,
+            renderer,
+            tok,
+            step=0,
+            version=4,
+            refresh=lambda: (b, 5),
+        )
     loss_mask, logprobs = np.asarray(out.loss_mask), np.asarray(out.logprobs)
     np.testing.assert_array_equal(turns.versions >= 0, loss_mask)  # sampled tokens only
     for i, spans in enumerate(turns.spans):
@@ -116,8 +130,7 @@ def test_multi_turn_overlap_stays_within_the_bound(model_dir, tmp_path, monkeypa
     assert [t - v for t, v in seen] == lags
     assert max(lags[1:]) == bound  # the slow learner let the thread run to the bound
     assert all(m["env/turns_mean"] >= 1 and np.isfinite(m["loss/total"]) for m in logged)
-    assert all(0 <= m["rollout/token_staleness_mean"] <= m["rollout/staleness_max"]
-               for m in logged)  # fmt: skip
+    assert all(0 <= m["rollout/token_staleness_mean"] <= m["rollout/staleness_max"] for m in logged)
 
 
 KILLED_CONFIG = """
@@ -166,5 +179,4 @@ def test_multi_turn_split_kill_9_and_resume_consume_every_batch_once(model_dir, 
     assert got == {t + 1: p.removesuffix("=") for t, p in enumerate(expected)}
     logged = [m for m in read_metrics(workdir / "metrics.jsonl") if "step" in m]
     assert all(m["rollout/staleness_max"] <= 2 for m in logged)
-    assert all(0 <= m["rollout/token_staleness_mean"] <= m["rollout/staleness_max"]
-               for m in logged)  # fmt: skip
+    assert all(0 <= m["rollout/token_staleness_mean"] <= m["rollout/staleness_max"] for m in logged)

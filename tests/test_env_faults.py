@@ -233,8 +233,9 @@ def test_a_50mb_observation_ends_its_trajectory_without_the_memory(env_file, tmp
             trajs, obs = pool.reset([{"question": "1+2=", "mode": "huge_obs"}] * 2)
             ids, mask = sampling.pad_prompts([renderer.prompt("1+2=")] * 2, 0)
             sampler = sampling.Sampler(cfg, None, seed=0, cache_segments=1)
-            out, turns = envs.play(sampler, params, ids, mask, spec, settings, pool, trajs,
-                                   renderer, tok, step=0)  # fmt: skip
+            out, turns = envs.play(
+                sampler, params, ids, mask, spec, settings, pool, trajs, renderer, tok, step=0
+            )
             return trajs, turns
 
         play()  # compiles

@@ -17,14 +17,21 @@ from jaxrl_llm.models import builtin
 TEST_ENVS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs_for_tests.py")
 # Rows whose environment ends after 1, 2, 4 (past max_turns) or 3 actions: some rows stop
 # while others go on.
-EXAMPLES = [{"question": "1+2=", "turns": 1}, {"question": "12*3+45=", "turns": 2},
-            {"question": "7=", "turns": 4}, {"question": "(8-9)/3=", "turns": 3}]  # fmt: skip
+EXAMPLES = [
+    {"question": "1+2=", "turns": 1},
+    {"question": "12*3+45=", "turns": 2},
+    {"question": "7=", "turns": 4},
+    {"question": "(8-9)/3=", "turns": 3},
+]
 # Turns end on "=" "." "," or " " (or after 6 tokens): the tiny models stop on some of
 # them and run out of budget on others.
 SETTINGS = envs.TurnSettings(
-    max_turns=3, turn_tokens=6, max_total_tokens=28, stop_ids=(18, 22, 23, 25),
+    max_turns=3,
+    turn_tokens=6,
+    max_total_tokens=28,
+    stop_ids=(18, 22, 23, 25),
     end_of_turn_ids=(18, 22, 23, 25),
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +81,13 @@ def play(cfg, params, pool, tok, settings=SETTINGS, G=1, temperature=0.0, mesh=N
     prompts = [renderer.prompt(o) for o in observations]
     ids, mask = sampling.pad_prompts(prompts, 0)
     trajs, _ = envs.replicate(trajs, observations, G)
-    spec = sampling.RolloutSpec(G, settings.max_total_tokens, temperature,
-                                stop_ids=settings.end_of_turn_ids)  # fmt: skip
+    spec = sampling.RolloutSpec(
+        G, settings.max_total_tokens, temperature, stop_ids=settings.end_of_turn_ids
+    )
     sampler = sampling.Sampler(cfg, mesh, seed=5, cache_segments=1)
-    out, turns = envs.play(sampler, params, ids, mask, spec, settings, pool, trajs, renderer,
-                           tok, step=1, mesh=mesh)  # fmt: skip
+    out, turns = envs.play(
+        sampler, params, ids, mask, spec, settings, pool, trajs, renderer, tok, step=1, mesh=mesh
+    )
     return prompts, out, turns, trajs, spec
 
 
@@ -92,9 +101,14 @@ def hf_conversation(model, example, tok, s=SETTINGS):
     for turn in range(s.max_turns):
         ids = torch.tensor([seq])
         with torch.no_grad():  # an explicit mask: a sampled pad id (0) is a real token
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=s.turn_tokens, do_sample=False,
-                                 eos_token_id=list(s.stop_ids), pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=s.turn_tokens,
+                do_sample=False,
+                eos_token_id=list(s.stop_ids),
+                pad_token_id=0,
+            )
         new = out[0, len(seq) :].tolist()
         completion, seq = completion + new, seq + new
         step = env.step(tok.decode(new, skip_special_tokens=True))
@@ -130,7 +144,8 @@ def test_trained_tokens_are_the_sampled_ones_with_their_logprobs(greedy, tok):
     _, cfg, params, _, out, turns, trajs, spec = greedy("qwen3")
     ref = rl.make_logprob_fn(cfg, spec, chunk_size=16)(params, out)
     tokens, mask, loss_mask, logprobs = (
-        np.asarray(x) for x in (out.tokens, out.mask, out.loss_mask, out.logprobs))  # fmt: skip
+        np.asarray(x) for x in (out.tokens, out.mask, out.loss_mask, out.logprobs)
+    )
     renderer = envs.Renderer(tok, use_chat=False)
     for i, spans in enumerate(turns.spans):
         k = 0
@@ -162,15 +177,17 @@ def test_observation_positions_get_no_gradient(name):
     mask = np.arange(T)[None] < rng.integers(6, T + 1, N)[:, None]
     loss_mask = mask & ~((np.arange(T)[None] % 5 >= 3) & (np.arange(T)[None] > 1))
     assert (mask & ~loss_mask).any()
-    logp, old, behaviour, ref = (jnp.asarray(rng.normal(-1.0, 0.3, (N, T)), jnp.float32)
-                                 for _ in range(4))  # fmt: skip
+    logp, old, behaviour, ref = (
+        jnp.asarray(rng.normal(-1.0, 0.3, (N, T)), jnp.float32) for _ in range(4)
+    )
     adv = jnp.asarray(rng.normal(size=(N, T) if name == "ppo" else N), jnp.float32)
     cfg = rl.preset(name, beta=0.04, tis_cap=2.0)
     obs = jnp.asarray(mask & ~loss_mask)
 
     def loss(lp, old, behaviour, ref):
-        return rl.policy_objective(cfg, lp, old, behaviour, ref, adv, jnp.asarray(loss_mask),
-                                   max_len=T)[0]  # fmt: skip
+        return rl.policy_objective(
+            cfg, lp, old, behaviour, ref, adv, jnp.asarray(loss_mask), max_len=T
+        )[0]
 
     grad = np.asarray(jax.grad(loss)(logp, old, behaviour, ref))
     assert (grad[np.asarray(obs)] == 0).all() and (grad[loss_mask] != 0).any()
@@ -193,7 +210,9 @@ def test_update_ignores_observation_logprobs(greedy):
     for shift in (0.0, 4.0):
         batch = rl.RolloutBatch.from_sample(
             out.replace(logprobs=jnp.where(obs, out.logprobs + shift, out.logprobs)),
-            rewards, jnp.where(obs, ref - shift, ref))  # fmt: skip
+            rewards,
+            jnp.where(obs, ref - shift, ref),
+        )
         state = rl.init_train_state(jax.tree.map(jnp.copy, params), opt)
         new.append(update(state, batch)[0].params)
     jax.tree.map(np.testing.assert_array_equal, *new)

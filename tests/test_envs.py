@@ -98,10 +98,12 @@ def test_env_pool_steps_in_workers_with_state_between_calls():
 def test_env_pool_lanes_run_steps_at_once(tmp_path):
     """With two lanes of one worker each, two callers' steps run at the same time, and so
     do the two halves of one batch (each step waits for the other's mark: "met")."""
-    rows = [{"dir": str(tmp_path / "calls"), "me": "a", "other": "b"},
-            {"dir": str(tmp_path / "calls"), "me": "b", "other": "a"},
-            {"dir": str(tmp_path / "batch"), "me": "a", "other": "b"},
-            {"dir": str(tmp_path / "batch"), "me": "b", "other": "a"}]  # fmt: skip
+    rows = [
+        {"dir": str(tmp_path / "calls"), "me": "a", "other": "b"},
+        {"dir": str(tmp_path / "calls"), "me": "b", "other": "a"},
+        {"dir": str(tmp_path / "batch"), "me": "a", "other": "b"},
+        {"dir": str(tmp_path / "batch"), "me": "b", "other": "a"},
+    ]
     for d in ("calls", "batch"):
         (tmp_path / d).mkdir()
     with envs.EnvPool(f"{TEST_ENVS}:Meet", workers=2, lanes=2) as pool:
@@ -119,10 +121,22 @@ def test_failing_environments_cost_their_trajectory_only():
     """An exception, a hang (killed at the step limit), a CPU spin, a crash, answers the
     trainer cannot use, a failed reset and a trajectory past its time limit each end
     their own trajectory with reward 0 and a reason; the well-behaved ones score."""
-    modes = ["ok", "raises", "hangs", "spins", "crashes", "bad_reward", "bad_info",
-             "not_a_step", "reset_raises", "slow", "ok"]  # fmt: skip
-    with envs.EnvPool(f"{TEST_ENVS}:Hostile", workers=2, step_timeout_s=1.5,
-                      trajectory_timeout_s=1.0) as pool:  # fmt: skip
+    modes = [
+        "ok",
+        "raises",
+        "hangs",
+        "spins",
+        "crashes",
+        "bad_reward",
+        "bad_info",
+        "not_a_step",
+        "reset_raises",
+        "slow",
+        "ok",
+    ]
+    with envs.EnvPool(
+        f"{TEST_ENVS}:Hostile", workers=2, step_timeout_s=1.5, trajectory_timeout_s=1.0
+    ) as pool:
         trajs, _ = pool.reset([{"mode": m} for m in modes])
         pool.step(trajs, {i: "x" for i in range(len(modes))})
         pool.step(trajs, {i: "x" for i in range(len(modes))})
@@ -147,8 +161,13 @@ def test_max_turns_schedule():
     assert schedule.turns_at(3, 100) == 3
     s = "2@0,4@100,8@300"
     assert [schedule.turns_at(s, k) for k in (0, 99, 100, 299, 300, 10**6)] == [2, 2, 4, 4, 8, 8]
-    for bad, why in [("2@5", "start at 0"), ("2@0,4@0", "increase"), ("x@0", "not 'turns@step'"),
-                     ("0@0", "turns must be >= 1"), ("", "expected a number")]:  # fmt: skip
+    for bad, why in [
+        ("2@5", "start at 0"),
+        ("2@0,4@0", "increase"),
+        ("x@0", "not 'turns@step'"),
+        ("0@0", "turns must be >= 1"),
+        ("", "expected a number"),
+    ]:
         with pytest.raises(ValueError, match=why):
             schedule.parse(bad)
 
@@ -189,9 +208,14 @@ def test_chat_observation_is_the_templates_new_turn_only():
     assert r.turn("42") == ids("#\nWt\n42#\nWa\n")
     assert r.prompt("1+2=") == ids("Wh\n1+2=#\nWa\n")
     whole = tok.apply_chat_template(
-        [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"},
-         {"role": "tool", "content": "42"}], tokenize=False, add_generation_prompt=True,
-    )  # fmt: skip
+        [
+            {"role": "user", "content": "1+2="},
+            {"role": "assistant", "content": "3"},
+            {"role": "tool", "content": "42"},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert r.prompt("1+2=") + ids("3#") + r.turn("42", closed_by=eot) == ids(whole)
     assert envs.Renderer(_tokenizer(CHAT.replace("tool", "tooo")), True).role == "user"
 
@@ -230,8 +254,9 @@ def test_python_tool_survives_hostile_snippets():
     """The code verifier's hostile snippets, as tool calls in the pool: each answers an
     error observation, the trajectory goes on, no worker is lost to them."""
     names = list(HOSTILE)
-    with envs.EnvPool("python_tool", {"wall_s": 3.0, "cpu_s": 1}, workers=2,
-                      step_timeout_s=8.0) as pool:  # fmt: skip
+    with envs.EnvPool(
+        "python_tool", {"wall_s": 3.0, "cpu_s": 1}, workers=2, step_timeout_s=8.0
+    ) as pool:
         trajs, _ = pool.reset([{"answer": "1"}] * len(names))
         obs = pool.step(trajs, {i: f"```python\n{HOSTILE[n]}\n```" for i, n in enumerate(names)})
         assert pool.restarts == 0

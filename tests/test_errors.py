@@ -184,19 +184,26 @@ def test_overrides_of_the_wrong_type_are_one_line(tmp_path):
     config = os.path.join(REPO, "configs", "quickstart.py")
     train = ["jaxrl_llm.train", f"--config={config}", f"--workdir={tmp_path / 'run'}"]
     cases = [
-        ([*train, "--config.model.lora.rank=4.5"],
-         "error: --config.model.lora.rank=4.5: invalid literal for int() with base 10: '4.5'"),
-        ([*train, "--config.rollout.batch_size=abc"],
-         "error: --config.rollout.batch_size=abc: invalid literal for int() with base 10"),
-        (["jaxrl_llm.export", "--workdir=w", "--out=o", "--lora=pefft"],
-         "error: --lora=pefft: value should be one of <merged|peft>"),
-    ]  # fmt: skip
+        (
+            [*train, "--config.model.lora.rank=4.5"],
+            "error: --config.model.lora.rank=4.5: invalid literal for int() with base 10: '4.5'",
+        ),
+        (
+            [*train, "--config.rollout.batch_size=abc"],
+            "error: --config.rollout.batch_size=abc: invalid literal for int() with base 10",
+        ),
+        (
+            ["jaxrl_llm.export", "--workdir=w", "--out=o", "--lora=pefft"],
+            "error: --lora=pefft: value should be one of <merged|peft>",
+        ),
+    ]
     for args, start in cases:
         proc = run_cli(args, tmp_path)
         assert proc.returncode == 2, proc.stderr[-2000:]
         line = one_line(proc)
-        assert line.startswith(start) and line.endswith("check the value and its type "
-                                                        "(--helpfull lists the flags)")  # fmt: skip
+        assert line.startswith(start) and line.endswith(
+            "check the value and its type (--helpfull lists the flags)"
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -207,11 +214,16 @@ def test_dotted_overrides_add_keys_to_free_form_sections():
     other override is left for ml_collections."""
     c = config_lib.base_config()
     c.lock()
-    others = ["--config=configs/quickstart.py", "--workdir=/tmp/w", "--debug",
-              "--config.agent.entry=a.py:run", "--config.env.options.a.b=1"]  # fmt: skip
-    rest, taken = errors.take_free_form(["--config.agent.options.tries=2",
-                                         "--config.teacher.paths.math=/models/math",
-                                         *others])  # fmt: skip
+    others = [
+        "--config=configs/quickstart.py",
+        "--workdir=/tmp/w",
+        "--debug",
+        "--config.agent.entry=a.py:run",
+        "--config.env.options.a.b=1",
+    ]
+    rest, taken = errors.take_free_form(
+        ["--config.agent.options.tries=2", "--config.teacher.paths.math=/models/math", *others]
+    )
     errors.apply_free_form(c, taken)
     assert rest == others
     assert c.agent.options.tries == 2 and c.teacher.paths.math == "/models/math"

@@ -150,13 +150,15 @@ def test_export_command_prints_only_its_own_lines(run_dir, tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": repo}
     args = [sys.executable, "-m", "jaxrl_llm.export", f"--workdir={workdir}"]
-    ok = subprocess.run([*args, f"--out={tmp_path / 'hf'}"], env=env, capture_output=True,
-                        text=True, timeout=300)  # fmt: skip
+    ok = subprocess.run(
+        [*args, f"--out={tmp_path / 'hf'}"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.strip() == f"exported step 4 of {workdir} to {tmp_path / 'hf'}"
     assert ok.stderr.strip() == ""
-    bad = subprocess.run([*args, "--out=x", "--step=3"], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    bad = subprocess.run(
+        [*args, "--out=x", "--step=3"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 2 and bad.stdout == ""
     assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr[-2000:]
 

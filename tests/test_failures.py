@@ -31,8 +31,9 @@ def model_dir(tmp_path_factory):
 def _trainer(model_dir, *args, **popen):
     env = dict(os.environ, TINY_MODEL_DIR=model_dir, PYTHONPATH=REPO, JAXRL_LLM_TCMALLOC="0")
     cmd = [sys.executable, "-m", "jaxrl_llm.train", *args]
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
 
 
 def _one_error_line(proc, timeout=240) -> str:

@@ -38,8 +38,16 @@ def tiny(tmp_path_factory):
     return (model, *models.load_hf(d))
 
 
-def agent_rollout(cfg, tok, entry: str, batch_size: int, G: int, wait_s: float = 1.0,
-                  temperature: float = 0.0, **agent):  # fmt: skip
+def agent_rollout(
+    cfg,
+    tok,
+    entry: str,
+    batch_size: int,
+    G: int,
+    wait_s: float = 1.0,
+    temperature: float = 0.0,
+    **agent,
+):
     c = tiny_config("unused")
     c.agent.entry, c.agent.max_total_tokens, c.agent.batch_wait_s = entry, 40, wait_s
     c.agent.update(agent)
@@ -59,9 +67,14 @@ def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5, replies=
     def generate(seq):
         ids = torch.tensor([seq])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=budget, do_sample=False,
-                                 eos_token_id=list(STOPS), pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=budget,
+                do_sample=False,
+                eos_token_id=list(STOPS),
+                pad_token_id=0,
+            )
         return out[0, len(seq) :].tolist()
 
     seq = renderer.prompt([{"role": "user", "content": question}])
@@ -72,8 +85,9 @@ def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5, replies=
     if replies is not None:
         replies += [first, second]
     if rewrite:  # the history the agent sent, rendered anew, then the model's answer
-        seq = renderer.prompt([{"role": "user", "content": question},
-                               {"role": "user", "content": "again"}])  # fmt: skip
+        seq = renderer.prompt(
+            [{"role": "user", "content": question}, {"role": "user", "content": "again"}]
+        )
         seq += generate(seq)
     return seq
 
@@ -87,15 +101,28 @@ def test_agent_episodes_keep_the_tokens_the_model_produced(tiny, tok):
     agent.max_total_tokens) score 0 and are counted."""
     model, cfg, params = tiny
     agents, spec = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=4, G=2)
-    examples = [{"question": "1+2="}, {"question": "12*3=", "rewrite": True},
-                {"question": "7-4=", "fail": True}, {"question": "1" * 60}]  # fmt: skip
+    examples = [
+        {"question": "1+2="},
+        {"question": "12*3=", "rewrite": True},
+        {"question": "7-4=", "fail": True},
+        {"question": "1" * 60},
+    ]
     try:
         out, scored, versions = agents(params, types.SimpleNamespace(examples=examples), 3)
     finally:
         agents.close()
-    tokens, mask, loss_mask, logprobs, lengths, prompt, prompt_mask = (np.asarray(x) for x in (
-        out.tokens, out.mask, out.loss_mask, out.logprobs, out.lengths, out.prompt_tokens,
-        out.prompt_mask))  # fmt: skip
+    tokens, mask, loss_mask, logprobs, lengths, prompt, prompt_mask = (
+        np.asarray(x)
+        for x in (
+            out.tokens,
+            out.mask,
+            out.loss_mask,
+            out.logprobs,
+            out.lengths,
+            out.prompt_tokens,
+            out.prompt_mask,
+        )
+    )
     for i, ex in enumerate(examples[:3]):
         reference = hf_turns(model, tok, ex["question"], bool(ex.get("rewrite")))
         for row in (2 * i, 2 * i + 1):
@@ -125,14 +152,21 @@ def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
     (the row holds tokens the episode does not keep) and a request after an n=2 one
     (sampled apart) restart the row, counted."""
     model, cfg, params = tiny
-    engine = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=4,
-                                   prefill_chunk=8)  # fmt: skip
+    engine = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=4, prefill_chunk=8)
     replies = {}
-    examples = [{"question": "1+2="}, {"question": "12*3=", "rewrite": True},
-                {"question": "7-4=", "fail": True}]  # fmt: skip
+    examples = [
+        {"question": "1+2="},
+        {"question": "12*3=", "rewrite": True},
+        {"question": "7-4=", "fail": True},
+    ]
     for ex in examples:
-        hf_turns(model, tok, ex["question"], bool(ex.get("rewrite")),
-                 replies=replies.setdefault(ex["question"], []))  # fmt: skip
+        hf_turns(
+            model,
+            tok,
+            ex["question"],
+            bool(ex.get("rewrite")),
+            replies=replies.setdefault(ex["question"], []),
+        )
     # A stop string inside the first reply ("0-=" ends before its "-"); a first request
     # with n=2 (sampled apart, re-read).
     examples += [{"question": "5-1=", "stop": "-"}, {"question": "9*9=", "n": 2}]
@@ -160,8 +194,15 @@ def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
     renderer = envs.Renderer(tok, use_chat=False)
     # The second request of each episode without a stop string reads its row's cache: its
     # prompt and first reply but the reply's last token (prefilled with the new message).
-    cached = sum(len(renderer.prompt([{"role": "user", "content": ex["question"]}]))
-                 + len(replies[ex["question"]][0]) - 1 for ex in examples[:3]) * 2  # fmt: skip
+    cached = (
+        sum(
+            len(renderer.prompt([{"role": "user", "content": ex["question"]}]))
+            + len(replies[ex["question"]][0])
+            - 1
+            for ex in examples[:3]
+        )
+        * 2
+    )
     m, s = scored.metrics, s_scored.metrics
     assert m["gateway/cached_tokens"] == cached and s["gateway/cached_tokens"] == 0
     assert m["gateway/prefill_tokens"] + cached == s["gateway/prefill_tokens"]
@@ -180,10 +221,12 @@ def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):
     response's `policy_version` is its oldest drawn token's, each row's too."""
     _, cfg, p0 = tiny
     p1 = jax.tree.map(lambda x, y: x + 0.5 * y, p0, models.init_params(cfg, seed=4))
-    agents, spec = agent_rollout(cfg, tok, f"{AGENTS}:two_turns", batch_size=3, G=2,
-                                 temperature=0.8)  # fmt: skip
-    agents.sampler = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=2,
-                                           prefill_chunk=8)  # fmt: skip
+    agents, spec = agent_rollout(
+        cfg, tok, f"{AGENTS}:two_turns", batch_size=3, G=2, temperature=0.8
+    )
+    agents.sampler = sampling.PagedSampler(
+        cfg, None, seed=5, page_size=4, chunk_steps=2, prefill_chunk=8
+    )
     calls, replies, answer = [], [], agents.reply
 
     def refresh():
@@ -275,8 +318,13 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
     if mode == "split":
         c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
         c.rollout.partial, c.rollout.paged.chunk_steps = True, 2  # a reply spans 2 chunks
-    take, taken, produce, newest, playing = (Handoff.take, [], RolloutThread._produce,
-                                             Handoff.newest, [])  # fmt: skip
+    take, taken, produce, newest, playing = (
+        Handoff.take,
+        [],
+        RolloutThread._produce,
+        Handoff.newest,
+        [],
+    )
 
     def tracked_produce(self, step, params, version, wait_s):
         assert isinstance(self.s.sampler, sampling.PagedSampler)
@@ -338,14 +386,17 @@ def test_verifiers_env_episodes_are_exact_and_scored_by_its_rubric(tiny, tok):
         evaluated = agents.evaluate(params, [batch], pass_k=1, temperature=1.0, step=1)
     finally:
         agents.close()
-    tokens, lengths, prompt, prompt_mask, loss_mask = (np.asarray(x) for x in (
-        out.tokens, out.lengths, out.prompt_tokens, out.prompt_mask, out.loss_mask))  # fmt: skip
+    tokens, lengths, prompt, prompt_mask, loss_mask = (
+        np.asarray(x)
+        for x in (out.tokens, out.lengths, out.prompt_tokens, out.prompt_mask, out.loss_mask)
+    )
     m = scored.metrics
     assert m["gateway/requests"] == 16 and m["gateway/retokenized"] == 0
     assert m["gateway/errors"] == 0
     replied = [[] for _ in tasks.QUESTIONS]
-    references = [hf_turns(model, tok, q, False, replies=replied[i])
-                  for i, q in enumerate(tasks.QUESTIONS)]  # fmt: skip
+    references = [
+        hf_turns(model, tok, q, False, replies=replied[i]) for i, q in enumerate(tasks.QUESTIONS)
+    ]
     for row in range(8):
         reference = references[row // 2]  # greedy: the G episodes of a task are equal
         got = prompt[row][prompt_mask[row]].tolist() + tokens[row, : lengths[row]].tolist()
@@ -383,10 +434,21 @@ def test_verifiers_episode_reward_and_failure_without_a_model():
                 continue
             seen.append([m["content"] for m in body["messages"]])
             text = "12" if len(body["messages"]) == 1 else " 3 "
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": "stop"}  # fmt: skip
-            reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                        "choices": [choice]})  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }
+            reply(
+                200,
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [choice],
+                },
+            )
         done, failed = (futures[e].result() for e in sorted(futures, key=int))
     finally:
         server.close()
@@ -471,15 +533,17 @@ def test_missing_verifiers_is_one_line(monkeypatch):
 def test_tool_calls_in_the_model_formats():
     """Hermes / Qwen `<tool_call>` blocks and a Llama 3.1 JSON turn become OpenAI
     tool_calls; malformed ones stay in the content and are counted."""
-    hermes = parse_tool_calls('Let me add.<tool_call>\n{"name": "add", "arguments": '
-                              '{"a": 1, "b": 2}}\n</tool_call>', "c")  # fmt: skip
+    hermes = parse_tool_calls(
+        'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "c"
+    )
     assert hermes.content == "Let me add." and hermes.errors == 0
     call = {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     assert hermes.calls == [{"id": "c_0", "type": "function", "function": call}]
     llama = parse_tool_calls('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}')
     assert llama.content == "" and llama.calls[0]["function"]["arguments"] == '{"x": "y"}'
-    bad = parse_tool_calls('<tool_call>{"name": "f", "arguments": [1]}</tool_call> and '
-                           "<tool_call>{oops</tool_call>")  # fmt: skip
+    bad = parse_tool_calls(
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call> and <tool_call>{oops</tool_call>'
+    )
     assert bad.calls == [] and bad.errors == 2 and "{oops" in bad.content
     assert parse_tool_calls("just text").calls == []
 
@@ -619,10 +683,12 @@ def test_bad_requests_are_each_a_400_to_their_episode(tiny, tok):
     (counted), to that episode only; OpenAI's tool-call message (content null) is
     accepted back, and two concurrent requests of one episode are both answered."""
     _, cfg, params = tiny
-    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:bad_requests", batch_size=1, G=2,
-                              max_request_bytes=4096)  # fmt: skip
-    agents.sampler = sampling.PagedSampler(cfg, None, seed=5, page_size=4, chunk_steps=4,
-                                           prefill_chunk=8)  # fmt: skip
+    agents, _ = agent_rollout(
+        cfg, tok, f"{AGENTS}:bad_requests", batch_size=1, G=2, max_request_bytes=4096
+    )
+    agents.sampler = sampling.PagedSampler(
+        cfg, None, seed=5, page_size=4, chunk_steps=4, prefill_chunk=8
+    )
     try:
         _, scored, _ = agents(params, types.SimpleNamespace(examples=[{"question": "1+2="}]), 0)
     finally:
@@ -711,8 +777,9 @@ def test_unshared_prompts_are_counted_and_warned_once(tiny, tok, tmp_path, caplo
     share only `<bos>`-long prompts, and one warning line (at the first step, numbered as
     metrics.jsonl numbers it) names the cause."""
     _, cfg, params = tiny
-    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:numbered", batch_size=2, G=2,
-                              options={"claims": str(tmp_path)})  # fmt: skip
+    agents, _ = agent_rollout(
+        cfg, tok, f"{AGENTS}:numbered", batch_size=2, G=2, options={"claims": str(tmp_path)}
+    )
     examples = [{"question": "1+2=", "numbered": True}, {"question": "1+2="}]
     try:
         for step in (0, 1):

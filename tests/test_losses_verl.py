@@ -73,8 +73,9 @@ def _ours(cfg, d):
 def _metrics(cfg, d) -> dict:
     with jax.enable_x64(True):
         args = [jnp.asarray(d[k]) for k in ("logp", "old")]
-        _, metrics = L.policy_objective(cfg, *args, None, None, jnp.asarray(d["adv"]),
-                                        jnp.asarray(d["mask"]))  # fmt: skip
+        _, metrics = L.policy_objective(
+            cfg, *args, None, None, jnp.asarray(d["adv"]), jnp.asarray(d["mask"])
+        )
         return {k: float(v) for k, v in metrics.items()}
 
 
@@ -113,8 +114,13 @@ def _check(ours, ref, factor=1.0):
 @pytest.mark.parametrize("taus", [(1.0, 1.05), (2.0, 0.5)])
 def test_sapo_matches_verl(mode, taus):
     d = _batch(1)
-    cfg = AlgoConfig(policy_loss="sapo", sapo_tau_pos=taus[0], sapo_tau_neg=taus[1],
-                     loss_agg=mode, off_policy="none")  # fmt: skip
+    cfg = AlgoConfig(
+        policy_loss="sapo",
+        sapo_tau_pos=taus[0],
+        sapo_tau_neg=taus[1],
+        loss_agg=mode,
+        off_policy="none",
+    )
     ours = _ours(cfg, d)
     if mode == "seq-mean-token-mean":  # verl's own aggregation
         loss, grad, _ = _verl(V.sapo, d, *taus)
@@ -129,8 +135,9 @@ def test_sapo_matches_verl(mode, taus):
 @pytest.mark.parametrize("eps", [(0.4, 0.4), (0.1, 0.3)])
 def test_gmpo_matches_verl(mode, eps):
     d = _batch(2)
-    cfg = AlgoConfig(policy_loss="gmpo", eps_low=eps[0], eps_high=eps[1], loss_agg=mode,
-                     off_policy="none")  # fmt: skip
+    cfg = AlgoConfig(
+        policy_loss="gmpo", eps_low=eps[0], eps_high=eps[1], loss_agg=mode, off_policy="none"
+    )
     ours = _ours(cfg, d)
     nonempty = float((d["mask"].sum(-1) > 0).sum())
     if mode == "seq-mean-token-mean":
@@ -218,8 +225,9 @@ def test_clip_cov_draws_the_budget_among_candidates():
 @pytest.mark.parametrize("ratio,coef", [(0.2, 1.0), (0.02, 0.1)])
 def test_kl_cov_matches_verl(mode, ratio, coef):
     d = _batch(5)
-    cfg = AlgoConfig(policy_loss="kl_cov", loss_agg=mode, off_policy="none", kl_cov_ratio=ratio,
-                     kl_cov_coef=coef)  # fmt: skip
+    cfg = AlgoConfig(
+        policy_loss="kl_cov", loss_agg=mode, off_policy="none", kl_cov_ratio=ratio, kl_cov_coef=coef
+    )
     ref = _verl(V.kl_cov, d, mode, ratio, coef, loss_scale_factor=MAX_LEN)
     _check(_ours(cfg, d), ref[:2], _norm_factor(d, mode))
 
@@ -238,8 +246,14 @@ def test_kl_cov_penalty_has_no_gradient_on_policy():
 @pytest.mark.parametrize("eps,cap", [((0.2, 0.2), 20.0), ((0.05, 0.1), 1.5)])
 def test_dppo_matches_verl(mode, kind, eps, cap):
     d = _batch(7)
-    cfg = AlgoConfig(policy_loss=f"dppo_{kind}", loss_agg=mode, off_policy="none",
-                     eps_low=eps[0], eps_high=eps[1], ratio_cap=cap)  # fmt: skip
+    cfg = AlgoConfig(
+        policy_loss=f"dppo_{kind}",
+        loss_agg=mode,
+        off_policy="none",
+        eps_low=eps[0],
+        eps_high=eps[1],
+        ratio_cap=cap,
+    )
     fn = V.dppo_tv if kind == "tv" else V.dppo_kl
     _, grad, mat = _verl(fn, d, mode, *eps, clip_ratio_c=cap, loss_scale_factor=MAX_LEN)
     f = _norm_factor(d, mode)

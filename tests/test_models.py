@@ -393,12 +393,23 @@ def test_gemma3_from_scratch_config_loads_in_transformers(tmp_path):
     """`init_params` + `save_hf` of a config built from fields: transformers reads the
     written config.json (layer pattern, both RoPE bases, scaling) to the same logits."""
     cfg = models.ModelConfig(
-        "Gemma3ForCausalLM", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True,
-        tie_word_embeddings=True, sliding_window=3, rope_theta=1e6, rope_local_theta=1e4,
-        layer_types=("sliding_attention", "full_attention"), query_pre_attn_scalar=16.0,
+        "Gemma3ForCausalLM",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        sliding_window=3,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        layer_types=("sliding_attention", "full_attention"),
+        query_pre_attn_scalar=16.0,
         rope_scaling=(("factor", 4.0), ("rope_type", "linear")),
-    )  # fmt: skip
+    )
     params = jax.tree.map(
         lambda x: x + 0.2 * jax.random.normal(jax.random.key(1), x.shape),
         models.init_params(cfg, seed=2),

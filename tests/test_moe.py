@@ -133,8 +133,9 @@ def test_dense_layer_pattern_equals_transformers(tmp_path):
     MoE by the step, and 3 is dense by `mlp_only_layers`: runs dense, MoE, dense (three
     scans, each over its kind's stack). Logits equal transformers'. (The per-layer cache
     over layers of two kinds: tests/test_moe_glm.py's greedy test.)"""
-    model = hf_model("qwen3_moe", seed=5, num_hidden_layers=4, decoder_sparse_step=2,
-                     mlp_only_layers=[3])  # fmt: skip
+    model = hf_model(
+        "qwen3_moe", seed=5, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]
+    )
     model.save_pretrained(tmp_path)
     cfg, params = models.load_hf(tmp_path)
     assert cfg.dense_layers == (0, 2, 3) and len(cfg.layer_segments()) == 3
@@ -178,9 +179,12 @@ def tie_sensitive(cfg, params, eps=1e-6):
 
 def tiny_moe(**overrides):
     fields = dict(
-        architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=16, initializer_range=0.2,
-    )  # fmt: skip
+        architecture="Qwen3MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        initializer_range=0.2,
+    )
     return tiny_model_config(**(fields | overrides))
 
 
@@ -315,9 +319,14 @@ def tree_diff(a, b):
 
 def moe_update_batch(cfg, params, spec):
     out = sampling.generate(
-        cfg, params, learning.PROMPTS + [[9, 3]], spec.max_new_tokens,
-        num_samples=spec.num_generations, temperature=1.0, seed=2,
-    )  # fmt: skip
+        cfg,
+        params,
+        learning.PROMPTS + [[9, 3]],
+        spec.max_new_tokens,
+        num_samples=spec.num_generations,
+        temperature=1.0,
+        seed=2,
+    )
     rewards = np.asarray(out.tokens)[:, 0] % 3 == 0
     return rl.RolloutBatch.from_sample(out, rewards.astype(np.float32))
 
@@ -360,8 +369,9 @@ def test_lora_on_attention_of_an_moe_model():
     ids = ids % learning.VOCAB
     np.testing.assert_allclose(
         models.logits(adapted, models.lora.combine(base, adapters), ids, mask),
-        models.logits(cfg, base, ids, mask), atol=1e-6,
-    )  # fmt: skip
+        models.logits(cfg, base, ids, mask),
+        atol=1e-6,
+    )
     batch = moe_update_batch(cfg, base, spec)
     opt = rl_update.make_optimizer(learning_rate=1e-2)
     state = rl_update.init_train_state(jax.tree.map(jnp.copy, adapters), opt, frozen=base)

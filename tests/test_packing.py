@@ -89,10 +89,19 @@ def params():
 
 def setup(preset, capacity, micro=2):
     return Setup(
-        model_cfg=CFG, algo=rl.preset(preset), opt=U.make_optimizer(learning_rate=1e-3),
-        critic_opt=None, spec=SPEC, micro_batches=micro, mini_batches=1, chunk_size=8,
-        skip_nonfinite=False, seed=0, share_prompts=False, packing=capacity,
-    )  # fmt: skip
+        model_cfg=CFG,
+        algo=rl.preset(preset),
+        opt=U.make_optimizer(learning_rate=1e-3),
+        critic_opt=None,
+        spec=SPEC,
+        micro_batches=micro,
+        mini_batches=1,
+        chunk_size=8,
+        skip_nonfinite=False,
+        seed=0,
+        share_prompts=False,
+        packing=capacity,
+    )
 
 
 def rows_of(full=False):
@@ -102,10 +111,18 @@ def rows_of(full=False):
     ref = np.where(mask, behaviour + rng.normal(0, 0.1, (N, T)), 0.0).astype(np.float32)
     adv = compute_advantages(rl.preset("grpo"), jnp.asarray(rewards), loss_mask, 2)
     return Rows(
-        prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens, mask=mask,
-        loss_mask=loss_mask, behaviour_logp=behaviour, advantages=adv.advantages,
-        old_logp=None, ref_logp=ref, returns=None, old_values=None,
-    )  # fmt: skip
+        prompt_tokens=prompt_tokens,
+        prompt_mask=prompt_mask,
+        tokens=tokens,
+        mask=mask,
+        loss_mask=loss_mask,
+        behaviour_logp=behaviour,
+        advantages=adv.advantages,
+        old_logp=None,
+        ref_logp=ref,
+        returns=None,
+        old_values=None,
+    )
 
 
 @functools.cache

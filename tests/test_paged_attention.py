@@ -46,12 +46,14 @@ def scenario(cfg, T):
     rng = np.random.default_rng(T)
     L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     shape = (L, POOL, PS, K, H)
-    pages = Pages(k=jnp.asarray(rng.normal(size=shape), jnp.float32),
-                  v=jnp.asarray(rng.normal(size=shape), jnp.float32))  # fmt: skip
-    table = np.array([[1, 2, 3, 4, 5, 6, 0, 0],
-                      [1, 2, 3, 7, 8, 9, 0, 0],
-                      [10, 11, 12, 13, 0, 0, 0, 0],
-                      [0] * 8], np.int32)  # fmt: skip
+    pages = Pages(
+        k=jnp.asarray(rng.normal(size=shape), jnp.float32),
+        v=jnp.asarray(rng.normal(size=shape), jnp.float32),
+    )
+    table = np.array(
+        [[1, 2, 3, 4, 5, 6, 0, 0], [1, 2, 3, 7, 8, 9, 0, 0], [10, 11, 12, 13, 0, 0, 0, 0], [0] * 8],
+        np.int32,
+    )
     start = np.array([3, 3, 1, 0], np.int32)
     length = np.array([12, 12, 6, 0], np.int32)
     tokens = rng.integers(1, cfg.vocab_size, (4, T)).astype(np.int32)
@@ -70,8 +72,10 @@ def test_pages_equal_the_gather_path(name, T):
     cfg, params = model(name)
     pages, *rest = scenario(cfg, T)
     unrolled = name == "qwen3_unrolled"
-    out = {impl: run(cfg, params, pages, *rest, impl=impl, unrolled=unrolled)
-           for impl in ("pages", "gather")}  # fmt: skip
+    out = {
+        impl: run(cfg, params, pages, *rest, impl=impl, unrolled=unrolled)
+        for impl in ("pages", "gather")
+    }
     mask = rest[1]
     (h, p, r), (h_ref, p_ref, r_ref) = out["pages"], out["gather"]
     np.testing.assert_allclose(np.asarray(h)[mask], np.asarray(h_ref)[mask], atol=1e-5)
@@ -117,13 +121,30 @@ def prefill_then_decode(cfg, params, pages, table, width=12):
     hidden = []
     for c in range(0, width, 4):  # prefill chunks of 4
         mask = np.arange(c, c + 4)[None] >= start[:, None]
-        h, pages, _ = run(cfg, params, pages, ids[:, c : c + 4], mask, table, start,
-                          np.full(2, c, np.int32), impl="pages")  # fmt: skip
+        h, pages, _ = run(
+            cfg,
+            params,
+            pages,
+            ids[:, c : c + 4],
+            mask,
+            table,
+            start,
+            np.full(2, c, np.int32),
+            impl="pages",
+        )
         hidden.append(np.asarray(h))
     for t in range(2):  # decode steps
-        h, pages, _ = run(cfg, params, pages, ids[:, width + t : width + t + 1],
-                          np.ones((2, 1), bool), table, start, np.full(2, width + t, np.int32),
-                          impl="pages")  # fmt: skip
+        h, pages, _ = run(
+            cfg,
+            params,
+            pages,
+            ids[:, width + t : width + t + 1],
+            np.ones((2, 1), bool),
+            table,
+            start,
+            np.full(2, width + t, np.int32),
+            impl="pages",
+        )
         hidden.append(np.asarray(h))
     real = np.arange(width + 2)[None] >= start[:, None]
     ref = models.forward(cfg, params, jnp.asarray(ids), jnp.asarray(real))
@@ -195,11 +216,13 @@ def test_auto_picks_the_kernel_on_tpu_only():
     assert uses_pallas(cfg, "auto", jnp.bfloat16, "tpu")
     assert not uses_pallas(cfg.replace(head_dim=64), "auto", jnp.bfloat16, "tpu")
     assert not uses_pallas(cfg, "auto", jnp.bfloat16, "tpu", page_size=8)
-    for c, attention, dtype, backend in ((cfg, "auto", jnp.bfloat16, "cpu"),
-                                         (cfg, "auto", jnp.bfloat16, "gpu"),
-                                         (cfg, "auto", jnp.float32, "tpu"),
-                                         (gemma, "auto", jnp.bfloat16, "tpu"),
-                                         (cfg, "pages", jnp.bfloat16, "tpu")):  # fmt: skip
+    for c, attention, dtype, backend in (
+        (cfg, "auto", jnp.bfloat16, "cpu"),
+        (cfg, "auto", jnp.bfloat16, "gpu"),
+        (cfg, "auto", jnp.float32, "tpu"),
+        (gemma, "auto", jnp.bfloat16, "tpu"),
+        (cfg, "pages", jnp.bfloat16, "tpu"),
+    ):
         assert not uses_pallas(c, attention, dtype, backend)
     assert uses_pallas(cfg, "pallas", jnp.float32, "cpu")
     pool = PagedSampler(cfg, attention="pallas").pool(cfg, 6, PS, jnp.float32)

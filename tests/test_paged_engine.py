@@ -12,8 +12,14 @@ from tiny_run import teacher_forced_logprobs, tiny_model_config
 
 from jaxrl_llm import models, parallel, sampling
 
-PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [40, 41, 42, 43, 44],
-           [9, 8, 7, 6, 5, 4, 3, 2, 1, 20, 21, 22, 23, 24, 25, 26, 27, 28], [33, 34]]  # fmt: skip
+PROMPTS = [
+    [5, 6, 7],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    [11],
+    [40, 41, 42, 43, 44],
+    [9, 8, 7, 6, 5, 4, 3, 2, 1, 20, 21, 22, 23, 24, 25, 26, 27, 28],
+    [33, 34],
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +36,30 @@ def test_greedy_equals_the_static_sampler(tiny):
     preemptions."""
     cfg, params = tiny
     ids, mask = sampling.pad_prompts(PROMPTS, 0)
-    spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=20, temperature=0.0,
-                                stop_ids=(7, 16))  # fmt: skip
+    spec = sampling.RolloutSpec(
+        num_generations=3, max_new_tokens=20, temperature=0.0, stop_ids=(7, 16)
+    )
     ref = sampling.Sampler(cfg).sample(params, ids, mask, spec, version=4)
     lengths = np.asarray(ref.lengths)
     assert len(set(lengths.tolist())) > 2, lengths  # rows end at different steps
     for slots, pages in ((0, 0), (5, 16)):
-        paged = sampling.PagedSampler(cfg, slots=slots, pages=pages, page_size=4,
-                                      chunk_steps=3, prefill_chunk=8)  # fmt: skip
+        paged = sampling.PagedSampler(
+            cfg, slots=slots, pages=pages, page_size=4, chunk_steps=3, prefill_chunk=8
+        )
         out = paged.sample(params, ids, mask, spec, version=4)
-        for name in ("tokens", "mask", "loss_mask", "lengths", "finish", "prompt_tokens",
-                     "prompt_mask", "policy_version"):  # fmt: skip
-            np.testing.assert_array_equal(np.asarray(getattr(out, name)),
-                                          np.asarray(getattr(ref, name)), err_msg=name)  # fmt: skip
+        for name in (
+            "tokens",
+            "mask",
+            "loss_mask",
+            "lengths",
+            "finish",
+            "prompt_tokens",
+            "prompt_mask",
+            "policy_version",
+        ):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)), err_msg=name
+            )
         assert np.abs(np.asarray(out.logprobs) - np.asarray(ref.logprobs)).max() <= 1e-5
         if slots == 0:
             assert paged.stats["prefills"] == len(PROMPTS)  # one per prompt, for G rows
@@ -65,11 +82,11 @@ def test_logprobs_equal_teacher_forced(tiny, sharded):
         mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
         params = jax.device_put(params, models.param_shardings(cfg, mesh))
     ids, mask = sampling.pad_prompts(PROMPTS[:4], 0)
-    spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=16, temperature=0.8,
-                                top_k=20, stop_ids=(7,))  # fmt: skip
+    spec = sampling.RolloutSpec(
+        num_generations=3, max_new_tokens=16, temperature=0.8, top_k=20, stop_ids=(7,)
+    )
     budgets = np.array([16, 3, 9, 16, 1, 5, 12, 16, 2, 7, 16, 4])
-    paged = sampling.PagedSampler(cfg, mesh, slots=6, page_size=4, chunk_steps=4,
-                                  prefill_chunk=8)  # fmt: skip
+    paged = sampling.PagedSampler(cfg, mesh, slots=6, page_size=4, chunk_steps=4, prefill_chunk=8)
     out = paged.sample(params, ids, mask, spec, step=2, budgets=budgets)
     assert np.all(np.asarray(out.lengths) <= budgets)
     ref = teacher_forced_logprobs(cfg, params, out, 0.8)
@@ -90,17 +107,23 @@ def test_moe_routes_equal_the_static_samplers():
     token when other rows of its batch go on; its route changes no log-prob the trainer
     scores)."""
     cfg = tiny_model_config(
-        architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=16, initializer_range=0.2, max_position_embeddings=512,
+        architecture="Qwen3MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        initializer_range=0.2,
+        max_position_embeddings=512,
         scan_layers=False,  # the engine's unrolled path (layers sliced once per session)
-    )  # fmt: skip
+    )
     params = models.init_params(cfg, seed=1)
     ids, mask = sampling.pad_prompts(PROMPTS, 0)
-    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.0,
-                                stop_ids=(7,))  # fmt: skip
+    spec = sampling.RolloutSpec(
+        num_generations=2, max_new_tokens=12, temperature=0.0, stop_ids=(7,)
+    )
     ref = sampling.Sampler(cfg).sample(params, ids, mask, spec)
-    paged = sampling.PagedSampler(cfg, slots=4, pages=14, page_size=4, chunk_steps=3,
-                                  prefill_chunk=8)  # fmt: skip
+    paged = sampling.PagedSampler(
+        cfg, slots=4, pages=14, page_size=4, chunk_steps=3, prefill_chunk=8
+    )
     out = paged.sample(params, ids, mask, spec)
     assert paged.stats["preempted"] > 0
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
@@ -205,8 +228,9 @@ def test_trainer_with_the_paged_engine(tmp_path):
         outs.append(sampler.sample(params, batch.prompt_ids, batch.prompt_mask, spec))
     assert isinstance(sampler, sampling.PagedSampler)
     for name in ("tokens", "mask", "lengths", "finish"):
-        np.testing.assert_array_equal(np.asarray(getattr(outs[0], name)),
-                                      np.asarray(getattr(outs[1], name)), err_msg=name)  # fmt: skip
+        np.testing.assert_array_equal(
+            np.asarray(getattr(outs[0], name)), np.asarray(getattr(outs[1], name)), err_msg=name
+        )
     assert np.abs(np.asarray(outs[0].logprobs) - np.asarray(outs[1].logprobs)).max() <= 1e-5
 
 
@@ -267,12 +291,14 @@ def test_a_page_pool_past_the_machines_memory_is_one_line(tiny):
     cfg, _ = tiny
     c = tiny_config("unused")
     c.rollout.engine, c.rollout.paged.pages, c.rollout.paged.page_size = "paged", 10**9, 16
-    size = np.prod([10**9, 16, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, 4],
-                   dtype=np.float64)  # fmt: skip
+    size = np.prod(
+        [10**9, 16, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, 4], dtype=np.float64
+    )
     with pytest.raises(config_lib.ConfigError) as err:
         checks_model.check_page_pool(c, cfg)
-    assert str(err.value).startswith(f"rollout.paged.pages=1000000000: the page pool's KV "
-                                     f"cache is {size / 2**30:,.1f} GiB")  # fmt: skip
+    assert str(err.value).startswith(
+        f"rollout.paged.pages=1000000000: the page pool's KV cache is {size / 2**30:,.1f} GiB"
+    )
     assert str(err.value).endswith("lower rollout.paged.pages (0 = automatic)")
     c.rollout.paged.pages = 0
     checks_model.check_page_pool(c, cfg)

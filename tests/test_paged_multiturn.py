@@ -16,11 +16,16 @@ SLEEPY = os.path.join(TESTS, "envs_for_tests.py") + ":Sleepy"
 # Trajectories that end after 1, 2 and 3 actions (done), on a long observation, and on
 # max_turns; observations of different lengths; turns that end on a stop id or on the
 # turn budget (the tiny model draws 20 or 29 at some steps, not at others).
-EXAMPLES = [{"question": "1+2=", "turns": 1}, {"question": "12*3+45=", "turns": 2},
-            {"question": "7=", "turns": 6}, {"question": "(8-9)/3=", "turns": 3},
-            {"question": "3*3=", "turns": 9, "obs_chars": [1, 3, 2]}]  # fmt: skip
-SETTINGS = envs.TurnSettings(max_turns=4, turn_tokens=6, max_total_tokens=40,
-                             stop_ids=(20, 29, 14), end_of_turn_ids=(29,))  # fmt: skip
+EXAMPLES = [
+    {"question": "1+2=", "turns": 1},
+    {"question": "12*3+45=", "turns": 2},
+    {"question": "7=", "turns": 6},
+    {"question": "(8-9)/3=", "turns": 3},
+    {"question": "3*3=", "turns": 9, "obs_chars": [1, 3, 2]},
+]
+SETTINGS = envs.TurnSettings(
+    max_turns=4, turn_tokens=6, max_total_tokens=40, stop_ids=(20, 29, 14), end_of_turn_ids=(29,)
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,9 @@ def setup():
 def small_engine(setup):
     """3 slots over 18 pages of 4 tokens (the tests that share it compile its programs
     once)."""
-    return sampling.PagedSampler(setup[0], seed=5, slots=3, pages=18, page_size=4,
-                                 chunk_steps=4, prefill_chunk=8)  # fmt: skip
+    return sampling.PagedSampler(
+        setup[0], seed=5, slots=3, pages=18, page_size=4, chunk_steps=4, prefill_chunk=8
+    )
 
 
 def play(setup, engine, examples=EXAMPLES, G=2, temperature=0.0, params=None, refresh=None):
@@ -45,12 +51,25 @@ def play(setup, engine, examples=EXAMPLES, G=2, temperature=0.0, params=None, re
     trajs, observations = pool.reset(examples)
     ids, mask = sampling.pad_prompts([renderer.prompt(o) for o in observations], 0)
     trajs, _ = envs.replicate(trajs, observations, G)
-    spec = sampling.RolloutSpec(G, SETTINGS.turn_tokens, temperature,
-                                stop_ids=SETTINGS.end_of_turn_ids)  # fmt: skip
+    spec = sampling.RolloutSpec(
+        G, SETTINGS.turn_tokens, temperature, stop_ids=SETTINGS.end_of_turn_ids
+    )
     player = envs.play if isinstance(engine, sampling.Sampler) else envs.play_paged
-    out, turns = player(engine, own if params is None else params, ids, mask, spec, SETTINGS,
-                        pool, trajs, renderer, tok, step=1, version=3,
-                        refresh=refresh)  # fmt: skip
+    out, turns = player(
+        engine,
+        own if params is None else params,
+        ids,
+        mask,
+        spec,
+        SETTINGS,
+        pool,
+        trajs,
+        renderer,
+        tok,
+        step=1,
+        version=3,
+        refresh=refresh,
+    )
     return out, turns, [t.end for t in trajs], spec
 
 
@@ -71,8 +90,9 @@ def test_greedy_trajectories_equal_the_static_turn_loop(setup):
     assert len(starts) == SETTINGS.max_turns, starts
     assert all(e == sampling.bucket_length(e, 4) for e in starts), starts
     assert len(set(np.asarray(ref.lengths).tolist())) >= 4
-    engine = sampling.PagedSampler(cfg, seed=5, slots=8, pages=18, page_size=4, chunk_steps=3,
-                                   prefill_chunk=8)  # fmt: skip
+    engine = sampling.PagedSampler(
+        cfg, seed=5, slots=8, pages=18, page_size=4, chunk_steps=3, prefill_chunk=8
+    )
     out, turns, ends, _ = play(setup, engine)
     stats = engine.stats
     # Which rows are evicted or preempted depends on when their environments answer.
@@ -80,10 +100,19 @@ def test_greedy_trajectories_equal_the_static_turn_loop(setup):
     assert stats["evicted"] > 0 and stats["prompt_kept"] > 0, stats
     assert stats["peak_pages"] <= 17
     assert ends == ref_ends
-    for name in ("tokens", "mask", "loss_mask", "lengths", "finish", "prompt_tokens",
-                 "prompt_mask", "policy_version"):  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(getattr(out, name)),
-                                      np.asarray(getattr(ref, name)), err_msg=name)  # fmt: skip
+    for name in (
+        "tokens",
+        "mask",
+        "loss_mask",
+        "lengths",
+        "finish",
+        "prompt_tokens",
+        "prompt_mask",
+        "policy_version",
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)), err_msg=name
+        )
     assert np.abs(np.asarray(out.logprobs) - np.asarray(ref.logprobs)).max() <= 1e-5
     assert out.tokens.shape[1] == SETTINGS.max_total_tokens
     assert turns.spans == ref_turns.spans
@@ -117,8 +146,9 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup, smal
     assert roomy.stats["appends"] == appended > 0
     assert roomy.stats["evicted"] == roomy.stats["preempted"] == 0
     for name in ("tokens", "mask", "loss_mask", "lengths"):
-        np.testing.assert_array_equal(np.asarray(getattr(alone, name)),
-                                      np.asarray(getattr(out, name))[:4], err_msg=name)  # fmt: skip
+        np.testing.assert_array_equal(
+            np.asarray(getattr(alone, name)), np.asarray(getattr(out, name))[:4], err_msg=name
+        )
 
 
 def test_moe_routes_equal_the_static_turn_loops(setup):
@@ -131,16 +161,21 @@ def test_moe_routes_equal_the_static_turn_loops(setup):
     the static loop feeds a stop token when other rows go on, and no log-prob the
     trainer scores reads that token's route)."""
     cfg = tiny_model_config(
-        architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=16, initializer_range=0.2, vocab_size=33,
+        architecture="Qwen3MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        initializer_range=0.2,
+        vocab_size=33,
         max_position_embeddings=256,
-    )  # fmt: skip
+    )
     params = models.init_params(cfg, seed=1)
     examples = EXAMPLES[1:4]
     static = sampling.Sampler(cfg, seed=5, cache_segments=1)
     ref, ref_turns, *_ = play(setup, static, examples, params=params)
-    engine = sampling.PagedSampler(cfg, seed=5, slots=4, pages=18, page_size=4, chunk_steps=3,
-                                   prefill_chunk=8)  # fmt: skip
+    engine = sampling.PagedSampler(
+        cfg, seed=5, slots=4, pages=18, page_size=4, chunk_steps=3, prefill_chunk=8
+    )
     out, turns, *_ = play(setup, engine, examples, params=params)
     assert engine.stats["evicted"] + engine.stats["preempted"] > 0, engine.stats
     assert max(turns.model_turns) >= 3 and turns.spans == ref_turns.spans
@@ -263,5 +298,4 @@ def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_pat
     assert [t - v for t, v in seen] == lags
     assert max(lags[1:]) == 1  # the slow learner let the thread run to the bound
     assert all(m["env/turns_mean"] >= 1 and np.isfinite(m["loss/total"]) for m in logged)
-    assert all(0 <= m["rollout/token_staleness_mean"] <= m["rollout/staleness_max"]
-               for m in logged)  # fmt: skip
+    assert all(0 <= m["rollout/token_staleness_mean"] <= m["rollout/staleness_max"] for m in logged)

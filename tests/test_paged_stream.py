@@ -45,8 +45,9 @@ def test_greedy_across_steps_equals_the_static_sampler(tiny, paged):
     prefilled in one program): at temperature 0 each step's rows equal the static
     sampler's."""
     cfg, params, _ = tiny
-    spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=12, temperature=0.0,
-                                stop_ids=(7, 16))  # fmt: skip
+    spec = sampling.RolloutSpec(
+        num_generations=3, max_new_tokens=12, temperature=0.0, stop_ids=(7, 16)
+    )
     session = paged.stream(params, 2, spec, width=16, rows=12)
     submit(session, paged, 0, PROMPTS, spec)
     submit(session, paged, 1, LATER, spec)
@@ -71,14 +72,22 @@ def test_moe_routes_across_steps_equal_the_static_samplers():
     the static sampler's at every real token but each row's last (never fed: -1), -1 in
     the dense layer and at padding."""
     cfg = tiny_model_config(
-        architecture="Glm4MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=16, initializer_range=0.2, router="sigmoid", n_group=2,
-        topk_group=1, n_shared_experts=1, dense_layers=(0,), num_layers=3,
-        max_position_embeddings=512, scan_layers=False,
-    )  # fmt: skip
+        architecture="Glm4MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        initializer_range=0.2,
+        router="sigmoid",
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        dense_layers=(0,),
+        num_layers=3,
+        max_position_embeddings=512,
+        scan_layers=False,
+    )
     params = models.init_params(cfg, seed=1)
-    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=8, temperature=0.0,
-                                stop_ids=(7,))  # fmt: skip
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=8, temperature=0.0, stop_ids=(7,))
     paged = sampling.PagedSampler(cfg, slots=4, page_size=4, chunk_steps=3, prefill_chunk=8)
     session = paged.stream(params, 0, spec, width=16, rows=8)
     submit(session, paged, 0, PROMPTS, spec)
@@ -170,12 +179,17 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
             return self.position
 
     s = types.SimpleNamespace(
-        sampler=paged, spec=spec, data=Data(), scorer=lambda out, batch: None,
+        sampler=paged,
+        spec=spec,
+        data=Data(),
+        scorer=lambda out, batch: None,
         guard=contextlib.nullcontext,
         compile_log=types.SimpleNamespace(program=lambda *a, **k: contextlib.nullcontext()),
-    )  # fmt: skip
-    config = types.SimpleNamespace(rollout=types.SimpleNamespace(max_staleness=1, partial=False),
-                                   train=types.SimpleNamespace(num_steps=4))  # fmt: skip
+    )
+    config = types.SimpleNamespace(
+        rollout=types.SimpleNamespace(max_staleness=1, partial=False),
+        train=types.SimpleNamespace(num_steps=4),
+    )
     versions = [p0, p1, p0, p1]  # version v: versions[v]
     stream = Handoff(p0, 0, s.data.state())
     PagedStream(s, config, 0, stream)

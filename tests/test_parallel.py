@@ -102,10 +102,10 @@ def test_to_mesh_keeps_specs_where_the_new_mesh_divides():
     tree = {
         "w": jax.device_put(
             np.arange(48.0).reshape(4, 12), NamedSharding(train, P("fsdp", "tensor"))
-        ),  # fmt: skip
+        ),
         "odd": jax.device_put(
             np.arange(12.0).reshape(2, 6), NamedSharding(train, P(None, "tensor"))
-        ),  # fmt: skip
+        ),
         "b": jax.device_put(np.arange(4.0), NamedSharding(train, P(("fsdp", "tensor")))),
     }
     moved = parallel.to_mesh(tree, rollout)

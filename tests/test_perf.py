@@ -38,9 +38,14 @@ def test_step_flops_equal_a_walk_over_every_token():
     P, T, prompts, G = 5, 4, 3, 2
     rows = prompts * G
     got = perf.step_flops(
-        cfg, rows=rows, prompts=prompts, prompt_len=P, new_tokens=T, reference=True,
+        cfg,
+        rows=rows,
+        prompts=prompts,
+        prompt_len=P,
+        new_tokens=T,
+        reference=True,
         update_forwards=3,
-    )  # fmt: skip
+    )
     prefill = count_forward(cfg, range(1, P + 1), 1)
     # Decode: T - 1 forwards (the first token comes from the prefill), at contexts P+1 ...
     decode = count_forward(cfg, range(P + 1, P + T), T - 1)
@@ -53,16 +58,27 @@ def test_step_flops_equal_a_walk_over_every_token():
     np.testing.assert_allclose(got["reference"], rows * seq, rtol=1e-12)
     np.testing.assert_allclose(got["update"], 3 * rows * seq, rtol=1e-12)
     no_ref = perf.step_flops(
-        cfg, rows=rows, prompts=prompts, prompt_len=P, new_tokens=T, reference=False,
+        cfg,
+        rows=rows,
+        prompts=prompts,
+        prompt_len=P,
+        new_tokens=T,
+        reference=False,
         update_forwards=3,
-    )  # fmt: skip
+    )
     assert no_ref["reference"] == 0.0
     # A reference that reads each prompt once: the prompt per group (nothing projected),
     # then every row's completion inputs against it (contexts P + 1 ...), T projected.
     shared = perf.step_flops(
-        cfg, rows=rows, prompts=prompts, prompt_len=P, new_tokens=T, reference=True,
-        update_forwards=3, reference_shares_prompts=True,
-    )  # fmt: skip
+        cfg,
+        rows=rows,
+        prompts=prompts,
+        prompt_len=P,
+        new_tokens=T,
+        reference=True,
+        update_forwards=3,
+        reference_shares_prompts=True,
+    )
     expected = prompts * count_forward(cfg, range(1, P + 1), 0) + rows * count_forward(
         cfg, range(P + 1, P + T), T
     )
@@ -70,9 +86,15 @@ def test_step_flops_equal_a_walk_over_every_token():
     assert shared["update"] == got["update"] and shared["sample"] == got["sample"]
     # An update with 4 forwards (pi_old + forward and backward), 3 of them shared.
     mixed = perf.step_flops(
-        cfg, rows=rows, prompts=prompts, prompt_len=P, new_tokens=T, reference=True,
-        update_forwards=4, update_shared_forwards=3,
-    )  # fmt: skip
+        cfg,
+        rows=rows,
+        prompts=prompts,
+        prompt_len=P,
+        new_tokens=T,
+        reference=True,
+        update_forwards=4,
+        update_shared_forwards=3,
+    )
     np.testing.assert_allclose(mixed["update"], rows * seq + 3 * expected, rtol=1e-12)
 
 

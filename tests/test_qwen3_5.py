@@ -153,9 +153,15 @@ def test_sampled_logprobs_equal_teacher_forced(qwen3_5):
     forward's."""
     _, _, cfg, params = qwen3_5
     out = sampling.generate(
-        cfg, params, PROMPTS, max_new_tokens=10, num_samples=3, temperature=0.7, seed=1,
+        cfg,
+        params,
+        PROMPTS,
+        max_new_tokens=10,
+        num_samples=3,
+        temperature=0.7,
+        seed=1,
         stop_ids=(7, 20, 33),
-    )  # fmt: skip
+    )
     mask = np.asarray(out.mask)
     assert not mask.all()  # some rows stopped
     ref = teacher_forced_logprobs(cfg, params, out, 0.7)
@@ -249,14 +255,27 @@ def test_grpo_two_steps_with_routing_replay(tmp_path):
     from jaxrl_llm import train
 
     cfg = tiny_model_config(
-        architecture="Qwen3_5MoeForCausalLM", vocab_size=33, tie_word_embeddings=True,
-        max_position_embeddings=256, num_layers=2, zero_centered_norm=True,
-        attn_output_gate=True, partial_rotary_factor=0.25,
-        layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-        n_shared_experts=1, shared_expert_size=24, shared_expert_gate=True,
-    )  # fmt: skip
+        architecture="Qwen3_5MoeForCausalLM",
+        vocab_size=33,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        num_layers=2,
+        zero_centered_norm=True,
+        attn_output_gate=True,
+        partial_rotary_factor=0.25,
+        layer_types=("linear_attention", "full_attention"),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+        n_shared_experts=1,
+        shared_expert_size=24,
+        shared_expert_gate=True,
+    )
     models.save_hf(cfg, models.init_params(cfg, seed=0), tmp_path / "m", tokenizer_dir=TOKENIZER)
     c = tiny_config(str(tmp_path / "m"), beta=0.04, routing_replay="rollout")
     last = train.train(c, str(tmp_path / "run"))

@@ -39,13 +39,17 @@ def fake_output(tokenizer, completions, prompt_width=4, stop=None):
     stopped = np.zeros(n, bool) if stop is None else np.asarray(stop)
     finish = np.where(stopped, sampling.FINISH_STOP, sampling.FINISH_LENGTH).astype(np.int32)
     return sampling.SampleOutput(
-        tokens=jax.numpy.asarray(tokens), mask=jax.numpy.asarray(mask),
-        loss_mask=jax.numpy.asarray(mask), logprobs=jax.numpy.zeros((n, T)),
-        lengths=jax.numpy.asarray(lengths), finish=jax.numpy.asarray(finish),
+        tokens=jax.numpy.asarray(tokens),
+        mask=jax.numpy.asarray(mask),
+        loss_mask=jax.numpy.asarray(mask),
+        logprobs=jax.numpy.zeros((n, T)),
+        lengths=jax.numpy.asarray(lengths),
+        finish=jax.numpy.asarray(finish),
         prompt_tokens=jax.numpy.ones((n, prompt_width), np.int32),
         prompt_mask=jax.numpy.ones((n, prompt_width), bool),
-        policy_version=jax.numpy.zeros(n, np.int32), num_generations=G,
-    )  # fmt: skip
+        policy_version=jax.numpy.zeros(n, np.int32),
+        num_generations=G,
+    )
 
 
 def fake_batch(answers, prompt_lengths):
@@ -63,8 +67,9 @@ def test_scorer_adds_the_overlong_penalty_of_the_sampled_token_counts(tokenizer,
     out = fake_output(tokenizer, completions)
     batch = fake_batch([12, 7, 55], [3, 5, 8])
     spec = sampling.RolloutSpec(G, T, stop_ids=())
-    scorer = scoring.Scorer(tokenizer, pool, verifiers.parse_specs({"gsm8k": 1.0}), spec,
-                            overlong_buffer=3)  # fmt: skip
+    scorer = scoring.Scorer(
+        tokenizer, pool, verifiers.parse_specs({"gsm8k": 1.0}), spec, overlong_buffer=3
+    )
     scored = scorer(out, batch)
     lengths = np.array([len(c) for c in completions])  # one token per digit
     np.testing.assert_array_equal(scored.lengths, lengths)
@@ -93,11 +98,14 @@ def test_merge_keeps_the_first_mixed_groups_of_all_rounds(tokenizer):
         completions = [str(rng.integers(1, 99)) for _ in rewards]
         out = fake_output(tokenizer, completions, prompt_width=4 + 2 * p)
         scored = scoring.Scored(
-            rewards=np.asarray(rewards, np.float32), metrics={"reward/x": float(p)},
-            completions=completions, prompts=[f"{p}:{i // G}" for i in range(6)],
-            examples=[{} for _ in range(6)], lengths=np.asarray(out.lengths),
+            rewards=np.asarray(rewards, np.float32),
+            metrics={"reward/x": float(p)},
+            completions=completions,
+            prompts=[f"{p}:{i // G}" for i in range(6)],
+            examples=[{} for _ in range(6)],
+            lengths=np.asarray(out.lengths),
             prompt_lengths=np.full(6, 4 + 2 * p),
-        )  # fmt: skip
+        )
         parts.append((out, scored))
         rows += [(p, i) for i in range(6)]
     out, scored = scoring.merge_mixed_groups(parts, G, 3)

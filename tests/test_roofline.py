@@ -14,15 +14,24 @@ def test_a_program_too_big_for_the_chip_exits_2(monkeypatch, capsys):
 
     def program(name, temporaries):
         return compile_for.Program(
-            name=name, arguments=2 * GiB, outputs=2 * GiB, aliased=2 * GiB,
-            temporaries=temporaries, compiler_flops=1.0, compiler_bytes=1.0, model_flops=1.0,
-            model_bytes=1.0, seconds=1.0, compile_s=1.0,
-        )  # fmt: skip
+            name=name,
+            arguments=2 * GiB,
+            outputs=2 * GiB,
+            aliased=2 * GiB,
+            temporaries=temporaries,
+            compiler_flops=1.0,
+            compiler_bytes=1.0,
+            model_flops=1.0,
+            model_bytes=1.0,
+            seconds=1.0,
+            compile_s=1.0,
+        )
 
     v5e = chips.parse_topology("v5e:2x2")
     fits = compile_for.Report(v5e, {}, [program("sampler", 13 * GiB)], [], 1.0)
-    big = compile_for.Report(v5e, {}, [program("sampler", GiB), program("update", 15 * GiB)],
-                             [], 1.0)  # fmt: skip
+    big = compile_for.Report(
+        v5e, {}, [program("sampler", GiB), program("update", 15 * GiB)], [], 1.0
+    )
     assert fits.too_big() is None  # 2 + 13 = 15 GiB of 16
     assert big.too_big().name == "update"  # 2 + 15 = 17 GiB
     monkeypatch.setattr(compile_for, "compile_config", lambda raw, topology: big)
@@ -45,8 +54,12 @@ def test_parse_topology():
     t = chips.parse_topology("v5p:4x4x4*2")
     assert (t.chip.name, t.shape, t.slices, t.num_chips) == ("v5p", (4, 4, 4), 2, 128)
     assert chips.parse_topology("v6e:2x4").num_chips == 8
-    for bad, match in [("v6e:2x4x2", "2-D"), ("v5p:2x2", "3-D"), ("h100:8", "CHIP:SHAPE"),
-                       ("v9z:2x2", "not one of")]:  # fmt: skip
+    for bad, match in [
+        ("v6e:2x4x2", "2-D"),
+        ("v5p:2x2", "3-D"),
+        ("h100:8", "CHIP:SHAPE"),
+        ("v9z:2x2", "not one of"),
+    ]:
         with pytest.raises(chips.TopologyError, match=match):
             chips.parse_topology(bad)
 
@@ -63,9 +76,19 @@ def test_roofline_against_hand_arithmetic():
 
     flops = {"sample": 8e15, "reference": 4e15, "update": 12e15}
     costs = roofline.phase_costs(
-        Cfg(), flops, rows=64, prompt_len=100, new_tokens=101, chips=8, weight_shards=1,
-        row_shards=8, itemsize=2, micro_batches=4, update_forwards=3, reference=True,
-    )  # fmt: skip
+        Cfg(),
+        flops,
+        rows=64,
+        prompt_len=100,
+        new_tokens=101,
+        chips=8,
+        weight_shards=1,
+        row_shards=8,
+        itemsize=2,
+        micro_batches=4,
+        update_forwards=3,
+        reference=True,
+    )
     kv = 2 * 10 * 2 * 64 * 2 * (100 + 50.5) * 8  # K and V bytes per token x context x rows
     assert costs["sample"].flops == 1e15
     assert costs["sample"].hbm_bytes == pytest.approx(101 * 2e9 + 100 * kv)

@@ -488,8 +488,16 @@ def _mesh_and_params(cfg, params, sharded):
     return mesh, jax.device_put(params, models.param_shardings(cfg, mesh))
 
 
-APPENDED = [[33, 34, 35, 36, 37], [], [50, 51], [60], [70, 71, 72], [80, 81, 82, 83, 84, 85],
-            [90], [91, 92]]  # fmt: skip
+APPENDED = [
+    [33, 34, 35, 36, 37],
+    [],
+    [50, 51],
+    [60],
+    [70, 71, 72],
+    [80, 81, 82, 83, 84, 85],
+    [90],
+    [91, 92],
+]
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
@@ -605,8 +613,10 @@ def test_refresh_switches_parameters_mid_generation(tiny):
     drew it; refreshing with the same parameters changes nothing."""
     _, cfg, params = tiny("qwen3")
     noise = jax.random.split(jax.random.key(5), len(jax.tree.leaves(params)))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
-              for x, k in zip(jax.tree.leaves(params), noise, strict=True)]  # fmt: skip
+    leaves = [
+        x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(jax.tree.leaves(params), noise, strict=True)
+    ]
     newer = jax.tree.unflatten(jax.tree.structure(params), leaves)
     spec = sampling.RolloutSpec(3, 10, temperature=0.8, stop_ids=(3,))
     ids, mask = sampling.pad_prompts(PROMPTS, pad_id=0)

@@ -82,11 +82,24 @@ def _tiny_config(data_dir):
     evaluated on the same 8 one-digit problems."""
     c = sft.default_config()
     c.model.tokenizer = assets.ARITHMETIC_TOKENIZER
-    c.sft.new_model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                           num_kv_heads=1, head_dim=16, max_position_embeddings=64,
-                           initializer_range=0.1)  # fmt: skip
-    c.data.update(name="arithmetic/digits_1", split="train[:8]", data_dir=data_dir,
-                  template="{question}=", max_prompt_len=20, pad_multiple=8)  # fmt: skip
+    c.sft.new_model.update(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        initializer_range=0.1,
+    )
+    c.data.update(
+        name="arithmetic/digits_1",
+        split="train[:8]",
+        data_dir=data_dir,
+        template="{question}=",
+        max_prompt_len=20,
+        pad_multiple=8,
+    )
     c.sft.batch_size = 8
     c.sft.completion.max_len = 4
     c.optim.update(learning_rate=1e-2, warmup_steps=5)
@@ -129,10 +142,18 @@ def _set(config, name: str, value) -> None:
 @pytest.mark.parametrize(
     "name,value,message",
     [
-        ("optim.learning_rat", 1e-3, r"optim\.learning_rat: unknown key; did you mean "
-         r"optim\.learning_rate\?"),
-        ("sft.completion.maxlen", 3, r"sft\.completion\.maxlen: unknown key; did you mean "
-         r"sft\.completion\.max_len\?"),
+        (
+            "optim.learning_rat",
+            1e-3,
+            r"optim\.learning_rat: unknown key; did you mean "
+            r"optim\.learning_rate\?",
+        ),
+        (
+            "sft.completion.maxlen",
+            3,
+            r"sft\.completion\.maxlen: unknown key; did you mean "
+            r"sft\.completion\.max_len\?",
+        ),
         ("algo", {"beta": 0.1}, r"^algo: a key of the RL trainer"),
         ("rollout.num_generations", 4, r"^rollout\.num_generations: a key of the RL trainer"),
         ("sft.batch_size", 12, r"^sft\.batch_size=12 is not divisible by mesh .* = 8"),
@@ -143,7 +164,7 @@ def _set(config, name: str, value) -> None:
         ("eval.correct_reward", "nope", r"^eval\.correct_reward='nope'"),
         ("data.max_prompt_len", 0, r"^data\.max_prompt_len must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_key(data_dir, name, value, message):
     c = _tiny_config(data_dir)
     sft.check_config(c)  # the unchanged config is valid
@@ -175,10 +196,18 @@ def test_command_line_names_the_bad_key(tmp_path):
         ("--config.algo.beta=0.1", "error: --config: bad override"),
     ]:
         proc = subprocess.run(
-            [sys.executable, "-m", "jaxrl_llm.sft", f"--config={config}",
-             f"--workdir={tmp_path}", override],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "jaxrl_llm.sft",
+                f"--config={config}",
+                f"--workdir={tmp_path}",
+                override,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode != 0
         assert expected in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
@@ -228,9 +257,11 @@ def _reference_pass_at_1(batches, eos_id: int, max_new_tokens: int) -> float:
             out = hf.generate(
                 input_ids=torch.tensor(batch.prompt_ids, dtype=torch.long),
                 attention_mask=torch.tensor(batch.prompt_mask, dtype=torch.long),
-                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos_id,
                 pad_token_id=tokenizer.pad_token_id,
-            )  # fmt: skip
+            )
         texts = tokenizer.batch_decode(
             out[:, batch.prompt_ids.shape[1] :], skip_special_tokens=True
         )

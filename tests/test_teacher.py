@@ -51,9 +51,13 @@ def test_distillation_advantage_matches_numpy_loop(coef):
     student = rng.normal(-2, 1, (n, t)).astype(np.float32)
     cfg = rl.preset("grpo", distill_coef=coef)
     got = rl.compute_advantages(
-        cfg, jnp.asarray(rewards), jnp.asarray(mask), G,
-        teacher_logp=jnp.asarray(teacher), behaviour_logp=jnp.asarray(student),
-    ).advantages  # fmt: skip
+        cfg,
+        jnp.asarray(rewards),
+        jnp.asarray(mask),
+        G,
+        teacher_logp=jnp.asarray(teacher),
+        behaviour_logp=jnp.asarray(student),
+    ).advantages
     want = _numpy_grpo_distill(rewards, mask, teacher, student, G, coef)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="teacher_logp"):
@@ -65,12 +69,17 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("teacher")
     student = make_model_dir(str(root / "student"))
     teacher_cfg = tiny_model_config(  # another model: wider, larger weights, own seed
-        vocab_size=33, hidden_size=48, intermediate_size=96, tie_word_embeddings=True,
-        max_position_embeddings=256, initializer_range=0.3,
-    )  # fmt: skip
+        vocab_size=33,
+        hidden_size=48,
+        intermediate_size=96,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+    )
     teacher = str(root / "teacher")
-    models.save_hf(teacher_cfg, models.init_params(teacher_cfg, seed=7), teacher,
-                   tokenizer_dir=TOKENIZER)  # fmt: skip
+    models.save_hf(
+        teacher_cfg, models.init_params(teacher_cfg, seed=7), teacher, tokenizer_dir=TOKENIZER
+    )
     return student, teacher
 
 
@@ -91,9 +100,10 @@ def _hf_completion_logprobs(path, out, temperature):
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     with torch.no_grad():
         logits = model(
-            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask.astype(np.int64)),
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
             position_ids=torch.tensor(positions),
-        ).logits.double()  # fmt: skip
+        ).logits.double()
     P = out.prompt_tokens.shape[1]
     logp = torch.log_softmax(logits[:, P - 1 : -1] / temperature, dim=-1)
     tokens = torch.tensor(np.asarray(out.tokens))
@@ -141,14 +151,29 @@ def test_teacher_equal_to_student_gives_no_signal(dirs, tmp_path):
     where teacher and student are one model, the distillation signal is 0 (the teacher's
     log-probs are the sampler's up to float rounding); at step 1 the student has moved."""
     student, _ = dirs
-    env = dict(os.environ, TINY_MODEL_DIR=student, PYTHONPATH=os.pathsep.join([ROOT, HERE]),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
+    env = dict(
+        os.environ,
+        TINY_MODEL_DIR=student,
+        PYTHONPATH=os.pathsep.join([ROOT, HERE]),
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxrl_llm.train", f"--config={HERE}/tiny_run.py",
-         f"--workdir={tmp_path / 'run'}", "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
-         f"--config.teacher.path={student}", "--config.algo.beta=0.0"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "jaxrl_llm.train",
+            f"--config={HERE}/tiny_run.py",
+            f"--workdir={tmp_path / 'run'}",
+            "--config.mesh.fsdp=1",
+            "--config.mesh.tensor=1",
+            f"--config.teacher.path={student}",
+            "--config.algo.beta=0.0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Compiled, or loaded from the test session's compilation cache.
     done = r"(?:compiling|loading) (\w+)[^\n]*\.\.\. \d"  # a program's line once built

@@ -65,8 +65,13 @@ def test_tiny_step_compiles_for_v5e_with_the_kernels(tmp_path):
 
 
 def test_tiny_moe_update_compiles_with_gmm_over_the_expert_axis(tmp_path):
-    moe = dict(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-               moe_intermediate_size=128, hidden_size=256)  # fmt: skip
+    moe = dict(
+        architecture="Qwen3MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        hidden_size=256,
+    )
     c = small(tiny_config(model_dir(tmp_path, **moe)))
     c.mesh.fsdp, c.mesh.expert = 2, 2
     c.model.moe_impl = "auto"  # on TPU: megablox gmm, per device in shard_map

@@ -27,15 +27,30 @@ CASES = [
     (dict(), W1, "cpu", 1, dict(micro=4, chunk=32, scan=False, steps=4)),
     # 25M benchmark: bucket(64) = 64, seq 128, 524,288 B/row -> 32 rows -> k = 4; logits
     # 32 x 64 x 32768 x 4 = 256 MiB fit.
-    (dict(prompt=64), dict(intermediate_size=1024, vocab_size=32768, num_layers=8), "cpu", 1,
-     dict(micro=4, chunk=32, scan=False, steps=4)),
+    (
+        dict(prompt=64),
+        dict(intermediate_size=1024, vocab_size=32768, num_layers=8),
+        "cpu",
+        1,
+        dict(micro=4, chunk=32, scan=False, steps=4),
+    ),
     # Quickstart: 256 rows, bucket(20) = 20, seq 30, 30,720 B/row: all 256 rows fit, k = 1.
-    (dict(batch=32, prompt=20, new=10), dict(intermediate_size=256, vocab_size=33, num_layers=2),
-     "cpu", 1, dict(micro=1, chunk=32, scan=False, steps=4)),
+    (
+        dict(batch=32, prompt=20, new=10),
+        dict(intermediate_size=256, vocab_size=33, num_layers=2),
+        "cpu",
+        1,
+        dict(micro=1, chunk=32, scan=False, steps=4),
+    ),
     # A large vocabulary binds: 256 x 151936 x 4 = 155.6 MB of logits per row -> at most 3
     # rows of the 64 -> 2 rows, k = 32 (activations: 272 x 256 x 4 B/row, no limit here).
-    (dict(batch=8, prompt=16, new=256), dict(intermediate_size=256, vocab_size=151936,
-     num_layers=12), "cpu", 1, dict(micro=32, chunk=32, scan=True, steps=4)),
+    (
+        dict(batch=8, prompt=16, new=256),
+        dict(intermediate_size=256, vocab_size=151936, num_layers=12),
+        "cpu",
+        1,
+        dict(micro=32, chunk=32, scan=True, steps=4),
+    ),
     # W1 over 4 devices: 32 rows per device fit at once, k = 1.
     (dict(), W1, "cpu", 4, dict(micro=1, chunk=32, scan=False, steps=4)),
     # W1 in 2 mini-batches: 64 rows per optimizer step -> 32 rows, k = 2.
@@ -46,7 +61,7 @@ CASES = [
     # GPU / TPU: the previous defaults whatever the shapes.
     (dict(), W1, "gpu", 1, dict(micro=1, chunk=128, scan=True, steps=2)),
     (dict(batch=8, new=256), W1, "tpu", 4, dict(micro=1, chunk=128, scan=True, steps=2)),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("rollout,model,backend,shards,expected", CASES)

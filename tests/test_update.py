@@ -79,15 +79,32 @@ def fresh_state(params, opt=SMOOTH_ADAM, mesh=None):
 
 
 @functools.cache
-def update_fn(preset, micro=1, mini=1, iterations=1, skip=False, opt=SMOOTH_ADAM, share=False,
-              spec=SPEC, seed=0):  # fmt: skip
+def update_fn(
+    preset,
+    micro=1,
+    mini=1,
+    iterations=1,
+    skip=False,
+    opt=SMOOTH_ADAM,
+    share=False,
+    spec=SPEC,
+    seed=0,
+):
     """One jitted function per setting, shared by the tests (compiles are the cost).
     share=False: every row reads its own prompt (the reference of the shared path)."""
     algo = rl.preset(preset, num_iterations=iterations)
     return U.make_update_fn(
-        CFG, algo, opt, spec, micro_batches=micro, mini_batches=mini, chunk_size=4,
-        skip_nonfinite=skip, share_prompts=share, seed=seed,
-    )  # fmt: skip
+        CFG,
+        algo,
+        opt,
+        spec,
+        micro_batches=micro,
+        mini_batches=mini,
+        chunk_size=4,
+        skip_nonfinite=skip,
+        share_prompts=share,
+        seed=seed,
+    )
 
 
 def host(tree):
@@ -103,16 +120,25 @@ def max_diff(a, b) -> float:
 @pytest.mark.parametrize("end_ratio", [0.0, 0.1])
 def test_schedule_matches_formula(schedule, end_ratio):
     lr, warmup, total = 0.1, 4, 20
-    opt = U.make_optimizer(learning_rate=lr, warmup_steps=warmup, total_steps=total,
-                           schedule=schedule, end_lr_ratio=end_ratio)  # fmt: skip
+    opt = U.make_optimizer(
+        learning_rate=lr,
+        warmup_steps=warmup,
+        total_steps=total,
+        schedule=schedule,
+        end_lr_ratio=end_ratio,
+    )
     end = lr * end_ratio
     for s in (0, 2, 4, 9, 20):
         frac = (s - warmup) / (total - warmup)
-        expected = {
-            "constant": lr,
-            "cosine": end + (lr - end) * 0.5 * (1 + np.cos(np.pi * frac)),
-            "linear": lr - (lr - end) * frac,
-        }[schedule] if s >= warmup else lr * s / warmup  # fmt: skip
+        expected = (
+            {
+                "constant": lr,
+                "cosine": end + (lr - end) * 0.5 * (1 + np.cos(np.pi * frac)),
+                "linear": lr - (lr - end) * frac,
+            }[schedule]
+            if s >= warmup
+            else lr * s / warmup
+        )
         np.testing.assert_allclose(float(opt.schedule(jnp.int32(s))), expected, rtol=1e-6)
 
 
@@ -120,11 +146,13 @@ def test_optimizer_step_matches_numpy_adamw():
     rng = np.random.default_rng(0)
     p = {"w": rng.normal(size=(3, 4)), "final_norm": rng.normal(size=4)}
     p = jax.tree.map(lambda x: x.astype(np.float32), p)
-    grads = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), p)
-             for _ in range(2)]  # fmt: skip
+    grads = [
+        jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), p) for _ in range(2)
+    ]
     wd, b1, b2, eps, clip, lr = 0.1, 0.9, 0.99, 1e-6, 1.0, 0.05
-    opt = U.make_optimizer(learning_rate=lr, weight_decay=wd, b1=b1, b2=b2, eps=eps,
-                           max_grad_norm=clip)  # fmt: skip
+    opt = U.make_optimizer(
+        learning_rate=lr, weight_decay=wd, b1=b1, b2=b2, eps=eps, max_grad_norm=clip
+    )
     params, state = p, opt.init(p)
     ref = {k: v.astype(np.float64) for k, v in p.items()}
     m = {k: 0.0 for k in p}
@@ -203,8 +231,9 @@ def test_fresh_optimizer_state_is_one_program_placed_like_the_eager_one(params, 
         assert isinstance(state.opt_state, rl.MasterWeights)
         jax.tree.map(
             lambda m, p: np.testing.assert_array_equal(m, np.asarray(p, np.float32)),
-            host(state.opt_state.master), host(placed),
-        )  # fmt: skip
+            host(state.opt_state.master),
+            host(placed),
+        )
     assert state.step.sharding == jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     assert int(state.step) == 0 and state.step.dtype == jnp.int32
 
@@ -226,8 +255,9 @@ def test_logprob_fn_matches_numpy_and_sampler(params, host_batch):
     fn = U.make_logprob_fn(CFG, SPEC.replace(num_generations=1), chunk_size=4)
     logp = np.asarray(fn(params, b))
     assert logp.shape == b.tokens.shape
-    np.testing.assert_allclose(logp[b.mask], numpy_logprobs(params, b, TEMPERATURE)[b.mask],
-                               atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        logp[b.mask], numpy_logprobs(params, b, TEMPERATURE)[b.mask], atol=1e-5
+    )
     np.testing.assert_allclose(logp[b.mask], b.behaviour_logprobs[b.mask], atol=1e-4)
     assert np.all(logp[~b.mask] == 0)
 
@@ -475,10 +505,15 @@ def test_critic_values_are_the_shifted_trunk_states(params, host_batch):
     cp = critic.init_critic(CFG, params)
     assert "lm_head" not in cp["trunk"] and float(jnp.abs(cp["value_head"]["kernel"]).max()) == 0
     rng = np.random.default_rng(1)
-    cp["value_head"] = {"kernel": jnp.asarray(rng.normal(size=32), jnp.float32),
-                        "bias": jnp.float32(0.5)}  # fmt: skip
-    v = np.asarray(jax.jit(critic.values, static_argnums=0)(
-        CFG, cp, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask))  # fmt: skip
+    cp["value_head"] = {
+        "kernel": jnp.asarray(rng.normal(size=32), jnp.float32),
+        "bias": jnp.float32(0.5),
+    }
+    v = np.asarray(
+        jax.jit(critic.values, static_argnums=0)(
+            CFG, cp, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask
+        )
+    )
     assert v.shape == b.tokens.shape
     # Naive: one full forward of the policy trunk, the state at position P - 1 + t.
     ids = np.concatenate([b.prompt_tokens, b.tokens], 1)
@@ -490,21 +525,24 @@ def test_critic_values_are_the_shifted_trunk_states(params, host_batch):
     np.testing.assert_allclose(v[b.mask], ref[b.mask], atol=1e-5)
     # V(s_0) is the value of the prompt alone: the completion cannot leak into it.
     hidden_prompt = np.asarray(models.forward(CFG, params, b.prompt_tokens, b.prompt_mask))
-    np.testing.assert_allclose(v[:, 0], hidden_prompt[:, -1] @ cp["value_head"]["kernel"] + 0.5,
-                               atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        v[:, 0], hidden_prompt[:, -1] @ cp["value_head"]["kernel"] + 0.5, atol=1e-5
+    )
 
 
 def test_ppo_critic_warmup_freezes_the_policy(params, host_batch):
     algo = rl.preset("ppo", critic_warmup_steps=1)
-    fn = U.make_update_fn(CFG, algo, SMOOTH_ADAM, SPEC, micro_batches=2, chunk_size=4,
-                          critic_optimizer=SMOOTH_ADAM)  # fmt: skip
+    fn = U.make_update_fn(
+        CFG, algo, SMOOTH_ADAM, SPEC, micro_batches=2, chunk_size=4, critic_optimizer=SMOOTH_ADAM
+    )
     own = jax.tree.map(jnp.copy, params)
     state = U.init_train_state(own, SMOOTH_ADAM, critic.init_critic(CFG, own), SMOOTH_ADAM)
     policy0, critic0 = host((state.params, state.opt_state)), host(state.critic_params)
     batch = on_device(host_batch)
     state, m = fn(state, batch)  # step 0 < warmup: critic only
-    assert jax.tree.all(jax.tree.map(np.array_equal, host((state.params, state.opt_state)),
-                                     policy0))  # fmt: skip
+    assert jax.tree.all(
+        jax.tree.map(np.array_equal, host((state.params, state.opt_state)), policy0)
+    )
     assert max_diff(host(state.critic_params), critic0) > 1e-3
     assert float(m["optim/nonfinite"]) == 0 and np.isfinite(float(m["loss/value"]))
     assert float(m["value/mean"]) == 0.0  # rollout-time values of the zero head

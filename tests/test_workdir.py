@@ -252,9 +252,13 @@ def test_a_teacher_or_agent_change_refuses_the_resume(tmp_path):
     first = config_lib.base_config()
     first.teacher.path, first.agent.entry = "/models/teacher", "agent.py:run"
     workdir.save_config(tmp_path, first)
-    changes = [("teacher.path", ""), ("teacher.weight", 0.5),
-               ("teacher.paths", {"math": "/models/math"}), ("agent.entry", "other.py:run"),
-               ("agent.options", {"tries": 2})]  # fmt: skip
+    changes = [
+        ("teacher.path", ""),
+        ("teacher.weight", 0.5),
+        ("teacher.paths", {"math": "/models/math"}),
+        ("agent.entry", "other.py:run"),
+        ("agent.options", {"tries": 2}),
+    ]
     for key, value in changes:
         changed = config_lib.base_config()
         changed.teacher.path, changed.agent.entry = "/models/teacher", "agent.py:run"

@@ -72,6 +72,7 @@ print(float(jax.jit(lambda x: (x * x).sum())(jnp.arange(4.0))))
 def test_set_before_the_backend_starts():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                         text=True, check=True).stdout.split("\n")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     assert out[:2] == [f"--xla_force_host_platform_device_count=1 {LEVEL}=1", "14.0"]

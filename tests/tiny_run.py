@@ -31,11 +31,22 @@ def tiny_glm_config(**overrides) -> models.ModelConfig:
     (group-limited) with a shared expert, and a dense first layer (two runs of alike
     layers)."""
     fields = dict(
-        architecture="Glm4MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=16, initializer_range=0.2, router="sigmoid", n_group=2,
-        topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True,
-        dense_layers=(0,), num_layers=3, partial_rotary_factor=0.5, qkv_bias=True,
-    )  # fmt: skip
+        architecture="Glm4MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        initializer_range=0.2,
+        router="sigmoid",
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        dense_layers=(0,),
+        num_layers=3,
+        partial_rotary_factor=0.5,
+        qkv_bias=True,
+    )
     return tiny_model_config(**(fields | overrides))
 
 
@@ -55,16 +66,34 @@ def tiny_gemma3_config(**overrides) -> models.ModelConfig:
 def tiny_gpt_oss_config(**overrides) -> models.ModelConfig:
     """A tiny GPT-OSS: sliding (window 4) and full layers, attention sinks, YaRN, biases on
     attention, router and experts, the clamped SwiGLU (limit 1.5, so it clamps)."""
-    yarn = {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 4.0, "rope_type": "yarn",
-            "original_max_position_embeddings": 16, "truncate": False}  # fmt: skip
+    yarn = {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 4.0,
+        "rope_type": "yarn",
+        "original_max_position_embeddings": 16,
+        "truncate": False,
+    }
     fields = dict(
-        architecture="GptOssForCausalLM", num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=16, intermediate_size=16, initializer_range=0.2,
-        router="topk_softmax", norm_topk_prob=True, qk_norm=False, qkv_bias=True,
-        o_bias=True, attention_sinks=True, expert_bias=True, swiglu_limit=1.5,
-        layer_types=("sliding_attention", "full_attention"), sliding_window=4,
-        rope_scaling=tuple(sorted(yarn.items())), max_position_embeddings=64,
-    )  # fmt: skip
+        architecture="GptOssForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=16,
+        initializer_range=0.2,
+        router="topk_softmax",
+        norm_topk_prob=True,
+        qk_norm=False,
+        qkv_bias=True,
+        o_bias=True,
+        attention_sinks=True,
+        expert_bias=True,
+        swiglu_limit=1.5,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=4,
+        rope_scaling=tuple(sorted(yarn.items())),
+        max_position_embeddings=64,
+    )
     return tiny_model_config(**(fields | overrides))
 
 

@@ -167,8 +167,18 @@ def kl_cov(
     return pg_loss, pg_losses
 
 
-def _dppo(kind, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, low, high,
-          clip_ratio_c=20.0, loss_scale_factor=None):  # fmt: skip
+def _dppo(
+    kind,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    low,
+    high,
+    clip_ratio_c=20.0,
+    loss_scale_factor=None,
+):
     negative_approx_kl = log_prob - old_log_prob
     negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)

@@ -32,16 +32,22 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
         raise ConfigError(
             f"rollout.mode='split': needs two devices or more (the update on some, the "
             f"sampler on mesh.rollout_devices others); this process has {num_devices}; "
-            + ("on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count=N "
-               "(N >= 2) in the environment, or use rollout.mode='sync'" if on_cpu
-               else "run on more devices, or use rollout.mode='sync'")
-        )  # fmt: skip
+            + (
+                "on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                "(N >= 2) in the environment, or use rollout.mode='sync'"
+                if on_cpu
+                else "run on more devices, or use rollout.mode='sync'"
+            )
+        )
     require(
         isinstance(n, int) and (0 < n < num_devices if split else n == 0),
         f"mesh.rollout_devices={n!r}: "
-        + (f"rollout.mode='split' needs 1 .. {num_devices - 1} of the {num_devices} devices"
-           if split else "only rollout.mode='split' uses a rollout mesh; set it to 0"),
-    )  # fmt: skip
+        + (
+            f"rollout.mode='split' needs 1 .. {num_devices - 1} of the {num_devices} devices"
+            if split
+            else "only rollout.mode='split' uses a rollout mesh; set it to 0"
+        ),
+    )
     try:
         if split:
             parallel.mesh_shape(mesh_axes(m.rollout), n, key_prefix="mesh.rollout")

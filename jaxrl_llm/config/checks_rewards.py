@@ -170,8 +170,11 @@ def check_agent(config, algo, process_count: int) -> None:
 
     require(not config.env.name, "agent.entry and env.name: set one of them")
     missing = [p for p in ("aiohttp", "openai") if importlib.util.find_spec(p) is None]
-    require(not missing, f"agent.entry: the gateway needs {' and '.join(missing)}: "
-           "pip install -e . (the package's own requirements)")  # fmt: skip
+    require(
+        not missing,
+        f"agent.entry: the gateway needs {' and '.join(missing)}: "
+        "pip install -e . (the package's own requirements)",
+    )
     try:
         agents.check(a.entry, dict(a.options))
     except ValueError as err:
@@ -186,10 +189,14 @@ def check_agent(config, algo, process_count: int) -> None:
     )
     require(a.timeout_s > 0, f"agent.timeout_s={a.timeout_s}: must be > 0")
     require(a.batch_wait_s >= 0, f"agent.batch_wait_s={a.batch_wait_s}: must be >= 0")
-    require(a.max_request_bytes >= 1024,
-            f"agent.max_request_bytes={a.max_request_bytes}: must be >= 1024")  # fmt: skip
+    require(
+        a.max_request_bytes >= 1024,
+        f"agent.max_request_bytes={a.max_request_bytes}: must be >= 1024",
+    )
     require(process_count == 1, "agent.entry: the gateway runs on one host")
     require(not algo.dynamic_sampling, "algo.dynamic_sampling: not available with agent.entry")
-    require(algo.routing_replay in (None, "none"),
-           "algo.routing_replay='rollout': the gateway (agent.entry) does not record the "
-           "sampler's expert routes; use algo.routing_replay='none'")  # fmt: skip
+    require(
+        algo.routing_replay in (None, "none"),
+        "algo.routing_replay='rollout': the gateway (agent.entry) does not record the "
+        "sampler's expert routes; use algo.routing_replay='none'",
+    )

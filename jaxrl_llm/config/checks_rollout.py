@@ -106,17 +106,24 @@ def check_engine(config, process_count: int) -> None:
         require(ok, f"rollout.paged.{key}={value!r}: must be an integer >= 0 (0 = automatic)")
     for key in ("page_size", "chunk_steps", "prefill_chunk"):
         value = p[key]
-        require(isinstance(value, int) and value >= 1,
-               f"rollout.paged.{key}={value!r}: must be an integer >= 1")  # fmt: skip
+        require(
+            isinstance(value, int) and value >= 1,
+            f"rollout.paged.{key}={value!r}: must be an integer >= 1",
+        )
     names = ("auto", "pages", "gather", "pallas")  # sampling.paged_programs.ATTENTION
-    require(p.attention in names,
-           f"rollout.paged.attention={p.attention!r}: expected one of "
-           f"{', '.join(names)}")  # fmt: skip
-    require(p.attention != "pallas" or target.backend() != "cpu",
-           "rollout.paged.attention='pallas': the kernel's interpret mode moves data "
-           "between host and device, which the trainer's loop forbids on CPU; use 'auto' "
-           "(the portable path on CPU)")  # fmt: skip
-    require(p.prefill_chunk % p.page_size == 0,
-           f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
-           f"rollout.paged.page_size={p.page_size}")  # fmt: skip
+    require(
+        p.attention in names,
+        f"rollout.paged.attention={p.attention!r}: expected one of {', '.join(names)}",
+    )
+    require(
+        p.attention != "pallas" or target.backend() != "cpu",
+        "rollout.paged.attention='pallas': the kernel's interpret mode moves data "
+        "between host and device, which the trainer's loop forbids on CPU; use 'auto' "
+        "(the portable path on CPU)",
+    )
+    require(
+        p.prefill_chunk % p.page_size == 0,
+        f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
+        f"rollout.paged.page_size={p.page_size}",
+    )
     require(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")

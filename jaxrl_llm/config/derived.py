@@ -44,13 +44,16 @@ def lora_config(config):
     if not lo.rank:
         return None
     return LoraConfig(
-        rank=int(lo.rank), alpha=float(lo.alpha), targets=tuple(lo.targets),
+        rank=int(lo.rank),
+        alpha=float(lo.alpha),
+        targets=tuple(lo.targets),
         dropout=float(lo.dropout),
-    )  # fmt: skip
+    )
 
 
-def resolve_model_path(path: str, key: str = "model.path", need_config: bool = True,
-                       download: bool = True) -> str | None:  # fmt: skip
+def resolve_model_path(
+    path: str, key: str = "model.path", need_config: bool = True, download: bool = True
+) -> str | None:
     """A model dir, .gguf file, built-in name or hub name -> an existing local path
     (`models.builtin.resolve`); ConfigError naming `key` when there is none. A hub name
     is downloaded only when `download` (else None: validation never touches the network)."""

@@ -46,8 +46,12 @@ KEYS = ("optim.micro_batches", "train.logprob_chunk", "model.scan_layers", "roll
 CPU_ACTIVATION_BYTES = 16 * 2**20  # one float32 MLP activation of a micro-batch, per device
 CPU_LOGPROB_CHUNK = 32
 CPU_UNROLL_MAX_LAYERS = 8
-ACCELERATOR = {"optim.micro_batches": 1, "train.logprob_chunk": 128,
-               "model.scan_layers": True, "rollout.bucket_steps": 2}  # fmt: skip
+ACCELERATOR = {
+    "optim.micro_batches": 1,
+    "train.logprob_chunk": 128,
+    "model.scan_layers": True,
+    "rollout.bucket_steps": 2,
+}
 
 
 def _get(config, key: str):
@@ -75,10 +79,11 @@ def micro_batches(config, model_cfg, batch_shards: int = 1) -> tuple[int, str]:
     fits = [
         k
         for k in range(1, rows + 1)
-        if rows % k == 0 and (rows // k) % batch_shards == 0
+        if rows % k == 0
+        and (rows // k) % batch_shards == 0
         and rows // k // batch_shards * row_bytes <= CPU_ACTIVATION_BYTES
         and rows // k // batch_shards * logit_bytes <= SAVE_LOGITS_BYTES
-    ]  # fmt: skip
+    ]
     if not fits:  # one row per device is the least a micro-batch can hold
         k = max(k for k in range(1, rows + 1) if rows % k == 0 and (rows // k) % batch_shards == 0)
     else:

@@ -87,8 +87,12 @@ def arithmetic_problem(rng: random.Random, digits: int, ops: tuple[str, ...] = _
     op = rng.choice(ops)
     value = a + b if op == "+" else a - b if op == "-" else a * b
     expression = f"{a} {op} {b}"
-    return {"question": f"What is {expression}?", "answer": str(value), "digits": digits,
-            "expression": expression}  # fmt: skip
+    return {
+        "question": f"What is {expression}?",
+        "answer": str(value),
+        "digits": digits,
+        "expression": expression,
+    }
 
 
 def _combine(rng: random.Random, a: tuple[int, str], b: tuple[int, str]):

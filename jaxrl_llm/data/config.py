@@ -22,11 +22,22 @@ DEFAULT_FIELDS = {
     "countdown": {"question": "question", "numbers": "numbers", "target": "target"},
 }
 _TYPES = {
-    "source": str, "name": str, "split": str, "data_dir": str, "download": bool, "path": str,
-    "seed": int, "shuffle": bool, "skip_bad_rows": bool, "num_epochs": int,
-    "max_prompt_len": int, "pad_multiple": int, "template": str, "system_prompt": str,
+    "source": str,
+    "name": str,
+    "split": str,
+    "data_dir": str,
+    "download": bool,
+    "path": str,
+    "seed": int,
+    "shuffle": bool,
+    "skip_bad_rows": bool,
+    "num_epochs": int,
+    "max_prompt_len": int,
+    "pad_multiple": int,
+    "template": str,
+    "system_prompt": str,
     "chat_template": str,
-}  # fmt: skip
+}
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -73,8 +84,10 @@ def check_config(cfg) -> None:
     if cfg.source == "tfds" and cfg.get("name", "").startswith(reasoning_gym.PREFIX):
         reasoning_gym.check_name(cfg.name, cfg.get("split", "train"), options)
     elif options:
-        raise ValueError(f"data.options={options}: only a reasoning-gym task "
-                         "(data.name='reasoning_gym/...') takes options")  # fmt: skip
+        raise ValueError(
+            f"data.options={options}: only a reasoning-gym task "
+            "(data.name='reasoning_gym/...') takes options"
+        )
     for key in ("max_prompt_len", "pad_multiple"):
         if cfg[key] < 1:
             raise ValueError(f"data.{key} must be >= 1, got {cfg[key]}")

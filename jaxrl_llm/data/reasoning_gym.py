@@ -52,8 +52,9 @@ def check_name(name: str, split: str, options: dict | None = None) -> None:
         hint = f"; did you mean {', '.join(close)}?" if close else f" ({len(known)} tasks)"
         raise ValueError(f"data.name={name!r}: no reasoning-gym task {task!r}{hint}")
     if split not in SPLIT_SEEDS:
-        raise ValueError(f"data.split={split!r}: a reasoning-gym task has the splits "
-                         f"{', '.join(SPLIT_SEEDS)}")  # fmt: skip
+        raise ValueError(
+            f"data.split={split!r}: a reasoning-gym task has the splits {', '.join(SPLIT_SEEDS)}"
+        )
     if options:
         import dataclasses
 
@@ -61,13 +62,17 @@ def check_name(name: str, split: str, options: dict | None = None) -> None:
         fields = {f.name for f in dataclasses.fields(config_class)} - {"seed", "size"}
         unknown = sorted(set(options) - fields)
         if unknown:
-            raise ValueError(f"data.options.{unknown[0]}: not a setting of reasoning-gym task "
-                             f"{task!r} (its settings: {', '.join(sorted(fields))})")  # fmt: skip
+            raise ValueError(
+                f"data.options.{unknown[0]}: not a setting of reasoning-gym task "
+                f"{task!r} (its settings: {', '.join(sorted(fields))})"
+            )
         try:
             rg.create_dataset(task, size=1, seed=0, **options)
         except Exception as err:  # the task's own validation (asserts, value errors)
-            raise ValueError(f"data.options={options}: reasoning-gym task {task!r} refuses "
-                             f"them: {type(err).__name__}: {err}") from None  # fmt: skip
+            raise ValueError(
+                f"data.options={options}: reasoning-gym task {task!r} refuses "
+                f"them: {type(err).__name__}: {err}"
+            ) from None
 
 
 class ReasoningGymSource:
@@ -87,8 +92,11 @@ class ReasoningGymSource:
     def __getitem__(self, i: int) -> dict:
         entry = self._data[int(i)]
         # Metadata as JSON text: plain values for the iterator, the workers and samples.jsonl.
-        return {"question": entry["question"], "answer": str(entry["answer"]),
-                "metadata": json.dumps(entry["metadata"], default=str)}  # fmt: skip
+        return {
+            "question": entry["question"],
+            "answer": str(entry["answer"]),
+            "metadata": json.dumps(entry["metadata"], default=str),
+        }
 
     def describe(self, i: int) -> str:
         return f"{self.name} split {self.split!r} row {i}"

@@ -25,8 +25,9 @@ class GuessNumber(Env):
 
     def __init__(self, low: int = 1, high: int = 100, decay: float = 0.9):
         if low > high or not 0 <= decay <= 1:
-            raise ValueError(f"guess_number: need low <= high and 0 <= decay <= 1, got "
-                             f"{low=}, {high=}, {decay=}")  # fmt: skip
+            raise ValueError(
+                f"guess_number: need low <= high and 0 <= decay <= 1, got {low=}, {high=}, {decay=}"
+            )
         self.low, self.high, self.decay = low, high, decay
         self.secret, self.guesses = low, 0
 
@@ -36,8 +37,10 @@ class GuessNumber(Env):
         else:
             digest = hashlib.sha256(json.dumps(example, sort_keys=True, default=str).encode())
             self.secret = self.low + int(digest.hexdigest(), 16) % (self.high - self.low + 1)
-        return (f"Guess my number between {self.low} and {self.high}. Answer with one number; "
-                "I will say higher or lower.")  # fmt: skip
+        return (
+            f"Guess my number between {self.low} and {self.high}. Answer with one number; "
+            "I will say higher or lower."
+        )
 
     def step(self, action: str) -> Step:
         self.guesses += 1
@@ -47,6 +50,10 @@ class GuessNumber(Env):
         guess = int(numbers[-1])
         if guess == self.secret:
             reward = self.decay ** (self.guesses - 1)
-            return Step(observation="", reward=reward, done=True,
-                        info={"found": 1.0, "guesses": float(self.guesses)})  # fmt: skip
+            return Step(
+                observation="",
+                reward=reward,
+                done=True,
+                info={"found": 1.0, "guesses": float(self.guesses)},
+            )
         return Step(observation="higher" if guess < self.secret else "lower")

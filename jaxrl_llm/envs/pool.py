@@ -86,9 +86,17 @@ class EnvPool:
         1: one call at a time.
     """
 
-    def __init__(self, name: str, options: dict | None = None, *, workers: int | None = None,
-                 step_timeout_s: float = 10.0, trajectory_timeout_s: float = 60.0,
-                 memory_mb: int = 2048, lanes: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        options: dict | None = None,
+        *,
+        workers: int | None = None,
+        step_timeout_s: float = 10.0,
+        trajectory_timeout_s: float = 60.0,
+        memory_mb: int = 2048,
+        lanes: int = 1,
+    ):
         name, options = hubs.hub(name, dict(options or {}))  # textarena/<game> -> its class
         self.name, self.options = base.canonical(name), options
         base.check_options(name, self.options)  # also: the class resolves, here and now
@@ -97,8 +105,7 @@ class EnvPool:
         if not 1 <= lanes <= workers:
             raise ValueError(f"lanes={lanes}: must be between 1 and workers={workers}")
         sizes = [workers // lanes + (k < workers % lanes) for k in range(lanes)]
-        self.lanes = [VerifierPool(n, timeout_s=step_timeout_s, memory_mb=memory_mb)
-                      for n in sizes]  # fmt: skip
+        self.lanes = [VerifierPool(n, timeout_s=step_timeout_s, memory_mb=memory_mb) for n in sizes]
         self._free = list(self.lanes)
         self._size = {id(lane): n for lane, n in zip(self.lanes, sizes, strict=True)}
         self._cv = threading.Condition()
@@ -135,9 +142,7 @@ class EnvPool:
             else:  # the rows split over the lanes taken, in order, each in a thread
                 cuts = np.linspace(0, len(texts), len(lanes) + 1).astype(int)
                 parts = [
-                    self._threads.submit(
-                        lane.call, _REMOTE, texts[a:b], requests[a:b], breaker
-                    )  # fmt: skip
+                    self._threads.submit(lane.call, _REMOTE, texts[a:b], requests[a:b], breaker)
                     for lane, a, b in zip(lanes, cuts[:-1], cuts[1:], strict=True)
                 ]
                 wait(parts)  # every lane's part ends before its lane is free again
@@ -168,9 +173,11 @@ class EnvPool:
         """One trajectory per example and its first observation (None: the row's prompt,
         also where reset failed, which ends that trajectory). A prompt longer than
         `max_chars` characters fails its trajectory (it is never sent back)."""
-        results = self._call("reset", [""] * len(examples),
-                             [{"state": None, "example": dict(ex), "max_chars": max_chars}
-                              for ex in examples])  # fmt: skip
+        results = self._call(
+            "reset",
+            [""] * len(examples),
+            [{"state": None, "example": dict(ex), "max_chars": max_chars} for ex in examples],
+        )
         trajs, observations = [], []
         with self._cv:
             for value, status, message in results:
@@ -179,16 +186,22 @@ class EnvPool:
                 trajs.append(traj)
         return trajs, observations
 
-    def step(self, trajs: list[Trajectory], actions: dict[int, str],
-             max_chars: dict[int, int] | None = None) -> dict[int, object]:  # fmt: skip
+    def step(
+        self,
+        trajs: list[Trajectory],
+        actions: dict[int, str],
+        max_chars: dict[int, int] | None = None,
+    ) -> dict[int, object]:
         """Steps trajectory i with actions[i] for every i, in parallel -> the observation
         of each one that goes on (the others are finished: done, failed, timed out, or
         its observation was longer than `max_chars[i]` characters; -1: not wanted)."""
         order = [i for i in actions if trajs[i].live]
         bounds = max_chars or {}
-        results = self._call("step", [actions[i] for i in order],
-                             [{"state": trajs[i].state, "max_chars": bounds.get(i)}
-                              for i in order])  # fmt: skip
+        results = self._call(
+            "step",
+            [actions[i] for i in order],
+            [{"state": trajs[i].state, "max_chars": bounds.get(i)} for i in order],
+        )
         observations = {}
         with self._cv:  # the pool's info keys are shared by concurrent calls
             for i, (value, status, message) in zip(order, results, strict=True):

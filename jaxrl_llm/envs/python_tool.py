@@ -40,9 +40,15 @@ class PythonTool(Env):
     """Options: verifier, answer_key (final answer), max_output_chars, cpu_s, wall_s,
     memory_mb (the sandbox's limits; keep wall_s below `env.step_timeout_s`)."""
 
-    def __init__(self, verifier: str = "gsm8k", answer_key: str = "answer",
-                 max_output_chars: int = 512, cpu_s: int = 2, wall_s: float = 4.0,
-                 memory_mb: int = 512):  # fmt: skip
+    def __init__(
+        self,
+        verifier: str = "gsm8k",
+        answer_key: str = "answer",
+        max_output_chars: int = 512,
+        cpu_s: int = 2,
+        wall_s: float = 4.0,
+        memory_mb: int = 512,
+    ):
         self.verifier, self.answer_key = verifier, answer_key
         self.max_output_chars = min(int(max_output_chars), 1000)
         self.limits = verifiers.Limits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)
@@ -63,9 +69,11 @@ class PythonTool(Env):
     def run(self, code: str) -> tuple[str, bool]:
         """(what the code printed, or why it stopped; whether it failed)."""
         result = verifiers.run_python(
-            _WRAP.format(code=code), [_REPORT.format(limit=self.max_output_chars)],
-            setup=_SETUP, limits=self.limits,
-        )  # fmt: skip
+            _WRAP.format(code=code),
+            [_REPORT.format(limit=self.max_output_chars)],
+            setup=_SETUP,
+            limits=self.limits,
+        )
         prefix = "AssertionError: "
         if result.status == "failed" and result.message.startswith(prefix):
             output = ast.literal_eval(result.message[len(prefix) :])

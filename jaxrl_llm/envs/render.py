@@ -81,11 +81,16 @@ class Renderer:
         `tools`: JSON schemas the chat template renders (its `tools=`)."""
         if isinstance(observation, list):
             if not self.use_chat:
-                return self._ids("\n".join(m.get("content") or "" for m in observation),
-                                 special=True)  # fmt: skip
+                return self._ids(
+                    "\n".join(m.get("content") or "" for m in observation), special=True
+                )
             extra = {"tools": tools} if tools else {}
-            return self._template_ids(observation, lambda held: self.tokenizer.apply_chat_template(
-                held, tokenize=False, add_generation_prompt=True, **extra))  # fmt: skip
+            return self._template_ids(
+                observation,
+                lambda held: self.tokenizer.apply_chat_template(
+                    held, tokenize=False, add_generation_prompt=True, **extra
+                ),
+            )
         if not self.use_chat:
             text = f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
             return self._ids(text, special=True)

@@ -48,8 +48,10 @@ def check_game(game: str) -> None:
         ta.make(game)
     except Exception as err:  # noqa: BLE001  (a game's module or data that does not load)
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
-        raise ValueError(f"env.name='textarena/{game}': TextArena cannot make this game "
-                         f"here ({reason}); choose another game") from None  # fmt: skip
+        raise ValueError(
+            f"env.name='textarena/{game}': TextArena cannot make this game "
+            f"here ({reason}); choose another game"
+        ) from None
 
 
 def _text(messages) -> str:

@@ -87,7 +87,7 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedCalls:
                 "function": {"name": name, "arguments": args},
             }
             for k, (name, args) in enumerate(calls)
-        ],  # fmt: skip
+        ],
         errors=errors,
     )
 
@@ -111,9 +111,11 @@ class ToolEnv(Env):
     def step(self, action: str):
         parsed = parse_tool_calls(action)
         if parsed.errors:
-            return Step(f"error: {parsed.errors} malformed tool call(s); write "
-                        '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
-                        info={"tool_errors": float(parsed.errors)})  # fmt: skip
+            return Step(
+                f"error: {parsed.errors} malformed tool call(s); write "
+                '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+                info={"tool_errors": float(parsed.errors)},
+            )
         if not parsed.calls:
             return Step(reward=float(self.answer(action)), done=True)
         results = [{"role": "tool", "content": self._run(c["function"])} for c in parsed.calls]

@@ -17,11 +17,15 @@ import inspect
 from jaxrl_llm.registry import Registry
 
 AGENTS = Registry(
-    "agent", builtins={}, kind="run", check=inspect.iscoroutinefunction,
+    "agent",
+    builtins={},
+    kind="run",
+    check=inspect.iscoroutinefunction,
     expected="an async function (async def run(client, example) -> float)",
-    build=lambda fn, options: functools.partial(fn, **options), fixed_args=2,
+    build=lambda fn, options: functools.partial(fn, **options),
+    fixed_args=2,
     options_key="agent.options",
-)  # fmt: skip
+)
 
 
 VERIFIERS = "verifiers:"
@@ -33,8 +37,10 @@ def _verifiers():
     try:
         verifiers_env = importlib.import_module("jaxrl_llm.gateway.verifiers_env")
     except ImportError as err:
-        raise ValueError(f"agent.entry='verifiers:...' needs verifiers ({err.name} is not "
-                         f"installed): {VERIFIERS_INSTALL}") from None  # fmt: skip
+        raise ValueError(
+            f"agent.entry='verifiers:...' needs verifiers ({err.name} is not "
+            f"installed): {VERIFIERS_INSTALL}"
+        ) from None
     return verifiers_env
 
 

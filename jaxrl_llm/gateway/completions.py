@@ -49,8 +49,14 @@ def parse_request(body: dict, ep: Episode, play: Play, budget: int) -> dict:
         ids = ep.context(body["messages"], body.get("tools"))
     except Exception as err:  # a message the template or the renderer refuses
         raise ValueError(f"messages: {type(err).__name__}: {err}"[:500]) from None
-    return {"ids": ids, "n": n, "max_tokens": min(max_tokens, budget), "stop": stop,
-            "tools": bool(body.get("tools")), "temperature": temperature}  # fmt: skip
+    return {
+        "ids": ids,
+        "n": n,
+        "max_tokens": min(max_tokens, budget),
+        "stop": stop,
+        "tools": bool(body.get("tools")),
+        "temperature": temperature,
+    }
 
 
 def messages(sent: list) -> list:
@@ -67,8 +73,10 @@ def messages(sent: list) -> list:
         ):
             content = "".join(p["text"] for p in content)
         if content is not None and not isinstance(content, str):
-            raise ValueError(f"messages[{k}].content: expected a string, a list of text "
-                             f"parts or null, got {type(content).__name__}")  # fmt: skip
+            raise ValueError(
+                f"messages[{k}].content: expected a string, a list of text "
+                f"parts or null, got {type(content).__name__}"
+            )
         out.append(m | {"content": content or ""})
     return out
 
@@ -83,8 +91,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def make_choice(tokenizer, ask: dict, ids: list, logprobs: list, versions: list, stopped: bool,
-                play: Play, call_ids: str):  # fmt: skip
+def make_choice(
+    tokenizer,
+    ask: dict,
+    ids: list,
+    logprobs: list,
+    versions: list,
+    stopped: bool,
+    play: Play,
+    call_ids: str,
+):
     """-> (the response's choice, assistant message, kept ids, log-probs, versions).
     max_tokens and stop strings cut the drawn tokens; the kept ones are the trajectory's."""
     finish = "stop" if stopped else "length"
@@ -101,28 +117,39 @@ def make_choice(tokenizer, ask: dict, ids: list, logprobs: list, versions: list,
     message = {"role": "assistant", "content": text}
     calls = parse_tool_calls(text, call_ids) if ask["tools"] else None
     if calls is not None and calls.calls:
-        message = {"role": "assistant", "content": calls.content or None,
-                   "tool_calls": calls.calls}  # fmt: skip
+        message = {"role": "assistant", "content": calls.content or None, "tool_calls": calls.calls}
         finish = "tool_calls"
     play.stats["tool_call_errors"] += bool(calls is not None and calls.errors)
     choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
     return choice, message, ids, logprobs, versions
 
 
-def response(episode: str, turn: int, choices: list, prompt_tokens: int,
-             completion_tokens: int, sampled: dict) -> dict:  # fmt: skip
+def response(
+    episode: str,
+    turn: int,
+    choices: list,
+    prompt_tokens: int,
+    completion_tokens: int,
+    sampled: dict,
+) -> dict:
     """A `chat.completion`; `jaxrl_llm` says how it was drawn: the temperature the gateway
     sampled at (the run's, whatever the request asked), the one requested (None when
     the request named none), and the version of the parameters that drew it."""
     for k, choice in enumerate(choices):
         choice["index"] = k
     return {
-        "id": f"chatcmpl-{episode}-{turn}", "object": "chat.completion",
-        "created": int(time.time()), "model": "jaxrl-llm", "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "id": f"chatcmpl-{episode}-{turn}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": "jaxrl-llm",
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
         "jaxrl_llm": sampled,
-    }  # fmt: skip
+    }
 
 
 def error(message: str, code: str = "invalid_request") -> dict:

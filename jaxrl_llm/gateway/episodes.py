@@ -108,10 +108,14 @@ def _same_assistant(sent: dict, returned: dict) -> bool:
         return False
     if (sent.get("content") or "") != (returned.get("content") or ""):
         return False
-    calls = [(c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
-             for c in sent.get("tool_calls") or []]  # fmt: skip
-    mine = [(c["function"]["name"], c["function"]["arguments"])
-            for c in returned.get("tool_calls") or []]  # fmt: skip
+    calls = [
+        (c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
+        for c in sent.get("tool_calls") or []
+    ]
+    mine = [
+        (c["function"]["name"], c["function"]["arguments"])
+        for c in returned.get("tool_calls") or []
+    ]
     return calls == mine
 
 
@@ -166,11 +170,24 @@ class Play:
     """One batch of episodes in progress: where its requests arrive, the spec and key
     stream it samples with, the parameters' version, and its counters."""
 
-    def __init__(self, server: Server, spec: RolloutSpec, *, key: int, step: int,
-                 version: int):  # fmt: skip
+    def __init__(self, server: Server, spec: RolloutSpec, *, key: int, step: int, version: int):
         self.server, self.spec, self.key, self.step, self.version = (
-            server, spec, key, step, version)  # fmt: skip
-        self.stats = {"requests": 0, "calls": 0, "batched": 0, "batch_max": 0,
-                      "temperature_ignored": 0, "tool_call_errors": 0, "prefill_tokens": 0,
-                      "cached_tokens": 0, "cache_restarts": 0, "evicted": 0}  # fmt: skip
+            server,
+            spec,
+            key,
+            step,
+            version,
+        )
+        self.stats = {
+            "requests": 0,
+            "calls": 0,
+            "batched": 0,
+            "batch_max": 0,
+            "temperature_ignored": 0,
+            "tool_call_errors": 0,
+            "prefill_tokens": 0,
+            "cached_tokens": 0,
+            "cache_restarts": 0,
+            "evicted": 0,
+        }
         self.seconds = 0.0

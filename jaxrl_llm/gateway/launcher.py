@@ -63,8 +63,7 @@ def reward_of(value) -> float:
     trainer's dtype), else ValueError naming it."""
     number = wire.as_number(value)
     if number is None:
-        raise ValueError(f"the agent returned {type(value).__name__} {value!r:.80}, "
-                         "not a number")  # fmt: skip
+        raise ValueError(f"the agent returned {type(value).__name__} {value!r:.80}, not a number")
     if not (math.isfinite(number) and abs(number) <= FLOAT32_MAX):
         raise ValueError(f"the agent returned {number!r}, not a finite float32 number")
     return number
@@ -78,9 +77,10 @@ class Launcher:
     def __init__(self, entry: str, options: dict, on_started, on_exited):
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             start_new_session=True,  # Ctrl-C at the terminal is the trainer's to handle
-        )  # fmt: skip
+        )
         self.on_started, self.on_exited = on_started, on_exited
         self.running: set[str] = set()
         self._lock = threading.Lock()
@@ -92,8 +92,9 @@ class Launcher:
             answer = ("failed", f"it exited with code {self.proc.wait()}")
         if answer[0] != "ready":
             self.close()
-            raise RuntimeError(f"agent.entry={entry!r}: the agent process did not start: "
-                               f"{answer[1]}")  # fmt: skip
+            raise RuntimeError(
+                f"agent.entry={entry!r}: the agent process did not start: {answer[1]}"
+            )
         self._reader = threading.Thread(target=self._read, daemon=True, name="agent-launcher")
         self._reader.start()
 
@@ -224,8 +225,9 @@ async def _play(agent, tls, url, key, result_url, example) -> None:
     # No time limit on a request here: the gateway's watchdog owns the episode's clock,
     # which leaves out the wait for the first compile.
     async with httpx.AsyncClient(timeout=None, verify=tls) as http:
-        client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=None,
-                                    http_client=http)  # fmt: skip
+        client = openai.AsyncOpenAI(
+            base_url=url, api_key=key, max_retries=0, timeout=None, http_client=http
+        )
         pid = os.getpid()
         try:
             result = {"reward": reward_of(await agent(client, example))}

@@ -87,8 +87,14 @@ class Server:
     """The gateway's HTTP server (aiohttp) on 127.0.0.1, on a free port, in a thread;
     `entry` and `options`: the agent its episodes run (`launcher`)."""
 
-    def __init__(self, entry: str, options: dict | None = None, *,
-                 max_request_bytes: int = 2**22, host: str = "127.0.0.1"):  # fmt: skip
+    def __init__(
+        self,
+        entry: str,
+        options: dict | None = None,
+        *,
+        max_request_bytes: int = 2**22,
+        host: str = "127.0.0.1",
+    ):
         from aiohttp import web
 
         self.entry, self.options = entry, dict(options or {})
@@ -106,8 +112,9 @@ class Server:
         app.router.add_post("/e/{episode}/result", self._result)
         self._runner = web.AppRunner(app, access_log=None)
         started = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(host, started), daemon=True,
-                                        name="gateway")  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._serve, args=(host, started), daemon=True, name="gateway"
+        )
         self._thread.start()
         started.wait()
         if self._error is not None:
@@ -161,8 +168,10 @@ class Server:
             return json.loads(await request.read()), None
         except web.HTTPRequestEntityTooLarge:
             self.counts["too_large"] += 1
-            message = (f"the body is over agent.max_request_bytes={self.max_request_bytes}"
-                       f" ({request.content_length} bytes)")  # fmt: skip
+            message = (
+                f"the body is over agent.max_request_bytes={self.max_request_bytes}"
+                f" ({request.content_length} bytes)"
+            )
             return None, _error(web, 413, message)
         except ValueError as err:
             return None, _error(web, 400, f"the body is not JSON: {err}"[:500])
@@ -233,13 +242,17 @@ class Server:
         id: a concurrent future of (reward | None, error text, "done" | "error" |
         "timeout")}."""
         if self._launcher is None or not self._launcher.alive:
-            self._launcher = Launcher(self.entry, self.options, self._on_started,
-                                      self._on_exited)  # fmt: skip
+            self._launcher = Launcher(self.entry, self.options, self._on_started, self._on_exited)
         started, futures, made = time.monotonic(), {}, []
         for _ in examples:  # all in progress before any agent can look for another
             episode = f"{next(self._ids)}"
-            ep = _Episode(key=secrets.token_urlsafe(24), future=concurrent.futures.Future(),
-                          started=started, timeout_s=timeout_s, lock=asyncio.Lock())  # fmt: skip
+            ep = _Episode(
+                key=secrets.token_urlsafe(24),
+                future=concurrent.futures.Future(),
+                started=started,
+                timeout_s=timeout_s,
+                lock=asyncio.Lock(),
+            )
             futures[episode], self.live[episode] = ep.future, ep
             made.append((episode, ep))
         for (episode, ep), example in zip(made, examples, strict=True):
@@ -262,8 +275,14 @@ class Server:
             if episode in self.live:
                 self.counts["agent_exits"] += 1
                 how = "the agent process is gone" if code is None else f"exit code {code}"
-                self._end(episode, (None, f"the agent's process ended ({how}) without "
-                                          "returning a reward", "error"))  # fmt: skip
+                self._end(
+                    episode,
+                    (
+                        None,
+                        f"the agent's process ended ({how}) without returning a reward",
+                        "error",
+                    ),
+                )
 
         self.loop.call_soon_threadsafe(exited)
 
@@ -282,8 +301,10 @@ class Server:
             now = time.monotonic()
             for episode, ep in list(self.live.items()):
                 if self._elapsed(ep.started, now) > ep.timeout_s:
-                    self._end(episode, (None, f"the agent passed agent.timeout_s="
-                                              f"{ep.timeout_s:g}", "timeout"))  # fmt: skip
+                    self._end(
+                        episode,
+                        (None, f"the agent passed agent.timeout_s={ep.timeout_s:g}", "timeout"),
+                    )
                     if ep.pid is not None:
                         Launcher.kill(ep.pid)
 

@@ -80,8 +80,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
 
-    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data,
-                     tool_interception_url=None):  # fmt: skip
+    async def launch(
+        self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None
+    ):
         system, prompt = self.resolve_prompt(data)
         messages = [{"role": "system", "content": system}] if system else []
         if isinstance(prompt, str):
@@ -89,8 +90,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
         elif prompt is not None:
             messages += [m.model_dump(mode="json", exclude_none=True) for m in prompt]
         http = httpx.AsyncClient(verify=_tls())
-        client = openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
-                                    http_client=http)  # fmt: skip
+        client = openai.AsyncOpenAI(
+            base_url=endpoint, api_key=secret, max_retries=0, http_client=http
+        )
         try:
             await client.chat.completions.create(model=ctx.model, messages=messages)
         except openai.APIError as err:
@@ -120,8 +122,11 @@ def env_config(taskset: str, options: dict):
         raise ValueError(f"agent.options for verifiers:{taskset}: {first}") from None
     harness = ChatHarnessConfig(id=HARNESS_ID)
     for name, seat in agent_config_fields(config).items():
-        setattr(config, name, seat.model_copy(update={"harness": harness,
-                                                       "runtime": SubprocessConfig()}))  # fmt: skip
+        setattr(
+            config,
+            name,
+            seat.model_copy(update={"harness": harness, "runtime": SubprocessConfig()}),
+        )
     return config
 
 
@@ -194,10 +199,12 @@ class VerifiersAgent:
         served = await self._serving()
         async with served["lock"]:  # one reader of an infinite taskset at a time
             task = await asyncio.to_thread(self.task, served, example)
-        endpoint = vf.EvalClientConfig(base_url=str(client.base_url).rstrip("/"),
-                                       api_key_var=KEY_VARIABLE)  # fmt: skip
-        episode = await served["env"].run_episode(task, ModelContext(model="policy",
-                                                                     client=endpoint))  # fmt: skip
+        endpoint = vf.EvalClientConfig(
+            base_url=str(client.base_url).rstrip("/"), api_key_var=KEY_VARIABLE
+        )
+        episode = await served["env"].run_episode(
+            task, ModelContext(model="policy", client=endpoint)
+        )
         if not episode.ok:
             errors = [e for t in episode.traces for e in t.errors] + list(episode.errors)
             first = f"{errors[0].type}: {errors[0].message}" if errors else "not ok"

@@ -105,9 +105,16 @@ def _rows_like(x, like: jax.Array) -> jax.Array:
 
 
 def completion_hidden(
-    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout=None, routes=None,
+    model_cfg,
+    params,
+    prompt_tokens,
+    prompt_mask,
+    tokens,
+    mask,
+    dropout=None,
+    routes=None,
     with_routes=False,
-):  # fmt: skip
+):
     """Teacher-forced hidden states that predict each completion token.
 
     prompt_tokens, prompt_mask [N, P] (left-padded); tokens, mask [N, T] (right-padded) ->
@@ -127,9 +134,20 @@ def completion_hidden(
 
 
 def sequence_logprobs(
-    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, temperature=1.0,
-    chunk_size=128, dropout=None, routes=None, with_routes=False, packing=None,
-):  # fmt: skip
+    model_cfg,
+    params,
+    prompt_tokens,
+    prompt_mask,
+    tokens,
+    mask,
+    *,
+    temperature=1.0,
+    chunk_size=128,
+    dropout=None,
+    routes=None,
+    with_routes=False,
+    packing=None,
+):
     """Teacher-forced log pi(token) and entropy of each completion token.
 
     [N, P], [N, P], [N, T], [N, T] -> (logp [N, T], entropy [N, T]) float32, 0 off-mask.
@@ -141,9 +159,17 @@ def sequence_logprobs(
     """
     if packing is not None:
         out = packed_sequence_logprobs(
-            model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, packing,
-            temperature=temperature, chunk_size=chunk_size, dropout=dropout,
-        )  # fmt: skip
+            model_cfg,
+            params,
+            prompt_tokens,
+            prompt_mask,
+            tokens,
+            mask,
+            packing,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            dropout=dropout,
+        )
         return (*out, None) if with_routes else out
     hidden, own = completion_hidden(
         model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout, routes, True
@@ -175,9 +201,18 @@ def _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, c
 
 
 def packed_sequence_logprobs(
-    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, plan, *, temperature=1.0,
-    chunk_size=128, dropout=None,
-):  # fmt: skip
+    model_cfg,
+    params,
+    prompt_tokens,
+    prompt_mask,
+    tokens,
+    mask,
+    plan,
+    *,
+    temperature=1.0,
+    chunk_size=128,
+    dropout=None,
+):
     """`sequence_logprobs` with the rows packed as `plan` (`rl.packing.plan_packing`, which
     must fit) says: the layers run over the packed sequences only. The log-probs are
     taken where there are fewer positions: over the packed [S, P + T] (the target of a
@@ -222,9 +257,14 @@ def map_rows(fn, rows, k: int):
 
 
 def prompt_prefix(
-    model_cfg, params, prompt_tokens, prompt_mask, num_generations: int, dropout=None,
+    model_cfg,
+    params,
+    prompt_tokens,
+    prompt_mask,
+    num_generations: int,
+    dropout=None,
     routes=None,
-):  # fmt: skip
+):
     """Each group's prompt run once: the first row of every G = `num_generations`
     consecutive rows -> (keys/values ([L, N / G, P, K, H] each), hidden state of the
     prompt's last position [N / G, D], which predicts the first completion token).
@@ -233,16 +273,31 @@ def prompt_prefix(
     experts (module doc); the group's first row's prompt part is read."""
     G, P = num_generations, prompt_tokens.shape[1]
     hidden, kv = models.forward_after_prefix(
-        model_cfg, params, prompt_tokens[::G], prompt_mask[::G], dropout=dropout,
+        model_cfg,
+        params,
+        prompt_tokens[::G],
+        prompt_mask[::G],
+        dropout=dropout,
         routes=None if routes is None else routes[::G, :P],
-    )  # fmt: skip
+    )
     return kv, hidden[:, -1]  # prompts are left-padded: the last column is a real token
 
 
 def prefix_logprobs(
-    model_cfg, params, prefix, prompt_mask, tokens, mask, groups, *, temperature=1.0,
-    chunk_size=128, dropout=None, routes=None, with_routes=False,
-):  # fmt: skip
+    model_cfg,
+    params,
+    prefix,
+    prompt_mask,
+    tokens,
+    mask,
+    groups,
+    *,
+    temperature=1.0,
+    chunk_size=128,
+    dropout=None,
+    routes=None,
+    with_routes=False,
+):
     """`sequence_logprobs` of rows whose prompts were run by `prompt_prefix`.
 
     prefix: `prompt_prefix`'s output; prompt_mask [N', P], tokens, mask [N', T] (T > 1)
@@ -258,9 +313,16 @@ def prefix_logprobs(
     kv_rows = jax.tree.map(lambda x: jnp.take(x, groups, axis=1), kv)
     P, T = prompt_mask.shape[1], tokens.shape[1]
     h, _, own = models.forward_after_prefix(
-        model_cfg, params, tokens[:, :-1], mask[:, :-1], kv_rows, prompt_mask, dropout,
-        routes=None if routes is None else routes[:, P : P + T - 1], with_routes=True,
-    )  # fmt: skip
+        model_cfg,
+        params,
+        tokens[:, :-1],
+        mask[:, :-1],
+        kv_rows,
+        prompt_mask,
+        dropout,
+        routes=None if routes is None else routes[:, P : P + T - 1],
+        with_routes=True,
+    )
     h = jnp.concatenate([jnp.take(last, groups, axis=0)[:, None].astype(h.dtype), h], axis=1)
     w = models.unembed_matrix(model_cfg, params)
     logp, ent = token_logprobs(h, w, tokens, temperature=temperature, chunk_size=chunk_size)
@@ -334,9 +396,15 @@ def context_mesh(mesh_or_sharding):
 
 
 def make_logprob_fn(
-    model_cfg, spec, chunk_size: int = 128, micro_batches: int = 1, mesh=None,
-    packing="off", packing_capacity: float = DEFAULT_CAPACITY, replay: bool = False,
-):  # fmt: skip
+    model_cfg,
+    spec,
+    chunk_size: int = 128,
+    micro_batches: int = 1,
+    mesh=None,
+    packing="off",
+    packing_capacity: float = DEFAULT_CAPACITY,
+    replay: bool = False,
+):
     """Jitted (params, rows) -> logp [N, T] (no gradient), rows a `sampling.SampleOutput`
     or `RolloutBatch` (prompt_tokens, prompt_mask, tokens, mask).
 
@@ -353,9 +421,13 @@ def make_logprob_fn(
     # an MoE model's routes are laid out by row; a hybrid model's recurrent state does
     # not reset between packed sequences: both run padded
     capacity = resolve_packing(packing, packing_capacity, shards, model_cfg.moe or model_cfg.hybrid)
-    kw = dict(num_generations=spec.num_generations, micro_batches=micro_batches,
-              temperature=spec.logprob_temperature, chunk_size=chunk_size,
-              packing=capacity)  # fmt: skip
+    kw = dict(
+        num_generations=spec.num_generations,
+        micro_batches=micro_batches,
+        temperature=spec.logprob_temperature,
+        chunk_size=chunk_size,
+        packing=capacity,
+    )
 
     def logprobs(params, rows):
         inputs = (rows.prompt_tokens, rows.prompt_mask, rows.tokens, rows.mask)
@@ -370,9 +442,20 @@ def make_logprob_fn(
 
 
 def batch_logprobs(
-    model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, *, num_generations,
-    micro_batches, temperature, chunk_size, packing=0.0, routes=None,
-):  # fmt: skip
+    model_cfg,
+    params,
+    prompt_tokens,
+    prompt_mask,
+    tokens,
+    mask,
+    *,
+    num_generations,
+    micro_batches,
+    temperature,
+    chunk_size,
+    packing=0.0,
+    routes=None,
+):
     """`make_logprob_fn`'s function, unjitted (the update's old-policy recompute):
     log-probs [N, T] one row slice at a time, each prompt read once when G > 1, else
     each slice packed (`sequence_logprobs`' packing: a capacity, 0 = padded).
@@ -382,9 +465,14 @@ def batch_logprobs(
     # a hybrid model's prompt is a recurrent state, not keys/values: every row reads its own
     if num_generations > 1 and tokens.shape[1] > 1 and not model_cfg.hybrid:
         logp = shared_prompt_logprobs(
-            model_cfg, params, *rows, num_generations=num_generations,
-            micro_batches=micro_batches, routes=routes, **kw,
-        )  # fmt: skip
+            model_cfg,
+            params,
+            *rows,
+            num_generations=num_generations,
+            micro_batches=micro_batches,
+            routes=routes,
+            **kw,
+        )
     else:
 
         def one(r):

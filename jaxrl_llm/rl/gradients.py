@@ -145,9 +145,17 @@ def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, plan
         entropy = _sg(entropy)
     old = None if s.on_policy else r.old_logp
     loss, metrics = policy_objective(
-        s.algo, logp, old, r.behaviour_logp, r.ref_logp, r.advantages, r.loss_mask, entropy,
-        denominator=den, max_len=s.spec.max_new_tokens,
-    )  # fmt: skip
+        s.algo,
+        logp,
+        old,
+        r.behaviour_logp,
+        r.ref_logp,
+        r.advantages,
+        r.loss_mask,
+        entropy,
+        denominator=den,
+        max_len=s.spec.max_new_tokens,
+    )
     if own is not None and r.routes is not None:
         metrics = {**metrics, **_routing_metrics(s, own, r)}
     return loss, metrics
@@ -170,10 +178,18 @@ def _routing_metrics(s: Setup, own, r: Rows) -> dict:
 
 
 def _value_loss(s: Setup, critic_params, r: Rows, den):
-    v = critic_lib.values(s.model_cfg, critic_params, r.prompt_tokens, r.prompt_mask,
-                          r.tokens, r.mask)  # fmt: skip
-    loss, metrics = value_objective(s.algo, v, r.old_values, r.returns, r.loss_mask,
-                                    denominator=den, max_len=s.spec.max_new_tokens)  # fmt: skip
+    v = critic_lib.values(
+        s.model_cfg, critic_params, r.prompt_tokens, r.prompt_mask, r.tokens, r.mask
+    )
+    loss, metrics = value_objective(
+        s.algo,
+        v,
+        r.old_values,
+        r.returns,
+        r.loss_mask,
+        denominator=den,
+        max_len=s.spec.max_new_tokens,
+    )
     # Full-batch rollout-time statistics replace these (see _batch_metrics).
     metrics.pop("value/mean"), metrics.pop("value/explained_variance")
     return loss, metrics
@@ -204,11 +220,16 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
     if rows.groups is not None:
         prefix, prefix_vjp = jax.vjp(
             lambda p: prompt_prefix(
-                s.model_cfg, full(p), rows.prompt_tokens, rows.prompt_mask, s.num_generations,
-                fold(0), routes=s.replayed(rows.routes),
+                s.model_cfg,
+                full(p),
+                rows.prompt_tokens,
+                rows.prompt_mask,
+                s.num_generations,
+                fold(0),
+                routes=s.replayed(rows.routes),
             ),
             carry.params,
-        )  # fmt: skip
+        )
 
     def micro(acc, xs):
         r, i = xs

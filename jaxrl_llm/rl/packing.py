@@ -89,9 +89,13 @@ def plan_packing(prompt_mask, mask, num_seqs: int) -> PackPlan:
     n = lengths.shape[0]
     unsort = lambda x: jnp.zeros(n, jnp.int32).at[order].set(x)  # noqa: E731
     return PackPlan(
-        seq=unsort(seq), offset=unsort(offset), start=start, end=end, fits=jnp.all(ok),
+        seq=unsort(seq),
+        offset=unsort(offset),
+        start=start,
+        end=end,
+        fits=jnp.all(ok),
         num_seqs=num_seqs,
-    )  # fmt: skip
+    )
 
 
 def _destinations(plan: PackPlan, width: int) -> jax.Array:

@@ -152,9 +152,11 @@ def _optimizer_step(s: Setup, step, policy_on, frozen, dropout, carry: Carry, xs
     new = carry.replace(params=params, opt_state=opt_state)
     if "critic" in grads:
         c_params, c_state = s.critic_opt.step(
-            grads["critic"], carry.critic_opt_state, carry.critic_params,
+            grads["critic"],
+            carry.critic_opt_state,
+            carry.critic_params,
             s.critic_opt.schedule(step),
-        )  # fmt: skip
+        )
         c_old = (carry.critic_params, carry.critic_opt_state)
         c_params, c_state = _select(apply, (c_params, c_state), c_old)
         new = new.replace(critic_params=c_params, critic_opt_state=c_state)
@@ -170,20 +172,30 @@ def _prepare(s: Setup, state: TrainState, batch: RolloutBatch, frozen) -> Rows:
     grouped = G > 1 and batch.tokens.shape[1] > 1
     if s.needs_old_logp:
         old_logp = batch_logprobs(
-            s.model_cfg, lora.combine(frozen, state.params), *inputs,
-            num_generations=s.prompt_group, micro_batches=k,
-            temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size,
+            s.model_cfg,
+            lora.combine(frozen, state.params),
+            *inputs,
+            num_generations=s.prompt_group,
+            micro_batches=k,
+            temperature=s.spec.logprob_temperature,
+            chunk_size=s.chunk_size,
             packing=s.packing,
             routes=s.replayed(batch.routes),
-        )  # fmt: skip
+        )
     if s.algo.uses_critic:
         values = functools.partial(critic_lib.values, s.model_cfg, state.critic_params)
         old_values = _sg(map_rows(lambda r: values(*r), inputs, k))
     adv = compute_advantages(
-        s.algo, batch.rewards, batch.loss_mask, G, old_logp=old_logp,
-        ref_logp=batch.ref_logprobs, values=old_values,
-        teacher_logp=batch.teacher_logprobs, behaviour_logp=batch.behaviour_logprobs,
-    )  # fmt: skip
+        s.algo,
+        batch.rewards,
+        batch.loss_mask,
+        G,
+        old_logp=old_logp,
+        ref_logp=batch.ref_logprobs,
+        values=old_values,
+        teacher_logp=batch.teacher_logprobs,
+        behaviour_logp=batch.behaviour_logprobs,
+    )
     return Rows(
         prompt_tokens=batch.prompt_tokens,
         prompt_mask=batch.prompt_mask,

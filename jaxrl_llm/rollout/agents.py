@@ -67,13 +67,15 @@ class AgentRollout:
         self.spec = spec
         self.turn_spec = dataclasses.replace(spec, num_generations=1)
         has_chat = bool(getattr(tokenizer, "chat_template", None))
-        self.renderer = Renderer(tokenizer, has_chat and d.chat_template != "never",
-                                 d.system_prompt)  # fmt: skip
+        self.renderer = Renderer(
+            tokenizer, has_chat and d.chat_template != "never", d.system_prompt
+        )
         self.rows = config.rollout.batch_size * spec.num_generations
         self.width, self.prompt_width = a.max_total_tokens, d.max_prompt_len
         self.timeout_s, self.wait_s = a.timeout_s, a.batch_wait_s
-        self.new_server = functools.partial(Server, a.entry, dict(a.options),
-                                            max_request_bytes=a.max_request_bytes)  # fmt: skip
+        self.new_server = functools.partial(
+            Server, a.entry, dict(a.options), max_request_bytes=a.max_request_bytes
+        )
         self.server: Server | None = None
         self.label = "agent"
         self.eval_server: Server | None = None  # evaluation's own (beside the rollout thread)
@@ -255,12 +257,23 @@ class AgentRollout:
         ]
         episodes[episode].record(body["messages"], [c[1:] for c in choices])
         first = [d[2][0] for d in drawn if d[2]]
-        sampled = {"temperature": play.spec.temperature,
-                   "policy_version": int(min(first)) if first else play.version,
-                   "requested_temperature": ask["temperature"]}  # fmt: skip
+        sampled = {
+            "temperature": play.spec.temperature,
+            "policy_version": int(min(first)) if first else play.version,
+            "requested_temperature": ask["temperature"],
+        }
         drew = sum(len(c[2]) for c in choices)
-        reply(200, completions.response(episode, episodes[episode].turns, [c[0] for c in choices],
-                             len(ask["ids"]), drew, sampled))  # fmt: skip
+        reply(
+            200,
+            completions.response(
+                episode,
+                episodes[episode].turns,
+                [c[0] for c in choices],
+                len(ask["ids"]),
+                drew,
+                sampled,
+            ),
+        )
         play.stats["requests"] += 1
 
     def _rewards(self, order, results, over):
@@ -280,29 +293,38 @@ class AgentRollout:
         G = self.spec.num_generations
         rewards, ends, errors = self._rewards(order, results, over)
         width, pad = self.width, self.sampler.pad_id
-        parts = [group_rows([episodes[e] for e in order[g : g + G]], self.prompt_width, width,
-                            pad) for g in range(0, len(order), G)]  # fmt: skip
+        parts = [
+            group_rows([episodes[e] for e in order[g : g + G]], self.prompt_width, width, pad)
+            for g in range(0, len(order), G)
+        ]
         rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         versions, cut, unshared = rows.pop("versions"), rows.pop("cut"), rows.pop("unshared")
         sampled = np.where(versions >= 0, versions, np.iinfo(np.int64).max).min(axis=1)
         host = sampling.SampleOutput(
-            tokens=rows["tokens"], mask=rows["mask"], loss_mask=rows["loss_mask"],
-            logprobs=rows["logprobs"], lengths=rows["lengths"],
+            tokens=rows["tokens"],
+            mask=rows["mask"],
+            loss_mask=rows["loss_mask"],
+            logprobs=rows["logprobs"],
+            lengths=rows["lengths"],
             finish=np.full(len(order), sampling.FINISH_STOP, np.int32),
-            prompt_tokens=rows["prompt_tokens"], prompt_mask=rows["prompt_mask"],
+            prompt_tokens=rows["prompt_tokens"],
+            prompt_mask=rows["prompt_mask"],
             policy_version=np.where(versions.max(axis=1) >= 0, sampled, version).astype(np.int32),
             num_generations=G,
-        )  # fmt: skip
+        )
         if self.mesh is None:  # no mesh: one device
             with jax.transfer_guard("allow"):
                 out = jax.device_put(host)
         else:
             out = parallel.shard_local_batch(host, self.mesh)
         decode = self.tokenizer.decode
-        completions = [decode(t[:n], skip_special_tokens=True)
-                       for t, n in zip(rows["tokens"], rows["lengths"], strict=True)]  # fmt: skip
-        prompts = [decode(p[m]) for p, m in zip(rows["prompt_tokens"], rows["prompt_mask"],
-                                                 strict=True)]  # fmt: skip
+        completions = [
+            decode(t[:n], skip_special_tokens=True)
+            for t, n in zip(rows["tokens"], rows["lengths"], strict=True)
+        ]
+        prompts = [
+            decode(p[m]) for p, m in zip(rows["prompt_tokens"], rows["prompt_mask"], strict=True)
+        ]
         n = len(order)
         metrics = self._metrics(play, episodes, ends, rows["lengths"])
         metrics["gateway/truncated"] = float((cut > 0).sum())  # rows cut to the width
@@ -310,21 +332,28 @@ class AgentRollout:
         self._warn_unshared(int(unshared[::G].sum()), len(order) // G, play.step)
         failed = [i for i, end in enumerate(ends) if end != "done"]
         details = ScoreDetails(
-            per_verifier={self.label: rewards.astype(np.float64)}, weights={self.label: 1.0},
+            per_verifier={self.label: rewards.astype(np.float64)},
+            weights={self.label: 1.0},
             errors={self.label: ends.count("error") + ends.count("max_total_tokens")},
             timeouts={self.label: ends.count("timeout")},
             messages=[f"episode {i}: {errors[i]}" for i in failed[:8]],
-            failed={self.label: len(failed)}, num_samples=n,
+            failed={self.label: len(failed)},
+            num_samples=n,
             first_error=f"agent episode {failed[0]}: {errors[failed[0]]}" if failed else None,
-            key="agent.entry", unit="episodes",
+            key="agent.entry",
+            unit="episodes",
             fix="fix the agent (its failures end their episodes with reward 0)",
-        )  # fmt: skip
+        )
         scored = scoring.Scored(
-            rewards=rewards, metrics=metrics, completions=completions, prompts=prompts,
+            rewards=rewards,
+            metrics=metrics,
+            completions=completions,
+            prompts=prompts,
             examples=[ex for ex in batch.examples for _ in range(G)],
             lengths=rows["lengths"].astype(np.int64),
-            prompt_lengths=rows["prompt_mask"].sum(axis=1), details=details,
-        )  # fmt: skip
+            prompt_lengths=rows["prompt_mask"].sum(axis=1),
+            details=details,
+        )
         return out, scored, versions
 
     def _warn_unshared(self, groups: int, of: int, step: int) -> None:
@@ -339,8 +368,11 @@ class AgentRollout:
                 "prompt moves into its completion, where agent.max_total_tokens may cut "
                 "it); the episodes of one prompt must start with the same messages for "
                 "the prompt to be shared (gateway/prompt_not_shared counts such prompts)",
-                step + 1, self.spec.num_generations, groups, of,
-            )  # fmt: skip
+                step + 1,
+                self.spec.num_generations,
+                groups,
+                of,
+            )
 
     def _metrics(self, play, episodes, ends, lengths) -> dict:
         """gateway/* counters of one rollout (docs/agents.md)."""

@@ -79,8 +79,17 @@ def specs(spec, pass_k: int, temperature: float):
     return greedy, sampled if pass_k > 1 else None
 
 
-def evaluate(sampler, params, batches, scorer, *, correct_label: str, pass_k: int,
-             temperature: float, step: int = 0) -> dict[str, float]:  # fmt: skip
+def evaluate(
+    sampler,
+    params,
+    batches,
+    scorer,
+    *,
+    correct_label: str,
+    pass_k: int,
+    temperature: float,
+    step: int = 0,
+) -> dict[str, float]:
     """Metrics `eval/*` over the fixed evaluation batches.
 
     sampler: a `sampling.Sampler`; scorer: a `scoring.Scorer` (its spec gives the budget

@@ -42,8 +42,16 @@ class PagedStream:
     """A rollout thread over a streaming paged engine session, on the `Handoff` it is
     given (as `RolloutThread`)."""
 
-    def __init__(self, s, config, start: int, handoff: Handoff, *, player=None,
-                 max_staleness: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        s,
+        config,
+        start: int,
+        handoff: Handoff,
+        *,
+        player=None,
+        max_staleness: int | None = None,
+    ):
         if player is not None:
             raise ValueError("the paged stream samples single-turn rollouts")
         r = config.rollout
@@ -68,15 +76,17 @@ class PagedStream:
             current = version if session is None else session.version
             # Queue the next steps the bound allows (without partial, none on parameters
             # older than the newest: they wait for the swap).
-            while (step < self.num_steps and current >= step - self.max_staleness
-                   and current == version):  # fmt: skip
+            while (
+                step < self.num_steps
+                and current >= step - self.max_staleness
+                and current == version
+            ):
                 batch = next(s.data)
                 position = s.data.state()
                 ids, mask = s.sampler.bucketed(batch.prompt_ids, batch.prompt_mask)
                 rows = ids.shape[0] * spec.num_generations
                 if session is None:
-                    session = s.sampler.stream(params, version, spec, width=ids.shape[1],
-                                               rows=rows)  # fmt: skip
+                    session = s.sampler.stream(params, version, spec, width=ids.shape[1], rows=rows)
                 budgets = np.full(rows, spec.max_new_tokens, np.int64)
                 session.submit(step, ids, mask, budgets, key_base=step * rows)
                 now = time.perf_counter()
@@ -97,9 +107,17 @@ class PagedStream:
         jax.block_until_ready(out.tokens)
         sampled = time.perf_counter()
         scored = self.s.scorer(out, batch)
-        self.handoff.put(Item(
-            step=step, batch=batch, out=out, scored=scored,
-            version=int(np.min(np.asarray(out.policy_version))), position=position,
-            wait_s=wait_s, sample_s=sampled - start, score_s=time.perf_counter() - sampled,
-            token_versions=token_versions,
-        ))  # fmt: skip
+        self.handoff.put(
+            Item(
+                step=step,
+                batch=batch,
+                out=out,
+                scored=scored,
+                version=int(np.min(np.asarray(out.policy_version))),
+                position=position,
+                wait_s=wait_s,
+                sample_s=sampled - start,
+                score_s=time.perf_counter() - sampled,
+                token_versions=token_versions,
+            )
+        )

@@ -37,15 +37,25 @@ class EnvRollout:
     def __init__(self, config, tokenizer, sampler, spec: sampling.RolloutSpec, mesh=None):
         e, d = config.env, config.data
         self.config, self.tokenizer, self.sampler, self.spec, self.mesh = (
-            config, tokenizer, sampler, spec, mesh)  # fmt: skip
+            config,
+            tokenizer,
+            sampler,
+            spec,
+            mesh,
+        )
         self.pool = EnvPool(
-            e.name, dict(e.options), workers=e.workers or None,
-            step_timeout_s=e.step_timeout_s, trajectory_timeout_s=e.trajectory_timeout_s,
-            memory_mb=e.memory_mb, lanes=e.lanes,
-        )  # fmt: skip
+            e.name,
+            dict(e.options),
+            workers=e.workers or None,
+            step_timeout_s=e.step_timeout_s,
+            trajectory_timeout_s=e.trajectory_timeout_s,
+            memory_mb=e.memory_mb,
+            lanes=e.lanes,
+        )
         has_chat = bool(getattr(tokenizer, "chat_template", None))
-        self.renderer = Renderer(tokenizer, has_chat and d.chat_template != "never",
-                                 d.system_prompt)  # fmt: skip
+        self.renderer = Renderer(
+            tokenizer, has_chat and d.chat_template != "never", d.system_prompt
+        )
         try:
             tool_stops = config_lib.stop_ids(tokenizer, tuple(e.stop_tokens))
         except config_lib.ConfigError as err:  # its message names rollout.stop_tokens
@@ -59,13 +69,16 @@ class EnvRollout:
     def settings(self, step: int) -> TurnSettings:
         e, r = self.config.env, self.config.rollout
         return TurnSettings(
-            max_turns=turns_at(e.max_turns, step), turn_tokens=r.max_new_tokens,
-            max_total_tokens=e.max_total_tokens, stop_ids=self.stop_ids,
+            max_turns=turns_at(e.max_turns, step),
+            turn_tokens=r.max_new_tokens,
+            max_total_tokens=e.max_total_tokens,
+            stop_ids=self.stop_ids,
             end_of_turn_ids=self.spec.stop_ids,
-        )  # fmt: skip
+        )
 
-    def _play(self, params, batch, spec, settings: TurnSettings, step: int, version=None,
-              refresh=None):  # fmt: skip
+    def _play(
+        self, params, batch, spec, settings: TurnSettings, step: int, version=None, refresh=None
+    ):
         """This process's prompts of `batch`, spec.num_generations trajectories each,
         played to the end -> (out, trajectories, turns, prompt ids, tokens, lengths).
         version: the parameters' (default: step); refresh: `envs.play`'s."""
@@ -74,10 +87,22 @@ class EnvRollout:
         prompt_ids = [self._prompt(batch, i, obs, trajs[i]) for i, obs in enumerate(observations)]
         ids, mask = prompts_lib.collate(prompt_ids, self.sampler.pad_id, 1, 0)
         trajs, _ = replicate(trajs, observations, spec.num_generations)
-        out, turns = play(self.sampler, params, ids, mask, spec, settings, self.pool,
-                          trajs, self.renderer, self.tokenizer, step=step,
-                          version=step if version is None else version, mesh=self.mesh,
-                          refresh=refresh)  # fmt: skip
+        out, turns = play(
+            self.sampler,
+            params,
+            ids,
+            mask,
+            spec,
+            settings,
+            self.pool,
+            trajs,
+            self.renderer,
+            self.tokenizer,
+            step=step,
+            version=step if version is None else version,
+            mesh=self.mesh,
+            refresh=refresh,
+        )
         tokens, lengths = (np.asarray(x) for x in _local(out, self.mesh))
         return out, trajs, turns, prompt_ids, tokens, lengths
 
@@ -112,8 +137,16 @@ class EnvRollout:
             out["eval/" + name.split("/")[1]] = float((values * weights).sum() / weights.sum())
         return out
 
-    def __call__(self, params, batch, step: int, *, settings: TurnSettings | None = None,
-                 version: int | None = None, refresh=None):  # fmt: skip
+    def __call__(
+        self,
+        params,
+        batch,
+        step: int,
+        *,
+        settings: TurnSettings | None = None,
+        version: int | None = None,
+        refresh=None,
+    ):
         """This process's prompts of `batch` played to the end by `params` (whose version is
         `version`, default step; `refresh` as in `envs.play`) -> (out, scored, the version
         that drew each completion token [N, max_total_tokens], -1 where none did)."""
@@ -123,8 +156,13 @@ class EnvRollout:
             params, batch, self.spec, settings, step, version, refresh
         )
         # Model turns as the environment read them; observations with the template's markers.
-        texts = [[(kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=kind == "model"))
-                  for kind, a, b in turns.spans[i]] for i in range(len(trajs))]  # fmt: skip
+        texts = [
+            [
+                (kind, self.tokenizer.decode(tokens[i, a:b], skip_special_tokens=kind == "model"))
+                for kind, a, b in turns.spans[i]
+            ]
+            for i in range(len(trajs))
+        ]
         rewards, details = score(trajs, self.config.env.turn_reward_discount, self.label)
         for row, t in zip(texts, trajs, strict=True):  # samples.jsonl shows why it failed
             row += [("error", f"{t.end}: {t.error}")] if t.end in FAILED else []

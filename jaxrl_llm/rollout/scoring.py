@@ -53,8 +53,17 @@ class Scorer:
         other entries go to the pool).
     """
 
-    def __init__(self, tokenizer, pool, specs, spec: sampling.RolloutSpec, *,
-                 overlong_buffer: int = 0, mesh=None, judges=()):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        pool,
+        specs,
+        spec: sampling.RolloutSpec,
+        *,
+        overlong_buffer: int = 0,
+        mesh=None,
+        judges=(),
+    ):
         self.tokenizer, self.pool, self.specs, self.spec = tokenizer, pool, specs, spec
         self.overlong_buffer, self.mesh = overlong_buffer, mesh
         self.judges = list(judges)
@@ -110,9 +119,13 @@ class Scorer:
         else:
             rewards = np.zeros(len(texts))
             details = verifiers.ScoreDetails(
-                per_verifier={}, weights={}, errors={}, timeouts={}, messages=[],
+                per_verifier={},
+                weights={},
+                errors={},
+                timeouts={},
+                messages=[],
                 num_samples=len(texts),
-            )  # fmt: skip
+            )
         for judge in self.judges:
             scores, errors = judge(texts, examples, prompts, step=self.calls + 1)
             label = judge.label
@@ -186,7 +199,7 @@ def _select_rows(outs: list[sampling.SampleOutput], index: jax.Array, rows_on=No
             prompt_mask=widen(o.prompt_mask, True),
             **{f: widen(getattr(o, f), False) for f in ("tokens", "mask", "loss_mask", "logprobs")},
             routes=sampling.fit_routes(o.routes, o.prompt_tokens.shape[1], P, T),
-        )  # fmt: skip
+        )
         for o in outs
     ]
     merged = jax.tree.map(lambda *xs: jnp.concatenate(xs)[index], *outs)

@@ -76,9 +76,13 @@ class Sampling:
         ahead draws with its own step's key."""
         with self.compile_log.program("sampler") as compiled:
             out = self.sampler.sample(
-                params, batch.prompt_ids, batch.prompt_mask, self.spec,
-                step * self.rounds + round, version=step if version is None else version,
-            )  # fmt: skip
+                params,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                self.spec,
+                step * self.rounds + round,
+                version=step if version is None else version,
+            )
             compiled.detail = bucket(out)
         return out
 
@@ -114,10 +118,16 @@ def make_sampler(config, model_cfg, mesh, pad_id: int):
     if r.engine == "paged":
         p = r.paged
         return sampling.PagedSampler(
-            model_cfg, mesh, slots=p.slots, pages=p.pages, page_size=p.page_size,
-            chunk_steps=p.chunk_steps, prefill_chunk=p.prefill_chunk, attention=p.attention,
+            model_cfg,
+            mesh,
+            slots=p.slots,
+            pages=p.pages,
+            page_size=p.page_size,
+            chunk_steps=p.chunk_steps,
+            prefill_chunk=p.prefill_chunk,
+            attention=p.attention,
             **common,
-        )  # fmt: skip
+        )
     return sampling.Sampler(model_cfg, mesh, cache_segments=r.cache_segments, **common)
 
 

@@ -146,8 +146,16 @@ class RolloutThread:
     `max_staleness`); with a `player` (an `EnvRollout`) it plays multi-turn trajectories.
     It runs on the `Handoff` it is given, from which the learner takes its steps."""
 
-    def __init__(self, s: Sampling, config, start: int, handoff: Handoff, *, player=None,
-                 max_staleness: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        s: Sampling,
+        config,
+        start: int,
+        handoff: Handoff,
+        *,
+        player=None,
+        max_staleness: int | None = None,
+    ):
         r = config.rollout
         self.s, self.num_steps, self.player = s, config.train.num_steps, player
         self.max_staleness = r.max_staleness if max_staleness is None else max_staleness
@@ -171,8 +179,9 @@ class RolloutThread:
         if self.player is not None:  # multi-turn: the environments score as they play
             with self.s.compile_log.program("sampler", "multi-turn", runs=True):
                 refresh = self.handoff.newest if self.partial_chunk else None
-                out, scored, columns = self.player(params, batch, step, version=version,
-                                                   refresh=refresh)  # fmt: skip
+                out, scored, columns = self.player(
+                    params, batch, step, version=version, refresh=refresh
+                )
             jax.block_until_ready(out.tokens)
             sampled = time.perf_counter()
         elif self.partial_chunk:
@@ -185,10 +194,17 @@ class RolloutThread:
             sampled = time.perf_counter()
             scored = self.s.scorer(out, batch)
         item = Item(
-            step=step, batch=batch, out=out, scored=scored, version=version,
-            position=position, wait_s=wait_s, sample_s=sampled - start,
-            score_s=time.perf_counter() - sampled, token_versions=columns,
-        )  # fmt: skip
+            step=step,
+            batch=batch,
+            out=out,
+            scored=scored,
+            version=version,
+            position=position,
+            wait_s=wait_s,
+            sample_s=sampled - start,
+            score_s=time.perf_counter() - sampled,
+            token_versions=columns,
+        )
         self.handoff.put(item)
 
     def _partial(self, batch, step: int, params, version: int):
@@ -197,8 +213,9 @@ class RolloutThread:
         sampler, spec, log = self.s.sampler, self.s.spec, self.s.compile_log
         T, chunk = spec.max_new_tokens, self.partial_chunk
         columns = np.full(T, version)
-        state = sampler.start(params, batch.prompt_ids, batch.prompt_mask, spec, step,
-                              version=version)  # fmt: skip
+        state = sampler.start(
+            params, batch.prompt_ids, batch.prompt_mask, spec, step, version=version
+        )
         for first in range(0, T, chunk):
             newest, newest_version = self.handoff.newest()
             # Each chunk's cache width is a program of its own, compiled at first use (at
@@ -226,8 +243,16 @@ class Threaded:
     the thread then gets a copy of the parameters (`copy=True`), since the update donates
     the ones the step holds while the thread still plays with them."""
 
-    def __init__(self, s: Sampling, config, *, player=None, max_staleness: int | None = None,
-                 copy: bool = False, thread=None):  # fmt: skip
+    def __init__(
+        self,
+        s: Sampling,
+        config,
+        *,
+        player=None,
+        max_staleness: int | None = None,
+        copy: bool = False,
+        thread=None,
+    ):
         self.s, self.config, self.handoff = s, config, None
         self.player, self.max_staleness, self.copy = player, max_staleness, copy
         self.make_thread = thread or RolloutThread  # or `paged_stream.PagedStream`
@@ -237,19 +262,33 @@ class Threaded:
             params = jax.tree.map(jnp.copy, params)
         if self.handoff is None:
             self.handoff = Handoff(params, step, self.s.data.state())
-            self.make_thread(self.s, self.config, step, self.handoff, player=self.player,
-                             max_staleness=self.max_staleness)  # fmt: skip
+            self.make_thread(
+                self.s,
+                self.config,
+                step,
+                self.handoff,
+                player=self.player,
+                max_staleness=self.max_staleness,
+            )
         else:
             self.handoff.publish(params, step)
         item = self.handoff.take(step)  # waits while the thread is behind
         clock.mark("learner_wait")
         clock.seconds |= {"sample": item.sample_s, "score": item.score_s}
         out = jax.device_put(item.out, self.s.row_sharding)  # rollout -> training mesh
-        metrics = {"perf/rollout_wait_s": item.wait_s,
-                   "perf/learner_wait_s": clock.seconds["learner_wait"]}  # fmt: skip
+        metrics = {
+            "perf/rollout_wait_s": item.wait_s,
+            "perf/learner_wait_s": clock.seconds["learner_wait"],
+        }
         metrics |= token_staleness(step, item)
-        return Rollout(out=out, batch=item.batch, version=item.version,
-                       position=item.position, scored=item.scored, metrics=metrics)  # fmt: skip
+        return Rollout(
+            out=out,
+            batch=item.batch,
+            version=item.version,
+            position=item.position,
+            scored=item.scored,
+            metrics=metrics,
+        )
 
     def close(self) -> None:
         if self.handoff is not None:

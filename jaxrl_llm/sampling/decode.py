@@ -180,9 +180,15 @@ def constrain_cache(cache: models.KVCache, mesh) -> models.KVCache:
 
 
 def prefill_groups(
-    cfg, params, prompt_ids, prompt_mask, num_generations: int, max_len, mesh=None,
+    cfg,
+    params,
+    prompt_ids,
+    prompt_mask,
+    num_generations: int,
+    max_len,
+    mesh=None,
     with_routes: bool = False,
-):  # fmt: skip
+):
     """Prefills B prompts once and repeats each cache row G times.
 
     Returns (last-token logits [B*G, V], cache with B*G rows of length max_len), and with
@@ -294,10 +300,17 @@ def decode(
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
     widen = lambda x, fill: _widen(x, need - P, fill)  # noqa: E731
     loop = _Loop(
-        n=jnp.int32(0), t=state.t, cache=state.cache, tokens=widen(state.tokens, pad_id),
-        mask=widen(state.mask, False), logprobs=widen(state.logprobs, 0.0), last=state.last,
-        pending=state.pending, done=state.done, routes=_widen_routes(state.routes, need - P),
-    )  # fmt: skip
+        n=jnp.int32(0),
+        t=state.t,
+        cache=state.cache,
+        tokens=widen(state.tokens, pad_id),
+        mask=widen(state.mask, False),
+        logprobs=widen(state.logprobs, 0.0),
+        last=state.last,
+        pending=state.pending,
+        done=state.done,
+        routes=_widen_routes(state.routes, need - P),
+    )
     if not state.maybe_pending:  # the next token's logits are known: draw it now
         loop = _draw(state, loop, state.logits, stops, pad_id)
     # A per-layer cache (scan_layers=False) runs the layers unrolled: their parameters are
@@ -324,11 +337,19 @@ def decode(
 
         loop = jax.lax.while_loop(more, body, loop)
     return state.replace(
-        cache=loop.cache, tokens=loop.tokens, mask=loop.mask,
-        appended=widen(state.appended, False), logprobs=loop.logprobs, last=loop.last,
-        pending=loop.pending, done=loop.done, t=loop.t, end=need, maybe_pending=True,
+        cache=loop.cache,
+        tokens=loop.tokens,
+        mask=loop.mask,
+        appended=widen(state.appended, False),
+        logprobs=loop.logprobs,
+        last=loop.last,
+        pending=loop.pending,
+        done=loop.done,
+        t=loop.t,
+        end=need,
+        maybe_pending=True,
         routes=loop.routes,
-    )  # fmt: skip
+    )
 
 
 def append(

@@ -108,9 +108,21 @@ class PagedSampler:
     `decode` (the jitted programs, `programs`), `decode_slots`, `weights`, `pool`, `put`.
     """
 
-    def __init__(self, model_cfg, mesh=None, *, seed=0, pad_id=0, bucket_steps=2, slots=0,
-                 pages=0, page_size=16, chunk_steps=16, prefill_chunk=32,
-                 attention="auto"):  # fmt: skip
+    def __init__(
+        self,
+        model_cfg,
+        mesh=None,
+        *,
+        seed=0,
+        pad_id=0,
+        bucket_steps=2,
+        slots=0,
+        pages=0,
+        page_size=16,
+        chunk_steps=16,
+        prefill_chunk=32,
+        attention="auto",
+    ):
         if page_size < 1 or prefill_chunk % page_size:
             raise ValueError(
                 f"prefill_chunk={prefill_chunk}: must be a multiple of page_size={page_size}"
@@ -131,14 +143,14 @@ class PagedSampler:
         self.static = Sampler(model_cfg, mesh, seed=seed, pad_id=pad_id, bucket_steps=bucket_steps)
         self.traces: collections.Counter = collections.Counter()
         self.stats: dict = {}
-        self.decode = jax.jit(self._decode_program, static_argnames=("steps", "spec"),
-                               donate_argnums=(1, 2))  # fmt: skip
+        self.decode = jax.jit(
+            self._decode_program, static_argnames=("steps", "spec"), donate_argnums=(1, 2)
+        )
         self.prefill = jax.jit(self._prefill_program, donate_argnums=(1, 2))
         self._slice = jax.jit(models.layer_params)
         # The pool is made on device (zeros from the host would be an implicit transfer).
         where = None if mesh is None else NamedSharding(mesh, P())
-        self._init_pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3, 4),
-                                  out_shardings=where)  # fmt: skip
+        self._init_pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3, 4), out_shardings=where)
 
     # ----------------------------------------------------------- Sampler's interface
     @property
@@ -172,17 +184,33 @@ class PagedSampler:
                 shape = (N, width + T, cfg.num_layers, cfg.num_experts_per_tok)
                 routes = z(shape, models.ROUTE_DTYPE)
             return SampleOutput(
-                tokens=z((N, T), jnp.int32), mask=z((N, T), bool), loss_mask=z((N, T), bool),
-                logprobs=z((N, T), jnp.float32), lengths=z((N,), jnp.int32),
-                finish=z((N,), jnp.int32), prompt_tokens=z((N, width), jnp.int32),
-                prompt_mask=z((N, width), bool), policy_version=z((N,), jnp.int32),
-                num_generations=G, routes=routes,
-            )  # fmt: skip
+                tokens=z((N, T), jnp.int32),
+                mask=z((N, T), bool),
+                loss_mask=z((N, T), bool),
+                logprobs=z((N, T), jnp.float32),
+                lengths=z((N,), jnp.int32),
+                finish=z((N,), jnp.int32),
+                prompt_tokens=z((N, width), jnp.int32),
+                prompt_mask=z((N, width), bool),
+                policy_version=z((N,), jnp.int32),
+                num_generations=G,
+                routes=routes,
+            )
 
         return jax.jit(shapes, **rows), (), {}
 
-    def sample(self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step=None, *,
-               version=0, seed=None, budgets=None) -> SampleOutput:  # fmt: skip
+    def sample(
+        self,
+        params,
+        prompt_ids,
+        prompt_mask,
+        spec: RolloutSpec,
+        step=None,
+        *,
+        version=0,
+        seed=None,
+        budgets=None,
+    ) -> SampleOutput:
         """G completions of each prompt (prompt-major rows, as `Sampler.sample`).
         budgets: optional per-row max_new_tokens [B * G] (each <= spec.max_new_tokens)."""
         if jax.process_count() > 1:
@@ -203,16 +231,34 @@ class PagedSampler:
         budgets = np.full(N, T, np.int64) if budgets is None else np.asarray(budgets, np.int64)
         if budgets.shape != (N,) or budgets.min() < 1 or budgets.max() > T:
             raise ValueError(f"budgets: expected [{N}] values in [1, {T}]")
-        run = self.stream(params, version, spec, width=width, rows=N, prompts=B, seed=seed,
-                          step=0 if step is None else int(step))  # fmt: skip
+        run = self.stream(
+            params,
+            version,
+            spec,
+            width=width,
+            rows=N,
+            prompts=B,
+            seed=seed,
+            step=0 if step is None else int(step),
+        )
         run.submit(0, ids, mask, budgets)
         while run.busy:
             run.run_chunk()
         self.stats = run.stats
         return run.output(0)[0]
 
-    def stream(self, params, version: int, spec: RolloutSpec, *, width: int, rows: int,
-               prompts: int = 0, seed=None, step: int = 0) -> Session:  # fmt: skip
+    def stream(
+        self,
+        params,
+        version: int,
+        spec: RolloutSpec,
+        *,
+        width: int,
+        rows: int,
+        prompts: int = 0,
+        seed=None,
+        step: int = 0,
+    ) -> Session:
         """A `paged_schedule.Session` over this engine's settings, sized for requests of
         `rows` rows over `prompts` prompts (0: rows) of bucket `width` (slots 0: `rows`
         slots; pages 0: the static sampler's cache for them); kept across training steps
@@ -223,9 +269,16 @@ class PagedSampler:
         seed = self.seed if seed is None else int(seed)
         slots = self.slots or rows
         pages = self.pages or self.auto_pages(rows, width + spec.max_new_tokens)
-        return Session(self, params, version, spec, slots=slots, pages=pages,
-                       seed_step=self.put(np.array([seed, step], np.uint32)),
-                       prompt_rows=min(prompts or rows, slots + 1))  # fmt: skip
+        return Session(
+            self,
+            params,
+            version,
+            spec,
+            slots=slots,
+            pages=pages,
+            seed_step=self.put(np.array([seed, step], np.uint32)),
+            prompt_rows=min(prompts or rows, slots + 1),
+        )
 
     def auto_pages(self, rows: int, tokens: int) -> int:
         """The pool of `rollout.paged.pages=0` for `rows` sequences of `tokens` tokens:
@@ -255,14 +308,26 @@ class PagedSampler:
             return params, None
         return params, self._slice({"layers": params["layers"]})
 
-    def _decode_program(self, weights, pages, slots, prompt_logits, seed_step, stops, *, steps,
-                        spec):  # fmt: skip
+    def _decode_program(
+        self, weights, pages, slots, prompt_logits, seed_step, stops, *, steps, spec
+    ):
         self.traces["decode", slots.tokens.shape, pages.k.shape] += 1
         key = jax.random.fold_in(jax.random.key(seed_step[0]), seed_step[1])
         params, layers = weights
         with self._kernel_mesh():
-            return decode_chunk(self.cfg, params, pages, slots, prompt_logits, key, stops,
-                                steps, spec, self.impl, layers)  # fmt: skip
+            return decode_chunk(
+                self.cfg,
+                params,
+                pages,
+                slots,
+                prompt_logits,
+                key,
+                stops,
+                steps,
+                spec,
+                self.impl,
+                layers,
+            )
 
     def _kernel_mesh(self):
         """The context of a program's trace: on a TPU mesh of several chips, the mesh set,
@@ -271,16 +336,30 @@ class PagedSampler:
             return contextlib.nullcontext()
         return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
 
-    def _prefill_program(self, weights, pages, prompt_logits, index, tokens, mask, table, start,
-                         length):  # fmt: skip
+    def _prefill_program(
+        self, weights, pages, prompt_logits, index, tokens, mask, table, start, length
+    ):
         self.traces["prefill", tokens.shape, pages.k.shape] += 1
         params, layers = weights
         with self._kernel_mesh():
-            return prefill_chunk(self.cfg, params, pages, prompt_logits, index, tokens, mask,
-                                 table, start, length, self.impl, layers)  # fmt: skip
+            return prefill_chunk(
+                self.cfg,
+                params,
+                pages,
+                prompt_logits,
+                index,
+                tokens,
+                mask,
+                table,
+                start,
+                length,
+                self.impl,
+                layers,
+            )
 
-    def decode_slots(self, weights, pages, host: dict, occupied, held: int, prompt_logits,
-                     seed_step, stops, spec):  # fmt: skip
+    def decode_slots(
+        self, weights, pages, host: dict, occupied, held: int, prompt_logits, seed_step, stops, spec
+    ):
         """One decode chunk of the occupied slots -> (pages, host arrays after it).
 
         weights: `weights(params)`.
@@ -302,9 +381,15 @@ class PagedSampler:
         cut = {k: host[k][pick] for k in names}
         cut["table"] = cut["table"][:, :width]
         pages, slots = self.decode(
-            weights, pages, self.put(Slots(**cut)), prompt_logits, seed_step, stops,
-            steps=self.chunk_steps, spec=spec,
-        )  # fmt: skip
+            weights,
+            pages,
+            self.put(Slots(**cut)),
+            prompt_logits,
+            seed_step,
+            stops,
+            steps=self.chunk_steps,
+            spec=spec,
+        )
         got = jax.device_get(slots)
         out = {k: np.array(host[k]) for k in names}
         for k in names:

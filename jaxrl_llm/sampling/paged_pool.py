@@ -44,8 +44,19 @@ class Pool:
       slot_rows: also a first-draw logits row per slot (a resumed or recomputed row's).
     """
 
-    def __init__(self, engine, params, version: int, spec, *, seed_step, slots: int,
-                 pages: int, prompt_rows: int, slot_rows: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        params,
+        version: int,
+        spec,
+        *,
+        seed_step,
+        slots: int,
+        pages: int,
+        prompt_rows: int,
+        slot_rows: bool = False,
+    ):
         e, T, S = engine, spec.max_new_tokens, slots
         self.engine, self.version, self.spec, self.seed_step = e, int(version), spec, seed_step
         self.weights = e.weights(params)  # the programs' parameters (`PagedSampler.weights`)
@@ -58,17 +69,29 @@ class Pool:
         self.waiting: collections.deque = collections.deque()  # holders waiting for a slot
         self.owner: list = [None] * S  # slot -> its holder (None: free)
         self.order: list = []  # occupied slots, oldest first
-        self.stats = dict(decode_chunks=0, prefills=0, prefill_calls=0, preempted=0,
-                          peak_pages=0, swaps=0)  # fmt: skip
+        self.stats = dict(
+            decode_chunks=0, prefills=0, prefill_calls=0, preempted=0, peak_pages=0, swaps=0
+        )
         # Prefill jobs (`run_prefills`): (sequence, lo, hi, offset, first, pages, logits
         # row, record or None)
         self.prefills: list = []
         z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
         self.host = dict(
-            table=z(S, 1), start=z(S), length=z(S), cap=z(S), last=z(S),
-            fresh=z(S, dtype=bool), live=z(S, dtype=bool), stopped=z(S, dtype=bool), n=z(S),
-            budget=z(S), row=z(S), prompt=z(S), tokens=z(S, T), logprobs=z(S, T, dtype=np.float32),
-        )  # fmt: skip
+            table=z(S, 1),
+            start=z(S),
+            length=z(S),
+            cap=z(S),
+            last=z(S),
+            fresh=z(S, dtype=bool),
+            live=z(S, dtype=bool),
+            stopped=z(S, dtype=bool),
+            n=z(S),
+            budget=z(S),
+            row=z(S),
+            prompt=z(S),
+            tokens=z(S, T),
+            logprobs=z(S, T, dtype=np.float32),
+        )
         cfg = e.cfg
         if cfg.moe:  # each drawn token's experts (sampling/decode.py's routes)
             shape = (S, T, cfg.num_layers, cfg.num_experts_per_tok)
@@ -235,9 +258,11 @@ def run_prefills(pool: Pool) -> None:
                 length[i] = offset + at
             with out_of_memory(pool):
                 pool.pages, pool.prompt_logits, own = e.prefill(
-                    pool.weights, pool.pages, pool.prompt_logits,
+                    pool.weights,
+                    pool.pages,
+                    pool.prompt_logits,
                     *e.put((index, tokens, mask, table, start, length)),
-                )  # fmt: skip
+                )
             owns.append(own)
             pool.stats["prefill_calls"] += 1
         if owns[0] is not None and any(j[7] is not None for j in batch):
@@ -266,8 +291,22 @@ def short(pool: Pool, cost: int) -> int:
     return cost + -(-pool.engine.chunk_steps // pool.PS) + 1 + reserve - len(pool.free)
 
 
-def seat(pool: Pool, s: int, holder, *, start: int, length: int, last: int, n: int,
-         budget: int, row: int, prompt: int, drawn=(), logprobs=(), routes=None):  # fmt: skip
+def seat(
+    pool: Pool,
+    s: int,
+    holder,
+    *,
+    start: int,
+    length: int,
+    last: int,
+    n: int,
+    budget: int,
+    row: int,
+    prompt: int,
+    drawn=(),
+    logprobs=(),
+    routes=None,
+):
     """`holder` takes free slot s: its page table `holder.table`, cache slots [start,
     length) valid, n tokens drawn so far (`drawn`, with their log-probs and routes, back
     in the slot's arrays: a recomputed row of a request), `last` fed first (pad: its first
@@ -325,8 +364,15 @@ def decode(pool: Pool) -> dict:
     held = max(len(pool.owner[s].table) for s in pool.order)
     with out_of_memory(pool):
         pool.pages, pool.host = pool.engine.decode_slots(
-            pool.weights, pool.pages, pool.host, pool.order, held, pool.prompt_logits,
-            pool.seed_step, pool.stops, pool.spec,
-        )  # fmt: skip
+            pool.weights,
+            pool.pages,
+            pool.host,
+            pool.order,
+            held,
+            pool.prompt_logits,
+            pool.seed_step,
+            pool.stops,
+            pool.spec,
+        )
     pool.stats["decode_chunks"] += 1
     return pool.host

@@ -73,13 +73,19 @@ def uses_pallas(cfg, attention: str, dtype, backend: str, page_size: int = 16) -
     shapes keep the portable path rather than risk a kernel that does not lower)."""
     if attention == "pallas":
         return True
-    return (attention == "auto" and backend == "tpu" and not cfg.windowed
-            and jnp.dtype(dtype) == jnp.bfloat16 and cfg.head_dim % 128 == 0
-            and page_size % 16 == 0)  # fmt: skip
+    return (
+        attention == "auto"
+        and backend == "tpu"
+        and not cfg.windowed
+        and jnp.dtype(dtype) == jnp.bfloat16
+        and cfg.head_dim % 128 == 0
+        and page_size % 16 == 0
+    )
 
 
-def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None,
-                  impl: str = "pages"):  # fmt: skip
+def forward_paged(
+    cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None, impl: str = "pages"
+):
     """tokens [B, T] (mask [B, T]) after each sequence's slots [start, length) in its pages
     -> (final-normed hidden [B, T, D], pages with the real tokens' keys/values written at
     slots length .. length + T - 1, the MoE layers' top-k experts of the tokens
@@ -94,9 +100,18 @@ def forward_paged(cfg, params, pages: Pages, tokens, mask, table, start, length,
     are not read)."""
     if impl == "pages":
         hidden, (k, v), own = models.paged_forward(
-            cfg, params, tokens, mask, (pages.k, pages.v), table, start, length, layers,
-            null_page=NULL_PAGE, pallas=pages.pallas,
-        )  # fmt: skip
+            cfg,
+            params,
+            tokens,
+            mask,
+            (pages.k, pages.v),
+            table,
+            start,
+            length,
+            layers,
+            null_page=NULL_PAGE,
+            pallas=pages.pallas,
+        )
         return hidden, pages.replace(k=k, v=v), own
     if impl != "gather":
         raise ValueError(f"forward_paged: impl={impl!r}, expected one of {IMPLS}")
@@ -171,8 +186,19 @@ def _draw(key, rows, counts, logits, spec: RolloutSpec):
     return jax.vmap(one)(keys, logits)
 
 
-def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops, steps, spec,
-                 impl: str = "pages", layers=None):  # fmt: skip
+def decode_chunk(
+    cfg,
+    params,
+    pages: Pages,
+    s: Slots,
+    prompt_logits,
+    key,
+    stops,
+    steps,
+    spec,
+    impl: str = "pages",
+    layers=None,
+):
     """Up to `steps` decode steps of every slot (a slot steps while it is live and its
     pages have room) -> (pages, slots). One step: the pending token of each slot goes
     through the model (fresh slots: none, they read their prompt's logits), then every
@@ -188,9 +214,17 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
         i, pages, s = carry
         feed = s.live & ~s.fresh & (s.length < s.cap)
         hidden, pages, own = forward_paged(
-            cfg, params, pages, s.last[:, None], feed[:, None], s.table, s.start, s.length,
-            layers, impl,
-        )  # fmt: skip
+            cfg,
+            params,
+            pages,
+            s.last[:, None],
+            feed[:, None],
+            s.table,
+            s.start,
+            s.length,
+            layers,
+            impl,
+        )
         logits = models.project(cfg, params, hidden[:, 0])
         logits = jnp.where(s.fresh[:, None], jnp.take(prompt_logits, s.prompt, axis=0), logits)
         draw = s.live & (s.fresh | feed)
@@ -227,15 +261,28 @@ def decode_chunk(cfg, params, pages: Pages, s: Slots, prompt_logits, key, stops,
     return pages, s
 
 
-def prefill_chunk(cfg, params, pages: Pages, prompt_logits, index, tokens, mask, table, start,
-                  length, impl: str = "pages", layers=None):  # fmt: skip
+def prefill_chunk(
+    cfg,
+    params,
+    pages: Pages,
+    prompt_logits,
+    index,
+    tokens,
+    mask,
+    table,
+    start,
+    length,
+    impl: str = "pages",
+    layers=None,
+):
     """One chunk of each of b sequences (tokens, mask [b, C]) into their pages; the logits
     after each one's last real token go to prompt_logits[index] (index [b]) -> (pages,
     prompt_logits, the chunk's MoE routes [b, C, L, k] int16, -1 at masked tokens; None:
     dense model). A row with no real token writes only to the null page (its logits row
     is not read). impl, layers: `decode_chunk`'s."""
-    hidden, pages, own = forward_paged(cfg, params, pages, tokens, mask, table, start, length,
-                                       layers, impl)  # fmt: skip
+    hidden, pages, own = forward_paged(
+        cfg, params, pages, tokens, mask, table, start, length, layers, impl
+    )
     logits = models.project(cfg, params, models.last_hidden(hidden, mask))
     if own is not None:
         own = jnp.where(mask[:, :, None, None], own.astype(models.ROUTE_DTYPE), -1)

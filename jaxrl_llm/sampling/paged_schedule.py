@@ -74,10 +74,28 @@ class Session:
     """Continuous batching of the rows of any number of requests over one page pool
     (`paged_pool.Pool`'s arguments; `spec` the one every request samples with)."""
 
-    def __init__(self, engine, params, version: int, spec, *, seed_step, slots: int,
-                 pages: int, prompt_rows: int):  # fmt: skip
-        self.pool = pp.Pool(engine, params, version, spec, seed_step=seed_step,
-                                slots=slots, pages=pages, prompt_rows=prompt_rows)  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        params,
+        version: int,
+        spec,
+        *,
+        seed_step,
+        slots: int,
+        pages: int,
+        prompt_rows: int,
+    ):
+        self.pool = pp.Pool(
+            engine,
+            params,
+            version,
+            spec,
+            seed_step=seed_step,
+            slots=slots,
+            pages=pages,
+            prompt_rows=prompt_rows,
+        )
         self.requests: dict = {}
         self.done: list = []  # keys of requests whose rows all ended, in completion order
 
@@ -85,8 +103,9 @@ class Session:
     version = property(lambda self: self.pool.version, doc="The parameters' version.")
 
     # -------------------------------------------------------------------- requests
-    def submit(self, key, ids: np.ndarray, mask: np.ndarray, budgets: np.ndarray,
-               key_base: int = 0) -> None:  # fmt: skip
+    def submit(
+        self, key, ids: np.ndarray, mask: np.ndarray, budgets: np.ndarray, key_base: int = 0
+    ) -> None:
         """Queues the G rows of every prompt of ids / mask [B, width] (bucketed), after
         the rows already waiting; budgets [B * G] max_new_tokens per row."""
         B, width = ids.shape
@@ -94,11 +113,20 @@ class Session:
         N = B * G
         pp.fit(self.pool, width)
         req = _Request(
-            ids=ids, mask=mask, G=G, budgets=budgets, key_base=int(key_base),
-            drawn=[[] for _ in range(N)], logprobs=[[] for _ in range(N)],
-            versions=[[] for _ in range(N)], started=np.full(N, -1, np.int64),
-            stopped=np.zeros(N, bool), left=0, routes=[None] * N, prompt_routes={},
-        )  # fmt: skip
+            ids=ids,
+            mask=mask,
+            G=G,
+            budgets=budgets,
+            key_base=int(key_base),
+            drawn=[[] for _ in range(N)],
+            logprobs=[[] for _ in range(N)],
+            versions=[[] for _ in range(N)],
+            started=np.full(N, -1, np.int64),
+            stopped=np.zeros(N, bool),
+            left=0,
+            routes=[None] * N,
+            prompt_routes={},
+        )
         lengths = mask.sum(axis=1)
         rows = [r for r in range(N) if lengths[r // G]]  # dummy rows draw nothing
         req.left = len(rows)
@@ -135,17 +163,23 @@ class Session:
         first = started[started >= 0].min() if (started >= 0).any() else self.version
         routes = None
         if e.cfg.moe:
-            routes = static_routes(e.cfg, req.ids, req.mask, N, T, req.prompt_routes,
-                                   dict(enumerate(req.routes)))  # fmt: skip
+            routes = static_routes(
+                e.cfg, req.ids, req.mask, N, T, req.prompt_routes, dict(enumerate(req.routes))
+            )
         real = np.arange(T)[None] < lengths[:, None]
         out = SampleOutput(
-            tokens=tokens, mask=real, loss_mask=real, logprobs=lps, lengths=lengths,
+            tokens=tokens,
+            mask=real,
+            loss_mask=real,
+            logprobs=lps,
+            lengths=lengths,
             finish=np.where(req.stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int32),
             prompt_tokens=np.repeat(req.ids, G, axis=0),
             prompt_mask=np.repeat(req.mask, G, axis=0),
             policy_version=np.where(started >= 0, started, first).astype(np.int32),
-            num_generations=G, routes=routes,
-        )  # fmt: skip
+            num_generations=G,
+            routes=routes,
+        )
         return jax.tree.map(lambda x: jax.device_put(x, e.row_sharding), out), tv
 
     def swap(self, params, version: int) -> None:
@@ -190,18 +224,29 @@ class Session:
                     if got is None:
                         return
                     # The rows that will read these pages: this prompt's fresh waiting rows.
-                    rows = sum(1 for w in pool.waiting if (w.req, w.row // req.G) == pkey
-                               and not w.drawn)  # fmt: skip
+                    rows = sum(
+                        1 for w in pool.waiting if (w.req, w.row // req.G) == pkey and not w.drawn
+                    )
                     pool.prompt_pages[pkey] = [*got, rows, pool.logit_rows.pop()]
                 pages, padded, start, _, logits = pool.prompt_pages[pkey]
                 item.table, item.mine, item.shared = list(pages), [], pkey
             pool.waiting.popleft()
             n = len(item.drawn)
             pp.seat(
-                pool, s, item, start=start, length=padded, last=item.drawn[-1] if n else pad,
-                n=n, budget=req.budgets[item.row], row=req.key_base + item.row, prompt=logits,
-                drawn=item.drawn, logprobs=item.logprobs, routes=item.routes,
-            )  # fmt: skip
+                pool,
+                s,
+                item,
+                start=start,
+                length=padded,
+                last=item.drawn[-1] if n else pad,
+                n=n,
+                budget=req.budgets[item.row],
+                row=req.key_base + item.row,
+                prompt=logits,
+                drawn=item.drawn,
+                logprobs=item.logprobs,
+                routes=item.routes,
+            )
             if req.started[item.row] < 0:
                 req.started[item.row] = self.version
 
@@ -216,8 +261,9 @@ class Session:
         h, slot = pool.host, pool.owner[s]
         n = int(h["n"][s])
         routes = h["routes"][s, :n].copy() if "routes" in h else None
-        item = dataclasses.replace(slot, drawn=list(h["tokens"][s, :n]),
-                                   logprobs=list(h["logprobs"][s, :n]), routes=routes)  # fmt: skip
+        item = dataclasses.replace(
+            slot, drawn=list(h["tokens"][s, :n]), logprobs=list(h["logprobs"][s, :n]), routes=routes
+        )
         if n == 0 and slot.shared in pool.prompt_pages:
             pool.prompt_pages[slot.shared][3] += 1  # it comes back to the same prompt
         self._release(s)

@@ -108,13 +108,33 @@ class TurnSession:
         prompt's pages and logits row).
     """
 
-    def __init__(self, engine, params, version: int, spec, *, seed: int, step: int,
-                 slots: int, pages: int, prompts: int):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        params,
+        version: int,
+        spec,
+        *,
+        seed: int,
+        step: int,
+        slots: int,
+        pages: int,
+        prompts: int,
+    ):
         seed_step = engine.put(np.array([seed, step], np.uint32))
         # Logits rows [0, prompts): prompts; then the scratch row; then one per slot: the
         # first-draw logits of a row resumed or recomputed into that slot.
-        self.pool = pp.Pool(engine, params, version, spec, seed_step=seed_step, slots=slots,
-                                pages=pages, prompt_rows=prompts, slot_rows=True)  # fmt: skip
+        self.pool = pp.Pool(
+            engine,
+            params,
+            version,
+            spec,
+            seed_step=seed_step,
+            slots=slots,
+            pages=pages,
+            prompt_rows=prompts,
+            slot_rows=True,
+        )
         self.trajs: dict = {}
         self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
         self.pool.stats.update(evicted=0, appends=0, prompt_kept=0)  # and `Pool.stats`
@@ -147,8 +167,7 @@ class TurnSession:
     def _queue(self, t: _Traj) -> None:
         cfg = self.pool.engine.cfg
         if cfg.moe:
-            t.routes = np.full((self.pool.T, cfg.num_layers, cfg.num_experts_per_tok), -1,
-                               np.int16)  # fmt: skip
+            t.routes = np.full((self.pool.T, cfg.num_layers, cfg.num_experts_per_tok), -1, np.int16)
         self.trajs[t.row] = t
         self.pool.waiting.append(t)
 
@@ -282,8 +301,18 @@ class TurnSession:
             pool.waiting.popleft()
             self.holders.pop(t.row, None)
             t.seated = t.n
-            pp.seat(pool, s, t, start=t.start, length=t.length, last=pool.engine.pad_id,
-                    n=t.n, budget=t.budget, row=t.row, prompt=prompt_row)  # fmt: skip
+            pp.seat(
+                pool,
+                s,
+                t,
+                start=t.start,
+                length=t.length,
+                last=pool.engine.pad_id,
+                n=t.n,
+                budget=t.budget,
+                row=t.row,
+                prompt=prompt_row,
+            )
 
     def _seat(self, t: _Traj, s: int) -> int | None:
         """Queues t's prefill for slot s -> the logits row of its next draw (None: the
@@ -310,8 +339,9 @@ class TurnSession:
             seq = np.full(-(-len(add) // pool.C) * pool.C, pool.engine.pad_id, np.int32)
             seq[: len(add)] = add
             record = None if t.routes is None else functools.partial(self._record, t, t.cached)
-            pool.prefills.append((seq, 0, len(add), t.length, t.start, list(t.table), logits,
-                                  record))  # fmt: skip
+            pool.prefills.append(
+                (seq, 0, len(add), t.length, t.start, list(t.table), logits, record)
+            )
             t.length += len(add)
             pool.stats["appends"] += 1
             return logits

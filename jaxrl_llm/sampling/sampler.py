@@ -118,14 +118,22 @@ class Sampler:
         self._append = jax.jit(self._append_program, static_argnums=4, donate_argnums=1)
         self._result = jax.jit(functools.partial(D.result, pad_id=self.pad_id))
         self._refresh = jax.jit(self._refresh_program, donate_argnums=1)
-        self._stop = jax.jit(lambda state, rows: state.replace(done=state.done | rows),
-                             donate_argnums=0)  # fmt: skip
+        self._stop = jax.jit(
+            lambda state, rows: state.replace(done=state.done | rows), donate_argnums=0
+        )
 
     # ------------------------------------------------------------------ public programs
     def sample(
-        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int | None = None, *,
-        version: int = 0, seed: int | None = None,
-    ) -> D.SampleOutput:  # fmt: skip
+        self,
+        params,
+        prompt_ids,
+        prompt_mask,
+        spec: RolloutSpec,
+        step: int | None = None,
+        *,
+        version: int = 0,
+        seed: int | None = None,
+    ) -> D.SampleOutput:
         """start + decode(spec.max_new_tokens) + result, as ONE program (the single-turn
         rollout: the KV cache never leaves it). step / seed: the random key's (None: step 0,
         the sampler's seed). version: the parameters' version, recorded per row as
@@ -140,9 +148,15 @@ class Sampler:
         return program.lower(*args, **kwargs)
 
     def sample_program(
-        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int = 0, *,
+        self,
+        params,
+        prompt_ids,
+        prompt_mask,
+        spec: RolloutSpec,
+        step: int = 0,
+        *,
         seed: int | None = None,
-    ):  # fmt: skip
+    ):
         """`sample`'s jitted program and the arguments a call with these prompts gives it:
         what start-up lowers and compiles ahead of the first call."""
         ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, 0, seed)
@@ -154,9 +168,16 @@ class Sampler:
         return None if self.mesh is None else NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
 
     def start(
-        self, params, prompt_ids, prompt_mask, spec: RolloutSpec, step: int | None = None, *,
-        version: int = 0, seed: int | None = None,
-    ) -> D.DecodeState:  # fmt: skip
+        self,
+        params,
+        prompt_ids,
+        prompt_mask,
+        spec: RolloutSpec,
+        step: int | None = None,
+        *,
+        version: int = 0,
+        seed: int | None = None,
+    ) -> D.DecodeState:
         """Prefills B prompts once for their G rows -> a `DecodeState` (nothing drawn yet).
         step / seed / version: as in `sample`."""
         ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, version, seed)
@@ -174,8 +195,9 @@ class Sampler:
         with _growing():
             return self._decode(params, state, budget, stops)
 
-    def append(self, params, state: D.DecodeState, token_ids, token_mask,
-               end: int | None = None) -> D.DecodeState:  # fmt: skip
+    def append(
+        self, params, state: D.DecodeState, token_ids, token_mask, end: int | None = None
+    ) -> D.DecodeState:
         """Extends each row's cache with token_ids [N, A] where token_mask [N, A] (each row's
         real tokens, e.g. a tool's output; not sampled: loss mask 0). The state is donated.
         Host arrays are put on the mesh like the rows; with several processes each gives
@@ -224,13 +246,23 @@ class Sampler:
     # ----------------------------------------------------------------- device programs
     def _start_program(self, params, ids, mask, seed_index, *, spec):
         self.traces["start", ids.shape] += 1
-        return D.start(self.cfg, params, ids, mask, seed_index, spec, self.pad_id,
-                       self.cache_segments, self.mesh)  # fmt: skip
+        return D.start(
+            self.cfg,
+            params,
+            ids,
+            mask,
+            seed_index,
+            spec,
+            self.pad_id,
+            self.cache_segments,
+            self.mesh,
+        )
 
     def _decode_program(self, params, state, budget, stops):
         self.traces["decode", state.prompt_tokens.shape, state.end] += 1
-        return D.decode(self.cfg, params, state, budget, stops, self.pad_id,
-                        self.cache_segments, self.mesh)  # fmt: skip
+        return D.decode(
+            self.cfg, params, state, budget, stops, self.pad_id, self.cache_segments, self.mesh
+        )
 
     def _append_program(self, params, state, ids, mask, end):
         self.traces["append", state.prompt_tokens.shape, state.end] += 1
@@ -243,11 +275,27 @@ class Sampler:
     def _sample_program(self, params, ids, mask, seed_index, *, spec):
         self.traces["sample", ids.shape] += 1
         state = D.start(
-            self.cfg, params, ids, mask, seed_index, spec, self.pad_id, self.cache_segments,
+            self.cfg,
+            params,
+            ids,
+            mask,
+            seed_index,
+            spec,
+            self.pad_id,
+            self.cache_segments,
             self.mesh,
-        )  # fmt: skip
-        state = D.decode(self.cfg, params, state, spec.max_new_tokens, spec.stop_ids,
-                         self.pad_id, self.cache_segments, self.mesh, final=True)  # fmt: skip
+        )
+        state = D.decode(
+            self.cfg,
+            params,
+            state,
+            spec.max_new_tokens,
+            spec.stop_ids,
+            self.pad_id,
+            self.cache_segments,
+            self.mesh,
+            final=True,
+        )
         return D.result(state, self.pad_id)
 
     # ---------------------------------------------------------------------- host side
@@ -341,8 +389,9 @@ def _growing():
 def _shared_sampler(cfg, mesh, pad_id, bucket_steps, cache_segments) -> Sampler:
     """One `Sampler` per setting for `generate`, so its programs compile once. The seed is
     not a setting: `generate` passes it per call, and the sampler holds no random state."""
-    return Sampler(cfg, mesh, pad_id=pad_id, bucket_steps=bucket_steps,
-                   cache_segments=cache_segments)  # fmt: skip
+    return Sampler(
+        cfg, mesh, pad_id=pad_id, bucket_steps=bucket_steps, cache_segments=cache_segments
+    )
 
 
 def pad_prompts(
@@ -417,9 +466,13 @@ def generate(
     )
     sampler = _shared_sampler(cfg, mesh, int(pad_id), bucket_steps, cache_segments)
     multi = sampler._multi()
-    ids, mask = pad_prompts(prompts, sampler.pad_id,
-                            1 if multi else mesh_lib.batch_size_multiple(mesh), cfg.vocab_size,
-                            bucket_steps=bucket_steps)  # fmt: skip
+    ids, mask = pad_prompts(
+        prompts,
+        sampler.pad_id,
+        1 if multi else mesh_lib.batch_size_multiple(mesh),
+        cfg.vocab_size,
+        bucket_steps=bucket_steps,
+    )
     out = sampler.sample(params, ids, mask, spec, step, seed=int(seed))
     n = len(prompts) * spec.num_generations
     if not multi and out.tokens.shape[0] != n:  # dummy rows that made B divide the mesh

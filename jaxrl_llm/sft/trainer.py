@@ -94,9 +94,15 @@ class HeldOutEval:
     def __call__(self, params, step: int) -> dict[str, float]:
         e = self.eval_config
         metrics = evaluation.evaluate(
-            self.sampler, params, self.batches, self.scorer, correct_label=self.correct_label,
-            pass_k=e.pass_k, temperature=e.temperature, step=step,
-        )  # fmt: skip
+            self.sampler,
+            params,
+            self.batches,
+            self.scorer,
+            correct_label=self.correct_label,
+            pass_k=e.pass_k,
+            temperature=e.temperature,
+            step=step,
+        )
         return parallel.host_mean(metrics)
 
 
@@ -109,13 +115,19 @@ def held_out_eval(config, model_cfg, tokenizer, pool, mesh=None) -> HeldOutEval:
     c = config
     r = c.rollout
     spec = sampling.RolloutSpec(
-        max_new_tokens=r.max_new_tokens, top_k=r.top_k, top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        top_k=r.top_k,
+        top_p=r.top_p,
         stop_ids=config_lib.stop_ids(tokenizer, r.stop_tokens),
-    )  # fmt: skip
+    )
     sampler = sampling.Sampler(
-        model_cfg, mesh, seed=c.train.seed, pad_id=data.pad_id(tokenizer),
-        bucket_steps=r.bucket_steps, cache_segments=r.cache_segments,
-    )  # fmt: skip
+        model_cfg,
+        mesh,
+        seed=c.train.seed,
+        pad_id=data.pad_id(tokenizer),
+        bucket_steps=r.bucket_steps,
+        cache_segments=r.cache_segments,
+    )
     scorer = scoring.Scorer(tokenizer, pool, verifiers.parse_specs(c.rewards), spec, mesh=mesh)
     return HeldOutEval(
         sampler=sampler,
@@ -154,9 +166,13 @@ def run(config, workdir: str) -> dict:
             c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s
         )
     writer = metrics.MetricWriter(
-        workdir, c.to_dict(), tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
-        wandb_project=c.logging.wandb_project, run_name=c.logging.run_name or None,
-    )  # fmt: skip
+        workdir,
+        c.to_dict(),
+        tensorboard=c.logging.tensorboard,
+        wandb=c.logging.wandb,
+        wandb_project=c.logging.wandb_project,
+        run_name=c.logging.run_name or None,
+    )
     progress = console.Progress(c.train.num_steps, desc="sft")
     try:
         held_out = held_out_eval(c, model_cfg, tokenizer, pool, mesh) if pool is not None else None

@@ -174,8 +174,16 @@ class CompileLog:
                 current.cache_hits += 1
 
     @contextlib.contextmanager
-    def program(self, name: str, detail: str = "", traced_s: float = 0.0, runs: bool = False,
-                background: bool = False, wait: bool = True, compiling: bool = False):  # fmt: skip
+    def program(
+        self,
+        name: str,
+        detail: str = "",
+        traced_s: float = 0.0,
+        runs: bool = False,
+        background: bool = False,
+        wait: bool = True,
+        compiling: bool = False,
+    ):
         """Attributes the compiles of this thread inside the block to `name`; on exit,
         when any happened, records the program and writes its line. Before the block, the
         builds ahead of time that serve `name` are waited for (a deferred one started),
@@ -312,8 +320,10 @@ class CompileLog:
                 built = [f.result() for f in futures]
                 cached = sum(0 < p.compiles == p.cache_hits for p in built)
                 seconds = time.perf_counter() - start_all
-                self.write(f"programs ready in {seconds:.1f} s ({len(built)} built {how}, "
-                           f"{cached} from the compilation cache)")  # fmt: skip
+                self.write(
+                    f"programs ready in {seconds:.1f} s ({len(built)} built {how}, "
+                    f"{cached} from the compilation cache)"
+                )
 
         for future in futures:
             future.add_done_callback(ready)
@@ -329,8 +339,9 @@ class CompileLog:
         lowered = lowering()
         if after is not None:
             concurrent.futures.wait([after])
-        with self.program(name, detail, lowering.seconds, background=background,
-                          wait=False, compiling=True) as record:  # fmt: skip
+        with self.program(
+            name, detail, lowering.seconds, background=background, wait=False, compiling=True
+        ) as record:
             lowered.compile()
         return record
 

@@ -27,8 +27,10 @@ def measure_matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 5)
     measurement; `matmul_peak` is the same, measured once per process)."""
     # Drawn on the host: jax.random here would be programs to compile at start-up.
     rng = np.random.default_rng(0)
-    a, b = (jax.device_put(rng.standard_normal((n, n), np.float32).astype(jnp.dtype(dtype)))
-            for _ in range(2))  # fmt: skip
+    a, b = (
+        jax.device_put(rng.standard_normal((n, n), np.float32).astype(jnp.dtype(dtype)))
+        for _ in range(2)
+    )
     f = jax.jit(lambda a, b: (a @ b) @ b)  # two matmuls per call amortise dispatch
     f(a, b).block_until_ready()
     times = []

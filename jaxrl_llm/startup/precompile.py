@@ -22,9 +22,12 @@ from jaxrl_llm.startup.compilation import shaped
 
 
 def precompile_step(
-    run, side_by_side: bool = True, background: bool = False, evaluate_first: bool = False,
+    run,
+    side_by_side: bool = True,
+    background: bool = False,
+    evaluate_first: bool = False,
     step: int = 0,
-) -> None:  # fmt: skip
+) -> None:
     """Compiles a `trainer.Run`'s step programs before its first step (`step`).
 
     evaluate_first: evaluation's programs come first, for a run that evaluates before its
@@ -52,8 +55,7 @@ def precompile_step(
         if run.ref_logprobs is not None and not later:
             build("reference", bucket, run.ref_logprobs, run.ref_params, out)
         teacher = None  # on-policy distillation: the teacher's log-probs, shaped the same
-        for (label, _, params), program in zip(run.teachers, run.teacher_programs,
-                                               strict=True):  # fmt: skip
+        for (label, _, params), program in zip(run.teachers, run.teacher_programs, strict=True):
             build(label, bucket, program, params, out)
             teacher = out.logprobs
         local_rows = out.tokens.shape[0] // jax.process_count()
@@ -79,5 +81,4 @@ def _evaluation(run, build, params) -> None:
     for spec in run.eval_specs:
         what = "greedy" if spec.temperature == 0 else f"pass@{spec.num_generations}"
         program, args, kwargs = sampler.sample_program(params, ids, mask, spec)
-        build(f"evaluation sampler, {what}", bucket, program, *args, serves="evaluation",
-              **kwargs)  # fmt: skip
+        build(f"evaluation sampler, {what}", bucket, program, *args, serves="evaluation", **kwargs)

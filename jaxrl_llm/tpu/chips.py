@@ -161,9 +161,12 @@ def topology_devices(topo: Topology) -> list:
     per_host = tuple(min(2, d) for d in topo.shape[:2]) + (1,)
     try:
         desc = topologies.get_topology_desc(
-            platform="tpu", topology_name=topo.name, chip_config_name="default",
-            chips_per_host_bounds=per_host, num_slices=topo.slices,
-        )  # fmt: skip
+            platform="tpu",
+            topology_name=topo.name,
+            chip_config_name="default",
+            chips_per_host_bounds=per_host,
+            num_slices=topo.slices,
+        )
     except Exception as err:  # libtpu absent, or a shape it does not know
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         hint = " (is libtpu installed? pip install -e '.[tpu]')" if "tpu" in first.lower() else ""

@@ -114,9 +114,13 @@ def compile_config(raw, topology: str, out=sys.stdout, only=None) -> Report:
     rollout_mesh = mesh
     if rollout_devices:
         rollout_mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh.rollout), rollout_devices)
-    print(f"{topo}: mesh {dict(mesh.shape)}; {cfg.architecture}, "
-          f"{cfg.num_params() / 1e9:.2f}B parameters, {c.model.dtype}; the step compiled "
-          f"(not run) by XLA:TPU", file=out, flush=True)  # fmt: skip
+    print(
+        f"{topo}: mesh {dict(mesh.shape)}; {cfg.architecture}, "
+        f"{cfg.num_params() / 1e9:.2f}B parameters, {c.model.dtype}; the step compiled "
+        f"(not run) by XLA:TPU",
+        file=out,
+        flush=True,
+    )
     with target.compiling_for(devices):
         build = functools.partial(_compile, out=out, only=only)
         report = _compile_step(c, cfg, mesh, rollout_mesh, topo, build)
@@ -136,17 +140,28 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
     r = c.rollout
     B, G = r.batch_size, r.num_generations
     width = sampling.bucket_length(c.data.max_prompt_len, config_lib.tuning.bucket_steps(c, "tpu"))
-    spec = sampling.RolloutSpec(num_generations=G, max_new_tokens=r.max_new_tokens,
-                                temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                stop_ids=(0,))  # fmt: skip
+    spec = sampling.RolloutSpec(
+        num_generations=G,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        stop_ids=(0,),
+    )
     params = abstract_params(cfg, mesh, c.model.dtype)
-    sampler = sampling.Sampler(cfg, rollout_mesh, cache_segments=r.cache_segments,
-                               seed=c.train.seed, bucket_steps=r.bucket_steps or 2)  # fmt: skip
+    sampler = sampling.Sampler(
+        cfg,
+        rollout_mesh,
+        cache_segments=r.cache_segments,
+        seed=c.train.seed,
+        bucket_steps=r.bucket_steps or 2,
+    )
     rows = parallel.batch_sharding(rollout_mesh, 2)
     ids = jax.ShapeDtypeStruct((B, width), jnp.int32, sharding=rows)
     mask = jax.ShapeDtypeStruct((B, width), jnp.bool_, sharding=rows)
-    sample_params = params if rollout_mesh is mesh else abstract_params(cfg, rollout_mesh,
-                                                                        c.model.dtype)  # fmt: skip
+    sample_params = (
+        params if rollout_mesh is mesh else abstract_params(cfg, rollout_mesh, c.model.dtype)
+    )
     program, args, kwargs = sampler.sample_program(sample_params, ids, mask, spec)
     built = [build("sampler", program, args, kwargs)]
     if r.engine == "paged":  # the engine's own programs; the static sampler's shapes stand
@@ -166,18 +181,31 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
     program, args = update.program(state, rollouts)
     built.append(build("update", program, args, {}))
     flops = perf.step_flops(
-        cfg, rows=B * G, prompts=B, prompt_len=width, new_tokens=r.max_new_tokens,
-        reference=reference is not None, update_forwards=update.forward_passes,
-        update_shared_forwards=update.shared_prompt_passes, reference_shares_prompts=G > 1,
-    )  # fmt: skip
+        cfg,
+        rows=B * G,
+        prompts=B,
+        prompt_len=width,
+        new_tokens=r.max_new_tokens,
+        reference=reference is not None,
+        update_forwards=update.forward_passes,
+        update_shared_forwards=update.shared_prompt_passes,
+        reference_shares_prompts=G > 1,
+    )
     m = dict(mesh.shape)
     costs = roofline.phase_costs(
-        cfg, flops, rows=B * G, prompt_len=width, new_tokens=r.max_new_tokens,
-        chips=topo.num_chips, weight_shards=m.get("tensor", 1) * m.get("expert", 1),
-        row_shards=parallel.batch_size_multiple(mesh), itemsize=jnp.dtype(c.model.dtype).itemsize,
+        cfg,
+        flops,
+        rows=B * G,
+        prompt_len=width,
+        new_tokens=r.max_new_tokens,
+        chips=topo.num_chips,
+        weight_shards=m.get("tensor", 1) * m.get("expert", 1),
+        row_shards=parallel.batch_size_multiple(mesh),
+        itemsize=jnp.dtype(c.model.dtype).itemsize,
         micro_batches=c.optim.micro_batches * c.optim.mini_batches,
-        update_forwards=update.forward_passes, reference=reference is not None,
-    )  # fmt: skip
+        update_forwards=update.forward_passes,
+        reference=reference is not None,
+    )
     phase = {"sampler": "sample", "reference": "reference", "update": "update"}
     # The paged engine's chunks, one call each: a decode chunk's share of the sampler's
     # roofline; a prefill chunk's is left in the sampler's (0 here).
@@ -213,8 +241,9 @@ def _paged_programs(c, cfg, mesh, params, spec, width: int, build) -> list:
     def put(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere)
 
-    pool = jax.tree.map(put, jax.eval_shape(
-        lambda: paged_programs.init_pages(cfg, pages, PS, dtype, pallas)))  # fmt: skip
+    pool = jax.tree.map(
+        put, jax.eval_shape(lambda: paged_programs.init_pages(cfg, pages, PS, dtype, pallas))
+    )
 
     def a(shape, dt=jnp.int32):
         return jax.ShapeDtypeStruct(shape, dt, sharding=everywhere)
@@ -223,22 +252,44 @@ def _paged_programs(c, cfg, mesh, params, spec, width: int, build) -> list:
     if cfg.moe:
         routes = a((S, T, cfg.num_layers, cfg.num_experts_per_tok), models.ROUTE_DTYPE)
     slots = paged_programs.Slots(
-        table=a((S, M)), start=a((S,)), length=a((S,)), cap=a((S,)), last=a((S,)),
-        fresh=a((S,), bool), live=a((S,), bool), stopped=a((S,), bool), n=a((S,)),
-        budget=a((S,)), row=a((S,)), prompt=a((S,)), tokens=a((S, T)),
-        logprobs=a((S, T), jnp.float32), routes=routes,
-    )  # fmt: skip
+        table=a((S, M)),
+        start=a((S,)),
+        length=a((S,)),
+        cap=a((S,)),
+        last=a((S,)),
+        fresh=a((S,), bool),
+        live=a((S,), bool),
+        stopped=a((S,), bool),
+        n=a((S,)),
+        budget=a((S,)),
+        row=a((S,)),
+        prompt=a((S,)),
+        tokens=a((S, T)),
+        logprobs=a((S, T), jnp.float32),
+        routes=routes,
+    )
     logits = a((min(B, S + 1) + 1, cfg.vocab_size), jnp.float32)
     weights = (params, None)  # an unrolled model's layers are then sliced in the program
     seed_step, stops = a((2,), jnp.uint32), a((1,))
     programs = engine.programs
     decode = build(
-        "paged decode", programs["decode"], (weights, pool, slots, logits, seed_step, stops),
+        "paged decode",
+        programs["decode"],
+        (weights, pool, slots, logits, seed_step, stops),
         dict(steps=p.chunk_steps, spec=spec),
-    )  # fmt: skip
+    )
     b = 1 << (B - 1).bit_length()
-    prefill_args = (weights, pool, logits, a((b,)), a((b, C)), a((b, C), bool), a((b, M)),
-                    a((b,)), a((b,)))  # fmt: skip
+    prefill_args = (
+        weights,
+        pool,
+        logits,
+        a((b,)),
+        a((b, C)),
+        a((b, C), bool),
+        a((b, M)),
+        a((b,)),
+        a((b,)),
+    )
     prefill = build("paged prefill", programs["prefill"], prefill_args, {})
     return [decode, prefill]
 
@@ -276,8 +327,12 @@ def _compile(name, program, args, kwargs, out, only=None) -> _Built:
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     peak += mem.temp_size_in_bytes
     temp = mem.temp_size_in_bytes / GiB
-    print(f"  {name}: compiled in {seconds:.0f} s, {peak / GiB:.2f} GiB per chip at its peak "
-          f"({temp:.2f} GiB temporaries)", file=out, flush=True)  # fmt: skip
+    print(
+        f"  {name}: compiled in {seconds:.0f} s, {peak / GiB:.2f} GiB per chip at its peak "
+        f"({temp:.2f} GiB temporaries)",
+        file=out,
+        flush=True,
+    )
     return _Built(name, compiled, lowered.out_info, seconds)
 
 
@@ -376,23 +431,34 @@ def print_report(report: Report, out=sys.stdout) -> None:
     roofline time; then the step's predicted time and MFU."""
     chip = report.topology.chip
     hbm = chip.hbm_bytes / GiB
-    print(f"per chip ({chip.name}: {hbm:.0f} GiB HBM, {chip.bf16_flops / 1e12:.0f} TFLOP/s "
-          f"bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s):", file=out)  # fmt: skip
-    head = (f"  {'program':<13} {'args GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} "
-            f"{'XLA GFLOP':>10} {'XLA GB':>8} {'model TFLOP':>12} {'model GB':>9} "
-            f"{'roofline s':>11}")  # fmt: skip
+    print(
+        f"per chip ({chip.name}: {hbm:.0f} GiB HBM, {chip.bf16_flops / 1e12:.0f} TFLOP/s "
+        f"bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s):",
+        file=out,
+    )
+    head = (
+        f"  {'program':<13} {'args GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} "
+        f"{'XLA GFLOP':>10} {'XLA GB':>8} {'model TFLOP':>12} {'model GB':>9} "
+        f"{'roofline s':>11}"
+    )
     print(head, file=out)
     for p in report.programs:
-        print(f"  {p.name:<13} {p.arguments / GiB:>9.2f} {p.temporaries / GiB:>9.2f} "
-              f"{p.peak / GiB:>9.2f} {p.peak / chip.hbm_bytes:>7.0%} "
-              f"{p.compiler_flops / 1e9:>10.1f} {p.compiler_bytes / 1e9:>8.2f} "
-              f"{p.model_flops / 1e12:>12.2f} {p.model_bytes / 1e9:>9.1f} "
-              f"{p.seconds:>11.3f}", file=out)  # fmt: skip
+        print(
+            f"  {p.name:<13} {p.arguments / GiB:>9.2f} {p.temporaries / GiB:>9.2f} "
+            f"{p.peak / GiB:>9.2f} {p.peak / chip.hbm_bytes:>7.0%} "
+            f"{p.compiler_flops / 1e9:>10.1f} {p.compiler_bytes / 1e9:>8.2f} "
+            f"{p.model_flops / 1e12:>12.2f} {p.model_bytes / 1e9:>9.1f} "
+            f"{p.seconds:>11.3f}",
+            file=out,
+        )
     for p in report.programs:
         if p.kernels:
             print(f"  {p.name} kernels: {', '.join(p.kernels)}", file=out)
-    print(f"step: {report.step_s:.2f} s predicted (roofline), MFU {report.mfu:.1%}; XLA's "
-          f"FLOPs and bytes count each loop body once", file=out)  # fmt: skip
+    print(
+        f"step: {report.step_s:.2f} s predicted (roofline), MFU {report.mfu:.1%}; XLA's "
+        f"FLOPs and bytes count each loop body once",
+        file=out,
+    )
     for what in report.not_compiled:
         print(f"not compiled: {what}", file=out)
     out.flush()
@@ -410,6 +476,10 @@ def run(raw, topology: str) -> int:
     if big is None:
         return 0
     chip = report.topology.chip
-    print(f"does not fit: {big.name} needs {big.peak / GiB:.2f} GiB per chip, a {chip.name} "
-          f"chip has {chip.hbm_bytes / GiB:.0f} GiB", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"does not fit: {big.name} needs {big.peak / GiB:.2f} GiB per chip, a {chip.name} "
+        f"chip has {chip.hbm_bytes / GiB:.0f} GiB",
+        file=sys.stderr,
+        flush=True,
+    )
     return 2

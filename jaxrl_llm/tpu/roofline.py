@@ -31,10 +31,20 @@ def kv_bytes_per_token(cfg, itemsize: int) -> int:
 
 
 def phase_costs(
-    cfg, flops: dict, *, rows: int, prompt_len: float, new_tokens: float, chips: int,
-    weight_shards: int, row_shards: int, itemsize: int, micro_batches: int,
-    update_forwards: int, reference: bool,
-) -> dict[str, Cost]:  # fmt: skip
+    cfg,
+    flops: dict,
+    *,
+    rows: int,
+    prompt_len: float,
+    new_tokens: float,
+    chips: int,
+    weight_shards: int,
+    row_shards: int,
+    itemsize: int,
+    micro_batches: int,
+    update_forwards: int,
+    reference: bool,
+) -> dict[str, Cost]:
     """{phase: Cost per chip} for 'sample', 'reference' (when `reference`) and 'update'.
 
     flops: `perf.step_flops`'s {phase: model FLOPs of the whole step}; rows: sequences

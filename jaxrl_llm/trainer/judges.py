@@ -43,8 +43,15 @@ class Judge:
       compile_log: the run's `startup.compilation.CompileLog` (None: compiles unnamed).
     """
 
-    def __init__(self, spec, mesh, dtype: str = "float32", seed: int = 0,
-                 prompt_budget: int = 0, compile_log=None):  # fmt: skip
+    def __init__(
+        self,
+        spec,
+        mesh,
+        dtype: str = "float32",
+        seed: int = 0,
+        prompt_budget: int = 0,
+        compile_log=None,
+    ):
         o = self.options = dict(spec.options)
         self.label, self.mesh = spec.label, mesh
         key = f"rewards.{spec.label}.options.model"
@@ -103,8 +110,11 @@ class Judge:
                 "template or the prompts and completions it holds"
             )
         placed = self._place(*sampling.pad_prompts(ids, self.pad, bucket=width))
-        compiling = (contextlib.nullcontext() if self.compile_log is None
-                     else self.compile_log.program(self.name, f"bucket {width}"))  # fmt: skip
+        compiling = (
+            contextlib.nullcontext()
+            if self.compile_log is None
+            else self.compile_log.program(self.name, f"bucket {width}")
+        )
         with compiling:
             out = self.sampler.sample(self.params, *placed, self.spec, step)
         self.calls += 1
@@ -124,8 +134,9 @@ class Judge:
         return scores, errors
 
 
-def make_judges(specs, mesh, dtype: str = "float32", seed: int = 0, prompt_budget: int = 0,
-                compile_log=None) -> list[Judge]:  # fmt: skip
+def make_judges(
+    specs, mesh, dtype: str = "float32", seed: int = 0, prompt_budget: int = 0, compile_log=None
+) -> list[Judge]:
     """A `Judge` for every judge entry of `specs`, in order (arguments as `Judge`'s)."""
     return [
         Judge(s, mesh, dtype, seed, prompt_budget, compile_log)

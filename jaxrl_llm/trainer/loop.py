@@ -155,10 +155,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         print(f"resumed from {ckpt.directory} at step {start}", file=sys.stderr, flush=True)
     _write_run_files(run, record)
     writer = metrics_lib.MetricWriter(
-        workdir, c.to_dict(), tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
-        wandb_project=c.logging.wandb_project, run_name=c.logging.run_name or None,
+        workdir,
+        c.to_dict(),
+        tensorboard=c.logging.tensorboard,
+        wandb=c.logging.wandb,
+        wandb_project=c.logging.wandb_project,
+        run_name=c.logging.run_name or None,
         resume_step=start,
-    )  # fmt: skip
+    )
     progress = console.Progress(c.train.num_steps, initial_step=start)
     stop = checkpoint.install_sigterm_handler()  # SIGTERM, and a first Ctrl-C
     aborted = False

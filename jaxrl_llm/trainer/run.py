@@ -60,11 +60,19 @@ def make_update(c, algo, model_cfg, opt, spec, critic_opt=None) -> rl.UpdateFn:
     """The run's jitted update (`rl.make_update_fn`) with run config `c`'s settings."""
     o = c.optim
     return rl.make_update_fn(
-        model_cfg, algo, opt, spec, micro_batches=o.micro_batches,
-        mini_batches=o.mini_batches, chunk_size=c.train.logprob_chunk,
-        critic_optimizer=critic_opt, skip_nonfinite=c.train.skip_nonfinite,
-        seed=c.train.seed, packing=o.packing, packing_capacity=o.packing_capacity,
-    )  # fmt: skip
+        model_cfg,
+        algo,
+        opt,
+        spec,
+        micro_batches=o.micro_batches,
+        mini_batches=o.mini_batches,
+        chunk_size=c.train.logprob_chunk,
+        critic_optimizer=critic_opt,
+        skip_nonfinite=c.train.skip_nonfinite,
+        seed=c.train.seed,
+        packing=o.packing,
+        packing_capacity=o.packing_capacity,
+    )
 
 
 def make_reference(c, algo, base_cfg, spec, mesh):
@@ -74,11 +82,15 @@ def make_reference(c, algo, base_cfg, spec, mesh):
         return None
     o = c.optim
     return rl.make_logprob_fn(
-        base_cfg, spec, chunk_size=c.train.logprob_chunk,
-        micro_batches=o.micro_batches * o.mini_batches, mesh=mesh,
-        packing=o.packing, packing_capacity=o.packing_capacity,
+        base_cfg,
+        spec,
+        chunk_size=c.train.logprob_chunk,
+        micro_batches=o.micro_batches * o.mini_batches,
+        mesh=mesh,
+        packing=o.packing,
+        packing_capacity=o.packing_capacity,
         replay=algo.routing_replay == "rollout",
-    )  # fmt: skip
+    )
 
 
 class Run:
@@ -123,9 +135,14 @@ class Run:
         if rows.bad and jax.process_index() == 0:
             print(rows.summary(), file=sys.stderr, flush=True)
         m = c.model
-        runtime = dict(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                       attention_block=m.attention_block, moe_impl=m.moe_impl,
-                       prefill_chunk=c.rollout.prefill_chunk)  # fmt: skip
+        runtime = dict(
+            remat=m.remat,
+            scan_layers=m.scan_layers,
+            attention=m.attention,
+            attention_block=m.attention_block,
+            moe_impl=m.moe_impl,
+            prefill_chunk=c.rollout.prefill_chunk,
+        )
         self.model_cfg, params = models.builtin.load_model(
             self.model_path, self.mesh, c.model.dtype, **runtime
         )
@@ -165,9 +182,10 @@ class Run:
         pad = data.prompts.pad_id(self.tokenizer)
         sampler = make_sampler(c, sampler_cfg, rollout_mesh, pad)  # rollout.engine
         self.pool = verifiers.VerifierPool(
-            c.train.verifier_workers or None, timeout_s=c.train.verifier_timeout_s,
+            c.train.verifier_workers or None,
+            timeout_s=c.train.verifier_timeout_s,
             memory_mb=c.train.verifier_memory_mb,
-        )  # fmt: skip
+        )
         self.budget = verifiers.ErrorBudget(
             c.train.max_verifier_error_rate, c.train.max_failed_steps
         )
@@ -178,23 +196,37 @@ class Run:
         # Judge entries: a model each, with its own sampler, on the mesh that scores (the
         # rollout mesh in split mode, where the rollout thread scores; else the one mesh).
         self.judges = judges.make_judges(
-            specs, rollout_mesh, c.model.dtype, c.train.seed,
+            specs,
+            rollout_mesh,
+            c.model.dtype,
+            c.train.seed,
             prompt_budget=c.data.max_prompt_len + c.rollout.max_new_tokens,
             compile_log=self.compile_log,
-        )  # fmt: skip
-        scorer = scoring.Scorer(self.tokenizer, self.pool, specs, self.spec,
-                                overlong_buffer=overlong, mesh=self.mesh,
-                                judges=self.judges)  # fmt: skip
+        )
+        scorer = scoring.Scorer(
+            self.tokenizer,
+            self.pool,
+            specs,
+            self.spec,
+            overlong_buffer=overlong,
+            mesh=self.mesh,
+            judges=self.judges,
+        )
         if scorer.pool_specs:
             self.pool.prepare(scorer.pool_specs)  # the workers load while the programs build
         hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
         rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
         self.sampling = Sampling(
-            sampler=sampler, spec=self.spec, scorer=scorer,
+            sampler=sampler,
+            spec=self.spec,
+            scorer=scorer,
             data=data.make_iterator(c.data, self.tokenizer, c.rollout.batch_size, **hosts),
-            mesh=self.mesh, rollout_mesh=rollout_mesh, compile_log=self.compile_log,
-            rounds=rounds, guard=self.transfer_guard,
-        )  # fmt: skip
+            mesh=self.mesh,
+            rollout_mesh=rollout_mesh,
+            compile_log=self.compile_log,
+            rounds=rounds,
+            guard=self.transfer_guard,
+        )
         self.env_rollout = None
         if c.env.name:  # multi-turn: the environments give the reward
             self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
@@ -234,7 +266,7 @@ class Run:
                 chunk_size=c.train.logprob_chunk,
                 micro_batches=o.micro_batches * o.mini_batches,
                 mesh=self.mesh,
-            )  # fmt: skip
+            )
             for _, cfg, _ in self.teachers
         ]
         self.pick_teacher = jax.jit(
@@ -262,8 +294,13 @@ class Run:
             self.fresh = False
             clock.wait("update", self.state)
         host = self._metrics(ro.out, scored, clock) | ro.metrics | staleness(step - ro.version)
-        return StepResult(host=parallel.host_mean(host), device=device, scored=scored,
-                          warning=warning, data_position=ro.position)  # fmt: skip
+        return StepResult(
+            host=parallel.host_mean(host),
+            device=device,
+            scored=scored,
+            warning=warning,
+            data_position=ro.position,
+        )
 
     def _release_after_compiles(self) -> None:
         """Before an update that follows new compiles (the first step's, a new prompt
@@ -279,8 +316,9 @@ class Run:
         """Whether `step`'s update needs the reference model's forward: not at a fresh
         run's first step when the reference is the initial policy (the params are then the
         reference's, and the rollout's behaviour log-probs stand in for its log-probs)."""
-        return self.ref_logprobs is not None and not (self.ref_is_initial and self.fresh
-                                                      and step == 0)  # fmt: skip
+        return self.ref_logprobs is not None and not (
+            self.ref_is_initial and self.fresh and step == 0
+        )
 
     def reference(self, out, step: int):
         """Dispatches the reference log-probs [N, T] (async); None when beta = 0. Where
@@ -303,8 +341,7 @@ class Run:
             return None
         out = ro.out
         logps = []
-        for (label, _, params), program in zip(self.teachers, self.teacher_programs,
-                                               strict=True):  # fmt: skip
+        for (label, _, params), program in zip(self.teachers, self.teacher_programs, strict=True):
             with self.compile_log.program(label, bucket(out)):
                 logps.append(program(params, out))
         if not self.config.teacher.field:
@@ -356,15 +393,23 @@ class Run:
         with self.compile_log.program("evaluation", runs=True):
             if self.env_rollout is not None:  # whole trajectories, scored by the environments
                 metrics = self.env_rollout.evaluate(
-                    self.sampler_params(), self.eval_batches, pass_k=e.pass_k,
-                    temperature=e.temperature, step=step,
-                )  # fmt: skip
+                    self.sampler_params(),
+                    self.eval_batches,
+                    pass_k=e.pass_k,
+                    temperature=e.temperature,
+                    step=step,
+                )
                 return parallel.host_mean(metrics)
             metrics = evaluation.evaluate(
-                self.sampling.sampler, self.sampler_params(), self.eval_batches,
-                self.sampling.scorer, correct_label=self.correct_label, pass_k=e.pass_k,
-                temperature=e.temperature, step=step,
-            )  # fmt: skip
+                self.sampling.sampler,
+                self.sampler_params(),
+                self.eval_batches,
+                self.sampling.scorer,
+                correct_label=self.correct_label,
+                pass_k=e.pass_k,
+                temperature=e.temperature,
+                step=step,
+            )
         return parallel.host_mean(metrics)
 
     def transfer_guard(self):

@@ -50,9 +50,11 @@ def teacher_rows(t, index: dict, ro) -> np.ndarray:
     process's rows, named by its data row's teacher.field (teacher.path where it names
     none). t: the config's teacher section; index: `load_teachers`' name -> index."""
     G = ro.out.num_generations
-    examples = ro.scored.examples if ro.scored is not None else [
-        ex for ex in ro.batch.examples for _ in range(G)
-    ]  # fmt: skip
+    examples = (
+        ro.scored.examples
+        if ro.scored is not None
+        else [ex for ex in ro.batch.examples for _ in range(G)]
+    )
     rows = []
     for ex in examples:
         value = ex.get(t.field)

@@ -46,8 +46,17 @@ MISSING = "<absent>"  # a key one of the two configs does not have
 # env.*: the environment is the reward function and the trajectories' shape (its name and
 # options, turns, tokens, stop tokens, the turns' discount).
 # teacher.*: the distillation target; agent.*: the agent is the run's reward function.
-MEANINGFUL_SECTIONS = ("model.", "data.", "rollout.", "algo.", "optim.", "rewards.", "env.",
-                       "teacher.", "agent.")  # fmt: skip
+MEANINGFUL_SECTIONS = (
+    "model.",
+    "data.",
+    "rollout.",
+    "algo.",
+    "optim.",
+    "rewards.",
+    "env.",
+    "teacher.",
+    "agent.",
+)
 MEANINGFUL_KEYS = ("train.seed", "rewards", "env.options", "teacher.paths", "agent.options")
 # Sections whose keys are names the user picks: a key added or removed there (a reward, an
 # environment option) changes the run as much as a changed value does.
@@ -160,8 +169,11 @@ def lock(workdir: str | os.PathLike) -> WorkdirLock:
     except OSError as err:  # a file system without locks (some network mounts)
         if err.errno not in _NO_LOCKS:
             raise
-        logging.warning("%s: the file system has no locks (%s); one trainer per workdir is "
-                        "not enforced there", path, _reason(err))  # fmt: skip
+        logging.warning(
+            "%s: the file system has no locks (%s); one trainer per workdir is not enforced there",
+            path,
+            _reason(err),
+        )
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {started}\n".encode(), 0)

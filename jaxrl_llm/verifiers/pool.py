@@ -159,8 +159,13 @@ class VerifierPool:
                         w.kill()  # replaced by the next score
                         self._workers[i] = None
 
-    def call(self, name: str, texts: Sequence[str], examples: Sequence[Mapping],
-             breaker_after: int | None = None) -> list:  # fmt: skip
+    def call(
+        self,
+        name: str,
+        texts: Sequence[str],
+        examples: Sequence[Mapping],
+        breaker_after: int | None = None,
+    ) -> list:
         """Calls the function `name` (`(text, example) -> any picklable value`, named as a
         verifier is) once per input, with the pool's timeouts, memory cap and crash
         isolation -> [(value, status, message)] in input order; status is `worker.OK`,
@@ -182,11 +187,13 @@ class VerifierPool:
         ok = batch.status[:, 0] == wire.OK
         timeouts = np.isin(batch.status[:, 0], (wire.TIMEOUT, wire.OWN_TIMEOUT))
         return [
-            (batch.values[i, 0] if ok[i] else None,
-             wire.OK if ok[i] else wire.TIMEOUT if timeouts[i] else wire.ERROR,
-             batch.notes.get(i, ""))
+            (
+                batch.values[i, 0] if ok[i] else None,
+                wire.OK if ok[i] else wire.TIMEOUT if timeouts[i] else wire.ERROR,
+                batch.notes.get(i, ""),
+            )
             for i in range(len(texts))
-        ]  # fmt: skip
+        ]
 
     def _check_wall_limits(self, specs) -> None:
         """A sandbox wall limit above the pool's timeout would turn slow code into
