@@ -48,9 +48,8 @@ class NoCache:
 
     def attend(self, cfg, layer, q, k, v, mask, sinks):
         """q [B,T,N,H] over this layer's k, v [B,T,K,H] -> ([B,T,N,H], self)."""
-        return context_attention(
-            q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks
-        ), self
+        a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks)
+        return a, self
 
     def deltanet(self, cfg, layer, w, h, mask):
         """The Gated DeltaNet over h [B,T,D] from a zero state -> ([B,T,D], self)."""
