@@ -2,13 +2,13 @@
 GLM-4.5 / GPT-OSS): `Block` declares every layer's parameters, stacked on a leading
 `layers` axis with their logical axis names, and computes one layer: norms, q/k/v
 projections (with their biases, q/k norms and LoRA adapters), rotary embeddings, attention
-(teacher-forced, over a prefix, over a KV cache or over the page pool; with GPT-OSS's
-sinks), the output projection and the MLP (dense SwiGLU / GeGLU, or the mixture of
-experts).
+over what the layer's cache object holds (`caches`: the sequence itself, a prefix, a KV
+cache or the page pool; with GPT-OSS's sinks), the output projection and the MLP (dense
+SwiGLU / GeGLU, or the mixture of experts).
 
 The layer's math is composed from `layer_math` (norms, the dense matmul, RoPE, layer
-kinds), `attention`, `context_parallel`, `paged_attention` and `moe`; the loop over
-layers and the embeddings live in `layers.Transformer`. An MoE model's layers may differ
+kinds), `caches` and `moe`; the loop over layers and the embeddings live in
+`layers.Transformer`. An MoE model's layers may differ
 in their MLP (experts or dense, `cfg.dense_layers`): the MLP's parameters are then stacked
 over the layers of their kind, and `__call__` is told which kind it runs (`sparse`).
 """
@@ -22,15 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models._nnx import nnx
-from jaxrl_llm.models.attention import cached_attention, cached_blockwise, resolve
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.context_parallel import context_attention
-from jaxrl_llm.models.gated_deltanet import (
-    LINEAR_WEIGHTS,
-    LinearState,
-    gated_deltanet,
-    linear_shapes,
-)
+from jaxrl_llm.models.gated_deltanet import LINEAR_WEIGHTS, linear_shapes
 from jaxrl_llm.models.layer_math import (
     adapter_dropout,
     apply_rope,
@@ -43,9 +36,7 @@ from jaxrl_llm.models.layer_math import (
     rope_frequencies,
 )
 from jaxrl_llm.models.moe import moe_mlp
-from jaxrl_llm.models.paged_attention import paged_attention, write_layer
 from jaxrl_llm.models.segments import MOE_WEIGHTS
-from jaxrl_llm.parallel import target
 
 
 def normal_param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
@@ -199,69 +190,52 @@ class Block(nnx.Module):
         )
 
     def __call__(
-        self, x, positions, mask, kv=None, index=None, layer=None, prefix=None, dropout=None,
-        kind=None, routes=None, sparse=None, paged=None, linear=False,
-    ):  # fmt: skip
-        """One layer. x [B,T,D], positions [B,T], mask an `attention.Mask` over the S
-        keys. dropout: this layer's key for LoRA dropout (`adapter_dropout`), None in
-        inference. kind: this layer's slice of `layer_kinds(cfg)`, or None.
+        self,
+        x,
+        positions,
+        mask,
+        cache,
+        layer=None,
+        dropout=None,
+        kind=None,
+        routes=None,
+        sparse=None,
+        linear=False,
+    ):
+        """One layer: (x [B,T,D], the cache as updated by this layer, the MoE router's own
+        top-k [B,T,k] int32 or None for a dense layer).
 
-        prefix: (k, v) [B,P,K,H] of P earlier tokens that x attends to before itself
-        (S = P + T, no cache); the layer then returns its own (k, v) [B,T,K,H].
-
-        kv: the whole cache (k, v) ([L,B,K,H,S], [L,B,K,S,H]), carried through the layer
-        scan so that it is updated in place: this layer's new keys/values are written at
-        slots index..index+T of [layer] and attention runs over the layer's S slots. With
-        layer=None, kv is this layer's own cache arrays (unrolled layers). Without kv,
-        S = T. routes [B,T,k]: experts to replay in an MoE layer (None: its own top-k).
-        sparse: the layer's MLP is the mixture of experts (None: `cfg.moe`).
-
-        paged: a `paged_attention.PagedWrite` (the page-pool path): kv is then the pool
-        (k, v) [L, P, page_size, K, H]; this layer's new keys/values are written to its
-        pages at [layer] and x attends to the layer's pages of each row through the
-        table (`paged_attention`), mask being `paged_attention.paged_inputs`'.
-        linear: a Gated DeltaNet layer (`_linear`), whose recurrent state replaces the
-        cache. Returns (x [B,T,D], the updated (k, v) or None, the MoE router's own top-k
-        [B,T,k] int32 or None for a dense layer).
+        x [B,T,D], positions [B,T], mask an `attention.Mask` over the keys the cache
+        holds. cache: what the layer attends to (`caches`: a sequence alone, after a
+        prefix, a KV cache, the page pool); it writes this layer's keys/values (or, in a
+        Gated DeltaNet layer, its recurrent state) and attends. layer: this layer's row in
+        the cache (among the layers of its attention kind in a hybrid model). dropout:
+        this layer's key for LoRA dropout (`adapter_dropout`), None in inference. kind:
+        this layer's slice of `layer_kinds(cfg)`, or None. routes [B,T,k]: experts to
+        replay in an MoE layer (None: its own top-k). sparse: the layer's MLP is the
+        mixture of experts (None: `cfg.moe`). linear: a Gated DeltaNet layer (`_linear`).
         """
         cfg = self.cfg
         if linear:
-            a, kv = self._linear(x, mask, kv, index, layer)
+            a, cache = self._linear(x, mask, cache, layer)
         else:
-            a, kv = self._attention(x, positions, mask, kv, index, layer, prefix, dropout,
-                                    kind, paged)  # fmt: skip
+            a, cache = self._attention(x, positions, mask, cache, layer, dropout, kind)
         x = x + a
         h = norm(cfg, x, self.mlp_norm[...])
         y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse)
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
-        return x + y, kv, chosen
+        return x + y, cache, chosen
 
-    def _linear(self, x, mask, kv, index, layer):
+    def _linear(self, x, mask, cache, layer):
         """The DeltaNet token mixer (`gated_deltanet`): (its output [B,T,D], the cache
-        with this layer's state updated). Teacher-forced (kv None): from a zero state.
-        With a cache, kv is (k, v, conv, ssm), the last two the DeltaNet layers'
-        `LinearState` [L', B, ...] whose row `layer` is this layer's; one new token per
-        row runs the recurrence step by step, several chunked."""
-        cfg = self.cfg
-        h = norm(cfg, x, self.attn_norm[...])
+        with this layer's recurrent state updated; teacher-forced: from a zero state)."""
+        h = norm(self.cfg, x, self.attn_norm[...])
         w = {n: getattr(self, n)[...] for n in LINEAR_WEIGHTS}
-        T = x.shape[1]
-        if kv is None:
-            real = mask.k_valid[:, -T:]
-            return gated_deltanet(cfg, w, h, real, None)[0], None
-        real = jax.lax.dynamic_slice_in_dim(mask.k_valid, index, T, axis=1)
-        row = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, keepdims=False)
-        state = LinearState(conv=row(kv[2]), ssm=row(kv[3]))
-        a, new = gated_deltanet(cfg, w, h, real, state, step=T == 1)
+        return cache.deltanet(self.cfg, layer, w, h, mask)
 
-        def put(c, new):
-            return jax.lax.dynamic_update_index_in_dim(c, new.astype(c.dtype), layer, 0)
-
-        return a, (*kv[:2], put(kv[2], new.conv), put(kv[3], new.ssm))
-
-    def _attention(self, x, positions, mask, kv, index, layer, prefix, dropout, kind, paged):
-        """The attention token mixer: (its output [B,T,D], the updated cache or None)."""
+    def _attention(self, x, positions, mask, cache, layer, dropout, kind):
+        """The attention token mixer: (its output [B,T,D], the updated cache)."""
         cfg = self.cfg
         mask = layer_mask(cfg, mask, kind)
         h = norm(cfg, x, self.attn_norm[...])
@@ -280,40 +254,7 @@ class Block(nnx.Module):
         if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim:
             # attention scales scores by head_dim^-1/2; Gemma by query_pre_attn_scalar^-1/2
             q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, q.dtype)
-        if paged is not None:
-            kv = write_layer(kv, layer, k, v, paged)
-            a = paged_attention(
-                q, kv, layer, paged, mask, cfg.attention, cfg.attention_block, sinks
-            )
-        elif prefix is not None:
-            # Keys/values of earlier tokens ([B, P, K, H] each, e.g. a shared prompt's) come
-            # first; this layer's own (after RoPE) are returned for a later suffix.
-            own = (k, v)
-            k = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
-            v = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
-            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks)
-            kv = own
-        elif kv is None:
-            a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks)
-        else:
-            # k [B,T,K,H] -> [B,K,H,T] at slots index.., v -> [B,K,T,H] (see KVCache): at
-            # [layer] of an [L, ...] cache (scanned layers), or into this layer's own arrays.
-            lead = () if layer is None else (layer,)
-
-            def write(c, new, start):
-                new = new if layer is None else new[None]
-                return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), lead + start)
-
-            kv = (
-                write(kv[0], k.transpose(0, 2, 3, 1), (0, 0, 0, index)),
-                write(kv[1], v.transpose(0, 2, 1, 3), (0, 0, index, 0)),
-                *kv[2:],  # a hybrid model's DeltaNet state, untouched here
-            )
-            if layer is None:
-                k, v = kv[:2]
-            else:
-                k, v = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in kv[:2])
-            a = self._cached(q, k, v, mask, sinks)
+        a, cache = cache.attend(cfg, layer, q, k, v, mask, sinks)
         if gate is not None:
             a = a * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(a.dtype)
         a = self._proj("o", a, dropout)
@@ -321,14 +262,4 @@ class Block(nnx.Module):
             a = a + self.o_bias[...]
         if cfg.gemma:
             a = norm(cfg, a, self.post_attn_norm[...])
-        return a, kv
-
-    def _cached(self, q, kt, v, mask, sinks=None):
-        """Attention over the cache: the full score matrix for decode and short prefill,
-        key blocks (`cached_blockwise`) where `cfg.attention` would not hold [T, S]."""
-        cfg = self.cfg
-        T, S = q.shape[1], v.shape[-2]
-        if T > 1 and resolve(cfg.attention, target.backend(), T, S) != "xla":
-            return cached_blockwise(q, kt, v, mask, cfg.attention_block, sinks)
-        kt, v = kt.astype(q.dtype), v.astype(q.dtype)
-        return cached_attention(q, kt, v, mask.dense(), sinks)
+        return a, cache

@@ -18,6 +18,10 @@ policy of the scanned layer. `cfg.scan_layers=False` unrolls that scan in the
 teacher-forced forward (the backward then reads each layer's residuals where they were
 computed instead of from [L, ...] stacks the scan zero-fills and copies into), and with a
 KV cache runs prefill and decode over one cache array per layer (`kv_cache.init_cache`).
+
+What the layers attend to is an object per kind (`caches`): the loop is written once and
+asks the cache how it runs (a scan carrying it, or a Python loop over each layer's own
+parameter slices), and each layer calls the cache's `attend` with no branch on its kind.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.block import Block, const_param, normal_param
+from jaxrl_llm.models.caches import NoCache
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layer_math import layer_kinds, norm
 from jaxrl_llm.models.partitioning import shard_sequence
@@ -50,86 +55,61 @@ class Transformer(nnx.Module):
             )
         self.cfg = cfg
 
-    def __call__(
-        self, tokens, positions, mask, cache=None, index=None, layers=None, dropout=None,
-        routes=None, paged=None,
-    ):  # fmt: skip
-        """tokens [B,T] -> (final-normed hidden states [B,T,D], the new cache k, v, the MoE
-        layers' own top-k experts [L,B,T,k] int32 or None for a dense model).
+    def __call__(self, tokens, positions, mask, cache=None, layers=None, dropout=None, routes=None):
+        """tokens [B,T] -> (final-normed hidden states [B,T,D], the cache as the layers left
+        it, the MoE layers' own top-k experts [L,B,T,k] int32 or None for a dense model).
 
-        layers: with a per-layer cache, each layer's parameters already sliced out of the
-        stacked ones (`layer_params`), e.g. once before a decode loop instead of per step.
-        dropout: a key for LoRA dropout (layer i folds in i), or None.
-        routes: [L,B,T,k] experts to replay in the MoE layers (None: the router's own).
-        paged: a `paged_attention.PagedWrite`: cache is then the page pool (k, v)
-        [L, P, page_size, K, H], each layer writing and reading its own pages (`Block`).
+        cache: what the layers attend to (`caches`; None: the sequence itself), which also
+        says how the loop runs (`loop`). layers: each layer's parameters already sliced
+        out of the stacked ones (`layer_params`), e.g. once before a decode loop instead
+        of per step (an unrolled loop reads them). dropout: a key for LoRA dropout (layer
+        i folds in i), or None. routes: [L,B,T,k] experts to replay in the MoE layers
+        (None: the router's own).
         """
         cfg = self.cfg
+        cache = NoCache() if cache is None else cache
         x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
         graphdef, stacked = nnx.split(self.layers)
         stacked = nnx.to_pure_dict(stacked)
-        kinds = layer_kinds(cfg)
+        loop = cache.loop(cfg, layers)
+        if loop == "unrolled" and layers is None:
+            layers = {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}
 
         def layer(carry, xs, sparse, linear):
-            x, kv = carry
-            layer_state, i, row, kind, route = xs
+            (x, c), (params, i, row, kind, route, rows) = carry, xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
-            block = nnx.merge(graphdef, layer_state)
-            x, kv, chosen = block(
-                x, positions, mask, kv, index, row, dropout=key, kind=kind, routes=route,
-                sparse=sparse, paged=paged, linear=linear,
-            )  # fmt: skip
-            return (x, kv), chosen
-
-        if paged is not None and layers is not None:  # the pool, layers unrolled
-            chosen = []
-            for i in range(cfg.num_layers):
-                kind = jax.tree.map(lambda a, i=i: a[i], kinds)
-                block = nnx.merge(graphdef, layer_slice(cfg, layers, i))
-                route = None if routes is None else routes[i]
-                x, cache, own = block(
-                    x, positions, mask, cache, layer=i, kind=kind, routes=route,
-                    sparse=cfg.sparse_layers[i], paged=paged,
-                )  # fmt: skip
-                chosen.append(own if own is not None else self._no_routes(x))
-            chosen = jnp.stack(chosen) if cfg.moe else None
-            return norm(cfg, x, self.final_norm[...]), cache, chosen
-        if cache is not None and isinstance(cache[0], tuple):  # one cache array per layer
-            kv, chosen = [], []
-            per_index = layers or {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}
-            for i in range(cfg.num_layers):
-                kind = jax.tree.map(lambda a, i=i: a[i], kinds)
-                block = nnx.merge(graphdef, layer_slice(cfg, per_index, i))
-                cache_i = (cache[0][i], cache[1][i])
-                route = None if routes is None else routes[i]
-                x, layer_kv, own = block(
-                    x, positions, mask, cache_i, index, kind=kind, routes=route,
-                    sparse=cfg.sparse_layers[i],
-                )  # fmt: skip
-                kv.append(layer_kv)
-                chosen.append(own if own is not None else self._no_routes(x))
-            kv = tuple(tuple(c) for c in zip(*kv, strict=True))
-            chosen = jnp.stack(chosen) if cfg.moe else None
-            return norm(cfg, x, self.final_norm[...]), kv, chosen
-        carry, chosen = (x, cache), []
-        for segment in cfg.layer_segments():
-            start, stop = segment.start, segment.stop
-            body = functools.partial(layer, sparse=segment.sparse, linear=segment.linear)
-            body = _remat(body, cfg.remat)
-            unroll = stop - start if cache is None and not cfg.scan_layers else 1
-            # a hybrid model's cache holds each attention kind's layers apart: its rows
-            row = segment.first_attn if cfg.hybrid else start
-            xs = (
-                segment_params(cfg, stacked, segment),
-                jnp.arange(start, stop),
-                jnp.arange(row, row + stop - start),
-                layer_rows(kinds, start, stop),
-                layer_rows(routes, start, stop),
+            block = nnx.merge(graphdef, params)
+            x, c, chosen = block(
+                x, positions, mask, c.replace(rows=rows), row, key, kind, route, sparse, linear
             )
-            carry, own = jax.lax.scan(body, carry, xs, unroll=unroll)
-            chosen.append(own)
-        x, kv = carry
-        return norm(cfg, x, self.final_norm[...]), kv, self._join_routes(chosen, x)
+            return (x, c.replace(rows=None)), (chosen, c.rows)
+
+        carry, ys = (x, cache.replace(rows=None)), []
+        per_layer = (layer_kinds(cfg), routes, cache.rows)  # [L, ...] each, or None
+        for segment in cfg.layer_segments():
+            body = functools.partial(layer, sparse=segment.sparse, linear=segment.linear)
+            start, stop, row = segment.start, segment.stop, self._first_row(segment)
+            if loop == "unrolled":  # Python: each layer's own slices, no remat (inference)
+                outs = []
+                for i in range(start, stop):
+                    own = (layer_slice(cfg, layers, i), i, row + i - start)
+                    carry, out = body(carry, (*own, *jax.tree.map(lambda a, i=i: a[i], per_layer)))
+                    outs.append(out)
+                ys.append(jax.tree.map(lambda *a: jnp.stack(a), *outs))
+                continue
+            own = (segment_params(cfg, stacked, segment), jnp.arange(start, stop))
+            xs = (*own, jnp.arange(row, row + stop - start), *layer_rows(per_layer, start, stop))
+            unroll = stop - start if loop == "scan_unrolled" else 1
+            carry, out = jax.lax.scan(_remat(body, cfg.remat), carry, xs, unroll=unroll)
+            ys.append(out)
+        (x, cache), (chosen, rows) = carry, tuple(zip(*ys, strict=True))
+        cache = cache.replace(rows=_join(rows))
+        return norm(cfg, x, self.final_norm[...]), cache, self._join_routes(list(chosen), x)
+
+    def _first_row(self, segment) -> int:
+        """The cache row of a run's first layer: its index, or in a hybrid model (whose
+        cache holds each attention kind's layers apart) its index among its kind's."""
+        return segment.first_attn if self.cfg.hybrid else segment.start
 
     def _no_routes(self, x, n: int | None = None) -> jax.Array:
         """The routes of dense-MLP layers in an MoE model: -1 [B,T,k] (or [n,B,T,k])."""
@@ -159,67 +139,10 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
         return x
 
-    def with_prefix(self, tokens, positions, mask, prefix, dropout=None, routes=None,
-                    layers=None):  # fmt: skip
-        """tokens [B,T] after a prefix of P tokens whose per-layer keys/values are given ->
-        (final-normed hidden [B,T,D], this sequence's keys/values ([L,B,T,K,H] each), the
-        MoE layers' own top-k [L,B,T,k] or None).
 
-        prefix: (k, v) [L,B,P,K,H] each (P may be 0), as this method returned them for the
-        earlier tokens; mask [B,T,P+T]. Scanned (or unrolled) like the full forward, with
-        its remat policy and its attention backward, so it trains as fast. dropout, routes:
-        as in `__call__`. layers: each layer's parameters already sliced out of the stacked
-        ones (`layer_params`; inference only): the layers run unrolled over them, so a loop
-        of calls (a decode loop) does not slice the weights again in every call.
-        """
-        cfg = self.cfg
-        x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
-        graphdef, stacked = nnx.split(self.layers)
-        stacked = nnx.to_pure_dict(stacked)
-        kinds = layer_kinds(cfg)
-        if layers is not None:  # inference: unrolled over the caller's per-layer slices
-            kv, chosen = [], []
-            for i in range(cfg.num_layers):
-                kind = jax.tree.map(lambda a, i=i: a[i], kinds)
-                route = None if routes is None else routes[i]
-                block = nnx.merge(graphdef, layer_slice(cfg, layers, i))
-                x, own_kv, own = block(
-                    x, positions, mask, prefix=(prefix[0][i], prefix[1][i]), kind=kind,
-                    routes=route, sparse=cfg.sparse_layers[i],
-                )  # fmt: skip
-                kv.append(own_kv)
-                chosen.append(own if own is not None else self._no_routes(x))
-            kv = tuple(jnp.stack(c) for c in zip(*kv, strict=True))
-            chosen = jnp.stack(chosen) if cfg.moe else None
-            return norm(cfg, x, self.final_norm[...]), kv, chosen
-
-        def layer(x, xs, sparse):
-            layer_state, pk, pv, i, kind, route = xs
-            key = None if dropout is None else jax.random.fold_in(dropout, i)
-            block = nnx.merge(graphdef, layer_state)
-            x, kv, chosen = block(
-                x, positions, mask, prefix=(pk, pv), dropout=key, kind=kind, routes=route,
-                sparse=sparse,
-            )  # fmt: skip
-            return x, (kv, chosen)
-
-        kvs, chosen = [], []
-        for segment in cfg.layer_segments():
-            start, stop, sparse = segment.start, segment.stop, segment.sparse
-            body = _remat(functools.partial(layer, sparse=sparse), cfg.remat)
-            unroll = 1 if cfg.scan_layers else stop - start
-            xs = (
-                segment_params(cfg, stacked, segment),
-                *(layer_rows(p, start, stop) for p in prefix),
-                jnp.arange(start, stop),
-                layer_rows(kinds, start, stop),
-                layer_rows(routes, start, stop),
-            )
-            x, (kv, own) = jax.lax.scan(body, x, xs, unroll=unroll)
-            kvs.append(kv)
-            chosen.append(own)
-        kv = kvs[0] if len(kvs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
-        return norm(cfg, x, self.final_norm[...]), kv, self._join_routes(chosen, x)
+def _join(rows: tuple):
+    """The runs' stacked per-layer outputs -> one [L, ...] (None stays None)."""
+    return rows[0] if len(rows) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *rows)
 
 
 def _remat(fn, policy: str):

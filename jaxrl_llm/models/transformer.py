@@ -5,7 +5,7 @@
 merges it into the module inside the traced function, so the sampler, the reference
 model and the update step all read the same arrays without copies.
 
-Three paths share the layer code (`block.Block`):
+Three paths share the layer code (`block.Block`), each with its cache object (`caches`):
 - `forward`: a full sequence, with a padding mask (left or right), position ids and
   optional segment ids for packed sequences.
 - `forward_after_prefix`: a sequence after a prefix whose per-layer keys/values an
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import Mask, causal_mask
+from jaxrl_llm.models.caches import PagedCache, PrefixCache, layer_cache
 from jaxrl_llm.models.config import ModelConfig, UnsupportedModelError
-from jaxrl_llm.models.gated_deltanet import LinearState
 from jaxrl_llm.models.kv_cache import KVCache
 from jaxrl_llm.models.layers import Transformer
 from jaxrl_llm.models.paged_attention import paged_inputs
@@ -122,9 +122,17 @@ def token_major(routes):
 
 
 def forward_after_prefix(
-    cfg: ModelConfig, params: Params, tokens, attention_mask, prefix=None, prefix_mask=None,
-    dropout=None, routes=None, with_routes: bool = False, layers=None,
-):  # fmt: skip
+    cfg: ModelConfig,
+    params: Params,
+    tokens,
+    attention_mask,
+    prefix=None,
+    prefix_mask=None,
+    dropout=None,
+    routes=None,
+    with_routes: bool = False,
+    layers=None,
+):
     """`forward` of tokens that follow a prefix already run: (hidden [B,T,D], keys/values).
 
     tokens, attention_mask [B,T]; prefix: the (k, v) [L,B,P,K,H] this function returned
@@ -156,16 +164,25 @@ def forward_after_prefix(
     positions = jnp.maximum(before + jnp.cumsum(attention_mask, -1, dtype=jnp.int32) - 1, 0)
     prefix_pos = jnp.maximum(jnp.cumsum(prefix_mask, -1, dtype=jnp.int32) - 1, 0)
     mask = causal_mask(attention_mask, positions, None, prefix_mask, prefix_pos)
-    hidden, kv, own = _model(cfg, params).with_prefix(
-        tokens, positions, mask, prefix, dropout, layer_major(routes), layers
+    hidden, cache, own = _model(cfg, params)(
+        tokens, positions, mask, PrefixCache(rows=prefix), layers, dropout, layer_major(routes)
     )
-    return (hidden, kv, token_major(own)) if with_routes else (hidden, kv)
+    return (hidden, cache.rows, token_major(own)) if with_routes else (hidden, cache.rows)
 
 
 def paged_forward(
-    cfg: ModelConfig, params: Params, tokens, attention_mask, pool, table, start, length,
-    layers=None, null_page: int = 0, pallas: bool = False,
-):  # fmt: skip
+    cfg: ModelConfig,
+    params: Params,
+    tokens,
+    attention_mask,
+    pool,
+    table,
+    start,
+    length,
+    layers=None,
+    null_page: int = 0,
+    pallas: bool = False,
+):
     """T new tokens of each row after its slots [start, length) in a page pool ->
     (final-normed hidden [B,T,D], the pool with the real tokens' keys/values written at
     slots length .. length + T - 1, the MoE layers' own top-k [B,T,L,k] or None).
@@ -183,10 +200,9 @@ def paged_forward(
     positions, mask, where = paged_inputs(
         table, start, length, attention_mask, page_size, null_page, pallas
     )
-    hidden, pool, own = _model(cfg, params)(
-        tokens, positions, mask, tuple(pool), layers=layers, paged=where
-    )
-    return hidden, pool, token_major(own)
+    cache = PagedCache(pool=tuple(pool), where=where)
+    hidden, cache, own = _model(cfg, params)(tokens, positions, mask, cache, layers)
+    return hidden, cache.pool, token_major(own)
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
@@ -215,9 +231,14 @@ def logits(
 
 
 def extend(
-    cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache, layers=None,
+    cfg: ModelConfig,
+    params: Params,
+    tokens,
+    attention_mask,
+    cache: KVCache,
+    layers=None,
     with_routes: bool = False,
-):  # fmt: skip
+):
     """Appends tokens [B,T] (attention_mask [B,T]) to the cache.
 
     Returns (hidden [B,T,D], new cache), and with_routes the MoE layers' top-k experts of
@@ -240,17 +261,15 @@ def extend(
         q_pos=positions,
         k_pos=slot_pos,
     )
-    kv = (cache.k, cache.v)
-    if cache.state is not None:  # a hybrid model: its DeltaNet layers' state rides along
-        kv = (*kv, cache.state.conv, cache.state.ssm)
-    hidden, kv, own = _model(cfg, params)(tokens, positions, mask, kv, cache.index, layers)
-    new_cache = KVCache(
-        k=kv[0],
-        v=kv[1],
+    model = _model(cfg, params)
+    hidden, kv, own = model(tokens, positions, mask, layer_cache(cache), layers)
+    new_cache = cache.replace(
+        k=kv.k,
+        v=kv.v,
         valid=valid,
         pos=cache.pos + attention_mask.sum(-1, dtype=jnp.int32),
         index=cache.index + T,
-        state=None if cache.state is None else LinearState(conv=kv[2], ssm=kv[3]),
+        state=None if cache.state is None else kv.state,  # a hybrid model's DeltaNet state
     )
     return (hidden, new_cache, token_major(own)) if with_routes else (hidden, new_cache)
 
@@ -266,9 +285,13 @@ def last_hidden(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
 
 
 def prefill(
-    cfg: ModelConfig, params: Params, tokens, attention_mask, cache: KVCache,
+    cfg: ModelConfig,
+    params: Params,
+    tokens,
+    attention_mask,
+    cache: KVCache,
     with_routes: bool = False,
-):  # fmt: skip
+):
     """Prompt [B,T] into an empty cache -> (logits of each row's last real token [B,V], cache),
     and with_routes the MoE layers' top-k of the prompt tokens [B,T,L,k] (None: dense).
 
@@ -304,9 +327,14 @@ def prefill(
 
 
 def decode_step(
-    cfg: ModelConfig, params: Params, tokens, cache: KVCache, layers=None, real=None,
+    cfg: ModelConfig,
+    params: Params,
+    tokens,
+    cache: KVCache,
+    layers=None,
+    real=None,
     with_routes: bool = False,
-):  # fmt: skip
+):
     """One new token per row, tokens [B] -> (logits [B,V], cache). layers: see `extend`.
 
     real [B] bool (default all): rows whose token is real; the others take the slot

@@ -1,0 +1,186 @@
+"""What a layer attends to, one object per kind: the block calls `cache.attend` (and a
+Gated DeltaNet layer `cache.deltanet`) and has one path; the layer loop in
+`layers.Transformer` asks the cache how it runs (`loop`) and exists once.
+
+    kind           built by                            attends to                 loop
+    NoCache        transformer.forward                 the sequence itself        scan
+    PrefixCache    transformer.forward_after_prefix    earlier tokens' k, v first scan / unrolled
+    DenseCache     transformer.extend (kv_cache)       the [L, ...] cache         scan
+    PerLayerCache  extend, cfg.scan_layers=False       one cache array per layer  unrolled
+    PagedCache     transformer.paged_forward           the layer's pool pages     scan / unrolled
+
+Each is a pytree carried through the layer loop. Its `rows` are per-layer values the loop
+slices for each layer ([L, ...] in) and stacks from each layer (out): a prefix's keys and
+values in, the layer's own out. "unrolled": a Python loop over each layer's own
+parameter slices (`transformer.layer_params`, sliced once before a decode loop);
+"scan_unrolled": the scan traced once per layer (`cfg.scan_layers=False`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxrl_llm.models.attention import cached_attention, cached_blockwise, resolve
+from jaxrl_llm.models.context_parallel import context_attention
+from jaxrl_llm.models.gated_deltanet import LinearState, gated_deltanet
+from jaxrl_llm.models.paged_attention import PagedWrite, paged_attention, write_layer
+from jaxrl_llm.parallel import target
+
+
+def _scan(cfg) -> str:
+    """A teacher-forced loop: the scan, unrolled where `cfg.scan_layers` is off (the
+    backward then reads each layer's residuals where they were computed)."""
+    return "scan" if cfg.scan_layers else "scan_unrolled"
+
+
+@struct.dataclass
+class NoCache:
+    """A full sequence attending to itself (training, the reference forward)."""
+
+    rows: Any = None
+
+    def loop(self, cfg, layers) -> str:
+        return _scan(cfg)
+
+    def attend(self, cfg, layer, q, k, v, mask, sinks):
+        """q [B,T,N,H] over this layer's k, v [B,T,K,H] -> ([B,T,N,H], self)."""
+        a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks)
+        return a, self
+
+    def deltanet(self, cfg, layer, w, h, mask):
+        """The Gated DeltaNet over h [B,T,D] from a zero state -> ([B,T,D], self)."""
+        real = mask.k_valid[:, -h.shape[1] :]
+        return gated_deltanet(cfg, w, h, real, None)[0], self
+
+
+@struct.dataclass
+class PrefixCache:
+    """Tokens after P earlier ones whose keys/values are given: rows (k, v) [L,B,P,K,H]
+    going in (one layer's [B,P,K,H] inside the loop), this sequence's own (k, v)
+    [L,B,T,K,H] (after RoPE, for a later suffix) coming out. Differentiable."""
+
+    rows: Any = None
+
+    def loop(self, cfg, layers) -> str:
+        return _scan(cfg) if layers is None else "unrolled"
+
+    def attend(self, cfg, layer, q, k, v, mask, sinks):
+        """q [B,T,N,H] over the prefix's keys/values, then this layer's own k, v."""
+        pk, pv = self.rows
+        ck = jnp.concatenate([pk.astype(k.dtype), k], axis=1)
+        cv = jnp.concatenate([pv.astype(v.dtype), v], axis=1)
+        a = context_attention(q, ck, cv, mask, cfg.attention, cfg.attention_block, sinks=sinks)
+        return a, self.replace(rows=(k, v))
+
+
+def _write(c, new, start):
+    return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), start)
+
+
+def cached(cfg, q, kt, v, mask, sinks=None):
+    """q [B,T,N,H] over a layer's cache kt [B,K,H,S], v [B,K,S,H] (`kv_cache.KVCache`'s
+    layout): the full score matrix for decode and short prefill, key blocks
+    (`cached_blockwise`) where `cfg.attention` would not hold [T, S]."""
+    T, S = q.shape[1], v.shape[-2]
+    if T > 1 and resolve(cfg.attention, target.backend(), T, S) != "xla":
+        return cached_blockwise(q, kt, v, mask, cfg.attention_block, sinks)
+    kt, v = kt.astype(q.dtype), v.astype(q.dtype)
+    return cached_attention(q, kt, v, mask.dense(), sinks)
+
+
+@struct.dataclass
+class DenseCache:
+    """A `kv_cache.KVCache`'s keys/values of every layer, k [L,B,K,H,S] and v [L,B,K,S,H],
+    carried through the layer scan and written in place at slots index..index+T of the
+    layer's row; a hybrid model's Gated DeltaNet layers' `LinearState` [L', B, ...] too
+    (k / v then hold its full-attention layers only; `layer` is a row among its kind)."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+    state: LinearState | None = None
+    rows: Any = None
+
+    def loop(self, cfg, layers) -> str:
+        return "scan"
+
+    def attend(self, cfg, layer, q, k, v, mask, sinks):
+        """Writes k, v [B,T,K,H] (as [B,K,H,T] / [B,K,T,H]) at [layer], then q [B,T,N,H]
+        over the layer's S slots."""
+        ck = _write(self.k, k.transpose(0, 2, 3, 1)[None], (layer, 0, 0, 0, self.index))
+        cv = _write(self.v, v.transpose(0, 2, 1, 3)[None], (layer, 0, 0, self.index, 0))
+        kt, vt = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in (ck, cv))
+        return cached(cfg, q, kt, vt, mask, sinks), self.replace(k=ck, v=cv)
+
+    def deltanet(self, cfg, layer, w, h, mask):
+        """The Gated DeltaNet from the layer's state: one new token per row step by step,
+        several chunked -> ([B,T,D], the cache with the layer's state updated)."""
+        T = h.shape[1]
+        real = jax.lax.dynamic_slice_in_dim(mask.k_valid, self.index, T, axis=1)
+        state = jax.tree.map(
+            lambda c: jax.lax.dynamic_index_in_dim(c, layer, keepdims=False), self.state
+        )
+        a, new = gated_deltanet(cfg, w, h, real, state, step=T == 1)
+        state = jax.tree.map(
+            lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), layer, 0),
+            self.state,
+            new,
+        )
+        return a, self.replace(state=state)
+
+
+@struct.dataclass
+class PerLayerCache:
+    """A `kv_cache.KVCache` of L per-layer arrays (`cfg.scan_layers=False`): k, v tuples
+    of [B,K,H,S] / [B,K,S,H]; the layers run unrolled, each reading its own buffer in
+    place rather than a slice of an [L, ...] array."""
+
+    k: tuple
+    v: tuple
+    index: jax.Array
+    rows: Any = None
+
+    def loop(self, cfg, layers) -> str:
+        return "unrolled"
+
+    def attend(self, cfg, layer: int, q, k, v, mask, sinks):
+        """Writes k, v into layer `layer`'s arrays at slot index.., then attends."""
+        kt = _write(self.k[layer], k.transpose(0, 2, 3, 1), (0, 0, 0, self.index))
+        vt = _write(self.v[layer], v.transpose(0, 2, 1, 3), (0, 0, self.index, 0))
+        a = cached(cfg, q, kt, vt, mask, sinks)
+        return a, self.replace(k=_put(self.k, layer, kt), v=_put(self.v, layer, vt))
+
+
+def _put(arrays: tuple, i: int, a) -> tuple:
+    return (*arrays[:i], a, *arrays[i + 1 :])
+
+
+@struct.dataclass
+class PagedCache:
+    """The page pool (k, v) [L, pages, page_size, K, H] (head-major with `where.pallas`)
+    and where a call's new tokens go (`paged_attention.PagedWrite`): each layer writes
+    its new keys/values to its pages, then reads its pages of each row."""
+
+    pool: tuple
+    where: PagedWrite
+    rows: Any = None
+
+    def loop(self, cfg, layers) -> str:
+        return "scan" if layers is None else "unrolled"
+
+    def attend(self, cfg, layer, q, k, v, mask, sinks):
+        pool = write_layer(self.pool, layer, k, v, self.where)
+        impl, block = cfg.attention, cfg.attention_block
+        a = paged_attention(q, pool, layer, self.where, mask, impl, block, sinks)
+        return a, self.replace(pool=pool)
+
+
+def layer_cache(cache):
+    """The layer loop's view of a `kv_cache.KVCache`: per-layer arrays or stacked ones."""
+    if isinstance(cache.k, tuple):
+        return PerLayerCache(k=cache.k, v=cache.v, index=cache.index)
+    return DenseCache(k=cache.k, v=cache.v, index=cache.index, state=cache.state)
