@@ -133,8 +133,7 @@ def resolve(name: str, backend: str, t: int = 0, s: int = 0) -> str:
     return "xla" if t * s <= CPU_XLA_MAX_PAIRS else "blockwise"
 
 
-def attention(q, k, v, mask, implementation: str = "xla", block: int = DEFAULT_BLOCK,
-              sinks=None):  # fmt: skip
+def attention(q, k, v, mask, implementation: str = "xla", block: int = DEFAULT_BLOCK, sinks=None):
     """GQA attention. q [B,T,N,H], k/v [B,S,K,H], mask a `Mask` (or, `xla` only, a dense
     [B,T,S] bool) -> [B,T,N,H]. implementation: one of `IMPLEMENTATIONS`. sinks: [N]
     attention-sink logits or None (module docstring)."""
@@ -336,11 +335,15 @@ def _block_mask(mask: Mask, i, j, bq: int, bk: int, anchor) -> jax.Array:
 
     qs, ks = i * bq, j * bk
     sub = Mask(
-        q_idx=take(mask.q_idx, bq, qs), k_idx=take(mask.k_idx, bk, ks),
-        k_valid=take(mask.k_valid, bk, ks), q_pos=take(mask.q_pos, bq, qs),
-        k_pos=take(mask.k_pos, bk, ks), q_seg=take(mask.q_seg, bq, qs),
-        k_seg=take(mask.k_seg, bk, ks), window=mask.window,
-    )  # fmt: skip
+        q_idx=take(mask.q_idx, bq, qs),
+        k_idx=take(mask.k_idx, bk, ks),
+        k_valid=take(mask.k_valid, bk, ks),
+        q_pos=take(mask.q_pos, bq, qs),
+        k_pos=take(mask.k_pos, bk, ks),
+        q_seg=take(mask.q_seg, bq, qs),
+        k_seg=take(mask.k_seg, bk, ks),
+        window=mask.window,
+    )
     return sub.dense()
 
 
@@ -368,16 +371,21 @@ def _blockwise_forward(qb, kb, vb, mask, sinks=None):
                 new = jnp.maximum(mx, jnp.max(s, axis=-1, keepdims=True))
                 p, corr = jnp.exp(s - new), jnp.exp(mx - new)
                 pv = jnp.einsum(
-                    "bkgqs,bksh->bkgqh", p.astype(vb.dtype), vb[j],
+                    "bkgqs,bksh->bkgqh",
+                    p.astype(vb.dtype),
+                    vb[j],
                     preferred_element_type=jnp.float32,
-                )  # fmt: skip
+                )
                 return new, total * corr + jnp.sum(p, -1, keepdims=True), acc * corr + pv
 
             return jax.lax.cond(jnp.any(m), visit, lambda c: c, carry), None
 
         shape = qi.shape[:-1] + (1,)
-        init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros(qi.shape, jnp.float32))  # fmt: skip
+        init = (
+            jnp.full(shape, _NEG, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros(qi.shape, jnp.float32),
+        )
         if sinks is not None:
             K, G = qi.shape[1:3]
             s = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)
@@ -416,12 +424,14 @@ def _blockwise_bwd(res, g):
 
             def visit(dq):
                 p = jnp.exp(_block_scores(qi, kb[j], m, scale) - lse_i)
-                dvj = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(gi.dtype), gi,
-                                 preferred_element_type=jnp.float32)  # fmt: skip
+                dvj = jnp.einsum(
+                    "bkgqs,bkgqh->bksh", p.astype(gi.dtype), gi, preferred_element_type=jnp.float32
+                )
                 dp = jnp.einsum("bkgqh,bksh->bkgqs", gi, vb[j], preferred_element_type=jnp.float32)
                 ds = (p * (dp - delta_i) * scale).astype(qi.dtype)
-                dq = dq + jnp.einsum("bkgqs,bksh->bkgqh", ds, kb[j],
-                                     preferred_element_type=jnp.float32)  # fmt: skip
+                dq = dq + jnp.einsum(
+                    "bkgqs,bksh->bkgqh", ds, kb[j], preferred_element_type=jnp.float32
+                )
                 dkj = jnp.einsum("bkgqs,bkgqh->bksh", ds, qi, preferred_element_type=jnp.float32)
                 return dq, dkj, dvj
 
@@ -432,8 +442,9 @@ def _blockwise_bwd(res, g):
             dq, dkj, dvj = jax.lax.cond(jnp.any(m), visit, skip, dq)
             return dq, (dkj, dvj)
 
-        dq, (dkb, dvb) = jax.lax.scan(k_step, jnp.zeros(qi.shape, jnp.float32),
-                                      jnp.arange(kb.shape[0]))  # fmt: skip
+        dq, (dkb, dvb) = jax.lax.scan(
+            k_step, jnp.zeros(qi.shape, jnp.float32), jnp.arange(kb.shape[0])
+        )
         return (dk + dkb, dv + dvb), dq.astype(qb.dtype)
 
     zeros = jnp.zeros(kb.shape, jnp.float32)

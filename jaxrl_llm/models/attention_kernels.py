@@ -50,9 +50,12 @@ def pallas(q, k, v, mask, block: int = 512, interpret: bool = False):
     spec = partitioning.logical_to_spec(("batch", None, "kv_heads", None), k.shape, mesh)
     rows = P(spec[0], None)
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, spec, spec, rows, rows), out_specs=spec,
+        local,
+        mesh=mesh,
+        in_specs=(spec, spec, spec, rows, rows),
+        out_specs=spec,
         check_vma=False,
-    )(q, k, v, seg_q, seg_k)  # fmt: skip
+    )(q, k, v, seg_q, seg_k)
 
 
 def _splash(q, k, v, seg_q, seg_k, block: int, interpret: bool):
@@ -76,9 +79,15 @@ def _splash(q, k, v, seg_q, seg_k, block: int, interpret: bool):
     k, v = (jnp.pad(x, ((0, 0), (0, sp), (0, 0), (0, 0))) for x in (k, v))
     causal = masks.CausalMask((T + tp, S + sp), offset=S - T)
     sizes = splash.BlockSizes(
-        block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
-        block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk,
-    )  # fmt: skip
+        block_q=bq,
+        block_kv=bk,
+        block_kv_compute=bk,
+        block_q_dkv=bq,
+        block_kv_dkv=bk,
+        block_kv_dkv_compute=bk,
+        block_q_dq=bq,
+        block_kv_dq=bk,
+    )
     kernel = splash.make_splash_mqa_single_device(
         masks.MultiHeadMask([causal] * G), block_sizes=sizes, interpret=interpret
     )

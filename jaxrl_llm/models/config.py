@@ -262,9 +262,11 @@ class ModelConfig:
             )
         E, G = self.num_experts, self.n_group
         if self.router == "sigmoid" and (
-            E % G or E // G < 2 or not 1 <= self.topk_group <= G
+            E % G
+            or E // G < 2
+            or not 1 <= self.topk_group <= G
             or self.num_experts_per_tok > self.topk_group * (E // G)
-        ):  # fmt: skip
+        ):
             raise ValueError(
                 f"n_group={G}, topk_group={self.topk_group}: the {E} experts must split "
                 "into n_group groups of >= 2, topk_group in [1, n_group], and the chosen "

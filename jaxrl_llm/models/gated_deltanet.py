@@ -45,8 +45,17 @@ _HI = jax.lax.Precision.HIGHEST
 # Block parameter -> (shape after `layers`, logical axes); stacked over the DeltaNet layers.
 # HF names: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm,
 # out_proj.
-LINEAR_WEIGHTS = ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt_bias",
-                  "lin_a_log", "lin_norm", "lin_out")  # fmt: skip
+LINEAR_WEIGHTS = (
+    "lin_qkv",
+    "lin_z",
+    "lin_b",
+    "lin_a",
+    "lin_conv",
+    "lin_dt_bias",
+    "lin_a_log",
+    "lin_norm",
+    "lin_out",
+)
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:

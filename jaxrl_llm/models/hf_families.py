@@ -177,9 +177,13 @@ def gemma3_fields(d: dict, source: str) -> dict:
 
 # transformers' GptOssConfig when its config.json names no RoPE
 GPT_OSS_DEFAULT_ROPE = {
-    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-    "truncate": False, "original_max_position_embeddings": 4096,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def refuse_gpt_oss_options(d: dict, refuse) -> None:

@@ -70,8 +70,19 @@ def _gmm(lhs, rhs, sizes, offset, interpret: bool):
     return gmm(lhs, rhs.astype(lhs.dtype), sizes, lhs.dtype, tiling, offset, interpret=interpret)
 
 
-def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, interpret=False,
-              glu=None, biases=None):  # fmt: skip
+def gmm_local(
+    x,
+    ids,
+    weights,
+    gate,
+    up,
+    down,
+    num_experts: int,
+    offset=None,
+    interpret=False,
+    glu=None,
+    biases=None,
+):
     """The experts `offset` .. `offset` + G - 1 (G = gate.shape[0]; offset None: all E) on
     the (token, expert) pairs routed to them: x [N, D], ids / weights [N, k] -> [N, D].
     glu: the gating (None: silu(g) * u); biases: (gate, up, down) of these G experts, or
@@ -103,8 +114,9 @@ def gmm_local(x, ids, weights, gate, up, down, num_experts: int, offset=None, in
     return jnp.einsum("nkd,nk->nd", ys, weights.astype(ys.dtype))
 
 
-def gmm_experts(x, ids, weights, gate, up, down, glu=None, biases=None,
-                interpret: bool | None = None) -> jax.Array:  # fmt: skip
+def gmm_experts(
+    x, ids, weights, gate, up, down, glu=None, biases=None, interpret: bool | None = None
+) -> jax.Array:
     """`moe.grouped_experts` through the TPU grouped-matmul kernel: x [N, D], ids /
     weights [N, k], gate / up [E, D, F], down [E, F, D] -> [N, D]. Per device inside
     `jax.shard_map` when a mesh of several devices is set around the trace (module

@@ -48,8 +48,9 @@ class PagedWrite:
     pallas: bool = struct.field(pytree_node=False, default=False)
 
 
-def paged_inputs(table, start, length, mask, page_size: int, null_page: int = 0,
-                 pallas: bool = False):  # fmt: skip
+def paged_inputs(
+    table, start, length, mask, page_size: int, null_page: int = 0, pallas: bool = False
+):
     """(positions [B, T], `Mask` over the M * page_size slots a row's table covers,
     `PagedWrite`) of T new tokens (mask [B, T]) after each row's slots [start, length).
 
@@ -69,9 +70,13 @@ def paged_inputs(table, start, length, mask, page_size: int, null_page: int = 0,
     index = length[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T] slots
     page = jnp.take_along_axis(table, jnp.minimum(index // page_size, M - 1), axis=1)
     write = PagedWrite(
-        table=table, page=jnp.where(mask, page, null_page), offset=index % page_size,
-        start=start, length=length, pallas=pallas,
-    )  # fmt: skip
+        table=table,
+        page=jnp.where(mask, page, null_page),
+        offset=index % page_size,
+        start=start,
+        length=length,
+        pallas=pallas,
+    )
     slot = jnp.arange(width, dtype=jnp.int32)[None]  # [1, W]
     new = slot - length[:, None]  # the new token a slot holds (0 .. T-1), if any
     at = jnp.clip(new, 0, T - 1)
@@ -124,8 +129,16 @@ def layer_pages(pool, layer, table, pallas: bool = False):
     return take(pk), take(pv)
 
 
-def paged_attention(q, pool, layer, where: PagedWrite, mask: Mask, implementation="auto",
-                    block: int = 512, sinks=None):  # fmt: skip
+def paged_attention(
+    q,
+    pool,
+    layer,
+    where: PagedWrite,
+    mask: Mask,
+    implementation="auto",
+    block: int = 512,
+    sinks=None,
+):
     """q [B, T, N, H] of the new tokens over layer `layer`'s pages of each row (written
     with the new tokens already, `write_layer`) -> [B, T, N, H]. mask: `paged_inputs`'
     (with this layer's window, if any). The full score matrix over the table's slots, or

@@ -73,9 +73,13 @@ def launch(q, k_pages, v_pages, lengths, page_indices, block: int):
     q = q.astype(jnp.float32)
     body = functools.partial(
         shipped.paged_flash_attention_kernel_inline_seq_dim,
-        pages_per_sequence=M, batch_size=B, pages_per_compute_block=block,
-        mask_value=shipped.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None, megacore_mode=None,
-    )  # fmt: skip
+        pages_per_sequence=M,
+        batch_size=B,
+        pages_per_compute_block=block,
+        mask_value=shipped.DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=None,
+        megacore_mode=None,
+    )
     buffer = pltpu.VMEM((2, block, S, H), k_pages.dtype)  # double-buffered page DMAs
     stat = jax.ShapeDtypeStruct((*q.shape[:-1], 1), jnp.float32)
     on_tpu = target.backend() == "tpu"
@@ -83,23 +87,40 @@ def launch(q, k_pages, v_pages, lengths, page_indices, block: int):
         body,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
-            in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY), None,
-                      pl.BlockSpec(memory_space=pl.ANY), None],
+            in_specs=[
+                spec,
+                pl.BlockSpec(memory_space=pl.ANY),
+                None,
+                pl.BlockSpec(memory_space=pl.ANY),
+                None,
+            ],
             out_specs=[spec, spec, spec],
             grid=(1, B, K),
-            scratch_shapes=(buffer, None, buffer, None, pltpu.SemaphoreType.DMA((2,)),
-                            pltpu.SemaphoreType.DMA((2,))),
-        ),  # fmt: skip
+            scratch_shapes=(
+                buffer,
+                None,
+                buffer,
+                None,
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SemaphoreType.DMA((2,)),
+            ),
+        ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")
         ),
         out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), stat, stat],
         interpret=False if on_tpu else pltpu.InterpretParams(),
     )(
-        lengths.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
-        jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32),  # buffer index, init flag
-        q, k_pages, None, v_pages, None,
-    )  # fmt: skip
+        lengths.astype(jnp.int32),
+        page_indices.reshape(-1).astype(jnp.int32),
+        jnp.zeros((1,), jnp.int32),
+        jnp.ones((1,), jnp.int32),  # buffer index, init flag
+        q,
+        k_pages,
+        None,
+        v_pages,
+        None,
+    )
     return o.reshape(B, N, H), m.reshape(B, N), total.reshape(B, N)
 
 
@@ -157,6 +178,5 @@ def decode_attention(q, pool, layer, table, start, length):
     page = jnp.take_along_axis(table, column[:, None], axis=1)[:, 0] + layer * P
     slot = column[:, None] * S + jnp.arange(S, dtype=jnp.int32)[None]
     valid = (slot >= start[:, None]) & (slot < jnp.minimum(first * S, end)[:, None])
-    part = partial_page(q, jnp.take(k_pages, page, axis=1), jnp.take(v_pages, page, axis=1),
-                        valid)  # fmt: skip
+    part = partial_page(q, jnp.take(k_pages, page, axis=1), jnp.take(v_pages, page, axis=1), valid)
     return merge(whole, part)[:, None].astype(dtype)
