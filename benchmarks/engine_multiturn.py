@@ -1,5 +1,5 @@
 """Multi-turn rollouts with a slow environment: the static turn loop (`envs.play`) against
-the paged engine (`envs.play_paged`), side by side in one process, runs interleaved.
+the paged engine (`envs.play` on either), side by side in one process, runs interleaved.
 
     python benchmarks/engine_multiturn.py                  # CPU: ~25M Qwen3-like, 64 rows
     python benchmarks/engine_multiturn.py --model-path smollm2-135m-instruct  # the real SmolLM2
@@ -156,7 +156,7 @@ def main(argv=None) -> None:
         for n in slot_counts
     }
     players = {"static": (envs.play, static, args.batch // G)}
-    players |= {name: (envs.play_paged, e, len(rows)) for name, e in engines.items()}
+    players |= {name: (envs.play, e, len(rows)) for name, e in engines.items()}
     results = {name: [] for name in players}
     print(
         f"# {device_name()}; {args.model_path or args.preset}; {args.rows} trajectories of "

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts on the paged engine (`envs.play_paged`) against the static turn
+"""Multi-turn rollouts on the paged engine (`envs.play` on a `PagedSampler`) against the static turn
 loop (`envs.play`), the trainer's teacher-forced log-probs, and a 2-step training run."""
 
 import os
@@ -54,7 +54,7 @@ def play(setup, engine, examples=EXAMPLES, G=2, temperature=0.0, params=None, re
     spec = sampling.RolloutSpec(
         G, SETTINGS.turn_tokens, temperature, stop_ids=SETTINGS.end_of_turn_ids
     )
-    player = envs.play if isinstance(engine, sampling.Sampler) else envs.play_paged
+    player = envs.play  # one turn loop: the engine it is given decides
     out, turns = player(
         engine,
         own if params is None else params,
@@ -153,7 +153,7 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup, smal
 
 def test_moe_routes_equal_the_static_turn_loops(setup):
     """A tiny Qwen3-MoE at temperature 0, 4 slots for 6 rows over a pool of 17 pages
-    (parked rows evicted, come back by recompute): `play_paged`'s routes [N, P + T, L, k]
+    (parked rows evicted, come back by recompute): `envs.play`'s routes [N, P + T, L, k]
     equal `envs.play`'s at every real token but each row's last (a prompt's from its
     shared prefill, a sampled token's from the step that feeds it, a turn's last token and
     the observation after it from the prefill that appends them, or a recompute's), and
@@ -245,13 +245,12 @@ def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
 
 @pytest.mark.parametrize("mode", ["overlap", "split"])
 def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_path, monkeypatch):
-    """rollout.engine='paged' with env.name in 'overlap' (the training mesh) and 'split'
-    (4 rollout devices, partial rollouts): the rollout thread plays each step's
-    trajectories on the engine (`envs.play_paged`), within max_staleness 1 (reached while
-    the learner is slow); each row's policy_version is the version the thread started it
-    with, and every sampled token's recorded version is that one (split: that one or a
-    newer one published while it played, up to the step's), -1 on observation tokens and
-    past the end."""
+    """rollout.engine='paged' with env.name in 'overlap' (the training mesh) and 'split' (4 rollout
+    devices, partial rollouts): the rollout thread plays each step's trajectories on the
+    engine (`envs.play` on a `PagedSampler`), within max_staleness 1 (reached while the
+    learner is slow); each row's policy_version is the version the thread started it with,
+    and every sampled token's recorded version is that one (split: that one or a newer one
+    published while it played, up to the step's), -1 on observation tokens and past the end."""
     from test_env_async import env_config
 
     from jaxrl_llm import train

@@ -38,7 +38,6 @@ __all__ = [
     "fit",
     "get",
     "play",
-    "play_paged",
     "register",
     "replicate",
     "resolve",
@@ -53,10 +52,6 @@ def __getattr__(name):
         from jaxrl_llm.envs import loop
 
         return getattr(loop, name)
-    if name == "play_paged":  # the same loop: the engine it is given decides
-        from jaxrl_llm.envs import loop
-
-        return loop.play
     if name == "fit":
         from jaxrl_llm.sampling import engine
 

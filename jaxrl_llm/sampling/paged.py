@@ -42,7 +42,7 @@ finish reasons, prompts at their bucket width, policy version), rows on the mesh
 static sampler's. A row whose prompt has no real token (a dummy row that makes the batch
 divide the mesh) draws nothing (length 0). `sample` and `stream` are single-turn; the
 multi-turn rows of environment rollouts are `paged_turns.TurnSession`'s (a row parks
-between turns, keeping its pages; `envs.play_paged`); all on one process. The host
+between turns, keeping its pages; `envs.play`); all on one process. The host
 scheduling is `paged_schedule.Session`, over a `paged_pool.Pool` record of pages and
 slots changed by plain functions; `stream` keeps one session across training steps
 (the overlap / split rollout source). The device programs this class jits (the pool,
