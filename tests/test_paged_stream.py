@@ -1,6 +1,8 @@
 """The paged engine as a streaming rollout source: a session kept across steps
-(`PagedSampler.stream`, `paged_schedule.Session`) and the trainer's `PagedStream` in
-overlap and split."""
+(`PagedSampler.stream`, `paged_schedule.Session`) and the rollout thread over it
+(`sampling.engine.PagedStream`) in overlap and split."""
+
+import types
 
 import jax
 import numpy as np
@@ -152,7 +154,7 @@ def test_a_swap_records_each_tokens_version(tiny, paged):
 
 
 def test_without_partial_every_row_keeps_its_version(tiny, paged):
-    """`PagedStream` (rollout.partial=False, max_staleness 1) over a stand-in for the
+    """The rollout thread (rollout.partial=False, max_staleness 1) over a stand-in for the
     trainer's `Sampling`, a learner publishing a version per step: step 1, queued with
     step 0 before version 1 exists, is drawn wholly by version 0; every step within the
     bound; all of a row's tokens drawn by the version that started it, with teacher-forced
@@ -160,8 +162,7 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
     import contextlib
     import types
 
-    from jaxrl_llm.rollout.paged_stream import PagedStream
-    from jaxrl_llm.rollout.thread import Handoff
+    from jaxrl_llm.rollout.thread import Handoff, RolloutThread
 
     cfg, p0, p1 = tiny
     spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=12, temperature=0.9)
@@ -184,7 +185,10 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
         data=Data(),
         scorer=lambda out, batch: None,
         guard=contextlib.nullcontext,
-        compile_log=types.SimpleNamespace(program=lambda *a, **k: contextlib.nullcontext()),
+        compile_log=types.SimpleNamespace(
+            program=lambda *a, **k: contextlib.nullcontext(types.SimpleNamespace())
+        ),
+        rounds=1,
     )
     config = types.SimpleNamespace(
         rollout=types.SimpleNamespace(max_staleness=1, partial=False),
@@ -192,7 +196,7 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
     )
     versions = [p0, p1, p0, p1]  # version v: versions[v]
     stream = Handoff(p0, 0, s.data.state())
-    PagedStream(s, config, 0, stream)
+    RolloutThread(s, config, 0, stream)
     items = []
     try:
         for t in range(4):
@@ -236,15 +240,14 @@ def paged_config(model_dir, mode, steps):
 
 
 class Recorder:
-    """Wraps `PagedStream`: its engine, the parameters of every version it was given (on
+    """Wraps `RolloutThread`: its engine, the parameters of every version it was given (on
     the host) and every step's item as the learner takes it."""
 
     def __init__(self, monkeypatch):
-        from jaxrl_llm.rollout.paged_stream import PagedStream
-        from jaxrl_llm.rollout.thread import Handoff
+        from jaxrl_llm.rollout.thread import Handoff, RolloutThread
 
         self.params, self.items = {}, []
-        init, publish, take = PagedStream.__init__, Handoff.publish, Handoff.take
+        init, publish, take = RolloutThread.__init__, Handoff.publish, Handoff.take
 
         def on_init(this, s, config, start, handoff, **kw):
             params, version = handoff.newest()
@@ -260,7 +263,7 @@ class Recorder:
             self.items.append((step, jax.device_get(item.out), item))
             return item
 
-        monkeypatch.setattr(PagedStream, "__init__", on_init)
+        monkeypatch.setattr(RolloutThread, "__init__", on_init)
         monkeypatch.setattr(Handoff, "publish", on_publish)
         monkeypatch.setattr(Handoff, "take", on_take)
 
@@ -375,9 +378,14 @@ def test_overlap_runs_the_stream_one_version_behind(model_dir):
     donates the step's); the config check no longer refuses it."""
     from jaxrl_llm.config import algo_config, checks_rollout
     from jaxrl_llm.rollout.modes import make_source
-    from jaxrl_llm.rollout.paged_stream import PagedStream
+    from jaxrl_llm.rollout.sources import SampledAhead
+    from jaxrl_llm.rollout.thread import Threaded
 
     c = paged_config(model_dir, "overlap", 2)
     checks_rollout.check_engine(c, 1)
-    source = make_source(c, None, algo_config(c))
-    assert source.make_thread is PagedStream and source.max_staleness == 1 and source.copy
+    paged = types.SimpleNamespace(sampler=sampling.PagedSampler(tiny_model_config()))
+    source = make_source(c, paged, algo_config(c))
+    assert type(source) is Threaded and source.max_staleness == 1 and source.copy
+    static = types.SimpleNamespace(sampler=sampling.Sampler(tiny_model_config()))
+    c.rollout.engine = "static"
+    assert type(make_source(c, static, algo_config(c))) is SampledAhead

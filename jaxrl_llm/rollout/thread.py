@@ -9,29 +9,40 @@ rollout source (`sources`) over it.
     handoff.publish(new_params, version=step + 1)
     handoff.close()                           # stops the thread
 
-The thread produces the rollouts of steps start, start + 1, ... in order. Before it draws
-step s's prompts it waits until the newest published parameters have version
-v >= s - max_staleness, samples with them (recording v per row) and scores the batch on
-the host; the learner takes step s's item when it gets there. So the learner's update u
-trains on a batch of version v with u - v <= max_staleness, and max_staleness = 0 is the
-synchronous schedule. At most max_staleness + 1 rollouts wait for the learner.
+Single-turn, the thread body is written once against the engine's 'stream' session
+(`sampling.engine.StepStream`: submit, swap, run_chunk, output). It draws step s's
+prompts and queues them as soon as the parameters the session draws with have a version
+v >= s - max_staleness (and are the newest published); after each `run_chunk` it scores
+the steps whose rows have all ended and hands them over; the learner takes them in data
+order. So the learner's update u trains on rows of version v with u - v <= max_staleness,
+max_staleness = 0 is the synchronous schedule, and at most max_staleness + 1 rollouts
+wait for the learner. Newer parameters published by the learner go in between chunks:
+without `rollout.partial` once no step is in flight (every row is drawn by the version
+that started it); with it at once (the rows in flight draw on with them).
+
+- Static engine (`StaticStream`): a queued step is sampled when the session reaches it,
+  with the newest parameters then (one program, or with `rollout.partial`
+  `partial_chunk` tokens at a time, the KV cache recomputed by newer parameters between
+  chunks, `Sampler.refresh`); `token_versions` [T] gives each completion column's version
+  (every row's column j was drawn by the same parameters).
+- Paged engine (`PagedStream`): one engine session across steps; step s + 1's rows take
+  the slots step s's short rows leave while its long rows still decode. A swap with
+  partial rollouts preempts the rows in flight (recomputed by the new parameters).
+  `token_versions` [N, T] gives the version that drew each token (-1 past the row's end).
+
+A row's `policy_version` is the version that started it, the step's version the oldest
+of its rows.
 
 Data position: `consumed` is the data iterator's position after the last batch the learner
 took, what a checkpoint stores; batches sampled but not taken are drawn again on resume.
 An exception in the thread reaches the learner at its next `take`.
 
-Partial rollouts (`rollout.partial`): the thread decodes `partial_chunk` tokens at a
-time; when newer parameters were published in between it recomputes the rollout's KV
-cache with them (`Sampler.refresh`) and decodes on with them. A row's `policy_version` is
-the version that started it; `token_versions` [T] gives the version of each completion
-column (every row's column j was drawn by the same parameters).
-
-Multi-turn (`player`: an `EnvRollout`): the thread plays step s's trajectories to the end
-with the parameters it started them with; with `rollout.partial`, before each turn after
-the first it switches to the newest published parameters (the KV cache recomputed by
+Multi-turn (`player`: an `EnvRollout`) has its own loop: before it draws step s's prompts
+it waits until the newest published parameters have version v >= s - max_staleness and
+plays step s's trajectories to the end with them; with `rollout.partial`, before each turn
+after the first it switches to the newest published parameters (the KV cache recomputed by
 them, `envs.play`; on the paged engine between decode chunks, and so the gateway's
-`sampling.serve`).
-`token_versions` is then [N, T]: the version that drew each
+`sampling.serve`). `token_versions` is then [N, T]: the version that drew each
 completion token, -1 on observation tokens. 'overlap' with environments is this thread
 with a bound of 1 on the training mesh: step s + 1's trajectories are played while step
 s's reference and update run.
@@ -47,7 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.rollout.sources import Rollout, Sampling, bucket
+from jaxrl_llm.rollout.sources import Rollout, Sampling
+from jaxrl_llm.sampling.engine import open_session
 
 
 @dataclasses.dataclass
@@ -143,8 +155,9 @@ class Handoff:
 class RolloutThread:
     """Samples and scores steps start, start + 1, ... with `s` (a `sources.Sampling` on
     the rollout mesh), within the staleness bound of `config.rollout` (or
-    `max_staleness`); with a `player` (an `EnvRollout`) it plays multi-turn trajectories.
-    It runs on the `Handoff` it is given, from which the learner takes its steps."""
+    `max_staleness`), on a 'stream' session of its engine (`sampling.open_session`); with
+    a `player` (an `EnvRollout`) it plays multi-turn trajectories instead. It runs on the
+    `Handoff` it is given, from which the learner takes its steps."""
 
     def __init__(
         self,
@@ -159,12 +172,75 @@ class RolloutThread:
         r = config.rollout
         self.s, self.num_steps, self.player = s, config.train.num_steps, player
         self.max_staleness = r.max_staleness if max_staleness is None else max_staleness
+        self.partial = bool(r.partial)
         self.partial_chunk = r.partial_chunk if r.partial else 0
+        self.stats: dict = {}  # the stream session's counters, after each chunk
         self.handoff = handoff
-        handoff.start(s, self._run, start)
+        handoff.start(s, self._play if player is not None else self._stream, start)
 
-    def _run(self, start: int) -> None:
-        """Produces steps start, start + 1, ... in order, each within the bound."""
+    def _stream(self, start: int) -> None:
+        """Queues steps start, start + 1, ... on one stream session as the bound allows
+        and hands each over, scored, as its rows end (module docstring)."""
+        s = self.s
+        session, pending = None, {}  # step -> (batch, position, queued at, waited)
+        step, waited = start, time.perf_counter()
+        while True:
+            got = self.handoff.wait(lambda v: True)
+            if got is None:
+                return
+            params, version = got
+            if session is None:
+                session = open_session(
+                    s.sampler, "stream", params, version, s.spec, chunk=self.partial_chunk
+                )
+            if version != session.version and (self.partial or not session.in_flight):
+                session.swap(params, version)
+            # Queue the steps the bound allows (without partial, none on parameters older
+            # than the newest: they wait for the swap).
+            while (
+                step < self.num_steps
+                and session.version >= step - self.max_staleness
+                and session.version == version
+            ):
+                batch = next(s.data)
+                position = s.data.state()
+                session.submit(step, batch.prompt_ids, batch.prompt_mask, step * s.rounds)
+                now = time.perf_counter()
+                pending[step] = (batch, position, now, now - waited)
+                step, waited = step + 1, now
+            if session.busy:
+                with s.compile_log.program("sampler", runs=True) as compiled:
+                    finished = session.run_chunk()
+                    compiled.detail = session.detail
+                for done in finished:
+                    self._hand_over(session, done, *pending.pop(done))
+                self.stats = dict(session.stats)
+                continue
+            self.handoff.wait(lambda v, was=version: v != was)  # idle: newer parameters
+
+    def _hand_over(self, session, step: int, batch, position, start, wait_s) -> None:
+        out, token_versions = session.output(step)
+        jax.block_until_ready(out.tokens)
+        sampled = time.perf_counter()
+        scored = self.s.scorer(out, batch)
+        self.handoff.put(
+            Item(
+                step=step,
+                batch=batch,
+                out=out,
+                scored=scored,
+                version=int(np.min(np.asarray(out.policy_version))),
+                position=position,
+                wait_s=wait_s,
+                sample_s=sampled - start,
+                score_s=time.perf_counter() - sampled,
+                token_versions=token_versions,
+            )
+        )
+
+    def _play(self, start: int) -> None:
+        """Plays steps start, start + 1, ... in order, each with the newest parameters
+        once they are within the bound."""
         for step in range(start, self.num_steps):
             waited = time.perf_counter()
             got = self.handoff.wait(lambda v, s=step: v >= s - self.max_staleness)
@@ -176,23 +252,13 @@ class RolloutThread:
         batch = next(self.s.data)
         position = self.s.data.state()
         start = time.perf_counter()
-        if self.player is not None:  # multi-turn: the environments score as they play
-            with self.s.compile_log.program("sampler", "multi-turn", runs=True):
-                refresh = self.handoff.newest if self.partial_chunk else None
-                out, scored, columns = self.player(
-                    params, batch, step, version=version, refresh=refresh
-                )
-            jax.block_until_ready(out.tokens)
-            sampled = time.perf_counter()
-        elif self.partial_chunk:
-            out, columns = self._partial(batch, step, params, version)
-        else:
-            out = self.s.sample(params, batch, step, version=version)
-            columns = np.full(self.s.spec.max_new_tokens, version)
-        if self.player is None:
-            jax.block_until_ready(out.tokens)
-            sampled = time.perf_counter()
-            scored = self.s.scorer(out, batch)
+        with self.s.compile_log.program("sampler", "multi-turn", runs=True):
+            refresh = self.handoff.newest if self.partial_chunk else None
+            out, scored, columns = self.player(
+                params, batch, step, version=version, refresh=refresh
+            )
+        jax.block_until_ready(out.tokens)
+        sampled = time.perf_counter()
         item = Item(
             step=step,
             batch=batch,
@@ -207,29 +273,6 @@ class RolloutThread:
         )
         self.handoff.put(item)
 
-    def _partial(self, batch, step: int, params, version: int):
-        """The rollout decoded partial_chunk tokens at a time, switching to the newest
-        parameters between chunks -> (output, version of each column)."""
-        sampler, spec, log = self.s.sampler, self.s.spec, self.s.compile_log
-        T, chunk = spec.max_new_tokens, self.partial_chunk
-        columns = np.full(T, version)
-        state = sampler.start(
-            params, batch.prompt_ids, batch.prompt_mask, spec, step, version=version
-        )
-        for first in range(0, T, chunk):
-            newest, newest_version = self.handoff.newest()
-            # Each chunk's cache width is a program of its own, compiled at first use (at
-            # most MAX_PARTIAL_CHUNKS of them, `config.checks_rollout`): each says so in a line.
-            detail = f"{bucket(state)}, partial tokens {first}-{min(first + chunk, T)}"
-            with log.program("sampler", detail, runs=True):
-                if newest_version != version and first:
-                    if bool(jax.device_get(state.done).all()):
-                        break  # every row has stopped: nothing left to draw
-                    state, params, version = sampler.refresh(newest, state), newest, newest_version
-                columns[first:] = version
-                state = sampler.decode(params, state, min(chunk, T - first))
-        return sampler.result(state), columns
-
 
 class Threaded:
     """rollout.mode='split' as a rollout source: the thread starts at the first step with
@@ -237,11 +280,10 @@ class Threaded:
     step publishes the parameters it is given before it takes its rollout, which moves to
     the training mesh.
 
-    `thread` names the thread's class: `RolloutThread`, or `paged_stream.PagedStream`
-    (the paged engine's session across steps). With a `player` (multi-turn), or a
-    `PagedStream`, it also serves 'overlap' (`max_staleness=1`, one mesh):
-    the thread then gets a copy of the parameters (`copy=True`), since the update donates
-    the ones the step holds while the thread still plays with them."""
+    With a `player` (multi-turn), or an engine that does not dispatch ahead (the paged
+    one), it also serves 'overlap' (`max_staleness=1`, one mesh): the thread then gets a
+    copy of the parameters (`copy=True`), since the update donates the ones the step
+    holds while the thread still samples with them."""
 
     def __init__(
         self,
@@ -251,18 +293,16 @@ class Threaded:
         player=None,
         max_staleness: int | None = None,
         copy: bool = False,
-        thread=None,
     ):
         self.s, self.config, self.handoff = s, config, None
         self.player, self.max_staleness, self.copy = player, max_staleness, copy
-        self.make_thread = thread or RolloutThread  # or `paged_stream.PagedStream`
 
     def next(self, step: int, params, clock) -> Rollout:
         if self.copy:
             params = jax.tree.map(jnp.copy, params)
         if self.handoff is None:
             self.handoff = Handoff(params, step, self.s.data.state())
-            self.make_thread(
+            RolloutThread(
                 self.s,
                 self.config,
                 step,

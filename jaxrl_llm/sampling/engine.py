@@ -27,6 +27,23 @@ the engine's class: a new engine is its session classes and one entry).
 - `PagedTurns`: the paged engine's `TurnSession`: a row whose turn ends leaves its slot
   and another takes it; a row is refused when its own prompt, completion, observation and
   next turn would pass the model's positions. Single process.
+
+A 'stream' session (`StepStream`) holds single-turn rollouts of training steps, queued
+across steps; the rollout thread (`rollout.thread`) is written once against it:
+
+    stream = open_session(engine, "stream", params, version, spec, chunk=0)
+    stream.submit(step, prompt_ids, prompt_mask, key)    # step's prompts, G rows each
+    stream.swap(params, version)        # newer parameters (the caller says when)
+    for step in stream.run_chunk():     # steps whose rows all ended
+        out, token_versions = stream.output(step)
+
+- `StaticStream`: the static `Sampler`; run_chunk samples the oldest queued step with
+  the parameters current then (`Sampler.sample`, key `key`), or with chunk > 0 decodes it
+  chunk tokens at a time, a swap recomputing its cache before the next chunk
+  (`Sampler.refresh`). token_versions [T]: every row's column j was drawn by one version.
+- `PagedStream`: the paged engine's `paged_schedule.Session` (`PagedSampler.stream`):
+  the queued steps' rows share the slots; a swap preempts the rows in flight, which draw
+  on with the new parameters. token_versions [N, T] (-1 past a row's end).
 """
 
 from __future__ import annotations
@@ -72,9 +89,28 @@ class TurnRows(Protocol):
     def output(self, final_turn) -> SampleOutput: ...  # [n, total_tokens] on the row sharding
 
 
+class StepStream(Protocol):
+    """Single-turn rollouts of training steps on an engine (the module docstring)."""
+
+    version: int  # the parameters' version the next draws use
+    stats: dict  # the session's counters
+    busy: bool  # run_chunk has a step to sample or decode
+    in_flight: bool  # a step has started and not finished (a swap changes its rows)
+    detail: str  # how compile lines name what the last run_chunk ran
+
+    def submit(self, step: int, prompt_ids, prompt_mask, key: int) -> None: ...
+
+    def swap(self, params, version: int) -> None: ...
+
+    def run_chunk(self) -> list: ...  # -> steps whose rows all ended
+
+    def output(self, step: int) -> tuple: ...  # -> (SampleOutput, token_versions)
+
+
 def open_session(engine, kind: str, *args, **kwargs):
     """A session of `kind` on `engine`: 'turns', a `TurnRows` (`StaticTurns` /
-    `PagedTurns`: the rows of a batch of prompts, G each), or 'requests' (`serve`:
+    `PagedTurns`: the rows of a batch of prompts, G each), 'stream', a `StepStream`
+    (`StaticStream` / `PagedStream`: training steps' rollouts), or 'requests' (`serve`:
     conversations asked one request at a time); of the class `SESSIONS` names for the
     engine's class, args as that class takes them."""
     for cls in type(engine).__mro__:
@@ -298,8 +334,117 @@ class PagedTurns:
         return jax.tree.map(lambda x: jax.device_put(x, e.row_sharding), out)
 
 
+class StaticStream:
+    """`StepStream` on the static `Sampler` (the module docstring): a queued step is
+    sampled only when run_chunk reaches it, with the parameters current then, and its
+    rows report the version that started them. chunk: 0, each step in one program;
+    else partial rollouts, chunk tokens per run_chunk, newer parameters swapped in
+    between chunks (the cache recomputed by them) unless every row has stopped."""
+
+    def __init__(self, sampler, params, version: int, spec, *, chunk: int = 0):
+        self.sampler, self.params, self.version, self.spec = sampler, params, version, spec
+        self.chunk, self.detail = chunk, ""
+        self.queued: dict = {}  # step -> (prompt_ids, prompt_mask, key), in order
+        self.running = None  # [step, state, columns, first column of the next chunk]
+        self.newer = None  # (params, version) swapped in while a step runs
+        self.finished: dict = {}  # step -> (output, token_versions)
+        self.stats = {"decode_chunks": 0, "swaps": 0}
+
+    busy = property(lambda self: bool(self.queued or self.running))
+    in_flight = property(lambda self: self.running is not None)
+
+    def submit(self, step: int, prompt_ids, prompt_mask, key: int) -> None:
+        self.queued[step] = (prompt_ids, prompt_mask, key)
+
+    def swap(self, params, version: int) -> None:
+        """Samples on with `params`: from the next step, or (a step running) from its
+        next chunk."""
+        if self.running is None:
+            self.params, self.version = params, version
+        else:
+            self.newer, self.version = (params, version), version
+
+    def output(self, step: int) -> tuple:
+        return self.finished.pop(step)
+
+    def run_chunk(self) -> list:
+        sampler, spec, T = self.sampler, self.spec, self.spec.max_new_tokens
+        self.stats["decode_chunks"] += 1
+        if self.running is None:
+            step = next(iter(self.queued))
+            ids, mask, key = self.queued.pop(step)
+            if not self.chunk:
+                out = sampler.sample(self.params, ids, mask, spec, key, version=self.version)
+                self.detail = f"bucket {out.prompt_tokens.shape[1]}"
+                self.finished[step] = (out, np.full(T, self.version))
+                return [step]
+            state = sampler.start(self.params, ids, mask, spec, key, version=self.version)
+            self.running = [step, state, np.full(T, self.version), 0]
+        step, state, columns, first = self.running
+        self.detail = (
+            f"bucket {state.prompt_tokens.shape[1]}, "
+            f"partial tokens {first}-{min(first + self.chunk, T)}"
+        )
+        if self.newer is not None:  # first > 0: a swap while nothing runs is at once
+            if bool(jax.device_get(state.done).all()):
+                return self._finish()  # every row has stopped: nothing left to draw
+            state = sampler.refresh(self.newer[0], state)
+            self.params, self.newer = self.newer[0], None
+            self.stats["swaps"] += 1
+        columns[first:] = self.version
+        self.running[1] = sampler.decode(self.params, state, min(self.chunk, T - first))
+        self.running[3] = first + self.chunk
+        return self._finish() if first + self.chunk >= T else []
+
+    def _finish(self) -> list:
+        step, state, columns, _ = self.running
+        self.finished[step], self.running = (self.sampler.result(state), columns), None
+        if self.newer is not None:
+            self.params, self.newer = self.newer[0], None
+        return [step]
+
+
+class PagedStream:
+    """`StepStream` on the paged engine (the module docstring): its `paged_schedule.Session`,
+    opened at the first submit for that step's rows and bucket; step s's rows draw with
+    key_base key * rows (`PagedSampler.stream`). chunk: unused (the engine's own
+    `chunk_steps`; a swap between them)."""
+
+    detail = "paged stream"
+
+    def __init__(self, engine, params, version: int, spec, *, chunk: int = 0):
+        self.engine, self.params, self.first_version, self.spec = engine, params, version, spec
+        self.session = None
+
+    version = property(lambda self: self.session.version if self.session else self.first_version)
+    stats = property(lambda self: self.session.stats if self.session else {})
+    busy = property(lambda self: bool(self.session and self.session.busy))
+    in_flight = property(lambda self: bool(self.session and self.session.in_flight))
+
+    def submit(self, step: int, prompt_ids, prompt_mask, key: int) -> None:
+        ids, mask = self.engine.bucketed(prompt_ids, prompt_mask)
+        rows, T = ids.shape[0] * self.spec.num_generations, self.spec.max_new_tokens
+        if self.session is None:
+            self.session = self.engine.stream(
+                self.params, self.version, self.spec, width=ids.shape[1], rows=rows
+            )
+        self.session.submit(step, ids, mask, np.full(rows, T, np.int64), key_base=key * rows)
+
+    def swap(self, params, version: int) -> None:
+        if self.session is None:
+            self.params, self.first_version = params, version
+        else:
+            self.session.swap(params, version)
+
+    def run_chunk(self) -> list:
+        return self.session.run_chunk()
+
+    def output(self, step: int) -> tuple:
+        return self.session.output(step)
+
+
 # The session classes of each engine class (`open_session`).
 SESSIONS = {
-    Sampler: {"turns": StaticTurns, "requests": StaticRequests},
-    PagedSampler: {"turns": PagedTurns, "requests": PagedRequests},
+    Sampler: {"turns": StaticTurns, "stream": StaticStream, "requests": StaticRequests},
+    PagedSampler: {"turns": PagedTurns, "stream": PagedStream, "requests": PagedRequests},
 }

@@ -108,6 +108,10 @@ class PagedSampler:
     `decode` (the jitted programs, `programs`), `decode_slots`, `weights`, `pool`, `put`.
     """
 
+    # The host schedules between decode chunks until a rollout is done: one sampled
+    # ahead needs a thread to run beside the step (`rollout.thread`).
+    dispatches_ahead = False
+
     def __init__(
         self,
         model_cfg,

@@ -91,6 +91,10 @@ class Sampler:
     for `decode` and `append` the state's bound on cache slots they start from.
     """
 
+    # `sample` returns once its one program is dispatched: a rollout sampled ahead
+    # (rollout.mode='overlap', `rollout.sources.SampledAhead`) runs while the host goes on.
+    dispatches_ahead = True
+
     def __init__(
         self,
         model_cfg,
