@@ -324,3 +324,49 @@ def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkey
     lines = [x for x in lines if not x.endswith("...")]  # announced while compiling
     chunks = {x.split("partial tokens ")[1].split(")")[0] for x in lines}
     assert 1 <= len(chunks) <= 6 and all(x.endswith(" s") for x in lines), lines
+
+
+def test_static_stream_is_the_samplers_own_calls():
+    """The static engine's stream session (`sampling.engine.StaticStream`) draws what the
+    sampler's own calls draw: a step in one program is `Sampler.sample(step)`; partial,
+    with newer parameters swapped in after chunk k, it is start, decode per chunk and
+    `Sampler.refresh` before chunk k + 1, each column recording its version."""
+    from tiny_run import tiny_model_config
+
+    from jaxrl_llm import models
+    from jaxrl_llm.sampling.engine import open_session
+
+    cfg = tiny_model_config(max_position_embeddings=512)
+    p0, p1 = models.init_params(cfg, seed=3), models.init_params(cfg, seed=4)
+    sampler = sampling.Sampler(cfg, seed=7)
+    spec = sampling.RolloutSpec(num_generations=3, max_new_tokens=12, temperature=0.9)
+    ids, mask = sampling.pad_prompts([[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [11], [4]], 0)
+
+    def streamed(chunk, swap_after):
+        stream = open_session(sampler, "stream", p0, 0, spec, chunk=chunk)
+        stream.submit(5, ids, mask, 5)
+        for i in range(spec.max_new_tokens):
+            if i == swap_after:
+                stream.swap(p1, 1)
+            if stream.run_chunk() == [5]:
+                return jax.device_get(stream.output(5))
+        raise AssertionError("the step never finished")
+
+    def same(a, b):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(jax.device_get(b)), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    out, columns = streamed(0, 99)
+    same(out, sampler.sample(p0, ids, mask, spec, 5))
+    assert (columns == 0).all()
+    for chunk, swap_after in ((4, 1), (5, 2)):
+        state, params = sampler.start(p0, ids, mask, spec, 5), p0
+        for i, first in enumerate(range(0, spec.max_new_tokens, chunk)):
+            if i == swap_after:
+                state, params = sampler.refresh(p1, state), p1
+            state = sampler.decode(params, state, min(chunk, spec.max_new_tokens - first))
+        out, columns = streamed(chunk, swap_after)
+        same(out, sampler.result(state))
+        want = np.arange(spec.max_new_tokens) >= swap_after * chunk
+        np.testing.assert_array_equal(columns, want.astype(int))
+        assert out.policy_version.tolist() == [0] * 12
