@@ -90,7 +90,7 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 
 def check_engine(config, process_count: int) -> None:
     """rollout.engine and, for 'paged', its settings and what it does not combine with yet
-    (every rollout.mode is served: `rollout.paged_stream` in overlap and split;
+    (every rollout.mode is served: the rollout thread's stream session in overlap and split;
     environments and the gateway in every mode: `envs.play`, `sampling.serve`,
     played by the rollout thread outside sync, partial rollouts included)."""
     r = config.rollout

@@ -3,9 +3,10 @@ and the step (`trainer.run`).
 
 - `sources`: the rollout sources by schedule (`Sampled`: now; `SampledAhead`: overlap;
   `Refilled`: DAPO's dynamic sampling), the sampler factory (`make_sampler`) and the
-  `Sampling` bundle they share; `thread`: the rollout thread and its `Handoff` with the
-  learner (split, and overlap with players); `paged_stream`: the paged engine's session
-  across steps; `modes`: the config -> its source, the one place that picks.
+  `Sampling` bundle they share; `thread`: the rollout thread (over the engine's 'stream'
+  session, `sampling.engine`) and its `Handoff` with the learner (split, and overlap with
+  players or the paged engine); `modes`: the config -> its source, the one place that
+  picks.
 - Players by content: `played` (multi-turn environments, `EnvRollout`), `agents` (agents
   through the OpenAI-compatible gateway, `AgentRollout`).
 - `scoring`: completion ids -> text -> verifier rewards on the host; `evaluation`:

@@ -17,8 +17,8 @@
 (`Threaded` is in thread.py, `Played` in played.py; the bound is
 `rollout.max_staleness`.) Every source samples with the engine `make_sampler` builds:
 `rollout.engine` static (`sampling.Sampler`) or paged (`sampling.PagedSampler`); with the
-paged engine, overlap and split are `Threaded` over `paged_stream.PagedStream`, one engine
-session across steps.
+paged engine, overlap too is `Threaded` (one engine session across steps: its `sample`
+does not dispatch ahead).
 
 `next(step, params, clock)` gets the current policy parameters as the sampler reads them
 (version `step`: `step` updates applied) and the step's `perf.PhaseClock`; it returns the
