@@ -180,10 +180,12 @@ class RolloutThread:
 
     def _stream(self, start: int) -> None:
         """Queues steps start, start + 1, ... on one stream session as the bound allows
-        and hands each over, scored, as its rows end (module docstring)."""
+        and hands each over, scored, as its rows end (module docstring). A step's wait_s is
+        the time the thread sat idle for parameters before queueing it; its sample_s runs
+        from its queueing or the previous hand-over, whichever is later, to its end."""
         s = self.s
         session, pending = None, {}  # step -> (batch, position, queued at, waited)
-        step, waited = start, time.perf_counter()
+        step, idle, handed = start, 0.0, 0.0
         while True:
             got = self.handoff.wait(lambda v: True)
             if got is None:
@@ -205,18 +207,22 @@ class RolloutThread:
                 batch = next(s.data)
                 position = s.data.state()
                 session.submit(step, batch.prompt_ids, batch.prompt_mask, step * s.rounds)
-                now = time.perf_counter()
-                pending[step] = (batch, position, now, now - waited)
-                step, waited = step + 1, now
+                pending[step] = (batch, position, time.perf_counter(), idle)
+                step, idle = step + 1, 0.0
             if session.busy:
                 with s.compile_log.program("sampler", runs=True) as compiled:
                     finished = session.run_chunk()
                     compiled.detail = session.detail
                 for done in finished:
-                    self._hand_over(session, done, *pending.pop(done))
+                    batch, position, queued, waited = pending.pop(done)
+                    start = max(queued, handed)
+                    self._hand_over(session, done, batch, position, start, waited)
+                    handed = time.perf_counter()
                 self.stats = dict(session.stats)
                 continue
+            began = time.perf_counter()
             self.handoff.wait(lambda v, was=version: v != was)  # idle: newer parameters
+            idle += time.perf_counter() - began
 
     def _hand_over(self, session, step: int, batch, position, start, wait_s) -> None:
         out, token_versions = session.output(step)
