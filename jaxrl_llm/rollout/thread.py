@@ -215,8 +215,8 @@ class RolloutThread:
                     compiled.detail = session.detail
                 for done in finished:
                     batch, position, queued, waited = pending.pop(done)
-                    start = max(queued, handed)
-                    self._hand_over(session, done, batch, position, start, waited)
+                    since = max(queued, handed)
+                    self._hand_over(session, done, batch, position, since, waited)
                     handed = time.perf_counter()
                 self.stats = dict(session.stats)
                 continue
