@@ -302,9 +302,7 @@ def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkey
     monkeypatch.setattr(sampling.Sampler, "decode", slow_decode)
     c = split_config(model_dir, steps=5, max_staleness=1)
     c.rollout.partial, c.rollout.partial_chunk = True, 1
-    # Compiled, not loaded: here the rollout thread compiles each chunk while the compile
-    # pool builds the step, and twice in the full suite XLA:CPU aborted the process while
-    # the pool loaded a program from the session's cache (docs/performance.md).
+    # Compiled, not loaded from the session's cache: the chunk compiles count below.
     c.train.compilation_cache_dir = ""
     session_cache = jax.config.jax_compilation_cache_dir
     try:
