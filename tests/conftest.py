@@ -41,6 +41,23 @@ def _session_compilation_cache():
     yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test module, jax's caches let go of its compiled programs. An XLA:CPU
+    executable maps each compiled kernel's code and data as pages of their own (a file of
+    sampler tests leaves ~20,000 mappings); kept for a worker's whole life, they reach the
+    kernel's limit of 65,530 mappings (`vm.max_map_count`) and the next compile or
+    serialization fails inside XLA, which crashed the worker. The next module loads what it
+    shares from the session's persistent cache."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ[_SESSION_CACHE], ignore_errors=True)

@@ -210,11 +210,6 @@ class RolloutThread:
                 pending[step] = (batch, position, time.perf_counter(), idle)
                 step, idle = step + 1, 0.0
             if session.busy:
-                if self.partial_chunk and jax.default_backend() == "cpu":
-                    # Each chunk's program compiles here at first use; XLA:CPU crashed
-                    # (abort, segfault) compiling it beside the start-up builds in
-                    # flight, so on the CPU they finish first (docs/performance.md).
-                    s.compile_log.wait_started()
                 with s.compile_log.program("sampler", runs=True) as compiled:
                     finished = session.run_chunk()
                     compiled.detail = session.detail

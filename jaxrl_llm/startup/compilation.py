@@ -247,14 +247,6 @@ class CompileLog:
             except concurrent.futures.CancelledError:  # dropped unbuilt: jit compiles
                 pass
 
-    def wait_started(self) -> None:
-        """Waits for the builds ahead of time that are not deferred (or whose deferral
-        ended), leaving deferred ones deferred; their errors are raised where they are
-        called, not here."""
-        with self._lock:
-            builds = [b for b in self._builds if b.start is None or b.start.is_set()]
-        concurrent.futures.wait([b.future for b in builds])
-
     def start_deferred(self) -> None:
         """Starts the deferred builds (`build(..., deferred=True)`): the first step is done."""
         for build in self._builds:
