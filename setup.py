@@ -68,6 +68,11 @@ setup(
             "reasoning-gym==0.1.25",
             "textarena==0.7.4",
             "verifiers==0.4.0",
+            # XLA:TPU without a TPU: tests/test_tpu_compile.py compiles a tiny step for v5e
+            # chips (`--compile_for`); jax's tpu extra brings the libtpu of the jax
+            # installed. On a machine without TPU chips the command lines keep jax on the
+            # CPU (`tpu.chips`) and the tests set JAX_PLATFORMS=cpu (conftest.py).
+            "jax[tpu]",
         ],
         # data.name=reasoning_gym/<task>, env.name=textarena/<game id>,
         # agent.entry=verifiers:<taskset>.

@@ -70,6 +70,7 @@ from jaxrl_llm.sampling.paged_programs import (
     ATTENTION,
     Pages,
     Slots,
+    ahead_of_time,
     decode_chunk,
     init_pages,
     prefill_chunk,
@@ -105,7 +106,7 @@ class PagedSampler:
     chunks, prefills, preemptions, peak pages in use).
 
     What the sessions (`paged_pool`, `paged_schedule`, `paged_turns`) call: `prefill` and
-    `decode` (the jitted programs, `programs`), `decode_slots`, `weights`, `pool`, `put`.
+    `decode` (the jitted programs), `decode_slots`, `weights`, `pool`, `put`.
     """
 
     # The host schedules between decode chunks until a rollout is done: one sampled
@@ -157,13 +158,14 @@ class PagedSampler:
         self._init_pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3, 4), out_shardings=where)
 
     # ----------------------------------------------------------- Sampler's interface
-    @property
-    def programs(self) -> dict:
-        """The engine's jitted device programs: 'decode' (weights, pages, slots,
-        prompt_logits, seed_step, stops; steps=, spec= static) and 'prefill' (weights,
-        pages, prompt_logits, index, tokens, mask, table, start, length); for compiling
-        them ahead of a run (`jaxrl_llm.tpu.compile_for`)."""
-        return {"decode": self.decode, "prefill": self.prefill}
+    def device_programs(self, params, prompt_ids, prompt_mask, spec) -> list:
+        """[(name, jitted program, args, kwargs)] a rollout of these prompts runs, with
+        abstract arguments, for compiling ahead of a run (`jaxrl_llm.tpu.compile_for`):
+        `sample_program` (the output's shapes), the decode chunk and the prefill chunk
+        (`paged_programs.ahead_of_time`)."""
+        (prompts, width), rows = prompt_ids.shape, prompt_ids.shape[0] * spec.num_generations
+        own = ahead_of_time(self, params, rows, prompts, width, spec)
+        return [("sampler", *self.sample_program(params, prompt_ids, prompt_mask, spec))] + own
 
     @property
     def row_sharding(self):
@@ -175,7 +177,9 @@ class PagedSampler:
     def sample_program(self, params, prompt_ids, prompt_mask, spec, step=0, *, seed=None):
         """A program of `sample`'s output shapes (start-up compiles what reads the rollout
         ahead from it; the engine's own programs compile at its first call)."""
-        ids, mask = self.bucketed(prompt_ids, prompt_mask)
+        ids = prompt_ids  # abstract prompts (compiling ahead) are at their bucket already
+        if not isinstance(ids, jax.ShapeDtypeStruct):
+            ids, _ = self.bucketed(prompt_ids, prompt_mask)
         N, width, T = ids.shape[0] * spec.num_generations, ids.shape[1], spec.max_new_tokens
         G = spec.num_generations
         rows = {} if self.mesh is None else {"out_shardings": self.row_sharding}

@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
 from jaxrl_llm.sampling.paged_pool import NULL_PAGE
@@ -287,3 +289,47 @@ def prefill_chunk(
     if own is not None:
         own = jnp.where(mask[:, :, None, None], own.astype(models.ROUTE_DTYPE), -1)
     return pages, prompt_logits.at[index].set(logits), own
+
+
+def ahead_of_time(engine, params, rows: int, prompts: int, width: int, spec) -> list:
+    """`engine`'s (a `paged.PagedSampler`) decode chunk (every slot, the full page table)
+    and prefill chunk (one per prompt) with abstract arguments at the sizes a session
+    picks for `prompts` prompts of `width` tokens giving `rows` rows, its state replicated
+    on the mesh as the engine puts it: [(name, jitted program, args, kwargs)] for
+    compiling ahead of a run (`jaxrl_llm.tpu.compile_for`)."""
+    cfg, T = engine.cfg, spec.max_new_tokens
+    S, PS, C = engine.slots or rows, engine.page_size, engine.prefill_chunk
+    pages = engine.pages or 1 + -(-rows * (width + T) // PS)
+    M = -(-(-(-(width + T) // C) * C + C) // PS)  # page-table columns (`paged_pool.fit`)
+    everywhere = NamedSharding(engine.mesh, P())
+
+    def a(shape, dt=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=everywhere)
+
+    dtype = jax.tree.leaves(params)[0].dtype
+    pool = jax.tree.map(
+        lambda x: a(x.shape, x.dtype), engine.pool(cfg, pages, PS, dtype, shapes=True)
+    )
+    routes = None
+    if cfg.moe:
+        routes = a((S, T, cfg.num_layers, cfg.num_experts_per_tok), models.ROUTE_DTYPE)
+    ints = {k: a((S,)) for k in ("start", "length", "cap", "last", "n", "budget", "row", "prompt")}
+    flags = {k: a((S,), bool) for k in ("fresh", "live", "stopped")}
+    slots = Slots(
+        table=a((S, M)),
+        tokens=a((S, T)),
+        logprobs=a((S, T), jnp.float32),
+        routes=routes,
+        **ints,
+        **flags,
+    )
+    logits = a((min(prompts, S + 1) + 1, cfg.vocab_size), jnp.float32)
+    weights = (params, None)  # an unrolled model's layers are then sliced in the program
+    decode_args = (weights, pool, slots, logits, a((2,), jnp.uint32), a((1,)))
+    b = 1 << (prompts - 1).bit_length()
+    prefill_args = (weights, pool, logits, a((b,)), a((b, C)), a((b, C), bool), a((b, M)))
+    prefill_args += (a((b,)), a((b,)))
+    return [
+        ("paged decode", engine.decode, decode_args, dict(steps=engine.chunk_steps, spec=spec)),
+        ("paged prefill", engine.prefill, prefill_args, {}),
+    ]

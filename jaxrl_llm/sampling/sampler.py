@@ -166,6 +166,11 @@ class Sampler:
         ids, mask, seed_index = self._inputs(prompt_ids, prompt_mask, spec, step, 0, seed)
         return self._sample, (params, ids, mask, seed_index), {"spec": spec}
 
+    def device_programs(self, params, prompt_ids, prompt_mask, spec: RolloutSpec) -> list:
+        """[(name, jitted program, args, kwargs)] a rollout of these prompts runs, for
+        compiling ahead of a run (`jaxrl_llm.tpu.compile_for`): the one `sample` program."""
+        return [("sampler", *self.sample_program(params, prompt_ids, prompt_mask, spec))]
+
     @property
     def row_sharding(self):
         """The sharding of `sample`'s outputs: rows over ('data', 'fsdp') (None: no mesh)."""

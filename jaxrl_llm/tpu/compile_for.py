@@ -2,8 +2,8 @@
 
     python -m jaxrl_llm.train --config=configs/<experiment>.py --compile_for=v6e:2x4
 
-Builds the programs one RL step executes, with the trainer's own builders (the sampler of
-`rollout.engine`'s static path, `trainer.run.make_reference`, `trainer.run.make_update`)
+Builds the programs one RL step executes, with the trainer's own builders (the rollout
+engine's `device_programs`, `trainer.run.make_reference`, `trainer.run.make_update`)
 and the config's shapes (the model's config.json, the largest prompt bucket, the full
 completion budget), on the config's mesh over the topology's chips
 (`tpu.chips.topology_devices`), from abstract arrays (`jax.ShapeDtypeStruct` with the run's
@@ -131,6 +131,7 @@ def compile_config(raw, topology: str, out=sys.stdout, only=None) -> Report:
 def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
     """Sampler, reference, update: compiled in the order the step runs them."""
     from jaxrl_llm import rl, sampling
+    from jaxrl_llm.rollout.sources import make_sampler
     from jaxrl_llm.startup.compilation import shaped
     from jaxrl_llm.trainer import perf
     from jaxrl_llm.trainer.run import make_reference, make_update
@@ -149,24 +150,15 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
         stop_ids=(0,),
     )
     params = abstract_params(cfg, mesh, c.model.dtype)
-    sampler = sampling.Sampler(
-        cfg,
-        rollout_mesh,
-        cache_segments=r.cache_segments,
-        seed=c.train.seed,
-        bucket_steps=r.bucket_steps or 2,
-    )
+    engine = make_sampler(c, cfg, rollout_mesh, pad_id=0)  # rollout.engine's
     rows = parallel.batch_sharding(rollout_mesh, 2)
     ids = jax.ShapeDtypeStruct((B, width), jnp.int32, sharding=rows)
     mask = jax.ShapeDtypeStruct((B, width), jnp.bool_, sharding=rows)
     sample_params = (
         params if rollout_mesh is mesh else abstract_params(cfg, rollout_mesh, c.model.dtype)
     )
-    program, args, kwargs = sampler.sample_program(sample_params, ids, mask, spec)
-    built = [build("sampler", program, args, kwargs)]
-    if r.engine == "paged":  # the engine's own programs; the static sampler's shapes stand
-        # for its output (what the reference and the update read)
-        built += _paged_programs(c, cfg, rollout_mesh, sample_params, spec, width, build)
+    # The first is "sampler", whose output the reference and the update read.
+    built = [build(*p) for p in engine.device_programs(sample_params, ids, mask, spec)]
     sample_out = shaped(built[0].out_info, NamedSharding(mesh, P(parallel.BATCH_AXES)))
     ref = None
     reference = make_reference(c, algo, cfg, spec, mesh)
@@ -218,80 +210,6 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
             cost = roofline.Cost(cost.flops * share[b.name], cost.hbm_bytes * share[b.name])
         programs.append(_measure(b, cost, topo))
     return Report(topo, m, programs, skipped, sum(flops.values()))
-
-
-def _paged_programs(c, cfg, mesh, params, spec, width: int, build) -> list:
-    """The paged engine's decode chunk (every slot, the full page table) and prefill chunk
-    (one per prompt), at the sizes `PagedSampler.session` picks for the step's rows; its
-    state (pool, slots, logits) replicated on the mesh, as the engine puts it."""
-    from jaxrl_llm.rollout.sources import make_sampler
-    from jaxrl_llm.sampling import paged_programs
-
-    engine = make_sampler(c, cfg, mesh, pad_id=0)
-    p, B, T = c.rollout.paged, c.rollout.batch_size, spec.max_new_tokens
-    rows = B * spec.num_generations
-    S = p.slots or rows
-    PS, C = p.page_size, p.prefill_chunk
-    pages = p.pages or 1 + -(-rows * (width + T) // PS)
-    M = -(-(-(-(width + T) // C) * C + C) // PS)  # page-table columns (`paged_pool.fit`)
-    dtype = jnp.dtype(c.model.dtype)
-    pallas = paged_programs.uses_pallas(cfg, engine.attention, dtype, "tpu", PS)
-    everywhere = NamedSharding(mesh, P())
-
-    def put(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere)
-
-    pool = jax.tree.map(
-        put, jax.eval_shape(lambda: paged_programs.init_pages(cfg, pages, PS, dtype, pallas))
-    )
-
-    def a(shape, dt=jnp.int32):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=everywhere)
-
-    routes = None
-    if cfg.moe:
-        routes = a((S, T, cfg.num_layers, cfg.num_experts_per_tok), models.ROUTE_DTYPE)
-    slots = paged_programs.Slots(
-        table=a((S, M)),
-        start=a((S,)),
-        length=a((S,)),
-        cap=a((S,)),
-        last=a((S,)),
-        fresh=a((S,), bool),
-        live=a((S,), bool),
-        stopped=a((S,), bool),
-        n=a((S,)),
-        budget=a((S,)),
-        row=a((S,)),
-        prompt=a((S,)),
-        tokens=a((S, T)),
-        logprobs=a((S, T), jnp.float32),
-        routes=routes,
-    )
-    logits = a((min(B, S + 1) + 1, cfg.vocab_size), jnp.float32)
-    weights = (params, None)  # an unrolled model's layers are then sliced in the program
-    seed_step, stops = a((2,), jnp.uint32), a((1,))
-    programs = engine.programs
-    decode = build(
-        "paged decode",
-        programs["decode"],
-        (weights, pool, slots, logits, seed_step, stops),
-        dict(steps=p.chunk_steps, spec=spec),
-    )
-    b = 1 << (B - 1).bit_length()
-    prefill_args = (
-        weights,
-        pool,
-        logits,
-        a((b,)),
-        a((b, C)),
-        a((b, C), bool),
-        a((b, M)),
-        a((b,)),
-        a((b,)),
-    )
-    prefill = build("paged prefill", programs["prefill"], prefill_args, {})
-    return [decode, prefill]
 
 
 class DoesNotFit(Exception):
