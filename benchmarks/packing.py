@@ -31,7 +31,7 @@ from common import block, bool_flag, device_name, preset_config, table, uptime  
 from jaxrl_llm import models, rl, sampling  # noqa: E402
 from jaxrl_llm.rl import packing  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
-from jaxrl_llm.rl.batch import split_rows  # noqa: E402
+from jaxrl_llm.rl.prefix import split_rows  # noqa: E402
 
 
 def long_tailed_batch(cfg, n, prompt_len, completion_len, padding, full=False, seed=0):

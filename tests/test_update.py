@@ -292,7 +292,7 @@ def test_shared_prompt_logprobs_equal_the_full_forward(params, host_batch, scan_
 def test_shared_prompt_logprobs_need_whole_groups(params, host_batch):
     b = host_batch
     with pytest.raises(ValueError, match="16 rows are not groups of num_generations=3"):
-        rl.batch.shared_prompt_logprobs(
+        rl.prefix.shared_prompt_logprobs(
             CFG, params, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask, num_generations=3
         )
 

@@ -141,7 +141,7 @@ def forward_after_prefix(
     hidden equals `forward` of the concatenation [prefix, tokens] at the tokens'
     positions. Returns the keys/values of `tokens` ([L,B,T,K,H] each) for a later suffix.
     Differentiable w.r.t. params and prefix; e.g. a prompt run once for the G samples of
-    its GRPO group (`rl.batch.prefix_logprobs`). dropout, routes [B,T,L,k], with_routes
+    its GRPO group (`rl.prefix.prefix_logprobs`). dropout, routes [B,T,L,k], with_routes
     (then a third result, the own top-k [B,T,L,k]): as in `forward`. layers: optional
     `layer_params(params)` (inference: the layers run unrolled over them, sliced once
     by the caller, e.g. before a decode loop).

@@ -12,7 +12,7 @@ The update step calls, per batch and micro-batch (G and L_max from the rollout s
                                      adv.advantages, loss_mask, entropy, denominator=den)
 """
 
-from jaxrl_llm.rl import batch, critic, optim, shaping, update
+from jaxrl_llm.rl import batch, critic, optim, prefix, shaping, update
 from jaxrl_llm.rl.advantages import (
     ADVANTAGE_KINDS,
     STD_SCALES,
@@ -101,6 +101,7 @@ __all__ = [
     "policy_objective",
     "policy_term",
     "ppo_clip_loss",
+    "prefix",
     "preset",
     "rloo_advantages",
     "sequence_log_ratio",

@@ -1,7 +1,7 @@
 """The gradient of one mini-batch: policy (and PPO value) losses summed over micro-batches.
 
 `gradients(s, carry, rows)` is step 3 of the update (update.py's module doc): the rows of
-one optimizer step are cut into `micro_batches` slices by stride (`batch.split_rows`),
+one optimizer step are cut into `micro_batches` slices by stride (`prefix.split_rows`),
 each slice's loss is divided by the aggregation denominator of the whole mini-batch
 (`rl.loss_denominator`), and a `lax.scan` sums their float32 gradients, so the sum is
 exactly the mini-batch gradient. With shared prompts the groups' prompts run once before
@@ -23,15 +23,10 @@ from jaxrl_llm import models
 from jaxrl_llm.models import lora, moe
 from jaxrl_llm.rl import critic as critic_lib
 from jaxrl_llm.rl.algos import AlgoConfig
-from jaxrl_llm.rl.batch import (
-    packed_or_padded,
-    prefix_logprobs,
-    prompt_prefix,
-    sequence_logprobs,
-    split_rows,
-)
+from jaxrl_llm.rl.batch import packed_or_padded, sequence_logprobs
 from jaxrl_llm.rl.losses import loss_denominator, policy_objective, value_objective
 from jaxrl_llm.rl.optim import Optimizer
+from jaxrl_llm.rl.prefix import prefix_logprobs, prompt_prefix, split_rows
 from jaxrl_llm.sampling.spec import RolloutSpec
 
 _sg = jax.lax.stop_gradient

@@ -65,17 +65,15 @@ from jaxrl_llm.rl.algos import AlgoConfig, check_num_generations
 from jaxrl_llm.rl.batch import (
     RolloutBatch,
     batch_logprobs,
-    check_groups,
     context_mesh,
     make_logprob_fn,
-    map_rows,
     sequence_logprobs,
-    split_rows,
 )
 from jaxrl_llm.rl.gradients import Carry, Rows, Setup, gradients, reduce_metrics
 from jaxrl_llm.rl.losses import masked_mean
 from jaxrl_llm.rl.optim import Optimizer, make_optimizer
 from jaxrl_llm.rl.packing import DEFAULT_CAPACITY, resolve_packing
+from jaxrl_llm.rl.prefix import check_groups, map_rows, split_rows
 from jaxrl_llm.rl.state import TrainState, init_train_state
 from jaxrl_llm.sampling.spec import RolloutSpec
 
@@ -300,7 +298,7 @@ def make_update_fn(
     spec: the rollout's `sampling.RolloutSpec`. Log-probs are recomputed at its
     temperature; its num_generations (G) consecutive rows share their prompt, which is
     then read once per group: in the old-policy recompute, and in the forward + backward
-    when mini_batches == 1 (`rl.batch.prompt_prefix` / `prefix_logprobs`; the result is
+    when mini_batches == 1 (`rl.prefix.prompt_prefix` / `prefix_logprobs`; the result is
     the same up to float rounding, only the group's first row's prompt is read); its
     max_new_tokens is L_max of seq-mean-token-sum-norm.
     micro_batches: gradient-accumulation slices per optimizer step (memory knob; the

@@ -107,7 +107,7 @@ def step_flops(
     its last token and projects only the completion positions; the update costs
     `update_forwards` of those (`UpdateFn.forward_passes`: 3 per forward + backward pass,
     +1 when old-policy log-probs are recomputed). reference_shares_prompts: the reference
-    forward reads each prompt once (`rl.batch.shared_prompt_logprobs`), then the
+    forward reads each prompt once (`rl.prefix.shared_prompt_logprobs`), then the
     completions of every row against it; update_shared_forwards: how many of the
     update's forwards do the same (`UpdateFn.shared_prompt_passes`).
     """
