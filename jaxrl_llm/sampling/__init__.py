@@ -18,6 +18,7 @@ from jaxrl_llm.sampling.decode import (
     fit_routes,
     prefill_groups,
 )
+from jaxrl_llm.sampling.generate import generate, pad_prompts
 from jaxrl_llm.sampling.paged import PagedSampler
 from jaxrl_llm.sampling.sampler import (
     BUCKET_STEPS,
@@ -25,8 +26,6 @@ from jaxrl_llm.sampling.sampler import (
     Sampler,
     append_end,
     bucket_length,
-    generate,
-    pad_prompts,
 )
 from jaxrl_llm.sampling.sampling import sample_tokens, top_k_mask, top_p_mask
 from jaxrl_llm.sampling.spec import RolloutSpec

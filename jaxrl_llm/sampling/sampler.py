@@ -213,7 +213,9 @@ class Sampler:
         its own rows, as with the prompts. end: the state's new bound on cache slots
         (default state.end + A; more leaves holes, see `append_end`)."""
         token_ids, token_mask = np.asarray(token_ids), np.asarray(token_mask, bool)
-        n = state.tokens.shape[0] // (jax.process_count() if self._multi() else 1)  # own rows
+        n = state.tokens.shape[0] // (
+            jax.process_count() if self.multi_process() else 1
+        )  # own rows
         if token_ids.shape != token_mask.shape or token_ids.shape[0] != n:
             raise ValueError(
                 f"append: token_ids {token_ids.shape} and token_mask {token_mask.shape} "
@@ -242,7 +244,7 @@ class Sampler:
         calls draw nothing for them (a multi-turn trajectory that ended while its row still
         had budget); an `append` to such a row makes it live again. The state is donated."""
         rows = np.asarray(rows, bool)
-        n = state.done.shape[0] // (jax.process_count() if self._multi() else 1)
+        n = state.done.shape[0] // (jax.process_count() if self.multi_process() else 1)
         if rows.shape != (n,):
             raise ValueError(f"stop: rows {rows.shape} must be [{n}]")
         (rows,) = self._put((rows,))
@@ -308,13 +310,14 @@ class Sampler:
         return D.result(state, self.pad_id)
 
     # ---------------------------------------------------------------------- host side
-    def _multi(self) -> bool:
+    def multi_process(self) -> bool:
+        """Whether each process gives (and reads) only its own rows: a mesh over several."""
         return self.mesh is not None and jax.process_count() > 1
 
     def _put(self, arrays):
         """Host rows -> device arrays sharded over ('data', 'fsdp') (explicit transfers).
         Several processes: each gives its own rows; the result is the global batch."""
-        put = mesh_lib.shard_local_batch if self._multi() else mesh_lib.shard_batch
+        put = mesh_lib.shard_local_batch if self.multi_process() else mesh_lib.shard_batch
         return put(arrays, self.mesh)
 
     def _inputs(self, prompt_ids, prompt_mask, spec, step, version, seed):
@@ -329,7 +332,7 @@ class Sampler:
             ids, mask = self.bucketed(prompt_ids, prompt_mask)
             width = ids.shape[1]
             rows, multiple = ids.shape[0], mesh_lib.batch_size_multiple(self.mesh)
-            if not self._multi() and rows % multiple:
+            if not self.multi_process() and rows % multiple:
                 raise ValueError(
                     f"prompt batch of {rows} rows is not divisible by the mesh's data x "
                     f"fsdp = {multiple}"
@@ -358,7 +361,7 @@ class Sampler:
             raise ValueError("prompts: expected left-padded rows (real tokens at the end)")
         self._check_ids(ids[mask], "prompts")
         bucket = bucket_length(int(lengths.max()), self.bucket_steps)
-        if self._multi():
+        if self.multi_process():
             bucket = mesh_lib.host_max(bucket)
         W = ids.shape[1]
         if W >= bucket:
@@ -392,98 +395,3 @@ def _growing():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         yield
-
-
-@functools.lru_cache(maxsize=32)
-def _shared_sampler(cfg, mesh, pad_id, bucket_steps, cache_segments) -> Sampler:
-    """One `Sampler` per setting for `generate`, so its programs compile once. The seed is
-    not a setting: `generate` passes it per call, and the sampler holds no random state."""
-    return Sampler(
-        cfg, mesh, pad_id=pad_id, bucket_steps=bucket_steps, cache_segments=cache_segments
-    )
-
-
-def pad_prompts(
-    prompts,
-    pad_id: int,
-    batch_multiple: int = 1,
-    vocab_size: int | None = None,
-    bucket: int | None = None,
-    bucket_steps: int = 2,
-):
-    """Left-pads token-id lists to their bucket -> (ids [B', P], mask [B', P]) on the host.
-
-    B' rounds B up to a multiple of `batch_multiple` with fully padded dummy rows; P is
-    `bucket_length(longest, bucket_steps)`, or `bucket`.
-    """
-    if not isinstance(prompts, list | tuple) or not prompts:
-        raise ValueError("prompts: expected a non-empty list of token-id lists")
-    lengths = []
-    for i, p in enumerate(prompts):
-        arr = np.asarray(p)
-        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompts[{i}]: expected a non-empty list of token ids")
-        if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
-            raise ValueError(f"prompts[{i}]: token id outside [0, {vocab_size})")
-        lengths.append(arr.size)
-    P = bucket or bucket_length(max(lengths), bucket_steps)
-    B = -(-len(prompts) // batch_multiple) * batch_multiple
-    ids = np.full((B, P), pad_id, np.int32)
-    mask = np.zeros((B, P), bool)
-    for i, p in enumerate(prompts):
-        ids[i, P - lengths[i] :] = p
-        mask[i, P - lengths[i] :] = True
-    return ids, mask
-
-
-def generate(
-    cfg,
-    params,
-    prompts,
-    max_new_tokens: int,
-    num_samples: int = 1,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_ids=(),
-    seed: int = 0,
-    mesh=None,
-    *,
-    step: int | None = None,
-    pad_id: int = 0,
-    bucket_steps: int = 2,
-    cache_segments: int = CACHE_SEGMENTS,
-) -> D.SampleOutput:
-    """Samples `num_samples` (G) completions per prompt: `Sampler.sample` over token-id
-    lists. See `decode.SampleOutput` for the result.
-
-    prompts: list of token-id lists. temperature 0 = greedy. The random key is
-    fold_in(key(seed), step), step 0 when not given: the same call draws the same tokens
-    whatever came before it (pass successive steps for fresh samples). One sampler serves
-    every call with the same model config, mesh, pad_id, bucket_steps and cache_segments,
-    whatever the seed and step: a new seed compiles nothing. With several
-    JAX processes, each passes its own share of the prompts (the same count on every
-    process) and gets the global output; `parallel.local_rows` fetches its own rows.
-    """
-    spec = RolloutSpec(
-        num_generations=num_samples,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_ids=tuple(stop_ids),
-    )
-    sampler = _shared_sampler(cfg, mesh, int(pad_id), bucket_steps, cache_segments)
-    multi = sampler._multi()
-    ids, mask = pad_prompts(
-        prompts,
-        sampler.pad_id,
-        1 if multi else mesh_lib.batch_size_multiple(mesh),
-        cfg.vocab_size,
-        bucket_steps=bucket_steps,
-    )
-    out = sampler.sample(params, ids, mask, spec, step, seed=int(seed))
-    n = len(prompts) * spec.num_generations
-    if not multi and out.tokens.shape[0] != n:  # dummy rows that made B divide the mesh
-        out = jax.tree.map(lambda x: x[:n], out)
-    return out

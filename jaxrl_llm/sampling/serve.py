@@ -32,8 +32,8 @@ import numpy as np
 
 from jaxrl_llm.parallel import mesh as mesh_lib
 from jaxrl_llm.sampling.decode import FINISH_STOP
+from jaxrl_llm.sampling.generate import pad_prompts
 from jaxrl_llm.sampling.paged_turns import TurnSession
-from jaxrl_llm.sampling.sampler import pad_prompts
 
 COUNTERS = (
     "calls batched batch_max prefill_tokens cached_tokens cache_restarts evicted decode_chunks"
