@@ -162,16 +162,12 @@ def test_paged_engine_and_trainer_logprobs_equal_static_sampler():
     assert paged.stats["preempted"] > 0
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.8)
-    m = np.asarray(ref.mask)
-    for out in (
-        engine().sample(params, ids, mask, spec, step=1),
-        sampling.Sampler(cfg).sample(params, ids, mask, spec, step=1),
-    ):
+    kw = dict(num_generations=2, micro_batches=1, temperature=0.8, chunk_size=128)
+    trainer = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))
+    for sampler in (engine(), sampling.Sampler(cfg)):
+        out = sampler.sample(params, ids, mask, spec, step=1)
         m = np.asarray(out.mask)
         tf = teacher_forced_logprobs(cfg, params, out, 0.8)
         assert np.abs(np.asarray(out.logprobs) - tf)[m].max() <= 1e-5
-    kw = dict(num_generations=2, micro_batches=1, temperature=0.8, chunk_size=128)
-    logp = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))(
-        params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask
-    )
-    assert np.abs(np.asarray(logp) - np.asarray(out.logprobs))[m].max() <= 1e-5
+        logp = trainer(params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+        assert np.abs(np.asarray(logp) - np.asarray(out.logprobs))[m].max() <= 1e-5
