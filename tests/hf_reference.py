@@ -107,6 +107,34 @@ ARCHS = {
     ),
 }
 
+# Gemma 4 text: 4 layers, sliding / full / sliding / full, a window of 4; the full layers'
+# proportional RoPE rotating a quarter of each head (2 of its 8 pairs, frequencies
+# divided by 2), the sliding ones' of base 1e4; final logits soft-capped at 3 (so the cap
+# bends the tests' logits); no per-layer embeddings, every layer the same head size.
+ARCHS["gemma4"] = (
+    transformers.Gemma4TextConfig,
+    transformers.Gemma4ForCausalLM,
+    {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 4,
+        "head_dim": 16,
+        "global_head_dim": 16,
+        "hidden_size_per_layer_input": 0,
+        "final_logit_softcapping": 3.0,
+        "rope_parameters": {
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "factor": 2.0,
+                "rope_theta": 1e6,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        "pad_token_id": 0,
+    },
+)
+
 # Qwen3.5: 4 layers, three Gated DeltaNet then one full attention (the real pattern); 2
 # key heads of 8 serving 4 value heads of 8, a 4-tap convolution; gated attention with a
 # quarter of each head rotated. The MoE variant adds 8 experts (top 2) and a gated
@@ -173,6 +201,8 @@ def hf_model(arch: str, seed: int = 0, **overrides):
         for name, b in model.named_buffers():  # DeepSeek-V3 routing's selection bias
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))
+            if name.endswith("layer_scalar"):  # Gemma 4's, stored with the weights
+                b.copy_(0.5 + torch.rand_like(b))
     return model
 
 

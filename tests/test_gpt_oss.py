@@ -271,21 +271,12 @@ def test_paged_engine_equals_static_sampler_and_teacher_forced():
     """The paged engine (4 slots for 12 rows, preemptions, prompts and completions past the
     window) gives the static sampler's greedy tokens; sampled rows' behaviour log-probs
     equal the teacher-forced ones within 1e-5."""
-    from test_paged_engine import PROMPTS as ROWS
+    from test_paged_engine import paged_greedy_equals_static
     from tiny_run import teacher_forced_logprobs
 
     cfg = tiny_gpt_oss_config(max_position_embeddings=512)
     params = models.init_params(cfg, seed=1)
-    ids, mask = sampling.pad_prompts(ROWS, 0)
-    engine = functools.partial(
-        sampling.PagedSampler, cfg, slots=4, page_size=4, chunk_steps=3, prefill_chunk=8
-    )
-    greedy = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.0)
-    ref = sampling.Sampler(cfg).sample(params, ids, mask, greedy)
-    paged = engine(pages=14)
-    out = paged.sample(params, ids, mask, greedy)
-    assert paged.stats["preempted"] > 0
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    engine, ids, mask = paged_greedy_equals_static(cfg, params)
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.8)
     out = engine().sample(params, ids, mask, spec, step=1)
     tf = teacher_forced_logprobs(cfg, params, out, 0.8)

@@ -18,13 +18,16 @@ def _inputs(seed, n=2, t=7, d=8, v=33):
     return h, w, y
 
 
-def numpy_reference(h, w, y, temperature, a, b):
+def numpy_reference(h, w, y, temperature, a, b, softcap=None):
     """Values and analytic gradients of sum(a * logp + b * entropy) in float64.
 
-    d logp / dz = onehot(y) - p;  d H / dz_v = -p_v (z_v - sum_u p_u z_u);  z = h W / tau.
+    d logp / dz = onehot(y) - p;  d H / dz_v = -p_v (z_v - sum_u p_u z_u);  z = s(h W) / tau,
+    s(x) = c tanh(x / c) (soft-capping; the identity when c is None), s'(x) = 1 - tanh^2.
     """
     h, w = h.astype(np.float64), w.astype(np.float64)
-    z = h @ w / temperature
+    x = h @ w
+    slope = 1.0 if softcap is None else 1.0 - np.tanh(x / softcap) ** 2
+    z = (x if softcap is None else softcap * np.tanh(x / softcap)) / temperature
     z_max = z.max(-1, keepdims=True)
     lse = z_max[..., 0] + np.log(np.exp(z - z_max).sum(-1))
     p = np.exp(z - lse[..., None])
@@ -33,13 +36,14 @@ def numpy_reference(h, w, y, temperature, a, b):
     entropy = lse - mean_z
     onehot = np.eye(w.shape[1])[y]
     dz = a[..., None] * (onehot - p) - b[..., None] * p * (z - mean_z[..., None])
-    dz /= temperature
+    dz *= slope / temperature
     return logp, entropy, dz @ w.T, np.einsum("ntd,ntv->dv", h, dz)
 
 
-def full_logits(h, w, y, temperature):
+def full_logits(h, w, y, temperature, softcap=None):
     """The straightforward version that holds [N, T, V] (what chunking avoids)."""
-    z = jnp.einsum("ntd,dv->ntv", h, w, preferred_element_type=jnp.float32) / temperature
+    z = jnp.einsum("ntd,dv->ntv", h, w, preferred_element_type=jnp.float32)
+    z = (z if softcap is None else softcap * jnp.tanh(z / softcap)) / temperature
     logp_all = jax.nn.log_softmax(z, axis=-1)
     logp = jnp.take_along_axis(logp_all, y[..., None], axis=-1)[..., 0]
     return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
@@ -53,20 +57,26 @@ def _weighted(fn, a, b):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
-@pytest.mark.parametrize("chunk_size,temperature", [(1, 1.0), (3, 0.7), (7, 1.3), (64, 1.0)])
-def test_values_and_gradients_match_numpy(chunk_size, temperature):
+@pytest.mark.parametrize(
+    "chunk_size,temperature,softcap",
+    [(1, 1.0, None), (3, 0.7, None), (7, 1.3, None), (64, 1.0, None), (3, 0.7, 1.5)],
+)
+def test_values_and_gradients_match_numpy(chunk_size, temperature, softcap):
+    """softcap 1.5: Gemma 4's final-logit soft-capping, bending logits of up to ~5.5."""
     h, w, y = _inputs(0)
     rng = np.random.default_rng(1)
     a, b = rng.normal(size=(2,) + y.shape)
-    fn = functools.partial(token_logprobs, temperature=temperature, chunk_size=chunk_size)
+    fn = functools.partial(
+        token_logprobs, temperature=temperature, chunk_size=chunk_size, softcap=softcap
+    )
     logp, ent = jax.jit(fn)(h, w, y)
-    ref_logp, ref_ent, ref_gh, ref_gw = numpy_reference(h, w, y, temperature, a, b)
+    ref_logp, ref_ent, ref_gh, ref_gw = numpy_reference(h, w, y, temperature, a, b, softcap)
     np.testing.assert_allclose(np.asarray(logp), ref_logp, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ent), ref_ent, rtol=1e-5, atol=1e-5)
     gh, gw = _weighted(fn, a, b)(h, w, y)
     np.testing.assert_allclose(np.asarray(gh), ref_gh, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(gw), ref_gw, rtol=1e-4, atol=1e-5)
-    full = functools.partial(full_logits, temperature=temperature)
+    full = functools.partial(full_logits, temperature=temperature, softcap=softcap)
     gh_full, gw_full = _weighted(full, a, b)(h, w, y)
     np.testing.assert_allclose(np.asarray(gh), np.asarray(gh_full), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(gw), np.asarray(gw_full), rtol=1e-5, atol=1e-6)

@@ -2,6 +2,7 @@
 log-probs and exact probabilities."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -20,6 +21,23 @@ PROMPTS = [
     [9, 8, 7, 6, 5, 4, 3, 2, 1, 20, 21, 22, 23, 24, 25, 26, 27, 28],
     [33, 34],
 ]
+
+
+def paged_greedy_equals_static(cfg, params):
+    """Asserts the paged engine (4 slots for the 6 prompts x 2 rows, 14 pages of 4 so rows
+    are preempted, prefill in chunks of 8) gives the static sampler's greedy tokens ->
+    (a factory of that engine, its other arguments default, the padded prompts, mask)."""
+    ids, mask = sampling.pad_prompts(PROMPTS, 0)
+    engine = functools.partial(
+        sampling.PagedSampler, cfg, slots=4, page_size=4, chunk_steps=3, prefill_chunk=8
+    )
+    greedy = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.0)
+    ref = sampling.Sampler(cfg).sample(params, ids, mask, greedy)
+    paged = engine(pages=14)
+    out = paged.sample(params, ids, mask, greedy)
+    assert paged.stats["preempted"] > 0
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    return engine, ids, mask
 
 
 @pytest.fixture(scope="module")

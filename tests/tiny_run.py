@@ -63,6 +63,24 @@ def tiny_gemma3_config(**overrides) -> models.ModelConfig:
     return tiny_model_config(**(fields | overrides))
 
 
+def tiny_gemma4_config(**overrides) -> models.ModelConfig:
+    """A tiny random Gemma 4 text decoder: 4 layers (sliding, full, sliding, full), a window
+    of 4 tokens, the full layers' proportional RoPE rotating a quarter of each head, final
+    logits soft-capped at 3."""
+    proportional = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 2.0}
+    fields = dict(
+        architecture="Gemma4ForCausalLM",
+        layer_types=("sliding_attention", "full_attention") * 2,
+        num_layers=4,
+        sliding_window=4,
+        rope_theta=1e6,
+        rope_scaling=tuple(sorted(proportional.items())),
+        final_logit_softcapping=3.0,
+        initializer_range=0.2,
+    )
+    return tiny_model_config(**(fields | overrides))
+
+
 def tiny_gpt_oss_config(**overrides) -> models.ModelConfig:
     """A tiny GPT-OSS: sliding (window 4) and full layers, attention sinks, YaRN, biases on
     attention, router and experts, the clamped SwiGLU (limit 1.5, so it clamps)."""

@@ -1,10 +1,11 @@
-"""One decoder layer in Flax NNX (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3 / Qwen3-MoE /
-GLM-4.5 / GPT-OSS): `Block` declares every layer's parameters, stacked on a leading
-`layers` axis with their logical axis names, and computes one layer: norms, q/k/v
-projections (with their biases, q/k norms and LoRA adapters), rotary embeddings, attention
+"""One decoder layer in Flax NNX (Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 3 / Gemma 4 /
+Qwen3-MoE / GLM-4.5 / GPT-OSS / Qwen3.5): `Block` declares every layer's parameters,
+stacked on a leading `layers` axis with their logical axis names, and computes one layer:
+norms, q/k/v projections (with their biases, q/k norms, Gemma 4's value norm and LoRA
+adapters), rotary embeddings, attention
 over what the layer's cache object holds (`caches`: the sequence itself, a prefix, a KV
 cache or the page pool; with GPT-OSS's sinks), the output projection and the MLP (dense
-SwiGLU / GeGLU, or the mixture of experts).
+SwiGLU / GeGLU, or the mixture of experts), and Gemma 4's scaling of the layer's output.
 
 The layer's math is composed from `layer_math` (norms, the dense matmul, RoPE, layer
 kinds), `caches` and `moe`; the loop over layers and the embeddings live in
@@ -29,6 +30,7 @@ from jaxrl_llm.models.layer_math import (
     apply_rope,
     contracted,
     dense,
+    gemma_rms_norm,
     layer_mask,
     lora_target_index,
     norm,
@@ -65,8 +67,8 @@ class Block(nnx.Module):
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         normal = functools.partial(normal_param, rngs, std=cfg.initializer_range, dtype=dtype)
-        # a norm's identity weight (Gemma and Qwen3.5 scale by 1 + w)
-        one = 0.0 if cfg.gemma or cfg.zero_centered_norm else 1.0
+        # a norm's identity weight (Gemma 3 and Qwen3.5 scale by 1 + w)
+        one = 0.0 if cfg.centered_norm else 1.0
         self.attn_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         if cfg.hybrid:
             self._add_linear(cfg, normal, rngs, dtype)
@@ -91,6 +93,8 @@ class Block(nnx.Module):
         if cfg.gemma:  # norms of the attention's and the MLP's outputs
             self.post_attn_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
             self.post_mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
+        if cfg.gemma4:  # each layer's output times its own scalar
+            self.layer_scalar = const_param(1.0, (L, 1), ("layers", None), dtype)
         self.mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         if cfg.num_sparse_layers:
             self._add_experts(cfg, normal, dtype)
@@ -225,7 +229,10 @@ class Block(nnx.Module):
         y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse)
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
-        return x + y, cache, chosen
+        x = x + y
+        if cfg.gemma4:
+            x = x * self.layer_scalar[...]
+        return x, cache, chosen
 
     def _linear(self, x, mask, cache, layer):
         """The DeltaNet token mixer (`gated_deltanet`): (its output [B,T,D], the cache
@@ -247,13 +254,17 @@ class Block(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
             q, k = norm(cfg, q, self.q_norm[...]), norm(cfg, k, self.k_norm[...])
+        if cfg.gemma4:  # values RMS-normed, without a weight
+            v = gemma_rms_norm(v, None, cfg.rms_norm_eps)
         inv_freq = rope_frequencies(cfg) if kind is None else kind["inv_freq"]
         scale = rope_attention_factor(cfg)
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         sinks = self.sinks[...] if cfg.attention_sinks else None
-        if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim:
-            # attention scales scores by head_dim^-1/2; Gemma by query_pre_attn_scalar^-1/2
-            q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, q.dtype)
+        # attention scales scores by head_dim^-1/2; Gemma 3 by query_pre_attn_scalar^-1/2,
+        # Gemma 4 not at all
+        scalar = 1.0 if cfg.gemma4 else cfg.query_pre_attn_scalar
+        if scalar and scalar != cfg.head_dim:
+            q = q * jnp.asarray((cfg.head_dim / scalar) ** 0.5, q.dtype)
         a, cache = cache.attend(cfg, layer, q, k, v, mask, sinks)
         if gate is not None:
             a = a * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(a.dtype)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from jaxrl_llm.models.hf_config import (
     GEMMA3,
+    GEMMA4,
     GPT_OSS,
     HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -34,8 +35,9 @@ from jaxrl_llm.models.hf_config import (
 )
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# YaRN, checked against transformers for GPT-OSS (its RoPE) only
-YARN_ARCHITECTURES = (GPT_OSS,)
+# YaRN, checked against transformers for GPT-OSS (its RoPE) only; `proportional` (the
+# first rotated pairs of the whole head's, `layer_math.rope_frequencies`) for Gemma 4's
+EXTRA_ROPE_TYPES = {GPT_OSS: ("yarn",), GEMMA4: ("proportional",)}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 # HF's names (Gemma 3's and Qwen3.5's `layer_types`)
@@ -117,7 +119,7 @@ class ModelConfig:
     o_bias: bool = False  # Llama/Qwen3 with attention_bias
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k before RoPE
     initializer_range: float = 0.02
-    # Gemma 3: `layer_types[i]` is "sliding_attention" (a key is seen only from queries
+    # Gemma 3 / 4: `layer_types[i]` is "sliding_attention" (a key is seen only from queries
     # fewer than `sliding_window` positions later; RoPE base `rope_local_theta`, never
     # scaled) or "full_attention" (RoPE base `rope_theta` with `rope_scaling`). None: every
     # layer is full attention. `query_pre_attn_scalar`: scores scale by its -1/2 power
@@ -181,6 +183,9 @@ class ModelConfig:
     zero_centered_norm: bool = False
     shared_expert_size: int = 0
     shared_expert_gate: bool = False
+    # Gemma 4: the logits z become c tanh(z / c), c = `final_logit_softcapping` (None: as
+    # they are), wherever they are computed (`transformer.project`, `rl.token_logprobs`).
+    final_logit_softcapping: float | None = None
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
@@ -225,14 +230,15 @@ class ModelConfig:
             raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
         self._check_attention()
         scaling = dict(self.rope_scaling or ())
-        types = SUPPORTED_ROPE_TYPES + (
-            ("yarn",) if self.architecture in YARN_ARCHITECTURES else ()
-        )
+        types = SUPPORTED_ROPE_TYPES + EXTRA_ROPE_TYPES.get(self.architecture, ())
         if scaling.get("rope_type", "default") not in types:
             raise UnsupportedModelError(
                 f"rope type {scaling['rope_type']!r} is not supported; supported: "
                 f"{', '.join(types)}"
             )
+        cap = self.final_logit_softcapping
+        if cap is not None and not cap > 0:
+            raise ValueError(f"final_logit_softcapping={cap}: must be > 0 (or None)")
         self._check_layer_types()
         self._check_moe()
 
@@ -343,14 +349,26 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """Gemma 3's fixed traits: embeddings times sqrt(hidden), RMSNorm scaling by
-        (1 + weight), norms after attention and after the MLP as well as before, GeGLU
-        (tanh-approximated GELU) instead of SwiGLU."""
-        return self.architecture == GEMMA3
+        """Gemma 3's and Gemma 4's shared traits: embeddings times sqrt(hidden), norms after
+        attention and after the MLP as well as before, GeGLU (tanh-approximated GELU)
+        instead of SwiGLU."""
+        return self.architecture in (GEMMA3, GEMMA4)
+
+    @property
+    def gemma4(self) -> bool:
+        """Gemma 4's own traits: RMSNorm scaling by the weight (Gemma 3's by 1 + weight),
+        values RMS-normed without a weight, scores not scaled (q and k are RMS-normed;
+        `query_pre_attn_scalar` unused), each layer's output times its `layer_scalar`."""
+        return self.architecture == GEMMA4
+
+    @property
+    def centered_norm(self) -> bool:
+        """RMSNorm scales by (1 + weight) (Gemma 3, Qwen3.5), else by the weight."""
+        return self.architecture == GEMMA3 or self.zero_centered_norm
 
     @property
     def local_rope(self) -> bool:
-        """Sliding-window layers have a RoPE of their own (Gemma 3: base `rope_local_theta`,
+        """Sliding-window layers have a RoPE of their own (Gemma: base `rope_local_theta`,
         unscaled); else every layer's RoPE is the global one (GPT-OSS)."""
         return self.gemma
 
@@ -433,7 +451,7 @@ class ModelConfig:
         attn += 2 * h if self.qk_norm else 0
         attn += self.num_heads if self.attention_sinks else 0
         n_linear = sum(self.linear_layers)
-        layer = (4 if self.gemma else 2) * d
+        layer = (4 if self.gemma else 2) * d + (1 if self.gemma4 else 0)
         sparse = self.num_sparse_layers
         n = self.num_layers * layer + (self.num_layers - n_linear) * attn
         n += (self.num_layers - sparse) * 3 * d * f + d

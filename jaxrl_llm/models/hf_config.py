@@ -1,5 +1,6 @@
 """The translation between a Hugging Face `config.json` and `ModelConfig`'s fields, per
-architecture (Llama 3, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, GLM-4.5, GPT-OSS).
+architecture (Llama 3, Mistral, Qwen2, Qwen3, Gemma 3, Gemma 4 text, Qwen3-MoE, GLM-4.5,
+GPT-OSS, Qwen3.5).
 
 Reading (`fields_from_hf`) maps each architecture's HF keys onto the one set of
 `ModelConfig` fields and refuses, with one line naming the option, anything the decoder
@@ -33,6 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma4ForCausalLM": "gemma4_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
     "GptOssForCausalLM": "gpt_oss",
@@ -41,6 +43,13 @@ SUPPORTED_ARCHITECTURES = {
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 GEMMA3 = "Gemma3ForCausalLM"
+GEMMA4 = "Gemma4ForCausalLM"
+GEMMAS = (GEMMA3, GEMMA4)
+# checkpoints with vision / audio towers whose text decoder is one of ours
+MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": GEMMA3,
+    "Gemma4ForConditionalGeneration": GEMMA4,
+}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
@@ -70,7 +79,7 @@ def fields_from_hf(d: dict, source: str = "config.json") -> dict:
     _refuse_unsupported(d, arch, source)
     try:
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-        rope_theta, scaling = (None, None) if arch == GEMMA3 else families.rope(d)
+        rope_theta, scaling = (None, None) if arch in GEMMAS else families.rope(d)
         fields = dict(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -84,17 +93,19 @@ def fields_from_hf(d: dict, source: str = "config.json") -> dict:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == GEMMA3)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMAS)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", arch == GPT_OSS)),
             o_bias=arch not in ("Qwen2ForCausalLM", GLM4_MOE)
             and bool(d.get("attention_bias", arch == GPT_OSS)),
-            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, QWEN3_MOE)
+            qk_norm=arch in ("Qwen3ForCausalLM", *GEMMAS, QWEN3_MOE)
             or (arch == GLM4_MOE and bool(d.get("use_qk_norm", False))),
             initializer_range=float(d.get("initializer_range", 0.02)),
             hf_config=json.dumps(d, sort_keys=True),
         )
         if arch == GEMMA3:
             fields |= families.gemma3_fields(d, source)
+        if arch == GEMMA4:
+            fields |= families.gemma4_fields(d, source)
         if arch == QWEN3_MOE:
             fields |= families.moe_fields(d)
         if arch == GLM4_MOE:
@@ -156,26 +167,8 @@ def hf_dict(cfg: ModelConfig) -> dict:
         d |= families.qwen3_5_dict(cfg)
     if cfg.gemma:
         del d["hidden_act"], d["rope_theta"], d["rope_scaling"]
-        full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        d |= {
-            "hidden_activation": "gelu_pytorch_tanh",
-            "sliding_window": cfg.sliding_window,
-            "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
-            "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-            "rope_parameters": {
-                "full_attention": full | dict(cfg.rope_scaling or ()),
-                "sliding_attention": {
-                    "rope_type": "default",
-                    "rope_theta": cfg.rope_local_theta,
-                },
-            },
-        }
+        d |= families.gemma_dict(cfg, gemma4=cfg.architecture == GEMMA4)
     return d
-
-
-def _int_if_whole(x: float) -> int | float:
-    """transformers' strict config fields want an int where the value is one."""
-    return int(x) if float(x).is_integer() else x
 
 
 def _architecture(d: dict, source: str) -> str:
@@ -186,6 +179,12 @@ def _architecture(d: dict, source: str) -> str:
         raise UnsupportedModelError(
             f"{source}: architectures={archs!r}; expected exactly one of "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if archs[0] in MULTIMODAL:
+        raise UnsupportedModelError(
+            f"{source}: architecture {archs[0]!r} (vision / audio towers) is not supported; "
+            f"only its text decoder, {MULTIMODAL[archs[0]]} (a config.json of its "
+            "text_config, with the language model's tensors)"
         )
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -203,6 +202,9 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
 
     if arch == GEMMA3:
         families.refuse_gemma3_options(d, refuse)
+        return
+    if arch == GEMMA4:
+        families.refuse_gemma4_options(d, refuse)
         return
     if arch == GPT_OSS:
         families.refuse_gpt_oss_options(d, refuse)

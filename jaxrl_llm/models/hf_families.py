@@ -1,5 +1,5 @@
 """The per-family parts of the Hugging Face `config.json` translation (`hf_config`):
-for each family past the plain decoder (Qwen3-MoE, GLM-4.5, Gemma 3, GPT-OSS, Qwen3.5)
+for each family past the plain decoder (Qwen3-MoE, GLM-4.5, Gemma 3 and 4, GPT-OSS, Qwen3.5)
 the options its decoder refuses (`refuse_*_options`, each given `hf_config`'s one-line
 `refuse`), the `ModelConfig` fields its keys map to (`*_fields`) and the HF keys a config
 gives back (`*_dict`); and the RoPE reading they share with `hf_config` (`rope`).
@@ -172,6 +172,97 @@ def gemma3_fields(d: dict, source: str) -> dict:
         "rope_scaling": scaling,
         "rope_local_theta": float(local_theta),
         "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
+    }
+
+
+# transformers' Gemma4TextConfig when its config.json names none of these
+GEMMA4_DEFAULTS = {
+    "sliding_window": 512,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1_000_000.0,
+        },
+    },
+}
+GEMMA4_GLOBAL_HEAD_DIM = 512  # full-attention layers' head size when the config names none
+
+
+def refuse_gemma4_options(d: dict, refuse) -> None:
+    """What the Gemma 4 text decoder here lacks: per-layer input embeddings, KV sharing
+    across layers, keys doubling as values, the MoE block, full-attention layers with a
+    head size or KV head count of their own, bidirectional attention, biases."""
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        refuse(f"hidden_activation={act!r} (only gelu_pytorch_tanh)")
+    if d.get("hidden_size_per_layer_input", 256):  # transformers' default is 256
+        refuse(
+            f"hidden_size_per_layer_input={d.get('hidden_size_per_layer_input', 256)} "
+            "(per-layer input embeddings; only 0)"
+        )
+    for key in ("num_kv_shared_layers", "attention_k_eq_v", "enable_moe_block"):
+        if d.get(key):
+            refuse(f"{key}={d[key]}")
+    if d.get("use_bidirectional_attention"):
+        refuse(f"use_bidirectional_attention={d['use_bidirectional_attention']!r}")
+    if d.get("attention_bias"):
+        refuse("attention_bias=true")
+    head_dim = int(d.get("head_dim") or 256)
+    kv = int(d.get("num_key_value_heads") or d.get("num_attention_heads", 0))
+    if "per_layer_config" not in d:
+        own = int(d.get("global_head_dim", GEMMA4_GLOBAL_HEAD_DIM))
+        if own != head_dim:
+            refuse(f"global_head_dim={own} (full-attention layers' own head size; only {head_dim})")
+    for layer, over in (d.get("per_layer_config") or {}).items():
+        same = {"head_dim": head_dim, "num_key_value_heads": kv}
+        if any(k not in same or int(v) != same[k] for k, v in over.items()):
+            refuse(f"per_layer_config[{layer}]={over} (layers' own head size or KV heads)")
+    types = set(d.get("layer_types") or ()) - {"sliding_attention", "full_attention"}
+    if types:
+        refuse(f"layer_types={sorted(types)} (only sliding_attention / full_attention)")
+
+
+def gemma4_fields(d: dict, source: str) -> dict:
+    """Gemma 4 text: Gemma 3's layer pattern and per-kind RoPE (the full layers'
+    `proportional` one kept in `rope_scaling`), with transformers' defaults (window 512,
+    the last layer always full attention); scores unscaled (q and k are RMS-normed),
+    values RMS-normed, each layer's output times its `layer_scalar`, RMSNorms scaling by
+    the weight itself, the final logits soft-capped."""
+    d = {k: v for k, v in GEMMA4_DEFAULTS.items() if d.get(k) is None} | d
+    n = int(d["num_hidden_layers"])
+    types = list(d.get("layer_types") or [])
+    if not types:
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    types[-1] = "full_attention"  # as Gemma4TextConfig forces it
+    cap = d.get("final_logit_softcapping")
+    return gemma3_fields(d | {"layer_types": types}, source) | {
+        "query_pre_attn_scalar": None,
+        "final_logit_softcapping": None if cap is None else float(cap),
+    }
+
+
+def gemma_dict(cfg: ModelConfig, gemma4: bool) -> dict:
+    """The keys Gemma 3 and Gemma 4 share: activation, window, layer pattern, per-kind
+    RoPE; Gemma 3's query scale, Gemma 4's soft-capping and the head size of every layer."""
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta} | dict(cfg.rope_scaling or ())
+    d = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": cfg.sliding_window,
+        "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
+        },
+    }
+    if not gemma4:
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+        return d | {"query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar}
+    return d | {
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "hidden_size_per_layer_input": 0,
+        "per_layer_config": {},  # every layer the same head size (else 512 on full ones)
     }
 
 

@@ -174,6 +174,7 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         table[("layers", "post_attn_norm")] = (layer + "post_attention_layernorm.weight", same)
         table[("layers", "mlp_norm")] = (layer + "pre_feedforward_layernorm.weight", same)
         table[("layers", "post_mlp_norm")] = (layer + "post_feedforward_layernorm.weight", same)
+        table[("layers", "layer_scalar")] = (layer + "layer_scalar", same)  # Gemma 4's
     if cfg.hybrid:
         table |= _qwen3_5_table(cfg, layer, same, transpose)
     specs, kinds = param_specs(cfg), cfg.sparse_layers

@@ -1,7 +1,8 @@
-"""The pure functions a decoder layer is built from: RMSNorm in both conventions (Llama /
-Qwen scale by the weight, Gemma by 1 + weight), the dense matmul with its backward written
-out, the LoRA adapters' input dropout, rotary embeddings with their `linear` / `llama3`
-scaling, and Gemma 3's per-layer kinds.
+"""The pure functions a decoder layer is built from: RMSNorm in its conventions (Llama /
+Qwen scale by the weight, Gemma 3 by 1 + weight, Gemma 4 by the weight in float32), the
+final logits' soft-capping, the dense matmul with its backward written out, the LoRA
+adapters' input dropout, rotary embeddings with their `linear` / `llama3` / `yarn` /
+`proportional` scaling, and Gemma's per-layer kinds.
 
 They are functions of arrays and the `ModelConfig`, with no parameters of their own:
 `block.Block` declares the parameters and composes these into one layer, and
@@ -33,18 +34,32 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale * y.astype(x.dtype)
 
 
-def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF Gemma3RMSNorm: normalise and scale by (1 + weight) in float32, then cast back."""
+def gemma_rms_norm(
+    x: jax.Array, weight: jax.Array | None, eps: float, offset: float = 1.0
+) -> jax.Array:
+    """HF Gemma3RMSNorm (offset 1): normalise and scale by (offset + weight) in float32,
+    then cast back. Gemma4RMSNorm: offset 0, and weight None for its unweighted norm."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    if weight is not None:
+        y = y * (offset + weight.astype(jnp.float32))
+    return y.astype(x.dtype)
 
 
 def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The architecture's RMSNorm (Gemma and Qwen3.5 store weight - 1, Llama / Qwen the
-    scale)."""
-    centered = cfg.gemma or cfg.zero_centered_norm
-    return (gemma_rms_norm if centered else rms_norm)(x, weight, cfg.rms_norm_eps)
+    """The architecture's RMSNorm (Gemma 3 and Qwen3.5 store weight - 1, Llama / Qwen the
+    scale; Gemma 4 the scale, applied in float32)."""
+    if cfg.centered_norm:
+        return gemma_rms_norm(x, weight, cfg.rms_norm_eps)
+    if cfg.gemma4:
+        return gemma_rms_norm(x, weight, cfg.rms_norm_eps, offset=0.0)
+    return rms_norm(x, weight, cfg.rms_norm_eps)
+
+
+def softcap(z: jax.Array, cap: float | None) -> jax.Array:
+    """Logit soft-capping (Gemma 2 / 4's final logits): cap * tanh(z / cap); z when cap
+    is None."""
+    return z if cap is None else cap * jnp.tanh(z / cap)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -104,8 +119,15 @@ def adapter_dropout(key: jax.Array, rate: float, x: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------ rope, layer kinds
 @functools.lru_cache(maxsize=64)
 def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
-    """Inverse frequencies [rotary_dim / 2], float32, with `linear` / `llama3` scaling.
-    local: those of Gemma 3's sliding-window layers (base `rope_local_theta`, unscaled)."""
+    """Inverse frequencies [rotary_dim / 2], float32, with `linear` / `llama3` / `yarn` /
+    `proportional` scaling. local: those of Gemma's sliding-window layers (base
+    `rope_local_theta`, unscaled).
+
+    proportional (Gemma 4's full layers): the first int(p * head_dim / 2) of the whole
+    head's frequencies (p = `partial_rotary_factor`), the rest zero (those pairs do not
+    rotate), all divided by `factor`: in the rotate_half layout dimension i pairs with
+    i + head_dim / 2, so the rotated dimensions are two blocks, not a prefix of the head
+    as GLM-4.5's `partial_rotary_factor` makes it."""
     dim = cfg.rotary_dim
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
@@ -123,6 +145,10 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = np.where(medium, smoothed, scaled)
+    elif kind == "proportional":
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * dim // 2)
+        inv_freq = np.concatenate([inv_freq[:angles], np.zeros(dim // 2 - angles)])
+        inv_freq = inv_freq / float(scaling.get("factor", 1.0))
     elif kind == "yarn":
         inv_freq = _yarn(inv_freq, scaling, dim, theta, cfg.max_position_embeddings)
     return inv_freq.astype(np.float32)

@@ -47,7 +47,7 @@ class Transformer(nnx.Module):
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = normal_param(rngs, (V, D), ("vocab", "embed"), cfg.initializer_range, dtype)
         self.layers = Block(cfg, rngs, dtype)
-        centered = cfg.gemma or cfg.zero_centered_norm  # RMSNorm scales by 1 + weight
+        centered = cfg.centered_norm  # RMSNorm scales by 1 + weight
         self.final_norm = const_param(0.0 if centered else 1.0, (D,), ("norm",), dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = normal_param(

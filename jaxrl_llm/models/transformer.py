@@ -39,6 +39,7 @@ from jaxrl_llm.models.attention import Mask, causal_mask
 from jaxrl_llm.models.caches import PagedCache, PrefixCache, layer_cache
 from jaxrl_llm.models.config import ModelConfig, UnsupportedModelError
 from jaxrl_llm.models.kv_cache import KVCache
+from jaxrl_llm.models.layer_math import softcap
 from jaxrl_llm.models.layers import Transformer
 from jaxrl_llm.models.paged_attention import paged_inputs
 
@@ -211,9 +212,10 @@ def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
 
 
 def project(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
-    """hidden [..., D] -> float32 logits [..., V]."""
+    """hidden [..., D] -> float32 logits [..., V] (soft-capped: `layer_math.softcap`)."""
     w = unembed_matrix(cfg, params)
-    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+    z = jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+    return softcap(z, cfg.final_logit_softcapping)
 
 
 @functools.partial(jax.jit, static_argnums=0)

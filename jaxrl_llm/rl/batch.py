@@ -194,7 +194,10 @@ def packed_or_padded(fn, prompt_mask, mask, capacity: float):
 def _completion_logprobs(model_cfg, params, hidden, tokens, mask, temperature, chunk_size):
     """hidden [N, T, D] (`completion_hidden`) -> (logp, entropy) [N, T], 0 off-mask."""
     w = models.unembed_matrix(model_cfg, params)
-    logp, ent = token_logprobs(hidden, w, tokens, temperature=temperature, chunk_size=chunk_size)
+    cap = model_cfg.final_logit_softcapping
+    logp, ent = token_logprobs(
+        hidden, w, tokens, temperature=temperature, chunk_size=chunk_size, softcap=cap
+    )
     valid = mask.astype(bool)
     return jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
 
@@ -222,7 +225,11 @@ def packed_sequence_logprobs(
     (other masks, the same law)."""
     n, p = prompt_tokens.shape
     t = tokens.shape[1]
-    kw = dict(temperature=temperature, chunk_size=chunk_size)
+    kw = dict(
+        temperature=temperature,
+        chunk_size=chunk_size,
+        softcap=model_cfg.final_logit_softcapping,
+    )
     ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
     attend = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
     ids, attend, positions, segments = pack(plan, ids, attend)

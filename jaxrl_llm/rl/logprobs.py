@@ -1,6 +1,7 @@
 """Token log-probabilities and entropies from final hidden states, in chunks over the sequence.
 
-With logits z = h W / tau (tau = the sampling temperature):
+With logits z = s(h W) / tau (tau = the sampling temperature; s the model's final-logit
+soft-capping c tanh(x / c), Gemma 4's, or the identity):
   log pi(y_t) = z_{t, y_t} - logsumexp(z_t),   H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_{t,v}.
 
 The [N, T, V] logits are never held at once: T is cut into chunks of C positions, a
@@ -28,17 +29,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models.layer_math import softcap as soft_cap
 from jaxrl_llm.models.partitioning import context_size
 
 SAVE_LOGITS_BYTES = 512 * 2**20  # remat=None: keep the logits for the backward up to this
 UNROLL_CHUNKS = 16  # logits kept: up to this many chunks run as straight-line code
 
 
-def _logits(h, w, temperature: float):
-    """h [N, C, D], w [D, V] -> z = h W / tau, [N, C, V] float32 (one 2-D matmul)."""
+def _logits(h, w, temperature: float, softcap: float | None):
+    """h [N, C, D], w [D, V] -> z = s(h W) / tau, [N, C, V] float32 (one 2-D matmul)."""
     n, c, d = h.shape
     z = jnp.matmul(h.reshape(n * c, d), w, preferred_element_type=jnp.float32)
-    return z.reshape(n, c, -1) / temperature
+    return soft_cap(z.reshape(n, c, -1), softcap) / temperature
 
 
 def _stats(z, targets):
@@ -64,32 +66,32 @@ def _target_logits(z, targets):
     return jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunk_logprobs(h, w, targets, temperature: float, save_logits: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunk_logprobs(h, w, targets, temperature: float, save_logits: bool, softcap):
     """h [N, C, D], w [D, V], targets [N, C] -> (logp [N, C], entropy [N, C]) float32."""
-    logp, entropy, _ = _stats(_logits(h, w, temperature), targets)
+    logp, entropy, _ = _stats(_logits(h, w, temperature, softcap), targets)
     return logp, entropy
 
 
-def _chunk_fwd(h, w, targets, temperature, save_logits):
-    z = _logits(h, w, temperature)
+def _chunk_fwd(h, w, targets, temperature, save_logits, softcap):
+    z = _logits(h, w, temperature, softcap)
     logp, entropy, lse = _stats(z, targets)
     return (logp, entropy), (h, w, targets, lse, entropy, z if save_logits else None)
 
 
-def _chunk_bwd(temperature, save_logits, res, cotangents):
+def _chunk_bwd(temperature, save_logits, softcap, res, cotangents):
     """d logp / dz = onehot(y) - p;  d H / dz = -p (z - sum p z): the [N, C, V] cotangent
     in one fused elementwise pass, then the matmul's own pullback (JAX's transpose rule,
     so a vocabulary sharded over an explicit mesh axis gets its reduction right)."""
     h, w, targets, lse, entropy, z = res
     g_logp, g_ent = cotangents
     if z is None:
-        z = _logits(h, w, temperature)  # remat: recompute instead of storing [N, C, V]
+        z = _logits(h, w, temperature, softcap)  # remat: recompute, not store [N, C, V]
     p = jnp.exp(z - lse[..., None])
     is_target = jnp.arange(z.shape[-1]) == targets[..., None]
     mean_z = (lse - entropy)[..., None]
     dz = g_logp[..., None] * (is_target - p) - g_ent[..., None] * p * (z - mean_z)
-    _, pullback = jax.vjp(lambda h, w: _logits(h, w, temperature), h, w)
+    _, pullback = jax.vjp(lambda h, w: _logits(h, w, temperature, softcap), h, w)
     dh, dw = pullback(dz)
     return dh, dw, None
 
@@ -114,6 +116,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 128,
     remat: bool | None = None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked log pi(target) and entropy per position.
 
@@ -126,7 +129,8 @@ def token_logprobs(
     backward pass instead of keeping them. None (default) keeps them when all of them,
     [N, T, V] float32, fit in `SAVE_LOGITS_BYTES` (a small micro-batch: the recompute is a
     whole extra unembedding matmul) and recomputes otherwise (long completions, large
-    vocabularies: memory decides).
+    vocabularies: memory decides). softcap: the model's final-logit soft-capping
+    (`ModelConfig.final_logit_softcapping`), None for none.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
@@ -152,7 +156,7 @@ def token_logprobs(
     h_chunks, t_chunks = (_chunks(x, n_chunks, c, strided) for x in (hidden, targets))
 
     def one_chunk(xs):
-        return _chunk_logprobs(xs[0], unembed, xs[1], temperature, not remat)
+        return _chunk_logprobs(xs[0], unembed, xs[1], temperature, not remat, softcap)
 
     if not remat and n_chunks <= UNROLL_CHUNKS:
         # Straight-line chunks: each keeps its own logits buffer for the backward. Under

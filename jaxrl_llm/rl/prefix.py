@@ -106,7 +106,10 @@ def prefix_logprobs(
     )
     h = jnp.concatenate([jnp.take(last, groups, axis=0)[:, None].astype(h.dtype), h], axis=1)
     w = models.unembed_matrix(model_cfg, params)
-    logp, ent = token_logprobs(h, w, tokens, temperature=temperature, chunk_size=chunk_size)
+    cap = model_cfg.final_logit_softcapping
+    logp, ent = token_logprobs(
+        h, w, tokens, temperature=temperature, chunk_size=chunk_size, softcap=cap
+    )
     valid = mask.astype(bool)
     logp, ent = jnp.where(valid, logp, 0.0), jnp.where(valid, ent, 0.0)
     if not with_routes:

@@ -44,7 +44,11 @@ def sft_loss(cfg, params, batch: sft_data.SFTBatch, chunk_size: int = 128):
     batch: tokens, mask, loss_mask [B, T]; position t predicts token t + 1."""
     hidden = models.forward(cfg, params, batch.tokens[:, :-1], batch.mask[:, :-1])
     logp, _ = rl.token_logprobs(
-        hidden, models.unembed_matrix(cfg, params), batch.tokens[:, 1:], chunk_size=chunk_size
+        hidden,
+        models.unembed_matrix(cfg, params),
+        batch.tokens[:, 1:],
+        chunk_size=chunk_size,
+        softcap=cfg.final_logit_softcapping,
     )
     weight = batch.loss_mask[:, 1:].astype(jnp.float32)
     count = jnp.sum(weight)

@@ -1,0 +1,164 @@
+"""Gemma 4 text (`Gemma4ForCausalLM`): sliding / full layers, the full layers' proportional
+partial RoPE, value norms, layer scalars, unscaled scores and soft-capped logits, against
+transformers; the samplers and the trainer's log-probs on it; what is refused."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from hf_reference import hf_config, hf_logits, hf_model, padded_batch
+from test_moe import assert_export_round_trip, max_diff
+from test_sampler import PROMPTS, hf_greedy
+from tiny_run import teacher_forced_logprobs, tiny_gemma4_config
+
+from jaxrl_llm import models, parallel, sampling
+from jaxrl_llm.models.layer_math import rope_frequencies
+from jaxrl_llm.rl import batch as rl_batch
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """(torch model, directory, cfg, params) of a tiny random Gemma4ForCausalLM (random
+    norms and layer scalars), saved over several files."""
+    model = hf_model("gemma4", seed=1)
+    d = tmp_path_factory.mktemp("gemma4")
+    model.save_pretrained(d, max_shard_size="60KB")
+    return (model, d, *models.load_hf(d))
+
+
+@pytest.mark.parametrize("length", [12, 20])
+def test_logits_equal_transformers(gemma4, length):
+    """Padded rows (left, right, none), past the window. Against transformers in float64:
+    within 1e-5, or within 1.5 times transformers' own float32 error where that is larger
+    (random layer scalars up to 1.5 grow the rounding); against its float32 logits
+    within 2e-5.
+    Without the window, the proportional RoPE, the layer scalars or the soft-capping the
+    logits differ (each is exercised)."""
+    model, _, cfg, params = gemma4
+    assert cfg.gemma4 and cfg.windowed and dict(cfg.rope_scaling)["rope_type"] == "proportional"
+    ids, mask = padded_batch(seed=length, length=length)
+    ours = models.logits(cfg, params, ids, mask)
+    exact = hf_logits(hf_model("gemma4", seed=1).double(), ids, mask)
+    ref = hf_logits(model, ids, mask)
+    assert max_diff(ours, exact, mask) <= max(1e-5, 1.5 * max_diff(ref, exact, mask))
+    assert max_diff(ours, ref, mask) <= 2e-5
+    if length == 20:
+        layers = dict(
+            params["layers"], layer_scalar=jnp.ones_like(params["layers"]["layer_scalar"])
+        )
+        for other, p in (
+            (cfg.replace(sliding_window=64), params),
+            (cfg.replace(rope_scaling=None), params),
+            (cfg.replace(final_logit_softcapping=None), params),
+            (cfg, dict(params, layers=layers)),
+        ):
+            assert max_diff(models.logits(other, p, ids, mask), exact, mask) > 1e-3
+
+
+def test_proportional_rope_equals_transformers():
+    """The full layers' inverse frequencies: the first int(p H / 2) of the head's, the
+    rest zero, divided by the factor (transformers' `proportional` RoPE)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for p, factor in ((0.25, 2.0), (0.5, 1.0), (1.0, 1.0)):
+        full = {"rope_type": "proportional", "partial_rotary_factor": p, "factor": factor}
+        config = hf_config(
+            "gemma4",
+            rope_parameters=hf_config("gemma4").rope_parameters
+            | {"full_attention": full | {"rope_theta": 1e6}},
+        )
+        ref, _ = ROPE_INIT_FUNCTIONS["proportional"](config, None, layer_type="full_attention")
+        cfg = models.ModelConfig.from_hf_dict(config.to_dict())
+        np.testing.assert_allclose(rope_frequencies(cfg), ref.numpy(), rtol=1e-6)
+
+
+def test_sharded_logits_equal_transformers(gemma4):
+    """Heads over `tensor`, the rest over `fsdp` (2 x 4)."""
+    model, d, _, _ = gemma4
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+    cfg, params = models.load_hf(d, mesh=mesh)
+    ids, mask = padded_batch(seed=2, length=16)
+    out = models.logits(cfg, params, *parallel.shard_batch((ids, mask), mesh))
+    assert max_diff(out, hf_logits(model, ids, mask), mask) <= 2e-5
+
+
+def test_greedy_equals_hf_generate(gemma4):
+    """12 new tokens after prompts of up to 12 (past the window of 4)."""
+    model, _, cfg, params = gemma4
+    out = sampling.generate(cfg, params, PROMPTS, max_new_tokens=12, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out.tokens), hf_greedy(model, PROMPTS, 12))
+
+
+def test_export_reloads_in_transformers(gemma4, tmp_path):
+    """save_hf (layer scalars included, over several files): transformers reloads the same
+    logits, load_hf the same params; the config built from fields says the same model."""
+    model, _, cfg, params = gemma4
+    assert_export_round_trip(model, cfg, params, tmp_path / "out", *padded_batch(seed=6, length=16))
+
+
+def test_config_from_fields_loads_in_transformers(tmp_path):
+    """A model made from fields (no config.json to give back) exports a config.json that
+    transformers reads as the same model: the same logits, tied embeddings."""
+    cfg = tiny_gemma4_config(vocab_size=96, tie_word_embeddings=True)
+    params = models.init_params(cfg, seed=3)
+    models.save_hf(cfg, params, tmp_path / "m")
+    model = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "m").eval()
+    ids, mask = padded_batch(seed=4, length=16)
+    assert (
+        max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask) <= 2e-5
+    )
+
+
+def test_param_count_equals_transformers(gemma4):
+    """Every weight, and the layer scalars (a buffer in transformers, stored with them)."""
+    model, _, cfg, params = gemma4
+    total = sum(p.numel() for p in model.parameters()) + cfg.num_layers
+    assert cfg.num_params() == models.count_params(params) == total
+
+
+def test_refused_options_name_the_key(gemma4):
+    """Per-layer input embeddings, KV sharing, keys as values, the MoE block, the full
+    layers' own head size, bidirectional attention, the multimodal checkpoint."""
+    base = gemma4[0].config.to_dict()
+    for change, key in (
+        ({"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input"),
+        ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
+        ({"attention_k_eq_v": True}, "attention_k_eq_v"),
+        ({"enable_moe_block": True}, "enable_moe_block"),
+        ({"per_layer_config": {"1": {"head_dim": 32}}}, "per_layer_config"),
+        ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention"),
+        ({"hidden_activation": "silu"}, "hidden_activation"),
+    ):
+        with pytest.raises(models.UnsupportedModelError, match=key):
+            models.ModelConfig.from_hf_dict(base | change)
+    no_layers = {k: v for k, v in base.items() if k != "per_layer_config"}
+    with pytest.raises(models.UnsupportedModelError, match="global_head_dim=512"):
+        models.ModelConfig.from_hf_dict(no_layers)
+    models.ModelConfig.from_hf_dict(no_layers | {"global_head_dim": 16})
+    multimodal = {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": base}
+    with pytest.raises(models.UnsupportedModelError, match="only its text decoder"):
+        models.ModelConfig.from_hf_dict(multimodal)
+
+
+def test_paged_engine_and_trainer_logprobs_equal_static_sampler():
+    """The paged engine (4 slots for 12 rows, preemptions, past the window) gives the
+    static sampler's greedy tokens; sampled rows' behaviour log-probs equal the
+    teacher-forced ones (soft-capped logits) and the trainer's within 1e-5."""
+    from test_paged_engine import paged_greedy_equals_static
+
+    cfg = tiny_gemma4_config(max_position_embeddings=512)
+    params = models.init_params(cfg, seed=1)
+    engine, ids, mask = paged_greedy_equals_static(cfg, params)
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.8)
+    kw = dict(num_generations=2, micro_batches=1, temperature=0.8, chunk_size=128)
+    trainer = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))
+    for sampler in (engine(), sampling.Sampler(cfg)):
+        out = sampler.sample(params, ids, mask, spec, step=1)
+        m = np.asarray(out.mask)
+        tf = teacher_forced_logprobs(cfg, params, out, 0.8)
+        assert np.abs(np.asarray(out.logprobs) - tf)[m].max() <= 1e-5
+        logp = trainer(params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+        assert np.abs(np.asarray(logp) - np.asarray(out.logprobs))[m].max() <= 1e-5
