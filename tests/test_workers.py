@@ -80,3 +80,174 @@ def test_frames_refuse_unknown_dtypes_and_oversized_hellos():
         wire.send(a, "hello", {"token": "t" * (2 * wire.HELLO_BYTES)})
         with pytest.raises(wire.WorkerError, match="header of .* refused"):
             wire.recv(b, max_header=wire.HELLO_BYTES)
+
+
+# ------------------------------------------------------------------ worker processes
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Two worker processes (2 devices each, mesh fsdp 2: not the tests' 4 x 2) serving
+    the tiny model's config; -> (config, model dir, [(process, address)])."""
+    import os
+    import subprocess
+    import sys
+
+    from tiny_run import make_model_dir, tiny_config
+
+    path = make_model_dir(str(tmp_path_factory.mktemp("workers") / "model"))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=2")
+    env = os.environ | {
+        "TINY_MODEL_DIR": path,
+        "JAXRL_WORKER_TOKEN": TOKEN,
+        "XLA_FLAGS": flags,
+        "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
+    command += ["--config=" + os.path.join(repo, "tests", "tiny_run.py")]
+    command += ["--config.mesh.fsdp=2", "--config.mesh.tensor=1"]
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in "ab"]
+    try:
+        started = []
+        for p in procs:
+            line = p.stdout.readline()
+            assert line.startswith("worker listening on "), line
+            started.append((p, line.split()[-1]))
+        yield tiny_config(path), path, started
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _local_reference(config, path, spec, prompts, chunk):
+    """Each step's (output, token_versions) from a local `StaticStream` on a mesh of the
+    workers' shape (fsdp 2; in bfloat16 another shape moves log-probs by ~1e-4: other
+    reduction orders), with the parameters cast to bfloat16 (what the wire carries);
+    and the float32 parameters, sharded fsdp 4 x tensor 2."""
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.rollout.sources import make_sampler
+    from jaxrl_llm.sampling.engine import open_session
+    from jaxrl_llm.tpu import model_shapes
+
+    config = config_lib.prepare(config).config  # the speed settings a run (and a worker) picks
+    cfg = model_shapes.model_config(config)
+    trainer = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    _, params = models.builtin.load_model(path, trainer, "float32")
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
+    bf16 = jax.device_put(
+        jax.tree.map(lambda x: x.astype("bfloat16"), params), models.param_shardings(cfg, mesh)
+    )
+    stream = open_session(make_sampler(config, cfg, mesh, 0), "stream", bf16, 0, spec, chunk=chunk)
+    want = {}
+    for step, (ids, mask) in prompts.items():
+        stream.submit(step, ids, mask, step)
+    while stream.busy:
+        for step in stream.run_chunk():
+            want[step] = jax.device_get(stream.output(step))
+    return params, want
+
+
+def _prompts(n):
+    from jaxrl_llm import sampling
+
+    rows = [[5, 6, 7], [1, 2, 3, 4, 9], [11], [4, 8]]
+    return {s: sampling.pad_prompts(rows[s % 4 :] + rows[: s % 4], 0) for s in range(n)}
+
+
+def _drain(stream, chunks: int = 20) -> dict:
+    """Every step the stream returns, each once, within `chunks` run_chunk calls."""
+    got = {}
+    for _ in range(chunks):
+        if not stream.busy:
+            return got
+        for step in stream.run_chunk():
+            assert step not in got
+            got[step] = stream.output(step)
+    raise AssertionError(f"steps never returned: {sorted(stream.queued)}")
+
+
+def _same(got, want):
+    (out, versions), (out_w, versions_w) = got, want
+    np.testing.assert_array_equal(out.tokens, np.asarray(out_w.tokens))
+    np.testing.assert_array_equal(out.mask, np.asarray(out_w.mask))
+    np.testing.assert_array_equal(out.prompt_tokens, np.asarray(out_w.prompt_tokens))
+    np.testing.assert_array_equal(out.policy_version, np.asarray(out_w.policy_version))
+    np.testing.assert_allclose(out.logprobs, np.asarray(out_w.logprobs), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(versions, versions_w)
+
+
+def test_remote_stream_draws_what_the_local_stream_draws(workers):
+    """Steps spread over two worker processes come back, greedy, token for token as a local
+    `StaticStream` draws them (log-probs within 1e-5); a swap reaches every worker."""
+    from jaxrl_llm import sampling
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    config, path, started = workers
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6, temperature=0.0)
+    prompts = _prompts(4)
+    params, want = _local_reference(config, path, spec, prompts, chunk=0)
+    addresses = [a for _, a in started]
+    stream = RemoteStream(addresses, TOKEN, params, 0, spec, pad_id=0, seed=config.train.seed)
+    try:
+        for step, (ids, mask) in prompts.items():
+            stream.submit(step, ids, mask, step)
+        assert sorted(len(k.steps) for k in stream.links) == [2, 2]
+        got = _drain(stream)
+        assert sorted(got) == sorted(want)
+        for step in got:
+            _same(got[step], want[step])
+        stream.swap(params, 1)
+        stream.submit(9, *prompts[0], 0)
+        ((out, versions),) = _drain(stream).values()
+        assert stream.version == 1 and (versions == 1).all()
+        np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
+    finally:
+        stream.close()
+
+
+def test_a_worker_refuses_another_seed(workers):
+    from jaxrl_llm import sampling
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    config, path, started = workers
+    params = models.builtin.load_model(path)[1]
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6)
+    with pytest.raises(wire.WorkerError, match="train.seed: the trainer samples with 12345"):
+        RemoteStream([started[0][1]], TOKEN, params, 0, spec, pad_id=0, seed=12345)
+
+
+def test_a_worker_killed_mid_step_loses_nothing(workers):
+    """kill -9 of a worker while its steps are half decoded (partial rollouts, 2 tokens per
+    chunk): its steps go to the other worker and every step comes back once, as the local
+    stream draws it."""
+    import os
+    import signal
+
+    from jaxrl_llm import sampling
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    config, path, started = workers
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6, temperature=0.0)
+    prompts = _prompts(4)
+    params, want = _local_reference(config, path, spec, prompts, chunk=2)
+    addresses = [a for _, a in started]
+    stream = RemoteStream(
+        addresses, TOKEN, params, 0, spec, pad_id=0, seed=config.train.seed, chunk=2
+    )
+    try:
+        for step, (ids, mask) in prompts.items():
+            stream.submit(step, ids, mask, step)
+        assert stream.run_chunk() == [] and stream.in_flight  # 2 of 6 tokens drawn
+        victim = started[1][0]
+        held = set(stream.links[1].steps)
+        assert len(held) == 2
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        got = _drain(stream)
+        assert sorted(got) == [0, 1, 2, 3] and not stream.finished
+        for step in got:
+            _same(got[step], want[step])
+        assert stream.stats["workers_lost"] == 1 and stream.stats["requeued"] == 2
+        assert [k.alive for k in stream.links] == [True, False]
+    finally:
+        stream.close()
