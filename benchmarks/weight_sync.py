@@ -27,21 +27,8 @@ from jaxrl_llm import models, parallel
 from jaxrl_llm.tpu import model_shapes
 from jaxrl_llm.workers import weights, wire
 
-SHAPES = {
-    "smollm2-135m": dict(  # HuggingFaceTB/SmolLM2-135M-Instruct's config.json
-        architectures=["LlamaForCausalLM"],
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        hidden_act="silu",
-    ),
+SHAPES = {  # config.json shapes (`tpu.model_shapes.HUB_CONFIGS`)
+    "smollm2-135m": model_shapes.HUB_CONFIGS["HuggingFaceTB/SmolLM2-135M-Instruct"],
     "qwen2.5-0.5b": model_shapes.HUB_CONFIGS["Qwen/Qwen2.5-0.5B-Instruct"],
 }
 TOKEN_ENV = "WEIGHT_SYNC_TOKEN"

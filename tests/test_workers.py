@@ -1,6 +1,7 @@
 """Rollout workers in their own processes: the wire, weight sync, a worker serving the
 stream seam, a worker killed mid-step."""
 
+import importlib.util
 import threading
 
 import jax
@@ -82,11 +83,61 @@ def test_frames_refuse_unknown_dtypes_and_oversized_hellos():
             wire.recv(b, max_header=wire.HELLO_BYTES)
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rollout.workers": -1}, "rollout.workers=-1: must be an integer >= 0"),
+        ({"rollout.workers": 1}, r"rollout workers serve rollout.mode='split' \(got 'sync'\)"),
+        (
+            {"rollout.mode": "split", "rollout.workers": 2, "rollout.worker_addresses": "a:1"},
+            "1 addresses for rollout.workers=2",
+        ),
+        (
+            {"rollout.mode": "split", "rollout.workers": 1, "rollout.worker_addresses": "a:b"},
+            "'a:b' is not host:port",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
+                "mesh.rollout_devices": 4,
+            },
+            "mesh.rollout_devices=4: with rollout.workers the workers sample",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
+                "model.lora.rank": 4,
+            },
+            "model.lora.rank=4: rollout.workers does not serve it yet",
+        ),
+    ],
+)
+def test_worker_config_checks(tmp_path, changes, message):
+    from tiny_run import make_model_dir, tiny_config
+
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    for key, value in changes.items():
+        section, _, name = key.rpartition(".")
+        node = c
+        for part in section.split("."):
+            node = node[part]
+        node[name] = value
+    with pytest.raises(ConfigError, match=message):
+        validate(c)
+
+
 # ------------------------------------------------------------------ worker processes
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    """Two worker processes (2 devices each, mesh fsdp 2: not the tests' 4 x 2) serving
-    the tiny model's config; -> (config, model dir, [(process, address)])."""
+    """Two worker processes (4 devices each, mesh fsdp 4: `mesh.rollout`'s default over
+    them, not the tests' fsdp 4 x tensor 2) serving the tiny model's config; -> (config,
+    model dir, [(process, address)])."""
     import os
     import subprocess
     import sys
@@ -95,7 +146,7 @@ def workers(tmp_path_factory):
 
     path = make_model_dir(str(tmp_path_factory.mktemp("workers") / "model"))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=2")
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
     env = os.environ | {
         "TINY_MODEL_DIR": path,
         "JAXRL_WORKER_TOKEN": TOKEN,
@@ -104,7 +155,6 @@ def workers(tmp_path_factory):
     }
     command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
     command += ["--config=" + os.path.join(repo, "tests", "tiny_run.py")]
-    command += ["--config.mesh.fsdp=2", "--config.mesh.tensor=1"]
     procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in "ab"]
     try:
         started = []
@@ -121,7 +171,7 @@ def workers(tmp_path_factory):
 
 def _local_reference(config, path, spec, prompts, chunk):
     """Each step's (output, token_versions) from a local `StaticStream` on a mesh of the
-    workers' shape (fsdp 2; in bfloat16 another shape moves log-probs by ~1e-4: other
+    workers' shape (fsdp 4; in bfloat16 another shape moves log-probs by ~1e-4: other
     reduction orders), with the parameters cast to bfloat16 (what the wire carries);
     and the float32 parameters, sharded fsdp 4 x tensor 2."""
     from jaxrl_llm import config as config_lib
@@ -133,7 +183,7 @@ def _local_reference(config, path, spec, prompts, chunk):
     cfg = model_shapes.model_config(config)
     trainer = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
     _, params = models.builtin.load_model(path, trainer, "float32")
-    mesh = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, jax.devices()[:4])
     bf16 = jax.device_put(
         jax.tree.map(lambda x: x.astype("bfloat16"), params), models.param_shardings(cfg, mesh)
     )
@@ -152,6 +202,20 @@ def _prompts(n):
 
     rows = [[5, 6, 7], [1, 2, 3, 4, 9], [11], [4, 8]]
     return {s: sampling.pad_prompts(rows[s % 4 :] + rows[: s % 4], 0) for s in range(n)}
+
+
+def _greedy_steps(workers, chunk: int):
+    """4 greedy steps of 4 prompts x 2, 6 tokens -> (the worker processes as an engine,
+    the spec, the float32 parameters, {step: (ids, mask)}, each step's local output)."""
+    from jaxrl_llm import sampling
+    from jaxrl_llm.workers.remote import Workers
+
+    config, path, started = workers
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6, temperature=0.0)
+    prompts = _prompts(4)
+    params, want = _local_reference(config, path, spec, prompts, chunk=chunk)
+    remote = Workers(tuple(a for _, a in started), TOKEN, pad_id=0, seed=config.train.seed)
+    return remote, spec, params, prompts, want
 
 
 def _drain(stream, chunks: int = 20) -> dict:
@@ -179,15 +243,12 @@ def _same(got, want):
 def test_remote_stream_draws_what_the_local_stream_draws(workers):
     """Steps spread over two worker processes come back, greedy, token for token as a local
     `StaticStream` draws them (log-probs within 1e-5); a swap reaches every worker."""
-    from jaxrl_llm import sampling
+    from jaxrl_llm.sampling.engine import open_session
     from jaxrl_llm.workers.remote import RemoteStream
 
-    config, path, started = workers
-    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6, temperature=0.0)
-    prompts = _prompts(4)
-    params, want = _local_reference(config, path, spec, prompts, chunk=0)
-    addresses = [a for _, a in started]
-    stream = RemoteStream(addresses, TOKEN, params, 0, spec, pad_id=0, seed=config.train.seed)
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0)
+    stream = open_session(remote, "stream", params, 0, spec)
+    assert isinstance(stream, RemoteStream)
     try:
         for step, (ids, mask) in prompts.items():
             stream.submit(step, ids, mask, step)
@@ -207,13 +268,87 @@ def test_remote_stream_draws_what_the_local_stream_draws(workers):
 
 def test_a_worker_refuses_another_seed(workers):
     from jaxrl_llm import sampling
-    from jaxrl_llm.workers.remote import RemoteStream
+    from jaxrl_llm.workers.remote import RemoteStream, Workers
 
     config, path, started = workers
     params = models.builtin.load_model(path)[1]
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6)
     with pytest.raises(wire.WorkerError, match="train.seed: the trainer samples with 12345"):
-        RemoteStream([started[0][1]], TOKEN, params, 0, spec, pad_id=0, seed=12345)
+        RemoteStream(Workers((started[0][1],), TOKEN, seed=12345), params, 0, spec)
+
+
+RUN_CONFIG = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny_run import signal_config
+
+
+def get_config():
+    c = signal_config({model_dir!r})
+    c.train.num_steps, c.train.print_samples_every, c.train.log_every = 2, 1, 1
+    c.rollout.mode, c.rollout.max_staleness = "split", 0
+    c.mesh.fsdp, c.mesh.tensor = -1, 2
+    c.mesh.rollout_devices = {rollout_devices}
+    c.rollout.workers, c.rollout.worker_addresses = {n}, {addresses!r}
+    return c
+"""
+
+
+def _samples(workdir) -> list:
+    import json
+
+    with open(workdir / "samples.jsonl") as f:
+        return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in map(json.loads, f)]
+
+
+def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_path):
+    """rollout.workers=2: a trainer process of 4 devices (fsdp 2 x tensor 2) whose rollouts
+    come from the two worker processes (fsdp 4 each) samples, scores and trains exactly as
+    the split run whose rollout mesh is 4 devices of its own process (max_staleness 0, so
+    each step's version is fixed): the same samples and rewards, the same parameters."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxrl_llm import train
+    from jaxrl_llm.trainer import checkpoint
+
+    config, path, started = workers
+    tests = os.path.dirname(os.path.abspath(__file__))
+
+    def write(name, **kw):
+        file = tmp_path / f"{name}.py"
+        file.write_text(RUN_CONFIG.format(tests=tests, model_dir=path, **kw))
+        return file
+
+    local = write("local", rollout_devices=4, n=0, addresses="")
+    remote = write("remote", rollout_devices=0, n=2, addresses=",".join(a for _, a in started))
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    env = os.environ | {
+        "XLA_FLAGS": flags,
+        "JAXRL_WORKER_TOKEN": TOKEN,
+        "PYTHONPATH": os.path.dirname(tests),
+        "JAX_PLATFORMS": "cpu",
+    }
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={remote}"]
+    run = subprocess.run(
+        cmd + [f"--workdir={tmp_path / 'remote'}"], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("local_config", local)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    train.train(module.get_config(), str(tmp_path / "local"))
+    got, want = _samples(tmp_path / "remote"), _samples(tmp_path / "local")
+    assert {r[0] for r in got} == {1, 2} and got == want
+
+    def final(workdir):
+        with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:
+            return ck.restore(ck.latest_step())[0]["params"]
+
+    a, b = final(tmp_path / "remote"), final(tmp_path / "local")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_a_worker_killed_mid_step_loses_nothing(workers):
@@ -223,22 +358,15 @@ def test_a_worker_killed_mid_step_loses_nothing(workers):
     import os
     import signal
 
-    from jaxrl_llm import sampling
     from jaxrl_llm.workers.remote import RemoteStream
 
-    config, path, started = workers
-    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6, temperature=0.0)
-    prompts = _prompts(4)
-    params, want = _local_reference(config, path, spec, prompts, chunk=2)
-    addresses = [a for _, a in started]
-    stream = RemoteStream(
-        addresses, TOKEN, params, 0, spec, pad_id=0, seed=config.train.seed, chunk=2
-    )
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=2)
+    stream = RemoteStream(remote, params, 0, spec, chunk=2)
     try:
         for step, (ids, mask) in prompts.items():
             stream.submit(step, ids, mask, step)
         assert stream.run_chunk() == [] and stream.in_flight  # 2 of 6 tokens drawn
-        victim = started[1][0]
+        victim = workers[2][1][0]  # the second worker's process
         held = set(stream.links[1].steps)
         assert len(held) == 2
         os.kill(victim.pid, signal.SIGKILL)

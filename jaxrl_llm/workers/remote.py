@@ -1,8 +1,9 @@
 """`RemoteStream`: the stream seam (`sampling.engine.StepStream`) over rollout workers, each
 its own JAX world (`workers.serve`), so the rollout thread is written once for both.
 
-    stream = RemoteStream(["10.0.0.7:7070", "10.0.0.8:7070"], token, params, version,
-                          spec, pad_id=pad, seed=config.train.seed, chunk=0)
+    workers = Workers(("10.0.0.7:7070", "10.0.0.8:7070"), token, pad_id=pad,
+                      seed=config.train.seed)
+    stream = open_session(workers, "stream", params, version, spec, chunk=0)  # RemoteStream
     stream.submit(step, prompt_ids, prompt_mask, key)    # to the least loaded worker
     stream.swap(params, version)        # one host copy, pushed to every worker (`weights`)
     for step in stream.run_chunk():     # every busy worker runs one chunk, in parallel
@@ -28,7 +29,23 @@ import dataclasses
 import numpy as np
 
 from jaxrl_llm.sampling.decode import SampleOutput
+from jaxrl_llm.sampling.engine import SESSIONS
 from jaxrl_llm.workers import weights, wire
+
+
+@dataclasses.dataclass(frozen=True)
+class Workers:
+    """Rollout workers as an engine for `sampling.open_session` ('stream' only): their
+    host:port addresses, the shared token, the pad id and seed their engines sample with
+    (a worker refuses another seed), and the dtype the weights cross the wire in
+    (`weights.host_copy`; None: each parameter's own)."""
+
+    addresses: tuple
+    token: str = dataclasses.field(repr=False)
+    pad_id: int = 0
+    seed: int = 0
+    dtype: str | None = "bfloat16"
+    connect_timeout_s: float = 60.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -43,31 +60,17 @@ class _Link:
 
 
 class RemoteStream:
-    """`StepStream` over workers at `addresses` (host:port), authorized by `token`; args
-    as `StaticStream`'s, plus the engine's pad_id and seed (a worker refuses another seed)
-    and the wire dtype of the weights (`weights.host_copy`)."""
+    """`StepStream` over `workers` (a `Workers`); args as `StaticStream`'s."""
 
-    def __init__(
-        self,
-        addresses,
-        token: str,
-        params,
-        version: int,
-        spec,
-        *,
-        pad_id: int,
-        seed: int,
-        chunk: int = 0,
-        dtype: str | None = "bfloat16",
-        connect_timeout_s: float = 60.0,
-    ):
-        self.spec, self.dtype, self.version, self.detail = spec, dtype, version, "remote"
-        self.links = [_Link(a, wire.connect(a, token, connect_timeout_s)) for a in addresses]
+    def __init__(self, workers: Workers, params, version: int, spec, *, chunk: int = 0):
+        w = workers
+        self.spec, self.dtype, self.version, self.detail = spec, w.dtype, version, "remote"
+        self.links = [_Link(a, wire.connect(a, w.token, w.connect_timeout_s)) for a in w.addresses]
         self.queued: dict = {}  # step -> (prompt_ids, prompt_mask, key): not returned yet
         self.finished: dict = {}  # step -> (output, token_versions)
         self.orphans: list = []  # steps of lost workers, not given to another yet
         self.stats = {"decode_chunks": 0, "swaps": 0, "requeued": 0, "workers_lost": 0}
-        opened = dict(spec=dataclasses.asdict(spec), chunk=chunk, pad_id=pad_id, seed=seed)
+        opened = dict(spec=dataclasses.asdict(spec), chunk=chunk, pad_id=w.pad_id, seed=w.seed)
         self._exchange(self.links, "open", opened)
         self._push(params, version)
 
@@ -174,3 +177,6 @@ def _output(arrays: dict, step: int, num_generations: int) -> tuple:
     got = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
     token_versions = got.pop("token_versions")
     return SampleOutput(**got, num_generations=num_generations), token_versions
+
+
+SESSIONS[Workers] = {"stream": RemoteStream}  # open_session(workers, "stream", ...)

@@ -4,10 +4,13 @@
     JAXRL_WORKER_TOKEN=<secret> python -m jaxrl_llm.workers.serve \
         --config=configs/quickstart.py --port=7070 [--host=0.0.0.0] [--config.KEY=VALUE ...]
 
-The config names the model (its shapes only: the weights come from the trainer), the
-worker's mesh (`mesh.*`, over this process's devices) and its engine (`rollout.engine`,
-`rollout.paged.*`, `train.seed`); the trainer (`workers.remote.RemoteStream`) sends the
-rest. Requests, one frame each (`wire`), answered in order:
+The config is the trainer's: it names the model (its shapes only: the weights come from
+the trainer), the worker's mesh (`mesh.rollout`, the rollout mesh's shape, over this
+process's devices) and its engine (`rollout.engine`, `rollout.paged.*`, `train.seed`,
+`rollout.bucket_steps`); the trainer (`workers.remote.RemoteStream`) sends the rest. It
+is checked as a synchronous run's on this process's devices with that mesh
+(`worker_config`), so its rollout batch must split over it. Requests, one frame each
+(`wire`), answered in order:
 
 - `open` (spec, chunk, pad_id, seed): builds the engine (once per pad id); a new
   session opens with the next weights.
@@ -26,6 +29,7 @@ answered with one `error` frame and the worker goes on.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import socket
@@ -42,7 +46,6 @@ from jaxrl_llm.sampling.engine import open_session
 from jaxrl_llm.tpu import model_shapes
 from jaxrl_llm.workers import weights, wire
 
-TOKEN_ENV = "JAXRL_WORKER_TOKEN"
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is dropped
 
 
@@ -51,7 +54,7 @@ class Worker:
 
     def __init__(self, raw_config, devices=None):
         # Checked as a run's config is, with the speed settings the trainer picks too.
-        self.config = config = config_lib.prepare(raw_config, devices).config
+        self.config = config = config_lib.prepare(worker_config(raw_config), devices).config
         self.cfg = model_shapes.model_config(config)  # shapes only: the weights come later
         self.mesh = parallel.make_mesh(config_lib.mesh_axes(config.mesh), devices)
         self.engines: dict = {}  # pad id -> engine
@@ -123,6 +126,17 @@ class Worker:
         return fields, arrays
 
 
+def worker_config(config):
+    """The trainer's config as this worker's world sees it: a synchronous run whose mesh is
+    the rollout mesh's shape (`mesh.rollout`) over the worker's devices."""
+    c = copy.deepcopy(config)
+    with c.unlocked():
+        c.mesh.update(config_lib.mesh_axes(c.mesh.rollout))
+        c.mesh.rollout_devices = 0
+        c.rollout.mode, c.rollout.partial, c.rollout.workers = "sync", False, 0
+    return c
+
+
 def serve(worker: Worker, listener: socket.socket, token: str) -> None:
     """Answers trainer connections one after another, forever."""
     while True:
@@ -161,9 +175,11 @@ def main(argv) -> None:
     from absl import flags
 
     del argv
-    token = os.environ.get(TOKEN_ENV, "")
+    token = os.environ.get(wire.TOKEN_ENV, "")
     if not token:
-        raise UserError(TOKEN_ENV, "not set", "export the shared secret the trainer's workers use")
+        raise UserError(
+            wire.TOKEN_ENV, "not set", "export the shared secret the trainer's workers use"
+        )
     config = flags.FLAGS.config
     worker = Worker(config)
     listener = wire.listen(flags.FLAGS.host, flags.FLAGS.port)

@@ -33,6 +33,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
+TOKEN_ENV = "JAXRL_WORKER_TOKEN"  # where a worker, and a trainer with workers, find it
 MAGIC = b"JRLW"
 PROTOCOL = 1
 _PREFIX = struct.Struct("<4sIQ")  # magic, protocol version, header bytes
