@@ -3,6 +3,7 @@ stream seam, a worker killed mid-step."""
 
 import importlib.util
 import threading
+import types
 
 import jax
 import ml_dtypes
@@ -135,9 +136,10 @@ def test_worker_config_checks(tmp_path, changes, message):
 # ------------------------------------------------------------------ worker processes
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    """Two worker processes (4 devices each, mesh fsdp 4: `mesh.rollout`'s default over
-    them, not the tests' fsdp 4 x tensor 2) serving the tiny model's config; -> (config,
-    model dir, [(process, address)])."""
+    """Three worker processes (4 devices each, mesh fsdp 4: `mesh.rollout`'s default over
+    them, not the tests' fsdp 4 x tensor 2) serving the tiny model's config, two with the
+    static engine, one with the paged; -> .config, .path (the model's), .static
+    [(process, address)] and .paged (process, address)."""
     import os
     import subprocess
     import sys
@@ -155,14 +157,22 @@ def workers(tmp_path_factory):
     }
     command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
     command += ["--config=" + os.path.join(repo, "tests", "tiny_run.py")]
-    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in "ab"]
+    engines = ["static", "static", "paged"]
+    procs = [
+        subprocess.Popen(
+            command + [f"--config.rollout.engine={e}"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for e in engines
+    ]
     try:
         started = []
         for p in procs:
             line = p.stdout.readline()
             assert line.startswith("worker listening on "), line
             started.append((p, line.split()[-1]))
-        yield tiny_config(path), path, started
+        yield types.SimpleNamespace(
+            config=tiny_config(path), path=path, static=started[:2], paged=started[2]
+        )
     finally:
         for p in procs:
             p.kill()
@@ -170,10 +180,10 @@ def workers(tmp_path_factory):
 
 
 def _local_reference(config, path, spec, prompts, chunk):
-    """Each step's (output, token_versions) from a local `StaticStream` on a mesh of the
-    workers' shape (fsdp 4; in bfloat16 another shape moves log-probs by ~1e-4: other
-    reduction orders), with the parameters cast to bfloat16 (what the wire carries);
-    and the float32 parameters, sharded fsdp 4 x tensor 2."""
+    """Each step's (output, token_versions) from a local stream of the config's engine on
+    a mesh of the workers' shape (fsdp 4; in bfloat16 another shape moves log-probs by
+    ~1e-4: other reduction orders), with the parameters cast to bfloat16 (what the wire
+    carries); and the float32 parameters, sharded fsdp 4 x tensor 2."""
     from jaxrl_llm import config as config_lib
     from jaxrl_llm.rollout.sources import make_sampler
     from jaxrl_llm.sampling.engine import open_session
@@ -204,16 +214,19 @@ def _prompts(n):
     return {s: sampling.pad_prompts(rows[s % 4 :] + rows[: s % 4], 0) for s in range(n)}
 
 
-def _greedy_steps(workers, chunk: int):
-    """4 greedy steps of 4 prompts x 2, 6 tokens -> (the worker processes as an engine,
-    the spec, the float32 parameters, {step: (ids, mask)}, each step's local output)."""
+def _greedy_steps(workers, chunk: int, engine: str = "static"):
+    """4 greedy steps of 4 prompts x 2, 6 tokens -> (the worker processes of `engine` as
+    an engine, the spec, the float32 parameters, {step: (ids, mask)}, each step's local
+    output)."""
     from jaxrl_llm import sampling
     from jaxrl_llm.workers.remote import Workers
 
-    config, path, started = workers
+    config = workers.config.copy_and_resolve_references()
+    config.rollout.engine = engine
+    started = workers.static if engine == "static" else [workers.paged]
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6, temperature=0.0)
     prompts = _prompts(4)
-    params, want = _local_reference(config, path, spec, prompts, chunk=chunk)
+    params, want = _local_reference(config, workers.path, spec, prompts, chunk=chunk)
     remote = Workers(tuple(a for _, a in started), TOKEN, pad_id=0, seed=config.train.seed)
     return remote, spec, params, prompts, want
 
@@ -266,15 +279,34 @@ def test_remote_stream_draws_what_the_local_stream_draws(workers):
         stream.close()
 
 
+def test_a_paged_worker_draws_what_the_local_paged_stream_draws(workers):
+    """rollout.engine=paged in the worker's config: its `PagedStream` (the steps' rows
+    sharing the slots) returns each step over the wire as the local `PagedStream` draws
+    it, token versions per token included."""
+    from jaxrl_llm.sampling.engine import open_session
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0, engine="paged")
+    stream = open_session(remote, "stream", params, 0, spec)
+    try:
+        for step, (ids, mask) in prompts.items():
+            stream.submit(step, ids, mask, step)
+        got = _drain(stream)
+        assert sorted(got) == sorted(want)
+        for step in got:
+            assert got[step][1].shape == (8, 6)  # [N, T]: the paged stream's versions
+            _same(got[step], want[step])
+    finally:
+        stream.close()
+
+
 def test_a_worker_refuses_another_seed(workers):
     from jaxrl_llm import sampling
     from jaxrl_llm.workers.remote import RemoteStream, Workers
 
-    config, path, started = workers
-    params = models.builtin.load_model(path)[1]
+    params = models.builtin.load_model(workers.path)[1]
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6)
     with pytest.raises(wire.WorkerError, match="train.seed: the trainer samples with 12345"):
-        RemoteStream(Workers((started[0][1],), TOKEN, seed=12345), params, 0, spec)
+        RemoteStream(Workers((workers.static[0][1],), TOKEN, seed=12345), params, 0, spec)
 
 
 RUN_CONFIG = """
@@ -313,16 +345,16 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_pat
     from jaxrl_llm import train
     from jaxrl_llm.trainer import checkpoint
 
-    config, path, started = workers
     tests = os.path.dirname(os.path.abspath(__file__))
 
     def write(name, **kw):
         file = tmp_path / f"{name}.py"
-        file.write_text(RUN_CONFIG.format(tests=tests, model_dir=path, **kw))
+        file.write_text(RUN_CONFIG.format(tests=tests, model_dir=workers.path, **kw))
         return file
 
     local = write("local", rollout_devices=4, n=0, addresses="")
-    remote = write("remote", rollout_devices=0, n=2, addresses=",".join(a for _, a in started))
+    addresses = ",".join(a for _, a in workers.static)
+    remote = write("remote", rollout_devices=0, n=2, addresses=addresses)
     flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
     env = os.environ | {
         "XLA_FLAGS": flags,
@@ -366,7 +398,7 @@ def test_a_worker_killed_mid_step_loses_nothing(workers):
         for step, (ids, mask) in prompts.items():
             stream.submit(step, ids, mask, step)
         assert stream.run_chunk() == [] and stream.in_flight  # 2 of 6 tokens drawn
-        victim = workers[2][1][0]  # the second worker's process
+        victim = workers.static[1][0]
         held = set(stream.links[1].steps)
         assert len(held) == 2
         os.kill(victim.pid, signal.SIGKILL)
