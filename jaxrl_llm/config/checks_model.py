@@ -26,6 +26,7 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
     from jaxrl_llm import parallel
 
     m, split = config.mesh, config.get("rollout", {}).get("mode") == "split"
+    split = split and not config.rollout.get("workers", 0)  # with workers: no rollout mesh
     n = m.get("rollout_devices", 0)
     if split and num_devices < 2:
         on_cpu = jax.default_backend() == "cpu"
@@ -45,6 +46,8 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
         + (
             f"rollout.mode='split' needs 1 .. {num_devices - 1} of the {num_devices} devices"
             if split
+            else "with rollout.workers the workers sample and every device here trains; set it to 0"
+            if config.get("rollout", {}).get("workers", 0)
             else "only rollout.mode='split' uses a rollout mesh; set it to 0"
         ),
     )

@@ -1,6 +1,7 @@
 """The checks of the `rollout` section: the batch and its split over the mesh, sampling
 settings, the rollout mode (sync / overlap / split) with its staleness and partial
-rollouts, and the engine (static or paged) with the paged engine's settings.
+rollouts, rollout workers in processes of their own, and the engine (static or paged)
+with the paged engine's settings.
 
 Part of the run config's checks (`checks.validate` runs them in order); `check_batch_size`
 is also the check of any other global batch (the SFT trainer's).
@@ -79,13 +80,50 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
         f"(at most {MAX_PARTIAL_CHUNKS} chunks)",
     )
     check_engine(config, process_count)
-    if r.mode == "split":
+    check_workers(config)
+    if r.mode == "split" and not r.workers:
         require(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")
         from jaxrl_llm import parallel
 
         m = config.mesh
         shape = parallel.mesh_shape(mesh_axes(m.rollout), m.rollout_devices)
         check_batch_size("rollout.batch_size", r.batch_size, shape, 1)
+
+
+def check_workers(config) -> None:
+    """rollout.workers and rollout.worker_addresses: N addresses host:port, split mode,
+    single-turn rollouts of plain weights (docs/workers.md says what is not built)."""
+    r = config.rollout
+    n = r.get("workers", 0)
+    require(
+        isinstance(n, int) and n >= 0,
+        f"rollout.workers={n!r}: must be an integer >= 0 (0 = the rollout runs here)",
+    )
+    if not n:
+        return
+    require(
+        r.mode == "split",
+        f"rollout.workers={n}: rollout workers serve rollout.mode='split' (got {r.mode!r})",
+    )
+    addresses = [a.strip() for a in str(r.worker_addresses).split(",") if a.strip()]
+    require(
+        len(addresses) == n,
+        f"rollout.worker_addresses={r.worker_addresses!r}: {len(addresses)} addresses for "
+        f"rollout.workers={n}; give 'host:port' of each, comma-separated",
+    )
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        require(
+            bool(host) and port.isdigit() and 0 < int(port) < 65536,
+            f"rollout.worker_addresses: {a!r} is not host:port",
+        )
+    others = {
+        "env.name": config.get("env", {}).get("name"),
+        "agent.entry": config.get("agent", {}).get("entry"),
+        "model.lora.rank": config.model.lora.get("rank"),
+    }
+    for key, value in others.items():
+        require(not value, f"{key}={value!r}: rollout.workers does not serve it yet; unset it")
 
 
 def check_engine(config, process_count: int) -> None:

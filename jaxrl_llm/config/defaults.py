@@ -177,6 +177,13 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # each turn); each token keeps the log-prob of the version that drew it.
     r.partial = False
     r.partial_chunk = 16
+    # split: N > 0 rollout worker processes sample instead of a rollout mesh here (each its
+    # own JAX world: `python -m jaxrl_llm.workers.serve`, docs/workers.md), at
+    # worker_addresses ("host:port,host:port", N of them; the shared secret in the
+    # JAXRL_WORKER_TOKEN environment variable); the weights go to them after each update.
+    # 0 = the rollout runs in this process.
+    r.workers = 0
+    r.worker_addresses = ""
     # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
     # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand

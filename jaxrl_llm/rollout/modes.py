@@ -37,6 +37,10 @@ def make_source(config, s: Sampling, algo, env_rollout=None):
         return Threaded(s, config, player=env_rollout, max_staleness=1, copy=True)
     if config.rollout.mode == "overlap" and not s.sampler.dispatches_ahead:
         return Threaded(s, config, max_staleness=1, copy=True)  # one session across steps
+    if config.rollout.mode == "split" and s.workers is not None:  # rollout.workers
+        # The parameters stay on the training mesh, which the update donates: the thread
+        # sends a copy.
+        return Threaded(s, config, copy=True)
     source = SOURCES[config.rollout.mode](s, config)
     if algo.dynamic_sampling:
         source = Refilled(source, s, algo.max_resample_rounds)

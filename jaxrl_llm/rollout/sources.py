@@ -58,7 +58,9 @@ class Sampling:
     """What every source samples and scores with.
 
     rounds: key indices per step (DAPO's refill rounds draw with step * rounds + round);
-    guard: the transfer guard a thread of the source holds (a context-manager factory)."""
+    guard: the transfer guard a thread of the source holds (a context-manager factory);
+    workers: the rollout thread's engine when rollout.workers > 0 (the sampler then
+    serves evaluation only)."""
 
     sampler: sampling.Sampler  # or a sampling.PagedSampler (`make_sampler`)
     spec: sampling.RolloutSpec
@@ -69,6 +71,9 @@ class Sampling:
     compile_log: object  # startup.CompileLog: names the sampler's compiles
     rounds: int = 1
     guard: object = contextlib.nullcontext
+    # rollout.workers: the worker processes (`workers.remote.Workers`) whose stream
+    # session the rollout thread opens instead of the sampler's; None: the sampler's.
+    workers: object = None
 
     def sample(self, params, batch, step: int, round: int = 0, version: int | None = None):
         """G completions of each prompt of `batch` by `params`, whose version is `version`

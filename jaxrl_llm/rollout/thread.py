@@ -30,6 +30,9 @@ that started it); with it at once (the rows in flight draw on with them).
   partial rollouts preempts the rows in flight (recomputed by the new parameters).
   `token_versions` [N, T] gives the version that drew each token (-1 past the row's end).
 
+- Rollout workers (`rollout.workers`, `workers.remote.RemoteStream`): the same stream
+  over worker processes, each step sampled whole by one of them (docs/workers.md).
+
 A row's `policy_version` is the version that started it, the step's version the oldest
 of its rows.
 
@@ -192,8 +195,9 @@ class RolloutThread:
                 return
             params, version = got
             if session is None:
+                engine = s.sampler if s.workers is None else s.workers  # rollout.workers
                 session = open_session(
-                    s.sampler, "stream", params, version, s.spec, chunk=self.partial_chunk
+                    engine, "stream", params, version, s.spec, chunk=self.partial_chunk
                 )
             if version != session.version and (self.partial or not session.in_flight):
                 session.swap(params, version)

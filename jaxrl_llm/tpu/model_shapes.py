@@ -9,7 +9,8 @@ from jaxrl_llm import models
 from jaxrl_llm.config.derived import ConfigError
 
 # config.json shapes of the hub models the shipped TPU configs name (so a compile-only
-# run needs no download); any other model: a local directory or a built-in name.
+# run needs no download), and SmolLM2-135M's (the weight-sync benchmark's); any other
+# model: a local directory or a built-in name.
 HUB_CONFIGS = {
     "Qwen/Qwen3-1.7B": dict(
         architectures=["Qwen3ForCausalLM"],
@@ -68,6 +69,20 @@ HUB_CONFIGS = {
             high_freq_factor=4.0,
             original_max_position_embeddings=8192,
         ),
+    ),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
     ),
     "Qwen/Qwen2.5-0.5B-Instruct": dict(
         architectures=["Qwen2ForCausalLM"],

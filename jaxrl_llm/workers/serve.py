@@ -1,0 +1,205 @@
+"""A rollout worker: its own JAX world (process, devices, mesh) serving a stream session
+(`sampling.engine.StepStream`) to a trainer over TCP.
+
+    JAXRL_WORKER_TOKEN=<secret> python -m jaxrl_llm.workers.serve \
+        --config=configs/quickstart.py --port=7070 [--host=0.0.0.0] [--config.KEY=VALUE ...]
+
+The config is the trainer's: it names the model (its shapes only: the weights come from
+the trainer), the worker's mesh (`mesh.rollout`, the rollout mesh's shape, over this
+process's devices) and its engine (`rollout.engine`, `rollout.paged.*`, `train.seed`,
+`rollout.bucket_steps`); the trainer (`workers.remote.RemoteStream`) sends the rest. It
+is checked as a synchronous run's on this process's devices with that mesh
+(`worker_config`), so its rollout batch must split over it. Requests, one frame each
+(`wire`), answered in order:
+
+- `open` (spec, chunk, pad_id, seed): builds the engine (once per pad id); a new
+  session opens with the next weights.
+- `weights` (version; every parameter as an array, `weights`): placed on the mesh, the
+  session's `swap` (or its opening).
+- `submit` (step, key; prompt_ids, prompt_mask): the session's `submit`.
+- `run`: one `run_chunk` when busy -> the steps finished, each `SampleOutput` field and
+  the token_versions as arrays `<step>/<field>`, and the session's version, busy,
+  in_flight, detail, stats.
+- `close`: ends the connection.
+
+One trainer connection at a time, authorized by the shared secret in `JAXRL_WORKER_TOKEN`
+(`wire.authorize`); a new connection starts a new session. An exception in a request is
+answered with one `error` frame and the worker goes on.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import socket
+import sys
+
+import jax
+import numpy as np
+
+from jaxrl_llm import config as config_lib
+from jaxrl_llm import parallel, sampling
+from jaxrl_llm.errors import UserError
+from jaxrl_llm.rollout.sources import make_sampler
+from jaxrl_llm.sampling.engine import open_session
+from jaxrl_llm.tpu import model_shapes
+from jaxrl_llm.workers import weights, wire
+
+HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is dropped
+
+
+class Worker:
+    """The engine and its stream session behind one trainer connection."""
+
+    def __init__(self, raw_config, devices=None):
+        # Checked as a run's config is, with the speed settings the trainer picks too.
+        self.config = config = config_lib.prepare(worker_config(raw_config), devices).config
+        self.cfg = model_shapes.model_config(config)  # shapes only: the weights come later
+        self.mesh = parallel.make_mesh(config_lib.mesh_axes(config.mesh), devices)
+        self.engines: dict = {}  # pad id -> engine
+        self.reset()
+
+    def reset(self) -> None:
+        self.engine, self.spec, self.chunk, self.session = None, None, 0, None
+
+    def handle(self, kind: str, fields: dict, arrays: dict) -> tuple[dict, dict]:
+        """One request -> the reply's (fields, arrays)."""
+        if kind == "open":
+            return self._open(fields), {}
+        if self.engine is None:
+            raise wire.WorkerError(f"{kind!r} before 'open'")
+        if kind == "weights":
+            params = weights.place(arrays, self.cfg, self.mesh)
+            if self.session is None:
+                self.session = open_session(
+                    self.engine, "stream", params, fields["version"], self.spec, chunk=self.chunk
+                )
+            else:
+                self.session.swap(params, fields["version"])
+            return {"version": fields["version"]}, {}
+        if self.session is None:
+            raise wire.WorkerError(f"{kind!r} before the first weights")
+        if kind == "submit":
+            ids, mask = arrays["prompt_ids"], arrays["prompt_mask"]
+            self.session.submit(fields["step"], ids, mask, fields["key"])
+            return {}, {}
+        if kind == "run":
+            return self._run()
+        raise wire.WorkerError(f"unknown request {kind!r}")
+
+    def _open(self, fields: dict) -> dict:
+        seed = self.config.train.seed
+        if fields["seed"] != seed:
+            raise wire.WorkerError(
+                f"train.seed: the trainer samples with {fields['seed']}, this worker's "
+                f"config has {seed}; start the worker with the trainer's config"
+            )
+        pad = int(fields["pad_id"])
+        if pad not in self.engines:
+            self.engines[pad] = make_sampler(self.config, self.cfg, self.mesh, pad)
+        self.engine, self.session = self.engines[pad], None
+        self.spec = sampling.RolloutSpec(**fields["spec"])
+        self.chunk = int(fields["chunk"])
+        return {"devices": len(self.mesh.devices.flat), "engine": type(self.engine).__name__}
+
+    def _run(self) -> tuple[dict, dict]:
+        s = self.session
+        steps = s.run_chunk() if s.busy else []
+        arrays = {}
+        for step in steps:
+            out, token_versions = jax.device_get(s.output(step))
+            for f in dataclasses.fields(out):
+                value = getattr(out, f.name)
+                if value is not None and f.name != "num_generations":
+                    arrays[f"{step}/{f.name}"] = np.asarray(value)
+            arrays[f"{step}/token_versions"] = np.asarray(token_versions, np.int32)
+        stats = {k: v for k, v in s.stats.items() if isinstance(v, int | float)}
+        fields = dict(
+            steps=[int(x) for x in steps],
+            version=int(s.version),
+            busy=bool(s.busy),
+            in_flight=bool(s.in_flight),
+            detail=s.detail,
+            stats=stats,
+        )
+        return fields, arrays
+
+
+def worker_config(config):
+    """The trainer's config as this worker's world sees it: a synchronous run whose mesh is
+    the rollout mesh's shape (`mesh.rollout`) over the worker's devices."""
+    c = copy.deepcopy(config)
+    with c.unlocked():
+        c.mesh.update(config_lib.mesh_axes(c.mesh.rollout))
+        c.mesh.rollout_devices = 0
+        c.rollout.mode, c.rollout.partial, c.rollout.workers = "sync", False, 0
+    return c
+
+
+def serve(worker: Worker, listener: socket.socket, token: str) -> None:
+    """Answers trainer connections one after another, forever."""
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            try:
+                if not wire.authorize(conn, token):
+                    continue
+            except OSError:
+                continue
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            worker.reset()
+            _answer(worker, conn)
+
+
+def _answer(worker: Worker, conn: socket.socket) -> None:
+    while True:
+        try:
+            kind, fields, arrays = wire.recv(conn)
+        except (wire.Closed, OSError):
+            return  # the trainer went away: wait for the next one
+        if kind == "close":
+            wire.send(conn, "ok")
+            return
+        try:
+            reply = worker.handle(kind, fields, arrays)
+        except Exception as err:  # noqa: BLE001  (answered: the trainer raises it)
+            wire.send(conn, "error", {"message": f"{type(err).__name__}: {err}"})
+            continue
+        wire.send(conn, "ok", *reply)
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    del argv
+    token = os.environ.get(wire.TOKEN_ENV, "")
+    if not token:
+        raise UserError(
+            wire.TOKEN_ENV, "not set", "export the shared secret the trainer's workers use"
+        )
+    config = flags.FLAGS.config
+    worker = Worker(config)
+    listener = wire.listen(flags.FLAGS.host, flags.FLAGS.port)
+    host, port = listener.getsockname()[:2]
+    print(f"worker listening on {host}:{port}", flush=True)
+    serve(worker, listener, token)
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    from jaxrl_llm.errors import config_command
+
+    flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0: every one)")
+    flags.DEFINE_integer("port", 0, "port to listen on (0: a free one, printed)")
+    sys.exit(
+        config_command(
+            main,
+            "configs/<experiment>.py: the model, mesh and engine of this worker",
+            "unused by a worker",
+            workdir_required=False,
+        )
+    )

@@ -1,0 +1,88 @@
+"""Policy weights from the trainer's devices to a rollout worker's, over the host (TCP).
+
+    host = weights.host_copy(params)                       # {path: numpy bf16}, any layout
+    weights.send(sock, host, version=7)                    # one frame (`wire`)
+    ...                                                    # on the worker:
+    kind, fields, arrays = wire.recv(conn)
+    params = weights.place(arrays, cfg, mesh)              # the engine's shardings
+
+The host path works on every backend: each parameter is cast on its devices to the wire
+dtype (bfloat16 by default, what the rollout reads; `dtype=None` keeps each leaf's own),
+gathered to the trainer's host once per sync whatever its mesh layout, sent as one frame
+(a header of tree paths, shapes and dtypes, then the raw bytes), and put by the worker on
+its own mesh with `models.param_shardings(cfg, mesh)`, so trainer and worker meshes need
+not match. The bytes are the cast's bytes: `place(host_copy(p))` equals
+`p.astype(bfloat16)` bit for bit. One host copy serves every worker of a sync.
+
+Single trainer process only: a parameter that is not fully addressable here (a
+multi-host trainer) is refused; gathering it first is not built.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm import models
+from jaxrl_llm.workers import wire
+
+SEP = "/"  # between the keys of a parameter's tree path on the wire
+
+
+def flatten(params, prefix: tuple = ()) -> dict:
+    """{('layers', 'q'): leaf} of a nested dict of parameters."""
+    out = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out |= flatten(value, prefix + (key,))
+        else:
+            out[prefix + (key,)] = value
+    return out
+
+
+def host_copy(params, dtype: str | None = "bfloat16") -> dict:
+    """{'layers/q': numpy array} of `params` cast to `dtype` on their devices (None: as
+    they are), fetched to this host."""
+    flat = flatten(params)
+    for path, x in flat.items():
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            raise ValueError(
+                f"parameter {SEP.join(path)} spans processes; weight sync from a "
+                f"multi-host trainer is not built (the trainer must be one process)"
+            )
+    cast = flat if dtype is None else {p: jnp.asarray(x).astype(dtype) for p, x in flat.items()}
+    fetched = jax.device_get(cast)  # one wait for every transfer
+    return {SEP.join(map(str, p)): np.asarray(x) for p, x in fetched.items()}
+
+
+def send(sock, host: dict, version: int) -> None:
+    """One `weights` frame: the host copy and its policy version."""
+    wire.send(sock, "weights", {"version": int(version)}, host)
+
+
+def place(arrays: dict, cfg, mesh) -> dict:
+    """The received {path: array} as the model's parameter tree on `mesh`, each with its
+    sharding from the rule table; a missing, extra or misshapen parameter is an error
+    naming it (the worker's model is not the trainer's)."""
+    specs = {SEP.join(map(str, p)): (p, s) for p, s in models.param_specs(cfg).items()}
+    missing, extra = sorted(specs.keys() - arrays.keys()), sorted(arrays.keys() - specs.keys())
+    if missing or extra:
+        raise wire.WorkerError(
+            f"weights do not fit this worker's model: missing {missing[:3]}, extra {extra[:3]}"
+        )
+    shardings = flatten(models.param_shardings(cfg, mesh))
+    placed = {}
+    for name, (path, spec) in specs.items():
+        x = arrays[name]
+        if tuple(x.shape) != spec.shape:
+            raise wire.WorkerError(
+                f"weights: parameter {name} has shape {x.shape}, this worker's model {spec.shape}"
+            )
+        placed[path] = jax.device_put(x, shardings[path])
+    return models.params.unflatten(placed)
+
+
+def nbytes(host: dict) -> int:
+    """Bytes a sync of this host copy sends."""
+    return sum(x.nbytes for x in host.values())

@@ -1,0 +1,413 @@
+"""Rollout workers in their own processes: the wire, weight sync, a worker serving the
+stream seam, a worker killed mid-step."""
+
+import importlib.util
+import threading
+import types
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from tiny_run import tiny_model_config
+
+from jaxrl_llm import models, parallel
+from jaxrl_llm.workers import weights, wire
+
+TOKEN = "test-token-0123456789"
+
+
+def _receive_once(listener, cfg, mesh, got: dict) -> None:
+    """A worker's side of one sync: authorize, receive, place, acknowledge."""
+    conn, _ = listener.accept()
+    with conn:
+        if not wire.authorize(conn, TOKEN):
+            got["refused"] = True
+            return
+        kind, fields, arrays = wire.recv(conn)
+        got["params"] = weights.place(arrays, cfg, mesh)
+        got["version"] = fields["version"]
+        wire.send(conn, "ok", {"version": fields["version"]})
+
+
+def test_weights_round_trip_to_another_mesh_bitwise():
+    """Parameters sharded fsdp 4 x tensor 2 arrive on a 2-device fsdp mesh equal, bit for
+    bit, to `params.astype(bfloat16)`, with their version, each with its engine sharding."""
+    cfg = tiny_model_config()
+    src = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, jax.devices())
+    dst = parallel.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[6:])
+    params = models.init_params(cfg, seed=1, mesh=src)
+    listener = wire.listen("127.0.0.1", 0)
+    got: dict = {}
+    t = threading.Thread(target=_receive_once, args=(listener, cfg, dst, got))
+    t.start()
+    with wire.connect(f"127.0.0.1:{listener.getsockname()[1]}", TOKEN) as sock:
+        weights.send(sock, weights.host_copy(params), version=7)
+        assert wire.recv(sock)[1] == {"version": 7}
+    t.join()
+    listener.close()
+    assert got["version"] == 7
+    want = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16), params)
+    shardings = models.param_shardings(cfg, dst)
+    for (path, a), b, s in zip(
+        jax.tree_util.tree_leaves_with_path(got["params"]),
+        jax.tree.leaves(want),
+        jax.tree.leaves(shardings),
+        strict=True,
+    ):
+        assert a.dtype == jax.numpy.bfloat16 and a.sharding == s, path
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), b.view(np.uint16))
+
+
+def test_wrong_token_is_refused_with_one_line():
+    cfg = tiny_model_config()
+    listener = wire.listen("127.0.0.1", 0)
+    got: dict = {}
+    t = threading.Thread(target=_receive_once, args=(listener, cfg, None, got))
+    t.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    with pytest.raises(wire.WorkerError, match=f"worker {address} refused .*: wrong token"):
+        wire.connect(address, "not-the-token")
+    t.join()
+    listener.close()
+    assert got == {"refused": True}
+
+
+def test_frames_refuse_unknown_dtypes_and_oversized_hellos():
+    """No pickled objects on the wire, and nothing big before the token is checked."""
+    a, b = wire.socket.socketpair()
+    with a, b:
+        with pytest.raises(TypeError, match="dtype object"):
+            wire.send(a, "x", {}, {"o": np.array([None], object)})
+        wire.send(a, "hello", {"token": "t" * (2 * wire.HELLO_BYTES)})
+        with pytest.raises(wire.WorkerError, match="header of .* refused"):
+            wire.recv(b, max_header=wire.HELLO_BYTES)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rollout.workers": -1}, "rollout.workers=-1: must be an integer >= 0"),
+        ({"rollout.workers": 1}, r"rollout workers serve rollout.mode='split' \(got 'sync'\)"),
+        (
+            {"rollout.mode": "split", "rollout.workers": 2, "rollout.worker_addresses": "a:1"},
+            "1 addresses for rollout.workers=2",
+        ),
+        (
+            {"rollout.mode": "split", "rollout.workers": 1, "rollout.worker_addresses": "a:b"},
+            "'a:b' is not host:port",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
+                "mesh.rollout_devices": 4,
+            },
+            "mesh.rollout_devices=4: with rollout.workers the workers sample",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
+                "model.lora.rank": 4,
+            },
+            "model.lora.rank=4: rollout.workers does not serve it yet",
+        ),
+    ],
+)
+def test_worker_config_checks(tmp_path, changes, message):
+    from tiny_run import make_model_dir, tiny_config
+
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    for key, value in changes.items():
+        section, _, name = key.rpartition(".")
+        node = c
+        for part in section.split("."):
+            node = node[part]
+        node[name] = value
+    with pytest.raises(ConfigError, match=message):
+        validate(c)
+
+
+# ------------------------------------------------------------------ worker processes
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Three worker processes (4 devices each, mesh fsdp 4: `mesh.rollout`'s default over
+    them, not the tests' fsdp 4 x tensor 2) serving the tiny model's config, two with the
+    static engine, one with the paged; -> .config, .path (the model's), .static
+    [(process, address)] and .paged (process, address)."""
+    import os
+    import subprocess
+    import sys
+
+    from tiny_run import make_model_dir, tiny_config
+
+    path = make_model_dir(str(tmp_path_factory.mktemp("workers") / "model"))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    env = os.environ | {
+        "TINY_MODEL_DIR": path,
+        "JAXRL_WORKER_TOKEN": TOKEN,
+        "XLA_FLAGS": flags,
+        "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
+    command += ["--config=" + os.path.join(repo, "tests", "tiny_run.py")]
+    engines = ["static", "static", "paged"]
+    procs = [
+        subprocess.Popen(
+            command + [f"--config.rollout.engine={e}"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for e in engines
+    ]
+    try:
+        started = []
+        for p in procs:
+            line = p.stdout.readline()
+            assert line.startswith("worker listening on "), line
+            started.append((p, line.split()[-1]))
+        yield types.SimpleNamespace(
+            config=tiny_config(path), path=path, static=started[:2], paged=started[2]
+        )
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _local_reference(config, path, spec, prompts, chunk):
+    """Each step's (output, token_versions) from a local stream of the config's engine on
+    a mesh of the workers' shape (fsdp 4; in bfloat16 another shape moves log-probs by
+    ~1e-4: other reduction orders), with the parameters cast to bfloat16 (what the wire
+    carries); and the float32 parameters, sharded fsdp 4 x tensor 2."""
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.rollout.sources import make_sampler
+    from jaxrl_llm.sampling.engine import open_session
+    from jaxrl_llm.tpu import model_shapes
+
+    config = config_lib.prepare(config).config  # the speed settings a run (and a worker) picks
+    cfg = model_shapes.model_config(config)
+    trainer = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    _, params = models.builtin.load_model(path, trainer, "float32")
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, jax.devices()[:4])
+    bf16 = jax.device_put(
+        jax.tree.map(lambda x: x.astype("bfloat16"), params), models.param_shardings(cfg, mesh)
+    )
+    stream = open_session(make_sampler(config, cfg, mesh, 0), "stream", bf16, 0, spec, chunk=chunk)
+    want = {}
+    for step, (ids, mask) in prompts.items():
+        stream.submit(step, ids, mask, step)
+    while stream.busy:
+        for step in stream.run_chunk():
+            want[step] = jax.device_get(stream.output(step))
+    return params, want
+
+
+def _prompts(n):
+    from jaxrl_llm import sampling
+
+    rows = [[5, 6, 7], [1, 2, 3, 4, 9], [11], [4, 8]]
+    return {s: sampling.pad_prompts(rows[s % 4 :] + rows[: s % 4], 0) for s in range(n)}
+
+
+def _greedy_steps(workers, chunk: int, engine: str = "static"):
+    """4 greedy steps of 4 prompts x 2, 6 tokens -> (the worker processes of `engine` as
+    an engine, the spec, the float32 parameters, {step: (ids, mask)}, each step's local
+    output)."""
+    from jaxrl_llm import sampling
+    from jaxrl_llm.workers.remote import Workers
+
+    config = workers.config.copy_and_resolve_references()
+    config.rollout.engine = engine
+    started = workers.static if engine == "static" else [workers.paged]
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6, temperature=0.0)
+    prompts = _prompts(4)
+    params, want = _local_reference(config, workers.path, spec, prompts, chunk=chunk)
+    remote = Workers(tuple(a for _, a in started), TOKEN, pad_id=0, seed=config.train.seed)
+    return remote, spec, params, prompts, want
+
+
+def _drain(stream, chunks: int = 20) -> dict:
+    """Every step the stream returns, each once, within `chunks` run_chunk calls."""
+    got = {}
+    for _ in range(chunks):
+        if not stream.busy:
+            return got
+        for step in stream.run_chunk():
+            assert step not in got
+            got[step] = stream.output(step)
+    raise AssertionError(f"steps never returned: {sorted(stream.queued)}")
+
+
+def _same(got, want):
+    (out, versions), (out_w, versions_w) = got, want
+    np.testing.assert_array_equal(out.tokens, np.asarray(out_w.tokens))
+    np.testing.assert_array_equal(out.mask, np.asarray(out_w.mask))
+    np.testing.assert_array_equal(out.prompt_tokens, np.asarray(out_w.prompt_tokens))
+    np.testing.assert_array_equal(out.policy_version, np.asarray(out_w.policy_version))
+    np.testing.assert_allclose(out.logprobs, np.asarray(out_w.logprobs), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(versions, versions_w)
+
+
+def test_remote_stream_draws_what_the_local_stream_draws(workers):
+    """Steps spread over two worker processes come back, greedy, token for token as a local
+    `StaticStream` draws them (log-probs within 1e-5); a swap reaches every worker."""
+    from jaxrl_llm.sampling.engine import open_session
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0)
+    stream = open_session(remote, "stream", params, 0, spec)
+    assert isinstance(stream, RemoteStream)
+    try:
+        for step, (ids, mask) in prompts.items():
+            stream.submit(step, ids, mask, step)
+        assert sorted(len(k.steps) for k in stream.links) == [2, 2]
+        got = _drain(stream)
+        assert sorted(got) == sorted(want)
+        for step in got:
+            _same(got[step], want[step])
+        stream.swap(params, 1)
+        stream.submit(9, *prompts[0], 0)
+        ((out, versions),) = _drain(stream).values()
+        assert stream.version == 1 and (versions == 1).all()
+        np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
+    finally:
+        stream.close()
+
+
+def test_a_paged_worker_draws_what_the_local_paged_stream_draws(workers):
+    """rollout.engine=paged in the worker's config: its `PagedStream` (the steps' rows
+    sharing the slots) returns each step over the wire as the local `PagedStream` draws
+    it, token versions per token included."""
+    from jaxrl_llm.sampling.engine import open_session
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0, engine="paged")
+    stream = open_session(remote, "stream", params, 0, spec)
+    try:
+        for step, (ids, mask) in prompts.items():
+            stream.submit(step, ids, mask, step)
+        got = _drain(stream)
+        assert sorted(got) == sorted(want)
+        for step in got:
+            assert got[step][1].shape == (8, 6)  # [N, T]: the paged stream's versions
+            _same(got[step], want[step])
+    finally:
+        stream.close()
+
+
+def test_a_worker_refuses_another_seed(workers):
+    from jaxrl_llm import sampling
+    from jaxrl_llm.workers.remote import RemoteStream, Workers
+
+    params = models.builtin.load_model(workers.path)[1]
+    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6)
+    with pytest.raises(wire.WorkerError, match="train.seed: the trainer samples with 12345"):
+        RemoteStream(Workers((workers.static[0][1],), TOKEN, seed=12345), params, 0, spec)
+
+
+RUN_CONFIG = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny_run import signal_config
+
+
+def get_config():
+    c = signal_config({model_dir!r})
+    c.train.num_steps, c.train.print_samples_every, c.train.log_every = 2, 1, 1
+    c.rollout.mode, c.rollout.max_staleness = "split", 0
+    c.mesh.fsdp, c.mesh.tensor = -1, 2
+    c.mesh.rollout_devices = {rollout_devices}
+    c.rollout.workers, c.rollout.worker_addresses = {n}, {addresses!r}
+    return c
+"""
+
+
+def _samples(workdir) -> list:
+    import json
+
+    with open(workdir / "samples.jsonl") as f:
+        return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in map(json.loads, f)]
+
+
+def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_path):
+    """rollout.workers=2: a trainer process of 4 devices (fsdp 2 x tensor 2) whose rollouts
+    come from the two worker processes (fsdp 4 each) samples, scores and trains exactly as
+    the split run whose rollout mesh is 4 devices of its own process (max_staleness 0, so
+    each step's version is fixed): the same samples and rewards, the same parameters."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxrl_llm import train
+    from jaxrl_llm.trainer import checkpoint
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+
+    def write(name, **kw):
+        file = tmp_path / f"{name}.py"
+        file.write_text(RUN_CONFIG.format(tests=tests, model_dir=workers.path, **kw))
+        return file
+
+    local = write("local", rollout_devices=4, n=0, addresses="")
+    addresses = ",".join(a for _, a in workers.static)
+    remote = write("remote", rollout_devices=0, n=2, addresses=addresses)
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    env = os.environ | {
+        "XLA_FLAGS": flags,
+        "JAXRL_WORKER_TOKEN": TOKEN,
+        "PYTHONPATH": os.path.dirname(tests),
+        "JAX_PLATFORMS": "cpu",
+    }
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={remote}"]
+    run = subprocess.run(
+        cmd + [f"--workdir={tmp_path / 'remote'}"], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("local_config", local)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    train.train(module.get_config(), str(tmp_path / "local"))
+    got, want = _samples(tmp_path / "remote"), _samples(tmp_path / "local")
+    assert {r[0] for r in got} == {1, 2} and got == want
+
+    def final(workdir):
+        with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:
+            return ck.restore(ck.latest_step())[0]["params"]
+
+    a, b = final(tmp_path / "remote"), final(tmp_path / "local")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_worker_killed_mid_step_loses_nothing(workers):
+    """kill -9 of a worker while its steps are half decoded (partial rollouts, 2 tokens per
+    chunk): its steps go to the other worker and every step comes back once, as the local
+    stream draws it."""
+    import os
+    import signal
+
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=2)
+    stream = RemoteStream(remote, params, 0, spec, chunk=2)
+    try:
+        for step, (ids, mask) in prompts.items():
+            stream.submit(step, ids, mask, step)
+        assert stream.run_chunk() == [] and stream.in_flight  # 2 of 6 tokens drawn
+        victim = workers.static[1][0]
+        held = set(stream.links[1].steps)
+        assert len(held) == 2
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        got = _drain(stream)
+        assert sorted(got) == [0, 1, 2, 3] and not stream.finished
+        for step in got:
+            _same(got[step], want[step])
+        assert stream.stats["workers_lost"] == 1 and stream.stats["requeued"] == 2
+        assert [k.alive for k in stream.links] == [True, False]
+    finally:
+        stream.close()
