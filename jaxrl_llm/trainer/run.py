@@ -32,7 +32,6 @@ import numpy as np
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import data, models, parallel, rl, verifiers
-from jaxrl_llm.errors import UserError
 from jaxrl_llm.parallel import allocator
 from jaxrl_llm.rollout import evaluation, scoring
 from jaxrl_llm.rollout.agents import AgentRollout
@@ -41,6 +40,7 @@ from jaxrl_llm.rollout.played import EnvRollout
 from jaxrl_llm.rollout.sources import Sampling, bucket, make_sampler, staleness
 from jaxrl_llm.startup import compilation, peak
 from jaxrl_llm.trainer import judges, perf, teachers
+from jaxrl_llm.workers.remote import rollout_workers
 
 
 @dataclasses.dataclass
@@ -74,25 +74,6 @@ def make_update(c, algo, model_cfg, opt, spec, critic_opt=None) -> rl.UpdateFn:
         packing=o.packing,
         packing_capacity=o.packing_capacity,
     )
-
-
-def rollout_workers(c, pad_id: int):
-    """The rollout worker processes of `rollout.workers` (None for 0): their addresses,
-    the token from the environment, and the engine settings they must share; the weights
-    cross in the model's dtype, so the workers sample what a rollout mesh here would."""
-    if not c.rollout.workers:
-        return None
-    from jaxrl_llm.workers import remote, wire
-
-    token = os.environ.get(wire.TOKEN_ENV, "")
-    if not token:
-        raise UserError(
-            wire.TOKEN_ENV,
-            f"not set, and rollout.workers={c.rollout.workers}",
-            "export the shared secret the workers were started with",
-        )
-    addresses = tuple(a.strip() for a in c.rollout.worker_addresses.split(",") if a.strip())
-    return remote.Workers(addresses, token, pad_id=pad_id, seed=c.train.seed, dtype=c.model.dtype)
 
 
 def make_reference(c, algo, base_cfg, spec, mesh):

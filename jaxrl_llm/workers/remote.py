@@ -25,9 +25,11 @@ worker is left, `WorkerError`. A worker's own error (an `error` frame) is raised
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
+from jaxrl_llm.errors import UserError
 from jaxrl_llm.sampling.decode import SampleOutput
 from jaxrl_llm.sampling.engine import SESSIONS
 from jaxrl_llm.workers import weights, wire
@@ -177,6 +179,23 @@ def _output(arrays: dict, step: int, num_generations: int) -> tuple:
     got = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
     token_versions = got.pop("token_versions")
     return SampleOutput(**got, num_generations=num_generations), token_versions
+
+
+def rollout_workers(c, pad_id: int):
+    """The rollout worker processes of `rollout.workers` (None for 0): their addresses,
+    the token from the environment, and the engine settings they must share; the weights
+    cross in the model's dtype, so the workers sample what a rollout mesh here would."""
+    if not c.rollout.workers:
+        return None
+    token = os.environ.get(wire.TOKEN_ENV, "")
+    if not token:
+        raise UserError(
+            wire.TOKEN_ENV,
+            f"not set, and rollout.workers={c.rollout.workers}",
+            "export the shared secret the workers were started with",
+        )
+    addresses = tuple(a.strip() for a in c.rollout.worker_addresses.split(",") if a.strip())
+    return Workers(addresses, token, pad_id=pad_id, seed=c.train.seed, dtype=c.model.dtype)
 
 
 SESSIONS[Workers] = {"stream": RemoteStream}  # open_session(workers, "stream", ...)
