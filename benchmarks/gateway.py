@@ -21,7 +21,9 @@ ms/request: the time between the first and the last answer of a rollout over the
 answers between them (start-up, the forks and the first requests, left out); requests/s
 its inverse. CPU ms/request: the CPU time of the trainer's process (the server's thread
 and the batcher's; the agents' processes not counted) over the rollout's requests, what
-the gateway itself costs, which other jobs on the cores change less than the wall time.
+the gateway itself costs, which other jobs on the cores change less than the wall time;
+agent CPU ms/request: an agent process's own (its `openai` client's) after its first
+request, the mean over the episodes (the agent returns it as its reward).
 Each repeat runs both servers at each episode count, interleaved.
 """
 
@@ -50,17 +52,23 @@ from jaxrl_llm.models import builtin  # noqa: E402
 from jaxrl_llm.rollout.agents import AgentRollout  # noqa: E402
 from jaxrl_llm.sampling import engine  # noqa: E402
 
-AGENT = '''"""The benchmark's agent: a chat that grows by one turn per request."""
+AGENT = '''"""The benchmark's agent: a chat that grows by one turn per request. Its
+reward is the CPU time its process spent per request after the first (ms): what the
+client costs."""
+
+import time
 
 
 async def chat(client, example, turns: int = 8, user_chars: int = 200) -> float:
     text = (example["question"] + " ") * user_chars
     messages = [{"role": "user", "content": text[:user_chars]}]
-    for _ in range(turns):
+    for t in range(turns):
+        if t == 1:  # the first request builds the client's machinery
+            cpu = time.process_time()
         reply = await client.chat.completions.create(model="policy", messages=messages)
         messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                      {"role": "user", "content": text[:user_chars]}]
-    return 1.0
+    return (time.process_time() - cpu) * 1e3 / (turns - 1)
 '''
 
 # A ChatML-like template: each request renders its new messages through it.
@@ -140,13 +148,15 @@ def gateway_config(agent_file: str, a, episodes: int):
 
 
 def run_gateway(rollout, instant, episodes: int, step: int) -> tuple:
-    """-> (seconds per request, the trainer process's CPU seconds per request)."""
+    """-> (seconds per request, the trainer process's CPU seconds per request, an agent
+    process's)."""
     batch = types.SimpleNamespace(examples=[{"question": f"{i}+{i}="} for i in range(episodes)])
     cpu = time.process_time()
     _, scored, _ = rollout(None, batch, step)
     cpu = time.process_time() - cpu
-    assert np.all(scored.rewards == 1.0), scored.metrics
-    return per_request(instant.session.times), cpu / scored.metrics["gateway/requests"]
+    assert np.all(scored.rewards > 0), scored.metrics
+    requests = scored.metrics["gateway/requests"]
+    return per_request(instant.session.times), cpu / requests, np.mean(scored.rewards) / 1e3
 
 
 class Echo:
@@ -156,7 +166,7 @@ class Echo:
     def __init__(self, body: bytes):
         from aiohttp import web
 
-        self.body, self.times, self.ended = body, [], {}
+        self.body, self.times, self.ended, self.client = body, [], {}, []
         self.loop = asyncio.new_event_loop()
         app = web.Application(client_max_size=2**22)
         app.router.add_post("/e/{episode}/v1/chat/completions", self._completions)
@@ -179,13 +189,13 @@ class Echo:
     async def _result(self, request):
         from aiohttp import web
 
-        await request.read()
+        self.client.append(json.loads(await request.read())["reward"] / 1e3)
         self.ended[request.match_info["episode"]].set()
         return web.json_response({})
 
     def run(self, launcher: Launcher, episodes: int, step: int) -> tuple:
-        """-> (seconds per request, the process's CPU seconds per request)."""
-        self.times, cpu = [], time.process_time()
+        """-> (seconds per request, the process's CPU seconds per request, an agent's)."""
+        self.times, self.client, cpu = [], [], time.process_time()
         url = f"http://127.0.0.1:{self.port}/e"
         for i in range(episodes):
             e = f"{step}-{i}"
@@ -195,7 +205,8 @@ class Echo:
         for i in range(episodes):
             assert self.ended[f"{step}-{i}"].wait(600)
         self.ended.clear()
-        return per_request(self.times), (time.process_time() - cpu) / len(self.times)
+        cpu = (time.process_time() - cpu) / len(self.times)
+        return per_request(self.times), cpu, np.mean(self.client)
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
@@ -253,7 +264,7 @@ def main():
             echo.close()
     rows = []
     for (path, e), runs in results.items():
-        ms, cpu = (np.array(runs) * 1e3).T
+        ms, cpu, client = (np.array(runs) * 1e3).T
         rate = 1e3 / ms
         rows.append(
             {
@@ -262,13 +273,26 @@ def main():
                 "ms/request": f"{np.median(ms):.2f} ({ms.min():.2f}-{ms.max():.2f})",
                 "requests/s": f"{np.median(rate):.0f} ({rate.min():.0f}-{rate.max():.0f})",
                 "CPU ms/request": f"{np.median(cpu):.2f} ({cpu.min():.2f}-{cpu.max():.2f})",
+                "agent CPU ms/request": f"{np.median(client):.2f}",
             }
         )
     print(
         f"{a.turns} requests per episode, user messages of {a.user_chars} characters, "
         f"answers of {a.reply_tokens} ids; {a.repeats} interleaved repeats; {os.cpu_count()} CPUs"
     )
-    print(table(rows, ["path", "episodes", "ms/request", "requests/s", "CPU ms/request"]))
+    print(
+        table(
+            rows,
+            [
+                "path",
+                "episodes",
+                "ms/request",
+                "requests/s",
+                "CPU ms/request",
+                "agent CPU ms/request",
+            ],
+        )
+    )
     print(uptime())
 
 
