@@ -220,6 +220,23 @@ def test_chat_observation_is_the_templates_new_turn_only():
     assert envs.Renderer(_tokenizer(CHAT.replace("tool", "tooo")), True).role == "user"
 
 
+def test_turns_of_one_shape_are_each_the_templates_text():
+    """A turn whose messages have the shape of an earlier one (roles, fields, closing
+    token) reuses its layout; its ids are still the template's text for its own
+    contents, tokenized, whichever order the shapes come in."""
+    tok = _tokenizer(CHAT)
+    r = envs.Renderer(tok, use_chat=True)
+    eot = tok.convert_tokens_to_ids("#")
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for text in ["42", "7", "1+2=", "42", ""]:
+        assert r.turn(text, closed_by=eot) == ids(f"\nWt\n{text}#\nWa\n")
+        assert r.turn(text) == ids(f"#\nWt\n{text}#\nWa\n")
+        two = [{"role": "user", "content": text}, {"role": "tool", "content": "9"}]
+        assert r.turn(two, closed_by=eot) == ids(f"\nWh\n{text}#\nWt\n9#\nWa\n")
+    tok.chat_template = CHAT.replace("Wa", "Wb")  # a new template: no layout of the old one
+    assert r.turn("42", closed_by=eot) == ids("\nWt\n42#\nWb\n")
+
+
 def test_python_tool_runs_code_and_scores_the_final_answer():
     env = PythonTool(wall_s=3.0)
     env.reset({"answer": "708"})

@@ -25,8 +25,10 @@ special tokens.
 
 from __future__ import annotations
 
+import json
 import re
 
+LAYOUTS_KEPT = 1024  # turn layouts kept per renderer (`Renderer._template_ids`)
 _SENTINEL = "\u2063JAXRL-TURN\u2063"
 _CONTENT = "\u2063JAXRL-CONTENT-{}\u2063"
 _CONTENT_RE = re.compile("\u2063JAXRL-CONTENT-([0-9]+)\u2063")
@@ -50,6 +52,7 @@ class Renderer:
         from jaxrl_llm.data.prompts import max_token_chars  # not in the workers' imports
 
         self.token_chars = max_token_chars(tokenizer)
+        self._layouts: dict = {}  # turn layouts (`_template_ids`)
 
     def max_chars(self, tokens: int) -> int | None:
         """The most characters an observation of at most `tokens` tokens can have (no
@@ -62,18 +65,31 @@ class Renderer:
             self.tokenizer(text, add_special_tokens=special, split_special_tokens=True)["input_ids"]
         )
 
-    def _template_ids(self, messages: list, render) -> list[int]:
+    def _template_ids(self, messages: list, render, key=None) -> list[int]:
         """Ids of `render(placeholder messages)` (the template's text, whose markers are
         parsed as special tokens) with each message's content tokenized as an
-        environment's text in place of its placeholder."""
-        held = [m | {"content": _CONTENT.format(k)} for k, m in enumerate(messages)]
-        pieces = _CONTENT_RE.split(render(held))
+        environment's text in place of its placeholder. The rendered layout (the
+        template's pieces as ids, and where each content goes) depends only on what
+        `render` is given, the placeholders included: it is kept under `key` (None: not
+        kept), so a turn like an earlier one renders and tokenizes only its contents."""
+        layout = self._layouts.get(key) if key is not None else None
+        if layout is None:
+            held = [m | {"content": _CONTENT.format(k)} for k, m in enumerate(messages)]
+            pieces = _CONTENT_RE.split(render(held))
+            layout = [
+                int(piece)
+                if j % 2
+                else tuple(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
+                for j, piece in enumerate(pieces)
+                if j % 2 or piece  # odd pieces: a content placeholder's index
+            ]
+            if key is not None:
+                if len(self._layouts) >= LAYOUTS_KEPT:
+                    self._layouts.clear()
+                self._layouts[key] = layout
         ids = []
-        for j, piece in enumerate(pieces):
-            if j % 2:  # a content placeholder
-                ids += self._ids(messages[int(piece)]["content"])
-            elif piece:
-                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        for part in layout:
+            ids += self._ids(messages[part]["content"]) if isinstance(part, int) else part
         return ids
 
     def prompt(self, observation, tools=None) -> list[int]:
@@ -105,7 +121,12 @@ class Renderer:
             text = "\n".join(m.get("content") or "" for m in messages) if messages else observation
             return self._ids(f"\n{text}\n")
         messages = messages or [{"role": self.role, "content": observation}]
-        return self._template_ids(messages, lambda held: self._delta(held, closed_by))
+        try:  # the layout's key: what the template reads of the messages but their contents
+            shape = json.dumps([m | {"content": None} for m in messages])
+            key = (self.tokenizer.chat_template, closed_by, shape)
+        except (TypeError, ValueError):  # not JSON: rendered every time
+            key = None
+        return self._template_ids(messages, lambda held: self._delta(held, closed_by), key)
 
     def _delta(self, messages: list, closed_by: int | None) -> str:
         """The text the template adds for `messages` after an assistant message."""

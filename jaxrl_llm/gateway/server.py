@@ -105,6 +105,8 @@ class Server:
         self._ids = itertools.count()
         self.live: dict[str, _Episode] = {}
         self._waiting: set = set()  # futures of requests not answered yet
+        self._outbox: collections.deque = collections.deque()  # replies for the loop
+        self._flushing = False  # a `_flush` is scheduled on the loop
         self._warm = [None, None]  # when the first request came, when it was answered
         self._launcher: Launcher | None = None
         app = web.Application(client_max_size=max_request_bytes)
@@ -202,13 +204,24 @@ class Server:
             self._waiting.add(done)
 
             def reply(status: int, payload: dict) -> None:  # from the trainer's thread
-                self.loop.call_soon_threadsafe(self._answer, done, (status, payload))
+                self._outbox.append((done, (status, payload)))
+                if not self._flushing:  # one wake-up of the loop for a chunk's answers
+                    self._flushing = True
+                    self.loop.call_soon_threadsafe(self._flush)
 
             if self._warm[0] is None:
                 self._warm[0] = time.monotonic()
             self.requests.put((episode, body, reply))
             status, payload = await done
         return web.json_response(payload, status=status)
+
+    def _flush(self) -> None:
+        """Answers the requests the trainer's thread replied to (on the loop). The flag
+        drops before the outbox is read, so a reply appended after this read schedules
+        another flush."""
+        self._flushing = False
+        while self._outbox:
+            self._answer(*self._outbox.popleft())
 
     def _answer(self, done, value) -> None:
         if self._warm[1] is None:

@@ -176,6 +176,9 @@ class AgentRollout:
         (`gather`). refresh: None, or a function -> (newest params, their version), read
         before every decode chunk after the first."""
         asked: dict = {}  # episode -> (body, reply, ask) of its request in flight
+        ended: list = []  # the episodes' futures done so far (`gather` counts the running)
+        for future in futures.values():
+            future.add_done_callback(ended.append)
         while True:
             if session.busy:
                 pending = []
@@ -185,7 +188,7 @@ class AgentRollout:
                     except queue.Empty:
                         break
             else:
-                pending = self.gather(futures, play.server)
+                pending = self.gather(len(futures), ended, play.server)
                 if not pending:
                     return
             for episode, body, reply, ask in self.accept(pending, episodes, over, play):
@@ -203,12 +206,13 @@ class AgentRollout:
             for episode in [e for e in futures if futures[e].done() and e not in asked]:
                 session.forget(episode)
 
-    def gather(self, futures, server) -> list:
-        """Pending requests: once every running episode has one, or after `batch_wait_s`
+    def gather(self, episodes: int, ended: list, server) -> list:
+        """Pending requests: once every running episode has one (of `episodes`, less the
+        `ended` ones, a list their futures' callbacks grow), or after `batch_wait_s`
         without a new one; [] when every episode has ended."""
         pending, requests = [], server.requests
         while True:
-            running = sum(not f.done() for f in futures.values())
+            running = episodes - len(ended)
             if pending and len(pending) >= running:
                 return pending
             if not running and requests.empty():
