@@ -497,7 +497,7 @@ def get_config():
     c = signal_config({model_dir!r})
     c.train.num_steps, c.train.log_every = {steps}, 1
     c.train.print_samples_every, c.train.num_printed_samples = 1, 1000  # every row
-    c.rollout.mode, c.rollout.max_staleness = "split", 1
+    c.rollout.mode, c.rollout.max_staleness = "split", 0  # each step queued after a sync
     c.rollout.partial, c.rollout.partial_chunk = True, 2
     c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
     c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
@@ -506,10 +506,12 @@ def get_config():
 
 
 def test_a_worker_killed_inside_a_training_run_loses_no_row(workers, tmp_path):
-    """kill -9 of one of the two workers of a split run once its first step is trained:
-    the run finishes on the other; every step trains the data's next batch, each row
-    once (samples.jsonl against the data order), and every reward is its own
-    completion's (no lost generation trained as a zero reward)."""
+    """kill -9 of one of the two workers of a split run once its first step is trained
+    (the victim is listed first, so it samples each step while it lives; max_staleness 0:
+    the last step is queued after the sync that finds it gone at the latest): the run
+    finishes on the other; every step trains the data's next batch, each row once
+    (samples.jsonl against the data order), and every reward is its own completion's (no
+    lost generation trained as a zero reward)."""
     import json
     import os
     import re
@@ -524,7 +526,7 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row(workers, tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     [(victim, address)] = _start_workers(workers.path, ["static"])
     file = tmp_path / "run.py"
-    addresses = f"{workers.static[0][1]},{address}"
+    addresses = f"{address},{workers.static[0][1]}"  # the victim first: it takes step 1
     file.write_text(
         KILL_RUN_CONFIG.format(
             tests=tests, model_dir=workers.path, steps=steps, addresses=addresses
