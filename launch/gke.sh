@@ -14,6 +14,13 @@
 # Options: --dry-run prints every command (with the manifest it would apply) and runs none;
 # --help. Arguments after `--` are passed to the trainer verbatim, after EXTRA_ARGS.
 #
+# Rollout workers: WORKERS=N adds a second replicated job of N worker pods (one
+# single-host slice of WORKER_TPU_TOPOLOGY each, launch/gke_jobset_workers.yaml) started
+# before the trainer, which then runs on one host (TPU_TOPOLOGY a single-host slice), in
+# split mode, with the workers' JobSet DNS names as rollout.worker_addresses. The shared
+# secret is the key `token` of the Kubernetes Secret WORKER_TOKEN_SECRET, made once:
+#   kubectl create secret generic jaxrl-worker-token --from-literal=token=$(openssl rand -hex 16)
+#
 # Needs: kubectl pointed at the cluster (gcloud container clusters get-credentials ...),
 # the JobSet controller installed, a TPU node pool with TPU_ACCELERATOR / TPU_TOPOLOGY,
 # and an image with the repository pip-installed (".[tpu]") whose working directory is
@@ -35,12 +42,19 @@ NAMESPACE=${NAMESPACE:-default}
 SERVICE_ACCOUNT=${SERVICE_ACCOUNT:-default}  # a Kubernetes SA allowed to write to BUCKET
 MAX_RESTARTS=${MAX_RESTARTS:-3}              # whole-set restarts; each resumes
 PYTHON=${PYTHON:-python}                     # the image's interpreter
+WORKERS=${WORKERS:-0}                        # rollout worker pods (0: the rollout runs in the trainer)
+WORKER_TPU_ACCELERATOR=${WORKER_TPU_ACCELERATOR:-}  # empty: TPU_ACCELERATOR
+WORKER_TPU_TOPOLOGY=${WORKER_TPU_TOPOLOGY:-2x2x1}   # one host of CHIPS_PER_HOST chips (v5p-8)
+WORKER_PORT=${WORKER_PORT:-7070}
+WORKER_RESTARTS=${WORKER_RESTARTS:-10}       # a worker pod started again this often
+WORKER_TOKEN_SECRET=${WORKER_TOKEN_SECRET:-jaxrl-worker-token}
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=launch/lib.sh
 source "$REPO/launch/lib.sh"
 
 TEMPLATE="$REPO/launch/gke_jobset.yaml"
+WORKER_TEMPLATE="$REPO/launch/gke_jobset_workers.yaml"
 LOG_LINES=20
 
 usage() {
@@ -68,13 +82,38 @@ resolve() {
   JOBSET_NAME=$(printf '%s' "$RUN_NAME" | tr 'A-Z_.' 'a-z--')
   [[ "$JOBSET_NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] \
     || die "RUN_NAME='$RUN_NAME' gives the JobSet name '$JOBSET_NAME', not a valid one"
-  [[ "$TPU_TOPOLOGY" =~ ^[0-9]+(x[0-9]+)+$ ]] \
-    || die "TPU_TOPOLOGY='$TPU_TOPOLOGY' is not of the form 2x4x4"
+  [[ "$WORKERS" =~ ^[0-9]+$ ]] || die "WORKERS='$WORKERS' is not a number"
+  local chips
+  chips=$(topology_chips TPU_TOPOLOGY)
+  if ((WORKERS > 0)); then
+    ((chips == CHIPS_PER_HOST)) \
+      || die "TPU_TOPOLOGY=$TPU_TOPOLOGY ($chips chips) with WORKERS=$WORKERS: the trainer must be one host (weight sync from several is not built); use a single-host slice of CHIPS_PER_HOST=$CHIPS_PER_HOST chips"
+    chips=$(topology_chips WORKER_TPU_TOPOLOGY)
+    ((chips == CHIPS_PER_HOST)) \
+      || die "WORKER_TPU_TOPOLOGY=$WORKER_TPU_TOPOLOGY ($chips chips): a worker is one host of CHIPS_PER_HOST=$CHIPS_PER_HOST chips"
+    [[ "$WORKER_PORT" =~ ^[1-9][0-9]*$ ]] || die "WORKER_PORT='$WORKER_PORT' is not a port number"
+    NUM_HOSTS=1
+  else
+    ((chips % CHIPS_PER_HOST == 0 && chips > CHIPS_PER_HOST)) \
+      || die "TPU_TOPOLOGY=$TPU_TOPOLOGY ($chips chips) is not a multi-host slice of CHIPS_PER_HOST=$CHIPS_PER_HOST"
+    NUM_HOSTS=$((chips / CHIPS_PER_HOST))
+  fi
+  WORKER_TPU_ACCELERATOR=${WORKER_TPU_ACCELERATOR:-$TPU_ACCELERATOR}
+}
+
+# topology_chips NAME: the chips of the topology in variable NAME (2x4x4 -> 32).
+topology_chips() {
   local chips=1 dim
-  for dim in ${TPU_TOPOLOGY//x/ }; do chips=$((chips * dim)); done
-  ((chips % CHIPS_PER_HOST == 0 && chips > CHIPS_PER_HOST)) \
-    || die "TPU_TOPOLOGY=$TPU_TOPOLOGY ($chips chips) is not a multi-host slice of CHIPS_PER_HOST=$CHIPS_PER_HOST"
-  NUM_HOSTS=$((chips / CHIPS_PER_HOST))
+  [[ "${!1}" =~ ^[0-9]+(x[0-9]+)+$ ]] || die "$1='${!1}' is not of the form 2x4x4"
+  for dim in ${!1//x/ }; do chips=$((chips * dim)); done
+  printf '%s' "$chips"
+}
+
+# yaml_list ARG...: the arguments as a YAML (JSON) flow list of strings.
+yaml_list() {
+  local out="" arg
+  for arg in "$@"; do out+="${out:+, }$(yaml_string "$arg")"; done
+  printf '[%s]' "$out"
 }
 
 render() {
@@ -84,20 +123,31 @@ render() {
     require BUCKET "the GCS bucket for the run's workdir, e.g. BUCKET=my-bucket"
     WORKDIR="gs://${BUCKET#gs://}/runs/$RUN_NAME"
   fi
-  local extra arg command text name value
+  local extra workers=() addresses="" i text name value
   split_words extra "$EXTRA_ARGS"
   extra+=(${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"})
-  command=""
-  for arg in "$PYTHON" -m jaxrl_llm.train "--config=$CONFIG" "--workdir=$WORKDIR" \
-    ${extra[@]+"${extra[@]}"}; do
-    command+="${command:+, }$(yaml_string "$arg")"
-  done
+  WORKER_JOBS=""
+  if ((WORKERS > 0)); then
+    # Each worker pod's name on the JobSet's headless service (its subdomain).
+    for ((i = 0; i < WORKERS; i++)); do
+      addresses+="${addresses:+,}$JOBSET_NAME-workers-$i-0.$JOBSET_NAME:$WORKER_PORT"
+    done
+    workers=(--config.rollout.mode=split "--config.rollout.workers=$WORKERS"
+      "--config.rollout.worker_addresses=$addresses")
+    # shellcheck disable=SC2034  # read below through ${!name}
+    WORKER_COMMAND=$(yaml_list "$PYTHON" -m jaxrl_llm.workers.serve "--config=$CONFIG" \
+      --host=0.0.0.0 "--port=$WORKER_PORT" ${extra[@]+"${extra[@]}"})
+    WORKER_JOBS=$(<"$WORKER_TEMPLATE")
+  fi
   # shellcheck disable=SC2034  # read below through ${!name}
-  TRAIN_COMMAND="[$command]"
+  TRAIN_COMMAND=$(yaml_list "$PYTHON" -m jaxrl_llm.train "--config=$CONFIG" "--workdir=$WORKDIR" \
+    ${extra[@]+"${extra[@]}"} ${workers[@]+"${workers[@]}"})
   text=$(<"$TEMPLATE")
+  text=${text//"\${WORKER_JOBS}"/"$WORKER_JOBS"}
   for name in JOBSET_NAME NAMESPACE MAX_RESTARTS NUM_HOSTS SERVICE_ACCOUNT TPU_ACCELERATOR \
-    TPU_TOPOLOGY IMAGE TRAIN_COMMAND CHIPS_PER_HOST; do
-    value=${!name}
+    TPU_TOPOLOGY IMAGE TRAIN_COMMAND CHIPS_PER_HOST WORKERS WORKER_TPU_ACCELERATOR \
+    WORKER_TPU_TOPOLOGY WORKER_COMMAND WORKER_PORT WORKER_RESTARTS WORKER_TOKEN_SECRET; do
+    value=${!name:-}
     text=${text//"\${$name}"/"$value"}
   done
   # shellcheck disable=SC2016  # a literal ${ left in the template

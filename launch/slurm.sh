@@ -13,6 +13,16 @@
 # Options: --dry-run prints every command (sbatch with the srun line it wraps) and runs
 # none; --help. Arguments after `--` are passed to the trainer verbatim, after EXTRA_ARGS.
 #
+# Rollout workers (WORKERS > 0): one heterogeneous job of two components, the trainer
+# (component 0: NODES=1 node; a trainer of several processes cannot sync weights yet)
+# and WORKERS worker nodes (component 1), one `python -m jaxrl_llm.workers.serve` per
+# node on WORKER_PORT. The batch script finds the workers' hosts in SLURM's
+# SLURM_JOB_NODELIST_HET_GROUP_1 (scontrol show hostnames) and gives them to the trainer
+# as rollout.worker_addresses, in split mode (docs/workers.md). The shared secret is
+# JAXRL_WORKER_TOKEN, exported where you submit (the job inherits it; it is on no
+# command line). The script goes to sbatch on stdin; its log is WORKDIR/logs/%j-sbatch.log,
+# the workers' %j-worker%t.log.
+#
 # Multi-host init: jax.distributed.initialize() with no arguments reads SLURM_NTASKS,
 # SLURM_PROCID and SLURM_STEP_NODELIST (coordinator: the first node, port from the job id).
 # JAX would also restrict each process to GPU number SLURM_LOCALID (its one-process-per-GPU
@@ -34,6 +44,9 @@ ACCOUNT=${ACCOUNT:-}             # empty: your default account
 TIME=${TIME:-}                   # wall-clock limit, e.g. 2-00:00:00; empty: the partition's
 SBATCH_FLAGS=${SBATCH_FLAGS:-}   # more sbatch flags, e.g. "--qos=high --constraint=h100"
 PYTHON=${PYTHON:-python}
+WORKERS=${WORKERS:-0}            # rollout worker nodes (0: the rollout runs in the trainer)
+WORKER_GPUS=${WORKER_GPUS:-}     # empty: GPUS_PER_NODE
+WORKER_PORT=${WORKER_PORT:-7070}
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=launch/lib.sh
@@ -85,7 +98,54 @@ submit() {
   split_words more "$SBATCH_FLAGS"
   flags+=(${more[@]+"${more[@]}"})
   run mkdir -p "$LOGDIR"
+  if ((WORKERS > 0)); then
+    submit_with_workers "${extra[@]+"${extra[@]}"}"
+    return
+  fi
   run sbatch "${flags[@]}" "--wrap=$(shquote "${step[@]}")"
+}
+
+# submit_with_workers EXTRA...: the heterogeneous job of a trainer and WORKERS workers.
+submit_with_workers() {
+  ((NODES == 1)) \
+    || die "NODES=$NODES with WORKERS=$WORKERS: weight sync from a trainer of several processes is not built; use NODES=1"
+  require JAXRL_WORKER_TOKEN "the workers' shared secret, e.g. export JAXRL_WORKER_TOKEN=\$(openssl rand -hex 16)"
+  [[ "$WORKER_PORT" =~ ^[1-9][0-9]*$ ]] || die "WORKER_PORT='$WORKER_PORT' is not a port number"
+  local gpus=${WORKER_GPUS:-$GPUS_PER_NODE} common=() more worker train script flag
+  [[ "$gpus" =~ ^[1-9][0-9]*$ ]] || die "WORKER_GPUS='$gpus' is not a positive integer"
+  [[ -z "$PARTITION" ]] || common+=("--partition=$PARTITION")
+  [[ -z "$ACCOUNT" ]] || common+=("--account=$ACCOUNT")
+  [[ -z "$TIME" ]] || common+=("--time=$TIME")
+  split_words more "$SBATCH_FLAGS"
+  common+=(${more[@]+"${more[@]}"})
+  worker=$(shquote srun --het-group=1 "--output=$LOGDIR/%j-worker%t.log" \
+    "$PYTHON" -m jaxrl_llm.workers.serve "--config=$CONFIG" --host=0.0.0.0 "--port=$WORKER_PORT" "$@")
+  train=$(shquote srun --het-group=0 --kill-on-bad-exit=1 "--output=$LOGDIR/%j-node%t.log" \
+    "$PYTHON" -m jaxrl_llm.train "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
+    --config.rollout.mode=split "--config.rollout.workers=$WORKERS")
+  script="#!/bin/bash"
+  for flag in "--job-name=$RUN_NAME" "--signal=TERM@$SIGTERM_BEFORE_END_S" "--chdir=$REPO" \
+    "--output=$LOGDIR/%j-sbatch.log" --nodes=1 --ntasks-per-node=1 "--gres=gpu:$GPUS_PER_NODE" \
+    --exclusive --mem=0 ${common[@]+"${common[@]}"} hetjob "--nodes=$WORKERS" \
+    --ntasks-per-node=1 "--gres=gpu:$gpus" --exclusive --mem=0 ${common[@]+"${common[@]}"}; do
+    script+=$'\n'"#SBATCH $flag"
+  done
+  # In the job: the worker nodes from SLURM, the workers in the background, the trainer;
+  # when it ends the script ends, and SLURM ends the workers' step with the job.
+  script+="
+set -euo pipefail
+addresses=''
+for host in \$(scontrol show hostnames \"\$SLURM_JOB_NODELIST_HET_GROUP_1\"); do
+  addresses+=\"\${addresses:+,}\$host:$WORKER_PORT\"
+done
+$worker &
+$train \"--config.rollout.worker_addresses=\$addresses\""
+  if [[ "$DRY_RUN" == 1 ]]; then
+    printf '%s <<'\''EOF'\''\n%s\nEOF\n' sbatch "$script"
+  else
+    printf '+ sbatch (the heterogeneous job script of launch/slurm.sh --dry-run submit, on stdin)\n' >&2
+    sbatch <<<"$script"
+  fi
 }
 
 check() {

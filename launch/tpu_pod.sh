@@ -16,6 +16,15 @@
 #   delete   delete the slice (gcloud asks for confirmation)
 # Options: --dry-run prints every command and runs none; --help. Arguments after `--` are
 # passed to the trainer verbatim, after EXTRA_ARGS.
+#
+# Rollout workers: WORKER_TPUS="rl-w0 rl-w1" names single-host TPU VMs (each made and set
+# up with this script: TPU_NAME=rl-w0 ACCELERATOR_TYPE=v5p-8 ... create, then setup), one
+# `python -m jaxrl_llm.workers.serve` each on WORKER_PORT. `run` starts them first, then
+# the trainer (on one host: TPU_NAME a single-host slice), in split mode, with the workers'
+# internal IPs, which the trainer's host asks the TPU API for at start (`gcloud compute
+# tpus tpu-vm describe`, as the VMs' service account). The shared secret is the newest
+# version of the Secret Manager secret WORKER_TOKEN_SECRET, read on each VM (never on a
+# command line here). check and stop act on the workers too.
 set -euo pipefail
 
 # Inputs (environment overrides). Hyperparameters live in configs/; override them with
@@ -32,6 +41,9 @@ RUN_NAME=${RUN_NAME:-}                 # empty: the config's file name (reruns r
 WORKDIR=${WORKDIR:-}                   # empty: gs://$BUCKET/runs/$RUN_NAME
 EXTRA_ARGS=${EXTRA_ARGS:-}             # --config.key=value overrides
 PYTHON=${PYTHON:-python3}              # the workers' interpreter (a venv's python works too)
+WORKER_TPUS=${WORKER_TPUS:-}           # rollout worker TPU VMs, space-separated (empty: none)
+WORKER_PORT=${WORKER_PORT:-7070}
+WORKER_TOKEN_SECRET=${WORKER_TOKEN_SECRET:-jaxrl-worker-token}  # in Secret Manager
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=launch/lib.sh
@@ -70,6 +82,26 @@ gcloud_tpu() {
 # on_all_workers SCRIPT: runs a shell script on every worker of the slice.
 on_all_workers() {
   gcloud_tpu ssh "$TPU_NAME" --worker=all "--command=$1"
+}
+
+# on_rollout_workers SCRIPT: runs a shell script on each rollout worker's TPU VM.
+on_rollout_workers() {
+  local name
+  for name in $WORKER_TPUS; do
+    gcloud_tpu ssh "$name" --worker=0 "--command=$1"
+  done
+}
+
+# start_script ENV COMMAND: the remote script that starts COMMAND (shell-quoted) in the
+# background with ENV assignments before it, one log per host.
+start_script() {
+  # `bash -c WRAPPER LOG CMD...` records the pid and exit status beside the log ($0 is the
+  # log's path); setsid + nohup keep it alive after ssh disconnects.
+  printf '%s' "$LOG_VARS; mkdir -p \"\$(dirname \"\$log\")\"; \
+if $ALIVE; then echo \"\$(hostname): already running, see \$log\" >&2; exit 1; fi; \
+cd $REMOTE_DIR || exit 1; rm -f \"\$log.pid\" \"\$log.rc\"; \
+$1 setsid nohup bash -c $(shquote "$WRAPPER") \"\$log\" $2 \
+> \"\$log\" 2>&1 < /dev/null & echo \"\$(hostname): started, log \$log\""
 }
 
 resolve_run() {
@@ -114,18 +146,34 @@ cmd_run() {
   require CONFIG "the experiment, e.g. CONFIG=configs/math_grpo_llama3_8b_tpu.py"
   resolve_run
   resolve_workdir
-  local extra train
+  local extra train env=JAXRL_DISTRIBUTED=1 name count=0 token lookup="" flags project
   split_words extra "$EXTRA_ARGS"
   extra+=(${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"})
   train=$(shquote "$PYTHON" -m jaxrl_llm.train "--config=$CONFIG" "--workdir=$WORKDIR" \
     ${extra[@]+"${extra[@]}"})
-  # `bash -c WRAPPER LOG TRAIN...` records the trainer's pid and exit status beside the
-  # log ($0 is the log's path); setsid + nohup keep it alive after ssh disconnects.
-  on_all_workers "$LOG_VARS; mkdir -p \"\$(dirname \"\$log\")\"; \
-if $ALIVE; then echo \"\$(hostname): already running, see \$log\" >&2; exit 1; fi; \
-cd $REMOTE_DIR || exit 1; rm -f \"\$log.pid\" \"\$log.rc\"; \
-JAXRL_DISTRIBUTED=1 setsid nohup bash -c $(shquote "$WRAPPER") \"\$log\" $train \
-> \"\$log\" 2>&1 < /dev/null & echo \"\$(hostname): started, log \$log\""
+  if [[ -n "$WORKER_TPUS" ]]; then
+    [[ "$WORKER_PORT" =~ ^[1-9][0-9]*$ ]] || die "WORKER_PORT='$WORKER_PORT' is not a port number"
+    check_name WORKER_TOKEN_SECRET
+    project=""
+    [[ -z "$PROJECT" ]] || project=" --project=$PROJECT"
+    flags="--zone=$ZONE$project"
+    # Read on each VM when it starts: the token never crosses this machine.
+    token="JAXRL_WORKER_TOKEN=\"\$(gcloud secrets versions access latest \
+--secret=$WORKER_TOKEN_SECRET$project)\""
+    for name in $WORKER_TPUS; do
+      [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "WORKER_TPUS: '$name' is not a TPU name"
+      count=$((count + 1))
+      lookup+="\$(gcloud compute tpus tpu-vm describe $name $flags \
+--format='value(networkEndpoints[0].ipAddress)'):$WORKER_PORT "
+    done
+    on_rollout_workers "$(start_script "$token" "$(shquote "$PYTHON" -m jaxrl_llm.workers.serve \
+      "--config=$CONFIG" --host=0.0.0.0 "--port=$WORKER_PORT" ${extra[@]+"${extra[@]}"})")"
+    # The workers' addresses, from the TPU API on the trainer's host.
+    env="export $token; addresses=\"$lookup\"; addresses=\"\${addresses% }\"; $env"
+    train+=" --config.rollout.mode=split --config.rollout.workers=$count"
+    train+=" \"--config.rollout.worker_addresses=\${addresses// /,}\""
+  fi
+  on_all_workers "$(start_script "$env" "$train")"
 }
 
 cmd_check() {
@@ -136,17 +184,25 @@ cmd_check() {
     [[ "$WORKDIR" != gs://* ]] || copy="; gcloud storage cp \"\$log\" \
 $(shquote "$WORKDIR/logs/") > /dev/null 2>&1 || echo \"\$(hostname): could not copy the log\""
   fi
-  on_all_workers "$LOG_VARS; \
+  on_all_workers "$(check_script "$copy")"
+  on_rollout_workers "$(check_script "$copy")"
+}
+
+# check_script COPY: the remote script of `check` (COPY: the log to the workdir, or "").
+check_script() {
+  printf '%s' "$LOG_VARS; \
 if [ ! -f \"\$log\" ]; then echo \"== \$(hostname): no log at \$log\"; exit 0; fi; \
 if $ALIVE; then state=running; elif [ -f \"\$log.rc\" ]; then \
 state=\"exited with status \$(cat \"\$log.rc\")\"; else state='not running'; fi; \
-printf '== %s: %s\n%s\n' \"\$(hostname)\" \"\$state\" \"\$(tail -n $LOG_LINES \"\$log\")\"$copy"
+printf '== %s: %s\n%s\n' \"\$(hostname)\" \"\$state\" \"\$(tail -n $LOG_LINES \"\$log\")\"$1"
 }
 
 cmd_stop() {
   resolve_run
-  on_all_workers "$LOG_VARS; if $ALIVE; then kill -TERM \"\$(cat \"\$log.pid\")\" \
+  local script="$LOG_VARS; if $ALIVE; then kill -TERM \"\$(cat \"\$log.pid\")\" \
 && echo \"\$(hostname): SIGTERM sent\"; else echo \"\$(hostname): not running\"; fi"
+  on_all_workers "$script"
+  on_rollout_workers "$script"
 }
 
 main() {

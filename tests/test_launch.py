@@ -221,6 +221,73 @@ def test_tpu_pod_run_check_stop_on_a_worker(fake_bin, tmp_path):
     assert "exited with status 0" in check.stdout and "trainer got SIGTERM" in check.stdout
 
 
+def test_tpu_pod_run_with_rollout_workers(fake_bin, tmp_path):
+    """WORKER_TPUS: `run` starts a worker on each worker VM, then the trainer on the
+    slice; executed in fake homes (a fake gcloud answering the secret and the VMs' IPs)
+    the worker gets the token from Secret Manager and the trainer the workers' IPs."""
+    env = {**TPU_ENV, "WORKER_TPUS": "rl-w0 rl-w1"}
+    stdout = dry_run(fake_bin, "tpu_pod.sh", "run", env, *TAIL_ARGV)
+    w0, w1, trainer = commands(stdout)
+    assert w0[4:7] == ["ssh", "rl-w0", "--worker=0"] and w1[4:7] == ["ssh", "rl-w1", "--worker=0"]
+    assert trainer[4:7] == ["ssh", "rl-pod", "--worker=all"]
+    gcloud = (
+        "#!/bin/sh\n"
+        'case "$1 $2 $5" in\n'
+        '  "secrets versions --secret=jaxrl-worker-token") echo token-1 ;;\n'
+        '  "compute tpus rl-w0") echo 10.0.0.7 ;;\n'
+        '  "compute tpus rl-w1") echo 10.0.0.8 ;;\n'
+        "  *) exit 3 ;;\n"
+        "esac\n"
+    )
+    recorder = (
+        "#!/bin/bash\n"
+        'printf "%s\\0" "$JAXRL_WORKER_TOKEN" "$JAXRL_DISTRIBUTED" "$@" > "$HOME/argv.tmp"\n'
+        'mv "$HOME/argv.tmp" "$HOME/argv"\n'
+    )
+    got = {}
+    for role, argv in (("worker", w0), ("trainer", trainer)):
+        home = tmp_path / role
+        (home / "jaxrl_llm").mkdir(parents=True)
+        (home / "bin").mkdir()
+        for name, text in (("gcloud", gcloud), ("python3", recorder)):
+            (home / "bin" / name).write_text(text)
+            (home / "bin" / name).chmod(0o755)
+        (home / "bin" / "mv").symlink_to(shutil.which("mv"))
+        started = on_worker(home, fake_bin[0], option(argv, "--command"))
+        assert started.returncode == 0, started.stderr
+        wait_for(home / "argv")
+        got[role] = (home / "argv").read_text().split("\0")[:-1]
+    config = "--config=configs/math_grpo_llama3_8b_tpu.py"
+    assert got["worker"] == [
+        "token-1",
+        "",
+        "-m",
+        "jaxrl_llm.workers.serve",
+        config,
+        "--host=0.0.0.0",
+        "--port=7070",
+        *EXTRA_ARGV,
+        *TAIL_ARGV,
+    ]
+    assert got["trainer"] == [
+        "token-1",
+        "1",
+        "-m",
+        "jaxrl_llm.train",
+        config,
+        "--workdir=gs://my-bucket/runs/math_grpo_llama3_8b_tpu",
+        *EXTRA_ARGV,
+        *TAIL_ARGV,
+        "--config.rollout.mode=split",
+        "--config.rollout.workers=2",
+        "--config.rollout.worker_addresses=10.0.0.7:7070,10.0.0.8:7070",
+    ]
+    assert "token-1" not in stdout
+    check = commands(dry_run(fake_bin, "tpu_pod.sh", "check", env))
+    stop = commands(dry_run(fake_bin, "tpu_pod.sh", "stop", env))
+    assert [a[5] for a in check] == [a[5] for a in stop] == ["rl-pod", "rl-w0", "rl-w1"]
+
+
 # ------------------------------------------------------------------------------------ GKE
 
 
@@ -272,6 +339,49 @@ def test_gke_host_count_follows_the_topology(fake_bin):
         fake_bin, "gke.sh", "--dry-run", "render", env={**env, "TPU_TOPOLOGY": "2x2"}
     )
     assert single_host.returncode == 2 and "not a multi-host slice" in single_host.stderr
+
+
+def test_gke_dry_run_with_workers_renders_two_replicated_jobs(fake_bin):
+    """WORKERS=2: a replicated job of two worker pods (single-host slices) listed, and so
+    started, before the trainer's one-host slice; the trainer in split mode with the
+    workers' JobSet DNS names; the JobSet done when the trainer is."""
+    yaml = pytest.importorskip("yaml")
+    env = {**GKE_ENV, "WORKERS": "2", "TPU_TOPOLOGY": "2x2x1"}
+    spec = yaml.safe_load(dry_run(fake_bin, "gke.sh", "render", env, *TAIL_ARGV))["spec"]
+    workers, trainer = spec["replicatedJobs"]
+    assert workers["name"] == "workers" and workers["replicas"] == 2
+    assert trainer["name"] == "slice" and trainer["replicas"] == 1
+    assert spec["startupPolicy"] == {"startupPolicyOrder": "InOrder"}
+    assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["slice"]}
+    pod = workers["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x2x1"
+    [worker] = pod["containers"]
+    assert worker["command"] == [
+        "python",
+        "-m",
+        "jaxrl_llm.workers.serve",
+        "--config=configs/math_grpo_llama3_8b_tpu.py",
+        "--host=0.0.0.0",
+        "--port=7070",
+        *EXTRA_ARGV,
+        *TAIL_ARGV,
+    ]
+    secret = {"name": "jaxrl-worker-token", "key": "token"}
+    assert worker["env"] == [{"name": "JAXRL_WORKER_TOKEN", "valueFrom": {"secretKeyRef": secret}}]
+    spec = trainer["template"]["spec"]
+    assert spec["parallelism"] == 1
+    [container] = spec["template"]["spec"]["containers"]
+    name = "math-grpo-llama3-8b-tpu"
+    assert container["command"][-3:] == [
+        "--config.rollout.mode=split",
+        "--config.rollout.workers=2",
+        f"--config.rollout.worker_addresses={name}-workers-0-0.{name}:7070,"
+        f"{name}-workers-1-0.{name}:7070",
+    ]
+    token = {"secretKeyRef": secret | {"optional": True}}
+    assert {"name": "JAXRL_WORKER_TOKEN", "valueFrom": token} in container["env"]
+    multi_host = launch(fake_bin, "gke.sh", "--dry-run", "render", env={**GKE_ENV, "WORKERS": "2"})
+    assert multi_host.returncode == 2 and "the trainer must be one host" in multi_host.stderr
 
 
 def test_gke_check_and_delete(fake_bin):
@@ -332,6 +442,77 @@ def test_slurm_check(fake_bin, tmp_path):
         (logs / f"77-node{task}.log").write_text("step 1\n")
     _, tail = commands(dry_run(fake_bin, "slurm.sh", "check", env))
     assert tail == ["tail", "-n", "20", str(logs / "77-node0.log"), str(logs / "77-node1.log")]
+
+
+def test_slurm_dry_run_with_workers_is_one_heterogeneous_job(fake_bin, tmp_path):
+    """WORKERS=2: the script on sbatch's stdin asks for a trainer node and two worker
+    nodes (`#SBATCH hetjob` between them); run by bash against a fake srun and scontrol
+    it starts a worker on each worker node (component 1) and the trainer (component 0)
+    with their addresses from SLURM_JOB_NODELIST_HET_GROUP_1."""
+    env = {**SLURM_ENV, "NODES": "1", "WORKERS": "2", "JAXRL_WORKER_TOKEN": "secret"}
+    mkdir, *_ = commands(stdout := dry_run(fake_bin, "slurm.sh", "submit", env, *TAIL_ARGV))
+    assert mkdir == ["mkdir", "-p", "/shared/runs/gsm8k_grpo_qwen2p5_0p5b/logs"]
+    head, rest = stdout.split("\n", 2)[1:]
+    assert shlex.split(head) == ["sbatch", "<<EOF"]
+    script, tail = rest.rsplit("EOF\n", 1)
+    assert tail == "" and "secret" not in stdout  # the job inherits the token
+    flags = [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH")]
+    trainer, workers = flags[: flags.index("hetjob")], flags[flags.index("hetjob") + 1 :]
+    assert "--nodes=1" in trainer and "--gres=gpu:8" in trainer and "--exclusive" in trainer
+    assert "--nodes=2" in workers and "--ntasks-per-node=1" in workers
+    assert f"--chdir={REPO}" in trainer
+
+    calls = tmp_path / "srun_calls"
+    (tmp_path / "srun").write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" >> {calls}\necho >> {calls}\n')
+    (tmp_path / "scontrol").write_text(
+        '#!/bin/sh\n[ "$3" = "gpu-[7-8]" ] && printf "gpu-7\\ngpu-8\\n"\n'
+    )
+    for tool in ("srun", "scontrol"):
+        (tmp_path / tool).chmod(0o755)
+    run_env = {"PATH": f"{tmp_path}:{fake_bin[0]}", "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu-[7-8]"}
+    done = subprocess.run(["bash", "-c", script + "\nwait\n"], env=run_env, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    argvs = sorted(c.split("\0")[:-1] for c in calls.read_text().split("\n") if c)
+    logdir = "/shared/runs/gsm8k_grpo_qwen2p5_0p5b/logs"
+    config = "--config=configs/gsm8k_grpo_qwen2p5_0p5b.py"
+    assert argvs == [
+        [
+            "--het-group=0",
+            "--kill-on-bad-exit=1",
+            f"--output={logdir}/%j-node%t.log",
+            "python",
+            "-m",
+            "jaxrl_llm.train",
+            config,
+            "--workdir=/shared/runs/gsm8k_grpo_qwen2p5_0p5b",
+            *EXTRA_ARGV,
+            *TAIL_ARGV,
+            "--config.rollout.mode=split",
+            "--config.rollout.workers=2",
+            "--config.rollout.worker_addresses=gpu-7:7070,gpu-8:7070",
+        ],
+        [
+            "--het-group=1",
+            f"--output={logdir}/%j-worker%t.log",
+            "python",
+            "-m",
+            "jaxrl_llm.workers.serve",
+            config,
+            "--host=0.0.0.0",
+            "--port=7070",
+            *EXTRA_ARGV,
+            *TAIL_ARGV,
+        ],
+    ]
+
+
+def test_slurm_workers_need_one_trainer_node_and_a_token(fake_bin):
+    env = {**SLURM_ENV, "WORKERS": "2", "JAXRL_WORKER_TOKEN": "secret"}
+    proc = launch(fake_bin, "slurm.sh", "--dry-run", "submit", env=env)
+    assert proc.returncode == 2 and "NODES=4 with WORKERS=2" in proc.stderr
+    env = {**env, "NODES": "1", "JAXRL_WORKER_TOKEN": ""}
+    proc = launch(fake_bin, "slurm.sh", "--dry-run", "submit", env=env)
+    assert proc.returncode == 2 and "JAXRL_WORKER_TOKEN is not set" in proc.stderr
 
 
 # ------------------------------------------------------------------------------ all scripts

@@ -98,6 +98,19 @@ def test_frames_refuse_unknown_dtypes_and_oversized_hellos():
             "'a:b' is not host:port",
         ),
         (
+            {"rollout.mode": "split", "rollout.workers": 1, "rollout.worker_addresses": "@"},
+            "rollout.worker_addresses='@': give the file after @",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
+                "rollout.worker_timeout_s": 0,
+            },
+            "rollout.worker_timeout_s=0.0: must be a number of seconds > 0",
+        ),
+        (
             {
                 "rollout.mode": "split",
                 "rollout.workers": 1,
@@ -134,49 +147,73 @@ def test_worker_config_checks(tmp_path, changes, message):
 
 
 # ------------------------------------------------------------------ worker processes
+def _worker_env(path: str) -> dict:
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    return os.environ | {
+        "TINY_MODEL_DIR": path,
+        "JAXRL_WORKER_TOKEN": TOKEN,
+        "XLA_FLAGS": flags,
+        "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+
+
+def _start_workers(path: str, engines) -> list:
+    """Worker processes (4 devices each) serving the tiny model's config, one per engine
+    -> [(process, address)], once each listens. The caller kills them (`_stop`)."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
+    command += ["--config=" + os.path.join(tests, "tiny_run.py")]
+    procs = [
+        subprocess.Popen(
+            command + [f"--config.rollout.engine={e}"],
+            env=_worker_env(path),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for e in engines
+    ]
+    started = []
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            assert line.startswith("worker listening on "), line
+            started.append((p, line.split()[-1]))
+    except BaseException:
+        _stop(procs)
+        raise
+    return started
+
+
+def _stop(procs) -> None:
+    """SIGKILL (a stopped process too) and reap each of `procs`."""
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     """Three worker processes (4 devices each, mesh fsdp 4: `mesh.rollout`'s default over
     them, not the tests' fsdp 4 x tensor 2) serving the tiny model's config, two with the
     static engine, one with the paged; -> .config, .path (the model's), .static
     [(process, address)] and .paged (process, address)."""
-    import os
-    import subprocess
-    import sys
-
     from tiny_run import make_model_dir, tiny_config
 
     path = make_model_dir(str(tmp_path_factory.mktemp("workers") / "model"))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
-    env = os.environ | {
-        "TINY_MODEL_DIR": path,
-        "JAXRL_WORKER_TOKEN": TOKEN,
-        "XLA_FLAGS": flags,
-        "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
-    command += ["--config=" + os.path.join(repo, "tests", "tiny_run.py")]
-    engines = ["static", "static", "paged"]
-    procs = [
-        subprocess.Popen(
-            command + [f"--config.rollout.engine={e}"], env=env, stdout=subprocess.PIPE, text=True
-        )
-        for e in engines
-    ]
+    started = _start_workers(path, ["static", "static", "paged"])
     try:
-        started = []
-        for p in procs:
-            line = p.stdout.readline()
-            assert line.startswith("worker listening on "), line
-            started.append((p, line.split()[-1]))
         yield types.SimpleNamespace(
             config=tiny_config(path), path=path, static=started[:2], paged=started[2]
         )
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        _stop([p for p, _ in started])
 
 
 def _local_reference(config, path, spec, prompts, chunk):
@@ -411,3 +448,167 @@ def test_a_worker_killed_mid_step_loses_nothing(workers):
         assert [k.alive for k in stream.links] == [True, False]
     finally:
         stream.close()
+
+
+def test_a_hung_worker_is_dropped_after_the_timeout(workers):
+    """A worker stopped with SIGSTOP keeps its connection open and never answers: after
+    `timeout_s` of silence it is dropped as a dead one and the steps it held are drawn by
+    the other worker; every step comes back once, as the local stream draws it."""
+    import dataclasses
+    import os
+    import signal
+
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0)
+    [(victim, address)] = _start_workers(workers.path, ["static"])
+    try:
+        remote = dataclasses.replace(remote, addresses=(remote.addresses[0], address))
+        stream = RemoteStream(remote, params, 0, spec)
+        try:
+            for step, (ids, mask) in prompts.items():
+                stream.submit(step, ids, mask, step)
+            assert sorted(_drain(stream)) == [0, 1, 2, 3]  # both compiled and answered
+            for link in stream.links:  # no compile ahead: answers come in well under this
+                link.sock.settimeout(5.0)
+            for step, (ids, mask) in prompts.items():  # steps 4..7: the same draws again
+                stream.submit(4 + step, ids, mask, step)
+            assert sorted(stream.links[1].steps) == [5, 7]
+            os.kill(victim.pid, signal.SIGSTOP)
+            got = _drain(stream)
+            assert sorted(got) == [4, 5, 6, 7] and not stream.finished
+            for step in got:
+                _same(got[step], want[step - 4])
+            assert stream.stats["workers_timed_out"] == 1 and stream.stats["requeued"] == 2
+            assert [k.alive for k in stream.links] == [True, False]
+        finally:
+            stream.close()
+    finally:
+        _stop([victim])
+
+
+KILL_RUN_CONFIG = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny_run import signal_config
+
+
+def get_config():
+    c = signal_config({model_dir!r})
+    c.train.num_steps, c.train.log_every = {steps}, 1
+    c.train.print_samples_every, c.train.num_printed_samples = 1, 1000  # every row
+    c.rollout.mode, c.rollout.max_staleness = "split", 0  # each step queued after a sync
+    c.rollout.partial, c.rollout.partial_chunk = True, 2
+    c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
+    c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
+    return c
+"""
+
+
+def test_a_worker_killed_inside_a_training_run_loses_no_row(workers, tmp_path):
+    """kill -9 of one of the two workers of a split run once its first step is trained
+    (the victim is listed first, so it samples each step while it lives; max_staleness 0:
+    the last step is queued after the sync that finds it gone at the latest): the run
+    finishes on the other; every step trains the data's next batch, each row once
+    (samples.jsonl against the data order), and every reward is its own completion's (no
+    lost generation trained as a zero reward)."""
+    import json
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jaxrl_llm import data
+
+    steps = 3
+    tests = os.path.dirname(os.path.abspath(__file__))
+    [(victim, address)] = _start_workers(workers.path, ["static"])
+    file = tmp_path / "run.py"
+    addresses = f"{address},{workers.static[0][1]}"  # the victim first: it takes step 1
+    file.write_text(
+        KILL_RUN_CONFIG.format(
+            tests=tests, model_dir=workers.path, steps=steps, addresses=addresses
+        )
+    )
+    workdir = tmp_path / "run"
+    env = _worker_env(workers.path) | {"JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
+    trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        metrics = workdir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n")):
+            assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.kill(victim.pid, signal.SIGKILL)  # its connection breaks mid-run
+        _, err = trainer.communicate(timeout=600)
+        assert trainer.returncode == 0, err[-3000:]
+    finally:
+        _stop([victim, trainer])
+    with open(metrics) as f:
+        logged = [r for r in map(json.loads, f) if "rollout/workers_lost" in r]
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))
+    assert logged[-1]["rollout/workers_lost"] == 1 and logged[-1]["rollout/workers"] == 1
+    with open(workdir / "samples.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    spec = importlib.util.spec_from_file_location("kill_run_config", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    G = config.rollout.num_generations
+    tokenizer = models.builtin.load_tokenizer(workers.path)
+    order = data.make_iterator(config.data, tokenizer, config.rollout.batch_size)
+    for step in range(1, steps + 1):
+        want = [p for p in next(order).prompts for _ in range(G)]
+        assert [r["prompt"] for r in rows if r["step"] == step] == want, step
+    assert len(rows) == steps * config.rollout.batch_size * G
+    for r in rows:  # the format reward: 1 when the completion starts with a digit
+        digit = re.fullmatch("[0-9].*", r["completion"], re.DOTALL) is not None
+        assert r["reward"] == float(digit), r
+
+
+def test_a_worker_listed_mid_stream_joins_and_one_unlisted_leaves(workers, tmp_path):
+    """Addresses from a file (`rollout.worker_addresses=@path`), read again before each
+    step is given out: a worker started after the first steps and added to the file
+    gets the weights and takes the next steps; one taken off the file takes no new step
+    and is closed once its steps are back. Every step as the local stream draws it."""
+    import dataclasses
+
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0)
+    listed = tmp_path / "workers"
+    first = workers.static[0][1]
+    listed.write_text(first + "\n")
+    remote = dataclasses.replace(remote, addresses=(), addresses_file=str(listed))
+    stream = RemoteStream(remote, params, 0, spec)
+    joined = []
+    try:
+        assert [k.address for k in stream.links] == [first]
+        for step in (0, 1):
+            stream.submit(step, *prompts[step], step)
+        got = _drain(stream)
+        joined = _start_workers(workers.path, ["static"])
+        [(_, address)] = joined
+        listed.write_text(f"{first}\n{address}\n")
+        for step in (2, 3):
+            stream.submit(step, *prompts[step], step)
+        assert [(k.address, sorted(k.steps)) for k in stream.links] == [
+            (first, [2]),
+            (address, [3]),
+        ]
+        got |= _drain(stream)
+        assert sorted(got) == [0, 1, 2, 3]
+        for step in got:
+            _same(got[step], want[step])
+        assert stream.stats["workers_joined"] == 1 and stream.stats["workers"] == 2
+        listed.write_text(address + "\n")  # the first leaves
+        stream.submit(4, *prompts[0], 0)
+        assert [sorted(k.steps) for k in stream.links] == [[], [4]]
+        ((out, _),) = _drain(stream).values()
+        np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
+        assert [k.alive for k in stream.links] == [False, True] and stream.stats["workers"] == 1
+    finally:
+        stream.close()
+        _stop([p for p, _ in joined])

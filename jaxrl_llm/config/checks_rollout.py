@@ -91,8 +91,9 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 
 
 def check_workers(config) -> None:
-    """rollout.workers and rollout.worker_addresses: N addresses host:port, split mode,
-    single-turn rollouts of plain weights (docs/workers.md says what is not built)."""
+    """rollout.workers and rollout.worker_addresses: N addresses host:port (or @file, with
+    at least N listed at the start), rollout.worker_timeout_s, split mode, single-turn
+    rollouts of plain weights (docs/workers.md says what is not built)."""
     r = config.rollout
     n = r.get("workers", 0)
     require(
@@ -105,18 +106,30 @@ def check_workers(config) -> None:
         r.mode == "split",
         f"rollout.workers={n}: rollout workers serve rollout.mode='split' (got {r.mode!r})",
     )
-    addresses = [a.strip() for a in str(r.worker_addresses).split(",") if a.strip()]
+    timeout = r.get("worker_timeout_s", 600.0)
     require(
-        len(addresses) == n,
-        f"rollout.worker_addresses={r.worker_addresses!r}: {len(addresses)} addresses for "
-        f"rollout.workers={n}; give 'host:port' of each, comma-separated",
+        isinstance(timeout, int | float) and timeout > 0,
+        f"rollout.worker_timeout_s={timeout!r}: must be a number of seconds > 0",
     )
-    for a in addresses:
-        host, _, port = a.rpartition(":")
+    given = str(r.worker_addresses)
+    if given.startswith("@"):  # a file of addresses, read again between steps
         require(
-            bool(host) and port.isdigit() and 0 < int(port) < 65536,
-            f"rollout.worker_addresses: {a!r} is not host:port",
+            len(given) > 1,
+            "rollout.worker_addresses='@': give the file after @, e.g. @/shared/run/workers",
         )
+    else:
+        addresses = [a.strip() for a in given.split(",") if a.strip()]
+        require(
+            len(addresses) == n,
+            f"rollout.worker_addresses={given!r}: {len(addresses)} addresses for "
+            f"rollout.workers={n}; give 'host:port' of each, comma-separated (or @file)",
+        )
+        for a in addresses:
+            host, _, port = a.rpartition(":")
+            require(
+                bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                f"rollout.worker_addresses: {a!r} is not host:port",
+            )
     others = {
         "env.name": config.get("env", {}).get("name"),
         "agent.entry": config.get("agent", {}).get("entry"),

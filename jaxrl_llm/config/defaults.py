@@ -184,6 +184,10 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # 0 = the rollout runs in this process.
     r.workers = 0
     r.worker_addresses = ""
+    # A worker that sends nothing for this long while it owes an answer (stopped, its host
+    # hung, its network cut) is dropped like a dead one and its steps go to the others.
+    # Longer than a worker's slowest answer: its first `run` compiles the engine's programs.
+    r.worker_timeout_s = 600.0
     # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
     # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand

@@ -155,6 +155,10 @@ class Handoff:
             self._cond.notify_all()
 
 
+# `RemoteStream.stats` logged each step: connected now, joined, lost, timed out, redrawn.
+WORKER_COUNTERS = ("workers", "workers_joined", "workers_lost", "workers_timed_out", "requeued")
+
+
 class RolloutThread:
     """Samples and scores steps start, start + 1, ... with `s` (a `sources.Sampling` on
     the rollout mesh), within the staleness bound of `config.rollout` (or
@@ -304,7 +308,7 @@ class Threaded:
         max_staleness: int | None = None,
         copy: bool = False,
     ):
-        self.s, self.config, self.handoff = s, config, None
+        self.s, self.config, self.handoff, self.thread = s, config, None, None
         self.player, self.max_staleness, self.copy = player, max_staleness, copy
 
     def next(self, step: int, params, clock) -> Rollout:
@@ -312,7 +316,7 @@ class Threaded:
             params = jax.tree.map(jnp.copy, params)
         if self.handoff is None:
             self.handoff = Handoff(params, step, self.s.data.state())
-            RolloutThread(
+            self.thread = RolloutThread(
                 self.s,
                 self.config,
                 step,
@@ -331,6 +335,8 @@ class Threaded:
             "perf/learner_wait_s": clock.seconds["learner_wait"],
         }
         metrics |= token_staleness(step, item)
+        stats = self.thread.stats  # rollout workers: those lost so far, their steps redrawn
+        metrics |= {f"rollout/{k}": stats[k] for k in WORKER_COUNTERS if k in stats}
         return Rollout(
             out=out,
             batch=item.batch,

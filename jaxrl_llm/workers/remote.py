@@ -14,18 +14,21 @@ A step is sampled whole by one worker, with the key the trainer gives, so it dra
 local session draws with the same parameters (bfloat16 on the wire: the local session's
 parameters cast to bfloat16).
 
-Losing a worker: a connection that breaks (the process killed, the host gone) while a
-request is sent or answered takes the worker out of the set; the steps it held and had
-not returned are submitted again, whole, to the others (`stats['requeued']`), which hold
-the newest weights, so their rows are drawn once more from the start, and by the newest
-version. A step is returned once: only by the worker it is assigned to now. When no
-worker is left, `WorkerError`. A worker's own error (an `error` frame) is raised as is.
+Losing a worker: a connection that breaks (the process killed, the host gone), or that
+stays silent for `Workers.timeout_s` (`rollout.worker_timeout_s`: the process stopped,
+the host hung) while a request is sent or answered, takes the worker out of the set; the
+steps it held and had not returned are submitted again, whole, to the others
+(`stats['requeued']`), which hold the newest weights, so their rows are drawn once more
+from the start, and by the newest version. A step is returned once: only by the worker it
+is assigned to now. When no worker is left, `WorkerError`. A worker's own error (an
+`error` frame) is raised as is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import numpy as np
 
@@ -48,6 +51,17 @@ class Workers:
     seed: int = 0
     dtype: str | None = "bfloat16"
     connect_timeout_s: float = 60.0
+    timeout_s: float = 600.0  # silence while an answer is owed -> the worker is dropped
+    # A file of addresses instead (`rollout.worker_addresses=@path`), read again before
+    # each step is given out: an address added joins, one removed leaves once its steps
+    # are back. `addresses` is then ignored, and the opening waits (connect_timeout_s)
+    # until `min_workers` of the file's answer.
+    addresses_file: str | None = None
+    min_workers: int = 1
+
+
+JOIN_TIMEOUT_S = 5.0  # the connection to a joining worker (the rollout waits for it)
+RETRY_S = 30.0  # a listed worker that did not answer is tried again after this
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,6 +73,7 @@ class _Link:
     steps: set = dataclasses.field(default_factory=set)
     in_flight: bool = False
     alive: bool = True
+    leaving: bool = False  # no longer listed: takes no new steps, closed once it holds none
 
 
 class RemoteStream:
@@ -67,13 +82,23 @@ class RemoteStream:
     def __init__(self, workers: Workers, params, version: int, spec, *, chunk: int = 0):
         w = workers
         self.spec, self.dtype, self.version, self.detail = spec, w.dtype, version, "remote"
-        self.links = [_Link(a, wire.connect(a, w.token, w.connect_timeout_s)) for a in w.addresses]
+        self.workers = w
+        self.file_seen, self.tried = None, {}  # the file's (mtime, size); address -> when
+        self.links = [_Link(a, sock) for a, sock in self._first_connections()]
         self.queued: dict = {}  # step -> (prompt_ids, prompt_mask, key): not returned yet
         self.finished: dict = {}  # step -> (output, token_versions)
         self.orphans: list = []  # steps of lost workers, not given to another yet
-        self.stats = {"decode_chunks": 0, "swaps": 0, "requeued": 0, "workers_lost": 0}
-        opened = dict(spec=dataclasses.asdict(spec), chunk=chunk, pad_id=w.pad_id, seed=w.seed)
-        self._exchange(self.links, "open", opened)
+        self.stats = {
+            "decode_chunks": 0,
+            "swaps": 0,
+            "requeued": 0,
+            "workers_lost": 0,
+            "workers_timed_out": 0,
+            "workers_joined": 0,
+            "workers": len(self.links),
+        }
+        self.opened = dict(spec=dataclasses.asdict(spec), chunk=chunk, pad_id=w.pad_id, seed=w.seed)
+        self._exchange(self.links, "open", self.opened)
         self._push(params, version)
 
     busy = property(lambda self: bool(self.queued))
@@ -81,6 +106,7 @@ class RemoteStream:
     alive = property(lambda self: [k for k in self.links if k.alive])
 
     def submit(self, step: int, prompt_ids, prompt_mask, key: int) -> None:
+        self._refresh()  # between steps: who joined, who left, who is back
         self.queued[step] = (np.asarray(prompt_ids), np.asarray(prompt_mask), int(key))
         self._assign(step)
 
@@ -102,6 +128,9 @@ class RemoteStream:
                     self.queued.pop(step)
                     self.finished[step] = _output(arrays, step, self.spec.num_generations)
                     done.append(step)
+        for link in self.alive:
+            if link.leaving and not link.steps:
+                self._close(link)
         return done
 
     def output(self, step: int) -> tuple:
@@ -109,22 +138,130 @@ class RemoteStream:
 
     def close(self) -> None:
         for link in self.alive:
-            try:
-                wire.send(link.sock, "close")
-            except OSError:
-                pass
-            link.sock.close()
-            link.alive = False
+            self._close(link)
+
+    def _close(self, link: _Link) -> None:
+        try:
+            wire.send(link.sock, "close")
+        except OSError:
+            pass
+        link.sock.close()
+        link.alive = False
+        self.stats["workers"] = len(self.alive)
 
     # ------------------------------------------------------------------ the workers
+    def _connect(self, address: str, timeout_s: float):
+        """An authorized connection whose reads and writes give up after `timeout_s` of
+        silence (socket.timeout, an OSError: the worker is then lost)."""
+        sock = wire.connect(address, self.workers.token, timeout_s)
+        sock.settimeout(self.workers.timeout_s)
+        return sock
+
+    def _first_connections(self) -> list:
+        """[(address, socket)] of the workers to open with: every address given, each
+        retried while it cannot be reached (a worker still starting: refused, its name not
+        in DNS yet) for up to connect_timeout_s;
+        from a file, those it lists once `min_workers` of them answer."""
+        w = self.workers
+        deadline = time.monotonic() + w.connect_timeout_s
+        if not w.addresses_file:
+            return [(a, self._connect_by(a, deadline)) for a in w.addresses]
+        got: dict = {}
+        while True:
+            for a in self._listed():
+                if a not in got:
+                    try:
+                        got[a] = self._connect(a, JOIN_TIMEOUT_S)
+                    except OSError:
+                        pass
+            if len(got) >= w.min_workers:
+                return list(got.items())
+            if time.monotonic() > deadline:
+                for sock in got.values():
+                    sock.close()
+                raise wire.WorkerError(
+                    f"{len(got)} of the rollout workers listed in {w.addresses_file} answered "
+                    f"within {w.connect_timeout_s:.0f} s; rollout.workers={w.min_workers} needed"
+                )
+            time.sleep(0.5)
+
+    def _connect_by(self, address: str, deadline: float):
+        while True:
+            try:
+                return self._connect(address, max(1.0, deadline - time.monotonic()))
+            except OSError as err:  # refused, or its name not resolved yet: still starting
+                if time.monotonic() > deadline:
+                    raise wire.WorkerError(
+                        f"rollout worker {address} did not answer within "
+                        f"{self.workers.connect_timeout_s:.0f} s: {err}"
+                    ) from None
+                time.sleep(0.5)
+
+    def _listed(self) -> list:
+        """The addresses in the file (host:port, separated by commas or white space), or
+        the ones given."""
+        path = self.workers.addresses_file
+        if not path:
+            return list(self.workers.addresses)
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            raise UserError("rollout.worker_addresses", f"cannot read {path}: {err}") from None
+        listed = [a for a in text.replace(",", " ").split() if a]
+        for a in listed:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise UserError("rollout.worker_addresses", f"{path}: {a!r} is not host:port")
+        return listed
+
+    def _refresh(self) -> None:
+        """Workers newly listed in the file join (connected, opened, given the weights the
+        others hold); workers no longer listed leave (no new steps; closed once their
+        steps are back). A listed (or given) worker that does not answer, or was lost, is
+        tried again after RETRY_S: restarted at its address, it joins anew."""
+        path, seen = self.workers.addresses_file, None
+        try:
+            st = os.stat(path) if path else None
+            seen = st and (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            pass
+        now = time.monotonic()
+        retry = any(now - t > RETRY_S for t in self.tried.values())
+        if seen == self.file_seen and not retry:
+            return
+        self.file_seen = seen
+        listed = self._listed()
+        for link in self.alive:
+            link.leaving = link.address not in listed
+        here = {k.address for k in self.alive}
+        for a in listed:
+            if a in here or now - self.tried.get(a, -RETRY_S - 1) <= RETRY_S:
+                continue
+            try:
+                link = _Link(a, self._connect(a, JOIN_TIMEOUT_S))
+            except OSError:
+                self.tried[a] = now
+                continue
+            self.tried.pop(a, None)
+            self.links.append(link)
+            self._exchange([link], "open", self.opened)
+            self._exchange([link], "weights", {"version": int(self.version)}, self.host)
+            if link.alive:
+                self.stats["workers_joined"] += 1
+        self.stats["workers"] = len(self.alive)
+
     def _push(self, params, version: int) -> None:
         host = weights.host_copy(params, self.dtype)  # one copy for every worker
         self._exchange(self.alive, "weights", {"version": int(version)}, host)
         self.version = version
+        self.host = host  # for a worker that joins before the next sync
 
     def _assign(self, step: int) -> None:
         """Gives `step` to the alive worker holding fewest steps (another if it dies)."""
-        alive = self.alive
+        alive = [k for k in self.alive if not k.leaving] or self.alive
         if not alive:
             lost = ", ".join(k.address for k in self.links)
             raise wire.WorkerError(f"every rollout worker is gone ({lost})")
@@ -142,16 +279,16 @@ class RemoteStream:
             try:
                 wire.send(link.sock, kind, fields, arrays)
                 sent.append(link)
-            except OSError:
-                self._lost(link)
+            except OSError as err:
+                self._lost(link, err)
         answers = []
         for link in sent:
             if not link.alive:
                 continue
             try:
                 _, got_fields, got_arrays = wire.recv(link.sock)
-            except (wire.Closed, OSError):
-                self._lost(link)
+            except (wire.Closed, OSError) as err:
+                self._lost(link, err)
                 continue
             answers.append((link, (got_fields, got_arrays)))
         # Every answer is read before a lost worker's steps go out: a submit now would
@@ -160,14 +297,19 @@ class RemoteStream:
             self._assign(self.orphans.pop(0))
         return answers
 
-    def _lost(self, link: _Link) -> None:
-        """`link`'s worker is gone: its steps go to the others (once the exchange in
-        progress has its answers)."""
+    def _lost(self, link: _Link, err: Exception | None = None) -> None:
+        """`link`'s worker is gone (its connection broke, or it was silent for `timeout_s`
+        while it owed an answer: a frame cut short cannot be resumed, so a silent worker is
+        dropped as a dead one): its steps go to the others (once the exchange in progress
+        has its answers)."""
         if not link.alive:
             return
         link.alive = False
         link.sock.close()
         self.stats["workers_lost"] += 1
+        self.stats["workers_timed_out"] += isinstance(err, TimeoutError)
+        self.stats["workers"] = len(self.alive)
+        self.tried[link.address] = time.monotonic()  # listed in a file: tried again later
         self.stats["requeued"] += len(link.steps)
         self.orphans += sorted(link.steps)
         link.steps = set()
@@ -182,9 +324,10 @@ def _output(arrays: dict, step: int, num_generations: int) -> tuple:
 
 
 def rollout_workers(c, pad_id: int):
-    """The rollout worker processes of `rollout.workers` (None for 0): their addresses,
-    the token from the environment, and the engine settings they must share; the weights
-    cross in the model's dtype, so the workers sample what a rollout mesh here would."""
+    """The rollout worker processes of `rollout.workers` (None for 0): their addresses (or
+    the file that lists them, `@path`), the token from the environment, and the engine
+    settings they must share; the weights cross in the model's dtype, so the workers
+    sample what a rollout mesh here would."""
     if not c.rollout.workers:
         return None
     token = os.environ.get(wire.TOKEN_ENV, "")
@@ -194,8 +337,19 @@ def rollout_workers(c, pad_id: int):
             f"not set, and rollout.workers={c.rollout.workers}",
             "export the shared secret the workers were started with",
         )
-    addresses = tuple(a.strip() for a in c.rollout.worker_addresses.split(",") if a.strip())
-    return Workers(addresses, token, pad_id=pad_id, seed=c.train.seed, dtype=c.model.dtype)
+    given = c.rollout.worker_addresses
+    listed = given[1:] if given.startswith("@") else None  # a file, read between steps
+    addresses = () if listed else tuple(a.strip() for a in given.split(",") if a.strip())
+    return Workers(
+        addresses,
+        token,
+        pad_id=pad_id,
+        seed=c.train.seed,
+        dtype=c.model.dtype,
+        timeout_s=float(c.rollout.get("worker_timeout_s", 600.0)),
+        addresses_file=listed,
+        min_workers=c.rollout.workers,
+    )
 
 
 SESSIONS[Workers] = {"stream": RemoteStream}  # open_session(workers, "stream", ...)

@@ -123,14 +123,17 @@ def connect(address: str, token: str, timeout_s: float | None = None) -> socket.
     """A connection to `host:port` that presented `token` and was accepted."""
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-    sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    send(sock, "hello", {"token": token})
     try:
-        recv(sock)
+        send(sock, "hello", {"token": token})
+        recv(sock)  # within timeout_s too: a stopped worker accepts but never answers
+    except (Closed, OSError):
+        sock.close()
+        raise
     except WorkerError as err:
         sock.close()
         raise WorkerError(f"worker {address} refused the connection: {err}") from None
+    sock.settimeout(None)
     return sock
 
 
