@@ -142,10 +142,14 @@ def rows_spec(shape: Sequence[int]) -> PartitionSpec:
 
 
 def shard_sequence(x: jax.Array) -> jax.Array:
-    """Activations [B, T, ...] with T split over the mesh's `context` axis (rows over
-    ('data', 'fsdp')); unchanged without a context axis > 1. Token-wise layers (norms,
-    projections, MLP) then run on each device's share of the positions."""
-    if context_size() == 1:
+    """Activations [B, T, ...] with rows over the batch axes and T split over the mesh's
+    `context` axis, on the mesh set around the trace; unchanged without one. Token-wise
+    layers (norms, projections, MLP) then run on each device's share of the rows and
+    positions. The embedding's lookup needs it where `fsdp` splits the embedding's width:
+    its output would be split like the table, by width over `fsdp`, and every device
+    would then run every row through the layers."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
         return x
     return _constrain(x, ("batch", "seq") + (None,) * (x.ndim - 2))
 

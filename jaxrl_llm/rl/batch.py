@@ -250,15 +250,17 @@ def context_mesh(mesh_or_sharding):
     abstract mesh is set when its `context` axis is > 1, so that the model's forward
     splits the sequence over it (`models.partitioning.shard_sequence`), or its `expert`
     axis is > 1, so that an MoE layer's grouped-matmul kernel runs per device on its own
-    experts (`models.moe_kernels`: `auto` takes it on TPU), or the program is compiled for
-    TPU chips (the Pallas kernels run per device); otherwise nothing."""
+    experts (`models.moe_kernels`: `auto` takes it on TPU), or its `fsdp` axis is > 1, so
+    that the embedded tokens are split by rows (`models.partitioning.shard_sequence`),
+    or the program is compiled for TPU chips (the Pallas kernels run per device);
+    otherwise nothing."""
     mesh = getattr(mesh_or_sharding, "mesh", mesh_or_sharding)
     if not isinstance(mesh, jax.sharding.Mesh):
         return contextlib.nullcontext()
     # On TPU the Pallas kernels (splash attention, grouped matmul) run per device in
     # `shard_map`, over the mesh set here: XLA does not partition a Mosaic kernel.
     kernels = target.backend() == "tpu" and mesh.size > 1
-    if not kernels and mesh.shape.get("context", 1) == 1 and mesh.shape.get("expert", 1) == 1:
+    if not kernels and all(mesh.shape.get(a, 1) == 1 for a in ("context", "expert", "fsdp")):
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
