@@ -1,6 +1,7 @@
 """Gemma 4 text (`Gemma4ForCausalLM`): sliding / full layers, the full layers' proportional
-partial RoPE, value norms, layer scalars, unscaled scores and soft-capped logits, against
-transformers; the samplers and the trainer's log-probs on it; what is refused."""
+partial RoPE (and their own head size, KV heads and keys as values), value norms, layer
+scalars, unscaled scores and soft-capped logits, against transformers; the samplers and
+the trainer's log-probs on it; what is refused."""
 
 import functools
 
@@ -18,15 +19,26 @@ from jaxrl_llm import models, parallel, sampling
 from jaxrl_llm.models.layer_math import rope_frequencies
 from jaxrl_llm.rl import batch as rl_batch
 
+# The released checkpoints' full layers (31B, 26B-A4B): heads twice the sliding layers'
+# size, one KV head, keys doubling as values (no v_proj).
+WIDE = {"global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True}
+KINDS = {"same": {}, "wide": WIDE}
 
-@pytest.fixture(scope="module")
-def gemma4(tmp_path_factory):
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def gemma4(tmp_path_factory, request):
     """(torch model, directory, cfg, params) of a tiny random Gemma4ForCausalLM (random
-    norms and layer scalars), saved over several files."""
-    model = hf_model("gemma4", seed=1)
+    norms and layer scalars), saved over several files: every layer of one head size
+    ("same"), or full layers of their own (`WIDE`)."""
+    model = hf_model("gemma4", seed=1, **KINDS[request.param])
     d = tmp_path_factory.mktemp("gemma4")
     model.save_pretrained(d, max_shard_size="60KB")
     return (model, d, *models.load_hf(d))
+
+
+def reference(model):
+    """The same transformers model in float64."""
+    return hf_model("gemma4", seed=1, **KINDS["wide" if model.config.attention_k_eq_v else "same"])
 
 
 @pytest.mark.parametrize("length", [12, 20])
@@ -41,7 +53,7 @@ def test_logits_equal_transformers(gemma4, length):
     assert cfg.gemma4 and cfg.windowed and dict(cfg.rope_scaling)["rope_type"] == "proportional"
     ids, mask = padded_batch(seed=length, length=length)
     ours = models.logits(cfg, params, ids, mask)
-    exact = hf_logits(hf_model("gemma4", seed=1).double(), ids, mask)
+    exact = hf_logits(reference(model).double(), ids, mask)
     ref = hf_logits(model, ids, mask)
     assert max_diff(ours, exact, mask) <= max(1e-5, 1.5 * max_diff(ref, exact, mask))
     assert max_diff(ours, ref, mask) <= 2e-5
@@ -56,6 +68,40 @@ def test_logits_equal_transformers(gemma4, length):
             (cfg, dict(params, layers=layers)),
         ):
             assert max_diff(models.logits(other, p, ids, mask), exact, mask) > 1e-3
+
+
+def test_full_layers_own_head_size_with_values(tmp_path):
+    """Full layers with heads of their own size and their own value projection
+    (`global_head_dim` alone): logits equal transformers'; their parameters are stacked
+    apart from the sliding layers'."""
+    model = hf_model("gemma4", seed=2, global_head_dim=32)
+    model.save_pretrained(tmp_path)
+    cfg, params = models.load_hf(tmp_path)
+    assert cfg.split_attention and (cfg.full_head_dim, cfg.full_kv_heads) == (32, 2)
+    assert params["layers"]["wv"].shape == (2, 64, 2, 32) and not cfg.k_eq_v
+    ids, mask = padded_batch(seed=3, length=20)
+    assert (
+        max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask) <= 2e-5
+    )
+
+
+def test_forward_after_prefix_and_unrolled_cache_equal_forward(gemma4):
+    """The trainer's shared-prompt path (a prefix's keys/values, a pair of stacks when the
+    full layers have their own head size) and prefill plus decode with the layers
+    unrolled (`scan_layers=False`) give the full forward's logits."""
+    _, _, cfg, params = gemma4
+    ids, _ = padded_batch(seed=7, length=14)
+    full = np.asarray(models.logits(cfg, params, ids))
+    mask = np.ones_like(ids, bool)
+    _, kv = models.forward_after_prefix(cfg, params, ids[:, :9], mask[:, :9])
+    hidden, _ = models.forward_after_prefix(cfg, params, ids[:, 9:], mask[:, 9:], kv, mask[:, :9])
+    np.testing.assert_allclose(models.project(cfg, params, hidden), full[:, 9:], atol=2e-5)
+    unrolled = cfg.replace(scan_layers=False)
+    cache = models.init_cache(unrolled, ids.shape[0], 16)
+    _, cache = models.prefill(unrolled, params, ids[:, :9], mask[:, :9], cache)
+    for t in range(9, 14):
+        logits, cache = models.decode_step(unrolled, params, ids[:, t], cache)
+        np.testing.assert_allclose(logits, full[:, t], atol=2e-5)
 
 
 def test_proportional_rope_equals_transformers():
@@ -120,36 +166,48 @@ def test_param_count_equals_transformers(gemma4):
 
 
 def test_refused_options_name_the_key(gemma4):
-    """Per-layer input embeddings, KV sharing, keys as values, the MoE block, the full
-    layers' own head size, bidirectional attention, the multimodal checkpoint."""
+    """Per-layer input embeddings, KV sharing, the MoE block, per-layer overrides other
+    than all full layers' head size / KV heads, bidirectional attention, the multimodal
+    checkpoint. Without `per_layer_config` the full layers' head size is
+    `global_head_dim` (default 512, as transformers')."""
     base = gemma4[0].config.to_dict()
+    if base["attention_k_eq_v"]:
+        return  # the same keys are refused for both kinds of fixture
     for change, key in (
         ({"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input"),
         ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
-        ({"attention_k_eq_v": True}, "attention_k_eq_v"),
         ({"enable_moe_block": True}, "enable_moe_block"),
+        ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config"),
         ({"per_layer_config": {"1": {"head_dim": 32}}}, "per_layer_config"),
+        ({"per_layer_config": {"1": {"sliding_window": 2}, "3": {}}}, "per_layer_config"),
         ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention"),
         ({"hidden_activation": "silu"}, "hidden_activation"),
     ):
         with pytest.raises(models.UnsupportedModelError, match=key):
             models.ModelConfig.from_hf_dict(base | change)
     no_layers = {k: v for k, v in base.items() if k != "per_layer_config"}
-    with pytest.raises(models.UnsupportedModelError, match="global_head_dim=512"):
-        models.ModelConfig.from_hf_dict(no_layers)
-    models.ModelConfig.from_hf_dict(no_layers | {"global_head_dim": 16})
+    assert models.ModelConfig.from_hf_dict(no_layers).full_head_dim == 512
+    assert not models.ModelConfig.from_hf_dict(no_layers | {"global_head_dim": 16}).split_attention
+    kv = no_layers | {"global_head_dim": 16, "num_global_key_value_heads": 1}
+    assert not models.ModelConfig.from_hf_dict(kv).split_attention  # gated by k_eq_v
+    cfg = models.ModelConfig.from_hf_dict(kv | {"attention_k_eq_v": True})
+    assert (cfg.full_head_dim, cfg.full_kv_heads, cfg.k_eq_v) == (16, 1, True)
     multimodal = {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": base}
     with pytest.raises(models.UnsupportedModelError, match="only its text decoder"):
         models.ModelConfig.from_hf_dict(multimodal)
 
 
-def test_paged_engine_and_trainer_logprobs_equal_static_sampler():
+@pytest.mark.parametrize("kind", ["same", "wide"])
+def test_paged_engine_and_trainer_logprobs_equal_static_sampler(kind):
     """The paged engine (4 slots for 12 rows, preemptions, past the window) gives the
     static sampler's greedy tokens; sampled rows' behaviour log-probs equal the
-    teacher-forced ones (soft-capped logits) and the trainer's within 1e-5."""
+    teacher-forced ones (soft-capped logits) and the trainer's within 1e-5. "wide": the
+    full layers have heads twice the size, one KV head and keys as values, so the KV
+    cache and the page pool hold two shapes."""
     from test_paged_engine import paged_greedy_equals_static
 
-    cfg = tiny_gemma4_config(max_position_embeddings=512)
+    wide = dict(global_head_dim=16, global_kv_heads=1, k_eq_v=True) if kind == "wide" else {}
+    cfg = tiny_gemma4_config(max_position_embeddings=512, **wide)
     params = models.init_params(cfg, seed=1)
     engine, ids, mask = paged_greedy_equals_static(cfg, params)
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.8)

@@ -75,41 +75,85 @@ class Transformer(nnx.Module):
         if loop == "unrolled" and layers is None:
             layers = {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}
 
-        def layer(carry, xs, sparse, linear):
+        def layer(carry, xs, sparse, linear, wide):
             (x, c), (params, i, row, kind, route, rows) = carry, xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, params)
             x, c, chosen = block(
-                x, positions, mask, c.replace(rows=rows), row, key, kind, route, sparse, linear
+                x,
+                positions,
+                mask,
+                c.replace(rows=rows),
+                row,
+                key,
+                kind,
+                route,
+                sparse,
+                linear,
+                wide,
             )
             return (x, c.replace(rows=None)), (chosen, c.rows)
 
         carry, ys = (x, cache.replace(rows=None)), []
-        per_layer = (layer_kinds(cfg), routes, cache.rows)  # [L, ...] each, or None
+        per_layer = (layer_kinds(cfg), routes)  # [L, ...] each, or None
         for segment in cfg.layer_segments():
-            body = functools.partial(layer, sparse=segment.sparse, linear=segment.linear)
+            body = functools.partial(
+                layer, sparse=segment.sparse, linear=segment.linear, wide=segment.wide
+            )
             start, stop, row = segment.start, segment.stop, self._first_row(segment)
+            rows = self._kind_rows(cache.rows, segment)  # [n, ...] in the run's cache rows
+            if segment.wide:  # the cache's full-layer storage in front (`swap`)
+                carry = (carry[0], carry[1].swap())
             if loop == "unrolled":  # Python: each layer's own slices, no remat (inference)
                 outs = []
                 for i in range(start, stop):
                     own = (layer_slice(cfg, layers, i), i, row + i - start)
-                    carry, out = body(carry, (*own, *jax.tree.map(lambda a, i=i: a[i], per_layer)))
+                    at = jax.tree.map(lambda a, i=i: a[i], per_layer)
+                    at = (*at, jax.tree.map(lambda a, j=i - start: a[j], rows))
+                    carry, out = body(carry, (*own, *at))
                     outs.append(out)
                 ys.append(jax.tree.map(lambda *a: jnp.stack(a), *outs))
-                continue
-            own = (segment_params(cfg, stacked, segment), jnp.arange(start, stop))
-            xs = (*own, jnp.arange(row, row + stop - start), *layer_rows(per_layer, start, stop))
-            unroll = stop - start if loop == "scan_unrolled" else 1
-            carry, out = jax.lax.scan(_remat(body, cfg.remat), carry, xs, unroll=unroll)
-            ys.append(out)
+            else:
+                own = (segment_params(cfg, stacked, segment), jnp.arange(start, stop))
+                xs = (*own, jnp.arange(row, row + stop - start))
+                xs = (*xs, *layer_rows(per_layer, start, stop), rows)
+                unroll = stop - start if loop == "scan_unrolled" else 1
+                carry, out = jax.lax.scan(_remat(body, cfg.remat), carry, xs, unroll=unroll)
+                ys.append(out)
+            if segment.wide:
+                carry = (carry[0], carry[1].swap())
         (x, cache), (chosen, rows) = carry, tuple(zip(*ys, strict=True))
-        cache = cache.replace(rows=_join(rows))
+        cache = cache.replace(rows=self._join_rows(rows))
         return norm(cfg, x, self.final_norm[...]), cache, self._join_routes(list(chosen), x)
 
+    def _kind_rows(self, rows, segment):
+        """A run's rows of the cache's per-layer values ([L, ...] leaves; with
+        `split_attention` a pair (sliding layers' [Ls, ...], full layers' [Lg, ...]),
+        the run's from its kind's): rows first_row .. first_row + its length."""
+        if rows is None:
+            return None
+        n, first = segment.stop - segment.start, self._first_row(segment)
+        if self.cfg.split_attention:
+            rows = rows[segment.wide]
+        return layer_rows(rows, first, first + n)
+
+    def _join_rows(self, rows: tuple):
+        """The runs' per-layer values -> [L, ...] (None stays None); with
+        `split_attention` the pair (sliding layers', full layers'), each in layer order."""
+        if not self.cfg.split_attention or rows[0] is None:
+            return _join(rows)
+        runs = self.cfg.layer_segments()
+        return tuple(
+            _join([r for r, s in zip(rows, runs, strict=True) if s.wide == w])
+            for w in (False, True)
+        )
+
     def _first_row(self, segment) -> int:
-        """The cache row of a run's first layer: its index, or in a hybrid model (whose
-        cache holds each attention kind's layers apart) its index among its kind's."""
-        return segment.first_attn if self.cfg.hybrid else segment.start
+        """The cache row of a run's first layer: its index, or in a hybrid model or a
+        `split_attention` one (whose cache holds each attention kind's layers apart) its
+        index among its kind's."""
+        split = self.cfg.hybrid or self.cfg.split_attention
+        return segment.first_attn if split else segment.start
 
     def _no_routes(self, x, n: int | None = None) -> jax.Array:
         """The routes of dense-MLP layers in an MoE model: -1 [B,T,k] (or [n,B,T,k])."""
