@@ -18,9 +18,11 @@ from tiny_run import teacher_forced_logprobs, tiny_gemma4_config
 from jaxrl_llm import models, parallel, sampling
 from jaxrl_llm.models.layer_math import rope_frequencies
 from jaxrl_llm.rl import batch as rl_batch
+from jaxrl_llm.trainer import perf
 
-# The released checkpoints' full layers (31B, 26B-A4B): heads twice the sliding layers'
-# size, one KV head, keys doubling as values (no v_proj).
+# Full layers of their own (transformers' `global_head_dim`, `num_global_key_value_heads`,
+# `attention_k_eq_v`): heads twice the sliding layers' size, one KV head, keys doubling as
+# values (no v_proj).
 WIDE = {"global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True}
 KINDS = {"same": {}, "wide": WIDE}
 
@@ -159,10 +161,18 @@ def test_config_from_fields_loads_in_transformers(tmp_path):
 
 
 def test_param_count_equals_transformers(gemma4):
-    """Every weight, and the layer scalars (a buffer in transformers, stored with them)."""
+    """Every weight, and the layer scalars (a buffer in transformers, stored with them);
+    the model FLOPs of a token: its layers' matmul weights, and each layer's heads of
+    their own size over the keys."""
     model, _, cfg, params = gemma4
     total = sum(p.numel() for p in model.parameters()) + cfg.num_layers
     assert cfg.num_params() == models.count_params(params) == total
+    matmuls = sum(
+        p.numel() for n, p in model.named_parameters() if ".layers." in n and "norm" not in n
+    )
+    assert perf.forward_flops(cfg, positions=1, context=0, unembedded=0) == 2 * matmuls
+    heads = sum(m.self_attn.head_dim for m in model.model.layers) * cfg.num_heads
+    assert perf.forward_flops(cfg, 1, 1, 0) - 2 * matmuls == 4 * heads  # scores, values
 
 
 def test_refused_options_name_the_key(gemma4):
