@@ -99,6 +99,11 @@ class Block(nnx.Module):
             self.post_mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         if cfg.gemma4:  # each layer's output times its own scalar
             self.layer_scalar = const_param(1.0, (L, 1), ("layers", None), dtype)
+        if cfg.per_layer_input_size:  # Gemma 4: the per-layer input's gate and projection
+            P = cfg.per_layer_input_size
+            self.per_layer_gate = normal((L, D, P), ("layers", "embed", None))
+            self.per_layer_out = normal((L, P, D), ("layers", None, "embed"))
+            self.per_layer_post_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         self.mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         if cfg.num_sparse_layers:
             self._add_experts(cfg, normal, dtype)
@@ -224,6 +229,7 @@ class Block(nnx.Module):
         sparse=None,
         linear=False,
         wide=False,
+        per_layer=None,
     ):
         """One layer: (x [B,T,D], the cache as updated by this layer, the MoE router's own
         top-k [B,T,k] int32 or None for a dense layer).
@@ -238,6 +244,7 @@ class Block(nnx.Module):
         replay in an MoE layer (None: its own top-k). sparse: the layer's MLP is the
         mixture of experts (None: `cfg.moe`). linear: a Gated DeltaNet layer (`_linear`).
         wide: Gemma 4's full layer with its own head size (the `w` parameters, `_add_wide`).
+        per_layer [B,T,P]: Gemma 4's per-layer input of this layer, or None.
         """
         cfg = self.cfg
         if linear:
@@ -250,6 +257,9 @@ class Block(nnx.Module):
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
         x = x + y
+        if per_layer is not None:  # gelu(gate x) * input, projected back and normed
+            g = jax.nn.gelu(dense(x, self.per_layer_gate[...]), approximate=True) * per_layer
+            x = x + norm(cfg, dense(g, self.per_layer_out[...]), self.per_layer_post_norm[...])
         if cfg.gemma4:
             x = x * self.layer_scalar[...]
         return x, cache, chosen

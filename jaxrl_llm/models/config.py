@@ -201,6 +201,13 @@ class ModelConfig:
     global_head_dim: int | None = None
     global_kv_heads: int | None = None
     k_eq_v: bool = False
+    # Gemma 4's per-layer input embeddings (transformers' `hidden_size_per_layer_input`
+    # P > 0, `vocab_size_per_layer_input` Vp): each layer adds
+    # norm(out(gelu(gate(x)) * e_l)) to its output, e_l [P] its slice of the token's own
+    # embedding [Vp, L * P] mixed with a projection of the token's input embedding
+    # (`layers.Transformer.per_layer_inputs`). 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
@@ -257,6 +264,16 @@ class ModelConfig:
         self._check_layer_types()
         self._check_moe()
         self._check_split_attention()
+        self._check_per_layer_inputs()
+
+    def _check_per_layer_inputs(self) -> None:
+        P, Vp = self.per_layer_input_size, self.per_layer_vocab_size
+        if P and not self.gemma4:
+            raise ValueError("per_layer_input_size: only Gemma 4 has per-layer input embeddings")
+        if P < 0 or (P and Vp < 1):
+            raise ValueError(
+                f"per_layer_input_size={P}, per_layer_vocab_size={Vp}: both >= 1 (or size 0)"
+            )
 
     def _check_split_attention(self) -> None:
         if not self.split_attention and not (self.global_kv_heads or self.k_eq_v):
@@ -536,6 +553,10 @@ class ModelConfig:
             per += E * (2 * fm + d) if self.expert_bias else 0
             per += d if self.shared_expert_gate else 0
             n += sparse * per
+        if self.per_layer_input_size:  # the model's projection and norm, each layer's
+            P, L = self.per_layer_input_size, self.num_layers
+            n += d * L * P + P + L * (2 * d * P + d)
+            n += self.per_layer_vocab_size * L * P if include_embeddings else 0
         if include_embeddings:
             n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         elif not self.tie_word_embeddings:

@@ -191,17 +191,12 @@ GEMMA4_GLOBAL_HEAD_DIM = 512  # full-attention layers' head size when the config
 
 
 def refuse_gemma4_options(d: dict, refuse) -> None:
-    """What the Gemma 4 text decoder here lacks: per-layer input embeddings, KV sharing
-    across layers, the MoE block, per-layer overrides other than the full layers' head
-    size and KV heads, bidirectional attention, biases."""
+    """What the Gemma 4 text decoder here lacks: KV sharing across layers, the MoE block,
+    per-layer overrides other than the full layers' head size and KV heads, bidirectional
+    attention, biases."""
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         refuse(f"hidden_activation={act!r} (only gelu_pytorch_tanh)")
-    if d.get("hidden_size_per_layer_input", 256):  # transformers' default is 256
-        refuse(
-            f"hidden_size_per_layer_input={d.get('hidden_size_per_layer_input', 256)} "
-            "(per-layer input embeddings; only 0)"
-        )
     for key in ("num_kv_shared_layers", "enable_moe_block"):
         if d.get(key):
             refuse(f"{key}={d[key]}")
@@ -258,7 +253,7 @@ def gemma4_fields(d: dict, source: str) -> dict:
     the last layer always full attention); scores unscaled (q and k are RMS-normed),
     values RMS-normed, each layer's output times its `layer_scalar`, RMSNorms scaling by
     the weight itself, the final logits soft-capped; the full layers' own head size, KV
-    heads and keys-as-values (`_gemma4_full_layers`)."""
+    heads and keys-as-values (`_gemma4_full_layers`); per-layer input embeddings."""
     d = {k: v for k, v in GEMMA4_DEFAULTS.items() if d.get(k) is None} | d
     full = set(_gemma4_types(d))
     types = [
@@ -266,12 +261,16 @@ def gemma4_fields(d: dict, source: str) -> dict:
         for i in range(int(d["num_hidden_layers"]))
     ]
     cap = d.get("final_logit_softcapping")
+    per_layer = int(d.get("hidden_size_per_layer_input", 256))  # transformers' default
+    per_layer_vocab = int(d.get("vocab_size_per_layer_input", 262_144)) if per_layer else 0
     return (
         gemma3_fields(d | {"layer_types": types}, source)
         | _gemma4_full_layers(d)
         | {
             "query_pre_attn_scalar": None,
             "final_logit_softcapping": None if cap is None else float(cap),
+            "per_layer_input_size": per_layer,
+            "per_layer_vocab_size": per_layer_vocab,
         }
     )
 
@@ -296,7 +295,8 @@ def gemma_dict(cfg: ModelConfig, gemma4: bool) -> dict:
     full = [i for i, t in enumerate(d["layer_types"]) if t == "full_attention"]
     return d | {
         "final_logit_softcapping": cfg.final_logit_softcapping,
-        "hidden_size_per_layer_input": 0,
+        "hidden_size_per_layer_input": cfg.per_layer_input_size,
+        "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
         # without it transformers gives the full layers a head size of 512
         "per_layer_config": {str(i): own for i in full} if cfg.split_attention else {},
         "attention_k_eq_v": cfg.k_eq_v,

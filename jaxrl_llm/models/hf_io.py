@@ -177,6 +177,15 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         table[("layers", "layer_scalar")] = (layer + "layer_scalar", same)  # Gemma 4's
     if cfg.hybrid:
         table |= _qwen3_5_table(cfg, layer, same, transpose)
+    if cfg.per_layer_input_size:  # Gemma 4's per-layer input embeddings
+        table |= {
+            ("per_layer_embed",): ("model.embed_tokens_per_layer.weight", same),
+            ("per_layer_proj",): ("model.per_layer_model_projection.weight", transpose),
+            ("per_layer_norm",): ("model.per_layer_projection_norm.weight", same),
+            ("layers", "per_layer_gate"): (layer + "per_layer_input_gate.weight", transpose),
+            ("layers", "per_layer_out"): (layer + "per_layer_projection.weight", transpose),
+            ("layers", "per_layer_post_norm"): (layer + "post_per_layer_input_norm.weight", same),
+        }
     if cfg.split_attention:  # Gemma 4's full layers, of their own head size
         Hg, Kg = cfg.full_head_dim, cfg.full_kv_heads
         wide = {

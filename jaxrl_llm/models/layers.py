@@ -35,7 +35,7 @@ from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.block import Block, const_param, normal_param
 from jaxrl_llm.models.caches import NoCache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layer_math import layer_kinds, norm
+from jaxrl_llm.models.layer_math import dense, layer_kinds, norm
 from jaxrl_llm.models.partitioning import shard_sequence
 from jaxrl_llm.models.segments import layer_rows, layer_slice, segment_params
 
@@ -53,6 +53,12 @@ class Transformer(nnx.Module):
             self.lm_head = normal_param(
                 rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype
             )
+        if cfg.per_layer_input_size:  # Gemma 4's per-layer input embeddings
+            LP, std = cfg.num_layers * cfg.per_layer_input_size, cfg.initializer_range
+            shape = (cfg.per_layer_vocab_size, LP)
+            self.per_layer_embed = normal_param(rngs, shape, ("vocab", None), std, dtype)
+            self.per_layer_proj = normal_param(rngs, (D, LP), ("embed", None), std, dtype)
+            self.per_layer_norm = const_param(1.0, (cfg.per_layer_input_size,), ("norm",), dtype)
         self.cfg = cfg
 
     def __call__(self, tokens, positions, mask, cache=None, layers=None, dropout=None, routes=None):
@@ -76,26 +82,18 @@ class Transformer(nnx.Module):
             layers = {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}
 
         def layer(carry, xs, sparse, linear, wide):
-            (x, c), (params, i, row, kind, route, rows) = carry, xs
+            (x, c), (params, i, row, kind, route, extra, rows) = carry, xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, params)
+            c = c.replace(rows=rows)
             x, c, chosen = block(
-                x,
-                positions,
-                mask,
-                c.replace(rows=rows),
-                row,
-                key,
-                kind,
-                route,
-                sparse,
-                linear,
-                wide,
+                x, positions, mask, c, row, key, kind, route, sparse, linear, wide, extra
             )
             return (x, c.replace(rows=None)), (chosen, c.rows)
 
         carry, ys = (x, cache.replace(rows=None)), []
-        per_layer = (layer_kinds(cfg), routes)  # [L, ...] each, or None
+        # [L, ...] each, or None
+        per_layer = (layer_kinds(cfg), routes, self.per_layer_inputs(tokens, x))
         for segment in cfg.layer_segments():
             body = functools.partial(
                 layer, sparse=segment.sparse, linear=segment.linear, wide=segment.wide
@@ -174,6 +172,23 @@ class Transformer(nnx.Module):
                 for c, r in zip(chosen, runs, strict=True)
             ]
         )
+
+    def per_layer_inputs(self, tokens, x) -> jax.Array | None:
+        """Gemma 4's per-layer inputs [L,B,T,P] (None without them), transformers'
+        `get_per_layer_inputs` and `project_per_layer_inputs`: the token's own
+        per-layer embedding times sqrt(P) (rounded to its dtype), plus the RMS-normed
+        projection of its input embedding x [B,T,D] times D^-1/2, the sum times 2^-1/2."""
+        cfg = self.cfg
+        P = cfg.per_layer_input_size
+        if not P:
+            return None
+        B, T, L = *tokens.shape, cfg.num_layers
+        table = self.per_layer_embed[...]
+        own = jnp.take(table, tokens, axis=0) * jnp.asarray(P**0.5, table.dtype)
+        mixed = dense(x, self.per_layer_proj[...]) * jnp.asarray(cfg.hidden_size**-0.5, x.dtype)
+        mixed = norm(cfg, mixed.reshape(B, T, L, P), self.per_layer_norm[...])
+        out = (mixed + own.reshape(B, T, L, P)) * jnp.asarray(2**-0.5, x.dtype)
+        return jnp.moveaxis(out, 2, 0)
 
     def embed_tokens(self, tokens) -> jax.Array:
         """tokens [B,T] -> [B,T,D]; Gemma scales by sqrt(D), rounded to the embedding's

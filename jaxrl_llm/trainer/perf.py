@@ -46,8 +46,9 @@ def layer_matmul_params(model_cfg) -> int:
     """Parameters of the decoder layers that take part in a token's matmuls (no norms, no
     biases). Mixture of experts: the active ones, the router and the k experts a token
     goes through (not the E - k idle ones) and the shared experts, in the sparse layers;
-    the dense-MLP layers of an MoE model (`dense_layers`) count their dense MLP. So MoE
-    FLOPs and MFU count the work done."""
+    the dense-MLP layers of an MoE model (`dense_layers`) count their dense MLP; Gemma 4's
+    per-layer inputs, their projection from the embedding and each layer's gate and
+    projection. So MoE FLOPs and MFU count the work done."""
     c = model_cfg
     D = c.hidden_size
     q_heads = c.num_heads * (2 if getattr(c, "attn_output_gate", False) else 1)
@@ -64,6 +65,8 @@ def layer_matmul_params(model_cfg) -> int:
         value = c.linear_num_value_heads * c.linear_value_head_dim
         mixers += n_linear * D * (c.linear_conv_dim + 2 * value + 2 * c.linear_num_value_heads)
     dense_mlp = 3 * D * c.intermediate_size
+    P = getattr(c, "per_layer_input_size", 0)  # Gemma 4: the model's projection, each layer's
+    mixers += 3 * D * P * c.num_layers
     if getattr(c, "moe", False):
         width = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_intermediate_size
         sparse, n = D * c.num_experts + 3 * D * width, c.num_sparse_layers
