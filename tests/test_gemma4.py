@@ -223,8 +223,8 @@ def test_refused_options_name_the_key(gemma4):
 def test_paged_engine_and_trainer_logprobs_equal_static_sampler(kind):
     """The paged engine (4 slots for 12 rows, preemptions, past the window) gives the
     static sampler's greedy tokens; sampled rows' behaviour log-probs equal the
-    teacher-forced ones (soft-capped logits) within 1e-5 and the trainer's within 2e-5.
-    "wide": the
+    teacher-forced ones (soft-capped logits) and the trainer's within 1e-5 (5e-5 for
+    "wide", whose float32 rounding is larger). "wide": the
     full layers have heads twice the size, one KV head and keys as values, so the KV
     cache and the page pool hold two shapes; and per-layer input embeddings."""
     from test_paged_engine import paged_greedy_equals_static
@@ -233,6 +233,9 @@ def test_paged_engine_and_trainer_logprobs_equal_static_sampler(kind):
     wide = wide | {"per_layer_vocab_size": 64} if kind == "wide" else {}
     cfg = tiny_gemma4_config(max_position_embeddings=512, **wide)
     params = models.init_params(cfg, seed=1)
+    # "wide": float32 rounding is larger (transformers' own float32 logits are 2.2e-5 off
+    # its float64 ones on the "wide" fixture); measured up to 3.3e-5 here
+    tol = 5e-5 if kind == "wide" else 1e-5
     engine, ids, mask = paged_greedy_equals_static(cfg, params)
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.8)
     kw = dict(num_generations=2, micro_batches=1, temperature=0.8, chunk_size=128)
@@ -241,7 +244,6 @@ def test_paged_engine_and_trainer_logprobs_equal_static_sampler(kind):
         out = sampler.sample(params, ids, mask, spec, step=1)
         m = np.asarray(out.mask)
         tf = teacher_forced_logprobs(cfg, params, out, 0.8)
-        assert np.abs(np.asarray(out.logprobs) - tf)[m].max() <= 1e-5
+        assert np.abs(np.asarray(out.logprobs) - tf)[m].max() <= tol
         logp = trainer(params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-        # the trainer's shared-prompt forward sums in another order: 1.1e-5 on "wide"
-        assert np.abs(np.asarray(logp) - np.asarray(out.logprobs))[m].max() <= 2e-5
+        assert np.abs(np.asarray(logp) - np.asarray(out.logprobs))[m].max() <= tol
