@@ -171,7 +171,7 @@ def check_page_pool(config, model_cfg) -> None:
         return
     p, m = r.paged, model_cfg
     width = 2 if config.model.dtype == "bfloat16" else 4
-    size = p.pages * p.page_size * m.num_layers * 2 * m.num_kv_heads * m.head_dim * width
+    size = p.pages * p.page_size * m.kv_per_token * width
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     require(
         size <= memory,

@@ -38,7 +38,7 @@ from jaxrl_llm.models.layer_math import (
     rope_frequencies,
 )
 from jaxrl_llm.models.moe import moe_mlp
-from jaxrl_llm.models.segments import MOE_WEIGHTS
+from jaxrl_llm.models.segments import MOE_WEIGHTS, WIDE_ATTENTION
 
 
 def normal_param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
@@ -72,7 +72,11 @@ class Block(nnx.Module):
         self.attn_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         if cfg.hybrid:
             self._add_linear(cfg, normal, rngs, dtype)
-        L = cfg.num_layers - sum(cfg.linear_layers)  # the full-attention layers
+        # the softmax-attention layers (all but a hybrid model's DeltaNet ones and Gemma
+        # 4's own-sized full layers, `_add_wide`)
+        L = cfg.attention_kinds.count("softmax")
+        if cfg.split_attention:
+            self._add_wide(cfg, normal, dtype)
         Hq = 2 * H if cfg.attn_output_gate else H  # each head's query, then its gate
         self.q = normal((L, D, N, Hq), ("layers", "embed", "q_heads", "head_dim"))
         self.k = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
@@ -95,6 +99,11 @@ class Block(nnx.Module):
             self.post_mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         if cfg.gemma4:  # each layer's output times its own scalar
             self.layer_scalar = const_param(1.0, (L, 1), ("layers", None), dtype)
+        if cfg.per_layer_input_size:  # Gemma 4: the per-layer input's gate and projection
+            P = cfg.per_layer_input_size
+            self.per_layer_gate = normal((L, D, P), ("layers", "embed", None))
+            self.per_layer_out = normal((L, P, D), ("layers", None, "embed"))
+            self.per_layer_post_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         self.mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         if cfg.num_sparse_layers:
             self._add_experts(cfg, normal, dtype)
@@ -121,6 +130,20 @@ class Block(nnx.Module):
                 setattr(self, name, nnx.Param(jnp.log(a).astype(dtype), axes=axes))
             else:
                 setattr(self, name, normal(shape, axes))
+
+    def _add_wide(self, cfg: ModelConfig, normal, dtype) -> None:
+        """Gemma 4's full layers with their own head size Hg and KV heads Kg
+        (`segments.WIDE_ATTENTION`), stacked over those layers: wq [Lg, D, N, Hg], wk
+        [Lg, D, Kg, Hg], wv (none with `k_eq_v`), wo [Lg, N, Hg, D], their q / k norms."""
+        L, D, N = cfg.attention_kinds.count("wide"), cfg.hidden_size, cfg.num_heads
+        K, H = cfg.full_kv_heads, cfg.full_head_dim
+        self.wq = normal((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
+        self.wk = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        if not cfg.k_eq_v:
+            self.wv = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wo = normal((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
+        self.wq_norm = const_param(1.0, (L, H), ("layers", "head_dim"), dtype)
+        self.wk_norm = const_param(1.0, (L, H), ("layers", "head_dim"), dtype)
 
     def _add_experts(self, cfg: ModelConfig, normal, dtype) -> None:
         """Of the Lm MoE layers: router [Lm, D, E], the experts' SwiGLU weights
@@ -205,6 +228,8 @@ class Block(nnx.Module):
         routes=None,
         sparse=None,
         linear=False,
+        wide=False,
+        per_layer=None,
     ):
         """One layer: (x [B,T,D], the cache as updated by this layer, the MoE router's own
         top-k [B,T,k] int32 or None for a dense layer).
@@ -218,18 +243,23 @@ class Block(nnx.Module):
         this layer's slice of `layer_kinds(cfg)`, or None. routes [B,T,k]: experts to
         replay in an MoE layer (None: its own top-k). sparse: the layer's MLP is the
         mixture of experts (None: `cfg.moe`). linear: a Gated DeltaNet layer (`_linear`).
+        wide: Gemma 4's full layer with its own head size (the `w` parameters, `_add_wide`).
+        per_layer [B,T,P]: Gemma 4's per-layer input of this layer, or None.
         """
         cfg = self.cfg
         if linear:
             a, cache = self._linear(x, mask, cache, layer)
         else:
-            a, cache = self._attention(x, positions, mask, cache, layer, dropout, kind)
+            a, cache = self._attention(x, positions, mask, cache, layer, dropout, kind, wide)
         x = x + a
         h = norm(cfg, x, self.mlp_norm[...])
         y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse)
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
         x = x + y
+        if per_layer is not None:  # gelu(gate x) * input, projected back and normed
+            g = jax.nn.gelu(dense(x, self.per_layer_gate[...]), approximate=True) * per_layer
+            x = x + norm(cfg, dense(g, self.per_layer_out[...]), self.per_layer_post_norm[...])
         if cfg.gemma4:
             x = x * self.layer_scalar[...]
         return x, cache, chosen
@@ -241,36 +271,50 @@ class Block(nnx.Module):
         w = {n: getattr(self, n)[...] for n in LINEAR_WEIGHTS}
         return cache.deltanet(self.cfg, layer, w, h, mask)
 
-    def _attention(self, x, positions, mask, cache, layer, dropout, kind):
-        """The attention token mixer: (its output [B,T,D], the updated cache)."""
+    def _attention(self, x, positions, mask, cache, layer, dropout, kind, wide=False):
+        """The attention token mixer: (its output [B,T,D], the updated cache). wide: the
+        layer's parameters are the own-sized full layers' (`_add_wide`)."""
         cfg = self.cfg
+        names = {n: WIDE_ATTENTION[n] if wide else n for n in WIDE_ATTENTION}
         mask = layer_mask(cfg, mask, kind)
         h = norm(cfg, x, self.attn_norm[...])
-        q, k, v = (self._proj(n, h, dropout) for n in ("q", "k", "v"))
+        q, k = self._proj(names["q"], h, dropout), self._proj(names["k"], h, dropout)
+        # keys as values (Gemma 4's `attention_k_eq_v`): k's projection, before its norm
+        v = k if wide and cfg.k_eq_v else self._proj(names["v"], h, dropout)
         gate = None
         if cfg.attn_output_gate:  # Qwen3.5: each head's query, then its output gate
             q, gate = jnp.split(q, 2, axis=-1)
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
-            q, k = norm(cfg, q, self.q_norm[...]), norm(cfg, k, self.k_norm[...])
+            q = norm(cfg, q, getattr(self, names["q_norm"])[...])
+            k = norm(cfg, k, getattr(self, names["k_norm"])[...])
         if cfg.gemma4:  # values RMS-normed, without a weight
             v = gemma_rms_norm(v, None, cfg.rms_norm_eps)
-        inv_freq = rope_frequencies(cfg) if kind is None else kind["inv_freq"]
+        inv_freq = self._rope(kind, wide)
         scale = rope_attention_factor(cfg)
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         sinks = self.sinks[...] if cfg.attention_sinks else None
         # attention scales scores by head_dim^-1/2; Gemma 3 by query_pre_attn_scalar^-1/2,
         # Gemma 4 not at all
-        scalar = 1.0 if cfg.gemma4 else cfg.query_pre_attn_scalar
-        if scalar and scalar != cfg.head_dim:
-            q = q * jnp.asarray((cfg.head_dim / scalar) ** 0.5, q.dtype)
+        scalar, head_dim = 1.0 if cfg.gemma4 else cfg.query_pre_attn_scalar, q.shape[-1]
+        if scalar and scalar != head_dim:
+            q = q * jnp.asarray((head_dim / scalar) ** 0.5, q.dtype)
         a, cache = cache.attend(cfg, layer, q, k, v, mask, sinks)
         if gate is not None:
             a = a * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(a.dtype)
-        a = self._proj("o", a, dropout)
+        a = self._proj(names["o"], a, dropout)
         if cfg.o_bias:
             a = a + self.o_bias[...]
         if cfg.gemma:
             a = norm(cfg, a, self.post_attn_norm[...])
         return a, cache
+
+    def _rope(self, kind, wide: bool):
+        """The layer's RoPE inverse frequencies: its kind's (`layer_kinds`), or with
+        `split_attention` (whose kinds differ in head size, so stack no frequencies)
+        those of the sliding layers or of the full layers' own head size."""
+        cfg = self.cfg
+        if cfg.split_attention:
+            return rope_frequencies(cfg, not wide, cfg.full_head_dim if wide else None)
+        return rope_frequencies(cfg) if kind is None else kind["inv_freq"]

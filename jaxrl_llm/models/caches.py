@@ -46,6 +46,10 @@ class NoCache:
     def loop(self, cfg, layers) -> str:
         return _scan(cfg)
 
+    def swap(self):
+        """Nothing is stored per attention kind (`DenseCache.swap`)."""
+        return self
+
     def attend(self, cfg, layer, q, k, v, mask, sinks):
         """q [B,T,N,H] over this layer's k, v [B,T,K,H] -> ([B,T,N,H], self)."""
         a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks)
@@ -67,6 +71,10 @@ class PrefixCache:
 
     def loop(self, cfg, layers) -> str:
         return _scan(cfg) if layers is None else "unrolled"
+
+    def swap(self):
+        """The rows are sliced per attention kind by the layer loop (`DenseCache.swap`)."""
+        return self
 
     def attend(self, cfg, layer, q, k, v, mask, sinks):
         """q [B,T,N,H] over the prefix's keys/values, then this layer's own k, v."""
@@ -97,16 +105,27 @@ class DenseCache:
     """A `kv_cache.KVCache`'s keys/values of every layer, k [L,B,K,H,S] and v [L,B,K,S,H],
     carried through the layer scan and written in place at slots index..index+T of the
     layer's row; a hybrid model's Gated DeltaNet layers' `LinearState` [L', B, ...] too
-    (k / v then hold its full-attention layers only; `layer` is a row among its kind)."""
+    (k / v then hold its full-attention layers only; `layer` is a row among its kind).
+    With `cfg.split_attention`, k / v hold the sliding layers and `wide` the (k, v) of
+    the full layers, [Lg, B, Kg, Hg, S] / [Lg, B, Kg, S, Hg]."""
 
     k: jax.Array
     v: jax.Array
     index: jax.Array
     state: LinearState | None = None
     rows: Any = None
+    wide: tuple | None = None
 
     def loop(self, cfg, layers) -> str:
         return "scan"
+
+    def swap(self):
+        """The cache with its two attention kinds' keys/values exchanged: the layer loop
+        swaps before and after a run of full layers of their own head size, so `attend`
+        always writes and reads k / v."""
+        if self.wide is None:
+            return self
+        return self.replace(k=self.wide[0], v=self.wide[1], wide=(self.k, self.v))
 
     def attend(self, cfg, layer, q, k, v, mask, sinks):
         """Writes k, v [B,T,K,H] (as [B,K,H,T] / [B,K,T,H]) at [layer], then q [B,T,N,H]
@@ -163,14 +182,24 @@ def _put(arrays: tuple, i: int, a) -> tuple:
 class PagedCache:
     """The page pool (k, v) [L, pages, page_size, K, H] (head-major with `where.pallas`)
     and where a call's new tokens go (`paged_attention.PagedWrite`): each layer writes
-    its new keys/values to its pages, then reads its pages of each row."""
+    its new keys/values to its pages, then reads its pages of each row. With
+    `cfg.split_attention` `pool` holds the sliding layers and `wide` the full layers'
+    (k, v) [Lg, pages, page_size, Kg, Hg], over the same page ids."""
 
     pool: tuple
     where: PagedWrite
     rows: Any = None
+    wide: tuple | None = None  # `cfg.split_attention`: the full layers' pool (k, v)
 
     def loop(self, cfg, layers) -> str:
         return "scan" if layers is None else "unrolled"
+
+    def swap(self):
+        """The pools of the two attention kinds exchanged (`DenseCache.swap`); the page
+        ids and table are the same for both."""
+        if self.wide is None:
+            return self
+        return self.replace(pool=self.wide, wide=self.pool)
 
     def attend(self, cfg, layer, q, k, v, mask, sinks):
         pool = write_layer(self.pool, layer, k, v, self.where)
@@ -183,4 +212,4 @@ def layer_cache(cache):
     """The layer loop's view of a `kv_cache.KVCache`: per-layer arrays or stacked ones."""
     if isinstance(cache.k, tuple):
         return PerLayerCache(k=cache.k, v=cache.v, index=cache.index)
-    return DenseCache(k=cache.k, v=cache.v, index=cache.index, state=cache.state)
+    return DenseCache(k=cache.k, v=cache.v, index=cache.index, state=cache.state, wide=cache.wide)

@@ -84,7 +84,8 @@ class LoraConfig:
 class Segment(NamedTuple):
     """A run of consecutive alike layers [start, stop): its MLP kind (`sparse`) and the
     index of `start` among the layers of that kind (`first`); its attention kind
-    (`linear`: Gated DeltaNet) and the index of `start` among those (`first_attn`)."""
+    (`linear`: Gated DeltaNet; `wide`: Gemma 4's full attention with its own head size)
+    and the index of `start` among those (`first_attn`)."""
 
     start: int
     stop: int
@@ -92,6 +93,12 @@ class Segment(NamedTuple):
     first: int
     linear: bool = False
     first_attn: int = 0
+    wide: bool = False
+
+    @property
+    def attn(self) -> str:
+        """The run's attention kind (`ModelConfig.attention_kinds`)."""
+        return "linear" if self.linear else "wide" if self.wide else "softmax"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +193,21 @@ class ModelConfig:
     # Gemma 4: the logits z become c tanh(z / c), c = `final_logit_softcapping` (None: as
     # they are), wherever they are computed (`transformer.project`, `rl.token_logprobs`).
     final_logit_softcapping: float | None = None
+    # Gemma 4's full-attention layers with a head size and KV head count of their own
+    # (`global_head_dim`, `global_kv_heads`; None: the sliding layers' `head_dim` /
+    # `num_kv_heads`, and one stack of attention parameters for every layer). `k_eq_v`
+    # (transformers' `attention_k_eq_v`): those layers have no value projection, their
+    # values are the key projection's output (RMS-normed without a weight, not rotated).
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    k_eq_v: bool = False
+    # Gemma 4's per-layer input embeddings (transformers' `hidden_size_per_layer_input`
+    # P > 0, `vocab_size_per_layer_input` Vp): each layer adds
+    # norm(out(gelu(gate(x)) * e_l)) to its output, e_l [P] its slice of the token's own
+    # embedding [Vp, L * P] mixed with a projection of the token's input embedding
+    # (`layers.Transformer.per_layer_inputs`). 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
@@ -241,6 +263,37 @@ class ModelConfig:
             raise ValueError(f"final_logit_softcapping={cap}: must be > 0 (or None)")
         self._check_layer_types()
         self._check_moe()
+        self._check_split_attention()
+        self._check_per_layer_inputs()
+
+    def _check_per_layer_inputs(self) -> None:
+        P, Vp = self.per_layer_input_size, self.per_layer_vocab_size
+        if P and not self.gemma4:
+            raise ValueError("per_layer_input_size: only Gemma 4 has per-layer input embeddings")
+        if P < 0 or (P and Vp < 1):
+            raise ValueError(
+                f"per_layer_input_size={P}, per_layer_vocab_size={Vp}: both >= 1 (or size 0)"
+            )
+
+    def _check_split_attention(self) -> None:
+        if not self.split_attention and not (self.global_kv_heads or self.k_eq_v):
+            return
+        if not self.gemma4 or not self.split_attention:
+            raise ValueError(
+                "global_head_dim / global_kv_heads / k_eq_v: only Gemma 4, with global_head_dim"
+            )
+        if self.global_head_dim < 2 or self.global_head_dim % 2:
+            raise ValueError(f"global_head_dim={self.global_head_dim}: a positive even size")
+        if self.num_heads % self.full_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of the full layers' "
+                f"KV heads ({self.full_kv_heads})"
+            )
+        if self.lora is not None:
+            raise UnsupportedModelError(
+                "model.lora: adapters on Gemma 4 with full layers of their own head size "
+                "(global_head_dim) are not supported"
+            )
 
     def _check_moe(self) -> None:
         if self.moe_impl not in MOE_IMPLS:
@@ -405,19 +458,54 @@ class ModelConfig:
     def num_sparse_layers(self) -> int:
         return sum(self.sparse_layers)
 
+    @property
+    def split_attention(self) -> bool:
+        """Gemma 4 whose full-attention layers have their own head size, KV heads or
+        keys-as-values: their attention parameters, KV cache and pages are stacks of their
+        own ("wide"), apart from the sliding layers' ("softmax")."""
+        return self.global_head_dim is not None
+
+    @property
+    def attention_kinds(self) -> tuple[str, ...]:
+        """Per layer, the stack its attention parameters and cache rows belong to:
+        "linear" (Gated DeltaNet), "wide" (`split_attention`'s full layers) or "softmax"."""
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        if self.split_attention:
+            return tuple("wide" if t == "full_attention" else "softmax" for t in types)
+        return tuple("linear" if t == "linear_attention" else "softmax" for t in types)
+
+    @property
+    def full_head_dim(self) -> int:
+        """The head size of the full-attention layers."""
+        return self.global_head_dim or self.head_dim
+
+    @property
+    def full_kv_heads(self) -> int:
+        """The KV heads of the full-attention layers."""
+        return self.global_kv_heads or self.num_kv_heads
+
+    @property
+    def kv_per_token(self) -> int:
+        """Elements of keys and values a token keeps in a KV cache, over the layers of
+        softmax attention (each kind with its own heads and head size)."""
+        kinds = self.attention_kinds
+        n = kinds.count("softmax") * self.num_kv_heads * self.head_dim
+        return 2 * (n + kinds.count("wide") * self.full_kv_heads * self.full_head_dim)
+
     def layer_segments(self) -> tuple[Segment, ...]:
         """The runs of consecutive layers with the same MLP kind and attention kind
         (`Segment`). One run for a model whose layers are all alike. The layer loop scans
         each run over its parameters, which the layers of one kind share in a stack of
         their own."""
         runs, seen = [], {}
-        for i, kind in enumerate(zip(self.sparse_layers, self.linear_layers, strict=True)):
-            if runs and (runs[-1].sparse, runs[-1].linear) == kind:
+        for i, kind in enumerate(zip(self.sparse_layers, self.attention_kinds, strict=True)):
+            if runs and (runs[-1].sparse, runs[-1].attn) == kind:
                 runs[-1] = runs[-1]._replace(stop=i + 1)
             else:
                 first = seen.get(("mlp", kind[0]), 0)
                 first_attn = seen.get(("attn", kind[1]), 0)
-                runs.append(Segment(i, i + 1, kind[0], first, kind[1], first_attn))
+                linear, wide = kind[1] == "linear", kind[1] == "wide"
+                runs.append(Segment(i, i + 1, kind[0], first, linear, first_attn, wide))
             seen[("mlp", kind[0])] = seen.get(("mlp", kind[0]), 0) + 1
             seen[("attn", kind[1])] = seen.get(("attn", kind[1]), 0) + 1
         return tuple(runs)
@@ -444,16 +532,14 @@ class ModelConfig:
     def num_params(self, include_embeddings: bool = True) -> int:
         """Parameter count, as `sum(p.size for p in params)` would give."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        q_heads = self.num_heads * (2 if self.attn_output_gate else 1)
-        attn = d * h * (q_heads + self.num_heads + 2 * self.num_kv_heads)
-        attn += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
-        attn += d if self.o_bias else 0
-        attn += 2 * h if self.qk_norm else 0
-        attn += self.num_heads if self.attention_sinks else 0
-        n_linear = sum(self.linear_layers)
+        kinds = self.attention_kinds
+        n_linear = sum(k == "linear" for k in kinds)
         layer = (4 if self.gemma else 2) * d + (1 if self.gemma4 else 0)
         sparse = self.num_sparse_layers
-        n = self.num_layers * layer + (self.num_layers - n_linear) * attn
+        n = self.num_layers * layer + kinds.count("softmax") * self._attention_params(h)
+        if self.split_attention:
+            wide = self._attention_params(self.full_head_dim, self.full_kv_heads, self.k_eq_v)
+            n += kinds.count("wide") * wide
         n += (self.num_layers - sparse) * 3 * d * f + d
         if n_linear:
             nv, dv = self.linear_num_value_heads, self.linear_value_head_dim
@@ -467,11 +553,27 @@ class ModelConfig:
             per += E * (2 * fm + d) if self.expert_bias else 0
             per += d if self.shared_expert_gate else 0
             n += sparse * per
+        if self.per_layer_input_size:  # the model's projection and norm, each layer's
+            P, L = self.per_layer_input_size, self.num_layers
+            n += d * L * P + P + L * (2 * d * P + d)
+            n += self.per_layer_vocab_size * L * P if include_embeddings else 0
         if include_embeddings:
             n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         elif not self.tie_word_embeddings:
             n += self.vocab_size * d  # the output projection is a matmul, count it
         return n
+
+    def _attention_params(self, h: int, kv: int | None = None, k_eq_v: bool = False) -> int:
+        """One attention layer's parameters with heads of h and kv KV heads (default
+        `num_kv_heads`); k_eq_v: no value projection."""
+        d, kv = self.hidden_size, kv or self.num_kv_heads
+        q_heads = self.num_heads * (2 if self.attn_output_gate else 1)
+        kv_proj = kv if k_eq_v else 2 * kv
+        n = d * h * (q_heads + self.num_heads + kv_proj)
+        n += (self.num_heads + 2 * kv) * h if self.qkv_bias else 0
+        n += d if self.o_bias else 0
+        n += 2 * h if self.qk_norm else 0
+        return n + (self.num_heads if self.attention_sinks else 0)
 
     def active_params(self, include_embeddings: bool = True) -> int:
         """Parameters one token reads: `num_params` with only k of the E experts counted

@@ -191,37 +191,60 @@ GEMMA4_GLOBAL_HEAD_DIM = 512  # full-attention layers' head size when the config
 
 
 def refuse_gemma4_options(d: dict, refuse) -> None:
-    """What the Gemma 4 text decoder here lacks: per-layer input embeddings, KV sharing
-    across layers, keys doubling as values, the MoE block, full-attention layers with a
-    head size or KV head count of their own, bidirectional attention, biases."""
+    """What the Gemma 4 text decoder here lacks: KV sharing across layers, the MoE block,
+    per-layer overrides other than the full layers' head size and KV heads, bidirectional
+    attention, biases."""
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         refuse(f"hidden_activation={act!r} (only gelu_pytorch_tanh)")
-    if d.get("hidden_size_per_layer_input", 256):  # transformers' default is 256
-        refuse(
-            f"hidden_size_per_layer_input={d.get('hidden_size_per_layer_input', 256)} "
-            "(per-layer input embeddings; only 0)"
-        )
-    for key in ("num_kv_shared_layers", "attention_k_eq_v", "enable_moe_block"):
+    for key in ("num_kv_shared_layers", "enable_moe_block"):
         if d.get(key):
             refuse(f"{key}={d[key]}")
     if d.get("use_bidirectional_attention"):
         refuse(f"use_bidirectional_attention={d['use_bidirectional_attention']!r}")
     if d.get("attention_bias"):
         refuse("attention_bias=true")
-    head_dim = int(d.get("head_dim") or 256)
-    kv = int(d.get("num_key_value_heads") or d.get("num_attention_heads", 0))
-    if "per_layer_config" not in d:
-        own = int(d.get("global_head_dim", GEMMA4_GLOBAL_HEAD_DIM))
-        if own != head_dim:
-            refuse(f"global_head_dim={own} (full-attention layers' own head size; only {head_dim})")
-    for layer, over in (d.get("per_layer_config") or {}).items():
-        same = {"head_dim": head_dim, "num_key_value_heads": kv}
-        if any(k not in same or int(v) != same[k] for k, v in over.items()):
-            refuse(f"per_layer_config[{layer}]={over} (layers' own head size or KV heads)")
     types = set(d.get("layer_types") or ()) - {"sliding_attention", "full_attention"}
     if types:
         refuse(f"layer_types={sorted(types)} (only sliding_attention / full_attention)")
+    full = set(_gemma4_types(d)) if "num_hidden_layers" in d else set()
+    seen = []
+    for layer, over in (d.get("per_layer_config") or {}).items():
+        if int(layer) not in full or set(over) - {"head_dim", "num_key_value_heads"}:
+            refuse(f"per_layer_config[{layer}]={over} (only full layers' head_dim / KV heads)")
+        seen.append(dict(over))
+    if any(o != seen[0] for o in seen) or (seen and len(seen) != len(full)):
+        refuse(f"per_layer_config={d['per_layer_config']} (full layers alike, all of them)")
+
+
+def _gemma4_types(d: dict) -> list[int]:
+    """The indices of the full-attention layers (the last one always is)."""
+    n = int(d["num_hidden_layers"])
+    types = list(d.get("layer_types") or [])
+    if not types:
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    types[-1] = "full_attention"  # as Gemma4TextConfig forces it
+    return [i for i, t in enumerate(types) if t == "full_attention"]
+
+
+def _gemma4_full_layers(d: dict) -> dict:
+    """The full layers' own head size and KV heads, as transformers' Gemma4TextConfig
+    derives them: `per_layer_config` when given, else `global_head_dim` (default 512)
+    and, with `attention_k_eq_v`, `num_global_key_value_heads`. None for both when those
+    layers are like the sliding ones (one stack of attention parameters)."""
+    head_dim = int(d.get("head_dim") or 256)
+    kv = int(d.get("num_key_value_heads") or d["num_attention_heads"])
+    k_eq_v = bool(d.get("attention_k_eq_v"))
+    if "per_layer_config" in d:
+        over = next(iter((d["per_layer_config"] or {}).values()), {})
+        own, own_kv = int(over.get("head_dim", head_dim)), over.get("num_key_value_heads")
+    else:
+        own = int(d.get("global_head_dim", GEMMA4_GLOBAL_HEAD_DIM))
+        own_kv = d.get("num_global_key_value_heads") if k_eq_v else None
+    own_kv = kv if own_kv is None else int(own_kv)
+    if (own, own_kv, k_eq_v) == (head_dim, kv, False):
+        return {}
+    return {"global_head_dim": own, "global_kv_heads": own_kv, "k_eq_v": k_eq_v}
 
 
 def gemma4_fields(d: dict, source: str) -> dict:
@@ -229,18 +252,27 @@ def gemma4_fields(d: dict, source: str) -> dict:
     `proportional` one kept in `rope_scaling`), with transformers' defaults (window 512,
     the last layer always full attention); scores unscaled (q and k are RMS-normed),
     values RMS-normed, each layer's output times its `layer_scalar`, RMSNorms scaling by
-    the weight itself, the final logits soft-capped."""
+    the weight itself, the final logits soft-capped; the full layers' own head size, KV
+    heads and keys-as-values (`_gemma4_full_layers`); per-layer input embeddings."""
     d = {k: v for k, v in GEMMA4_DEFAULTS.items() if d.get(k) is None} | d
-    n = int(d["num_hidden_layers"])
-    types = list(d.get("layer_types") or [])
-    if not types:
-        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
-    types[-1] = "full_attention"  # as Gemma4TextConfig forces it
+    full = set(_gemma4_types(d))
+    types = [
+        "full_attention" if i in full else "sliding_attention"
+        for i in range(int(d["num_hidden_layers"]))
+    ]
     cap = d.get("final_logit_softcapping")
-    return gemma3_fields(d | {"layer_types": types}, source) | {
-        "query_pre_attn_scalar": None,
-        "final_logit_softcapping": None if cap is None else float(cap),
-    }
+    per_layer = int(d.get("hidden_size_per_layer_input", 256))  # transformers' default
+    per_layer_vocab = int(d.get("vocab_size_per_layer_input", 262_144)) if per_layer else 0
+    return (
+        gemma3_fields(d | {"layer_types": types}, source)
+        | _gemma4_full_layers(d)
+        | {
+            "query_pre_attn_scalar": None,
+            "final_logit_softcapping": None if cap is None else float(cap),
+            "per_layer_input_size": per_layer,
+            "per_layer_vocab_size": per_layer_vocab,
+        }
+    )
 
 
 def gemma_dict(cfg: ModelConfig, gemma4: bool) -> dict:
@@ -259,10 +291,15 @@ def gemma_dict(cfg: ModelConfig, gemma4: bool) -> dict:
     if not gemma4:
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim
         return d | {"query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar}
+    own = {"head_dim": cfg.full_head_dim, "num_key_value_heads": cfg.full_kv_heads}
+    full = [i for i, t in enumerate(d["layer_types"]) if t == "full_attention"]
     return d | {
         "final_logit_softcapping": cfg.final_logit_softcapping,
-        "hidden_size_per_layer_input": 0,
-        "per_layer_config": {},  # every layer the same head size (else 512 on full ones)
+        "hidden_size_per_layer_input": cfg.per_layer_input_size,
+        "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
+        # without it transformers gives the full layers a head size of 512
+        "per_layer_config": {str(i): own for i in full} if cfg.split_attention else {},
+        "attention_k_eq_v": cfg.k_eq_v,
     }
 
 

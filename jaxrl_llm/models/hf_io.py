@@ -34,7 +34,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf_config import GPT_OSS
 from jaxrl_llm.models.params import param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
-from jaxrl_llm.models.segments import attn_kind, mlp_kind
+from jaxrl_llm.models.segments import WIDE_ATTENTION, attn_kind, mlp_kind
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -177,6 +177,27 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         table[("layers", "layer_scalar")] = (layer + "layer_scalar", same)  # Gemma 4's
     if cfg.hybrid:
         table |= _qwen3_5_table(cfg, layer, same, transpose)
+    if cfg.per_layer_input_size:  # Gemma 4's per-layer input embeddings
+        table |= {
+            ("per_layer_embed",): ("model.embed_tokens_per_layer.weight", same),
+            ("per_layer_proj",): ("model.per_layer_model_projection.weight", transpose),
+            ("per_layer_norm",): ("model.per_layer_projection_norm.weight", same),
+            ("layers", "per_layer_gate"): (layer + "per_layer_input_gate.weight", transpose),
+            ("layers", "per_layer_out"): (layer + "per_layer_projection.weight", transpose),
+            ("layers", "per_layer_post_norm"): (layer + "post_per_layer_input_norm.weight", same),
+        }
+    if cfg.split_attention:  # Gemma 4's full layers, of their own head size
+        Hg, Kg = cfg.full_head_dim, cfg.full_kv_heads
+        wide = {
+            "q": in_heads(N, Hg),
+            "k": in_heads(Kg, Hg),
+            "v": in_heads(Kg, Hg),
+            "o": Mapping("", lambda w: w.T.reshape(N, Hg, D), lambda w: w.reshape(N * Hg, D).T),
+            "q_norm": same,
+            "k_norm": same,
+        }
+        for name, ours in WIDE_ATTENTION.items():
+            table[("layers", ours)] = (table[("layers", name)][0], wide[name])
     specs, kinds = param_specs(cfg), cfg.sparse_layers
     out = {}
     for path in specs:
@@ -184,9 +205,9 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         ids = None
         if kind is not None and cfg.moe and cfg.dense_layers:
             ids = tuple(i for i, sparse in enumerate(kinds) if sparse == kind)
-        linear = attn_kind(cfg, path[-1]) if path[0] == "layers" else None
-        if linear is not None:  # a hybrid model's DeltaNet or full-attention parameter
-            ids = tuple(i for i, lin in enumerate(cfg.linear_layers) if lin == linear)
+        attn = attn_kind(cfg, path[-1]) if path[0] == "layers" else None
+        if attn is not None:  # stacked over the layers of one attention kind
+            ids = tuple(i for i, a in enumerate(cfg.attention_kinds) if a == attn)
         out[path] = dataclasses.replace(table[path][1], name=table[path][0], layer_ids=ids)
     return out
 

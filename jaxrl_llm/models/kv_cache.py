@@ -38,6 +38,9 @@ class KVCache:
     # A hybrid model (Qwen3.5): k / v hold its full-attention layers only, and each row's
     # Gated DeltaNet state (conv [L', B, K-1, C], ssm [L', B, Hv, Dk, Dv]) sits here.
     state: LinearState | None = None
+    # Gemma 4 with full layers of their own head size (`cfg.split_attention`): k / v hold
+    # its sliding layers, `wide` the full layers' (k [Lg, B, Kg, Hg, S], v [Lg, B, Kg, S, Hg]).
+    wide: tuple | None = None
 
     @property
     def max_len(self) -> int:
@@ -50,18 +53,29 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     then read its cache buffer in place instead of a copy of its slice of an [L, ...] array.
     """
     n_linear = sum(cfg.linear_layers)
-    L, K, H = cfg.num_layers - n_linear, cfg.num_kv_heads, cfg.head_dim
-    k, v = jnp.zeros((L, batch, K, H, max_len), dtype), jnp.zeros((L, batch, K, max_len, H), dtype)
-    if not cfg.scan_layers and not cfg.hybrid:  # a hybrid model's cache stays stacked
+    k, v = _zeros(
+        cfg.attention_kinds.count("softmax"), batch, cfg.num_kv_heads, cfg.head_dim, max_len, dtype
+    )
+    wide = None
+    if cfg.split_attention:
+        Lg = cfg.attention_kinds.count("wide")
+        wide = _zeros(Lg, batch, cfg.full_kv_heads, cfg.full_head_dim, max_len, dtype)
+    elif not cfg.scan_layers and not cfg.hybrid:  # two kinds' caches stay stacked
         k, v = tuple(k), tuple(v)
     return KVCache(
         k=k,
         v=v,
+        wide=wide,
         valid=jnp.zeros((batch, max_len), bool),
         pos=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
         state=zero_state(cfg, batch, dtype, (n_linear,)) if cfg.hybrid else None,
     )
+
+
+def _zeros(L: int, batch: int, K: int, H: int, S: int, dtype) -> tuple:
+    """Empty keys [L, B, K, H, S] and values [L, B, K, S, H]."""
+    return jnp.zeros((L, batch, K, H, S), dtype), jnp.zeros((L, batch, K, S, H), dtype)
 
 
 def cache_rows(cache: KVCache, rows: jax.Array) -> KVCache:
@@ -77,6 +91,7 @@ def cache_rows(cache: KVCache, rows: jax.Array) -> KVCache:
         valid=take(cache.valid, 0),
         pos=take(cache.pos, 0),
         state=jax.tree.map(lambda c: take(c, 1), cache.state),  # [L', B, ...]: rows too
+        wide=jax.tree.map(lambda c: take(c, 1), cache.wide),  # [Lg, B, ...]
     )
 
 
@@ -101,4 +116,5 @@ def grow_cache(cache: KVCache, max_len: int) -> KVCache:
         k=jax.tree.map(lambda c: grow(c, 1), cache.k),
         v=jax.tree.map(lambda c: grow(c, 2), cache.v),
         valid=grow(cache.valid, 1),
+        wide=None if cache.wide is None else (grow(cache.wide[0], 1), grow(cache.wide[1], 2)),
     )

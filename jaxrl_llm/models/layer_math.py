@@ -100,8 +100,9 @@ dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def contracted(name: str) -> int:
-    """Input axes of a projection's weight (after `layers`): o's are (q_heads, head_dim)."""
-    return 2 if name == "o" else 1
+    """Input axes of a projection's weight (after `layers`): o's (and Gemma 4's full
+    layers' wo) are (q_heads, head_dim)."""
+    return 2 if name in ("o", "wo") else 1
 
 
 def lora_target_index(name: str) -> int:
@@ -118,17 +119,18 @@ def adapter_dropout(key: jax.Array, rate: float, x: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------------ rope, layer kinds
 @functools.lru_cache(maxsize=64)
-def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+def rope_frequencies(cfg: ModelConfig, local: bool = False, head_dim: int | None = None):
     """Inverse frequencies [rotary_dim / 2], float32, with `linear` / `llama3` / `yarn` /
     `proportional` scaling. local: those of Gemma's sliding-window layers (base
-    `rope_local_theta`, unscaled).
+    `rope_local_theta`, unscaled). head_dim: a head size other than `cfg.head_dim`'s
+    (Gemma 4's full layers, `global_head_dim`).
 
     proportional (Gemma 4's full layers): the first int(p * head_dim / 2) of the whole
     head's frequencies (p = `partial_rotary_factor`), the rest zero (those pairs do not
     rotate), all divided by `factor`: in the rotate_half layout dimension i pairs with
     i + head_dim / 2, so the rotated dimensions are two blocks, not a prefix of the head
     as GLM-4.5's `partial_rotary_factor` makes it."""
-    dim = cfg.rotary_dim
+    dim = cfg.rotary_dim if head_dim is None else head_dim
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     scaling = {} if local else dict(cfg.rope_scaling or ())
@@ -199,6 +201,8 @@ def layer_kinds(cfg: ModelConfig) -> dict | None:
     if not cfg.windowed:
         return None
     local = np.array([t == "sliding_attention" for t in cfg.layer_types])
+    if cfg.split_attention:  # each kind's frequencies are its own size (`Block._rope`)
+        return {"local": local}
     freqs = np.stack([rope_frequencies(cfg, bool(flag) and cfg.local_rope) for flag in local])
     return {"local": local, "inv_freq": freqs}
 

@@ -35,7 +35,7 @@ from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.block import Block, const_param, normal_param
 from jaxrl_llm.models.caches import NoCache
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layer_math import layer_kinds, norm
+from jaxrl_llm.models.layer_math import dense, layer_kinds, norm
 from jaxrl_llm.models.partitioning import shard_sequence
 from jaxrl_llm.models.segments import layer_rows, layer_slice, segment_params
 
@@ -53,6 +53,12 @@ class Transformer(nnx.Module):
             self.lm_head = normal_param(
                 rngs, (D, V), ("embed", "vocab"), cfg.initializer_range, dtype
             )
+        if cfg.per_layer_input_size:  # Gemma 4's per-layer input embeddings
+            LP, std = cfg.num_layers * cfg.per_layer_input_size, cfg.initializer_range
+            shape = (cfg.per_layer_vocab_size, LP)
+            self.per_layer_embed = normal_param(rngs, shape, ("vocab", None), std, dtype)
+            self.per_layer_proj = normal_param(rngs, (D, LP), ("embed", None), std, dtype)
+            self.per_layer_norm = const_param(1.0, (cfg.per_layer_input_size,), ("norm",), dtype)
         self.cfg = cfg
 
     def __call__(self, tokens, positions, mask, cache=None, layers=None, dropout=None, routes=None):
@@ -75,41 +81,77 @@ class Transformer(nnx.Module):
         if loop == "unrolled" and layers is None:
             layers = {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}
 
-        def layer(carry, xs, sparse, linear):
-            (x, c), (params, i, row, kind, route, rows) = carry, xs
+        def layer(carry, xs, sparse, linear, wide):
+            (x, c), (params, i, row, kind, route, extra, rows) = carry, xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, params)
+            c = c.replace(rows=rows)
             x, c, chosen = block(
-                x, positions, mask, c.replace(rows=rows), row, key, kind, route, sparse, linear
+                x, positions, mask, c, row, key, kind, route, sparse, linear, wide, extra
             )
             return (x, c.replace(rows=None)), (chosen, c.rows)
 
         carry, ys = (x, cache.replace(rows=None)), []
-        per_layer = (layer_kinds(cfg), routes, cache.rows)  # [L, ...] each, or None
+        # [L, ...] each, or None
+        per_layer = (layer_kinds(cfg), routes, self.per_layer_inputs(tokens, x))
         for segment in cfg.layer_segments():
-            body = functools.partial(layer, sparse=segment.sparse, linear=segment.linear)
+            body = functools.partial(
+                layer, sparse=segment.sparse, linear=segment.linear, wide=segment.wide
+            )
             start, stop, row = segment.start, segment.stop, self._first_row(segment)
+            rows = self._kind_rows(cache.rows, segment)  # [n, ...] in the run's cache rows
+            if segment.wide:  # the cache's full-layer storage in front (`swap`)
+                carry = (carry[0], carry[1].swap())
             if loop == "unrolled":  # Python: each layer's own slices, no remat (inference)
                 outs = []
                 for i in range(start, stop):
                     own = (layer_slice(cfg, layers, i), i, row + i - start)
-                    carry, out = body(carry, (*own, *jax.tree.map(lambda a, i=i: a[i], per_layer)))
+                    at = jax.tree.map(lambda a, i=i: a[i], per_layer)
+                    at = (*at, jax.tree.map(lambda a, j=i - start: a[j], rows))
+                    carry, out = body(carry, (*own, *at))
                     outs.append(out)
                 ys.append(jax.tree.map(lambda *a: jnp.stack(a), *outs))
-                continue
-            own = (segment_params(cfg, stacked, segment), jnp.arange(start, stop))
-            xs = (*own, jnp.arange(row, row + stop - start), *layer_rows(per_layer, start, stop))
-            unroll = stop - start if loop == "scan_unrolled" else 1
-            carry, out = jax.lax.scan(_remat(body, cfg.remat), carry, xs, unroll=unroll)
-            ys.append(out)
+            else:
+                own = (segment_params(cfg, stacked, segment), jnp.arange(start, stop))
+                xs = (*own, jnp.arange(row, row + stop - start))
+                xs = (*xs, *layer_rows(per_layer, start, stop), rows)
+                unroll = stop - start if loop == "scan_unrolled" else 1
+                carry, out = jax.lax.scan(_remat(body, cfg.remat), carry, xs, unroll=unroll)
+                ys.append(out)
+            if segment.wide:
+                carry = (carry[0], carry[1].swap())
         (x, cache), (chosen, rows) = carry, tuple(zip(*ys, strict=True))
-        cache = cache.replace(rows=_join(rows))
+        cache = cache.replace(rows=self._join_rows(rows))
         return norm(cfg, x, self.final_norm[...]), cache, self._join_routes(list(chosen), x)
 
+    def _kind_rows(self, rows, segment):
+        """A run's rows of the cache's per-layer values ([L, ...] leaves; with
+        `split_attention` a pair (sliding layers' [Ls, ...], full layers' [Lg, ...]),
+        the run's from its kind's): rows first_row .. first_row + its length."""
+        if rows is None:
+            return None
+        n, first = segment.stop - segment.start, self._first_row(segment)
+        if self.cfg.split_attention:
+            rows = rows[segment.wide]
+        return layer_rows(rows, first, first + n)
+
+    def _join_rows(self, rows: tuple):
+        """The runs' per-layer values -> [L, ...] (None stays None); with
+        `split_attention` the pair (sliding layers', full layers'), each in layer order."""
+        if not self.cfg.split_attention or rows[0] is None:
+            return _join(rows)
+        runs = self.cfg.layer_segments()
+        return tuple(
+            _join([r for r, s in zip(rows, runs, strict=True) if s.wide == w])
+            for w in (False, True)
+        )
+
     def _first_row(self, segment) -> int:
-        """The cache row of a run's first layer: its index, or in a hybrid model (whose
-        cache holds each attention kind's layers apart) its index among its kind's."""
-        return segment.first_attn if self.cfg.hybrid else segment.start
+        """The cache row of a run's first layer: its index, or in a hybrid model or a
+        `split_attention` one (whose cache holds each attention kind's layers apart) its
+        index among its kind's."""
+        split = self.cfg.hybrid or self.cfg.split_attention
+        return segment.first_attn if split else segment.start
 
     def _no_routes(self, x, n: int | None = None) -> jax.Array:
         """The routes of dense-MLP layers in an MoE model: -1 [B,T,k] (or [n,B,T,k])."""
@@ -130,6 +172,23 @@ class Transformer(nnx.Module):
                 for c, r in zip(chosen, runs, strict=True)
             ]
         )
+
+    def per_layer_inputs(self, tokens, x) -> jax.Array | None:
+        """Gemma 4's per-layer inputs [L,B,T,P] (None without them), transformers'
+        `get_per_layer_inputs` and `project_per_layer_inputs`: the token's own
+        per-layer embedding times sqrt(P) (rounded to its dtype), plus the RMS-normed
+        projection of its input embedding x [B,T,D] times D^-1/2, the sum times 2^-1/2."""
+        cfg = self.cfg
+        P = cfg.per_layer_input_size
+        if not P:
+            return None
+        B, T, L = *tokens.shape, cfg.num_layers
+        table = self.per_layer_embed[...]
+        own = jnp.take(table, tokens, axis=0) * jnp.asarray(P**0.5, table.dtype)
+        mixed = dense(x, self.per_layer_proj[...]) * jnp.asarray(cfg.hidden_size**-0.5, x.dtype)
+        mixed = norm(cfg, mixed.reshape(B, T, L, P), self.per_layer_norm[...])
+        out = (mixed + own.reshape(B, T, L, P)) * jnp.asarray(2**-0.5, x.dtype)
+        return jnp.moveaxis(out, 2, 0)
 
     def embed_tokens(self, tokens) -> jax.Array:
         """tokens [B,T] -> [B,T,D]; Gemma scales by sqrt(D), rounded to the embedding's

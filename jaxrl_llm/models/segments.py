@@ -1,5 +1,6 @@
 """Layers of two MLP kinds (an MoE model's experts, or a dense MLP: `cfg.dense_layers`)
-and of two attention kinds (a hybrid model's Gated DeltaNet or full attention, Qwen3.5):
+and of two attention kinds (a hybrid model's Gated DeltaNet or full attention, Qwen3.5;
+Gemma 4's sliding layers and its full layers with a head size of their own):
 which Block parameters are stacked over which layers, and the rows a run of alike layers
 reads (`ModelConfig.layer_segments`: one scan per run) or one layer reads (unrolled).
 
@@ -32,8 +33,11 @@ MOE_WEIGHTS = {
     "shared_expert_gate": "shared_expert_gate",
 }
 DENSE_MLP = ("gate", "up", "down")
-# A hybrid model's full-attention parameters, stacked over its full-attention layers.
+# A hybrid model's full-attention parameters, stacked over its full-attention layers (in
+# Gemma 4 with full layers of their own head size, `split_attention`: over its sliding
+# layers, and the full layers' own under the names of WIDE_ATTENTION).
 FULL_ATTENTION = tuple("q k v o q_bias k_bias v_bias o_bias q_norm k_norm sinks".split())
+WIDE_ATTENTION = {n: "w" + n for n in ("q", "k", "v", "o", "q_norm", "k_norm")}
 
 
 def mlp_kind(name: str) -> bool | None:
@@ -46,18 +50,22 @@ def mlp_kind(name: str) -> bool | None:
     return None
 
 
-def attn_kind(cfg: ModelConfig, name: str) -> bool | None:
-    """In a hybrid model (Qwen3.5): whether the Block parameter `name` is stacked over
-    the Gated DeltaNet layers (True) or the full-attention layers (False); None for the
-    parameters of every layer, and for every parameter of any other model."""
-    if not cfg.hybrid:
-        return None
-    if name in LINEAR_WEIGHTS:
-        return True
-    return False if name in FULL_ATTENTION else None
+def attn_kind(cfg: ModelConfig, name: str) -> str | None:
+    """The attention kind (`ModelConfig.attention_kinds`) whose layers the Block parameter
+    `name` is stacked over, in a model with two: Qwen3.5's Gated DeltaNet ("linear") and
+    full attention ("softmax"); Gemma 4's sliding ("softmax") and own-sized full layers
+    ("wide"). None for the parameters of every layer, and for every parameter of any
+    other model."""
+    if cfg.hybrid:
+        return "linear" if name in LINEAR_WEIGHTS else "softmax" if name in FULL_ATTENTION else None
+    if cfg.split_attention:
+        if name in WIDE_ATTENTION.values():
+            return "wide"
+        return "softmax" if name in FULL_ATTENTION else None
+    return None
 
 
-def _kind_of(cfg: ModelConfig, name: str) -> tuple[str, bool] | None:
+def _kind_of(cfg: ModelConfig, name: str) -> tuple[str, bool | str] | None:
     """("mlp" | "attn", kind) of a parameter stacked over one kind of layers, else None."""
     kind = mlp_kind(name)
     if kind is not None:
@@ -73,7 +81,7 @@ def segment_params(cfg: ModelConfig, stacked: dict, segment) -> dict:
     parameters a placeholder of zeros [stop - start] (never read by these layers; a scan
     needs every leaf to have their number of rows)."""
     n, out = segment.stop - segment.start, {}
-    mine = {"mlp": (segment.sparse, segment.first), "attn": (segment.linear, segment.first_attn)}
+    mine = {"mlp": (segment.sparse, segment.first), "attn": (segment.attn, segment.first_attn)}
     for name, a in stacked.items():
         group = _kind_of(cfg, name)
         start = segment.start if group is None else mine[group[0]][1]
@@ -88,7 +96,7 @@ def layer_slice(cfg: ModelConfig, per_index: dict, i: int) -> dict:
     """Layer i's parameters out of {name: each row of that stack} (`transformer.
     layer_params`): a kind's parameters at the layer's row among its kind, a zero scalar
     placeholder for the other kind's."""
-    kinds = {"mlp": cfg.sparse_layers, "attn": cfg.linear_layers}
+    kinds = {"mlp": cfg.sparse_layers, "attn": cfg.attention_kinds}
     out = {}
     for name, rows in per_index.items():
         group = _kind_of(cfg, name)

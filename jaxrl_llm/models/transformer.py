@@ -137,7 +137,9 @@ def forward_after_prefix(
     """`forward` of tokens that follow a prefix already run: (hidden [B,T,D], keys/values).
 
     tokens, attention_mask [B,T]; prefix: the (k, v) [L,B,P,K,H] this function returned
-    for the prefix (None: no prefix), prefix_mask [B,P] its real tokens. The tokens'
+    for the prefix (None: no prefix; with `cfg.split_attention` a pair of them, the
+    sliding layers' and the full layers', `empty_prefix`), prefix_mask [B,P] its real
+    tokens. The tokens'
     positions continue after the prefix's real tokens and they attend to all of them, so
     hidden equals `forward` of the concatenation [prefix, tokens] at the tokens'
     positions. Returns the keys/values of `tokens` ([L,B,T,K,H] each) for a later suffix.
@@ -156,9 +158,7 @@ def forward_after_prefix(
         )
     attention_mask = attention_mask.astype(bool)
     if prefix is None:
-        L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        dtype = params["embed"].dtype
-        prefix = (jnp.zeros((L, B, 0, K, H), dtype), jnp.zeros((L, B, 0, K, H), dtype))
+        prefix = empty_prefix(cfg, B, params["embed"].dtype)
         prefix_mask = jnp.zeros((B, 0), bool)
     prefix_mask = prefix_mask.astype(bool)
     before = prefix_mask.sum(-1, dtype=jnp.int32)[:, None]
@@ -169,6 +169,22 @@ def forward_after_prefix(
         tokens, positions, mask, PrefixCache(rows=prefix), layers, dropout, layer_major(routes)
     )
     return (hidden, cache.rows, token_major(own)) if with_routes else (hidden, cache.rows)
+
+
+def empty_prefix(cfg: ModelConfig, batch: int, dtype):
+    """The keys/values of no prefix: (k, v) [L, B, 0, K, H]; with `cfg.split_attention`
+    a pair of those, the sliding layers' and the full layers' ([Lg, B, 0, Kg, Hg])."""
+
+    def empty(L, K, H):
+        return jnp.zeros((L, batch, 0, K, H), dtype), jnp.zeros((L, batch, 0, K, H), dtype)
+
+    if not cfg.split_attention:
+        return empty(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    kinds = cfg.attention_kinds
+    return (
+        empty(kinds.count("softmax"), cfg.num_kv_heads, cfg.head_dim),
+        empty(kinds.count("wide"), cfg.full_kv_heads, cfg.full_head_dim),
+    )
 
 
 def paged_forward(
@@ -188,7 +204,9 @@ def paged_forward(
     (final-normed hidden [B,T,D], the pool with the real tokens' keys/values written at
     slots length .. length + T - 1, the MoE layers' own top-k [B,T,L,k] or None).
 
-    tokens, attention_mask [B,T]; pool: (k, v) [L, pages, page_size, K, H]; table [B, M]
+    tokens, attention_mask [B,T]; pool: (k, v) [L, pages, page_size, K, H] (with
+    `cfg.split_attention` the pair of the sliding layers' and the full layers' (k, v)
+    [Lg, pages, page_size, Kg, Hg], given back the same way); table [B, M]
     each row's page ids (slot s in page table[s // page_size]); start, length [B]. Masked
     tokens write to page `null_page` and are attended to by no real token. Each layer
     writes and reads its own pages in place (`paged_attention`): hidden equals `forward`
@@ -197,13 +215,17 @@ def paged_forward(
     pallas: the pool is head-major, (k, v) [K, L, pages, page_size, H], and decode calls
     (T = 1) run the Pallas TPU kernel (`paged_attention.PagedWrite.pallas`). Forward
     only (the sampler's engine)."""
-    page_size = pool[0].shape[3 if pallas else 2]
+    page_size = jax.tree.leaves(pool)[0].shape[3 if pallas else 2]
     positions, mask, where = paged_inputs(
         table, start, length, attention_mask, page_size, null_page, pallas
     )
-    cache = PagedCache(pool=tuple(pool), where=where)
+    wide = None
+    if cfg.split_attention:
+        pool, wide = pool
+    cache = PagedCache(pool=tuple(pool), where=where, wide=wide)
     hidden, cache, own = _model(cfg, params)(tokens, positions, mask, cache, layers)
-    return hidden, cache.pool, token_major(own)
+    pool = cache.pool if wide is None else (cache.pool, cache.wide)
+    return hidden, pool, token_major(own)
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
@@ -272,6 +294,9 @@ def extend(
         pos=cache.pos + attention_mask.sum(-1, dtype=jnp.int32),
         index=cache.index + T,
         state=None if cache.state is None else kv.state,  # a hybrid model's DeltaNet state
+        wide=None
+        if cache.wide is None
+        else kv.wide,  # the own-sized full layers' keys/values (`cfg.split_attention`)
     )
     return (hidden, new_cache, token_major(own)) if with_routes else (hidden, new_cache)
 

@@ -31,35 +31,60 @@ from jaxrl_llm.sampling.spec import RolloutSpec
 class Pages:
     """The page pool of every layer: k, v [L, pages, page_size, K, H] (page 0: null), or
     head-major [K, L, pages, page_size, H] when `pallas` (decode runs the Pallas TPU
-    kernel, which reads a layer's pages as [K, pages, page_size, H])."""
+    kernel, which reads a layer's pages as [K, pages, page_size, H]). A model with full
+    layers of their own head size (`cfg.split_attention`): k, v hold its sliding layers
+    and `wide` the full layers' (k, v) [Lg, pages, page_size, Kg, Hg], over the same page
+    ids (a page holds the same slots of every layer)."""
 
     k: jax.Array
     v: jax.Array
     pallas: bool = struct.field(pytree_node=False, default=False)
+    wide: tuple | None = None
 
     @property
     def page_size(self) -> int:
         return self.k.shape[3 if self.pallas else 2]
 
+    @property
+    def pools(self):
+        """The pools as `models.paged_forward` takes them: (k, v), or with `wide` the
+        pair ((k, v), wide)."""
+        return (self.k, self.v) if self.wide is None else ((self.k, self.v), self.wide)
+
+    def with_pools(self, pools) -> Pages:
+        """The inverse of `pools`."""
+        if self.wide is None:
+            return self.replace(k=pools[0], v=pools[1])
+        (k, v), wide = pools
+        return self.replace(k=k, v=v, wide=wide)
+
 
 def init_pages(cfg, pages: int, page_size: int, dtype=jnp.float32, pallas: bool = False) -> Pages:
-    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    kinds = cfg.attention_kinds
+    L, K, H = kinds.count("softmax"), cfg.num_kv_heads, cfg.head_dim
     shape = (K, L, pages, page_size, H) if pallas else (L, pages, page_size, K, H)
-    return Pages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pallas=pallas)
+    wide = None
+    if cfg.split_attention:
+        if pallas:
+            raise ValueError("the Pallas page pool holds one head size; this model has two")
+        wide_shape = (kinds.count("wide"), pages, page_size, cfg.full_kv_heads, cfg.full_head_dim)
+        wide = (jnp.zeros(wide_shape, dtype), jnp.zeros(wide_shape, dtype))
+    return Pages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pallas=pallas, wide=wide)
 
 
-def gather_pages(pages: Pages, table) -> tuple[jax.Array, jax.Array]:
+def gather_pages(pages: Pages, table):
     """The keys/values of each sequence in slot order: table [B, M] page ids ->
-    (k, v) [L, B, M * page_size, K, H]. The portable pool layout only."""
+    (k, v) [L, B, M * page_size, K, H] (with `Pages.wide`, the pair of those of the
+    sliding layers and of the full layers). The portable pool layout only."""
     if pages.pallas:
         raise ValueError("the gather path reads the portable pool layout, not the Pallas one")
-    L, _, S, K, H = pages.k.shape
     B, M = table.shape
 
     def gather(pool):
+        L, _, S, K, H = pool.shape
         return jnp.take(pool, table, axis=1).reshape(L, B, M * S, K, H)
 
-    return gather(pages.k), gather(pages.v)
+    return jax.tree.map(gather, pages.pools)
 
 
 IMPLS = ("pages", "gather")  # forward_paged's attention paths
@@ -79,6 +104,7 @@ def uses_pallas(cfg, attention: str, dtype, backend: str, page_size: int = 16) -
         attention == "auto"
         and backend == "tpu"
         and not cfg.windowed
+        and not cfg.split_attention
         and jnp.dtype(dtype) == jnp.bfloat16
         and cfg.head_dim % 128 == 0
         and page_size % 16 == 0
@@ -101,12 +127,12 @@ def forward_paged(
     two agree within rounding at the real tokens (hidden and routes of masked tokens
     are not read)."""
     if impl == "pages":
-        hidden, (k, v), own = models.paged_forward(
+        hidden, pools, own = models.paged_forward(
             cfg,
             params,
             tokens,
             mask,
-            (pages.k, pages.v),
+            pages.pools,
             table,
             start,
             length,
@@ -114,26 +140,25 @@ def forward_paged(
             null_page=NULL_PAGE,
             pallas=pages.pallas,
         )
-        return hidden, pages.replace(k=k, v=v), own
+        return hidden, pages.with_pools(pools), own
     if impl != "gather":
         raise ValueError(f"forward_paged: impl={impl!r}, expected one of {IMPLS}")
     B, T = tokens.shape
-    k, v = gather_pages(pages, table)
-    slot = jnp.arange(k.shape[2])
+    prefix = gather_pages(pages, table)
+    slot = jnp.arange(pages.page_size * table.shape[1])
     before = (slot[None] >= start[:, None]) & (slot[None] < length[:, None])
-    hidden, (new_k, new_v), own = models.forward_after_prefix(
-        cfg, params, tokens, mask, (k, v), before, with_routes=True, layers=layers
-    )  # new_k, new_v [L, B, T, K, H]
+    hidden, new, own = models.forward_after_prefix(
+        cfg, params, tokens, mask, prefix, before, with_routes=True, layers=layers
+    )  # new: the tokens' (k, v) [L, B, T, K, H], as the pools
     index = length[:, None] + jnp.arange(T)[None]  # [B, T] slot of each token
     M, S = table.shape[1], pages.page_size
     page = jnp.take_along_axis(table, jnp.minimum(index // S, M - 1), axis=1)
     page = jnp.where(mask, page, NULL_PAGE)
     offset = index % S
-    pages = pages.replace(
-        k=pages.k.at[:, page, offset].set(new_k.astype(pages.k.dtype)),
-        v=pages.v.at[:, page, offset].set(new_v.astype(pages.v.dtype)),
+    pools = jax.tree.map(
+        lambda pool, x: pool.at[:, page, offset].set(x.astype(pool.dtype)), pages.pools, new
     )
-    return hidden, pages, own
+    return hidden, pages.with_pools(pools), own
 
 
 def row_bucket(rows: int, slots: int) -> int:

@@ -46,24 +46,38 @@ def layer_matmul_params(model_cfg) -> int:
     """Parameters of the decoder layers that take part in a token's matmuls (no norms, no
     biases). Mixture of experts: the active ones, the router and the k experts a token
     goes through (not the E - k idle ones) and the shared experts, in the sparse layers;
-    the dense-MLP layers of an MoE model (`dense_layers`) count their dense MLP. So MoE
-    FLOPs and MFU count the work done."""
+    the dense-MLP layers of an MoE model (`dense_layers`) count their dense MLP; Gemma 4's
+    per-layer inputs, their projection from the embedding and each layer's gate and
+    projection. So MoE FLOPs and MFU count the work done."""
     c = model_cfg
     D = c.hidden_size
     q_heads = c.num_heads * (2 if getattr(c, "attn_output_gate", False) else 1)
-    attn = D * c.head_dim * (q_heads + c.num_heads + 2 * c.num_kv_heads)
+
+    def attn(head_dim, kv_heads, kv_proj=2):  # q, k, v (kv_proj 1: keys as values), o
+        return D * head_dim * (q_heads + c.num_heads + kv_proj * kv_heads)
+
     n_linear = sum(getattr(c, "linear_layers", ()))
-    mixers = (c.num_layers - n_linear) * attn
+    wide = _wide_layers(c)  # Gemma 4's full layers of their own head size
+    mixers = (c.num_layers - n_linear - wide) * attn(c.head_dim, c.num_kv_heads)
+    if wide:
+        mixers += wide * attn(c.full_head_dim, c.full_kv_heads, 1 if c.k_eq_v else 2)
     if n_linear:  # Gated DeltaNet: in_proj_qkv / z / a / b and out_proj
         value = c.linear_num_value_heads * c.linear_value_head_dim
         mixers += n_linear * D * (c.linear_conv_dim + 2 * value + 2 * c.linear_num_value_heads)
     dense_mlp = 3 * D * c.intermediate_size
+    P = getattr(c, "per_layer_input_size", 0)  # Gemma 4: the model's projection, each layer's
+    mixers += 3 * D * P * c.num_layers
     if getattr(c, "moe", False):
         width = c.num_experts_per_tok * c.moe_intermediate_size + c.shared_intermediate_size
         sparse, n = D * c.num_experts + 3 * D * width, c.num_sparse_layers
         sparse += D if getattr(c, "shared_expert_gate", False) else 0
         return mixers + n * sparse + (c.num_layers - n) * dense_mlp
     return mixers + c.num_layers * dense_mlp
+
+
+def _wide_layers(c) -> int:
+    """Layers with their own head size (`ModelConfig.split_attention`), else 0."""
+    return getattr(c, "attention_kinds", ()).count("wide")
 
 
 def forward_flops(model_cfg, positions: float, context: float, unembedded: float) -> float:
@@ -77,8 +91,9 @@ def forward_flops(model_cfg, positions: float, context: float, unembedded: float
     projected token). The embedding lookup is not a matmul and is not counted.
     """
     c = model_cfg
-    n_linear = sum(getattr(c, "linear_layers", ()))
-    attn = 4 * (c.num_layers - n_linear) * c.num_heads * c.head_dim * context
+    n_linear, wide = sum(getattr(c, "linear_layers", ())), _wide_layers(c)
+    attn = 4 * (c.num_layers - n_linear - wide) * c.num_heads * c.head_dim * context
+    attn += 4 * wide * c.num_heads * getattr(c, "full_head_dim", 0) * context
     if n_linear:  # the delta rule per token and value head: decay, read, update, query
         state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         attn += n_linear * (7 * state + 2 * c.linear_conv_kernel * c.linear_conv_dim)
