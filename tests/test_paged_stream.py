@@ -189,6 +189,7 @@ def test_without_partial_every_row_keeps_its_version(tiny, paged):
             program=lambda *a, **k: contextlib.nullcontext(types.SimpleNamespace())
         ),
         rounds=1,
+        workers=None,
     )
     config = types.SimpleNamespace(
         rollout=types.SimpleNamespace(max_staleness=1, partial=False),
