@@ -74,7 +74,8 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         cache = NoCache() if cache is None else cache
-        x = shard_sequence(self.embed_tokens(tokens))  # context parallelism
+        # Split by rows (and positions), not in the embedding table's layout.
+        x = shard_sequence(self.embed_tokens(tokens))
         graphdef, stacked = nnx.split(self.layers)
         stacked = nnx.to_pure_dict(stacked)
         loop = cache.loop(cfg, layers)
