@@ -161,10 +161,13 @@ def cli_main(main: Callable[[], object]) -> None:
     Removes `--debug` from `sys.argv` first (so absl and argparse never see it). Without
     debug, an exception prints `format_error(err)` on stderr and exits 2 (130 for
     Ctrl-C); with debug it propagates with its traceback. `SystemExit` passes through
-    untouched (absl and argparse exit that way for usage errors and `--help`).
+    untouched (absl and argparse exit that way for usage errors and `--help`). A Ctrl-C
+    that Python drops (raised inside a garbage-collection callback) still exits 130.
     """
     debug = debug_requested()
     sys.argv[1:] = [arg for arg in sys.argv[1:] if arg != DEBUG_FLAG]
+    if not debug:
+        sys.unraisablehook = _abort_on_swallowed_ctrl_c(sys.unraisablehook)
     try:
         main()
         _one_line_ctrl_c_at_exit()
@@ -182,6 +185,20 @@ def cli_main(main: Callable[[], object]) -> None:
             # writers each step; a half-written checkpoint is deleted on the next start.
             os._exit(EXIT_INTERRUPTED)
         sys.exit(EXIT_ERROR)
+
+
+def _abort_on_swallowed_ctrl_c(hook):
+    """`sys.unraisablehook` that ends the program on a KeyboardInterrupt Python could not
+    raise: a Ctrl-C whose handler ran inside a garbage-collection callback or a `__del__`
+    (jax registers one with `gc.callbacks`) is printed and dropped there, and the run
+    would go on as though the abort had not been asked for."""
+
+    def handle(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _exit_interrupted(signal.SIGINT, None)
+        hook(unraisable)
+
+    return handle
 
 
 def _one_line_ctrl_c_at_exit() -> None:

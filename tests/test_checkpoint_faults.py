@@ -293,6 +293,40 @@ def test_orbax_records_of_an_abort_are_dropped():
     assert not checkpoint._REPORTED_FILTER.filter(record)
 
 
+def test_a_ctrl_c_python_drops_still_aborts_with_one_line():
+    """The second Ctrl-C's KeyboardInterrupt raised inside a garbage-collection callback
+    (jax keeps one in `gc.callbacks`) is printed and dropped by Python; the command line
+    still exits 130 with the one line, not a traceback, and does not run on."""
+    code = textwrap.dedent(
+        """
+        import gc, time
+        from jaxrl_llm.errors import cli_main
+        def main():
+            def interrupted(phase, info):
+                gc.callbacks.remove(interrupted)
+                raise KeyboardInterrupt("second Ctrl-C")
+            gc.callbacks.append(interrupted)
+            gc.collect()
+            time.sleep(1)
+            print("ran on")
+        cli_main(main)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: interrupted; work since the last checkpoint is lost"
+    ]
+
+
 def test_ctrl_c_while_the_trainer_exits_is_one_line(tmp_path):
     """A Ctrl-C after the run returned, while the interpreter exits (jax's atexit clean-up
     runs there), ends with the one line and 130, not a traceback from an atexit hook."""
