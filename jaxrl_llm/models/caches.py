@@ -44,7 +44,7 @@ class NoCache:
     rows: Any = None
 
     def loop(self, cfg, layers) -> str:
-        return _scan(cfg)
+        return _scan(cfg) if layers is None else "unrolled"
 
     def swap(self):
         """Nothing is stored per attention kind (`DenseCache.swap`)."""

@@ -88,12 +88,15 @@ def forward(
     dropout=None,
     routes=None,
     with_routes: bool = False,
+    layers=None,
 ):
     """Full-sequence forward: tokens [B,T] -> final-normed hidden states [B,T,D].
     dropout: a key for LoRA dropout (`cfg.lora.dropout` > 0), None for none.
     routes: [B,T,L,k] experts for the MoE layers to use instead of their own top-k
     (routing replay), None for their own. with_routes: return (hidden, the MoE layers' own
-    top-k [B,T,L,k] int32, or None for a dense model)."""
+    top-k [B,T,L,k] int32, or None for a dense model). layers: each layer's parameters
+    already sliced (`layer_params`), read instead of `params["layers"]` by a Python loop
+    over the layers (the update's unrolled model: `rl.gradients`)."""
     B, T = tokens.shape
     if cfg.hybrid and segment_ids is not None:
         raise UnsupportedModelError(
@@ -107,7 +110,7 @@ def forward(
         positions = default_positions(attention_mask, segment_ids)
     mask = causal_mask(attention_mask, positions, segment_ids)
     hidden, _, own = _model(cfg, params)(
-        tokens, positions, mask, dropout=dropout, routes=layer_major(routes)
+        tokens, positions, mask, layers=layers, dropout=dropout, routes=layer_major(routes)
     )
     return (hidden, token_major(own)) if with_routes else hidden
 

@@ -113,6 +113,7 @@ def completion_hidden(
     dropout=None,
     routes=None,
     with_routes=False,
+    layers=None,
 ):
     """Teacher-forced hidden states that predict each completion token.
 
@@ -121,12 +122,12 @@ def completion_hidden(
     after reading the prompt and tokens[:, :t]. dropout: a LoRA dropout key, or None.
     routes: replayed experts [N, P + T, L, k] (module doc). with_routes: also the MoE
     layers' own top-k of the completion tokens [N, T, L, k] (None for a dense model).
+    layers: each layer's parameters already sliced (`models.forward`), or None.
     """
     ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
     attention = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-    hidden, own = models.forward(
-        model_cfg, params, ids, attention, dropout=dropout, routes=routes, with_routes=True
-    )
+    kw = dict(dropout=dropout, routes=routes, with_routes=True, layers=layers)
+    hidden, own = models.forward(model_cfg, params, ids, attention, **kw)
     p = prompt_tokens.shape[1]
     own = None if own is None else own[:, p:]
     return (hidden[:, p - 1 : -1], own) if with_routes else hidden[:, p - 1 : -1]
@@ -146,6 +147,7 @@ def sequence_logprobs(
     routes=None,
     with_routes=False,
     packing=None,
+    layers=None,
 ):
     """Teacher-forced log pi(token) and entropy of each completion token.
 
@@ -154,7 +156,8 @@ def sequence_logprobs(
     dropout key (the update's gradient forward), or None. routes, with_routes (a third
     result, the own top-k [N, T, L, k]): as in `completion_hidden`. packing: a
     `rl.packing.PackPlan` of these rows that fits (`packed_sequence_logprobs`; dense
-    models only, which route nothing), or None: padded rows.
+    models only, which route nothing), or None: padded rows. layers: each layer's
+    parameters already sliced (`models.forward`), or None.
     """
     if packing is not None:
         out = packed_sequence_logprobs(
@@ -168,10 +171,11 @@ def sequence_logprobs(
             temperature=temperature,
             chunk_size=chunk_size,
             dropout=dropout,
+            layers=layers,
         )
         return (*out, None) if with_routes else out
     hidden, own = completion_hidden(
-        model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout, routes, True
+        model_cfg, params, prompt_tokens, prompt_mask, tokens, mask, dropout, routes, True, layers
     )
     kw = dict(temperature=temperature, chunk_size=chunk_size)
     logp, ent = _completion_logprobs(model_cfg, params, hidden, tokens, mask, **kw)
@@ -214,6 +218,7 @@ def packed_sequence_logprobs(
     temperature=1.0,
     chunk_size=128,
     dropout=None,
+    layers=None,
 ):
     """`sequence_logprobs` with the rows packed as `plan` (`rl.packing.plan_packing`, which
     must fit) says: the layers run over the packed sequences only. The log-probs are
@@ -233,7 +238,8 @@ def packed_sequence_logprobs(
     ids = jnp.concatenate([prompt_tokens, tokens], axis=1)
     attend = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
     ids, attend, positions, segments = pack(plan, ids, attend)
-    hidden = models.forward(model_cfg, params, ids, attend, positions, segments, dropout=dropout)
+    kw_model = dict(dropout=dropout, layers=layers)
+    hidden = models.forward(model_cfg, params, ids, attend, positions, segments, **kw_model)
     w = models.unembed_matrix(model_cfg, params)
     if plan.num_seqs * (p + t) < n * t:
         targets = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)

@@ -110,16 +110,24 @@ class Setup:
         return routes if self.replay else None
 
     @property
+    def slices_layers(self) -> bool:
+        """The gradient reads each layer's weights as slices taken once per mini-batch
+        (`gradients`): an unrolled model (`scan_layers=False`) without remat or LoRA."""
+        c = self.model_cfg
+        return not c.scan_layers and c.remat == "none" and c.lora is None
+
+    @property
     def needs_old_logp(self) -> bool:
         return not self.on_policy or (self.algo.kl_in_reward and self.algo.beta > 0)
 
 
-def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, plan=None):
+def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, plan=None, layers=None):
     """-J of one micro-batch (divided by the mini-batch denominator) and its metrics.
     prefix: the groups' prompts already run (`prompt_prefix`), or None. dropout: the
     micro-batch's LoRA dropout key, or None. plan: the rows' packing (`rl.packing`), or
-    None."""
+    None. layers: each layer's weights already sliced (`_Sliced`), or None."""
     kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size, dropout=dropout)
+    kw |= dict(layers=layers)
     kw |= dict(routes=s.replayed(r.routes), with_routes=True)
     if prefix is None:
         logp, entropy, own = sequence_logprobs(
@@ -198,6 +206,46 @@ def _add(acc, grads):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
+class _Sliced:
+    """The parameters an unrolled model's gradient is taken with respect to: the stacked
+    layer weights cut into each layer's slices once (`models.layer_params`), beside the
+    other parameters. Every forward and backward of the mini-batch (the shared prompts',
+    each micro-batch's) reads those slices. Differentiated through the stacks instead,
+    XLA slices each layer's weights in each forward and keeps the slices to its
+    backward: the prompts' slices through all the micro-batches, so every layer's
+    weights were held twice at the update's peak. The gradients are summed per layer
+    (each layer's into its own buffer as the backward makes it) and stacked once."""
+
+    def __init__(self, params):
+        self.stacked = _sg(params["layers"])  # for the model's structure; not read
+        rest = {k: v for k, v in params.items() if k != "layers"}
+        self.diff = (rest, models.layer_params(params))
+
+    def view(self, diff):
+        """-> (params for the model, each layer's slices) of the differentiated `diff`."""
+        return {**diff[0], "layers": self.stacked}, diff[1]
+
+    @staticmethod
+    def stacked_grads(g):
+        """The gradient of `diff` -> one shaped like the params (layer stacks)."""
+        layers = {n: jnp.stack(rows) for n, rows in g[1].items()}
+        return {**g[0], "layers": layers}
+
+
+class _Whole:
+    """The parameters as they are (scanned layers, remat, LoRA: base + adapters)."""
+
+    def __init__(self, params, frozen):
+        self.diff, self.frozen = params, frozen
+
+    def view(self, diff):
+        return lora.combine(self.frozen, diff), None
+
+    @staticmethod
+    def stacked_grads(g):
+        return g
+
+
 def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
     """Summed float32 gradients of one mini-batch over its micro-batches, and metrics.
 
@@ -209,22 +257,20 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
     (the prompts fold in 0, micro-batch i folds in i + 1), or None."""
     den = loss_denominator(rows.loss_mask, s.algo.loss_agg, s.spec.max_new_tokens)
     use_critic = carry.critic_params is not None
-    full = functools.partial(lora.combine, frozen)
+    weights = _Sliced(carry.params) if s.slices_layers else _Whole(carry.params, frozen)
     fold = lambda i: None if dropout is None else jax.random.fold_in(dropout, i)  # noqa: E731
     prefix = None
     if rows.groups is not None:
-        prefix, prefix_vjp = jax.vjp(
-            lambda p: prompt_prefix(
-                s.model_cfg,
-                full(p),
-                rows.prompt_tokens,
-                rows.prompt_mask,
-                s.num_generations,
-                fold(0),
-                routes=s.replayed(rows.routes),
-            ),
-            carry.params,
-        )
+
+        def run_prompts(d):
+            params, layers = weights.view(d)
+            tokens, mask, routes = rows.prompt_tokens, rows.prompt_mask, s.replayed(rows.routes)
+            G = s.num_generations
+            return prompt_prefix(
+                s.model_cfg, params, tokens, mask, G, fold(0), routes=routes, layers=layers
+            )
+
+        prefix, prefix_vjp = jax.vjp(run_prompts, weights.diff)
 
     def micro(acc, xs):
         r, i = xs
@@ -232,14 +278,21 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
         if prefix is None:
 
             def run(plan):  # packed (plan) or padded (None): one forward and backward
-                loss = lambda p: _policy_loss(s, full(p), r, den, None, key, plan)  # noqa: E731
-                return jax.value_and_grad(loss, has_aux=True)(carry.params)
+                def loss(d):
+                    params, layers = weights.view(d)
+                    return _policy_loss(s, params, r, den, None, key, plan, layers)
+
+                return jax.value_and_grad(loss, has_aux=True)(weights.diff)
 
             (_, metrics), g = packed_or_padded(run, r.prompt_mask, r.mask, s.packing)
         else:
-            loss = lambda p, pre: _policy_loss(s, full(p), r, den, pre, key)  # noqa: E731
+
+            def loss(d, pre):
+                params, layers = weights.view(d)
+                return _policy_loss(s, params, r, den, pre, key, layers=layers)
+
             pgrad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-            (_, metrics), (g, g_prefix) = pgrad(carry.params, prefix)
+            (_, metrics), (g, g_prefix) = pgrad(weights.diff, prefix)
             acc = dict(acc, prefix=_add(acc["prefix"], g_prefix))
         acc = dict(acc, policy=_add(acc["policy"], g))
         if use_critic:
@@ -249,7 +302,7 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
             metrics = {**metrics, **vmetrics}
         return acc, metrics
 
-    acc = {"policy": _zeros_f32(carry.params)}
+    acc = {"policy": _zeros_f32(weights.diff)}  # each layer its own sum when sliced
     if use_critic:
         acc["critic"] = _zeros_f32(carry.critic_params)
     if prefix is not None:
@@ -259,6 +312,7 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
     if prefix is not None:
         g_prefix = jax.tree.map(lambda g, x: g.astype(x.dtype), acc.pop("prefix"), prefix)
         acc["policy"] = _add(acc["policy"], prefix_vjp(g_prefix)[0])
+    acc["policy"] = weights.stacked_grads(acc["policy"])
     return acc, reduce_metrics(metrics, sum_losses=True)
 
 

@@ -45,13 +45,15 @@ def prompt_prefix(
     num_generations: int,
     dropout=None,
     routes=None,
+    layers=None,
 ):
     """Each group's prompt run once: the first row of every G = `num_generations`
     consecutive rows -> (keys/values ([L, N / G, P, K, H] each), hidden state of the
     prompt's last position [N / G, D], which predicts the first completion token).
     Differentiable w.r.t. params; the input of `prefix_logprobs`. dropout: a LoRA
     dropout key (one mask per group's prompt), or None. routes [N, P + T, L, k]: replayed
-    experts (module doc); the group's first row's prompt part is read."""
+    experts (module doc); the group's first row's prompt part is read. layers: each
+    layer's parameters already sliced (`models.forward`), or None."""
     G, P = num_generations, prompt_tokens.shape[1]
     hidden, kv = models.forward_after_prefix(
         model_cfg,
@@ -60,6 +62,7 @@ def prompt_prefix(
         prompt_mask[::G],
         dropout=dropout,
         routes=None if routes is None else routes[::G, :P],
+        layers=layers,
     )
     return kv, hidden[:, -1]  # prompts are left-padded: the last column is a real token
 
@@ -78,6 +81,7 @@ def prefix_logprobs(
     dropout=None,
     routes=None,
     with_routes=False,
+    layers=None,
 ):
     """`sequence_logprobs` of rows whose prompts were run by `prompt_prefix`.
 
@@ -88,7 +92,7 @@ def prefix_logprobs(
     w.r.t. params and prefix (a prefix's cotangent sums over the rows of its group).
     dropout: a LoRA dropout key for the completions' forward, or None. routes
     [N', P + T, L, k], with_routes: as in `sequence_logprobs` (the last token, not fed,
-    gets own routes -1).
+    gets own routes -1). layers: as in `prompt_prefix`.
     """
     kv, last = prefix
     kv_rows = jax.tree.map(lambda x: jnp.take(x, groups, axis=1), kv)
@@ -103,6 +107,7 @@ def prefix_logprobs(
         dropout,
         routes=None if routes is None else routes[:, P : P + T - 1],
         with_routes=True,
+        layers=layers,
     )
     h = jnp.concatenate([jnp.take(last, groups, axis=0)[:, None].astype(h.dtype), h], axis=1)
     w = models.unembed_matrix(model_cfg, params)
