@@ -3,22 +3,18 @@ unweighted norm, input scale and scale per expert), the GeGLU experts beside the
 MLP and the branches' norms against transformers; export, parameter counts and FLOPs;
 routing replay in the samplers and the trainer."""
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 from hf_reference import hf_config, hf_logits, hf_model, padded_batch
-from test_moe import assert_export_round_trip, max_diff, tie_sensitive
+from test_moe import assert_export_round_trip, max_diff, replay_gaps, tie_sensitive
 from test_sampler import PROMPTS, hf_greedy
 from tiny_run import tiny_gemma4_config
 
 from jaxrl_llm import models, parallel, sampling
 from jaxrl_llm.models import moe
-from jaxrl_llm.rl import batch as rl_batch
 from jaxrl_llm.trainer import perf
 
 # 8 experts of width 32, each token through 2; the full layers as the 26B-A4B's: heads
@@ -188,18 +184,9 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
     token up to float32 rounding (measured 2.4e-6 at most, most tokens 2-7e-7)."""
     cfg = tiny_gemma4_config(vocab_size=16, **MOE_FIELDS)
     params = tie_sensitive(cfg, models.init_params(cfg, seed=1))
-    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [3, 1, 4, 1, 5]]
-    out = sampling.generate(cfg, params, prompts, 10, num_samples=2, temperature=1.0, seed=1)
-    rows = (out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-    sampled = np.asarray(out.loss_mask)
-    kw = dict(num_generations=2, micro_batches=1, temperature=1.0, chunk_size=128)
-    logprobs = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))
-    gaps = {}
-    for name, routes in (("none", None), ("rollout", out.routes)):
-        logp = logprobs(params, *rows, routes=routes)
-        gaps[name] = np.abs(np.asarray(logp) - np.asarray(out.logprobs))[sampled]
-    assert np.sum(gaps["none"] > 1e-2) >= 3, gaps["none"]
-    assert gaps["rollout"].max() <= 5e-6, gaps["rollout"].max()
+    gaps = replay_gaps(cfg, params)
+    assert np.sum(gaps[2, "none"] > 1e-2) >= 3, gaps[2, "none"]
+    assert gaps[2, "rollout"].max() <= 5e-6, gaps[2, "rollout"].max()
 
 
 def test_grpo_two_steps_with_routing_replay(tmp_path):
