@@ -165,15 +165,16 @@ def test_param_counts_and_flops_equal_transformers(gemma4_moe):
 
 def test_refused_and_checked():
     """An MoE block without experts is refused naming the key; the "gemma4" router is
-    Gemma 4's own, in every layer."""
+    Gemma 4's own, its experts in every layer and no shared ones."""
     base = hf_config("gemma4", **MOE).to_dict()
     for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
         with pytest.raises(models.UnsupportedModelError, match=key):
             models.ModelConfig.from_hf_dict(base | {key: None})
     with pytest.raises(ValueError, match="gemma4"):
         tiny_gemma4_config(**(MOE_FIELDS | {"router": "softmax"}))
-    with pytest.raises(ValueError, match="dense_layers"):
-        tiny_gemma4_config(**MOE_FIELDS, dense_layers=(0,))
+    for change in ({"dense_layers": (0,)}, {"n_shared_experts": 1}):
+        with pytest.raises(ValueError, match="dense_layers / n_shared_experts"):
+            tiny_gemma4_config(**MOE_FIELDS, **change)
 
 
 # ------------------------------------------------------------------ routing replay

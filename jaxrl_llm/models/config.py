@@ -317,10 +317,16 @@ class ModelConfig:
             return
         if self.router not in ROUTERS:
             raise ValueError(f"router={self.router!r}; expected one of {ROUTERS}")
-        if (self.router == "gemma4") != self.gemma4 or (self.gemma4 and self.dense_layers):
+        if (self.router == "gemma4") != self.gemma4:
             raise ValueError(
-                f"router={self.router!r}, dense_layers={list(self.dense_layers)}: Gemma 4's "
-                'experts (in every layer) take its router "gemma4", and only Gemma 4 has it'
+                f'router={self.router!r}: Gemma 4\'s experts take its router "gemma4", and '
+                "only Gemma 4 has it"
+            )
+        extra = self.dense_layers, self.n_shared_experts, self.expert_bias, self.swiglu_limit
+        if self.gemma4 and any(extra):
+            raise ValueError(
+                f"dense_layers / n_shared_experts / expert_bias / swiglu_limit = {extra}: "
+                "Gemma 4 has experts in every layer, beside its dense MLP, without these"
             )
         if sorted(set(self.dense_layers)) != list(self.dense_layers) or not all(
             0 <= i < self.num_layers for i in self.dense_layers
