@@ -191,14 +191,15 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
 
 
 def test_grpo_two_steps_with_routing_replay(tmp_path):
-    """A tiny Gemma 4 MoE built from fields, saved by `save_hf` (transformers reads it as
-    the same model), through the trainer: beta > 0, the update replays the sampler's
-    routes."""
+    """A tiny Gemma 4 MoE (2 layers, sliding then full) built from fields, saved by
+    `save_hf` (transformers reads it as the same model), through the trainer: beta > 0,
+    the update replays the sampler's routes."""
     from tiny_run import TOKENIZER, tiny_config
 
     from jaxrl_llm import train
 
-    cfg = tiny_gemma4_config(vocab_size=33, tie_word_embeddings=True, **MOE_FIELDS)
+    two = dict(num_layers=2, layer_types=("sliding_attention", "full_attention"))
+    cfg = tiny_gemma4_config(vocab_size=33, tie_word_embeddings=True, **two, **MOE_FIELDS)
     params = models.init_params(cfg, seed=0)
     models.save_hf(cfg, params, tmp_path / "m", tokenizer_dir=TOKENIZER)
     model = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "m").eval()
