@@ -92,9 +92,10 @@ def router_scores(
     router sigmoid(h W_r) with h and W_r in float32 (GLM-4.5 keeps its router in float32),
     for topk_softmax the logits h W_r + bias (in h's dtype, as HF's F.linear), for gemma4
     `router_probs` of RMSNorm(h) * scale [D] / sqrt(D)."""
-    if cfg.router == "gemma4":
+    if cfg.router == "gemma4":  # as HF: each product rounded to h's dtype, 1/sqrt(D) not
         x = gemma_rms_norm(h, None, cfg.rms_norm_eps) * scale.astype(h.dtype)
-        return router_probs(x * jnp.asarray(h.shape[-1] ** -0.5, h.dtype), router)
+        x = (x.astype(jnp.float32) * h.shape[-1] ** -0.5).astype(h.dtype)
+        return router_probs(x, router)
     if cfg.router == "softmax":
         return router_probs(h, router)
     if cfg.router == "topk_softmax":
