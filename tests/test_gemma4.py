@@ -185,7 +185,7 @@ def test_param_count_equals_transformers(gemma4):
 
 
 def test_refused_options_name_the_key(gemma4):
-    """KV sharing, the MoE block, per-layer overrides other
+    """KV sharing, the MoE block without its experts, per-layer overrides other
     than all full layers' head size / KV heads, bidirectional attention, the multimodal
     checkpoint. Without `per_layer_config` the full layers' head size is
     `global_head_dim` (default 512, as transformers'), and a config that names no

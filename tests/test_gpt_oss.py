@@ -9,14 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_reference import hf_logits, hf_model, padded_batch
-from test_moe import assert_export_round_trip, max_diff, tie_sensitive
+from test_moe import assert_export_round_trip, max_diff, replay_gaps, tie_sensitive
 from test_sampler import PROMPTS, hf_greedy
 from tiny_run import TOKENIZER, tiny_config, tiny_gpt_oss_config
 
 from jaxrl_llm import models, parallel, sampling, train
 from jaxrl_llm.models import attention as attn
 from jaxrl_llm.models import moe, moe_kernels
-from jaxrl_llm.rl import batch as rl_batch
 from jaxrl_llm.trainer.metrics import read_metrics
 
 
@@ -241,18 +240,9 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
     params = models.init_params(cfg, seed=1)
     layers = dict(params["layers"], router_bias=0 * params["layers"]["router_bias"])
     params = tie_sensitive(cfg, dict(params, layers=layers))
-    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [3, 1, 4, 1, 5]]
-    out = sampling.generate(cfg, params, prompts, 10, num_samples=2, temperature=1.0, seed=1)
-    rows = (out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-    sampled = np.asarray(out.loss_mask)
-    kw = dict(num_generations=2, micro_batches=1, temperature=1.0, chunk_size=128)
-    logprobs = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))
-    gaps = {}
-    for name, routes in (("none", None), ("rollout", out.routes)):
-        logp = logprobs(params, *rows, routes=routes)
-        gaps[name] = np.abs(np.asarray(logp) - np.asarray(out.logprobs))[sampled]
-    assert np.sum(gaps["none"] > 1e-2) >= 3, gaps["none"]
-    assert gaps["rollout"].max() <= 5e-6, gaps["rollout"].max()
+    gaps = replay_gaps(cfg, params)
+    assert np.sum(gaps[2, "none"] > 1e-2) >= 3, gaps[2, "none"]
+    assert gaps[2, "rollout"].max() <= 5e-6, gaps[2, "rollout"].max()
 
 
 def test_grpo_two_steps(tmp_path):

@@ -216,6 +216,27 @@ def test_sampler_records_the_routes_a_full_forward_takes(qwen3_moe):
     np.testing.assert_array_equal(seen[:, :, 0] & mask, expected)
 
 
+REPLAY_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [3, 1, 4, 1, 5]]
+
+
+def replay_gaps(cfg, params, groups=(2,)) -> dict:
+    """|trainer's log-prob - sampler's behaviour log-prob| on the sampled tokens of 2 rows
+    per prompt, per GRPO group size the trainer reads prompts with (2: once per group, 1:
+    per row), without replay ("none") and replaying the recorded experts ("rollout"):
+    {(groups, mode): gaps}."""
+    out = sampling.generate(cfg, params, REPLAY_PROMPTS, 10, num_samples=2, temperature=1.0, seed=1)
+    rows = (out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    sampled = np.asarray(out.loss_mask)
+    gaps = {}
+    for g in groups:
+        kw = dict(num_generations=g, micro_batches=1, temperature=1.0, chunk_size=128)
+        logprobs = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))
+        for name, routes in (("none", None), ("rollout", out.routes)):
+            logp = logprobs(params, *rows, routes=routes)
+            gaps[g, name] = np.abs(np.asarray(logp) - np.asarray(out.logprobs))[sampled]
+    return gaps
+
+
 def test_replay_makes_trainer_logprobs_equal_behaviour():
     """Near-tied router: without replay the trainer's log-probs (each prompt read once
     per group, or per row) differ from the sampler's on some tokens; replaying the
@@ -223,19 +244,10 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
     whose float32 spacing (2.4e-7) leaves the 1e-6 bound room for rounding."""
     cfg = tiny_moe(vocab_size=16)
     params = tie_sensitive(cfg, models.init_params(cfg, seed=1))
-    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [11], [3, 1, 4, 1, 5]]
-    out = sampling.generate(cfg, params, prompts, 10, num_samples=2, temperature=1.0, seed=1)
-    rows = (out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-    sampled = np.asarray(out.loss_mask)
+    gaps = replay_gaps(cfg, params, groups=(2, 1))
     for groups in (2, 1):
-        kw = dict(num_generations=groups, micro_batches=1, temperature=1.0, chunk_size=128)
-        gaps = {}
-        logprobs = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))
-        for name, routes in (("none", None), ("rollout", out.routes)):
-            logp = logprobs(params, *rows, routes=routes)
-            gaps[name] = np.abs(np.asarray(logp) - np.asarray(out.logprobs))[sampled]
-        assert np.sum(gaps["none"] > 1e-2) >= 5, (groups, gaps["none"])
-        assert gaps["rollout"].max() <= 1e-6, (groups, gaps["rollout"].max())
+        assert np.sum(gaps[groups, "none"] > 1e-2) >= 5, (groups, gaps[groups, "none"])
+        assert gaps[groups, "rollout"].max() <= 1e-6, (groups, gaps[groups, "rollout"].max())
 
 
 def plain_replayed_moe(cfg, h, weights, routes):

@@ -5,7 +5,8 @@ norms, q/k/v projections (with their biases, q/k norms, Gemma 4's value norm and
 adapters), rotary embeddings, attention
 over what the layer's cache object holds (`caches`: the sequence itself, a prefix, a KV
 cache or the page pool; with GPT-OSS's sinks), the output projection and the MLP (dense
-SwiGLU / GeGLU, or the mixture of experts), and Gemma 4's scaling of the layer's output.
+SwiGLU / GeGLU, or the mixture of experts; Gemma 4's beside its dense MLP), and Gemma 4's
+scaling of the layer's output.
 
 The layer's math is composed from `layer_math` (norms, the dense matmul, RoPE, layer
 kinds), `caches` and `moe`; the loop over layers and the embeddings live in
@@ -148,15 +149,22 @@ class Block(nnx.Module):
     def _add_experts(self, cfg: ModelConfig, normal, dtype) -> None:
         """Of the Lm MoE layers: router [Lm, D, E], the experts' SwiGLU weights
         [Lm, E, D, F] / [Lm, E, F, D], the sigmoid router's selection bias [Lm, E] (zero,
-        as HF initialises it) and the shared experts' [Lm, D, Fs] / [Lm, Fs, D]."""
+        as HF initialises it) and the shared experts' [Lm, D, Fs] / [Lm, Fs, D] (Gemma 4:
+        its dense MLP, with its router's scales and the MoE block's norms, all ones as in
+        transformers)."""
         L, D, E = cfg.num_sparse_layers, cfg.hidden_size, cfg.num_experts
         F, Fs = cfg.moe_intermediate_size, cfg.shared_intermediate_size
         self.router = normal((L, D, E), ("layers", "embed", "router"))
         self.expert_gate = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
         self.expert_up = normal((L, E, D, F), ("layers", "expert", "embed", "expert_mlp"))
         self.expert_down = normal((L, E, F, D), ("layers", "expert", "expert_mlp", "embed"))
-        if cfg.router != "softmax":  # sigmoid: the selection bias; topk_softmax: the logits'
+        if cfg.router in ("sigmoid", "topk_softmax"):  # the selection bias; the logits'
             self.router_bias = const_param(0.0, (L, E), ("layers", "router"), dtype)
+        if cfg.router == "gemma4":  # the router's input scale, a scale per expert, norms
+            self.router_norm = const_param(1.0, (L, D), ("layers", "norm"), dtype)
+            self.expert_scale = const_param(1.0, (L, E), ("layers", "router"), dtype)
+            for name in ("dense_post_norm", "expert_norm", "expert_post_norm"):
+                setattr(self, name, const_param(1.0, (L, D), ("layers", "norm"), dtype))
         if cfg.expert_bias:  # GPT-OSS: biases of each expert's projections
             mlp_axes = ("layers", "expert", "expert_mlp")
             self.expert_gate_bias = const_param(0.0, (L, E, F), mlp_axes, dtype)
@@ -169,14 +177,15 @@ class Block(nnx.Module):
         if cfg.shared_expert_gate:  # Qwen3.5-MoE: sigmoid(h w) scales the shared expert
             self.shared_expert_gate = normal((L, D, 1), ("layers", "embed", None))
 
-    def _mlp(self, h, dropout, routes, sparse):
+    def _mlp(self, h, dropout, routes, sparse, residual):
         """The MLP of one layer: (y [B,T,D], the router's own top-k [B,T,k] or None).
         routes [B,T,k]: the experts to replay (MoE only; None: the router's choice).
-        sparse: this layer's MLP is the mixture of experts."""
+        sparse: this layer's MLP is the mixture of experts. residual: the stream h is
+        the norm of (Gemma 4's router and experts read it)."""
         cfg = self.cfg
         if sparse:
             weights = {n: getattr(self, p)[...] for n, p in MOE_WEIGHTS.items() if hasattr(self, p)}
-            return moe_mlp(cfg, h, weights, routes)
+            return moe_mlp(cfg, h, weights, routes, residual)
         gate, up = self._proj("gate", h, dropout), self._proj("up", h, dropout)
         act = jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)
         return self._proj("down", act * up, dropout), None
@@ -253,7 +262,7 @@ class Block(nnx.Module):
             a, cache = self._attention(x, positions, mask, cache, layer, dropout, kind, wide)
         x = x + a
         h = norm(cfg, x, self.mlp_norm[...])
-        y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse)
+        y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse, x)
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
         x = x + y

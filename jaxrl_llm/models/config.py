@@ -42,8 +42,9 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
 # HF's names (Gemma 3's and Qwen3.5's `layer_types`)
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
-# models.moe: Qwen3-MoE's, DeepSeek-V3's (GLM-4.5), GPT-OSS's (softmax over the top-k logits)
-ROUTERS = ("softmax", "sigmoid", "topk_softmax")
+# models.moe: Qwen3-MoE's, DeepSeek-V3's (GLM-4.5), GPT-OSS's (softmax over the top-k logits),
+# Gemma 4's (a normed, scaled input; renormalised weights times a scale per expert)
+ROUTERS = ("softmax", "sigmoid", "topk_softmax", "gemma4")
 MOE_IMPLS = ("auto", "gmm", "ragged", "blocked", "dense")  # models/moe.py, moe_kernels.py
 # model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
@@ -143,7 +144,11 @@ class ModelConfig:
     # `router_bias` added for the choice only, the choice limited to the `topk_group`
     # best of `n_group` expert groups, weights times `routed_scaling_factor`) or
     # "topk_softmax" (GPT-OSS: the top-k of the logits plus `router_bias`, weighted by
-    # the softmax over those k), see `models.moe`. `n_shared_experts`: a dense SwiGLU
+    # the softmax over those k) or "gemma4" (Gemma 4's MoE block, `enable_moe_block`: the
+    # router reads the residual stream RMS-normed and scaled, its renormalised top-k
+    # weights times a learned scale per expert; the experts run beside the layer's dense
+    # GeGLU of width `intermediate_size`, each branch with its own norms), see
+    # `models.moe`. `n_shared_experts`: a dense SwiGLU
     # of width n * moe_intermediate_size every token goes through besides (GLM-4.5).
     # `dense_layers`: indices of the layers whose MLP is the dense one of width
     # `intermediate_size` (GLM-4.5's first `first_k_dense_replace`, Qwen3-MoE's
@@ -298,7 +303,7 @@ class ModelConfig:
     def _check_moe(self) -> None:
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
-        if (self.architecture in MOE_ARCHITECTURES) != self.moe:
+        if (self.architecture in MOE_ARCHITECTURES) != self.moe and not self.gemma4:
             raise ValueError(f"num_experts={self.num_experts} does not fit {self.architecture}")
         rot = self.head_dim * self.partial_rotary_factor
         if not 0 < self.partial_rotary_factor <= 1 or int(rot) % 2:
@@ -312,6 +317,17 @@ class ModelConfig:
             return
         if self.router not in ROUTERS:
             raise ValueError(f"router={self.router!r}; expected one of {ROUTERS}")
+        if (self.router == "gemma4") != self.gemma4:
+            raise ValueError(
+                f'router={self.router!r}: Gemma 4\'s experts take its router "gemma4", and '
+                "only Gemma 4 has it"
+            )
+        extra = self.dense_layers, self.n_shared_experts, self.expert_bias, self.swiglu_limit
+        if self.gemma4 and any(extra):
+            raise ValueError(
+                f"dense_layers / n_shared_experts / expert_bias / swiglu_limit = {extra}: "
+                "Gemma 4 has experts in every layer, beside its dense MLP, without these"
+            )
         if sorted(set(self.dense_layers)) != list(self.dense_layers) or not all(
             0 <= i < self.num_layers for i in self.dense_layers
         ):
@@ -517,6 +533,10 @@ class ModelConfig:
 
     @property
     def shared_intermediate_size(self) -> int:
+        """The width of the dense MLP every token of an MoE layer goes through besides its
+        experts: the shared experts', or Gemma 4's dense GeGLU (`intermediate_size`)."""
+        if self.router == "gemma4":
+            return self.intermediate_size
         if self.shared_expert_size:
             return self.shared_expert_size * self.n_shared_experts
         return self.moe_intermediate_size * self.n_shared_experts
@@ -549,7 +569,9 @@ class ModelConfig:
         if sparse:
             E, fm = self.num_experts, self.moe_intermediate_size
             per = d * E + 3 * d * fm * E + 3 * d * self.shared_intermediate_size
-            per += E if self.router != "softmax" else 0  # the router's bias
+            per += E if self.router in ("sigmoid", "topk_softmax") else 0  # the router's bias
+            # Gemma 4: the router's input scale, a scale per expert, three more norms
+            per += E + 4 * d if self.router == "gemma4" else 0
             per += E * (2 * fm + d) if self.expert_bias else 0
             per += d if self.shared_expert_gate else 0
             n += sparse * per

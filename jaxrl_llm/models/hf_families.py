@@ -191,15 +191,18 @@ GEMMA4_GLOBAL_HEAD_DIM = 512  # full-attention layers' head size when the config
 
 
 def refuse_gemma4_options(d: dict, refuse) -> None:
-    """What the Gemma 4 text decoder here lacks: KV sharing across layers, the MoE block,
-    per-layer overrides other than the full layers' head size and KV heads, bidirectional
-    attention, biases."""
+    """What the Gemma 4 text decoder here lacks: KV sharing across layers, per-layer
+    overrides other than the full layers' head size and KV heads, bidirectional
+    attention, biases; an MoE block without experts."""
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         refuse(f"hidden_activation={act!r} (only gelu_pytorch_tanh)")
-    for key in ("num_kv_shared_layers", "enable_moe_block"):
-        if d.get(key):
-            refuse(f"{key}={d[key]}")
+    if d.get("num_kv_shared_layers"):
+        refuse(f"num_kv_shared_layers={d['num_kv_shared_layers']}")
+    if d.get("enable_moe_block"):
+        for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if int(d.get(key) or 0) < 1:
+                refuse(f"{key}={d.get(key)} (enable_moe_block needs it >= 1)")
     if d.get("use_bidirectional_attention"):
         refuse(f"use_bidirectional_attention={d['use_bidirectional_attention']!r}")
     if d.get("attention_bias"):
@@ -253,7 +256,9 @@ def gemma4_fields(d: dict, source: str) -> dict:
     the last layer always full attention); scores unscaled (q and k are RMS-normed),
     values RMS-normed, each layer's output times its `layer_scalar`, RMSNorms scaling by
     the weight itself, the final logits soft-capped; the full layers' own head size, KV
-    heads and keys-as-values (`_gemma4_full_layers`); per-layer input embeddings."""
+    heads and keys-as-values (`_gemma4_full_layers`); per-layer input embeddings; the MoE
+    block (`enable_moe_block`: experts with the "gemma4" router beside the dense MLP in
+    every layer)."""
     d = {k: v for k, v in GEMMA4_DEFAULTS.items() if d.get(k) is None} | d
     full = set(_gemma4_types(d))
     types = [
@@ -263,6 +268,15 @@ def gemma4_fields(d: dict, source: str) -> dict:
     cap = d.get("final_logit_softcapping")
     per_layer = int(d.get("hidden_size_per_layer_input", 256))  # transformers' default
     per_layer_vocab = int(d.get("vocab_size_per_layer_input", 262_144)) if per_layer else 0
+    moe = {}
+    if d.get("enable_moe_block"):
+        moe = {
+            "num_experts": int(d["num_experts"]),
+            "num_experts_per_tok": int(d["top_k_experts"]),
+            "moe_intermediate_size": int(d["moe_intermediate_size"]),
+            "norm_topk_prob": True,
+            "router": "gemma4",
+        }
     return (
         gemma3_fields(d | {"layer_types": types}, source)
         | _gemma4_full_layers(d)
@@ -272,6 +286,7 @@ def gemma4_fields(d: dict, source: str) -> dict:
             "per_layer_input_size": per_layer,
             "per_layer_vocab_size": per_layer_vocab,
         }
+        | moe
     )
 
 
@@ -300,6 +315,10 @@ def gemma_dict(cfg: ModelConfig, gemma4: bool) -> dict:
         # without it transformers gives the full layers a head size of 512
         "per_layer_config": {str(i): own for i in full} if cfg.split_attention else {},
         "attention_k_eq_v": cfg.k_eq_v,
+        "enable_moe_block": cfg.moe,
+        "num_experts": cfg.num_experts or None,
+        "top_k_experts": cfg.num_experts_per_tok or None,
+        "moe_intermediate_size": cfg.moe_intermediate_size or None,
     }
 
 

@@ -70,26 +70,48 @@ class Mapping:
     # the HF layer index of each row of a stacked parameter (None: row i is layer i); an
     # MLP parameter of an MoE model with dense layers is stacked over its kind's layers
     layer_ids: tuple[int, ...] | None = None
-    # (offset, stride): the parameter is every stride-th entry of the HF tensor's last
-    # axis from offset (GPT-OSS interleaves its experts' gate and up in `gate_up_proj`);
+    # (offset, count): the parameter is part `offset` of `count` of the HF tensor along
+    # `part_axis`: every count-th entry from offset when `interleaved` (GPT-OSS interleaves
+    # its experts' gate and up in `gate_up_proj`'s last axis), else the offset-th of count
+    # equal blocks (Gemma 4 stacks them, gate first, in its `gate_up_proj`'s axis -2);
     # (0, 1): the whole tensor
     part: tuple[int, int] = (0, 1)
+    part_axis: int = -1
+    interleaved: bool = True
+
+    def _part_index(self, ndim: int, width: int) -> tuple:
+        """The index of this parameter's part (`width` entries along `part_axis`) in the
+        HF tensor of `ndim` dimensions."""
+        offset, count = self.part
+        if self.interleaved:
+            where = slice(offset, None, count)
+        else:
+            where = slice(offset * width, (offset + 1) * width)
+        return (slice(None),) * (self.part_axis % ndim) + (where,)
 
     def ours(self, w: np.ndarray) -> np.ndarray:
         """The HF array (this parameter's part of it) in our layout; a view."""
-        offset, stride = self.part
-        return self.to_ours(w if stride == 1 else w[..., offset::stride])
+        count = self.part[1]
+        if count == 1:
+            return self.to_ours(w)
+        return self.to_ours(w[self._part_index(w.ndim, w.shape[self.part_axis] // count)])
 
     def into_hf(self, x: np.ndarray, tensors: dict, name: str, dtype) -> None:
         """Writes our array x as (its part of) the HF tensor `name` in `tensors`."""
         y = self.to_hf(x).astype(dtype or x.dtype)
-        offset, stride = self.part
-        if stride == 1:
+        count = self.part[1]
+        if count == 1:
             tensors[name] = np.ascontiguousarray(y)
             return
         if name not in tensors:
-            tensors[name] = np.empty(y.shape[:-1] + (y.shape[-1] * stride,), y.dtype)
-        tensors[name][..., offset::stride] = y
+            tensors[name] = np.empty(self.whole_shape(y.shape), y.dtype)
+        tensors[name][self._part_index(y.ndim, y.shape[self.part_axis])] = y
+
+    def whole_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The HF tensor's shape from its part's."""
+        shape = list(shape)
+        shape[self.part_axis] *= self.part[1]
+        return tuple(shape)
 
     @property
     def stacked(self) -> bool:
@@ -177,6 +199,8 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         table[("layers", "layer_scalar")] = (layer + "layer_scalar", same)  # Gemma 4's
     if cfg.hybrid:
         table |= _qwen3_5_table(cfg, layer, same, transpose)
+    if cfg.router == "gemma4":
+        table |= _gemma4_moe_table(layer, same, transpose)
     if cfg.per_layer_input_size:  # Gemma 4's per-layer input embeddings
         table |= {
             ("per_layer_embed",): ("model.embed_tokens_per_layer.weight", same),
@@ -234,6 +258,34 @@ def _gpt_oss_table(layer: str, same: Mapping, transpose: Mapping) -> dict:
     }
 
 
+def _gemma4_moe_table(layer: str, same: Mapping, transpose: Mapping) -> dict:
+    """Gemma 4's MoE block: the router (`router.proj`, its input scale `router.scale`, its
+    `per_expert_scale`), the experts stacked per layer in F.linear layout, gate and up
+    stacked in `gate_up_proj` [E, 2F, D] (gate first, as `Gemma4TextExperts` chunks
+    them), `down_proj` [E, D, F]; the dense MLP (our shared expert) under `mlp.*`; the
+    branches' three norms."""
+    experts = layer + "experts."
+    swap = Mapping("", lambda w: w.swapaxes(-1, -2), lambda w: w.swapaxes(-1, -2))
+
+    def half(offset):
+        return dataclasses.replace(swap, part=(offset, 2), part_axis=-2, interleaved=False)
+
+    return {
+        ("layers", "router"): (layer + "router.proj.weight", transpose),
+        ("layers", "router_norm"): (layer + "router.scale", same),
+        ("layers", "expert_scale"): (layer + "router.per_expert_scale", same),
+        ("layers", "expert_gate"): (experts + "gate_up_proj", half(0)),
+        ("layers", "expert_up"): (experts + "gate_up_proj", half(1)),
+        ("layers", "expert_down"): (experts + "down_proj", swap),
+        ("layers", "shared_gate"): (layer + "mlp.gate_proj.weight", transpose),
+        ("layers", "shared_up"): (layer + "mlp.up_proj.weight", transpose),
+        ("layers", "shared_down"): (layer + "mlp.down_proj.weight", transpose),
+        ("layers", "dense_post_norm"): (layer + "post_feedforward_layernorm_1.weight", same),
+        ("layers", "expert_norm"): (layer + "pre_feedforward_layernorm_2.weight", same),
+        ("layers", "expert_post_norm"): (layer + "post_feedforward_layernorm_2.weight", same),
+    }
+
+
 def _qwen3_5_table(cfg: ModelConfig, layer: str, same: Mapping, transpose: Mapping) -> dict:
     """Qwen3.5's Gated DeltaNet tensors (`linear_attn.*`) and Qwen3.5-MoE's gated shared
     expert (`mlp.shared_expert.*`, `mlp.shared_expert_gate`)."""
@@ -262,8 +314,7 @@ def _qwen3_5_table(cfg: ModelConfig, layer: str, same: Mapping, transpose: Mappi
 
 def _hf_shape(m: Mapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
     per_tensor = our_shape[m.stacked + m.experts :]
-    shape = m.to_hf(np.empty(per_tensor, np.int8)).shape
-    return shape[:-1] + (shape[-1] * m.part[1],)
+    return m.whole_shape(m.to_hf(np.empty(per_tensor, np.int8)).shape)
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:

@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, GLM-4.5, GPT-OSS): a router picks k of E SwiGLU experts
-per token.
+"""Mixture-of-experts MLP (Qwen3-MoE, GLM-4.5, GPT-OSS, Qwen3.5-MoE, Gemma 4): a router picks k
+of E SwiGLU (Gemma: GeGLU) experts per token.
 
 For a token h [D] with router weight W_r [D, E], `cfg.router` = "softmax" (Qwen3-MoE,
 `transformers` Qwen3MoeSparseMoeBlock):
@@ -27,8 +27,24 @@ added to the logits and biases on each expert's projections:
     y = sum_{e in S} w_e * (down_e act(gate_e(h) + b^g_e, up_e(h) + b^u_e) + b^d_e)
     act(g, u) = (clip(u, -limit, limit) + 1) * g' sigmoid(alpha g'),  g' = min(g, limit)
 
-(`swiglu_limit`, `swiglu_alpha`; the plain silu(g) * u when the limit is 0). And
-where shared is a dense SwiGLU of width n_shared_experts * moe_intermediate_size that
+(`swiglu_limit`, `swiglu_alpha`; the plain silu(g) * u when the limit is 0).
+
+"gemma4" (Gemma 4's MoE block, `transformers` Gemma4TextRouter / Gemma4TextExperts /
+Gemma4TextDecoderLayer), reading the layer's residual stream x [D] (before the MLP's norm)
+with the router's input scale s [D] and a scale c [E] per expert:
+
+    p = softmax((RMSNorm(x) * s / sqrt(D)) W_r)       (the norm without a weight; float32)
+    S = top_k(p);   w_e = c_e p_e / sum_{j in S} p_j
+    y = n_1(dense(n_0(x))) + n_3(sum_{e in S} w_e * down_e(gelu(gate_e(h)) * up_e(h)))
+
+with h = n_2(x) the experts' input, dense the layer's GeGLU MLP (held as the shared
+expert, width `intermediate_size`) and n_0 .. n_3 the layer's four MLP norms
+(`pre_feedforward_layernorm`, `post_feedforward_layernorm_1`,
+`pre_feedforward_layernorm_2`, `post_feedforward_layernorm_2`); the layer then norms y
+once more (`post_feedforward_layernorm`) and adds it to x. Replay keeps c_e and the
+renormalisation over the replayed experts.
+
+And where shared is a dense SwiGLU of width n_shared_experts * moe_intermediate_size that
 every token goes through (`n_shared_experts` = 0: none). The bias is not trained here: it
 only picks experts, so its gradient is zero (DeepSeek-V3 adjusts it by a load rule in
 pre-training, not by gradient); the optimizer's weight decay skips it like every bias.
@@ -56,6 +72,7 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import moe_kernels
 from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.layer_math import gemma_rms_norm, norm
 from jaxrl_llm.parallel import target
 
 ROUTE_DTYPE = jnp.int16  # recorded expert ids: E <= 32767 (the largest models have 256)
@@ -68,10 +85,17 @@ def router_probs(h: jax.Array, router: jax.Array) -> jax.Array:
     return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
 
 
-def router_scores(cfg: ModelConfig, h: jax.Array, router: jax.Array, bias=None) -> jax.Array:
+def router_scores(
+    cfg: ModelConfig, h: jax.Array, router: jax.Array, bias=None, scale=None
+) -> jax.Array:
     """The router's scores [N, E] float32: `router_probs` (softmax), for the sigmoid
     router sigmoid(h W_r) with h and W_r in float32 (GLM-4.5 keeps its router in float32),
-    for topk_softmax the logits h W_r + bias (in h's dtype, as HF's F.linear)."""
+    for topk_softmax the logits h W_r + bias (in h's dtype, as HF's F.linear), for gemma4
+    `router_probs` of RMSNorm(h) * scale [D] / sqrt(D)."""
+    if cfg.router == "gemma4":  # as HF: each product rounded to h's dtype, 1/sqrt(D) not
+        x = gemma_rms_norm(h, None, cfg.rms_norm_eps) * scale.astype(h.dtype)
+        x = (x.astype(jnp.float32) * h.shape[-1] ** -0.5).astype(h.dtype)
+        return router_probs(x, router)
     if cfg.router == "softmax":
         return router_probs(h, router)
     if cfg.router == "topk_softmax":
@@ -99,40 +123,54 @@ def own_choice(cfg: ModelConfig, scores: jax.Array, bias: jax.Array | None = Non
     return jax.lax.top_k(choice, k)[1]
 
 
-def gate_weights(cfg: ModelConfig, scores: jax.Array, ids: jax.Array) -> jax.Array:
+def gate_weights(
+    cfg: ModelConfig, scores: jax.Array, ids: jax.Array, expert_scale=None
+) -> jax.Array:
     """The weights [N, k] float32 of the experts ids [N, k] from the scores [N, E]: the
     scores there, renormalised over the k when `norm_topk_prob` (the sigmoid router adds
     1e-20 to the sum, as HF does), times `routed_scaling_factor`. topk_softmax: the
-    softmax over the logits at ids."""
+    softmax over the logits at ids. gemma4: renormalised, times expert_scale [E] at ids."""
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.router == "topk_softmax":
         return jax.nn.softmax(weights, axis=-1)
-    if cfg.norm_topk_prob:
+    if cfg.norm_topk_prob or cfg.router == "gemma4":
         total = jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights / (total + 1e-20 if cfg.router == "sigmoid" else total)
+    if cfg.router == "gemma4":
+        return weights * jnp.take(expert_scale, ids, axis=0).astype(weights.dtype)
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
     return weights
 
 
 def select(
-    cfg: ModelConfig, probs: jax.Array, routes: jax.Array | None = None, bias=None
+    cfg: ModelConfig,
+    probs: jax.Array,
+    routes: jax.Array | None = None,
+    bias=None,
+    expert_scale=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """scores [N, E] -> (experts used [N, k] int32, their weights [N, k] float32, the
     router's own top-k [N, k] int32). routes [N, k]: experts to use instead of the own top-k
     (replay), -1 in a row: that token keeps its own; the weights are then the current
-    scores at the experts used (`gate_weights`). bias [E]: the sigmoid router's."""
+    scores at the experts used (`gate_weights`). bias [E]: the sigmoid router's;
+    expert_scale [E]: Gemma 4's scale per expert."""
     own = own_choice(cfg, probs, bias)
     ids = own
     if routes is not None:  # a token without a recorded route (-1) keeps its own top-k
         recorded = jnp.all(routes >= 0, axis=-1, keepdims=True)
         ids = jnp.where(recorded, routes.astype(jnp.int32), own)
-    return ids, gate_weights(cfg, probs, ids), own
+    return ids, gate_weights(cfg, probs, ids, expert_scale), own
 
 
 def silu_glu(g: jax.Array, u: jax.Array) -> jax.Array:
     """SwiGLU's gating: silu(gate x) * (up x)."""
     return jax.nn.silu(g) * u
+
+
+def gelu_glu(g: jax.Array, u: jax.Array) -> jax.Array:
+    """GeGLU's gating (Gemma): gelu(gate x) * (up x), GELU's tanh approximation."""
+    return jax.nn.gelu(g, approximate=True) * u
 
 
 def clamped_glu(limit: float, alpha: float):
@@ -241,37 +279,69 @@ def dense_experts(x, ids, weights, gate, up, down, glu=silu_glu, biases=None) ->
 EXPERT_IMPLS = {"ragged": grouped_experts, "blocked": blocked_experts, "dense": dense_experts}
 
 
-def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None):
+def moe_mlp(cfg: ModelConfig, h: jax.Array, weights: dict, routes=None, residual=None):
     """The MoE block of one layer: h [B, T, D] -> (y [B, T, D], own top-k [B, T, k] int32).
 
     weights: {"router" [D, E], "gate"/"up" [E, D, F], "down" [E, F, D]} of this layer,
     and for the sigmoid router "router_bias" [E], with shared experts "shared_gate" /
     "shared_up" [D, Fs], "shared_down" [Fs, D], and Qwen3.5-MoE's "shared_expert_gate"
-    [D, 1].
-    routes [B, T, k]: replayed experts (None: the router's own top-k)."""
+    [D, 1]; Gemma 4's "router_norm" [D], "expert_scale" [E] and norms "dense_post_norm",
+    "expert_norm", "expert_post_norm" [D].
+    routes [B, T, k]: replayed experts (None: the router's own top-k). residual [B, T, D]:
+    Gemma 4's residual stream before the MLP's norm (its router's and experts' input; h,
+    the normed one, is its dense MLP's)."""
     B, T, D = h.shape
     x = h.reshape(B * T, D)
-    probs = router_scores(cfg, x, weights["router"], weights.get("router_bias"))
     flat_routes = None if routes is None else routes.reshape(B * T, -1)
-    ids, w, own = select(cfg, probs, flat_routes, weights.get("router_bias"))
+    if cfg.router == "gemma4":
+        y, own = _gemma4_block(cfg, x, residual.reshape(B * T, D), weights, flat_routes)
+    else:
+        y, own = routed_experts(cfg, x, x, weights, flat_routes)
+    if cfg.n_shared_experts:
+        shared = (weights["shared_gate"], weights["shared_up"], weights["shared_down"])
+        ys = _swiglu(x, *shared, _plain_matmul)
+        if cfg.shared_expert_gate:  # Qwen3.5-MoE: sigmoid(x w_g) [N, 1] scales it
+            ys = ys * jax.nn.sigmoid(jnp.matmul(x, weights["shared_expert_gate"].astype(x.dtype)))
+        y = y + ys
+    k = cfg.num_experts_per_tok
+    return y.reshape(B, T, D), own.reshape(B, T, k)
+
+
+def _plain_matmul(a, w):
+    return jnp.matmul(a, w.astype(a.dtype))
+
+
+def routed_experts(cfg: ModelConfig, x, router_input, weights: dict, routes=None):
+    """The routed experts on x [N, D], chosen from router_input [N, D] (x itself but in
+    Gemma 4): (y [N, D], the router's own top-k [N, k] int32). routes [N, k] or None."""
+    probs = router_scores(
+        cfg, router_input, weights["router"], weights.get("router_bias"), weights.get("router_norm")
+    )
+    ids, w, own = select(
+        cfg, probs, routes, weights.get("router_bias"), weights.get("expert_scale")
+    )
     mesh = jax.sharding.get_abstract_mesh()
     impl = moe_kernels.resolve(
         cfg.moe_impl, target.backend(), target.device_count(), not mesh.empty
     )  # auto: gmm on TPU, ragged on GPU, blocked on CPU (models/moe_kernels.py)
     experts = moe_kernels.gmm_experts if impl == "gmm" else EXPERT_IMPLS[impl]
     glu = clamped_glu(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else silu_glu
+    glu = gelu_glu if cfg.gemma else glu
     biases = None
     if cfg.expert_bias:
         biases = (weights["gate_bias"], weights["up_bias"], weights["down_bias"])
-    y = experts(x, ids, w, weights["gate"], weights["up"], weights["down"], glu, biases)
-    if cfg.n_shared_experts:
-        shared = (weights["shared_gate"], weights["shared_up"], weights["shared_down"])
-        ys = _swiglu(x, *shared, lambda a, w: jnp.matmul(a, w.astype(a.dtype)))
-        if cfg.shared_expert_gate:  # Qwen3.5-MoE: sigmoid(x w_g) [N, 1] scales it
-            ys = ys * jax.nn.sigmoid(jnp.matmul(x, weights["shared_expert_gate"].astype(x.dtype)))
-        y = y + ys
-    k = cfg.num_experts_per_tok
-    return y.reshape(B, T, D), own.reshape(B, T, k)
+    return experts(x, ids, w, weights["gate"], weights["up"], weights["down"], glu, biases), own
+
+
+def _gemma4_block(cfg: ModelConfig, h, x, weights: dict, routes):
+    """Gemma 4's two MLP branches (module docstring): the dense GeGLU on h [N, D] (x
+    normed by the layer's `pre_feedforward_layernorm`), the experts on x [N, D] normed
+    by "expert_norm" and routed from x; each branch normed after, then summed."""
+    dense = (weights["shared_gate"], weights["shared_up"], weights["shared_down"])
+    y1 = norm(cfg, _swiglu(h, *dense, _plain_matmul, gelu_glu), weights["dense_post_norm"])
+    xe = norm(cfg, x, weights["expert_norm"])
+    y2, own = routed_experts(cfg, xe, x, weights, routes)
+    return y1 + norm(cfg, y2, weights["expert_post_norm"]), own
 
 
 def router_agreement(own: jax.Array, recorded: jax.Array, mask: jax.Array) -> jax.Array:

@@ -31,6 +31,11 @@ MOE_WEIGHTS = {
     "up_bias": "expert_up_bias",
     "down_bias": "expert_down_bias",
     "shared_expert_gate": "shared_expert_gate",
+    "router_norm": "router_norm",
+    "expert_scale": "expert_scale",
+    "dense_post_norm": "dense_post_norm",
+    "expert_norm": "expert_norm",
+    "expert_post_norm": "expert_post_norm",
 }
 DENSE_MLP = ("gate", "up", "down")
 # A hybrid model's full-attention parameters, stacked over its full-attention layers (in
