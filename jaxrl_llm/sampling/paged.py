@@ -138,6 +138,11 @@ class PagedSampler:
             raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
         if attention == "pallas" and model_cfg.windowed:
             raise ValueError("attention='pallas': the kernel has no sliding window")
+        if attention == "gather" and model_cfg.hybrid:
+            raise ValueError(
+                "attention='gather': its prefix is keys/values, not a hybrid model's "
+                "recurrent state; use 'pages'"
+            )
         self.attention = attention
         self.impl = "gather" if attention == "gather" else "pages"  # `forward_paged`'s
         self.cfg, self.mesh = model_cfg, mesh
@@ -155,7 +160,7 @@ class PagedSampler:
         self._slice = jax.jit(models.layer_params)
         # The pool is made on device (zeros from the host would be an implicit transfer).
         where = None if mesh is None else NamedSharding(mesh, P())
-        self._init_pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3, 4), out_shardings=where)
+        self._init_pool = jax.jit(init_pages, static_argnums=range(6), out_shardings=where)
 
     # ----------------------------------------------------------- Sampler's interface
     def device_programs(self, params, prompt_ids, prompt_mask, spec) -> list:
@@ -297,12 +302,24 @@ class PagedSampler:
         one = -(-(-(-tokens // C) * C + C) // PS)
         return 1 + max(-(-rows * tokens // PS), one)
 
-    def pool(self, cfg, pages: int, page_size: int, dtype, *, shapes: bool = False) -> Pages:
-        """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so;
-        shapes=True: its `jax.ShapeDtypeStruct`s only (nothing allocated)."""
+    def pool(
+        self, cfg, pages: int, page_size: int, dtype, *, shapes: bool = False, state_rows: int = 0
+    ) -> Pages:
+        """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so,
+        with `state_rows` recurrent-state rows for a hybrid model; shapes=True: its
+        `jax.ShapeDtypeStruct`s only (nothing allocated)."""
         pallas = uses_pallas(cfg, self.attention, dtype, target.backend(), page_size)
         make = self._init_pool.eval_shape if shapes else self._init_pool
-        return make(cfg, pages, page_size, dtype, pallas)
+        return make(cfg, pages, page_size, dtype, pallas, state_rows if cfg.hybrid else 0)
+
+    def state_bytes(self, dtype) -> int:
+        """Bytes of one sequence's recurrent state (every DeltaNet layer's convolution
+        inputs and float32 recurrence; 0 for a model without one): a hybrid model's
+        memory per sequence besides its pages, fixed however long the sequence grows."""
+        if not self.cfg.hybrid:
+            return 0
+        one = jax.eval_shape(lambda: init_pages(self.cfg, 1, 1, dtype, state_rows=1).state)
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one))
 
     # ----------------------------------------------------------------- device programs
     def weights(self, params) -> tuple:
@@ -345,7 +362,7 @@ class PagedSampler:
         return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
 
     def _prefill_program(
-        self, weights, pages, prompt_logits, index, tokens, mask, table, start, length
+        self, weights, pages, prompt_logits, index, tokens, mask, table, start, length, states
     ):
         self.traces["prefill", tokens.shape, pages.k.shape] += 1
         params, layers = weights
@@ -363,6 +380,7 @@ class PagedSampler:
                 length,
                 self.impl,
                 layers,
+                states,
             )
 
     def decode_slots(
