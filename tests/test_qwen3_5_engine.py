@@ -144,3 +144,37 @@ def test_multi_turn_logprobs_equal_teacher_forced(qwen3_5):
     got = np.array([t.logprobs + [0.0] * (T - len(t.logprobs)) for t in rows])
     assert sampled.sum() > 40 and (~sampled & out.mask).sum() == 6 * 2 * 3
     assert np.abs(got - ref)[sampled].max() <= 1e-4
+
+
+def test_grpo_two_steps_on_the_paged_engine(tmp_path):
+    """A tiny Qwen3.5-MoE through the trainer with rollout.engine='paged' (6 slots for the
+    16 rows, on the 8-device mesh) and routing replay of the engine's routes."""
+    from tiny_run import TOKENIZER, tiny_config, tiny_model_config
+
+    from jaxrl_llm import train
+
+    cfg = tiny_model_config(
+        architecture="Qwen3_5MoeForCausalLM",
+        vocab_size=33,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        num_layers=2,
+        zero_centered_norm=True,
+        attn_output_gate=True,
+        partial_rotary_factor=0.25,
+        layer_types=("linear_attention", "full_attention"),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+    )
+    models.save_hf(cfg, models.init_params(cfg, seed=0), tmp_path / "m", tokenizer_dir=TOKENIZER)
+    c = tiny_config(str(tmp_path / "m"), routing_replay="rollout")
+    c.rollout.engine, c.rollout.paged.slots, c.rollout.paged.page_size = "paged", 6, 8
+    c.rollout.paged.prefill_chunk = 16
+    last = train.train(c, str(tmp_path / "run"))
+    assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0

@@ -134,9 +134,13 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
         "state between packed sequences yet; use 'off'",
     )
     require(
-        not (model_cfg.hybrid and config.rollout.engine == "paged"),
-        "rollout.engine='paged': the paged engine has no recurrent-state slots for a hybrid "
-        "(Gated DeltaNet) model yet; use 'static'",
+        not (
+            model_cfg.hybrid
+            and config.rollout.engine == "paged"
+            and config.rollout.paged.attention == "gather"
+        ),
+        "rollout.paged.attention='gather': its prefix is keys/values, not a hybrid (Gated "
+        "DeltaNet) model's recurrent state; use 'auto' or 'pages'",
     )
     r = config.rollout
     prompt_len = config.data.max_prompt_len if prompt_len is None else prompt_len

@@ -110,7 +110,8 @@ class Pool:
         # A hybrid model's state rows: the logits rows' (prompts, then the scratch row),
         # then one per slot.
         self.state_rows = prompt_rows + 1 + S + holder_rows
-        self.state_free = list(range(self.state_rows - 1, prompt_rows + S, -1))
+        # (with holder rows, the slots' rows are holders' too: a row decodes in its own)
+        self.state_free = list(range(self.state_rows - 1, prompt_rows, -1)) if holder_rows else []
         with out_of_memory(self):
             # Blocked on: an allocation that fails is reported here, not by a later program.
             pool = e.pool(cfg, pages, self.PS, self.dtype, state_rows=self.state_rows)

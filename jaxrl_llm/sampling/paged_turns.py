@@ -131,9 +131,10 @@ class TurnSession:
         prompts: int,
     ):
         seed_step = engine.put(np.array([seed, step], np.uint32))
-        # A hybrid model's state rows for rows that hold pages: the slots' and, parked,
-        # every row of the prompts given (more wait for one or evict, as for pages).
-        holders = slots + prompts * spec.num_generations if engine.cfg.hybrid else 0
+        # A hybrid model's state rows for rows that hold pages, in a slot or parked: the
+        # slots' and one per row of the prompts given (more wait for one or evict, as
+        # they would for pages).
+        holders = max(1, prompts * spec.num_generations) if engine.cfg.hybrid else 0
         # Logits rows [0, prompts): prompts; then the scratch row; then one per slot: the
         # first-draw logits of a row resumed or recomputed into that slot.
         self.pool = pp.Pool(
