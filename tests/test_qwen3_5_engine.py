@@ -71,19 +71,19 @@ def test_greedy_equals_the_static_sampler(qwen3_5):
 
 
 def test_logprobs_equal_teacher_forced(qwen3_5):
-    """Sampled rows (temperature 0.7, 3 per prompt: each starts from its prompt's state,
-    prefilled once; 6 slots for 15 rows, stop ids): the behaviour log-probs equal one
-    teacher-forced forward's within the static sampler's bound (`test_qwen3_5`)."""
+    """Sampled rows (temperature 0.7, 2 per prompt: each starts from its prompt's state,
+    prefilled once; the greedy test's engine, with preemptions): the behaviour log-probs
+    equal one teacher-forced forward's within the static sampler's bound
+    (`test_qwen3_5`)."""
     cfg, params = qwen3_5
     ids, mask = sampling.pad_prompts(PROMPTS, 0)
     spec = sampling.RolloutSpec(
-        num_generations=3, max_new_tokens=10, temperature=0.7, stop_ids=(7, 20, 33)
+        num_generations=2, max_new_tokens=12, temperature=0.7, stop_ids=(7, 20, 33)
     )
-    paged = engine(cfg, slots=6)
+    paged = engine(cfg, slots=5, pages=14)
     out = paged.sample(params, ids, mask, spec, step=1)
-    assert paged.stats["prefills"] == len(PROMPTS)  # one per prompt, for its 3 rows
     m = np.asarray(out.mask)
-    assert not m.all() and m.sum() > 60
+    assert not m.all() and m.sum() > 40
     ref = teacher_forced_logprobs(cfg, params, out, 0.7)
     assert np.abs(np.asarray(out.logprobs) - ref)[m].max() <= 1e-4
 
@@ -147,34 +147,19 @@ def test_multi_turn_logprobs_equal_teacher_forced(qwen3_5):
 
 
 def test_grpo_two_steps_on_the_paged_engine(tmp_path):
-    """A tiny Qwen3.5-MoE through the trainer with rollout.engine='paged' (6 slots for the
-    16 rows, on the 8-device mesh) and routing replay of the engine's routes."""
-    from tiny_run import TOKENIZER, tiny_config, tiny_model_config
+    """A tiny random Qwen3.5-MoE through the trainer with rollout.engine='paged' (4 slots
+    for the 16 rows, on the 8-device mesh) and routing replay of the engine's routes."""
+    from tiny_run import TOKENIZER, tiny_config
 
     from jaxrl_llm import train
 
-    cfg = tiny_model_config(
-        architecture="Qwen3_5MoeForCausalLM",
-        vocab_size=33,
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-        num_layers=2,
-        zero_centered_norm=True,
-        attn_output_gate=True,
-        partial_rotary_factor=0.25,
-        layer_types=("linear_attention", "full_attention"),
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        norm_topk_prob=True,
-    )
-    models.save_hf(cfg, models.init_params(cfg, seed=0), tmp_path / "m", tokenizer_dir=TOKENIZER)
+    small = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    small.update(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    hf_model("qwen3_5_moe", seed=0, vocab_size=33, **small).save_pretrained(tmp_path / "hf")
+    cfg, params = models.load_hf(tmp_path / "hf")
+    models.save_hf(cfg, params, tmp_path / "m", tokenizer_dir=TOKENIZER)
     c = tiny_config(str(tmp_path / "m"), routing_replay="rollout")
-    c.rollout.engine, c.rollout.paged.slots, c.rollout.paged.page_size = "paged", 6, 8
+    c.rollout.engine, c.rollout.paged.slots, c.rollout.paged.page_size = "paged", 4, 8
     c.rollout.paged.prefill_chunk = 16
     last = train.train(c, str(tmp_path / "run"))
     assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0

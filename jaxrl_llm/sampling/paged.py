@@ -16,6 +16,10 @@ of a prompt's G rows holds a copy of the prompt's keys and values. This engine i
   taken as it grows (before each decode chunk, for that chunk's steps) and returned when
   it ends. A waiting row is admitted only when the pool keeps, besides its prefill and
   first chunk, the pages the rows already in need for their next chunk.
+- keeps a hybrid model's (Qwen3.5's) Gated DeltaNet state, which does not grow with the
+  sequence, in state rows beside the pages (`Pages.state`; one per prompt held, its G
+  rows starting from it, and one per slot; `state_bytes` per sequence): the pages then
+  hold the full-attention layers only.
 - decodes `slots` sequences at once in a `lax.while_loop` of `chunk_steps` steps on
   device; between chunks the host returns the pages of finished rows, gives their slots
   to the next waiting rows (prefilling their prompts chunk by chunk, those admitted
