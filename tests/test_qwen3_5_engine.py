@@ -89,13 +89,25 @@ def test_logprobs_equal_teacher_forced(qwen3_5):
 
 
 def test_gather_attention_is_refused(qwen3_5):
+    """`attention='gather'` (a dense prefix of keys/values: `forward_after_prefix`) is
+    refused for a hybrid model, by the engine and by the config check naming its key;
+    `rollout.engine='paged'` itself passes the check."""
+    from tiny_run import tiny_config
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import checks_model
+
     cfg, _ = qwen3_5
     with pytest.raises(ValueError, match="recurrent state"):
         engine(cfg, attention="gather")
-    assert (
-        jax.tree.leaves(engine(cfg).pool(cfg, 3, 4, np.float32, state_rows=5).state)[0].shape[1]
-        == 5
-    )
+    pool = engine(cfg).pool(cfg, 3, 4, np.float32, state_rows=5)
+    assert jax.tree.leaves(pool.state)[0].shape[:2] == (sum(cfg.linear_layers), 5)
+    c = tiny_config("unused")
+    c.rollout.engine = "paged"
+    checks_model.check_context(c, cfg)
+    c.rollout.paged.attention = "gather"
+    with pytest.raises(config_lib.ConfigError, match="rollout.paged.attention='gather'"):
+        checks_model.check_context(c, cfg)
 
 
 def play_turns(cfg, params, pages):
