@@ -91,7 +91,8 @@ def test_logprobs_equal_teacher_forced(qwen3_5):
 def test_gather_attention_is_refused(qwen3_5):
     """`attention='gather'` (a dense prefix of keys/values: `forward_after_prefix`) is
     refused for a hybrid model, by the engine and by the config check naming its key;
-    `rollout.engine='paged'` itself passes the check."""
+    `rollout.engine='paged'` itself passes the check, and a set pool past the machine's
+    memory counts the state rows (two per slot and two more) too."""
     from tiny_run import tiny_config
 
     from jaxrl_llm import config as config_lib
@@ -108,6 +109,9 @@ def test_gather_attention_is_refused(qwen3_5):
     c.rollout.paged.attention = "gather"
     with pytest.raises(config_lib.ConfigError, match="rollout.paged.attention='gather'"):
         checks_model.check_context(c, cfg)
+    c.rollout.paged.attention, c.rollout.paged.pages, c.rollout.paged.slots = "auto", 10**9, 3
+    with pytest.raises(config_lib.ConfigError, match="pages of 16 tokens and 8 recurrent-state"):
+        checks_model.check_page_pool(c, cfg)
 
 
 def play_turns(cfg, params, pages):

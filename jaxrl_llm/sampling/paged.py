@@ -68,6 +68,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
+from jaxrl_llm.models import gated_deltanet
 from jaxrl_llm.parallel import target
 from jaxrl_llm.sampling.decode import SampleOutput
 from jaxrl_llm.sampling.paged_programs import (
@@ -320,10 +321,7 @@ class PagedSampler:
         """Bytes of one sequence's recurrent state (every DeltaNet layer's convolution
         inputs and float32 recurrence; 0 for a model without one): a hybrid model's
         memory per sequence besides its pages, fixed however long the sequence grows."""
-        if not self.cfg.hybrid:
-            return 0
-        one = jax.eval_shape(lambda: init_pages(self.cfg, 1, 1, dtype, state_rows=1).state)
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one))
+        return gated_deltanet.state_bytes(self.cfg, dtype) if self.cfg.hybrid else 0
 
     # ----------------------------------------------------------------- device programs
     def weights(self, params) -> tuple:
