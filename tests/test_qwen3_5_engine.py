@@ -162,21 +162,3 @@ def test_multi_turn_logprobs_equal_teacher_forced(qwen3_5):
     got = np.array([t.logprobs + [0.0] * (T - len(t.logprobs)) for t in rows])
     assert sampled.sum() > 40 and (~sampled & out.mask).sum() == 6 * 2 * 3
     assert np.abs(got - ref)[sampled].max() <= 1e-4
-
-
-def test_grpo_two_steps_on_the_paged_engine(tmp_path):
-    """A tiny random Qwen3.5 (a DeltaNet layer, then a full-attention one) through the
-    trainer with rollout.engine='paged' (4 slots for the 16 rows, on the 8-device mesh)."""
-    from tiny_run import TOKENIZER, tiny_config
-
-    from jaxrl_llm import train
-
-    small = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    hf_model("qwen3_5", seed=0, vocab_size=33, **small).save_pretrained(tmp_path / "hf")
-    cfg, params = models.load_hf(tmp_path / "hf")
-    models.save_hf(cfg, params, tmp_path / "m", tokenizer_dir=TOKENIZER)
-    c = tiny_config(str(tmp_path / "m"))
-    c.rollout.engine, c.rollout.paged.slots, c.rollout.paged.page_size = "paged", 4, 8
-    c.rollout.paged.prefill_chunk = 16
-    last = train.train(c, str(tmp_path / "run"))
-    assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0
