@@ -218,9 +218,9 @@ def paged_forward(
     (T = 1) run the Pallas TPU kernel (`paged_attention.PagedWrite.pallas`). state: a
     hybrid model's Gated DeltaNet state of each row before the new tokens
     (`gated_deltanet.LinearState` [L', B, ...]; the pool then holds the full-attention
-    layers only): a prompt's first tokens start from a zero state, so hidden is
-    `forward`'s only when state holds the row's earlier tokens [start, length). Forward
-    only (the sampler's engine)."""
+    layers only); hidden is `forward`'s when state is that after the row's earlier
+    tokens [start, length) (zeros before a prompt's first token). Forward only (the
+    sampler's engine)."""
     if cfg.hybrid and state is None:
         raise ValueError("paged_forward: a hybrid model needs its rows' recurrent state")
     page_size = jax.tree.leaves(pool)[0].shape[3 if pallas else 2]

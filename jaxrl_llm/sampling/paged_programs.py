@@ -7,11 +7,12 @@ prefill chunks that `paged.PagedSampler` jits.
     pages, prompt_logits, routes = prefill_chunk(cfg, params, pages, prompt_logits, index, ...)
 
 A hybrid model (Qwen3.5) keeps its full-attention layers' keys/values in the pages and
-each sequence's Gated DeltaNet state (`models.LinearState`: the last K - 1 convolution
-inputs and the [Hv, Dk, Dv] float32 recurrence, per DeltaNet layer) in one of the pool's
-state rows (`Pages.state`, [L', R, ...]), which does not grow with the sequence. A call
-reads each sequence's state from one row and writes it to another (a prompt's rows start
-from its prefill's row; `NO_STATE`: start from zero, or write nowhere).
+each sequence's Gated DeltaNet state (`gated_deltanet.LinearState`: the last K - 1
+convolution inputs and the [Hv, Dk, Dv] float32 recurrence, per DeltaNet layer) in one
+of the pool's state rows (`Pages.state`, [L', R, ...]), which does not grow with the
+sequence. A call reads each sequence's state from one row and writes it to another (a
+prompt's rows start from its prefill's row; `NO_STATE`: start from zero, or write
+nowhere).
 
 These are pure functions of device arrays (shapes in their docstrings), kept apart from the
 host side (`paged.PagedSampler`: programs, sizes, results; `paged_schedule.Session`: slots
@@ -43,8 +44,8 @@ class Pages:
     layers of their own head size (`cfg.split_attention`): k, v hold its sliding layers
     and `wide` the full layers' (k, v) [Lg, pages, page_size, Kg, Hg], over the same page
     ids (a page holds the same slots of every layer). A hybrid model: k, v hold its
-    full-attention layers and `state` the DeltaNet state rows, `models.LinearState`
-    conv [L', R, K - 1, C] and ssm [L', R, Hv, Dk, Dv] (float32)."""
+    full-attention layers and `state` the DeltaNet state rows, a `LinearState` of conv
+    [L', R, K - 1, C] and ssm [L', R, Hv, Dk, Dv] (float32)."""
 
     k: jax.Array
     v: jax.Array
@@ -86,8 +87,8 @@ def init_pages(
     state = None
     if cfg.hybrid:
         state = zero_state(cfg, state_rows, dtype, (sum(cfg.linear_layers),))
-    z = jnp.zeros(shape, dtype)
-    return Pages(k=z, v=jnp.zeros(shape, dtype), pallas=pallas, wide=wide, state=state)
+    k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return Pages(k=k, v=v, pallas=pallas, wide=wide, state=state)
 
 
 def read_state(pages: Pages, rows):
