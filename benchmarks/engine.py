@@ -85,7 +85,7 @@ def step_costs(cfg, params, rows: int, cached: list[int], page_size: int, impls,
     @functools.partial(jax.jit, static_argnames=("impl",), donate_argnums=(2,))
     def paged_step(params, layers, pages, table, length, impl):
         tokens, start = jnp.ones((rows,), jnp.int32), jnp.zeros_like(length)
-        hidden, pages, _ = paged_lib.forward_paged(
+        hidden, pages, _, _ = paged_lib.forward_paged(
             cfg,
             params,
             pages,

@@ -35,7 +35,8 @@ def model(name):
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("impl", "unrolled"))
 def run(cfg, params, pages, tokens, mask, table, start, length, impl, unrolled=False):
     layers = models.layer_params(params) if unrolled else None
-    return forward_paged(cfg, params, pages, tokens, mask, table, start, length, layers, impl)
+    out = forward_paged(cfg, params, pages, tokens, mask, table, start, length, layers, impl)
+    return out[:3]  # (hidden, pages, routes): no recurrent state here
 
 
 def scenario(cfg, T):

@@ -344,8 +344,8 @@ def test_device_out_of_memory_in_the_page_pool_names_rollout_paged_pages(tiny, m
     paged = sampling.PagedSampler(cfg, pages=10**7, page_size=4, prefill_chunk=8)
     pool = paged.pool
 
-    def allocation_fails(*args, shapes=False):
-        return pool(*args, shapes=True) if shapes else fail()
+    def allocation_fails(*args, shapes=False, **sizes):
+        return pool(*args, shapes=True, **sizes) if shapes else fail()
 
     monkeypatch.setattr(paged, "pool", allocation_fails)
     with pytest.raises(errors.UserError) as err:

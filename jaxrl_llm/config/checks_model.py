@@ -134,9 +134,13 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
         "state between packed sequences yet; use 'off'",
     )
     require(
-        not (model_cfg.hybrid and config.rollout.engine == "paged"),
-        "rollout.engine='paged': the paged engine has no recurrent-state slots for a hybrid "
-        "(Gated DeltaNet) model yet; use 'static'",
+        not (
+            model_cfg.hybrid
+            and config.rollout.engine == "paged"
+            and config.rollout.paged.attention == "gather"
+        ),
+        "rollout.paged.attention='gather': its prefix is keys/values, not a hybrid (Gated "
+        "DeltaNet) model's recurrent state; use 'auto' or 'pages'",
     )
     r = config.rollout
     prompt_len = config.data.max_prompt_len if prompt_len is None else prompt_len
@@ -165,17 +169,26 @@ def check_context(config, model_cfg, prompt_len: int | None = None) -> None:
 
 def check_page_pool(config, model_cfg) -> None:
     """A set `rollout.paged.pages` fits this machine's memory: the pool's KV cache
-    (pages x page_size tokens, K and V per layer) is allocated whole at the start."""
+    (pages x page_size tokens, K and V per layer) is allocated whole at the start, and a
+    hybrid model's recurrent-state rows with it (at most two per slot and one more:
+    `paged_pool.Pool`)."""
+    from jaxrl_llm.models import gated_deltanet
+
     r = config.rollout
     if r.engine != "paged" or not r.paged.pages:
         return
     p, m = r.paged, model_cfg
     width = 2 if config.model.dtype == "bfloat16" else 4
     size = p.pages * p.page_size * m.kv_per_token * width
+    held = f"{p.pages} pages of {p.page_size} tokens"
+    if m.hybrid:
+        rows = 2 * (p.slots or r.batch_size * r.num_generations) + 2
+        size += rows * gated_deltanet.state_bytes(m, config.model.dtype)
+        held += f" and {rows} recurrent-state rows"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     require(
         size <= memory,
         f"rollout.paged.pages={p.pages}: the page pool's KV cache is {size / 2**30:,.1f} GiB "
-        f"({p.pages} pages of {p.page_size} tokens), more than this machine's "
+        f"({held}), more than this machine's "
         f"{memory / 2**30:,.1f} GiB; lower rollout.paged.pages (0 = automatic)",
     )

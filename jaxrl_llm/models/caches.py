@@ -138,18 +138,24 @@ class DenseCache:
     def deltanet(self, cfg, layer, w, h, mask):
         """The Gated DeltaNet from the layer's state: one new token per row step by step,
         several chunked -> ([B,T,D], the cache with the layer's state updated)."""
-        T = h.shape[1]
-        real = jax.lax.dynamic_slice_in_dim(mask.k_valid, self.index, T, axis=1)
-        state = jax.tree.map(
-            lambda c: jax.lax.dynamic_index_in_dim(c, layer, keepdims=False), self.state
-        )
-        a, new = gated_deltanet(cfg, w, h, real, state, step=T == 1)
-        state = jax.tree.map(
-            lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), layer, 0),
-            self.state,
-            new,
-        )
-        return a, self.replace(state=state)
+        real = jax.lax.dynamic_slice_in_dim(mask.k_valid, self.index, h.shape[1], axis=1)
+        return _deltanet(self, cfg, layer, w, h, real)
+
+
+def _deltanet(cache, cfg, layer, w, h, real):
+    """Layer `layer`'s Gated DeltaNet over h [B,T,D] (real [B,T]: its real tokens) from
+    cache.state [L', B, ...]: one new token per row step by step, several chunked ->
+    ([B,T,D], the cache with the layer's state updated)."""
+    state = jax.tree.map(
+        lambda c: jax.lax.dynamic_index_in_dim(c, layer, keepdims=False), cache.state
+    )
+    a, new = gated_deltanet(cfg, w, h, real, state, step=h.shape[1] == 1)
+    state = jax.tree.map(
+        lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n.astype(c.dtype), layer, 0),
+        cache.state,
+        new,
+    )
+    return a, cache.replace(state=state)
 
 
 @struct.dataclass
@@ -190,6 +196,10 @@ class PagedCache:
     where: PagedWrite
     rows: Any = None
     wide: tuple | None = None  # `cfg.split_attention`: the full layers' pool (k, v)
+    # A hybrid model: each row's Gated DeltaNet state [L', B, ...] (`DenseCache.state`)
+    # and which of the call's tokens are real, real [B, T] (a masked one leaves it alone).
+    state: LinearState | None = None
+    real: jax.Array | None = None
 
     def loop(self, cfg, layers) -> str:
         return "scan" if layers is None else "unrolled"
@@ -206,6 +216,10 @@ class PagedCache:
         impl, block = cfg.attention, cfg.attention_block
         a = paged_attention(q, pool, layer, self.where, mask, impl, block, sinks)
         return a, self.replace(pool=pool)
+
+    def deltanet(self, cfg, layer, w, h, mask):
+        """The Gated DeltaNet from each row's state (`DenseCache.deltanet`'s one path)."""
+        return _deltanet(self, cfg, layer, w, h, self.real)
 
 
 def layer_cache(cache):

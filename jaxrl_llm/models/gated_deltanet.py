@@ -94,6 +94,14 @@ def zero_state(cfg: ModelConfig, batch: int, dtype, layers: tuple[int, ...] = ()
     )
 
 
+def state_bytes(cfg: ModelConfig, dtype) -> int:
+    """Bytes of one row's state over every DeltaNet layer (`zero_state`'s arrays in a
+    model of `dtype`): what a sampler holds per sequence besides its full-attention
+    layers' keys/values, however long the sequence is."""
+    one = jax.eval_shape(lambda: zero_state(cfg, 1, dtype, (sum(cfg.linear_layers),)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one))
+
+
 def causal_conv(x, w, mask, state):
     """Depthwise causal convolution and SiLU over each row's real tokens.
 

@@ -202,10 +202,12 @@ def paged_forward(
     layers=None,
     null_page: int = 0,
     pallas: bool = False,
+    state=None,
 ):
     """T new tokens of each row after its slots [start, length) in a page pool ->
     (final-normed hidden [B,T,D], the pool with the real tokens' keys/values written at
-    slots length .. length + T - 1, the MoE layers' own top-k [B,T,L,k] or None).
+    slots length .. length + T - 1, the MoE layers' own top-k [B,T,L,k] or None, the
+    rows' recurrent state after the real tokens or None).
 
     tokens, attention_mask [B,T]; pool: (k, v) [L, pages, page_size, K, H] (with
     `cfg.split_attention` the pair of the sliding layers' and the full layers' (k, v)
@@ -216,8 +218,14 @@ def paged_forward(
     of the row's tokens [start, length) followed by the real new tokens, at the new
     tokens' positions. layers: as in `forward_after_prefix` (inference, unrolled).
     pallas: the pool is head-major, (k, v) [K, L, pages, page_size, H], and decode calls
-    (T = 1) run the Pallas TPU kernel (`paged_attention.PagedWrite.pallas`). Forward
-    only (the sampler's engine)."""
+    (T = 1) run the Pallas TPU kernel (`paged_attention.PagedWrite.pallas`). state: a
+    hybrid model's Gated DeltaNet state of each row before the new tokens
+    (`gated_deltanet.LinearState` [L', B, ...]; the pool then holds the full-attention
+    layers only); hidden is `forward`'s when state is that after the row's earlier
+    tokens [start, length) (zeros before a prompt's first token). Forward only (the
+    sampler's engine)."""
+    if cfg.hybrid and state is None:
+        raise ValueError("paged_forward: a hybrid model needs its rows' recurrent state")
     page_size = jax.tree.leaves(pool)[0].shape[3 if pallas else 2]
     positions, mask, where = paged_inputs(
         table, start, length, attention_mask, page_size, null_page, pallas
@@ -225,10 +233,11 @@ def paged_forward(
     wide = None
     if cfg.split_attention:
         pool, wide = pool
-    cache = PagedCache(pool=tuple(pool), where=where, wide=wide)
+    real = attention_mask.astype(bool)
+    cache = PagedCache(pool=tuple(pool), where=where, wide=wide, state=state, real=real)
     hidden, cache, own = _model(cfg, params)(tokens, positions, mask, cache, layers)
     pool = cache.pool if wide is None else (cache.pool, cache.wide)
-    return hidden, pool, token_major(own)
+    return hidden, pool, token_major(own), cache.state
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:

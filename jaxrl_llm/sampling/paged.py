@@ -16,6 +16,10 @@ of a prompt's G rows holds a copy of the prompt's keys and values. This engine i
   taken as it grows (before each decode chunk, for that chunk's steps) and returned when
   it ends. A waiting row is admitted only when the pool keeps, besides its prefill and
   first chunk, the pages the rows already in need for their next chunk.
+- keeps a hybrid model's (Qwen3.5's) Gated DeltaNet state, which does not grow with the
+  sequence, in state rows beside the pages (`Pages.state`; one per prompt held, its G
+  rows starting from it, and one per slot; `state_bytes` per sequence): the pages then
+  hold the full-attention layers only.
 - decodes `slots` sequences at once in a `lax.while_loop` of `chunk_steps` steps on
   device; between chunks the host returns the pages of finished rows, gives their slots
   to the next waiting rows (prefilling their prompts chunk by chunk, those admitted
@@ -64,6 +68,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
+from jaxrl_llm.models import gated_deltanet
 from jaxrl_llm.parallel import target
 from jaxrl_llm.sampling.decode import SampleOutput
 from jaxrl_llm.sampling.paged_programs import (
@@ -138,6 +143,11 @@ class PagedSampler:
             raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
         if attention == "pallas" and model_cfg.windowed:
             raise ValueError("attention='pallas': the kernel has no sliding window")
+        if attention == "gather" and model_cfg.hybrid:
+            raise ValueError(
+                "attention='gather': its prefix is keys/values, not a hybrid model's "
+                "recurrent state; use 'pages'"
+            )
         self.attention = attention
         self.impl = "gather" if attention == "gather" else "pages"  # `forward_paged`'s
         self.cfg, self.mesh = model_cfg, mesh
@@ -155,7 +165,7 @@ class PagedSampler:
         self._slice = jax.jit(models.layer_params)
         # The pool is made on device (zeros from the host would be an implicit transfer).
         where = None if mesh is None else NamedSharding(mesh, P())
-        self._init_pool = jax.jit(init_pages, static_argnums=(0, 1, 2, 3, 4), out_shardings=where)
+        self._init_pool = jax.jit(init_pages, static_argnums=range(6), out_shardings=where)
 
     # ----------------------------------------------------------- Sampler's interface
     def device_programs(self, params, prompt_ids, prompt_mask, spec) -> list:
@@ -297,12 +307,21 @@ class PagedSampler:
         one = -(-(-(-tokens // C) * C + C) // PS)
         return 1 + max(-(-rows * tokens // PS), one)
 
-    def pool(self, cfg, pages: int, page_size: int, dtype, *, shapes: bool = False) -> Pages:
-        """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so;
-        shapes=True: its `jax.ShapeDtypeStruct`s only (nothing allocated)."""
+    def pool(
+        self, cfg, pages: int, page_size: int, dtype, *, shapes: bool = False, state_rows: int = 0
+    ) -> Pages:
+        """A zero page pool, in the Pallas kernel's layout where `uses_pallas` says so,
+        with `state_rows` recurrent-state rows for a hybrid model; shapes=True: its
+        `jax.ShapeDtypeStruct`s only (nothing allocated)."""
         pallas = uses_pallas(cfg, self.attention, dtype, target.backend(), page_size)
         make = self._init_pool.eval_shape if shapes else self._init_pool
-        return make(cfg, pages, page_size, dtype, pallas)
+        return make(cfg, pages, page_size, dtype, pallas, state_rows if cfg.hybrid else 0)
+
+    def state_bytes(self, dtype) -> int:
+        """Bytes of one sequence's recurrent state (every DeltaNet layer's convolution
+        inputs and float32 recurrence; 0 for a model without one): a hybrid model's
+        memory per sequence besides its pages, fixed however long the sequence grows."""
+        return gated_deltanet.state_bytes(self.cfg, dtype) if self.cfg.hybrid else 0
 
     # ----------------------------------------------------------------- device programs
     def weights(self, params) -> tuple:
@@ -345,7 +364,7 @@ class PagedSampler:
         return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
 
     def _prefill_program(
-        self, weights, pages, prompt_logits, index, tokens, mask, table, start, length
+        self, weights, pages, prompt_logits, index, tokens, mask, table, start, length, states
     ):
         self.traces["prefill", tokens.shape, pages.k.shape] += 1
         params, layers = weights
@@ -363,6 +382,7 @@ class PagedSampler:
                 length,
                 self.impl,
                 layers,
+                states,
             )
 
     def decode_slots(

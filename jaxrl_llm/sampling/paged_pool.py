@@ -4,10 +4,16 @@ plain functions that change it (`queue_prefill` / `run_prefills`, `seat`, `grow`
 
 A `Pool` holds the KV pages (a free list, page 0 the null page), the page-table columns,
 the prompts' shared pages and first-draw logits rows, the slots' host arrays, the waiting
-line and the prefill queue. Which rows fill the slots and what they keep is the
-schedulers': `paged_schedule.Session` (single-turn requests, streamed across training
-steps) and `paged_turns.TurnSession` (multi-turn rows that park on their environments),
-each holding one pool. A slot's holder (the scheduler's row record) has `table` (the pages
+line and the prefill queue. A hybrid model's recurrent state rows (`Pages.state`) are
+numbered as the logits rows: a prompt's state after its prefill sits in its logits row
+(its G rows start from it), slot s's row in row `state_row(pool, s)`, and a multi-turn
+row, whose state outlives its slot while it is parked, holds a row of its own
+(`holder_rows`, `state_free`); a row that is recomputed starts from zero.
+
+Which rows fill the slots and what they keep is the schedulers':
+`paged_schedule.Session` (single-turn requests, streamed across training steps) and
+`paged_turns.TurnSession` (multi-turn rows that park on their environments), each
+holding one pool. A slot's holder (the scheduler's row record) has `table` (the pages
 its page table holds: a prompt's shared ones, then its own) and `mine` (its own pages).
 The engine is reached through its public programs (`PagedSampler.put`, `prefill`,
 `decode_slots`, `weights`, `pool`).
@@ -18,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -25,6 +32,7 @@ import numpy as np
 from jaxrl_llm import errors
 
 NULL_PAGE = 0  # writes of masked tokens go here; never read unmasked
+NO_STATE = 2**31 - 1  # a state row past the pool's: read as zeros, written nowhere
 PREFILL_BATCH = 8  # sequences prefilled by one program (batches of 1, 2, 4 or 8)
 
 
@@ -42,6 +50,8 @@ class Pool:
       prompt_rows: prompts whose first-draw logits are held at once (a slot whose prompt
         has no free row waits).
       slot_rows: also a first-draw logits row per slot (a resumed or recomputed row's).
+      holder_rows: a hybrid model's recurrent-state rows that rows take for as long as
+        they hold pages, in a slot or not (`state_free`).
     """
 
     def __init__(
@@ -56,6 +66,7 @@ class Pool:
         pages: int,
         prompt_rows: int,
         slot_rows: bool = False,
+        holder_rows: int = 0,
     ):
         e, T, S = engine, spec.max_new_tokens, slots
         self.engine, self.version, self.spec, self.seed_step = e, int(version), spec, seed_step
@@ -72,9 +83,7 @@ class Pool:
         self.stats = dict(
             decode_chunks=0, prefills=0, prefill_calls=0, preempted=0, peak_pages=0, swaps=0
         )
-        # Prefill jobs (`run_prefills`): (sequence, lo, hi, offset, first, pages, logits
-        # row, record or None)
-        self.prefills: list = []
+        self.prefills: list = []  # `Prefill` jobs (`run_prefills`)
         z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
         self.host = dict(
             table=z(S, 1),
@@ -98,11 +107,21 @@ class Pool:
             self.host["routes"] = np.full(shape, -1, np.int16)
         self.dtype = params["embed"].dtype
         self.pages = None
+        # A hybrid model's state rows: the logits rows' (prompts, then the scratch row),
+        # then one per slot.
+        self.state_rows = prompt_rows + 1 + S + holder_rows
+        # (with holder rows, the slots' rows are holders' too: a row decodes in its own)
+        self.state_free = list(range(self.state_rows - 1, prompt_rows, -1)) if holder_rows else []
         with out_of_memory(self):
             # Blocked on: an allocation that fails is reported here, not by a later program.
-            self.pages = jax.block_until_ready(e.pool(cfg, pages, self.PS, self.dtype))
+            pool = e.pool(cfg, pages, self.PS, self.dtype, state_rows=self.state_rows)
+            self.pages = jax.block_until_ready(pool)
         rows = np.zeros((prompt_rows + 1 + S * slot_rows, cfg.vocab_size), np.float32)
         self.prompt_logits = e.put(rows)
+        if cfg.hybrid:  # each slot's DeltaNet state row, and the one its next chunk reads
+            self.host["state"] = np.full(S, NO_STATE, np.int32)
+            self.host["state_from"] = np.full(S, NO_STATE, np.int32)
+        self.stats["state_bytes_per_row"] = e.state_bytes(self.dtype)
         self.stops = e.put(np.asarray(spec.stop_ids or (-1,), np.int32))
 
 
@@ -125,6 +144,12 @@ def _out_of_memory_line(pool: Pool, err: BaseException) -> str:
     size = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     cause = str(err).strip().splitlines()[0][:200]
     pages = f"{pool.total} pages of {pool.PS} tokens, {size / 2**30:,.2f} GiB of KV cache"
+    if e.cfg.hybrid:
+        row = e.state_bytes(pool.dtype)
+        pages += (
+            f" and {pool.state_rows} recurrent-state rows of {row / 2**20:,.1f} MiB "
+            "(one per slot and per prompt held)"
+        )
     if e.pages:
         return (
             f"rollout.paged.pages={pool.total}: device out of memory ({cause}) with a "
@@ -193,11 +218,30 @@ def reweigh(pool: Pool, params, version: int) -> None:
     pool.stats["swaps"] += 1
 
 
-def queue_prefill(pool: Pool, tokens: np.ndarray, index: int, record=None):
+class Prefill(NamedTuple):
+    """A prefill job (`run_prefills`): seq's tokens [lo, hi) written at cache slots offset
+    + their index; first: the table's first valid slot; pages: the table; row: the
+    logits row of the logits after its last token; record: None, or a function given the
+    routes of tokens [lo, hi) [hi - lo, L, k] (MoE); state: a hybrid model's (from, to)
+    state rows (the state before its first token: `NO_STATE` for zeros), else None."""
+
+    seq: np.ndarray
+    lo: int
+    hi: int
+    offset: int
+    first: int
+    pages: list
+    row: int
+    record: object = None
+    state: tuple | None = None
+
+
+def queue_prefill(pool: Pool, tokens: np.ndarray, index: int, record=None, state_to=None):
     """Takes pages for a sequence (real token ids) and queues its prefill (run by
     `run_prefills`) -> (pages, padded length, start), or None when the pool lacks the
     pages. record: None, or a function given the routes of the sequence's real tokens
-    [p, L, k] (MoE)."""
+    [p, L, k] (MoE). A hybrid model's state starts from zero and goes to state row
+    `state_to` (None: `index`, the logits row)."""
     C, PS = pool.C, pool.PS
     p = len(tokens)
     padded = -(-p // C) * C
@@ -209,45 +253,50 @@ def queue_prefill(pool: Pool, tokens: np.ndarray, index: int, record=None):
     pages = [NULL_PAGE] * first + take(pool, count)
     seq = np.full(padded, pool.engine.pad_id, np.int32)
     seq[start:] = tokens
-    pool.prefills.append((seq, start, padded, 0, start, pages, index, record))
+    state = None
+    if pool.engine.cfg.hybrid:
+        state = (NO_STATE, index if state_to is None else state_to)
+    pool.prefills.append(Prefill(seq, start, padded, 0, start, pages, index, record, state))
     pool.stats["prefills"] += 1
     return pages, padded, start
 
 
 def run_prefills(pool: Pool) -> None:
     """The queued prefills, up to PREFILL_BATCH per program (the batch padded to a power
-    of two with empty rows). A job (seq, lo, hi, offset, first, pages, row, record) writes
-    seq's tokens [lo, hi) at cache slots offset + their index, in chunks of C aligned at
-    the end: the k-th of K calls feeds each job its chunk k - (K - its chunks), or nothing
-    before its first chunk with a real token, so every job's last chunk is in the last
-    call and its logits row ends with the logits after its last token. first: the table's
-    first valid slot; record (MoE), if any, is given the routes of tokens [lo, hi)
-    [hi - lo, L, k]. A batch of one chunk each runs in the narrowest window (page_size
-    times a power of two) that holds every job's tokens: a prompt shorter than a chunk,
-    an observation of a few tokens appended (`TurnSession`)."""
+    of two with empty rows). A job (`Prefill`) writes seq's tokens [lo, hi) at cache
+    slots offset + their index, in chunks of C aligned at the end: the k-th of K calls
+    feeds each job its chunk k - (K - its chunks), or nothing before its first chunk with
+    a real token, so every job's last chunk is in the last call and its logits row ends
+    with the logits after its last token (and a hybrid model's state row with the state
+    after it: the first chunk reads the job's start, the later ones its own row). A
+    batch of one chunk each runs in the narrowest window (page_size times a power of
+    two) that holds every job's tokens: a prompt shorter than a chunk, an observation of
+    a few tokens appended (`TurnSession`)."""
     C, e = pool.C, pool.engine
-    jobs, pool.prefills = pool.prefills, []
+    jobs, pool.prefills = [Prefill(*j) for j in pool.prefills], []
     for at in range(0, len(jobs), PREFILL_BATCH):
         batch = jobs[at : at + PREFILL_BATCH]
         b = 1 << (len(batch) - 1).bit_length()
-        chunks = [len(j[0]) // C for j in batch]
+        chunks = [len(j.seq) // C for j in batch]
         K = max(chunks)
-        widest = max(len(j[5]) for j in batch)  # columns: a power of two >= pages, at most M
+        widest = max(len(j.pages) for j in batch)  # columns: a power of two >= pages, at most M
         table = np.zeros((b, min(pool.M, 1 << max(1, widest - 1).bit_length())), np.int32)
         start = np.zeros(b, np.int32)
         index = np.full(b, pool.scratch, np.int32)
-        for i, (_, _, _, _, first, pages, row, _) in enumerate(batch):
-            table[i, : len(pages)], start[i], index[i] = pages, first, row
+        for i, job in enumerate(batch):
+            table[i, : len(job.pages)], start[i], index[i] = job.pages, job.first, job.row
         owns = []
         W = C  # tokens per call: one chunk's window that holds every job's tokens
-        most = max(hi - lo for _, lo, hi, *_ in batch)
+        most = max(j.hi - j.lo for j in batch)
         while K == 1 and W // 2 % pool.PS == 0 and W // 2 >= max(most, 1):
             W //= 2
         for k in range(K):
             tokens = np.full((b, W), e.pad_id, np.int32)
             mask = np.zeros((b, W), bool)
             length = np.zeros(b, np.int32)
-            for i, (seq, lo, hi, offset, *_) in enumerate(batch):
+            states = np.full((2, b), NO_STATE, np.int32)  # a hybrid model's (from, to)
+            for i, job in enumerate(batch):
+                seq, lo, hi, offset = job.seq, job.lo, job.hi, job.offset
                 c = k - (K - chunks[i])
                 if c < lo // C:
                     continue  # before its first chunk with a real token
@@ -256,22 +305,25 @@ def run_prefills(pool: Pool) -> None:
                 where = np.arange(at, at + W)
                 mask[i] = (where >= lo) & (where < hi)
                 length[i] = offset + at
+                if job.state is not None:
+                    states[:, i] = (job.state[0] if c == lo // C else job.state[1], job.state[1])
             with out_of_memory(pool):
                 pool.pages, pool.prompt_logits, own = e.prefill(
                     pool.weights,
                     pool.pages,
                     pool.prompt_logits,
                     *e.put((index, tokens, mask, table, start, length)),
+                    e.put(tuple(states)) if e.cfg.hybrid else None,
                 )
             owns.append(own)
             pool.stats["prefill_calls"] += 1
-        if owns[0] is not None and any(j[7] is not None for j in batch):
+        if owns[0] is not None and any(j.record is not None for j in batch):
             owns = jax.device_get(owns)  # K x [b, W, L, k]
-            for i, (_, lo, hi, *_, record) in enumerate(batch):
-                if record is not None:  # its chunks, in the last chunks[i] calls
+            for i, job in enumerate(batch):
+                if job.record is not None:  # its chunks, in the last chunks[i] calls
                     got = np.concatenate([o[i] for o in owns[K - chunks[i] :]], axis=0)
-                    shift = min(lo, C - W)  # where the window starts (0: W == C)
-                    record(got[lo - shift : hi - shift])
+                    shift = min(job.lo, C - W)  # where the window starts (0: W == C)
+                    job.record(got[job.lo - shift : job.hi - shift])
 
 
 # ---------------------------------------------------------------------------- slots
@@ -306,12 +358,19 @@ def seat(
     drawn=(),
     logprobs=(),
     routes=None,
+    state=None,
+    state_from=None,
 ):
     """`holder` takes free slot s: its page table `holder.table`, cache slots [start,
     length) valid, n tokens drawn so far (`drawn`, with their log-probs and routes, back
     in the slot's arrays: a recomputed row of a request), `last` fed first (pad: its first
-    draw is from logits row `prompt`), row index `row` (its keys), `budget` its draw limit."""
+    draw is from logits row `prompt`), row index `row` (its keys), `budget` its draw limit.
+    A hybrid model's row decodes in state row `state` (None: `state_row(pool, s)`),
+    starting from state row `state_from` (None: that one, which its prefill wrote)."""
     h = pool.host
+    if "state" in h:
+        h["state"][s] = state_row(pool, s) if state is None else state
+        h["state_from"][s] = h["state"][s] if state_from is None else state_from
     h["table"][s] = 0
     h["table"][s, : len(holder.table)] = holder.table
     h["start"][s], h["length"][s], h["cap"][s] = start, length, len(holder.table) * pool.PS
@@ -332,6 +391,13 @@ def vacate(pool: Pool, s: int) -> None:
     pool.owner[s] = None
     pool.order.remove(s)
     pool.host["live"][s] = False
+    if "state" in pool.host:  # an empty slot in a decode program writes no state row
+        pool.host["state"][s] = pool.host["state_from"][s] = NO_STATE
+
+
+def state_row(pool: Pool, s: int) -> int:
+    """Slot s's recurrent-state row (a hybrid model's): after the logits rows'."""
+    return pool.scratch + 1 + s
 
 
 def grow(pool: Pool, preempt, evict=lambda: False) -> None:

@@ -2,9 +2,17 @@
 prefill chunks that `paged.PagedSampler` jits.
 
     pages = init_pages(model_cfg, pages=512, page_size=16)         # a zero pool (`Pages`)
-    hidden, pages, routes = forward_paged(cfg, params, pages, tokens, mask, table, start, length)
+    hidden, pages, routes, state = forward_paged(cfg, params, pages, tokens, mask, table, ...)
     pages, slots = decode_chunk(cfg, params, pages, slots, prompt_logits, key, stops, steps, spec)
     pages, prompt_logits, routes = prefill_chunk(cfg, params, pages, prompt_logits, index, ...)
+
+A hybrid model (Qwen3.5) keeps its full-attention layers' keys/values in the pages and
+each sequence's Gated DeltaNet state (`gated_deltanet.LinearState`: the last K - 1
+convolution inputs and the [Hv, Dk, Dv] float32 recurrence, per DeltaNet layer) in one
+of the pool's state rows (`Pages.state`, [L', R, ...]), which does not grow with the
+sequence. A call reads each sequence's state from one row and writes it to another (a
+prompt's rows start from its prefill's row; `NO_STATE`: start from zero, or write
+nowhere).
 
 These are pure functions of device arrays (shapes in their docstrings), kept apart from the
 host side (`paged.PagedSampler`: programs, sizes, results; `paged_schedule.Session`: slots
@@ -22,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
+from jaxrl_llm.models.gated_deltanet import LinearState, zero_state
 from jaxrl_llm.sampling.paged_pool import NULL_PAGE
 from jaxrl_llm.sampling.sampling import sample_tokens
 from jaxrl_llm.sampling.spec import RolloutSpec
@@ -34,12 +43,15 @@ class Pages:
     kernel, which reads a layer's pages as [K, pages, page_size, H]). A model with full
     layers of their own head size (`cfg.split_attention`): k, v hold its sliding layers
     and `wide` the full layers' (k, v) [Lg, pages, page_size, Kg, Hg], over the same page
-    ids (a page holds the same slots of every layer)."""
+    ids (a page holds the same slots of every layer). A hybrid model: k, v hold its
+    full-attention layers and `state` the DeltaNet state rows, a `LinearState` of conv
+    [L', R, K - 1, C] and ssm [L', R, Hv, Dk, Dv] (float32)."""
 
     k: jax.Array
     v: jax.Array
     pallas: bool = struct.field(pytree_node=False, default=False)
     wide: tuple | None = None
+    state: LinearState | None = None
 
     @property
     def page_size(self) -> int:
@@ -59,7 +71,10 @@ class Pages:
         return self.replace(k=k, v=v, wide=wide)
 
 
-def init_pages(cfg, pages: int, page_size: int, dtype=jnp.float32, pallas: bool = False) -> Pages:
+def init_pages(
+    cfg, pages: int, page_size: int, dtype=jnp.float32, pallas: bool = False, state_rows: int = 0
+) -> Pages:
+    """A zero pool; a hybrid model's with `state_rows` zero DeltaNet state rows."""
     kinds = cfg.attention_kinds
     L, K, H = kinds.count("softmax"), cfg.num_kv_heads, cfg.head_dim
     shape = (K, L, pages, page_size, H) if pallas else (L, pages, page_size, K, H)
@@ -69,7 +84,28 @@ def init_pages(cfg, pages: int, page_size: int, dtype=jnp.float32, pallas: bool 
             raise ValueError("the Pallas page pool holds one head size; this model has two")
         wide_shape = (kinds.count("wide"), pages, page_size, cfg.full_kv_heads, cfg.full_head_dim)
         wide = (jnp.zeros(wide_shape, dtype), jnp.zeros(wide_shape, dtype))
-    return Pages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pallas=pallas, wide=wide)
+    state = None
+    if cfg.hybrid:
+        state = zero_state(cfg, state_rows, dtype, (sum(cfg.linear_layers),))
+    k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return Pages(k=k, v=v, pallas=pallas, wide=wide, state=state)
+
+
+def read_state(pages: Pages, rows):
+    """The DeltaNet state of state rows `rows` [B] ([L', B, ...]; zeros at `NO_STATE`),
+    or None for a model without one."""
+    if pages.state is None:
+        return None
+    return jax.tree.map(lambda c: jnp.take(c, rows, axis=1, mode="fill", fill_value=0), pages.state)
+
+
+def write_state(pages: Pages, rows, state) -> Pages:
+    """pages with `state` [L', B, ...] written to state rows `rows` [B] (`NO_STATE`: not
+    written)."""
+    if pages.state is None:
+        return pages
+    put = lambda c, x: c.at[:, rows].set(x.astype(c.dtype), mode="drop")  # noqa: E731
+    return pages.replace(state=jax.tree.map(put, pages.state, state))
 
 
 def gather_pages(pages: Pages, table):
@@ -112,12 +148,24 @@ def uses_pallas(cfg, attention: str, dtype, backend: str, page_size: int = 16) -
 
 
 def forward_paged(
-    cfg, params, pages: Pages, tokens, mask, table, start, length, layers=None, impl: str = "pages"
+    cfg,
+    params,
+    pages: Pages,
+    tokens,
+    mask,
+    table,
+    start,
+    length,
+    layers=None,
+    impl: str = "pages",
+    state=None,
 ):
     """tokens [B, T] (mask [B, T]) after each sequence's slots [start, length) in its pages
     -> (final-normed hidden [B, T, D], pages with the real tokens' keys/values written at
     slots length .. length + T - 1, the MoE layers' top-k experts of the tokens
-    [B, T, L, k] or None for a dense model). Masked tokens write to the null page.
+    [B, T, L, k] or None for a dense model, a hybrid model's DeltaNet state after the
+    real tokens or None). Masked tokens write to the null page. state: a hybrid model's
+    state of each sequence before the tokens, [L', B, ...] (`read_state`).
 
     impl: "pages", each layer writes its new keys/values to its pages and attends to
     them in place through the table (`models.paged_forward`; decode calls run the Pallas
@@ -127,7 +175,7 @@ def forward_paged(
     two agree within rounding at the real tokens (hidden and routes of masked tokens
     are not read)."""
     if impl == "pages":
-        hidden, pools, own = models.paged_forward(
+        hidden, pools, own, state = models.paged_forward(
             cfg,
             params,
             tokens,
@@ -139,10 +187,13 @@ def forward_paged(
             layers,
             null_page=NULL_PAGE,
             pallas=pages.pallas,
+            state=state,
         )
-        return hidden, pages.with_pools(pools), own
+        return hidden, pages.with_pools(pools), own, state
     if impl != "gather":
         raise ValueError(f"forward_paged: impl={impl!r}, expected one of {IMPLS}")
+    if cfg.hybrid:  # forward_after_prefix carries keys/values, not a recurrent state
+        raise ValueError("forward_paged: impl='gather' has no recurrent state (hybrid model)")
     B, T = tokens.shape
     prefix = gather_pages(pages, table)
     slot = jnp.arange(pages.page_size * table.shape[1])
@@ -158,7 +209,7 @@ def forward_paged(
     pools = jax.tree.map(
         lambda pool, x: pool.at[:, page, offset].set(x.astype(pool.dtype)), pages.pools, new
     )
-    return hidden, pages.with_pools(pools), own
+    return hidden, pages.with_pools(pools), own, None
 
 
 def row_bucket(rows: int, slots: int) -> int:
@@ -200,6 +251,11 @@ class Slots:
     # MoE models: the experts of each drawn token, recorded in the step that feeds it
     # (the last drawn token is never fed: -1); [S, T, L, k] int16. None: dense model.
     routes: jax.Array | None = None
+    # A hybrid model: the slot's DeltaNet state row (`Pages.state`), written after the
+    # chunk, and the row the chunk starts from (its prompt's for a row that has not fed a
+    # token yet, then its own); `NO_STATE` in an empty slot. None: no recurrent state.
+    state: jax.Array | None = None
+    state_from: jax.Array | None = None
 
 
 def _draw(key, rows, counts, logits, spec: RolloutSpec):
@@ -238,9 +294,9 @@ def decode_chunk(
         layers = models.layer_params(params)
 
     def body(carry):
-        i, pages, s = carry
+        i, pages, s, state = carry
         feed = s.live & ~s.fresh & (s.length < s.cap)
-        hidden, pages, own = forward_paged(
+        hidden, pages, own, state = forward_paged(
             cfg,
             params,
             pages,
@@ -251,6 +307,7 @@ def decode_chunk(
             s.length,
             layers,
             impl,
+            state,
         )
         logits = models.project(cfg, params, hidden[:, 0])
         logits = jnp.where(s.fresh[:, None], jnp.take(prompt_logits, s.prompt, axis=0), logits)
@@ -278,13 +335,18 @@ def decode_chunk(
             logprobs=put(s.logprobs, lp),
             routes=routes,
         )
-        return i + 1, pages, s
+        return i + 1, pages, s, state
 
     def more(carry):
-        i, _, s = carry
+        i, _, s, _ = carry
         return (i < steps) & jnp.any(s.live & (s.fresh | (s.length < s.cap)))
 
-    _, pages, s = jax.lax.while_loop(more, body, (jnp.int32(0), pages, s))
+    # The slots' DeltaNet state is read from the pool once, carried densely through the
+    # steps and written back once (a masked step leaves a row's state as it was).
+    state = read_state(pages, s.state_from)
+    _, pages, s, state = jax.lax.while_loop(more, body, (jnp.int32(0), pages, s, state))
+    if state is not None:
+        pages, s = write_state(pages, s.state, state), s.replace(state_from=s.state)
     return pages, s
 
 
@@ -301,15 +363,20 @@ def prefill_chunk(
     length,
     impl: str = "pages",
     layers=None,
+    states=None,
 ):
     """One chunk of each of b sequences (tokens, mask [b, C]) into their pages; the logits
     after each one's last real token go to prompt_logits[index] (index [b]) -> (pages,
     prompt_logits, the chunk's MoE routes [b, C, L, k] int16, -1 at masked tokens; None:
     dense model). A row with no real token writes only to the null page (its logits row
-    is not read). impl, layers: `decode_chunk`'s."""
-    hidden, pages, own = forward_paged(
-        cfg, params, pages, tokens, mask, table, start, length, layers, impl
+    is not read). impl, layers: `decode_chunk`'s. states: a hybrid model's (from, to)
+    [b] state rows each sequence's DeltaNet state is read from and written to."""
+    state = None if states is None else read_state(pages, states[0])
+    hidden, pages, own, state = forward_paged(
+        cfg, params, pages, tokens, mask, table, start, length, layers, impl, state
     )
+    if state is not None:
+        pages = write_state(pages, states[1], state)
     logits = models.project(cfg, params, models.last_hidden(hidden, mask))
     if own is not None:
         own = jnp.where(mask[:, :, None, None], own.astype(models.ROUTE_DTYPE), -1)
@@ -332,12 +399,13 @@ def ahead_of_time(engine, params, rows: int, prompts: int, width: int, spec) -> 
         return jax.ShapeDtypeStruct(shape, dt, sharding=everywhere)
 
     dtype = jax.tree.leaves(params)[0].dtype
-    pool = jax.tree.map(
-        lambda x: a(x.shape, x.dtype), engine.pool(cfg, pages, PS, dtype, shapes=True)
-    )
+    prompt_rows = min(prompts, S + 1)  # `PagedSampler.stream`'s; state rows as `Pool`'s
+    shapes = engine.pool(cfg, pages, PS, dtype, shapes=True, state_rows=prompt_rows + 1 + S)
+    pool = jax.tree.map(lambda x: a(x.shape, x.dtype), shapes)
     routes = None
     if cfg.moe:
         routes = a((S, T, cfg.num_layers, cfg.num_experts_per_tok), models.ROUTE_DTYPE)
+    rows = {k: a((S,)) for k in ("state", "state_from")} if cfg.hybrid else {}
     ints = {k: a((S,)) for k in ("start", "length", "cap", "last", "n", "budget", "row", "prompt")}
     flags = {k: a((S,), bool) for k in ("fresh", "live", "stopped")}
     slots = Slots(
@@ -347,13 +415,14 @@ def ahead_of_time(engine, params, rows: int, prompts: int, width: int, spec) -> 
         routes=routes,
         **ints,
         **flags,
+        **rows,
     )
-    logits = a((min(prompts, S + 1) + 1, cfg.vocab_size), jnp.float32)
+    logits = a((prompt_rows + 1, cfg.vocab_size), jnp.float32)
     weights = (params, None)  # an unrolled model's layers are then sliced in the program
     decode_args = (weights, pool, slots, logits, a((2,), jnp.uint32), a((1,)))
     b = 1 << (prompts - 1).bit_length()
     prefill_args = (weights, pool, logits, a((b,)), a((b, C)), a((b, C), bool), a((b, M)))
-    prefill_args += (a((b,)), a((b,)))
+    prefill_args += (a((b,)), a((b,)), (a((b,)), a((b,))) if cfg.hybrid else None)
     return [
         ("paged decode", engine.decode, decode_args, dict(steps=engine.chunk_steps, spec=spec)),
         ("paged prefill", engine.prefill, prefill_args, {}),

@@ -208,11 +208,14 @@ class Session:
             if pool.order and pp.short(pool, cost) > 0:
                 return
             if item.drawn:  # preempted: its prompt and tokens so far, recomputed
-                got = pp.queue_prefill(pool, np.concatenate([real, item.drawn[:-1]]), pool.scratch)
+                seq = np.concatenate([real, item.drawn[:-1]])
+                # (a hybrid model's state from zero, into the slot's state row)
+                got = pp.queue_prefill(pool, seq, pool.scratch, state_to=pp.state_row(pool, s))
                 if got is None:
                     return
                 own, padded, start = got
                 item.table, item.mine, item.shared, logits = list(own), own, None, pool.scratch
+                state_from = None
             else:
                 if pkey not in pool.prompt_pages:
                     if not pool.logit_rows:
@@ -230,6 +233,7 @@ class Session:
                     pool.prompt_pages[pkey] = [*got, rows, pool.logit_rows.pop()]
                 pages, padded, start, _, logits = pool.prompt_pages[pkey]
                 item.table, item.mine, item.shared = list(pages), [], pkey
+                state_from = logits  # the prompt's state row is its logits row
             pool.waiting.popleft()
             n = len(item.drawn)
             pp.seat(
@@ -246,6 +250,7 @@ class Session:
                 drawn=item.drawn,
                 logprobs=item.logprobs,
                 routes=item.routes,
+                state_from=state_from,
             )
             if req.started[item.row] < 0:
                 req.started[item.row] = self.version

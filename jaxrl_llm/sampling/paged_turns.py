@@ -44,6 +44,14 @@ observation's ids from the prefill that appends them (or, for a row evicted befo
 were appended, from its recompute). A recompute feeds tokens again and keeps the routes
 they already have; each row's last drawn token, never fed, keeps -1.
 
+A hybrid model (Qwen3.5): a row holds a recurrent-state row of its own for as long as it
+holds pages (`Pool.state_free`; taken when it is seated, returned with its own pages),
+so its Gated DeltaNet state waits with it while it is parked: its first turn starts from
+its prompt's state (written once by the prompt's prefill), an append continues from its
+own row (or from the prompt's, for a completion recomputed on the prompt's pages), a full
+recompute starts from zero. When no state row is free a row waits, or evicts parked rows
+as it would for pages.
+
 Partial rollouts (`swap`, between chunks): newer parameters replace the old ones; every
 row in a slot is preempted and every parked row evicted, the prompts' pages dropped, so
 each row comes back by recompute under the new parameters (prompt and completion so far
@@ -86,6 +94,7 @@ class _Traj:
     base: int = 0  # cache slot of completion token 0
     routes: np.ndarray | None = None  # MoE: [T, L, k] int16 per completion token, -1: none
     fed: int = 0  # completion tokens whose routes are recorded (a prefix)
+    state: int | None = None  # a hybrid model's own recurrent-state row, while it has pages
 
     @property
     def cached(self) -> int:
@@ -122,6 +131,10 @@ class TurnSession:
         prompts: int,
     ):
         seed_step = engine.put(np.array([seed, step], np.uint32))
+        # A hybrid model's state rows for rows that hold pages, in a slot or parked: the
+        # slots' and one per row of the prompts given (more wait for one or evict, as
+        # they would for pages).
+        holders = max(1, prompts * spec.num_generations) if engine.cfg.hybrid else 0
         # Logits rows [0, prompts): prompts; then the scratch row; then one per slot: the
         # first-draw logits of a row resumed or recomputed into that slot.
         self.pool = pp.Pool(
@@ -134,6 +147,7 @@ class TurnSession:
             pages=pages,
             prompt_rows=prompts,
             slot_rows=True,
+            holder_rows=holders,
         )
         self.trajs: dict = {}
         self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
@@ -248,6 +262,9 @@ class TurnSession:
         pp.give_back(self.pool, t.mine)
         t.table, t.mine, t.length, t.base = [], [], 0, 0
         self.holders.pop(t.row, None)
+        if t.state is not None:
+            self.pool.state_free.append(t.state)
+            t.state = None
 
     def _evict_one(self, keep=None) -> bool:
         """Evicts the most recently parked row that holds pages outside a slot (not
@@ -291,9 +308,9 @@ class TurnSession:
             s = pool.owner.index(None)
             t = pool.waiting[0]
             cost = self._cost(t)
-            while pp.short(pool, cost) > 0 and (t.tokens or not pool.order) and self._evict_one(t):
+            while self._short(t, cost) and (t.tokens or not pool.order) and self._evict_one(t):
                 pass
-            if pool.order and pp.short(pool, cost) > 0:
+            if pool.order and self._short(t, cost):
                 return
             prompt_row = self._seat(t, s)
             if prompt_row is None:
@@ -312,11 +329,35 @@ class TurnSession:
                 budget=t.budget,
                 row=t.row,
                 prompt=prompt_row,
+                state=t.state,
+                # a first turn starts from its prompt's state (a prompt's logits row is
+                # its state row), the others from what their prefill wrote
+                state_from=prompt_row if prompt_row < pool.scratch else None,
             )
+
+    def _short(self, t: _Traj, cost: int) -> bool:
+        """The pool lacks the pages to seat t (`paged_pool.short`), or a hybrid model's
+        state row for it."""
+        lacks_row = self.pool.engine.cfg.hybrid and t.state is None and not self.pool.state_free
+        return pp.short(self.pool, cost) > 0 or lacks_row
 
     def _seat(self, t: _Traj, s: int) -> int | None:
         """Queues t's prefill for slot s -> the logits row of its next draw (None: the
-        pool lacks the pages)."""
+        pool lacks the pages, or a hybrid model's state row)."""
+        pool = self.pool
+        took = pool.engine.cfg.hybrid and t.state is None
+        if took:
+            if not pool.state_free:
+                return None
+            t.state = pool.state_free.pop()
+        row = self._queue_prefill(t, s)
+        if row is None and took:
+            pool.state_free.append(t.state)
+            t.state = None
+        return row
+
+    def _queue_prefill(self, t: _Traj, s: int) -> int | None:
+        """`_seat`'s prefill, its state row taken."""
         pool = self.pool
         logits = pool.scratch + 1 + s
         if t.tokens and not t.table and t.b in pool.prompt_pages:
@@ -339,8 +380,13 @@ class TurnSession:
             seq = np.full(-(-len(add) // pool.C) * pool.C, pool.engine.pad_id, np.int32)
             seq[: len(add)] = add
             record = None if t.routes is None else functools.partial(self._record, t, t.cached)
+            state = None
+            if t.state is not None:  # after its own cached tokens, or its prompt's only
+                state = (t.state if t.cached else pool.prompt_pages[t.shared][4], t.state)
             pool.prefills.append(
-                (seq, 0, len(add), t.length, t.start, list(t.table), logits, record)
+                pp.Prefill(
+                    seq, 0, len(add), t.length, t.start, list(t.table), logits, record, state
+                )
             )
             t.length += len(add)
             pool.stats["appends"] += 1
@@ -350,7 +396,7 @@ class TurnSession:
             if t.routes is not None:  # the prompt's tokens first: completion index -p
                 record = functools.partial(self._record, t, -len(t.prompt))
             seq = np.concatenate([t.prompt, t.tokens]).astype(np.int32)
-            got = pp.queue_prefill(pool, seq, logits, record)
+            got = pp.queue_prefill(pool, seq, logits, record, state_to=t.state)
             if got is None:
                 return None
             pages, padded, start = got
