@@ -293,6 +293,24 @@ def test_orbax_records_of_an_abort_are_dropped():
     assert not checkpoint._REPORTED_FILTER.filter(record)
 
 
+def _run_interrupted(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` (python source that interrupts itself) -> its result, once checked to
+    have exited 130 with the one line on stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: interrupted; work since the last checkpoint is lost"
+    ]
+    return proc
+
+
 def test_a_ctrl_c_python_drops_still_aborts_with_one_line():
     """The second Ctrl-C's KeyboardInterrupt raised inside a garbage-collection callback
     (jax keeps one in `gc.callbacks`) is printed and dropped by Python; the command line
@@ -312,19 +330,8 @@ def test_a_ctrl_c_python_drops_still_aborts_with_one_line():
         cli_main(main)
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    assert proc.returncode == 130, proc.stderr
+    proc = _run_interrupted(code)
     assert proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [
-        "error: interrupted; work since the last checkpoint is lost"
-    ]
 
 
 def test_ctrl_c_while_the_trainer_exits_is_one_line(tmp_path):
@@ -338,16 +345,5 @@ def test_ctrl_c_while_the_trainer_exits_is_one_line(tmp_path):
         cli_main(lambda: print("trained"))
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    assert proc.returncode == 130, proc.stderr
+    proc = _run_interrupted(code)
     assert proc.stdout == "trained\n"
-    assert proc.stderr.strip().splitlines() == [
-        "error: interrupted; work since the last checkpoint is lost"
-    ]

@@ -250,24 +250,15 @@ def test_grpo_two_steps_with_routing_replay(tmp_path):
     """A tiny Qwen3.5-MoE built from fields (saved by `save_hf`) through the trainer: the
     static sampler carries the DeltaNet state, each row reads its own prompt in the
     reference and the update (beta > 0), and the update replays the sampler's routes."""
-    from tiny_run import TOKENIZER, tiny_config, tiny_model_config
+    from tiny_run import TOKENIZER, tiny_config
 
     from jaxrl_llm import train
 
-    cfg = tiny_model_config(
+    cfg = tiny_hybrid(
         architecture="Qwen3_5MoeForCausalLM",
         vocab_size=33,
         tie_word_embeddings=True,
         max_position_embeddings=256,
-        num_layers=2,
-        zero_centered_norm=True,
-        attn_output_gate=True,
-        partial_rotary_factor=0.25,
-        layer_types=("linear_attention", "full_attention"),
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=16,
