@@ -28,9 +28,9 @@ def test_a_program_too_big_for_the_chip_exits_2(monkeypatch, capsys):
         )
 
     v5e = chips.parse_topology("v5e:2x2")
-    fits = compile_for.Report(v5e, {}, [program("sampler", 13 * GiB)], [], 1.0)
+    fits = compile_for.Report(v5e, {}, [program("sampler", 13 * GiB)], [], 1.0, {})
     big = compile_for.Report(
-        v5e, {}, [program("sampler", GiB), program("update", 15 * GiB)], [], 1.0
+        v5e, {}, [program("sampler", GiB), program("update", 15 * GiB)], [], 1.0, {}
     )
     assert fits.too_big() is None  # 2 + 13 = 15 GiB of 16
     assert big.too_big().name == "update"  # 2 + 15 = 17 GiB
@@ -38,6 +38,17 @@ def test_a_program_too_big_for_the_chip_exits_2(monkeypatch, capsys):
     assert compile_for.run(None, "v5e:2x2") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["does not fit: update needs 17.00 GiB per chip, a v5e chip has 16 GiB"]
+
+
+def test_the_step_counts_every_phase_compiled_or_not():
+    """A report of the update alone (`only`) still predicts the whole step: its time is
+    every phase's roofline, so its MFU is the step's, not the step's FLOPs over the one
+    program's time."""
+    v5e = chips.parse_topology("v5e:2x2")
+    phases = {"sample": 3.0, "reference": 0.5, "update": 1.5}
+    report = compile_for.Report(v5e, {}, [], [], 4 * 197e12, phases)
+    assert report.step_s == 5.0
+    assert report.mfu == pytest.approx(0.2)  # 4 chips x 197 TFLOP/s for 5 s, a fifth used
 
 
 def test_a_program_the_compiler_refuses_exits_2(monkeypatch, capsys):

@@ -74,12 +74,14 @@ class Report:
     programs: list[Program]
     not_compiled: list[str]  # what the step runs that was not compiled, and why
     step_flops: float  # model FLOPs of the whole step, all chips
+    phase_s: dict  # {phase: roofline seconds} of every phase the step runs, compiled or not
 
     @property
     def step_s(self) -> float:
-        """The step's roofline: sampler, reference, update (the paged engine's chunks
-        are the sampler's work, one call each: not added again)."""
-        return sum(p.seconds for p in self.programs if not p.name.startswith("paged"))
+        """The step's roofline: sampler, reference, update, from the model's arithmetic,
+        so a report of some of the programs (`only`) still predicts the whole step and
+        its MFU."""
+        return sum(self.phase_s.values())
 
     @property
     def mfu(self) -> float:
@@ -209,7 +211,8 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
         if b.name in share:
             cost = roofline.Cost(cost.flops * share[b.name], cost.hbm_bytes * share[b.name])
         programs.append(_measure(b, cost, topo))
-    return Report(topo, m, programs, skipped, sum(flops.values()))
+    phase_s = roofline.predicted_seconds(costs, topo.chip)
+    return Report(topo, m, programs, skipped, sum(flops.values()), phase_s)
 
 
 class DoesNotFit(Exception):
@@ -372,9 +375,10 @@ def print_report(report: Report, out=sys.stdout) -> None:
     for p in report.programs:
         if p.kernels:
             print(f"  {p.name} kernels: {', '.join(p.kernels)}", file=out)
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in report.phase_s.items())
     print(
-        f"step: {report.step_s:.2f} s predicted (roofline), MFU {report.mfu:.1%}; XLA's "
-        f"FLOPs and bytes count each loop body once",
+        f"step: {report.step_s:.2f} s predicted (roofline: {phases}), MFU {report.mfu:.1%}; "
+        f"XLA's FLOPs and bytes count each loop body once",
         file=out,
     )
     for what in report.not_compiled:
