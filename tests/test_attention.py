@@ -220,6 +220,18 @@ def test_chunked_prefill_equals_one_shot():
         np.testing.assert_allclose(gv[:, :, valid[b]], wv[:, :, valid[b]], atol=1e-5)
 
 
+def grad_temporaries(cfg, T: int) -> int:
+    """XLA's compiled temporaries (bytes) of the model's forward + backward over one row of
+    T tokens, parameters float32 (compile only)."""
+    specs = models.param_specs(cfg)
+    params = models.params.unflatten(
+        {p: jax.ShapeDtypeStruct(s.shape, jnp.float32) for p, s in specs.items()}
+    )
+    grad = jax.jit(jax.grad(lambda p, tok: jnp.sum(models.forward(cfg, p, tok))))
+    tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    return grad.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
 def test_blockwise_training_memory_grows_linearly():
     """XLA's compiled memory of the scanned model's forward + backward (remat full) at 512
     and 2048 tokens: blockwise temporaries grow with T (4x the tokens, about 4x), the
@@ -229,15 +241,7 @@ def test_blockwise_training_memory_grows_linearly():
 
     def temporaries(attention, T):
         cfg = tiny_model_config(attention=attention, attention_block=64, remat="full")
-        params = models.params.unflatten(
-            {
-                p: jax.ShapeDtypeStruct(s.shape, jnp.float32)
-                for p, s in models.param_specs(cfg).items()
-            }
-        )
-        grad = jax.jit(jax.grad(lambda p, tok: jnp.sum(models.forward(cfg, p, tok))))
-        tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
-        return grad.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+        return grad_temporaries(cfg, T)
 
     growth = temporaries("blockwise", 2048) / temporaries("blockwise", 512)
     assert growth <= 5.0, growth

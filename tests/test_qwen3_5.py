@@ -299,15 +299,11 @@ def test_training_memory_grows_linearly():
     the tokens, about 4x the temporaries (the chunked recurrence keeps one state per
     chunk); the full attention matrix's grow with T^2, as the contrast shows."""
 
+    from test_attention import grad_temporaries
+
     def temporaries(attention, T):
         cfg = tiny_hybrid(attention=attention, attention_block=256, remat="full")
-        specs = models.param_specs(cfg)
-        params = models.params.unflatten(
-            {p: jax.ShapeDtypeStruct(s.shape, jnp.float32) for p, s in specs.items()}
-        )
-        grad = jax.jit(jax.grad(lambda p, tok: jnp.sum(models.forward(cfg, p, tok))))
-        tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
-        return grad.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+        return grad_temporaries(cfg, T)
 
     growth = temporaries("blockwise", 16384) / temporaries("blockwise", 4096)
     assert growth <= 5.0, growth
