@@ -9,9 +9,9 @@ Hardware: 2 CPU cores; 5.0 GB peak resident memory (measured: 5.02 GB over 3 ste
 reached in the steps; the float32 weights and Adam moments are 1.5 GB, the update's
 temporaries ~2.0 GiB; what holds it and what stands between it and 4 GB:
 docs/performance.md).
-Expected result (measured, 2 CPU cores, about 12 minutes): held-out greedy eval/pass@1 on
-128 prompts 0.10 at step 0, 0.64 at step 10 (4.0 minutes after the start, compilation
-included), 0.72 / 0.73 / 0.70 at steps 20 / 30 / 40; ~12.5 s a step. Curve in the README
+Expected result (measured, 2 CPU cores, 9 minutes with the programs cached): held-out
+greedy eval/pass@1 on 128 prompts 0.10 at step 0, 0.65 at step 10, 0.72 / 0.80 / 0.77 at
+steps 20 / 30 / 40; ~10 s a step. Curve in the README
 and docs/smollm2.md.
 """
 
