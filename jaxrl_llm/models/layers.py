@@ -103,7 +103,7 @@ class Transformer(nnx.Module):
             rows = self._kind_rows(cache.rows, segment)  # [n, ...] in the run's cache rows
             if segment.wide:  # the cache's full-layer storage in front (`swap`)
                 carry = (carry[0], carry[1].swap())
-            if loop == "unrolled":  # Python: each layer's own slices, no remat (inference)
+            if loop == "unrolled":  # Python: each layer's own slices (decode, unrolled update)
                 outs = []
                 for i in range(start, stop):
                     own = (layer_slice(cfg, layers, i), i, row + i - start)

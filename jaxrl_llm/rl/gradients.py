@@ -127,8 +127,7 @@ def _policy_loss(s: Setup, params, r: Rows, den, prefix=None, dropout=None, plan
     micro-batch's LoRA dropout key, or None. plan: the rows' packing (`rl.packing`), or
     None. layers: each layer's weights already sliced (`_Sliced`), or None."""
     kw = dict(temperature=s.spec.logprob_temperature, chunk_size=s.chunk_size, dropout=dropout)
-    kw |= dict(layers=layers)
-    kw |= dict(routes=s.replayed(r.routes), with_routes=True)
+    kw |= dict(routes=s.replayed(r.routes), with_routes=True, layers=layers)
     if prefix is None:
         logp, entropy, own = sequence_logprobs(
             s.model_cfg,
