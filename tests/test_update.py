@@ -579,3 +579,32 @@ def test_ppo_critic_warmup_freezes_the_policy(params, host_batch):
     assert sum(fn.traces.values()) == traces  # the critic's layout is stable too
     assert max_diff(host(state.params), policy0[0]) > 1e-3
     assert np.isfinite(float(m["value/explained_variance"]))
+
+
+def test_the_shared_prompts_forward_is_recomputed_not_held(params):
+    """The update's shared prompts' forward (`prompt_prefix(..., recompute=True)`, an
+    unrolled model's sliced layers) keeps only each layer's input and recomputes the
+    layer in the backward, after its cotangent: the same gradient as keeping the
+    activations, and the compiled program holds far less (kept, XLA holds every layer's
+    activations at once; `jax.checkpoint` alone does not stop it)."""
+    cfg = CFG.replace(scan_layers=False, num_layers=4)
+    tokens = jax.random.randint(jax.random.key(1), (32, 96), 1, cfg.vocab_size)
+    mask = jnp.ones(tokens.shape, bool).at[::3, :20].set(False)
+    weights = models.init_params(cfg, seed=2)
+
+    def grad(recompute):
+        def loss(p, layers):
+            kv, last = rl.prefix.prompt_prefix(
+                cfg, p, tokens, mask, 2, None, None, layers, recompute
+            )
+            return jnp.sum(last**2) + sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(kv))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    args = (weights, models.layer_params(weights))
+    held, recomputed = grad(False), grad(True)
+    want = held(*args)
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(want))
+    assert max_diff(want, recomputed(*args)) <= 1e-6 * scale  # float32 rounding only
+    temporaries = lambda g: g.lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
+    assert temporaries(recomputed) < 0.6 * temporaries(held)

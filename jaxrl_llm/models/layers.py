@@ -61,7 +61,17 @@ class Transformer(nnx.Module):
             self.per_layer_norm = const_param(1.0, (cfg.per_layer_input_size,), ("norm",), dtype)
         self.cfg = cfg
 
-    def __call__(self, tokens, positions, mask, cache=None, layers=None, dropout=None, routes=None):
+    def __call__(
+        self,
+        tokens,
+        positions,
+        mask,
+        cache=None,
+        layers=None,
+        dropout=None,
+        routes=None,
+        recompute=False,
+    ):
         """tokens [B,T] -> (final-normed hidden states [B,T,D], the cache as the layers left
         it, the MoE layers' own top-k experts [L,B,T,k] int32 or None for a dense model).
 
@@ -70,7 +80,9 @@ class Transformer(nnx.Module):
         out of the stacked ones (`layer_params`), e.g. once before a decode loop instead
         of per step (an unrolled loop reads them). dropout: a key for LoRA dropout (layer
         i folds in i), or None. routes: [L,B,T,k] experts to replay in the MoE layers
-        (None: the router's own).
+        (None: the router's own). recompute: in the Python loop over `layers`, each layer's
+        backward recomputes its forward (`recompute_in_backward`) instead of keeping its
+        activations from the forward.
         """
         cfg = self.cfg
         cache = NoCache() if cache is None else cache
@@ -106,10 +118,11 @@ class Transformer(nnx.Module):
             if loop == "unrolled":  # Python: each layer's own slices (decode, unrolled update)
                 outs = []
                 for i in range(start, stop):
-                    own = (layer_slice(cfg, layers, i), i, row + i - start)
                     at = jax.tree.map(lambda a, i=i: a[i], per_layer)
                     at = (*at, jax.tree.map(lambda a, j=i - start: a[j], rows))
-                    carry, out = body(carry, (*own, *at))
+                    step = functools.partial(_one_layer, body, i, row + i - start)
+                    step = recompute_in_backward(step) if recompute else step
+                    carry, out = step(carry, layer_slice(cfg, layers, i), at)
                     outs.append(out)
                 ys.append(jax.tree.map(lambda *a: jnp.stack(a), *outs))
             else:
@@ -203,6 +216,43 @@ class Transformer(nnx.Module):
 def _join(rows: tuple):
     """The runs' stacked per-layer outputs -> one [L, ...] (None stays None)."""
     return rows[0] if len(rows) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *rows)
+
+
+def _one_layer(body, i: int, row: int, carry, params, at):
+    """Layer i of the Python loop (cache row `row`): `body` with its static indices."""
+    return body(carry, (params, i, row, *at))
+
+
+def recompute_in_backward(fn):
+    """fn(carry, params, at), differentiated by recomputing its forward in the backward
+    pass from its inputs, which are all it keeps. The recompute is made to wait for the
+    cotangent of fn's outputs: the carry it starts from is tied to that cotangent by data
+    (`_after`), so XLA can neither schedule the recompute beside the first forward nor
+    merge the two (an optimization barrier does not hold on XLA:CPU, which removes them,
+    and `jax.checkpoint` leaves both free: in a Python loop of layers XLA then holds
+    every layer's activations at once). Used for the shared prompts' forward of the
+    update, whose backward follows all the micro-batches (`rl.gradients`)."""
+
+    def fwd(carry, params, at):
+        return fn(carry, params, at), (carry, params, at)
+
+    def bwd(res, g):
+        carry, params, at = res
+        return jax.vjp(fn, _after(carry, g), params, at)[1](g)
+
+    f = jax.custom_vjp(fn)
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _after(tree, g):
+    """tree's floating-point leaves plus a zero computed from g: equal values, but a data
+    dependence on g that compilers keep (x * 0 is not folded for floats: it is NaN for
+    an infinite x, which then also marks the cotangent as non-finite)."""
+    first = next(x for x in jax.tree.leaves(g) if jnp.issubdtype(x.dtype, jnp.inexact))
+    zero = first.reshape(-1)[0].astype(jnp.float32) * 0.0
+    tie = lambda x: x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
+    return jax.tree.map(tie, tree)
 
 
 def _remat(fn, policy: str):

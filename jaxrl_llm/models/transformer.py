@@ -136,6 +136,7 @@ def forward_after_prefix(
     routes=None,
     with_routes: bool = False,
     layers=None,
+    recompute: bool = False,
 ):
     """`forward` of tokens that follow a prefix already run: (hidden [B,T,D], keys/values).
 
@@ -150,7 +151,9 @@ def forward_after_prefix(
     its GRPO group (`rl.prefix.prefix_logprobs`). dropout, routes [B,T,L,k], with_routes
     (then a third result, the own top-k [B,T,L,k]): as in `forward`. layers: optional
     `layer_params(params)` (inference: the layers run unrolled over them, sliced once
-    by the caller, e.g. before a decode loop).
+    by the caller, e.g. before a decode loop). recompute: with `layers`, each layer's
+    backward recomputes its forward instead of keeping its activations
+    (`layers.recompute_in_backward`).
     """
     B, T = tokens.shape
     if cfg.hybrid:
@@ -169,7 +172,14 @@ def forward_after_prefix(
     prefix_pos = jnp.maximum(jnp.cumsum(prefix_mask, -1, dtype=jnp.int32) - 1, 0)
     mask = causal_mask(attention_mask, positions, None, prefix_mask, prefix_pos)
     hidden, cache, own = _model(cfg, params)(
-        tokens, positions, mask, PrefixCache(rows=prefix), layers, dropout, layer_major(routes)
+        tokens,
+        positions,
+        mask,
+        PrefixCache(rows=prefix),
+        layers,
+        dropout,
+        layer_major(routes),
+        recompute,
     )
     return (hidden, cache.rows, token_major(own)) if with_routes else (hidden, cache.rows)
 

@@ -6,7 +6,10 @@ each slice's loss is divided by the aggregation denominator of the whole mini-ba
 (`rl.loss_denominator`), and a `lax.scan` sums their float32 gradients, so the sum is
 exactly the mini-batch gradient. With shared prompts the groups' prompts run once before
 the slices; each slice adds the cotangent of their keys/values, and one backward through
-the prompts' forward follows.
+the prompts' forward follows. With each layer's weights sliced (`_Sliced`) that backward
+recomputes the prompts' forward layer by layer (`models.layers.recompute_in_backward`)
+instead of holding every layer's activations through all the micro-batches: one more
+forward over the prompts, and the update's peak no longer holds them.
 """
 
 from __future__ import annotations
@@ -266,7 +269,7 @@ def gradients(s: Setup, carry: Carry, rows: Rows, frozen=None, dropout=None):
             tokens, mask, routes = rows.prompt_tokens, rows.prompt_mask, s.replayed(rows.routes)
             G = s.num_generations
             return prompt_prefix(
-                s.model_cfg, params, tokens, mask, G, fold(0), routes=routes, layers=layers
+                s.model_cfg, params, tokens, mask, G, fold(0), routes, layers, recompute=True
             )
 
         prefix, prefix_vjp = jax.vjp(run_prompts, weights.diff)

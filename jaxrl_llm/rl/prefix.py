@@ -46,6 +46,7 @@ def prompt_prefix(
     dropout=None,
     routes=None,
     layers=None,
+    recompute: bool = False,
 ):
     """Each group's prompt run once: the first row of every G = `num_generations`
     consecutive rows -> (keys/values ([L, N / G, P, K, H] each), hidden state of the
@@ -53,7 +54,8 @@ def prompt_prefix(
     Differentiable w.r.t. params; the input of `prefix_logprobs`. dropout: a LoRA
     dropout key (one mask per group's prompt), or None. routes [N, P + T, L, k]: replayed
     experts (module doc); the group's first row's prompt part is read. layers: each
-    layer's parameters already sliced (`models.forward`), or None."""
+    layer's parameters already sliced (`models.forward`), or None. recompute: with
+    `layers`, the backward recomputes each layer's forward (`models.forward_after_prefix`)."""
     G, P = num_generations, prompt_tokens.shape[1]
     hidden, kv = models.forward_after_prefix(
         model_cfg,
@@ -63,6 +65,7 @@ def prompt_prefix(
         dropout=dropout,
         routes=None if routes is None else routes[::G, :P],
         layers=layers,
+        recompute=recompute,
     )
     return kv, hidden[:, -1]  # prompts are left-padded: the last column is a real token
 
