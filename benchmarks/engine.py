@@ -6,6 +6,8 @@ length mix, side by side in one process (runs interleaved: static, paged, static
     python benchmarks/engine.py --preset 100m --rows 512 --batch 128 --new 512 \\
         --scales 1,2,4,8 --page-size 64 --chunk-steps 8,32    # GPU / TPU (same script)
 
+(`engine_natural.py`: a real model's own lengths, every row in one static call.)
+
 Lengths. A random model never stops where we want, so each row's completion length is
 forced: drawn log-normal (median --new / 10, sigma 1, clipped to [1, --new]), so the
 longest row is ~10x the median. The paged engine is given them as per-row budgets

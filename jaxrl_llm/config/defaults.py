@@ -197,6 +197,9 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # (sync only) a row parked on its environment gives up its slot, keeps its pages
     # (docs/sampling.md#multi-turn-on-the-engine); with agent.entry (sync only) each episode
     # is a row that keeps its KV cache between its requests (docs/agents.md#batching).
+    # static is the default: measured on CPU, the engine loses where most rows run about as
+    # long as the longest (a real model's own lengths) and wins where most stop far
+    # earlier (docs/sampling.md, "When to pick which").
     r.engine = "static"
     r.paged = ml_collections.ConfigDict()
     r.paged.slots = 0  # sequences decoded at once; 0 = the batch's rows (B * G)
