@@ -55,6 +55,7 @@ def get_config():
     c.optim.micro_batches = 32  # 2 rows of up to 320 tokens per pass: bounded memory
     c.train.logprob_chunk = 32
     c.train.num_steps = 20
+    c.train.release_memory = "phases"  # one phase's temporaries resident at a time
     c.train.print_samples_every = 10
     c.eval.every = 10
     c.eval.num_prompts = 32

@@ -42,6 +42,7 @@ def get_config(task="add_2"):
     c.train.logprob_chunk = 32
     c.rewards = {"gsm8k": 1.0}  # the last number in the completion must equal the sum
     c.train.num_steps = 40
+    c.train.release_memory = "phases"  # one phase's temporaries resident at a time
     c.train.log_every = 1
     c.train.print_samples_every = 10
     c.train.verifier_workers = 1

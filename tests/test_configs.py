@@ -185,6 +185,7 @@ def test_partial_rollouts_in_too_many_chunks_are_refused(base):
             r"mesh\.context=8: context parallelism .* heads are not divisible by 8",
         ),
         (lambda c: setattr(c.eval, "correct_reward", "nope"), r"eval\.correct_reward='nope'"),
+        (lambda c: setattr(c.train, "release_memory", "always"), r"train\.release_memory='always'"),
         (lambda c: setattr(c.rollout, "temperature", 0.0), r"rollout\.temperature=0\.0"),
         (
             lambda c: setattr(c.rollout, "bucket_steps", 3),

@@ -12,6 +12,7 @@ import transformers
 from tiny_run import make_model_dir, tiny_config
 
 from jaxrl_llm import export, models, train
+from jaxrl_llm.parallel import allocator
 from jaxrl_llm.trainer import checkpoint
 from jaxrl_llm.trainer.metrics import read_metrics
 
@@ -36,6 +37,28 @@ def test_every_algorithm_runs_two_steps(model_dir, tmp_path, name):
         assert "rollout/degenerate_frac" in last
     if name == "ppo":
         assert "loss/value" in last
+
+
+def test_release_memory_phases_returns_free_pages_before_each_phase(
+    model_dir, tmp_path, monkeypatch
+):
+    """`train.release_memory="phases"`: the allocator's free pages go back before each
+    rollout and each update (2 steps: 4 calls more than the default's)."""
+    calls = {"n": 0}
+
+    def count():
+        calls["n"] += 1
+        return True
+
+    monkeypatch.setattr(allocator, "release_free_memory", count)
+    counts = {}
+    for mode in ("compiles", "phases"):
+        calls["n"] = 0
+        c = tiny_config(model_dir)
+        c.train.release_memory = mode
+        train.train(c, str(tmp_path / mode))
+        counts[mode] = calls["n"]
+    assert counts["phases"] == counts["compiles"] + 4
 
 
 def test_gemma3_grpo_two_steps(tmp_path):

@@ -50,6 +50,10 @@ def check_train(config) -> None:
         t.logprob_chunk is None or t.logprob_chunk >= 1,
         f"train.logprob_chunk={t.logprob_chunk}: must be >= 1 (None: picked at start-up)",
     )
+    require(
+        t.release_memory in ("compiles", "phases"),
+        f"train.release_memory={t.release_memory!r}: one of 'compiles', 'phases'",
+    )
     require(t.verifier_workers >= 0, f"train.verifier_workers={t.verifier_workers}: must be >= 0")
     require(t.verifier_timeout_s > 0, f"train.verifier_timeout_s={t.verifier_timeout_s}: > 0")
     require(

@@ -318,6 +318,12 @@ def train_defaults() -> ml_collections.ConfigDict:
     t.max_verifier_error_rate = 0.5
     t.max_failed_steps = 3
     t.transfer_guard = True  # jax.transfer_guard("disallow") around the step body
+    # When the host allocator's free pages go back to the system
+    # (`parallel.allocator.release_free_memory`): "compiles" after new compiles and around
+    # evaluations; "phases" also before every rollout and every update, so that one
+    # phase's temporaries are resident at a time (a lower peak for a page fault per page
+    # of each phase's block every step: the laptop configs of real models).
+    t.release_memory = "compiles"
     # Resume even when the config changes what the run means (model, data, algorithm,
     # optimizer, batch, G, rewards, seed); the differences are listed either way.
     t.allow_config_change = False

@@ -281,6 +281,7 @@ class Run:
         """One RL step: rollout from the source, reference (dispatched), rewards, update."""
         clock = perf.PhaseClock()
         with self.transfer_guard():
+            self._release_each_phase()
             ro = self.source.next(step, self.sampler_params(), clock)
             ref = self.reference(ro.out, step)  # dispatched, no wait
             teacher = self.teacher(ro)  # dispatched, no wait
@@ -290,6 +291,7 @@ class Run:
             rewards = parallel.shard_local_batch(scored.rewards, self.mesh)  # [N], global
             with self.compile_log.program("update", bucket(ro.out)):
                 self._release_after_compiles()
+                self._release_each_phase()
                 self.state, device = self.update(
                     self.state, rl.RolloutBatch.from_sample(ro.out, rewards, ref, teacher)
                 )
@@ -313,6 +315,14 @@ class Run:
         if compiled != self._compiled_at_release:
             allocator.release_free_memory()
             self._compiled_at_release = compiled
+
+    def _release_each_phase(self) -> None:
+        """`train.release_memory="phases"`: the free pages go back to the system before
+        each rollout and each update. The update's and the sampler's temporaries are
+        each one block that the other's freed block does not serve, so kept, both stay
+        resident from the second step on; released, the peak holds one of them."""
+        if self.config.train.release_memory == "phases":
+            allocator.release_free_memory()
 
     def reads_reference(self, step: int) -> bool:
         """Whether `step`'s update needs the reference model's forward: not at a fresh
