@@ -15,7 +15,10 @@ the table says whether the rollouts, the eval pass@1 at each eval step (greedy),
 rewards and each step's staleness are the same. A step's staleness (the update's version
 minus the version that sampled its batch) is decided by which side gets there first, so
 with `--max_staleness` > 0 two runs can differ where the timing does; at 0 the schedule
-is fixed.
+is fixed. The one-process split run's trainer is a process of more devices than the
+worker run's, and XLA:CPU may round its update differently (docs/workers.md);
+`--reference=sync --max_staleness=0` compares instead with a synchronous run in a process
+of the trainer's devices alone: the same schedule in the same trainer world.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def start_workers(args, engine: str, token: str) -> list:
 
 
 def train(args, engine: str, workdir: str, token: str, addresses: list[str]) -> float:
-    """One split run -> its wall seconds (start-up and compiles included)."""
+    """One run -> its wall seconds (start-up and compiles included)."""
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={args.config}"]
     cmd += [
         f"--workdir={workdir}",
@@ -96,6 +99,9 @@ def train(args, engine: str, workdir: str, token: str, addresses: list[str]) -> 
             f"--config.rollout.workers={len(addresses)}",
             f"--config.rollout.worker_addresses={','.join(addresses)}",
         ]
+    elif args.reference == "sync":  # the trainer's world alone, sampling in its step
+        devices = args.devices - args.worker_devices
+        cmd += ["--config.rollout.mode=sync"]
     else:
         devices = args.devices
         cmd += [f"--config.mesh.rollout_devices={args.worker_devices}"]
@@ -115,7 +121,7 @@ def summary(workdir: str) -> dict:
     return dict(
         eval={r["step"]: r["eval/pass@1"] for r in records if "eval/pass@1" in r},
         reward=np.array([r["reward/mean"] for r in steps]),
-        staleness=np.array([r["rollout/staleness_max"] for r in steps]),
+        staleness=np.array([r.get("rollout/staleness_max", 0.0) for r in steps]),
         samples=[
             (r["step"], r["prompt"], r["completion"], r["reward"])
             for r in read_metrics(os.path.join(workdir, "samples.jsonl"))
@@ -188,6 +194,13 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=4, help="one process's fake CPU devices")
     p.add_argument("--worker_devices", type=int, default=2, help="each worker's (= rollout mesh)")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--reference",
+        choices=["split", "sync"],
+        default="split",
+        help="the one-process run: split (its rollout mesh beside the training mesh) or "
+        "sync in a process of the trainer's devices only (with --max_staleness=0)",
+    )
     p.add_argument("--keep", default="", help="a folder to keep the workdirs in")
     args = p.parse_args()
     rows = []
@@ -210,7 +223,10 @@ def main() -> None:
             runs["remote"] = summary(remote_dir) | {"wall": wall}
             rows += compare(engine, runs["local"], runs["remote"])
             print(table(rows, ["engine", "", "one process", "2 workers"]), flush=True)
-    print(f"{args.steps} steps, eval every {args.eval_every}, max_staleness {args.max_staleness}")
+    print(
+        f"{args.steps} steps, eval every {args.eval_every}, max_staleness "
+        f"{args.max_staleness}, one process: {args.reference}"
+    )
     print(table(rows, ["engine", "", "one process", "2 workers"]))
     print(uptime())
 
