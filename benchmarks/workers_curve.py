@@ -2,8 +2,8 @@
 once through two rollout worker processes (`rollout.workers=2`, each its own JAX world),
 per engine: the curves, the staleness and the samples side by side.
 
-    python benchmarks/workers_curve.py                       # static, then paged
-    python benchmarks/workers_curve.py --steps=300 --eval_every=50 --engines=paged
+    python benchmarks/workers_curve.py                 # 300 steps, static then paged
+    python benchmarks/workers_curve.py --steps=100 --eval_every=25 --engines=paged
 
 One process (--devices fake CPU devices, default 4): split mode, the last half of them
 the rollout mesh. Through workers: a trainer process of the other half (every device
@@ -17,8 +17,10 @@ minus the version that sampled its batch) is decided by which side gets there fi
 with `--max_staleness` > 0 two runs can differ where the timing does; at 0 the schedule
 is fixed. The one-process split run's trainer is a process of more devices than the
 worker run's, and XLA:CPU may round its update differently (docs/workers.md);
-`--reference=sync --max_staleness=0` compares instead with a synchronous run in a process
-of the trainer's devices alone: the same schedule in the same trainer world.
+`--reference=sync --max_staleness=0` (static) compares instead with a synchronous run in
+a process of the trainer's devices alone: the same schedule in the same trainer world;
+`--reference=overlap` (paged, whose stream draws other keys than its per-step sample)
+with the paged stream on that process's training mesh, a bound of 1.
 """
 
 from __future__ import annotations
@@ -99,9 +101,9 @@ def train(args, engine: str, workdir: str, token: str, addresses: list[str]) -> 
             f"--config.rollout.workers={len(addresses)}",
             f"--config.rollout.worker_addresses={','.join(addresses)}",
         ]
-    elif args.reference == "sync":  # the trainer's world alone, sampling in its step
+    elif args.reference in ("sync", "overlap"):  # the trainer's world alone
         devices = args.devices - args.worker_devices
-        cmd += ["--config.rollout.mode=sync"]
+        cmd += [f"--config.rollout.mode={args.reference}"]
     else:
         devices = args.devices
         cmd += [f"--config.mesh.rollout_devices={args.worker_devices}"]
@@ -187,8 +189,8 @@ def compare(engine: str, local: dict, remote: dict) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/quickstart.py")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--eval_every", type=int, default=25)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval_every", type=int, default=50)
     p.add_argument("--max_staleness", type=int, default=1)
     p.add_argument("--engines", default="static,paged")
     p.add_argument("--devices", type=int, default=4, help="one process's fake CPU devices")
@@ -196,10 +198,11 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument(
         "--reference",
-        choices=["split", "sync"],
+        choices=["split", "sync", "overlap"],
         default="split",
-        help="the one-process run: split (its rollout mesh beside the training mesh) or "
-        "sync in a process of the trainer's devices only (with --max_staleness=0)",
+        help="the one-process run: split (its rollout mesh beside the training mesh), or in "
+        "a process of the trainer's devices only: sync (static, with --max_staleness=0) or "
+        "overlap (paged: its stream on the training mesh, a bound of 1)",
     )
     p.add_argument("--keep", default="", help="a folder to keep the workdirs in")
     args = p.parse_args()
