@@ -10,7 +10,7 @@ Hardware: 2 CPU cores; 4.4 GB peak resident memory (measured: 4.43 GB over 3 ste
 the update's temporaries 1.4 GiB; what holds it and what stands between it and 4 GB:
 docs/performance.md).
 Expected result (measured, 2 CPU cores, 9 minutes with the programs cached): held-out
-greedy eval/pass@1 on 128 prompts 0.10 at step 0, 0.65 at step 10, 0.72 / 0.80 / 0.77 at
+greedy eval/pass@1 on 128 prompts 0.10 at step 0, 0.62 at step 10, 0.73 / 0.77 / 0.71 at
 steps 20 / 30 / 40; ~10 s a step. Curve in the README
 and docs/smollm2.md.
 """
