@@ -3,6 +3,7 @@ native environment (`env.name`), same model, same rows, same turns.
 
     python benchmarks/agents.py                          # the quickstart model, CPU
     python benchmarks/agents.py --batch=32 --G=4 --turns=4 --repeats=5
+    python benchmarks/agents.py --model=smollm2-135m-instruct --unrolled --batch=8
 
 The task: a data row's question is the prompt; after each of the model's turns but the
 last the other side says "7+1="; the reward is 1. As an environment (`Countdown`, played
@@ -34,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, table, uptime  # noqa: E402
 
-from jaxrl_llm import assets, data, models, sampling  # noqa: E402
+from jaxrl_llm import assets, data, sampling  # noqa: E402
 from jaxrl_llm import config as config_lib  # noqa: E402
 from jaxrl_llm.models import builtin  # noqa: E402
 from jaxrl_llm.rollout.agents import AgentRollout  # noqa: E402
@@ -115,7 +116,8 @@ def measure(rollout, params, batch, step: int) -> tuple:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=assets.QUICKSTART_MODEL)
+    p.add_argument("--model", default=assets.QUICKSTART_MODEL, help="a model.path")
+    p.add_argument("--unrolled", action="store_true", help="model.scan_layers=False")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--G", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
@@ -129,7 +131,8 @@ def main():
             f.write(TASK)
         c = run_config(task_file, a)
         tok = builtin.load_tokenizer(c.model.path)
-        cfg, params = models.load_hf(c.model.path)
+        runtime = {"scan_layers": False} if a.unrolled else {}
+        cfg, params = builtin.load_model(c.model.path, None, "float32", **runtime)
         stop_ids = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
         spec = sampling.RolloutSpec(a.G, a.turn_tokens, 1.0, stop_ids=stop_ids)
         batches = data.make_iterator(c.data, tok, a.batch)
