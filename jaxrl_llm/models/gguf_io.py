@@ -6,7 +6,8 @@
 A GGUF file holds the config (metadata such as `llama.block_count`), the tokenizer
 (`tokenizer.ggml.*`, `tokenizer.chat_template`) and the tensors under llama.cpp's names
 (`blk.3.attn_q.weight`), each stored as floats or as quantized blocks along its rows. It is
-read with the `gguf` package (numpy, memory-mapped; no torch):
+read by `gguf_file` (plain values and memory-mapped tensors; no torch) and dequantized
+by the `gguf` package:
 
 - Config: the metadata becomes an HF config dict and goes through
   `ModelConfig.from_hf_dict`, so an option the decoder lacks is refused exactly as from a
@@ -42,7 +43,7 @@ import os
 
 import numpy as np
 
-from jaxrl_llm.models import hf_io
+from jaxrl_llm.models import gguf_file, hf_io
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf_config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from jaxrl_llm.models.hf_io import CheckpointError
@@ -132,14 +133,14 @@ class TensorInfo:
 
 @dataclasses.dataclass(frozen=True)
 class _File:
-    reader: object  # gguf.GGUFReader
     meta: dict  # metadata key -> Python value
     tensors: dict  # GGUF tensor name -> TensorInfo
+    data: dict  # GGUF tensor name -> gguf_file.Tensor (where its bytes lie)
 
 
 def _open(path: str) -> _File:
     """The parsed file, cached per (path, mtime, size): config, weights and tokenizer each
-    read it, and parsing a 49k-token vocabulary takes seconds."""
+    read it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such GGUF file")
     stat = os.stat(path)
@@ -148,26 +149,21 @@ def _open(path: str) -> _File:
 
 @functools.lru_cache(maxsize=2)
 def _parse(path: str, mtime_ns: int, size: int) -> _File:
-    import gguf
-
     del mtime_ns  # cache key only
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, KeyError, IndexError) as err:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic == b"GGUF":  # its header says GGUF: numpy ran out of bytes reading it
-            raise CheckpointError(
-                f"{path}: the GGUF file is truncated or damaged (it ends at {size:,} bytes, "
-                "before its header or tensors do); download or copy it again"
-            ) from None
+        meta, tensors = gguf_file.read(path)
+    except gguf_file.Truncated:
+        raise CheckpointError(
+            f"{path}: the GGUF file is truncated or damaged (it ends at {size:,} bytes, "
+            "before its header or tensors do); download or copy it again"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not a readable GGUF file ({err})") from None
-    meta = {key: field.contents() for key, field in reader.fields.items()}
-    tensors = {
+    infos = {
         t.name: TensorInfo(tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name)
-        for t in reader.tensors
+        for t in tensors
     }
-    return _File(reader, meta, tensors)
+    return _File(meta, infos, {t.name: t for t in tensors})
 
 
 def _f32(value) -> float:
@@ -332,7 +328,8 @@ class GGUFTensors:
             else:
                 self.tensors[name] = info
         self._shapes = {name: info.shape for name, info in f.tensors.items()}
-        self._data = {t.name: t for t in f.reader.tensors}
+        self._data = f.data
+        self._mm = gguf_file.open_data(path)  # mapped while this reader lives
         self._permuted = permuted_heads or {}
         self._shifted = shifted
         self._cache: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
@@ -356,7 +353,9 @@ class GGUFTensors:
         import gguf
 
         t = self._data[name]
-        x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        x = gguf.quants.dequantize(t.data(self._mm), t.tensor_type).astype(np.float32, copy=False)
+        if np.may_share_memory(x, self._mm):  # float32 as stored: a view into the mapping
+            x = x.copy()  # (kept by a parameter, it would keep the whole file mapped)
         x = x.reshape(self._shapes[name])
         if name in self._permuted:
             x = unpermute_rows(x, self._permuted[name])
