@@ -608,3 +608,42 @@ def test_the_shared_prompts_forward_is_recomputed_not_held(params):
     assert max_diff(want, recomputed(*args)) <= 1e-6 * scale  # float32 rounding only
     temporaries = lambda g: g.lower(*args).compile().memory_analysis().temp_size_in_bytes  # noqa: E731
     assert temporaries(recomputed) < 0.6 * temporaries(held)
+
+
+def test_the_recompute_slices_the_weights_again_after_the_cotangent():
+    """`recompute_in_backward(fn, (stacked, reslice))` keeps the stacks, not the forward's
+    slices of them (each a copy, so every layer's would be resident until its backward:
+    for the shared prompts, through all the micro-batches), and slices each layer again
+    at an index tied to its cotangent: one dynamic slice per layer survives compilation
+    (neither merged with the forward's slice nor hoisted out of the backward). Same
+    gradient as keeping the slices."""
+    L, D, N = 4, 64, 8
+    keys = jax.random.split(jax.random.key(0), 2)
+    stacked = jax.random.normal(keys[0], (L, D, D)) / np.sqrt(D)
+    x = jax.random.normal(keys[1], (N, D))
+
+    def layer(carry, w, at):
+        del at
+        return jnp.tanh(carry @ w)
+
+    def grad(again):
+        def loss(stacked):
+            h = x
+            for i in range(L):
+                source = (
+                    stacked,
+                    lambda s, offset, i=i: jax.lax.dynamic_index_in_dim(
+                        s, i + offset, keepdims=False
+                    ),
+                )
+                step = models.layers.recompute_in_backward(layer, source if again else None)
+                h = step(h, stacked[i], None)
+            return jnp.sum(jnp.sin(h))
+
+        return jax.jit(jax.grad(loss))
+
+    kept, again = grad(False)(stacked), grad(True)(stacked)
+    assert float(np.abs(kept - again).max()) <= 1e-6 * float(np.abs(kept).max())
+    hlo = lambda again: grad(again).lower(stacked).compile().as_text()  # noqa: E731
+    assert hlo(False).count("dynamic-slice(") == 0
+    assert hlo(True).count("dynamic-slice(") >= L

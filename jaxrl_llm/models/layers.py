@@ -121,7 +121,9 @@ class Transformer(nnx.Module):
                     at = jax.tree.map(lambda a, i=i: a[i], per_layer)
                     at = (*at, jax.tree.map(lambda a, j=i - start: a[j], rows))
                     step = functools.partial(_one_layer, body, i, row + i - start)
-                    step = recompute_in_backward(step) if recompute else step
+                    if recompute:  # the backward slices layer i out of `stacked` again
+                        reslice = functools.partial(_reslice, cfg, i)
+                        step = recompute_in_backward(step, (stacked, reslice))
                     carry, out = step(carry, layer_slice(cfg, layers, i), at)
                     outs.append(out)
                 ys.append(jax.tree.map(lambda *a: jnp.stack(a), *outs))
@@ -223,7 +225,7 @@ def _one_layer(body, i: int, row: int, carry, params, at):
     return body(carry, (params, i, row, *at))
 
 
-def recompute_in_backward(fn):
+def recompute_in_backward(fn, source=None):
     """fn(carry, params, at), differentiated by recomputing its forward in the backward
     pass from its inputs, which are all it keeps. The recompute is made to wait for the
     cotangent of fn's outputs: the carry it starts from is tied to that cotangent by data
@@ -231,28 +233,73 @@ def recompute_in_backward(fn):
     merge the two (an optimization barrier does not hold on XLA:CPU, which removes them,
     and `jax.checkpoint` leaves both free: in a Python loop of layers XLA then holds
     every layer's activations at once). Used for the shared prompts' forward of the
-    update, whose backward follows all the micro-batches (`rl.gradients`)."""
+    update, whose backward follows all the micro-batches (`rl.gradients`).
 
-    def fwd(carry, params, at):
-        return fn(carry, params, at), (carry, params, at)
+    source: (stacked, reslice) where params were sliced from: the backward takes them
+    again, reslice(stacked, offset) at an int offset tied to the cotangent, and keeps
+    `stacked` (the caller's own arrays) instead of params. A slice is a copy: kept from
+    the forward to the backward, every layer's would be resident at once."""
+    if source is None:
 
-    def bwd(res, g):
-        carry, params, at = res
-        return jax.vjp(fn, _after(carry, g), params, at)[1](g)
+        def fwd(carry, params, at):
+            return fn(carry, params, at), (carry, params, at)
 
-    f = jax.custom_vjp(fn)
-    f.defvjp(fwd, bwd)
-    return f
+        def bwd(res, g):
+            carry, params, at = res
+            return jax.vjp(fn, _after(carry, g), params, at)[1](g)
+
+        f = jax.custom_vjp(fn)
+        f.defvjp(fwd, bwd)
+        return f
+    stacked, reslice = source
+
+    def with_source(carry, params, at, stacked):
+        del stacked  # read by the backward only
+        return fn(carry, params, at)
+
+    def fwd_sliced(carry, params, at, stacked):
+        return fn(carry, params, at), (carry, at, stacked)
+
+    def bwd_sliced(res, g):
+        carry, at, stacked = res
+        params = reslice(stacked, _zero_after(g).astype(jnp.int32))
+        return (*jax.vjp(fn, _after(carry, g), params, at)[1](g), None)
+
+    f = jax.custom_vjp(with_source)
+    f.defvjp(fwd_sliced, bwd_sliced)
+    return lambda carry, params, at: f(carry, params, at, stacked)
+
+
+def _reslice(cfg, i: int, stacked: dict, offset) -> dict:
+    """Layer i's parameters out of the stacked ones, each index plus `offset` (a traced
+    zero: the slices are taken where the offset is computed)."""
+    rows = {n: _Rows(a, offset) for n, a in stacked.items()}
+    return layer_slice(cfg, rows, i)
+
+
+class _Rows:
+    """rows[j] of a stacked array, at index j + offset."""
+
+    def __init__(self, stacked, offset):
+        self.stacked, self.offset = stacked, offset
+
+    def __getitem__(self, j: int):
+        return jax.lax.dynamic_index_in_dim(self.stacked, j + self.offset, keepdims=False)
 
 
 def _after(tree, g):
     """tree's floating-point leaves plus a zero computed from g: equal values, but a data
     dependence on g that compilers keep (x * 0 is not folded for floats: it is NaN for
     an infinite x, which then also marks the cotangent as non-finite)."""
-    first = next(x for x in jax.tree.leaves(g) if jnp.issubdtype(x.dtype, jnp.inexact))
-    zero = first.reshape(-1)[0].astype(jnp.float32) * 0.0
+    zero = _zero_after(g)
     tie = lambda x: x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
     return jax.tree.map(tie, tree)
+
+
+def _zero_after(g):
+    """A float32 zero computed from one element of g's first floating-point leaf."""
+    first = next(x for x in jax.tree.leaves(g) if jnp.issubdtype(x.dtype, jnp.inexact))
+    return first.reshape(-1)[0].astype(jnp.float32) * 0.0
 
 
 def _remat(fn, policy: str):
