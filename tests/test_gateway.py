@@ -275,6 +275,21 @@ def test_64_concurrent_episodes_are_batched(tiny, tok):
     assert m["gateway/temperature_ignored"] == 64 and scored.rewards.tolist() == [1.0] * 64
 
 
+def test_episode_processes_inherit_the_clients_machinery(tiny, tok):
+    """The launcher sends one request through the `openai` client before it forks, so an
+    episode's process imports no module for its requests (hundreds otherwise: the
+    client's lazily built modules and models, ~0.5 s of CPU each episode)."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:imports", batch_size=2, G=1)
+    examples = [{"question": "1+2="}, {"question": "3+4="}]
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=examples), 0)
+    finally:
+        agents.close()
+    assert scored.metrics["gateway/requests"] == 4
+    assert scored.rewards.tolist() == [0.0, 0.0]
+
+
 def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):
     """Two GRPO steps in rollout.mode='overlap' whose rollouts are the agent's episodes
     (played by the rollout thread): rewards from the agent, gateway metrics logged, a
