@@ -15,10 +15,11 @@ with copies of a real row whose draws are dropped; more rows than that take more
 `gateway/batch_mean` and `gateway/batch_max` are the requests per sampler call.
 
 The requests are served through `sampling.engine.open_session`, one path for every
-engine (`sampling/serve.py`): on the static sampler each request re-reads its episode's
-whole token record (a prefill of it): it keeps no cache between calls. On the paged
-engine (`rollout.engine='paged'`) an episode is a row of a `TurnSession` that keeps its
-KV cache between the episode's requests, and requests are taken as they come, between
+engine (`sampling/serve.py`): on the static sampler the episodes' first requests are
+the rows of one decode state, and a request that extends its episode appends its new
+ids to its row's KV cache (others re-read their whole record). On the paged engine
+(`rollout.engine='paged'`) an episode is a row of a `TurnSession` that keeps its KV
+cache between the episode's requests, and requests are taken as they come, between
 decode chunks. The tokens are exact either way (`episodes.Episode`).
 The request's `temperature` is not used: a training rollout samples at
 `rollout.temperature`, the temperature the update's log-probs (and so the ratio to the
