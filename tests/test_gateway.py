@@ -226,42 +226,53 @@ def test_static_requests_extend_their_rows_cache(tiny, tok):
     ids to that row's cache: over three rounds each reply equals HF's greedy reply to the
     whole context read from scratch, and its log-probs a session's that re-reads every
     context; a request that does not extend its row (edited history) is re-read, counted
-    as a cache restart; cached_tokens counts what the appends did not prefill."""
+    as a cache restart; cached_tokens counts what the appends did not prefill. A cohort
+    whose shared slots run out re-reads its requests, as exact; after newer parameters
+    are swapped in, the replies and log-probs are a re-reading session's under them."""
     model, cfg, params = tiny
     sampler = sampling.Sampler(cfg, None, seed=5, cache_segments=1)
     spec = sampling.RolloutSpec(1, 5, 0.0, stop_ids=STOPS)
 
     def session(keeps: bool):
-        s = engine.open_session(sampler, "requests", params, 0, spec, key=0, width=4)
+        s = engine.open_session(
+            sampler, "requests", params, 0, spec, key=0, width=4, prompt_tokens=16, total_tokens=40
+        )
         s.keeps = keeps
         return s
 
     live, reread = session(True), session(False)
+    tight = session(True)  # its cohort's slots run out after the first turn
+    tight.slots = 32
     contexts = {
         e: tok(q, add_special_tokens=False)["input_ids"]
         for e, q in enumerate(["1+2=", "12*3=", "7-4="])
     }
-    cached = 0
+    cached, newer = 0, jax.tree.map(lambda x: x * 1.1, params)
     for turn in range(3):
         replies = {}
-        for s in (live, reread):
+        for s in (live, reread, tight):
+            if turn == 2:  # newer parameters: the cohort's cache is computed again by them
+                s.swap(newer, 1)
             for e, ids in contexts.items():
                 s.ask(e, ids, 5)
             assert sorted(s.run_chunk()) == sorted(contexts)
-            replies[s is live] = {e: s.answer(e)[0] for e in contexts}
+            replies[s] = {e: s.answer(e)[0] for e in contexts}
         for e, ids in contexts.items():
-            got, again = replies[True][e], replies[False][e]
-            assert got[0] == hf_greedy(model, ids) == again[0], (turn, e)
+            got, again = replies[live][e], replies[reread][e]
+            assert got[0] == again[0] == replies[tight][e][0], (turn, e)
+            assert turn == 2 or got[0] == hf_greedy(model, ids)
             np.testing.assert_allclose(got[1], again[1], atol=1e-5)
+            assert got[2] == again[2] == [int(turn == 2)] * len(got[0])
             cached += (len(ids) - 3) * (turn > 0 and e != 2)  # less its message, a reply id
             contexts[e] = ids + got[0] + [7 + turn, 18]  # the next message's ids
         if turn == 0:  # episode 2 edits its history: re-read from then on
             contexts[2] = contexts[2][1:]
         if turn == 1:
-            live.forget(1), reread.forget(1)
+            live.forget(1), reread.forget(1), tight.forget(1)
             del contexts[1]
     assert live.stats["cache_restarts"] == 1 and reread.stats["cached_tokens"] == 0
-    assert live.stats["cached_tokens"] == cached
+    assert live.stats["cached_tokens"] == cached and tight.stats["cached_tokens"] == 0
+    assert tight.stats["prefill_tokens"] == reread.stats["prefill_tokens"]
 
 
 def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):

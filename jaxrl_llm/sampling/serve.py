@@ -15,8 +15,8 @@ episode through the gateway) given its whole context.
   context, as on the paged engine: `run_chunk` appends each such row's new ids in one
   program (`Sampler.append`, the environments' multi-turn path) and decodes the next
   turn of those rows together. Any other request (a rewrite, a reply cut by a stop
-  string, n > 1, an episode without a row, a cache whose shared slots would pass the
-  model's positions) is sampled in calls of `width` rows, re-reading its whole context
+  string, n > 1, an episode without a row, a cache whose shared slots would pass its
+  bound) is sampled in calls of `width` rows, re-reading its whole context
   (`sample_rows`); its row, if any, ends. A new cohort starts once every row of the last
   has ended. Several processes: every request is re-read.
 - `PagedRequests`: the paged engine's `TurnSession`, a conversation a row of it that
@@ -93,11 +93,30 @@ class _Cohort:
 
 class StaticRequests:
     """Requests on the static `Sampler` (the module docstring); args as `PagedRequests`'
-    (`episodes`, `prompt_tokens` and `total_tokens` unused)."""
+    (`episodes` unused). A cohort's cache holds at most twice a record's slots,
+    2 x (prompt_tokens + total_tokens) (and the model's positions): the rows asked in
+    different rounds, the appends rounded up, leave holes in its shared slots; past
+    that bound requests are re-read, so it holds at most twice what the largest re-read
+    call of `width` rows does."""
 
-    def __init__(self, engine, params, version: int, spec, *, key, width, mesh=None, **_):
+    def __init__(
+        self,
+        engine,
+        params,
+        version: int,
+        spec,
+        *,
+        key,
+        width,
+        prompt_tokens: int,
+        total_tokens: int,
+        mesh=None,
+        **_,
+    ):
         self.engine, self.params, self.version, self.spec = engine, params, version, spec
         self.key, self.width, self.mesh = key, width, mesh
+        whole = 2 * (prompt_tokens + total_tokens)
+        self.slots = min(engine.cfg.max_position_embeddings, whole)
         self.asked: list = []  # (episode, ids, n): re-read by `sample_rows`
         self.fresh: dict = {}  # episode -> ids: the first requests of the next cohort
         self.cohort: _Cohort | None = None
@@ -163,16 +182,19 @@ class StaticRequests:
 
     def _append(self) -> list:
         """The asked rows' new ids into the cohort's cache -> their episodes; none when
-        the cache's shared slots would pass the model's positions: those requests are
-        then re-read and their rows end."""
+        the cache's shared slots would pass `slots`: those requests are then re-read and
+        their rows end."""
         engine, cohort = self.engine, self.cohort
         appended, cohort.appended = cohort.appended, {}
         width = -(-max(len(new) for _, new, _ in appended.values()) // 8) * 8
-        limit = engine.cfg.max_position_embeddings - self.spec.max_new_tokens
+        limit = self.slots - self.spec.max_new_tokens
         if cohort.state.end + width > limit:
-            for episode, _, ids in appended.values():
+            for episode, new, ids in appended.values():
                 del cohort.rows[episode]
                 self.asked.append((episode, ids, 1))
+                kept = len(ids) - len(new) - 1  # counted as cached when asked
+                self.stats["cached_tokens"] -= kept
+                self.stats["prefill_tokens"] += kept
             return []
         ids = np.full((self.width, width), engine.pad_id, np.int32)
         mask = np.zeros((self.width, width), bool)
