@@ -9,10 +9,10 @@ The task: a data row's question is the prompt; after each of the model's turns b
 last the other side says "7+1="; the reward is 1. As an environment (`Countdown`, played
 by `EnvRollout`: the pool resets and steps it, observations are appended to the live KV
 cache) and as an agent written against the `openai` client (`countdown`, played by
-`AgentRollout`: HTTP requests to the gateway on localhost, batched into the sampler, each
-request re-prefilling its episode's record), and the same agent through the gateway on
-the paged engine (`rollout.engine=paged`: each episode a row that keeps its KV cache
-between its requests). All sample at temperature 1 with the same budget per turn and the
+`AgentRollout`: HTTP requests to the gateway on localhost, batched into the sampler,
+each request that extends its episode appended to its row's KV cache), and the same
+agent through the gateway on the paged engine (`rollout.engine=paged`: each episode a
+row of its `TurnSession`). All sample at temperature 1 with the same budget per turn and the
 same stop ids, on one device.
 
 Each repeat runs one rollout of each path, alternating (A, B, C, A, B, C, ...), after

@@ -171,3 +171,15 @@ async def bad_requests(client: openai.AsyncOpenAI, example) -> float:
         *(client.chat.completions.create(model="policy", messages=question) for _ in range(2))
     )
     return float(statuses == [400] * 6 + [413] and len(both) == 2)
+
+
+async def imports(client: openai.AsyncOpenAI, example) -> float:
+    """The number of modules its process imported for two requests (the first builds
+    the client's machinery): those the launcher did not build before forking it."""
+    before = set(sys.modules)
+    messages = [{"role": "user", "content": example["question"]}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+        messages += [{"role": "user", "content": "7"}]
+    return float(len(set(sys.modules) - before))

@@ -19,6 +19,7 @@ from jaxrl_llm import envs, models, rl, sampling, train
 from jaxrl_llm.gateway import parse_tool_calls
 from jaxrl_llm.models import builtin
 from jaxrl_llm.rollout.agents import AgentRollout
+from jaxrl_llm.sampling import engine
 from jaxrl_llm.trainer import metrics
 
 AGENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agents_for_tests.py")
@@ -57,25 +58,30 @@ def agent_rollout(
     return AgentRollout(c, tok, sampler, spec), spec
 
 
+def hf_greedy(model, seq: list, budget: int = 5) -> list:
+    """HF `generate`'s greedy reply to the ids `seq`, read from scratch (until a STOPS id)."""
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=budget,
+            do_sample=False,
+            eos_token_id=list(STOPS),
+            pad_token_id=0,
+        )
+    return out[0, len(seq) :].tolist()
+
+
 def hf_turns(model, tok, question: str, rewrite: bool, budget: int = 5, replies=None):
     """The reference loop: each request's conversation re-read from scratch by HF
     `generate` (greedy), its tokens built as the gateway's docs say -> the trajectory
     (prompt included). `replies`, a list, gets each reply's ids."""
     renderer = envs.Renderer(tok, use_chat=False)
-    model.generation_config.eos_token_id = None
 
     def generate(seq):
-        ids = torch.tensor([seq])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=budget,
-                do_sample=False,
-                eos_token_id=list(STOPS),
-                pad_token_id=0,
-            )
-        return out[0, len(seq) :].tolist()
+        return hf_greedy(model, seq, budget)
 
     seq = renderer.prompt([{"role": "user", "content": question}])
     first = generate(seq)
@@ -147,7 +153,8 @@ def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
     """rollout.engine='paged': each episode is a row of one TurnSession, kept between its
     requests. The same greedy episodes as the static sampler's (tokens, masks, log-probs)
     and the reference loop's; a request that extends its episode prefills only its row's
-    last drawn token and the new message (gateway/cached_tokens counts the rest); a
+    last drawn token and the new message (gateway/cached_tokens counts the rest), on both
+    engines; a
     rewrite starts a new row (retokenized, still exact); a stop string that cut a reply
     (the row holds tokens the episode does not keep) and a request after an n=2 one
     (sampled apart) restart the row, counted."""
@@ -204,12 +211,68 @@ def test_the_paged_engine_keeps_each_episodes_cache(tiny, tok):
         * 2
     )
     m, s = scored.metrics, s_scored.metrics
-    assert m["gateway/cached_tokens"] == cached and s["gateway/cached_tokens"] == 0
-    assert m["gateway/prefill_tokens"] + cached == s["gateway/prefill_tokens"]
+    assert m["gateway/cached_tokens"] == s["gateway/cached_tokens"] == cached
+    assert m["gateway/prefill_tokens"] == s["gateway/prefill_tokens"]
     assert m["gateway/retokenized"] == s["gateway/retokenized"] == 2
-    assert m["gateway/cache_restarts"] == 4 and s["gateway/cache_restarts"] == 0
+    # The static sampler's n=2 episodes have no row to restart (their requests re-read).
+    assert m["gateway/cache_restarts"] == 4 and s["gateway/cache_restarts"] == 2
     assert m["gateway/requests"] == s["gateway/requests"] == 2 * (2 + 3 + 2 + 2 + 2)
     assert m["gateway/batch_max"] <= 10
+
+
+def test_static_requests_extend_their_rows_cache(tiny, tok):
+    """On the static sampler the first requests of the episodes are the rows of one
+    decode state (a cohort) and a request that extends its episode appends only its new
+    ids to that row's cache: over three rounds each reply equals HF's greedy reply to the
+    whole context read from scratch, and its log-probs a session's that re-reads every
+    context; a request that does not extend its row (edited history) is re-read, counted
+    as a cache restart; cached_tokens counts what the appends did not prefill. A cohort
+    whose shared slots run out re-reads its requests, as exact; after newer parameters
+    are swapped in, the replies and log-probs are a re-reading session's under them."""
+    model, cfg, params = tiny
+    sampler = sampling.Sampler(cfg, None, seed=5, cache_segments=1)
+    spec = sampling.RolloutSpec(1, 5, 0.0, stop_ids=STOPS)
+
+    def session(keeps: bool):
+        s = engine.open_session(
+            sampler, "requests", params, 0, spec, key=0, width=4, prompt_tokens=16, total_tokens=40
+        )
+        s.keeps = keeps
+        return s
+
+    live, reread = session(True), session(False)
+    tight = session(True)  # its cohort's slots run out after the first turn
+    tight.slots = 32
+    contexts = {
+        e: tok(q, add_special_tokens=False)["input_ids"]
+        for e, q in enumerate(["1+2=", "12*3=", "7-4="])
+    }
+    cached, newer = 0, jax.tree.map(lambda x: x * 1.1, params)
+    for turn in range(3):
+        replies = {}
+        for s in (live, reread, tight):
+            if turn == 2:  # newer parameters: the cohort's cache is computed again by them
+                s.swap(newer, 1)
+            for e, ids in contexts.items():
+                s.ask(e, ids, 5)
+            assert sorted(s.run_chunk()) == sorted(contexts)
+            replies[s] = {e: s.answer(e)[0] for e in contexts}
+        for e, ids in contexts.items():
+            got, again = replies[live][e], replies[reread][e]
+            assert got[0] == again[0] == replies[tight][e][0], (turn, e)
+            assert turn == 2 or got[0] == hf_greedy(model, ids)
+            np.testing.assert_allclose(got[1], again[1], atol=1e-5)
+            assert got[2] == again[2] == [int(turn == 2)] * len(got[0])
+            cached += (len(ids) - 3) * (turn > 0 and e != 2)  # less its message, a reply id
+            contexts[e] = ids + got[0] + [7 + turn, 18]  # the next message's ids
+        if turn == 0:  # episode 2 edits its history: re-read from then on
+            contexts[2] = contexts[2][1:]
+        if turn == 1:
+            live.forget(1), reread.forget(1), tight.forget(1)
+            del contexts[1]
+    assert live.stats["cache_restarts"] == 1 and reread.stats["cached_tokens"] == 0
+    assert live.stats["cached_tokens"] == cached and tight.stats["cached_tokens"] == 0
+    assert tight.stats["prefill_tokens"] == reread.stats["prefill_tokens"]
 
 
 def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):
@@ -273,6 +336,21 @@ def test_64_concurrent_episodes_are_batched(tiny, tok):
     assert m["gateway/requests"] == 128 and m["gateway/sampler_calls"] == 2
     assert m["gateway/batch_max"] == 64 and m["gateway/batch_mean"] == 64
     assert m["gateway/temperature_ignored"] == 64 and scored.rewards.tolist() == [1.0] * 64
+
+
+def test_episode_processes_inherit_the_clients_machinery(tiny, tok):
+    """The launcher sends one request through the `openai` client before it forks, so an
+    episode's process imports no module for its requests (hundreds otherwise: the
+    client's lazily built modules and models, ~0.5 s of CPU each episode)."""
+    _, cfg, params = tiny
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:imports", batch_size=2, G=1)
+    examples = [{"question": "1+2="}, {"question": "3+4="}]
+    try:
+        _, scored, _ = agents(params, types.SimpleNamespace(examples=examples), 0)
+    finally:
+        agents.close()
+    assert scored.metrics["gateway/requests"] == 4
+    assert scored.rewards.tolist() == [0.0, 0.0]
 
 
 def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):

@@ -261,8 +261,9 @@ def agent_defaults() -> ml_collections.ConfigDict:
     # refused and its episode scores 0. rollout.max_new_tokens caps one response.
     a.max_total_tokens = 256
     a.timeout_s = 120.0  # one episode, its requests included; past it the episode scores 0
-    # How long the batcher waits for more requests once one is pending (every running
-    # episode having one ends the wait at once).
+    # How long the batcher waits for more requests once one is pending, at least (a quarter
+    # of the last sampler call's time when longer); every running episode having one ends
+    # the wait at once.
     a.batch_wait_s = 0.05
     # The largest request body the gateway reads (413 past it), bounding what it parses and
     # renders before the token limit can be checked.

@@ -9,7 +9,11 @@ An agent is user code: it may block its thread (`time.sleep`), call `sys.exit`, 
 `KeyboardInterrupt`, end its process (`os._exit`) or fork. None of it may reach the
 trainer, so no agent runs in it. The launcher is a plain subprocess (started with
 `python -c`, as the verifier workers are, so it does not re-import the trainer's
-`__main__` and JAX with it) that imports the agent once; for each episode it forks a
+`__main__` and JAX with it) that imports the agent once and sends one request through
+the `openai` client to a canned answer on a socket of its own (`warm_client`: the
+client imports most of its modules and builds its pydantic models on first use, about
+0.5 s of CPU that every episode's process would otherwise spend again); for each
+episode it forks a
 process that plays it on an event loop of its own, with an `openai.AsyncOpenAI` client
 on the episode's URL and key, and POSTs what the agent returned to the gateway
 (`result_url`): `{"reward": r}`, or `{"error": text}` for anything it raised,
@@ -38,6 +42,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import select
 import signal
 import ssl
@@ -51,6 +56,31 @@ from jaxrl_llm.verifiers import worker as wire
 FLOAT32_MAX = 3.4028234663852886e38
 KEY_VARIABLE = "JAXRL_LLM_GATEWAY_KEY"  # the episode's key, for harnesses that read it there
 START_TIMEOUT_S = 120.0  # importing the agent (and openai) in the launcher
+WARM_TIMEOUT_S = 30.0  # the launcher's one request to itself (`warm_client`)
+
+# What `warm_client`'s server answers: a chat.completion with a tool call, so the
+# response models an agent reads are built too.
+_WARM_REPLY = {
+    "id": "chatcmpl-warm",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "warm",
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            "finish_reason": "tool_calls",
+            "logprobs": None,
+        }
+    ],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
 
 _BOOTSTRAP = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
@@ -162,10 +192,10 @@ def main() -> None:
     except BaseException as err:  # noqa: BLE001  (told to the trainer)
         wire.send(out, ("failed", f"{type(err).__name__}: {err}"[:500]))
         return
-    import httpx  # noqa: F401  (imported once here, not in every episode process)
-    import openai  # noqa: F401
-
     tls = ssl.create_default_context()  # one TLS context: each client's own loads the CAs
+    # A failed warm-up costs speed only: each episode then builds what it did not.
+    with contextlib.suppress(Exception):
+        asyncio.run(asyncio.wait_for(warm_client(tls), WARM_TIMEOUT_S))
     wire.send(out, ("ready",))
     live: dict[int, str] = {}  # pid -> episode
     while True:
@@ -184,6 +214,36 @@ def main() -> None:
             wire.send(out, ("started", message[1], pid))
         _reap(live, out)
     reaper.kill_children()
+
+
+async def warm_client(tls) -> None:
+    """One `chat.completions.create` through an `openai.AsyncOpenAI` client on an
+    `httpx.AsyncClient`, as `_play` makes them, to a server on 127.0.0.1 that answers
+    `_WARM_REPLY`; in the launcher, before any fork, so each episode's process inherits
+    the modules and models it built. Nothing of it (no thread, no socket) is left."""
+    import httpx
+    import openai
+
+    body = json.dumps(_WARM_REPLY).encode()
+
+    async def answer(reader, writer) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"content-length:\s*(\d+)", head, re.IGNORECASE)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    async with server, httpx.AsyncClient(timeout=WARM_TIMEOUT_S, verify=tls) as http:
+        client = openai.AsyncOpenAI(base_url=url, api_key="warm", max_retries=0, http_client=http)
+        await client.chat.completions.create(
+            model="warm", messages=[{"role": "user", "content": "warm"}]
+        )
 
 
 def _reap(live: dict, out: int) -> None:

@@ -6,17 +6,20 @@ into one trajectory.
     out, scored, versions = agents(params, batch, step)   # as `EnvRollout`: a player
 
 The batching: the trainer's thread waits for requests (`Server.requests`) until every
-episode still running has one pending, or `agent.batch_wait_s` passes with no new one
-(an agent busy with something else does not hold up the others), then samples all
+episode still running has one pending, or a gap passes with no new one (an agent busy
+with something else does not hold up the others): `agent.batch_wait_s`, or a quarter of
+the last sampler call's time when that is longer (a request that misses a call waits a
+whole call more, and the call is paid twice), then samples all
 pending requests in one sampler call of fixed width (rollout.batch_size x G rows, padded
 with copies of a real row whose draws are dropped; more rows than that take more calls).
 `gateway/batch_mean` and `gateway/batch_max` are the requests per sampler call.
 
 The requests are served through `sampling.engine.open_session`, one path for every
-engine (`sampling/serve.py`): on the static sampler each request re-reads its episode's
-whole token record (a prefill of it): it keeps no cache between calls. On the paged
-engine (`rollout.engine='paged'`) an episode is a row of a `TurnSession` that keeps its
-KV cache between the episode's requests, and requests are taken as they come, between
+engine (`sampling/serve.py`): on the static sampler the episodes' first requests are
+the rows of one decode state, and a request that extends its episode appends its new
+ids to its row's KV cache (others re-read their whole record). On the paged engine
+(`rollout.engine='paged'`) an episode is a row of a `TurnSession` that keeps its KV
+cache between the episode's requests, and requests are taken as they come, between
 decode chunks. The tokens are exact either way (`episodes.Episode`).
 The request's `temperature` is not used: a training rollout samples at
 `rollout.temperature`, the temperature the update's log-probs (and so the ratio to the
@@ -179,6 +182,7 @@ class AgentRollout:
         ended: list = []  # the episodes' futures done so far (`gather` counts the running)
         for future in futures.values():
             future.add_done_callback(ended.append)
+        chunk_s = 0.0  # the last run_chunk's seconds
         while True:
             if session.busy:
                 pending = []
@@ -188,7 +192,8 @@ class AgentRollout:
                     except queue.Empty:
                         break
             else:
-                pending = self.gather(len(futures), ended, play.server)
+                wait_s = max(self.wait_s, chunk_s / 4)
+                pending = self.gather(len(futures), ended, play.server, wait_s)
                 if not pending:
                     return
             for episode, body, reply, ask in self.accept(pending, episodes, over, play):
@@ -199,17 +204,20 @@ class AgentRollout:
                 if newest_version != session.version:  # the rows' caches recomputed by them
                     session.swap(newest, newest_version)
                     play.version = int(newest_version)
-            for episode in session.run_chunk():
+            started = time.perf_counter()
+            answered = session.run_chunk()
+            chunk_s = time.perf_counter() - started
+            for episode in answered:
                 body, reply, ask = asked.pop(episode)
                 drawn = session.answer(episode)
                 self.reply(episode, body, reply, ask, drawn, episodes, play)
             for episode in [e for e in futures if futures[e].done() and e not in asked]:
                 session.forget(episode)
 
-    def gather(self, episodes: int, ended: list, server) -> list:
+    def gather(self, episodes: int, ended: list, server, wait_s: float) -> list:
         """Pending requests: once every running episode has one (of `episodes`, less the
-        `ended` ones, a list their futures' callbacks grow), or after `batch_wait_s`
-        without a new one; [] when every episode has ended."""
+        `ended` ones, a list their futures' callbacks grow), or after `wait_s` without a
+        new one; [] when every episode has ended."""
         pending, requests = [], server.requests
         while True:
             running = episodes - len(ended)
@@ -218,7 +226,7 @@ class AgentRollout:
             if not running and requests.empty():
                 return pending
             try:
-                pending.append(requests.get(timeout=self.wait_s if pending else 0.01))
+                pending.append(requests.get(timeout=wait_s if pending else 0.01))
             except queue.Empty:
                 if pending:
                     return pending

@@ -8,9 +8,17 @@ episode through the gateway) given its whole context.
         choices = session.answer(episode)                   # [(ids, logprobs, versions, stopped)]
     session.forget(episode)                                 # the episode ended
 
-- `StaticRequests`: the static `Sampler` keeps nothing between requests: `run_chunk`
-  samples every request asked so far in calls of `width` rows (padded with copies of a
-  real row whose draws are dropped, so one program), each re-reading its whole context.
+- `StaticRequests`: the static `Sampler`. The first requests asked together (one per
+  episode, up to `width`) are the rows of one `DecodeState`, a cohort (padded to `width`
+  rows with copies that draw nothing, so one program): a prefill, then a turn's decode.
+  An episode's next request extends its row when the row's tokens are a prefix of the
+  context, as on the paged engine: `run_chunk` appends each such row's new ids in one
+  program (`Sampler.append`, the environments' multi-turn path) and decodes the next
+  turn of those rows together. Any other request (a rewrite, a reply cut by a stop
+  string, n > 1, an episode without a row, a cache whose shared slots would pass its
+  bound) is sampled in calls of `width` rows, re-reading its whole context
+  (`sample_rows`); its row, if any, ends. A new cohort starts once every row of the last
+  has ended. Several processes: every request is re-read.
 - `PagedRequests`: the paged engine's `TurnSession`, a conversation a row of it that
   keeps its KV cache between requests. A request resumes its row when the row's tokens
   (its prompt, what it drew and what was appended) are a prefix of the context, which
@@ -18,8 +26,8 @@ episode through the gateway) given its whole context.
   token, then the new ids) is prefilled. Else (a rewrite; a stop string that cut the
   reply, so the row holds tokens the conversation does not keep; a request after an
   n > 1 one) the row ends and a new row prefills the whole context (`cache_restarts`
-  counts those the caller did not mark as rewrites). Requests with n > 1 are sampled as
-  `StaticRequests` does, with the engine's `sample`, re-reading the context. A request is
+  counts those the caller did not mark as rewrites). Requests with n > 1 are re-read
+  (`sample_rows`, with the engine's `sample`). A request is
   answered as soon as its turn ends; rows asked while others decode join between chunks.
 
 `stats`: calls (sampler calls or decode chunks), batched (rows in them), batch_max,
@@ -34,6 +42,7 @@ from jaxrl_llm.parallel import mesh as mesh_lib
 from jaxrl_llm.sampling.decode import FINISH_STOP
 from jaxrl_llm.sampling.generate import pad_prompts
 from jaxrl_llm.sampling.paged_turns import TurnSession
+from jaxrl_llm.sampling.sampler import append_end
 
 COUNTERS = (
     "calls batched batch_max prefill_tokens cached_tokens cache_restarts evicted decode_chunks"
@@ -69,47 +78,173 @@ def _count(stats: dict, rows: int) -> None:
     stats["batch_max"] = max(stats["batch_max"], rows)
 
 
+class _Cohort:
+    """The static sampler's live rows: one `DecodeState` of `width` rows, an episode a
+    row, whose KV cache the episodes' next requests extend (`Sampler.append`)."""
+
+    def __init__(self, state, rows: dict, prompts: list):
+        self.state = state
+        self.rows = rows  # episode -> its row
+        self.have = dict(enumerate(prompts))  # row -> its tokens: prompt, drawn, appended
+        self.prompt_len = [len(p) for p in prompts]
+        self.appended: dict = {}  # row -> (episode, new ids, the whole context)
+        self.stale = False  # parameters swapped in since the cache was computed
+
+
 class StaticRequests:
     """Requests on the static `Sampler` (the module docstring); args as `PagedRequests`'
-    (the sizes of a cache it does not keep unused)."""
+    (`episodes` unused). A cohort's cache holds at most twice a record's slots,
+    2 x (prompt_tokens + total_tokens) (and the model's positions): the rows asked in
+    different rounds, the appends rounded up, leave holes in its shared slots; past
+    that bound requests are re-read, so it holds at most twice what the largest re-read
+    call of `width` rows does."""
 
-    def __init__(self, engine, params, version: int, spec, *, key, width, mesh=None, **_):
+    def __init__(
+        self,
+        engine,
+        params,
+        version: int,
+        spec,
+        *,
+        key,
+        width,
+        prompt_tokens: int,
+        total_tokens: int,
+        mesh=None,
+        **_,
+    ):
         self.engine, self.params, self.version, self.spec = engine, params, version, spec
         self.key, self.width, self.mesh = key, width, mesh
-        self.asked: list = []  # (episode, ids, n)
+        whole = 2 * (prompt_tokens + total_tokens)
+        self.slots = min(engine.cfg.max_position_embeddings, whole)
+        self.asked: list = []  # (episode, ids, n): re-read by `sample_rows`
+        self.fresh: dict = {}  # episode -> ids: the first requests of the next cohort
+        self.cohort: _Cohort | None = None
         self.answers: dict = {}
         self.stats = dict.fromkeys(COUNTERS.split(), 0)
+        self.keeps = not engine.multi_process()  # a cohort's rows are one process's
 
     @property
     def busy(self) -> bool:
-        return bool(self.asked)
+        return bool(self.asked or self.fresh or (self.cohort and self.cohort.appended))
 
     def ask(self, episode, ids, max_tokens: int, n: int = 1, rewrite: bool = False) -> None:
-        self.asked.append((episode, list(ids), n))
-        self.stats["prefill_tokens"] += len(ids) * n
+        ids, cohort, stats = list(ids), self.cohort, self.stats
+        row = cohort.rows.pop(episode, None) if cohort else None
+        if row is not None and n == 1:
+            have = cohort.have[row]
+            if ids[: len(have)] == have:  # the row's tokens, then the new ones
+                cohort.rows[episode] = row
+                cohort.appended[row] = (episode, ids[len(have) :], ids)
+                stats["cached_tokens"] += len(have) - 1  # its last drawn one was not
+                stats["prefill_tokens"] += len(ids) - len(have) + 1
+                return
+            stats["cache_restarts"] += not rewrite
+        if cohort is not None and not cohort.rows:
+            self.cohort = cohort = None  # every row ended: the next first requests start one
+        stats["prefill_tokens"] += len(ids) * n
+        if n == 1 and cohort is None and self.keeps and len(self.fresh) < self.width:
+            self.fresh[episode] = ids
+        else:
+            self.asked.append((episode, ids, n))
 
     def run_chunk(self) -> list:
-        """Samples every request asked so far -> their episodes."""
+        """Decodes the cohort's asked rows (a new cohort's first) and samples every
+        request re-read -> their episodes."""
+        answered = []
+        if self.fresh:
+            answered += self._decode(self._start())
+        elif self.cohort is not None and self.cohort.appended:
+            answered += self._decode(self._append())
         asked, self.asked = self.asked, []
         rows = [ids for _, ids, n in asked for _ in range(n)]
-        if not rows:
+        if rows:
+            drawn = sample_rows(self, rows, self.stats)
+            first = 0
+            for episode, _, n in asked:
+                self.answers[episode] = drawn[first : first + n]
+                first += n
+            answered += [episode for episode, _, _ in asked]
+        return answered
+
+    def _start(self) -> list:
+        """A new cohort from the first requests asked -> its rows' episodes."""
+        fresh, self.fresh = self.fresh, {}
+        prompts = list(fresh.values())
+        real = len(prompts)
+        ids, mask = pad_prompts(prompts + [prompts[0]] * (self.width - real), self.engine.pad_id)
+        step = self.key + self.stats["calls"] % 1024
+        state = self.engine.start(self.params, ids, mask, self.spec, step, version=self.version)
+        state = self.engine.stop(state, np.arange(self.width) >= real)  # the copies draw nothing
+        rows = {episode: r for r, episode in enumerate(fresh)}
+        self.cohort = _Cohort(state, rows, prompts)
+        return list(fresh)
+
+    def _append(self) -> list:
+        """The asked rows' new ids into the cohort's cache -> their episodes; none when
+        the cache's shared slots would pass `slots`: those requests are then re-read and
+        their rows end."""
+        engine, cohort = self.engine, self.cohort
+        appended, cohort.appended = cohort.appended, {}
+        width = -(-max(len(new) for _, new, _ in appended.values()) // 8) * 8
+        limit = self.slots - self.spec.max_new_tokens
+        if cohort.state.end + width > limit:
+            for episode, new, ids in appended.values():
+                del cohort.rows[episode]
+                self.asked.append((episode, ids, 1))
+                kept = len(ids) - len(new) - 1  # counted as cached when asked
+                self.stats["cached_tokens"] -= kept
+                self.stats["prefill_tokens"] += kept
             return []
-        drawn = sample_rows(self, rows, self.stats)
+        ids = np.full((self.width, width), engine.pad_id, np.int32)
+        mask = np.zeros((self.width, width), bool)
+        for r, (_, new, _) in appended.items():
+            ids[r, : len(new)], mask[r, : len(new)] = new, True
+            cohort.have[r] = cohort.have[r] + new
+        state = engine.stop(cohort.state, ~mask.any(axis=1))  # the others draw nothing
+        end = append_end(state.end + width, limit)
+        cohort.state = engine.append(self.params, state, ids, mask, end)
+        return [episode for episode, _, _ in appended.values()]
+
+    def _decode(self, episodes: list) -> list:
+        """One turn of the cohort's live rows -> their episodes (answered)."""
+        engine, cohort = self.engine, self.cohort
+        if not episodes:
+            return []
+        if cohort.stale:  # the cache as the swapped-in parameters compute it
+            cohort.state, cohort.stale = engine.refresh(self.params, cohort.state), False
+        spec = self.spec
+        cohort.state = engine.decode(self.params, cohort.state, spec.max_new_tokens, spec.stop_ids)
+        out = engine.result(cohort.state)
+        tokens, lengths, logprobs, finish = map(
+            np.asarray, (out.tokens, out.lengths, out.logprobs, out.finish)
+        )
+        for episode in episodes:
+            r = cohort.rows[episode]
+            have = cohort.have[r]
+            a, b = len(have) - cohort.prompt_len[r], int(lengths[r])
+            drawn = tokens[r, a:b].tolist()
+            stopped = int(finish[r]) == FINISH_STOP
+            self.answers[episode] = [
+                (drawn, logprobs[r, a:b].tolist(), [self.version] * len(drawn), stopped)
+            ]
+            cohort.have[r] = have + drawn
+        _count(self.stats, len(episodes))
         self.stats["decode_chunks"] += 1
-        first = 0
-        for episode, _, n in asked:
-            self.answers[episode] = drawn[first : first + n]
-            first += n
-        return [episode for episode, _, _ in asked]
+        return episodes
 
     def answer(self, episode) -> list:
         return self.answers.pop(episode)
 
     def forget(self, episode) -> None:
-        pass
+        """The episode ended: its row draws no more (its cache is kept until the cohort ends)."""
+        if self.cohort is not None:
+            self.cohort.rows.pop(episode, None)
 
     def swap(self, params, version: int) -> None:
         self.params, self.version = params, int(version)
+        if self.cohort is not None:
+            self.cohort.stale = True
 
 
 class PagedRequests:
