@@ -356,6 +356,7 @@ def test_header_reader_equals_gguf_package_reader(tmp_path):
     w.add_array("k.bools", [True, False, True])
     w.add_array("k.nested", [[1, 2], [3, 4]])
     w.add_array("k.empty", [])
+    w.add_array("k.one", [7])
     tensors = {
         "f32": np.arange(12, dtype=np.float32).reshape(3, 4),
         "f16": np.linspace(-1, 1, 64, dtype=np.float16).reshape(2, 32),

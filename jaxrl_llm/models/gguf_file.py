@@ -72,14 +72,19 @@ class _Cursor:
     def __init__(self, buf, order: str):
         self.buf, self.order, self.pos = buf, order, 0
 
-    def take(self, fmt: str, count: int = 1):
+    def take(self, fmt: str):
+        """One value."""
+        return self.many(fmt, 1)[0]
+
+    def many(self, fmt: str, count: int) -> tuple:
+        """`count` values in a row."""
         fmt = f"{self.order}{count}{fmt}"
         size = struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
             raise Truncated(f"needs {size} bytes at offset {self.pos:,}")
         out = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
-        return out if count != 1 else out[0]
+        return out
 
     def string(self) -> str:
         n = self.take("Q")
@@ -97,8 +102,8 @@ class _Cursor:
         if vtype != _ARRAY:
             raise ValueError(f"unknown GGUF value type {vtype} at offset {self.pos:,}")
         etype, n = self.take("I"), self.take("Q")
-        if etype in _SCALARS and etype != 7:  # numbers: one unpack
-            return list(self.take(_SCALARS[etype], n)) if n else []
+        if etype in _SCALARS:  # numbers: one unpack
+            return list(self.many(_SCALARS[etype], n))
         return [self.value(etype) for _ in range(n)]
 
 
@@ -125,8 +130,7 @@ def read(path: str):
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
-        dims = cur.take("Q", cur.take("I"))
-        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        dims = cur.many("Q", cur.take("I"))
         infos.append((name, dims, cur.take("I"), cur.take("Q")))
     align = int(meta.get("general.alignment", 32))
     if align <= 0 or align & (align - 1):
