@@ -225,7 +225,7 @@ def _one_layer(body, i: int, row: int, carry, params, at):
     return body(carry, (params, i, row, *at))
 
 
-def recompute_in_backward(fn, source=None):
+def recompute_in_backward(fn, source):
     """fn(carry, params, at), differentiated by recomputing its forward in the backward
     pass from its inputs, which are all it keeps. The recompute is made to wait for the
     cotangent of fn's outputs: the carry it starts from is tied to that cotangent by data
@@ -239,34 +239,22 @@ def recompute_in_backward(fn, source=None):
     again, reslice(stacked, offset) at an int offset tied to the cotangent, and keeps
     `stacked` (the caller's own arrays) instead of params. A slice is a copy: kept from
     the forward to the backward, every layer's would be resident at once."""
-    if source is None:
-
-        def fwd(carry, params, at):
-            return fn(carry, params, at), (carry, params, at)
-
-        def bwd(res, g):
-            carry, params, at = res
-            return jax.vjp(fn, _after(carry, g), params, at)[1](g)
-
-        f = jax.custom_vjp(fn)
-        f.defvjp(fwd, bwd)
-        return f
     stacked, reslice = source
 
     def with_source(carry, params, at, stacked):
         del stacked  # read by the backward only
         return fn(carry, params, at)
 
-    def fwd_sliced(carry, params, at, stacked):
+    def fwd(carry, params, at, stacked):
         return fn(carry, params, at), (carry, at, stacked)
 
-    def bwd_sliced(res, g):
+    def bwd(res, g):
         carry, at, stacked = res
         params = reslice(stacked, _zero_after(g).astype(jnp.int32))
         return (*jax.vjp(fn, _after(carry, g), params, at)[1](g), None)
 
     f = jax.custom_vjp(with_source)
-    f.defvjp(fwd_sliced, bwd_sliced)
+    f.defvjp(fwd, bwd)
     return lambda carry, params, at: f(carry, params, at, stacked)
 
 
