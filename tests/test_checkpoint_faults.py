@@ -117,6 +117,48 @@ def test_disk_full_at_the_command_line_is_one_line(small_disk):
     assert lines[0].startswith(f"error: {small_disk / 'ckpt'}: no space left on device while ")
 
 
+# A tensorstore future awaited on a loop that closes before the future completes: what a
+# failed save leaves behind (its loop abandoned with writes in flight). Completing it makes
+# tensorstore call the closed loop's call_soon_threadsafe, reported as unraisable.
+_LATE_CALLBACK = """
+import asyncio, sys
+import tensorstore as ts
+from jaxrl_llm.trainer.checkpoint import Checkpointer
+
+Checkpointer(sys.argv[1], save_interval_steps=1).close()
+promise, future = ts.Promise.new()
+loop = asyncio.new_event_loop()
+
+async def wait():
+    await future
+
+task = loop.create_task(wait())
+loop.run_until_complete(asyncio.sleep(0.01))
+loop.close()
+promise.set_result(1)
+
+class Other:
+    def __del__(self):
+        raise RuntimeError("other")
+
+Other()
+"""
+
+
+def test_a_write_finishing_after_its_failed_save_prints_nothing(tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_LATE_CALLBACK), str(tmp_path / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Event loop is closed" not in proc.stderr
+    assert "RuntimeError: other" in proc.stderr  # any other report still reaches the hook
+
+
 def test_orbax_disk_full_texts_are_recognised():
     wrapped = ValueError(
         'RESOURCE_EXHAUSTED: Error writing "w/0.0" in OCDBT database at local file "/x/": '

@@ -21,7 +21,11 @@ whole state in host memory until it is written.
 
 A full disk (or quota) while saving raises `DiskFullError`, one line naming the directory,
 its free space and the last complete step, instead of orbax's tracebacks from each of its
-writer threads; the half-written step is a temp dir that the next run removes.
+writer threads; the half-written step is a temp dir that the next run removes. A failed
+save abandons its event loop while tensorstore still has writes in flight; their completion
+callbacks then find the loop closed, and tensorstore reports each through
+`sys.unraisablehook` as a bare "Event loop is closed" traceback. Nothing awaits those
+results any more, so the hook this module installs drops exactly that report.
 
 PRNG keys: typed keys (`jax.random.key`) round-trip as they are (orbax stores their
 uint32 key data and restores a typed key when the target leaf is one), checked by the
@@ -36,6 +40,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -83,6 +88,34 @@ class _ReportedRecords(logging.Filter):
 _REPORTED_FILTER = _ReportedRecords()
 
 
+def _callback_into_closed_loop(unraisable) -> bool:
+    """True for the report of a completion callback that reached a closed event loop:
+    `RuntimeError('Event loop is closed')` raised by `loop.call_soon_threadsafe` called
+    from native code (tensorstore), so the call is the traceback's first frame."""
+    err, tb = unraisable.exc_value, unraisable.exc_traceback
+    return (
+        type(err) is RuntimeError
+        and str(err) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+    )
+
+
+def _drop_callbacks_into_closed_loops() -> None:
+    """Wraps `sys.unraisablehook` (once) to drop `_callback_into_closed_loop` reports;
+    every other report goes to the hook that was there."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop_callbacks", False):
+        return
+
+    def hook(unraisable):
+        if not _callback_into_closed_loop(unraisable):
+            previous(unraisable)
+
+    hook._drops_closed_loop_callbacks = True
+    sys.unraisablehook = hook
+
+
 class Checkpointer:
     """Saves and restores `(state, extra)` every `save_interval_steps`, keeping the last K.
 
@@ -109,6 +142,7 @@ class Checkpointer:
         self.read_only = read_only
         self._failed: DiskFullError | None = None
         logging.getLogger("absl").addFilter(_REPORTED_FILTER)  # orbax logs through absl
+        _drop_callbacks_into_closed_loops()
         if read_only:
             options = ocp.CheckpointManagerOptions(
                 read_only=True,
