@@ -6,6 +6,8 @@ tool calls in the model's formats; `verifiers` environments (agent.entry=verifie
 
 import os
 import queue
+import threading
+import time
 import types
 
 import jax
@@ -791,6 +793,34 @@ def test_queued_requests_of_ended_episodes_are_dropped():
     finally:
         server.close()
     assert answered[0][0] == 404 and server.take_counts()["dropped"] == 1
+
+
+def test_the_batcher_waits_for_every_running_episode_or_a_gap():
+    """`gather` returns at once when every running episode has a request, else after a
+    gap of wait_s with no new one; with every episode ended and nothing queued, []."""
+    server = types.SimpleNamespace(requests=queue.Queue())
+    for e in ("0", "1"):
+        server.requests.put((e, {}, None))
+    # 3 episodes, one ended: both running ones have asked; a 60 s gap is not waited for.
+    got = AgentRollout.gather(3, ["ended"], server, wait_s=60.0)
+    assert [r[0] for r in got] == ["0", "1"]
+
+    def post_later():  # the second within the gap, the third long after it
+        time.sleep(0.1)
+        server.requests.put(("1", {}, None))
+        time.sleep(3.0)
+        server.requests.put(("2", {}, None))
+
+    server.requests.put(("0", {}, None))
+    poster = threading.Thread(target=post_later)
+    poster.start()
+    try:
+        got = AgentRollout.gather(3, [], server, wait_s=1.0)
+        assert [r[0] for r in got] == ["0", "1"]  # not waiting for episode 2
+    finally:
+        poster.join()
+    assert AgentRollout.gather(3, [], server, wait_s=1.0)[0][0] == "2"
+    assert AgentRollout.gather(3, [1, 2, 3], server, wait_s=1.0) == []
 
 
 def test_a_tool_call_message_with_null_content_is_read(tok):

@@ -214,7 +214,8 @@ class AgentRollout:
             for episode in [e for e in futures if futures[e].done() and e not in asked]:
                 session.forget(episode)
 
-    def gather(self, episodes: int, ended: list, server, wait_s: float) -> list:
+    @staticmethod
+    def gather(episodes: int, ended: list, server, wait_s: float) -> list:
         """Pending requests: once every running episode has one (of `episodes`, less the
         `ended` ones, a list their futures' callbacks grow), or after `wait_s` without a
         new one; [] when every episode has ended."""
