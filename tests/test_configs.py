@@ -178,6 +178,7 @@ def test_partial_rollouts_in_too_many_chunks_are_refused(base):
             r"optim\.micro_batches=3 does not divide the 64 rows",
         ),
         (lambda c: setattr(c.optim, "end_lr_ratio", -0.1), r"optim\.end_lr_ratio=-0\.1: must be"),
+        (lambda c: setattr(c.optim, "mu_dtype", "int8"), r"optim\.mu_dtype='int8': expected"),
         (lambda c: setattr(c.optim, "packing", "yes"), r"optim\.packing='yes': one of"),
         (lambda c: setattr(c.optim, "packing_capacity", 0.0), r"optim\.packing_capacity=0\.0"),
         (

@@ -14,6 +14,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from tiny_run import tiny_model_config
@@ -143,17 +144,27 @@ def test_schedule_matches_formula(schedule, end_ratio):
         np.testing.assert_allclose(float(opt.schedule(jnp.int32(s))), expected, rtol=1e-6)
 
 
-def test_optimizer_step_matches_numpy_adamw():
+@pytest.mark.parametrize("mu_dtype", ["float32", "bfloat16"])
+def test_optimizer_step_matches_numpy_adamw(mu_dtype):
+    """bfloat16 first moment: updated in float32, stored rounded, and the direction taken
+    from the stored moment (the reference rounds its moment to bfloat16 each step)."""
     rng = np.random.default_rng(0)
     p = {"w": rng.normal(size=(3, 4)), "final_norm": rng.normal(size=4)}
     p = jax.tree.map(lambda x: x.astype(np.float32), p)
     grads = [
-        jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), p) for _ in range(2)
+        jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), p) for _ in range(4)
     ]
     wd, b1, b2, eps, clip, lr = 0.1, 0.9, 0.99, 1e-6, 1.0, 0.05
     opt = U.make_optimizer(
-        learning_rate=lr, weight_decay=wd, b1=b1, b2=b2, eps=eps, max_grad_norm=clip
+        learning_rate=lr,
+        weight_decay=wd,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        max_grad_norm=clip,
+        mu_dtype=mu_dtype,
     )
+    store = (lambda x: x) if mu_dtype == "float32" else (lambda x: x.astype(ml_dtypes.bfloat16))
     params, state = p, opt.init(p)
     ref = {k: v.astype(np.float64) for k, v in p.items()}
     m = {k: 0.0 for k in p}
@@ -165,11 +176,16 @@ def test_optimizer_step_matches_numpy_adamw():
             gk = g[k] * min(1.0, clip / norm)
             m[k] = b1 * m[k] + (1 - b1) * gk
             v[k] = b2 * v[k] + (1 - b2) * gk**2
+            m[k] = store(np.asarray(m[k], np.float32)).astype(np.float64)
             u = (m[k] / (1 - b1**t)) / (np.sqrt(v[k] / (1 - b2**t)) + eps)
             decay = 0.0 if "norm" in k else wd  # norm scales are not decayed
             ref[k] = ref[k] - lr * (u + decay * ref[k])
     for k in p:
         np.testing.assert_allclose(np.asarray(params[k]), ref[k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(state[1].mu[k], np.float64), m[k], rtol=1e-5, atol=1e-7
+        )
+        assert state[1].mu[k].dtype == jnp.dtype(mu_dtype)
 
 
 def test_bfloat16_params_update_through_float32_master():

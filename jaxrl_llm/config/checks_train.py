@@ -28,6 +28,10 @@ def check_optim(config) -> None:
         f"optim.schedule={o.schedule!r}: expected constant, cosine or linear",
     )
     require(0 <= o.end_lr_ratio <= 1, f"optim.end_lr_ratio={o.end_lr_ratio}: must be in [0, 1]")
+    require(
+        o.mu_dtype in ("float32", "bfloat16"),
+        f"optim.mu_dtype={o.mu_dtype!r}: expected float32 or bfloat16",
+    )
     require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
     require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
     require(

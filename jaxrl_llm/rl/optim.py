@@ -25,6 +25,15 @@ Where this departs from `optax.adamw`:
   weights directly, an update of lr 1e-6 x O(1) is far below their rounding step (~0.4%
   of the weight), so most updates would vanish. Memory: 2 + 4 + 8 bytes per parameter
   (parameters, master, moments) against 4 + 8 in float32.
+- `mu_dtype="bfloat16"` stores the first moment in bfloat16: it is updated in float32,
+  rounded, and the step's direction is taken from the rounded moment, so the update is
+  a function of the stored state. With b1 = 0.9 a step moves the moment by 10% of the
+  difference, far above bfloat16's rounding step (~0.4%). (optax's own `mu_dtype`
+  multiplies the stored moment by b1 in bfloat16, one more rounding, and takes the
+  direction from the unrounded moment, which made XLA read the old moment after the
+  new one had overwritten its donated buffer, so it copied the moments: more temporary
+  memory than the smaller state saves.) The second moment has no such option:
+  b2 = 0.999 moves it by 0.1%, which bfloat16 rounds away, so it would stop decaying.
 """
 
 from __future__ import annotations
@@ -132,6 +141,35 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def _scale_by_adam(b1: float, b2: float, eps: float, mu_dtype) -> optax.GradientTransformation:
+    """optax's Adam scaling, or with the first moment stored in `mu_dtype`: updated in
+    float32, rounded, and the direction taken from the rounded moment (see the module
+    doc)."""
+    exact = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    if mu_dtype == jnp.float32:
+        return exact
+    stored = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype)
+
+    def update(grads, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        t = count.astype(jnp.float32)
+        mu = jax.tree.map(
+            lambda g, m: (b1 * m.astype(jnp.float32) + (1 - b1) * g).astype(mu_dtype),
+            grads,
+            state.mu,
+        )
+        nu = jax.tree.map(lambda g, v: b2 * v + (1 - b2) * jnp.square(g), grads, state.nu)
+        direction = jax.tree.map(
+            lambda m, v: (m.astype(jnp.float32) / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps),
+            mu,
+            nu,
+        )
+        return direction, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(stored.init, update)
+
+
 def make_optimizer(
     learning_rate: float = 1e-6,
     warmup_steps: int = 0,
@@ -143,17 +181,21 @@ def make_optimizer(
     eps: float = 1e-8,
     max_grad_norm: float | None = 1.0,
     end_lr_ratio: float = 0.0,
+    mu_dtype: str = "float32",
 ) -> Optimizer:
     """AdamW + clip_by_global_norm(max_grad_norm) (None or 0 = no clipping) + schedule
-    (decaying to learning_rate * end_lr_ratio; the constant schedule ignores it)."""
+    (decaying to learning_rate * end_lr_ratio; the constant schedule ignores it).
+    mu_dtype: storage dtype of the first moment, "float32" or "bfloat16"."""
     if learning_rate < 0 or weight_decay < 0:
         raise ValueError(
             f"optim.learning_rate={learning_rate}, weight_decay={weight_decay}: must be >= 0"
         )
+    if mu_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"optim.mu_dtype={mu_dtype!r}: expected float32 or bfloat16")
     parts = []
     if max_grad_norm:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
-    parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    parts.append(_scale_by_adam(b1, b2, eps, jnp.dtype(mu_dtype)))
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
     sched = make_schedule(learning_rate, warmup_steps, total_steps, schedule, end_lr_ratio)
@@ -175,4 +217,5 @@ def optimizer_from_config(optim, num_steps: int, learning_rate: float | None = N
         eps=optim.eps,
         max_grad_norm=optim.max_grad_norm,
         end_lr_ratio=optim.end_lr_ratio,
+        mu_dtype=optim.mu_dtype,
     )
