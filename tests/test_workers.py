@@ -84,6 +84,56 @@ def test_frames_refuse_unknown_dtypes_and_oversized_hellos():
             wire.recv(b, max_header=wire.HELLO_BYTES)
 
 
+VANISHED_TRAINER = """
+import subprocess, threading, types
+
+from jaxrl_llm.workers import serve, wire
+
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # this network namespace's
+serve.KEEPALIVE = (1, 1, 2)  # silent for 1 s, then 2 probes 1 s apart
+dropped = threading.Event()
+echo = lambda kind, fields, arrays: ({{"kind": kind}}, {{}})
+worker = types.SimpleNamespace(reset=dropped.set, handle=echo)
+listener = wire.listen("127.0.0.1", 0)
+threading.Thread(target=serve.serve, args=(worker, listener, {token!r}), daemon=True).start()
+address = "127.0.0.1:%d" % listener.getsockname()[1]
+first = wire.connect(address, {token!r})
+wire.send(first, "open")
+assert wire.recv(first)[1] == {{"kind": "open"}}
+dropped.clear()
+# The first trainer's host goes: its socket stays open, nothing reaches it, nothing comes.
+subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
+assert dropped.wait(60), "the worker still holds the vanished trainer's connection"
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+second = wire.connect(address, {token!r}, timeout_s=60)
+wire.send(second, "open")
+print(wire.recv(second)[1]["kind"])
+"""
+
+
+def test_a_worker_drops_a_trainer_whose_host_vanished(tmp_path):
+    """A trainer's host vanishes (its network gone: no FIN, no RST reaches the worker,
+    here the loopback of a network namespace of its own taken down) while the worker
+    waits for its next request: the keep-alive probes go unanswered, the worker drops
+    that connection and its session, and a new trainer is served. Needs `unshare -n`
+    (root)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-n", "true"]).returncode:
+        pytest.skip("needs unshare -n (root) for a network of its own")
+    script = tmp_path / "vanished.py"
+    script.write_text(VANISHED_TRAINER.format(token=TOKEN))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = os.environ | {"PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        ["unshare", "-n", sys.executable, str(script)], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0 and run.stdout.split() == ["open"], run.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -418,6 +468,154 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_pat
     a, b = final(tmp_path / "remote"), final(tmp_path / "local")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+RESTART_CONFIG = """
+import sys
+sys.path.insert(0, {tests!r})
+from tiny_run import signal_config
+
+
+def get_config():
+    c = signal_config({model_dir!r})
+    c.rewards = {{"format": {{"name": {reward!r}, "weight": 1.0}}}}
+    c.train.num_steps, c.train.log_every = 4, 1
+    c.train.verifier_timeout_s = 120.0  # the gated reward's wait is not a hung verifier
+    c.train.print_samples_every, c.train.num_printed_samples = 1, 1000  # every row
+    c.checkpoint.every, c.checkpoint.async_save = 1, False
+    c.rollout.mode, c.rollout.max_staleness = "split", 0
+    c.rollout.partial, c.rollout.partial_chunk = True, 2
+    c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
+    c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
+    return c
+"""
+
+# signal_config's format reward, which holds the step it scores while GATE exists once
+# the run's first checkpoint is on disk (saying so in GATE.reached): the trainer is then
+# stopped between two steps with a checkpoint behind it, whatever the machine's speed.
+GATED_REWARD = """
+import os, re, time
+
+
+def gated(completion, example):
+    if os.path.exists({gate!r}) and os.path.isdir({checkpoint!r}):
+        open({gate!r} + ".reached", "a").close()
+        while os.path.exists({gate!r}):
+            time.sleep(0.05)
+    return float(re.fullmatch("[0-9].*", completion, re.DOTALL) is not None)
+"""
+
+
+def test_a_trainer_killed_and_restarted_resumes_on_the_same_workers(workers, tmp_path):
+    """kill -9 of a split run's trainer (rollout.workers=2) once its first checkpoint is
+    on disk, while it waits for a step's scores; started again on the same workdir, it
+    resumes from that checkpoint on the same two worker processes (still running, their
+    sessions freed when the connection broke) and ends as the uninterrupted run does:
+    samples.jsonl (every row, its prompt, completion and reward) and the final parameters
+    equal bit for bit. max_staleness=0 makes that a property of the checkpoint: each step
+    is sampled by the parameters the previous update made, which the checkpoint holds,
+    with keys from (train.seed, step) alone; with a bound above 0 the uninterrupted run
+    samples the step after the checkpoint with older parameters than the resumed run."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jaxrl_llm.trainer import checkpoint
+
+    assert all(p.poll() is None for p, _ in workers.static), "a static worker died earlier"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    addresses = ",".join(a for _, a in workers.static)
+    env = _worker_env(workers.path) | {"JAX_PLATFORMS": "cpu"}
+    gate = tmp_path / "gate"
+
+    def config(name, workdir):
+        reward = tmp_path / f"{name}_reward.py"
+        first = str(workdir / "checkpoints" / "1")
+        reward.write_text(GATED_REWARD.format(gate=str(gate), checkpoint=first))
+        file = tmp_path / f"{name}.py"
+        text = RESTART_CONFIG.format(
+            tests=tests, model_dir=workers.path, reward=f"{reward}:gated", addresses=addresses
+        )
+        file.write_text(text)
+        return [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run = subprocess.run(config("whole", whole), env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    command = config("cut", cut)
+    gate.touch()
+    log = tmp_path / "cut.log"
+    with open(log, "w") as err:  # a file: a pipe nobody reads could fill and stop it
+        trainer = subprocess.Popen(command, env=env, stdout=err, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 600
+    try:
+        while not (tmp_path / "gate.reached").exists():
+            assert trainer.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the trainer never reached the gate"
+            time.sleep(0.1)
+        os.killpg(trainer.pid, signal.SIGKILL)  # the trainer and its verifier processes
+        trainer.wait()
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+        gate.unlink()
+    with checkpoint.Checkpointer(str(cut / "checkpoints"), read_only=True) as ck:
+        resume_at = ck.latest_step()
+    assert resume_at in (1, 2)  # held at step 2's or 3's scores (4 steps)
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"at step {resume_at}" in rerun.stderr
+    assert all(p.poll() is None for p, _ in workers.static)  # the same processes served
+    with open(cut / "metrics.jsonl") as f:
+        logged = [r for r in map(json.loads, f) if "rollout/workers" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert all(r["rollout/workers"] == 2 and r["rollout/workers_lost"] == 0 for r in logged)
+    got, want = _samples(cut), _samples(whole)
+    assert [r[0] for r in got] == [s for s in (1, 2, 3, 4) for _ in range(16)]
+    assert got == want
+
+    def final(workdir):
+        with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:
+            assert ck.latest_step() == 4
+            return ck.restore(4)[0]["params"]
+
+    for x, y in zip(jax.tree.leaves(final(cut)), jax.tree.leaves(final(whole)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_trainer_gone_mid_step_leaves_the_worker_to_the_next(workers):
+    """A trainer's connections close while the workers decode for it (their steps 4 of 6
+    tokens in, a `run` sent and its answer, the finished steps, never read): each worker
+    finishes the chunk, finds the connection gone as it answers, drops that session and
+    serves the next trainer, which connects meanwhile; its steps (the same ones, the
+    same keys) come back as the local stream draws them."""
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=2)
+    first = RemoteStream(remote, params, 0, spec, chunk=2)
+    for step, (ids, mask) in prompts.items():
+        first.submit(step, ids, mask, step)
+    assert first.run_chunk() == [] and first.run_chunk() == [] and first.in_flight
+    for link in first.links:
+        wire.send(link.sock, "run")
+        link.sock.close()  # gone before the answer: the worker's reply finds no one
+    second = RemoteStream(remote, params, 0, spec, chunk=2)
+    try:
+        for step, (ids, mask) in prompts.items():
+            second.submit(step, ids, mask, step)
+        got = _drain(second)
+        assert sorted(got) == [0, 1, 2, 3] and second.stats["workers"] == 2
+        for step in got:
+            _same(got[step], want[step])
+    finally:
+        second.close()
+    assert all(p.poll() is None for p, _ in workers.static)
 
 
 def test_a_worker_killed_mid_step_loses_nothing(workers):

@@ -23,8 +23,11 @@ is checked as a synchronous run's on this process's devices with that mesh
 - `close`: ends the connection.
 
 One trainer connection at a time, authorized by the shared secret in `JAXRL_WORKER_TOKEN`
-(`wire.authorize`); a new connection starts a new session. An exception in a request is
-answered with one `error` frame and the worker goes on.
+(`wire.authorize`); a new connection starts a new session, and the session ends with its
+connection, however that ends (closed, broken when an answer is sent, or its host silent
+past `KEEPALIVE`), so a trainer started again finds the worker free. The engines, and the
+programs they compiled, stay for the next trainer. An exception in a request is answered
+with one `error` frame and the worker goes on.
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ from jaxrl_llm.tpu import model_shapes
 from jaxrl_llm.workers import weights, wire
 
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is dropped
+# A trainer whose host vanished (no FIN, no RST reaches the worker) would hold the worker
+# in a read forever (or, with an answer not yet acknowledged, in TCP's retransmissions
+# for many minutes), and a restarted trainer would wait behind it. TCP keep-alive probes
+# the idle connection, and TCP_USER_TIMEOUT bounds how long sent bytes may go
+# unacknowledged: the connection breaks after idle + interval * probes seconds without a
+# word from the trainer's host (Linux; other systems keep their defaults). A trainer that
+# is alive answers the probes and acknowledges from its kernel, however long it sends or
+# reads nothing. (seconds idle before the first probe, between probes, probes)
+KEEPALIVE = (20, 5, 4)  # 40 s: within the 60 s a restarted trainer waits for a worker
 
 
 class Worker:
@@ -150,25 +162,52 @@ def serve(worker: Worker, listener: socket.socket, token: str) -> None:
                 continue
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keep_alive(conn)
             worker.reset()
-            _answer(worker, conn)
+            try:
+                _answer(worker, conn)
+            finally:
+                worker.reset()  # the session goes with its trainer (a paged one's cache too)
+
+
+def _keep_alive(conn: socket.socket) -> None:
+    """KEEPALIVE on `conn`: it breaks when the trainer's host stops answering."""
+    idle, interval, probes = KEEPALIVE
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    options = {
+        "TCP_KEEPIDLE": idle,
+        "TCP_KEEPINTVL": interval,
+        "TCP_KEEPCNT": probes,
+        "TCP_USER_TIMEOUT": 1000 * (idle + interval * probes),  # milliseconds
+    }
+    for name, value in options.items():
+        if hasattr(socket, name):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _answer(worker: Worker, conn: socket.socket) -> None:
+    """Answers one trainer's requests until it closes or its connection breaks: a trainer
+    killed while a request runs (say a chunk it asked for) is found gone when the answer
+    is sent, one whose host vanished when the keep-alive probes go unanswered, and the
+    worker waits for the next trainer as after a close."""
     while True:
         try:
             kind, fields, arrays = wire.recv(conn)
-        except (wire.Closed, OSError):
+        except (wire.WorkerError, ValueError, OSError):  # closed, broken, or not a frame
             return  # the trainer went away: wait for the next one
         if kind == "close":
-            wire.send(conn, "ok")
-            return
+            reply, answer = ({}, {}), "ok"
+        else:
+            try:
+                reply, answer = worker.handle(kind, fields, arrays), "ok"
+            except Exception as err:  # noqa: BLE001  (answered: the trainer raises it)
+                reply, answer = ({"message": f"{type(err).__name__}: {err}"}, {}), "error"
         try:
-            reply = worker.handle(kind, fields, arrays)
-        except Exception as err:  # noqa: BLE001  (answered: the trainer raises it)
-            wire.send(conn, "error", {"message": f"{type(err).__name__}: {err}"})
-            continue
-        wire.send(conn, "ok", *reply)
+            wire.send(conn, answer, *reply)
+        except OSError:
+            return  # the trainer died while it waited for this answer
+        if kind == "close":
+            return
 
 
 def main(argv) -> None:
