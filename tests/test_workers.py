@@ -165,6 +165,15 @@ def test_a_worker_drops_a_trainer_whose_host_vanished(tmp_path):
                 "rollout.mode": "split",
                 "rollout.workers": 1,
                 "rollout.worker_addresses": "a:1",
+                "rollout.worker_start_s": -1.0,
+            },
+            "rollout.worker_start_s=-1.0: must be a number of seconds > 0",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
                 "mesh.rollout_devices": 4,
             },
             "mesh.rollout_devices=4: with rollout.workers the workers sample",
@@ -210,15 +219,16 @@ def _worker_env(path: str) -> dict:
     }
 
 
-def _start_workers(path: str, engines) -> list:
+def _start_workers(path: str, engines, port: int = 0) -> list:
     """Worker processes (4 devices each) serving the tiny model's config, one per engine
-    -> [(process, address)], once each listens. The caller kills them (`_stop`)."""
+    (at `port`, 0: any free one) -> [(process, address)], once each listens. The caller
+    kills them (`_stop`)."""
     import os
     import subprocess
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
+    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", f"--port={port}"]
     command += ["--config=" + os.path.join(tests, "tiny_run.py")]
     procs = [
         subprocess.Popen(
@@ -239,6 +249,13 @@ def _start_workers(path: str, engines) -> list:
         _stop(procs)
         raise
     return started
+
+
+def _free_port() -> int:
+    """A port of 127.0.0.1 nothing listens on (when asked)."""
+    with wire.socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _stop(procs) -> None:
@@ -487,6 +504,7 @@ def get_config():
     c.rollout.partial, c.rollout.partial_chunk = True, 2
     c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
     c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
+    c.rollout.worker_start_s = {start_s}
     return c
 """
 
@@ -506,7 +524,113 @@ def gated(completion, example):
 """
 
 
-def test_a_trainer_killed_and_restarted_resumes_on_the_same_workers(workers, tmp_path):
+def _restart_run(workers, where, name: str, addresses: str, start_s: float = 60.0):
+    """RESTART_CONFIG's run on `addresses` -> (its command, its workdir where/name); its
+    reward is held while where/gate exists once the run's first checkpoint is on disk."""
+    import os
+    import sys
+
+    workdir = where / name
+    reward = where / f"{name}_reward.py"
+    first = str(workdir / "checkpoints" / "1")
+    reward.write_text(GATED_REWARD.format(gate=str(where / "gate"), checkpoint=first))
+    file = where / f"{name}.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    text = RESTART_CONFIG.format(
+        tests=tests,
+        model_dir=workers.path,
+        reward=f"{reward}:gated",
+        addresses=addresses,
+        start_s=start_s,
+    )
+    file.write_text(text)
+    command = [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
+    return command, workdir
+
+
+def _trainer_env(workers) -> dict:
+    return _worker_env(workers.path) | {"JAX_PLATFORMS": "cpu"}
+
+
+def _killed_at_the_gate(workers, command, workdir, where) -> int:
+    """Runs `command` (`_restart_run`'s, in `where`) until its reward is held at the gate,
+    then kills it with SIGKILL (the trainer and its verifier processes) -> the step of
+    the checkpoint it left."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from jaxrl_llm.trainer import checkpoint
+
+    gate = where / "gate"
+    gate.touch()
+    log = where / "killed.log"
+    with open(log, "w") as err:  # a file: a pipe nobody reads could fill and stop it
+        trainer = subprocess.Popen(
+            command, env=_trainer_env(workers), stdout=err, stderr=err, start_new_session=True
+        )
+    deadline = time.monotonic() + 600
+    try:
+        while not (where / "gate.reached").exists():
+            assert trainer.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the trainer never reached the gate"
+            time.sleep(0.1)
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+        gate.unlink()
+    with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:
+        return ck.latest_step()
+
+
+def _ran_the_same(got, want) -> None:
+    """Workdirs `got` and `want` hold the same samples.jsonl (every row of the 4 steps: its
+    prompt, completion and reward) and the same final parameters, bit for bit."""
+    from jaxrl_llm.trainer import checkpoint
+
+    rows = _samples(got)
+    assert [r[0] for r in rows] == [s for s in (1, 2, 3, 4) for _ in range(16)]
+    assert rows == _samples(want)
+
+    def final(workdir):
+        with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:
+            assert ck.latest_step() == 4
+            return ck.restore(4)[0]["params"]
+
+    for x, y in zip(jax.tree.leaves(final(got)), jax.tree.leaves(final(want)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _logged(workdir) -> list:
+    """metrics.jsonl's records of the rollout workers' counters."""
+    import json
+
+    with open(workdir / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if "rollout/workers" in r]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workers, tmp_path_factory):
+    """RESTART_CONFIG's 4 steps run through on the two static workers, the second listed
+    first (so it samples each step) -> the workdir: what a run with both workers draws."""
+    import subprocess
+
+    where = tmp_path_factory.mktemp("uninterrupted")
+    addresses = ",".join(a for _, a in reversed(workers.static))
+    command, workdir = _restart_run(workers, where, "whole", addresses)
+    run = subprocess.run(command, env=_trainer_env(workers), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["rollout/workers"] for r in _logged(workdir)] == [2, 2, 2, 2]
+    return workdir
+
+
+def test_a_trainer_killed_and_restarted_resumes_on_the_same_workers(
+    workers, uninterrupted, tmp_path
+):
     """kill -9 of a split run's trainer (rollout.workers=2) once its first checkpoint is
     on disk, while it waits for a step's scores; started again on the same workdir, it
     resumes from that checkpoint on the same two worker processes (still running, their
@@ -515,78 +639,60 @@ def test_a_trainer_killed_and_restarted_resumes_on_the_same_workers(workers, tmp
     equal bit for bit. max_staleness=0 makes that a property of the checkpoint: each step
     is sampled by the parameters the previous update made, which the checkpoint holds,
     with keys from (train.seed, step) alone; with a bound above 0 the uninterrupted run
-    samples the step after the checkpoint with older parameters than the resumed run."""
-    import json
-    import os
-    import signal
+    samples the step after the checkpoint with older parameters than the resumed run.
+    (The uninterrupted run's steps are drawn by the other worker process.)"""
     import subprocess
-    import sys
-    import time
-
-    from jaxrl_llm.trainer import checkpoint
 
     assert all(p.poll() is None for p, _ in workers.static), "a static worker died earlier"
-    tests = os.path.dirname(os.path.abspath(__file__))
     addresses = ",".join(a for _, a in workers.static)
-    env = _worker_env(workers.path) | {"JAX_PLATFORMS": "cpu"}
-    gate = tmp_path / "gate"
-
-    def config(name, workdir):
-        reward = tmp_path / f"{name}_reward.py"
-        first = str(workdir / "checkpoints" / "1")
-        reward.write_text(GATED_REWARD.format(gate=str(gate), checkpoint=first))
-        file = tmp_path / f"{name}.py"
-        text = RESTART_CONFIG.format(
-            tests=tests, model_dir=workers.path, reward=f"{reward}:gated", addresses=addresses
-        )
-        file.write_text(text)
-        return [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
-
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    run = subprocess.run(config("whole", whole), env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-
-    command = config("cut", cut)
-    gate.touch()
-    log = tmp_path / "cut.log"
-    with open(log, "w") as err:  # a file: a pipe nobody reads could fill and stop it
-        trainer = subprocess.Popen(command, env=env, stdout=err, stderr=err, start_new_session=True)
-    deadline = time.monotonic() + 600
-    try:
-        while not (tmp_path / "gate.reached").exists():
-            assert trainer.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the trainer never reached the gate"
-            time.sleep(0.1)
-        os.killpg(trainer.pid, signal.SIGKILL)  # the trainer and its verifier processes
-        trainer.wait()
-    finally:
-        if trainer.poll() is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
-            trainer.wait()
-        gate.unlink()
-    with checkpoint.Checkpointer(str(cut / "checkpoints"), read_only=True) as ck:
-        resume_at = ck.latest_step()
+    command, cut = _restart_run(workers, tmp_path, "cut", addresses)
+    resume_at = _killed_at_the_gate(workers, command, cut, tmp_path)
     assert resume_at in (1, 2)  # held at step 2's or 3's scores (4 steps)
 
-    rerun = subprocess.run(command, env=env, capture_output=True, text=True)
+    rerun = subprocess.run(command, env=_trainer_env(workers), capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"at step {resume_at}" in rerun.stderr
     assert all(p.poll() is None for p, _ in workers.static)  # the same processes served
-    with open(cut / "metrics.jsonl") as f:
-        logged = [r for r in map(json.loads, f) if "rollout/workers" in r]
+    logged = _logged(cut)
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     assert all(r["rollout/workers"] == 2 and r["rollout/workers_lost"] == 0 for r in logged)
-    got, want = _samples(cut), _samples(whole)
-    assert [r[0] for r in got] == [s for s in (1, 2, 3, 4) for _ in range(16)]
-    assert got == want
+    _ran_the_same(cut, uninterrupted)
 
-    def final(workdir):
-        with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:
-            assert ck.latest_step() == 4
-            return ck.restore(4)[0]["params"]
 
-    for x, y in zip(jax.tree.leaves(final(cut)), jax.tree.leaves(final(whole)), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+def test_a_run_starts_and_resumes_without_one_of_its_workers(workers, uninterrupted, tmp_path):
+    """The restart above, each time with one of the two workers missing: the run starts
+    with nothing at the first address (the trainer waits rollout.worker_start_s for both,
+    warns once naming it, samples on the other), its trainer is killed at the gate, a
+    worker comes up at the first address and the one that served the run is killed; the
+    trainer started again resumes on the new one alone (warning of the lost one) and ends
+    as the uninterrupted run does, bit for bit: samples.jsonl and the final parameters.
+    The three runs' steps are drawn by three different worker processes: a step is
+    sampled whole by one worker with the trainer's key (train.seed, step), by the same
+    engine over the same weights, so which one draws it does not change the draw."""
+    import subprocess
+
+    port = _free_port()
+    later = f"127.0.0.1:{port}"
+    [(lost, address)] = _start_workers(workers.path, ["static"])
+    command, cut = _restart_run(workers, tmp_path, "cut", f"{later},{address}", start_s=2.0)
+    joined = []
+    try:
+        resume_at = _killed_at_the_gate(workers, command, cut, tmp_path)
+        _stop([lost])  # the worker that served the run is gone before the trainer restarts
+        joined = _start_workers(workers.path, ["static"], port=port)
+        rerun = subprocess.run(command, env=_trainer_env(workers), capture_output=True, text=True)
+    finally:
+        _stop([lost] + [p for p, _ in joined])
+    assert resume_at in (1, 2)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"at step {resume_at}" in rerun.stderr
+    for log, missing in ((tmp_path / "killed.log").read_text(), later), (rerun.stderr, address):
+        [warning] = [line for line in log.splitlines() if "did not answer" in line]
+        assert f"rollout workers {missing} did not answer within 2 s: starting on 1 of 2" in warning
+    logged = _logged(cut)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert all(r["rollout/workers"] == 1 and r["rollout/workers_lost"] == 0 for r in logged)
+    _ran_the_same(cut, uninterrupted)
 
 
 def test_a_trainer_gone_mid_step_leaves_the_worker_to_the_next(workers):
@@ -807,6 +913,54 @@ def test_a_worker_listed_mid_stream_joins_and_one_unlisted_leaves(workers, tmp_p
         ((out, _),) = _drain(stream).values()
         np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
         assert [k.alive for k in stream.links] == [False, True] and stream.stats["workers"] == 1
+    finally:
+        stream.close()
+        _stop([p for p, _ in joined])
+
+
+def test_a_stream_opens_without_a_given_worker_that_joins_when_it_answers(
+    workers, monkeypatch, caplog
+):
+    """Two addresses given, nothing listening at the first: the stream waits
+    connect_timeout_s (`rollout.worker_start_s`), opens on the other with one warning
+    naming the missing one, and tries it again as a lost worker (every RETRY_S, here
+    before each step): a worker started at that address joins, gets the weights and
+    takes a step. Every step as the local stream draws it. None answering: one error."""
+    import dataclasses
+    import logging
+
+    from jaxrl_llm.workers import remote as remote_lib
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0)
+    port = _free_port()
+    missing, first = f"127.0.0.1:{port}", workers.static[0][1]
+    remote = dataclasses.replace(remote, addresses=(missing, first), connect_timeout_s=1.0)
+    with pytest.raises(wire.WorkerError, match=f"none of the rollout workers .*: {missing}$"):
+        remote_lib.RemoteStream(dataclasses.replace(remote, addresses=(missing,)), params, 0, spec)
+    with caplog.at_level(logging.WARNING):
+        stream = remote_lib.RemoteStream(remote, params, 0, spec)
+    joined = []
+    try:
+        [warning] = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+        assert warning.startswith(f"rollout workers {missing} did not answer within 1 s: ")
+        assert [k.address for k in stream.links] == [first] and stream.stats["workers"] == 1
+        for step in (0, 1):
+            stream.submit(step, *prompts[step], step)
+        got = _drain(stream)
+        joined = _start_workers(workers.path, ["static"], port=port)
+        monkeypatch.setattr(remote_lib, "RETRY_S", 0.0)
+        for step in (2, 3):
+            stream.submit(step, *prompts[step], step)
+        assert [(k.address, sorted(k.steps)) for k in stream.links] == [
+            (first, [2]),
+            (missing, [3]),
+        ]
+        got |= _drain(stream)
+        assert sorted(got) == [0, 1, 2, 3]
+        for step in got:
+            _same(got[step], want[step])
+        assert stream.stats["workers_joined"] == 1 and stream.stats["workers"] == 2
+        assert stream.stats["workers_lost"] == 0
     finally:
         stream.close()
         _stop([p for p, _ in joined])

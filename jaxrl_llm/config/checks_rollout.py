@@ -91,8 +91,8 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 
 
 def check_workers(config) -> None:
-    """rollout.workers and rollout.worker_addresses: N addresses host:port (or @file, with
-    at least N listed at the start), rollout.worker_timeout_s, split mode, single-turn
+    """rollout.workers and rollout.worker_addresses: N addresses host:port (or @file),
+    rollout.worker_timeout_s and worker_start_s, split mode, single-turn
     rollouts of plain weights (docs/workers.md says what is not built)."""
     r = config.rollout
     n = r.get("workers", 0)
@@ -106,11 +106,12 @@ def check_workers(config) -> None:
         r.mode == "split",
         f"rollout.workers={n}: rollout workers serve rollout.mode='split' (got {r.mode!r})",
     )
-    timeout = r.get("worker_timeout_s", 600.0)
-    require(
-        isinstance(timeout, int | float) and timeout > 0,
-        f"rollout.worker_timeout_s={timeout!r}: must be a number of seconds > 0",
-    )
+    for key, default in (("worker_timeout_s", 600.0), ("worker_start_s", 60.0)):
+        seconds = r.get(key, default)
+        require(
+            isinstance(seconds, int | float) and seconds > 0,
+            f"rollout.{key}={seconds!r}: must be a number of seconds > 0",
+        )
     given = str(r.worker_addresses)
     if given.startswith("@"):  # a file of addresses, read again between steps
         require(

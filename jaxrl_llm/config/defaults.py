@@ -188,6 +188,10 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # hung, its network cut) is dropped like a dead one and its steps go to the others.
     # Longer than a worker's slowest answer: its first `run` compiles the engine's programs.
     r.worker_timeout_s = 600.0
+    # At start (and on resume) the trainer waits this long for its workers to answer, then
+    # starts with those that did (none: an error); the others are tried again every 30 s
+    # and join when they answer, as workers lost in the run do.
+    r.worker_start_s = 60.0
     # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
     # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand

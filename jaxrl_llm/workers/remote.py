@@ -27,6 +27,7 @@ is assigned to now. When no worker is left, `WorkerError`. A worker's own error 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 
@@ -54,8 +55,9 @@ class Workers:
     timeout_s: float = 600.0  # silence while an answer is owed -> the worker is dropped
     # A file of addresses instead (`rollout.worker_addresses=@path`), read again before
     # each step is given out: an address added joins, one removed leaves once its steps
-    # are back. `addresses` is then ignored, and the opening waits (connect_timeout_s)
-    # until `min_workers` of the file's answer.
+    # are back. `addresses` is then ignored. The opening waits up to connect_timeout_s
+    # (`rollout.worker_start_s`) for every address given (from a file: `min_workers` of
+    # those listed), then opens with those that answered (`_first_connections`).
     addresses_file: str | None = None
     min_workers: int = 1
 
@@ -150,52 +152,62 @@ class RemoteStream:
         self.stats["workers"] = len(self.alive)
 
     # ------------------------------------------------------------------ the workers
-    def _connect(self, address: str, timeout_s: float):
-        """An authorized connection whose reads and writes give up after `timeout_s` of
-        silence (socket.timeout, an OSError: the worker is then lost)."""
-        sock = wire.connect(address, self.workers.token, timeout_s)
+    def _connect(self, address: str, timeout_s: float, hello_s: float | None = None):
+        """An authorized connection (within `timeout_s`; its hello answered within
+        `hello_s`, default the same) whose reads and writes give up after
+        `Workers.timeout_s` of silence (socket.timeout, an OSError: the worker is then
+        lost)."""
+        sock = wire.connect(address, self.workers.token, timeout_s, hello_s)
         sock.settimeout(self.workers.timeout_s)
         return sock
 
     def _first_connections(self) -> list:
-        """[(address, socket)] of the workers to open with: every address given, each
-        retried while it cannot be reached (a worker still starting: refused, its name not
-        in DNS yet) for up to connect_timeout_s;
-        from a file, those it lists once `min_workers` of them answer."""
+        """[(address, socket)] of the workers to open with. Every address listed (given, or
+        in the file) is tried, again every 0.5 s while it cannot be reached (a worker still
+        starting: refused, its name not in DNS yet), until all given answer (from a file:
+        `min_workers` of those it lists), for up to connect_timeout_s. Then the run starts
+        with those that answered, if any, and one warning names the others: they are tried
+        again every RETRY_S as workers lost in the run are (`_refresh`), so one that comes
+        up joins. None answered: `WorkerError`."""
         w = self.workers
         deadline = time.monotonic() + w.connect_timeout_s
-        if not w.addresses_file:
-            return [(a, self._connect_by(a, deadline)) for a in w.addresses]
         got: dict = {}
         while True:
-            for a in self._listed():
+            listed = self._listed()
+            for a in listed:
                 if a not in got:
-                    try:
-                        got[a] = self._connect(a, JOIN_TIMEOUT_S)
+                    try:  # a host that drops the SYN costs JOIN_TIMEOUT_S; a worker that
+                        # accepted waits for its answer (still finishing an old trainer's
+                        # chunk) up to the deadline
+                        hello_s = max(1.0, deadline - time.monotonic())
+                        got[a] = self._connect(a, JOIN_TIMEOUT_S, hello_s)
                     except OSError:
                         pass
-            if len(got) >= w.min_workers:
-                return list(got.items())
-            if time.monotonic() > deadline:
-                for sock in got.values():
-                    sock.close()
-                raise wire.WorkerError(
-                    f"{len(got)} of the rollout workers listed in {w.addresses_file} answered "
-                    f"within {w.connect_timeout_s:.0f} s; rollout.workers={w.min_workers} needed"
-                )
+            want = w.min_workers if w.addresses_file else len(listed)
+            if len(got) >= want or time.monotonic() > deadline:
+                break
             time.sleep(0.5)
-
-    def _connect_by(self, address: str, deadline: float):
-        while True:
-            try:
-                return self._connect(address, max(1.0, deadline - time.monotonic()))
-            except OSError as err:  # refused, or its name not resolved yet: still starting
-                if time.monotonic() > deadline:
-                    raise wire.WorkerError(
-                        f"rollout worker {address} did not answer within "
-                        f"{self.workers.connect_timeout_s:.0f} s: {err}"
-                    ) from None
-                time.sleep(0.5)
+        where = f" listed in {w.addresses_file}" if w.addresses_file else ""
+        if not got:
+            raise wire.WorkerError(
+                f"none of the rollout workers{where} answered within "
+                f"{w.connect_timeout_s:.0f} s: {', '.join(listed) or 'none listed'}"
+            )
+        missing = [a for a in listed if a not in got]
+        if missing:
+            logging.warning(
+                "rollout workers %s did not answer within %.0f s: starting on %d of %d "
+                "(rollout.workers=%d), trying them again every %.0f s",
+                ", ".join(missing),
+                w.connect_timeout_s,
+                len(got),
+                len(listed),
+                w.min_workers,
+                RETRY_S,
+            )
+            now = time.monotonic()
+            self.tried.update((a, now) for a in missing)  # as if lost now: `_refresh`
+        return list(got.items())
 
     def _listed(self) -> list:
         """The addresses in the file (host:port, separated by commas or white space), or
@@ -347,6 +359,7 @@ def rollout_workers(c, pad_id: int):
         seed=c.train.seed,
         dtype=c.model.dtype,
         timeout_s=float(c.rollout.get("worker_timeout_s", 600.0)),
+        connect_timeout_s=float(c.rollout.get("worker_start_s", 60.0)),
         addresses_file=listed,
         min_workers=c.rollout.workers,
     )

@@ -119,14 +119,18 @@ def _read_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def connect(address: str, token: str, timeout_s: float | None = None) -> socket.socket:
-    """A connection to `host:port` that presented `token` and was accepted."""
+def connect(
+    address: str, token: str, timeout_s: float | None = None, hello_s: float | None = None
+) -> socket.socket:
+    """A connection to `host:port` (made within `timeout_s`) that presented `token` and was
+    accepted (answered within `hello_s`, default `timeout_s`)."""
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(timeout_s if hello_s is None else hello_s)
     try:
         send(sock, "hello", {"token": token})
-        recv(sock)  # within timeout_s too: a stopped worker accepts but never answers
+        recv(sock)  # within hello_s: a stopped worker accepts but never answers
     except (Closed, OSError):
         sock.close()
         raise
