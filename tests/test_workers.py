@@ -872,6 +872,23 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row(workers, tmp_path):
         assert r["reward"] == float(digit), r
 
 
+def _joined_takes_step_3(stream, prompts, want, got: dict, first: str, joined: str):
+    """Steps 2 and 3 submitted after steps 0 and 1 (`got`) came back from `first`: the
+    worker that joined at `joined` takes step 3, and all four are as the local stream
+    draws them."""
+    for step in (2, 3):
+        stream.submit(step, *prompts[step], step)
+    assert [(k.address, sorted(k.steps)) for k in stream.links] == [
+        (first, [2]),
+        (joined, [3]),
+    ]
+    got |= _drain(stream)
+    assert sorted(got) == [0, 1, 2, 3]
+    for step in got:
+        _same(got[step], want[step])
+    assert stream.stats["workers_joined"] == 1 and stream.stats["workers"] == 2
+
+
 def test_a_worker_listed_mid_stream_joins_and_one_unlisted_leaves(workers, tmp_path):
     """Addresses from a file (`rollout.worker_addresses=@path`), read again before each
     step is given out: a worker started after the first steps and added to the file
@@ -896,17 +913,7 @@ def test_a_worker_listed_mid_stream_joins_and_one_unlisted_leaves(workers, tmp_p
         joined = _start_workers(workers.path, ["static"])
         [(_, address)] = joined
         listed.write_text(f"{first}\n{address}\n")
-        for step in (2, 3):
-            stream.submit(step, *prompts[step], step)
-        assert [(k.address, sorted(k.steps)) for k in stream.links] == [
-            (first, [2]),
-            (address, [3]),
-        ]
-        got |= _drain(stream)
-        assert sorted(got) == [0, 1, 2, 3]
-        for step in got:
-            _same(got[step], want[step])
-        assert stream.stats["workers_joined"] == 1 and stream.stats["workers"] == 2
+        _joined_takes_step_3(stream, prompts, want, got, first, address)
         listed.write_text(address + "\n")  # the first leaves
         stream.submit(4, *prompts[0], 0)
         assert [sorted(k.steps) for k in stream.links] == [[], [4]]
@@ -935,7 +942,8 @@ def test_a_stream_opens_without_a_given_worker_that_joins_when_it_answers(
     port = _free_port()
     missing, first = f"127.0.0.1:{port}", workers.static[0][1]
     remote = dataclasses.replace(remote, addresses=(missing, first), connect_timeout_s=1.0)
-    with pytest.raises(wire.WorkerError, match=f"none of the rollout workers .*: {missing}$"):
+    alone = f"none of the rollout workers answered within 1 s: {missing} \\(.*refused\\)$"
+    with pytest.raises(wire.WorkerError, match=alone):
         remote_lib.RemoteStream(dataclasses.replace(remote, addresses=(missing,)), params, 0, spec)
     with caplog.at_level(logging.WARNING):
         stream = remote_lib.RemoteStream(remote, params, 0, spec)
@@ -949,17 +957,7 @@ def test_a_stream_opens_without_a_given_worker_that_joins_when_it_answers(
         got = _drain(stream)
         joined = _start_workers(workers.path, ["static"], port=port)
         monkeypatch.setattr(remote_lib, "RETRY_S", 0.0)
-        for step in (2, 3):
-            stream.submit(step, *prompts[step], step)
-        assert [(k.address, sorted(k.steps)) for k in stream.links] == [
-            (first, [2]),
-            (missing, [3]),
-        ]
-        got |= _drain(stream)
-        assert sorted(got) == [0, 1, 2, 3]
-        for step in got:
-            _same(got[step], want[step])
-        assert stream.stats["workers_joined"] == 1 and stream.stats["workers"] == 2
+        _joined_takes_step_3(stream, prompts, want, got, first, missing)
         assert stream.stats["workers_lost"] == 0
     finally:
         stream.close()

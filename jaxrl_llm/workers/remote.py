@@ -171,7 +171,7 @@ class RemoteStream:
         up joins. None answered: `WorkerError`."""
         w = self.workers
         deadline = time.monotonic() + w.connect_timeout_s
-        got: dict = {}
+        got, errors = {}, {}
         while True:
             listed = self._listed()
             for a in listed:
@@ -181,8 +181,8 @@ class RemoteStream:
                         # chunk) up to the deadline
                         hello_s = max(1.0, deadline - time.monotonic())
                         got[a] = self._connect(a, JOIN_TIMEOUT_S, hello_s)
-                    except OSError:
-                        pass
+                    except OSError as err:
+                        errors[a] = err
             want = w.min_workers if w.addresses_file else len(listed)
             if len(got) >= want or time.monotonic() > deadline:
                 break
@@ -191,7 +191,8 @@ class RemoteStream:
         if not got:
             raise wire.WorkerError(
                 f"none of the rollout workers{where} answered within "
-                f"{w.connect_timeout_s:.0f} s: {', '.join(listed) or 'none listed'}"
+                f"{w.connect_timeout_s:.0f} s: "
+                + (", ".join(f"{a} ({errors.get(a)})" for a in listed) or "none listed")
             )
         missing = [a for a in listed if a not in got]
         if missing:
