@@ -102,15 +102,20 @@ cli_main(main)
 """
 
 
-def test_disk_full_at_the_command_line_is_one_line(small_disk):
+def _script(source: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs `source` in a fresh Python on one CPU device; its stdout and stderr kept."""
     env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_FILL), str(small_disk / "ckpt")],
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source), *args],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
+
+
+def test_disk_full_at_the_command_line_is_one_line(small_disk):
+    proc = _script(_FILL, str(small_disk / "ckpt"))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr[-3000:]
@@ -146,14 +151,7 @@ Other()
 
 
 def test_a_write_finishing_after_its_failed_save_prints_nothing(tmp_path):
-    env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_LATE_CALLBACK), str(tmp_path / "ckpt")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _script(_LATE_CALLBACK, str(tmp_path / "ckpt"), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Event loop is closed" not in proc.stderr
     assert "RuntimeError: other" in proc.stderr  # any other report still reaches the hook
