@@ -156,6 +156,16 @@ def test_config_history_across_three_resumes(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == plain[-1]
 
 
+def test_a_resume_may_find_its_rollout_workers_elsewhere(tmp_path):
+    first = _config(**{"rollout.workers": 2, "rollout.worker_addresses": "w0:7070,w1:7070"})
+    workdir.save_config(tmp_path, first)
+    moved = _config(**{"rollout.workers": 1, "rollout.worker_addresses": "w9:7070"})
+    assert workdir.check_resume(tmp_path, moved) == [
+        'rollout.worker_addresses: "w0:7070,w1:7070" -> "w9:7070"',
+        "rollout.workers: 2 -> 1",
+    ]
+
+
 def test_config_json_from_before_the_history_is_kept(tmp_path):
     old = json.loads(json.dumps(_config()))
     (tmp_path / "config.json").write_text(json.dumps(old))

@@ -80,6 +80,10 @@ NOT_MEANINGFUL = frozenset(
         "rollout.cache_segments",  # KV cache layout of the decode loop
         "rollout.prefill_chunk",  # prefill in chunks: same cache
         "optim.micro_batches",  # gradient accumulation: the same gradient, less memory
+        "rollout.workers",  # where the rollouts are drawn: any worker draws a step as
+        "rollout.worker_addresses",  # the others do (the trainer's key and weights), so
+        "rollout.worker_timeout_s",  # a restart may find its workers elsewhere, or
+        "rollout.worker_start_s",  # fewer or more of them
         "env.step_timeout_s",  # limits of the environment's workers: how long, how
         "env.trajectory_timeout_s",  # many and how much memory; raising one is the fix
         "env.workers",  # for a run stopped by timeouts or memory errors
