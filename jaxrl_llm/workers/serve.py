@@ -163,7 +163,6 @@ def serve(worker: Worker, listener: socket.socket, token: str) -> None:
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keep_alive(conn)
-            worker.reset()
             try:
                 _answer(worker, conn)
             finally:
