@@ -144,6 +144,30 @@ def test_chunked_backward_never_holds_full_logits():
     assert _temp_bytes(grads(no_remat), h, w, y) >= logits_bytes
 
 
+def test_kept_logits_sum_chunk_weight_gradients_as_they_go(monkeypatch):
+    """Straight-line chunks each make a [D, V] weight gradient and XLA sums them in one
+    fusion that reads them all; beyond `UNROLL_GRAD_BYTES` the chunks run under lax.map,
+    whose backward adds each chunk's to one sum: a few gradients live, not one a chunk."""
+    from jaxrl_llm.rl import logprobs
+
+    n, t, d, v = 2, 8, 64, 32768  # 8 one-position chunks; each weight gradient 8 MiB
+    h = jax.ShapeDtypeStruct((n, t, d), jnp.float32)
+    w = jax.ShapeDtypeStruct((d, v), jnp.float32)
+    y = jax.ShapeDtypeStruct((n, t), jnp.int32)
+    f = functools.partial(token_logprobs, chunk_size=1, remat=False)
+    one = d * v * 4
+
+    def temps(limit):  # a new function each time: jax caches traces by function
+        monkeypatch.setattr(logprobs, "UNROLL_GRAD_BYTES", limit)
+        grads = jax.grad(lambda h, w, y: jnp.sum(sum(f(h, w, y))), argnums=(0, 1))
+        return _temp_bytes(grads, h, w, y)
+
+    unrolled = temps(t * one)  # all 8 chunks straight-line
+    mapped = temps(t * one - 1)  # one byte short: lax.map
+    assert unrolled >= (t - 1) * one, unrolled / one  # all but one beside the output
+    assert mapped <= 4 * one, mapped / one  # the sum, one chunk's, the unembedding's copy
+
+
 def test_default_keeps_small_logits_and_recomputes_large_ones():
     """remat=None: keep [N, T, V] logits for the backward only while they are small."""
     from jaxrl_llm.rl import logprobs

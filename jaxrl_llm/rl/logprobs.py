@@ -6,9 +6,10 @@ soft-capping c tanh(x / c), Gemma 4's, or the identity):
 
 The [N, T, V] logits are never held at once: T is cut into chunks of C positions, a
 `lax.map` walks the chunks, and (remat=True) the backward pass recomputes one chunk's
-[N, C, V] logits instead of storing them all. When the logits are kept (small [N, T, V])
-and there are at most `UNROLL_CHUNKS` chunks, the chunks are straight-line code instead of
-a `lax.map`, so each kept chunk stays in its own buffer. Peak memory is O(N C V) instead of
+[N, C, V] logits instead of storing them all. When the logits are kept (small [N, T, V]),
+there are at most `UNROLL_CHUNKS` chunks and their [D, V] weight gradients together fit
+`UNROLL_GRAD_BYTES`, the chunks are straight-line code instead of a `lax.map`, so each kept
+chunk stays in its own buffer. Peak memory is O(N C V) instead of
 O(N T V); with vocabularies of ~150k this is what makes long completions fit. Each chunk
 has a hand-written backward (`_chunk_bwd`): the logits' cotangent
 g_logp (onehot - p) - g_H p (z - sum p z) is one fused pass over [N, C, V] followed by the
@@ -34,6 +35,10 @@ from jaxrl_llm.models.partitioning import context_size
 
 SAVE_LOGITS_BYTES = 512 * 2**20  # remat=None: keep the logits for the backward up to this
 UNROLL_CHUNKS = 16  # logits kept: up to this many chunks run as straight-line code
+# ... and only while their weight gradients ([D, V] float32 each) held together stay below
+# this: straight-line chunks each make their own, and XLA sums them in one fusion that
+# reads them all, so all of them are live at once; a `lax.map` sums them in its carry.
+UNROLL_GRAD_BYTES = 256 * 2**20
 
 
 def _logits(h, w, temperature: float, softcap: float | None):
@@ -158,10 +163,13 @@ def token_logprobs(
     def one_chunk(xs):
         return _chunk_logprobs(xs[0], unembed, xs[1], temperature, not remat, softcap)
 
-    if not remat and n_chunks <= UNROLL_CHUNKS:
+    grad_bytes = n_chunks * unembed.size * 4  # the chunks' float32 weight gradients
+    few = n_chunks == 1 or (n_chunks <= UNROLL_CHUNKS and grad_bytes <= UNROLL_GRAD_BYTES)
+    if not remat and few:
         # Straight-line chunks: each keeps its own logits buffer for the backward. Under
         # lax.map the kept logits are stacked into one [n_chunks, N, C, V] array, which XLA
-        # zero-fills and then copies every chunk into (two extra passes over the logits).
+        # zero-fills and then copies every chunk into (two extra passes over the logits);
+        # but the map's backward adds each chunk's weight gradient to one sum as it goes.
         outs = [one_chunk((h_chunks[i], t_chunks[i])) for i in range(n_chunks)]
         logp, entropy = (jnp.stack(x) for x in zip(*outs, strict=True))
     else:
