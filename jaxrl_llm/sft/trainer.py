@@ -160,7 +160,7 @@ def run(config, workdir: str) -> dict:
     model_cfg, params = sft_model.init_model(c, tokenizer, mesh)
     # ---- Optimizer, state, update step
     opt = rl.optimizer_from_config(c.optim, c.train.num_steps)
-    state = rl.init_train_state(params, opt)
+    state = rl.init_train_state(rl.owned(params), opt)  # loaded weights: donatable
     step_fn = make_step_fn(model_cfg, opt, c.train.logprob_chunk, state)
     # ---- Input, evaluation, metrics
     batches = sft_data.sft_batches(c, tokenizer)

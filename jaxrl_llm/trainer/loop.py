@@ -149,7 +149,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if latest is not None:  # LoRA: the checkpoint holds the adapters, the base is reloaded
         saved = rl.checkpointed(run.state)
         restored, extra = ckpt.restore(latest, target=_abstract(saved))
-        run.state = restored.replace(frozen=run.state.frozen)
+        # Restored arrays may view host memory: `owned` lets the first update donate them.
+        run.state = rl.owned(restored).replace(frozen=run.state.frozen)
         run.sampling.data.restore(extra["data"])
         start = int(extra["step"])
         print(f"resumed from {ckpt.directory} at step {start}", file=sys.stderr, flush=True)

@@ -256,6 +256,8 @@ class Run:
             params = models.lora.init_adapters(
                 self.model_cfg, c.train.seed, self.mesh, c.model.dtype
             )
+        # Loaded weights may view host memory, which the first update could not donate.
+        params, critic_params = rl.owned((params, critic_params))
         self.state = rl.init_train_state(
             params, opt, critic_params=critic_params, critic_optimizer=critic_opt, frozen=frozen
         )
