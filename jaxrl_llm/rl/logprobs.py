@@ -35,7 +35,7 @@ from jaxrl_llm.models.partitioning import context_size
 
 SAVE_LOGITS_BYTES = 512 * 2**20  # remat=None: keep the logits for the backward up to this
 UNROLL_CHUNKS = 16  # logits kept: up to this many chunks run as straight-line code
-# ... and only while their weight gradients ([D, V] float32 each) held together stay below
+# ... and only while their weight gradients ([D, V] in W's dtype) held together stay below
 # this: straight-line chunks each make their own, and XLA sums them in one fusion that
 # reads them all, so all of them are live at once; a `lax.map` sums them in its carry.
 UNROLL_GRAD_BYTES = 256 * 2**20
@@ -163,7 +163,7 @@ def token_logprobs(
     def one_chunk(xs):
         return _chunk_logprobs(xs[0], unembed, xs[1], temperature, not remat, softcap)
 
-    grad_bytes = n_chunks * unembed.size * 4  # the chunks' float32 weight gradients
+    grad_bytes = n_chunks * unembed.size * unembed.dtype.itemsize  # the chunks' weight gradients
     few = n_chunks == 1 or (n_chunks <= UNROLL_CHUNKS and grad_bytes <= UNROLL_GRAD_BYTES)
     if not remat and few:
         # Straight-line chunks: each keeps its own logits buffer for the backward. Under
