@@ -13,7 +13,10 @@ cache) and as an agent written against the `openai` client (`countdown`, played 
 each request that extends its episode appended to its row's KV cache), and the same
 agent through the gateway on the paged engine (`rollout.engine=paged`: each episode a
 row of its `TurnSession`). All sample at temperature 1 with the same budget per turn and the
-same stop ids, on one device.
+same stop ids, on one device. The fourth path is the floor of the gateway's: the same agent
+through the gateway on an engine that answers every request at once (`gateway.Instant`,
+`--turn_tokens` ids), so its time is the host's alone (the agent processes, their
+`openai` clients, HTTP, the batcher), the model's left out.
 
 Each repeat runs one rollout of each path, alternating (A, B, C, A, B, C, ...), after
 `--warmup` untimed rollouts of each (compiles: the paged engine's prefill and decode
@@ -34,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, table, uptime  # noqa: E402
+from gateway import Instant  # noqa: E402
 
 from jaxrl_llm import assets, data, sampling  # noqa: E402
 from jaxrl_llm import config as config_lib  # noqa: E402
@@ -144,6 +148,9 @@ def main():
             "gateway, paged engine": AgentRollout(
                 c, tok, sampling.PagedSampler(cfg, None, seed=0), spec
             ),
+            "gateway, no model (floor)": AgentRollout(
+                c, tok, Instant(tok.encode("1" * a.turn_tokens)[: a.turn_tokens]), spec
+            ),
         }
         results = {name: [] for name in paths}
         try:
@@ -172,7 +179,7 @@ def main():
                 "prefilled / cached context tokens": f"{runs[-1, 3]:.0f} / {runs[-1, 4]:.0f}",
             }
         )
-    env, gateway, engine = medians.values()
+    env, gateway, engine, floor = medians.values()
     print(
         f"device: {device_name()}; model {a.model}; {a.batch} rows x G={a.G}, {a.turns} "
         f"turns of <= {a.turn_tokens} tokens; {a.repeats} interleaved repeats"
@@ -196,6 +203,10 @@ def main():
     print(
         f"gateway on the paged engine / on the static sampler: trajectories/s "
         f"x{engine[0] / gateway[0]:.2f}; / env x{engine[0] / env[0]:.2f}  (medians)"
+    )
+    print(
+        f"gateway with no model / env: trajectories/s x{floor[0] / env[0]:.2f} (the most "
+        f"the gateway path can reach on these agents' processes)"
     )
     print(uptime())
 

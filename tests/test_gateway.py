@@ -21,7 +21,7 @@ from jaxrl_llm import envs, models, rl, sampling, train
 from jaxrl_llm.gateway import parse_tool_calls
 from jaxrl_llm.models import builtin
 from jaxrl_llm.rollout.agents import AgentRollout
-from jaxrl_llm.sampling import engine
+from jaxrl_llm.sampling import engine, serve
 from jaxrl_llm.trainer import metrics
 
 AGENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agents_for_tests.py")
@@ -275,6 +275,38 @@ def test_static_requests_extend_their_rows_cache(tiny, tok):
     assert live.stats["cache_restarts"] == 1 and reread.stats["cached_tokens"] == 0
     assert live.stats["cached_tokens"] == cached and tight.stats["cached_tokens"] == 0
     assert tight.stats["prefill_tokens"] == reread.stats["prefill_tokens"]
+
+
+def test_static_requests_prefill_a_shared_first_request_once(tiny, tok):
+    """A cohort whose first requests come in equal pairs (an agent's G=2 episodes of one
+    example) prefills each pair's context once, for 2 rows (the start program reads 2 of
+    the 4 rows); each reply is still HF's greedy reply to its own context and the
+    episodes keep their rows: the next round's appends answer each episode's own
+    conversation. The pairing is by equal contexts, in any order of asking, and the
+    rows to prefill stay a multiple of the mesh's batch."""
+    model, cfg, params = tiny
+    sampler = sampling.Sampler(cfg, None, seed=5, cache_segments=1)
+    spec = sampling.RolloutSpec(1, 5, 0.0, stop_ids=STOPS)
+    s = engine.open_session(
+        sampler, "requests", params, 0, spec, key=0, width=4, prompt_tokens=16, total_tokens=40
+    )
+    a, b = (tok(q, add_special_tokens=False)["input_ids"] for q in ("1+2=", "12*3="))
+    contexts = {0: a, 1: b, 2: list(a), 3: list(b)}
+    for turn in range(2):
+        for e, ids in contexts.items():
+            s.ask(e, ids, 5)
+        assert sorted(s.run_chunk()) == [0, 1, 2, 3]
+        for e, ids in contexts.items():
+            got = s.answer(e)[0][0]
+            assert got == hf_greedy(model, ids), (turn, e)
+            contexts[e] = ids + got + [7 + e, 18]  # each episode's own next message
+    starts = [key[1][0] for key in sampler.traces if key[0] == "start"]
+    assert starts == [2] and s.stats["cached_tokens"] > 0
+    fresh = {0: [1], 1: [2], 2: [1], 3: [2], 4: [1], 5: [2], 6: [1], 7: [2]}
+    order = ([0, 2, 4, 6, 1, 3, 5, 7], [[1]] * 4 + [[2]] * 4, 4)
+    assert serve._shared_prefill(fresh, 8, 1) == order
+    assert serve._shared_prefill(fresh, 8, 4)[2] == 2  # 8 / 4 = 2 rows: not a multiple of 4
+    assert serve._shared_prefill({0: [1], 1: [1], 2: [2]}, 4, 1)[2] == 1
 
 
 def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):

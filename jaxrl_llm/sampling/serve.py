@@ -36,6 +36,8 @@ prefill_tokens, cached_tokens, cache_restarts, evicted, decode_chunks.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from jaxrl_llm.parallel import mesh as mesh_lib
@@ -76,6 +78,22 @@ def _count(stats: dict, rows: int) -> None:
     stats["calls"] += 1
     stats["batched"] += rows
     stats["batch_max"] = max(stats["batch_max"], rows)
+
+
+def _shared_prefill(fresh: dict, width: int, multiple: int) -> tuple[list, list, int]:
+    """A new cohort's rows in prefill order -> (episodes, their prompts, k): equal prompts
+    are next to each other, in runs of k, so the cohort's prefill reads each run's prompt
+    once and repeats its cache k times (`Sampler.start` with G = k). An agent's G episodes
+    of one example usually open with the same request, so k is G there; k is the largest
+    common divisor of the prompts' counts and `width` that leaves a multiple of the
+    mesh's batch (`multiple`) rows to prefill (1: every row prefilled)."""
+    groups: dict = {}
+    for episode, ids in fresh.items():
+        groups.setdefault(tuple(ids), []).append(episode)
+    k = math.gcd(width, *(len(g) for g in groups.values()))
+    k = max((d for d in range(1, k + 1) if k % d == 0 and (width // d) % multiple == 0), default=1)
+    episodes = [episode for g in groups.values() for episode in g]
+    return episodes, [fresh[episode] for episode in episodes], k
 
 
 class _Cohort:
@@ -170,15 +188,20 @@ class StaticRequests:
     def _start(self) -> list:
         """A new cohort from the first requests asked -> its rows' episodes."""
         fresh, self.fresh = self.fresh, {}
-        prompts = list(fresh.values())
+        multiple = mesh_lib.batch_size_multiple(self.engine.mesh)
+        episodes, prompts, shared = _shared_prefill(fresh, self.width, multiple)
         real = len(prompts)
-        ids, mask = pad_prompts(prompts + [prompts[0]] * (self.width - real), self.engine.pad_id)
+        once = prompts[::shared] + [prompts[0]] * ((self.width - real) // shared)
+        ids, mask = pad_prompts(once, self.engine.pad_id)
         step = self.key + self.stats["calls"] % 1024
-        state = self.engine.start(self.params, ids, mask, self.spec, step, version=self.version)
+        spec = self.spec.replace(num_generations=shared)
+        state = self.engine.start(self.params, ids, mask, spec, step, version=self.version)
+        # The rows' spec as every later program of the cohort reads it (one program each).
+        state = state.replace(spec=self.spec)
         state = self.engine.stop(state, np.arange(self.width) >= real)  # the copies draw nothing
-        rows = {episode: r for r, episode in enumerate(fresh)}
+        rows = {episode: r for r, episode in enumerate(episodes)}
         self.cohort = _Cohort(state, rows, prompts)
-        return list(fresh)
+        return episodes
 
     def _append(self) -> list:
         """The asked rows' new ids into the cohort's cache -> their episodes; none when
