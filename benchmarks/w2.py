@@ -218,6 +218,8 @@ def main():
     a = p.parse_args()
     if not a.skip_trl and not os.path.exists(a.trl_python):
         sys.exit("--trl_python: no python with trl given (. ../shared/anchors/envs.sh; $TRL_PY)")
+    if a.before and not os.path.isdir(os.path.join(a.before, "jaxrl_llm")):
+        sys.exit(f"--before={a.before}: not a jaxrl_llm checkout (no jaxrl_llm/ in it)")
     model = hf_model_dir()
     from transformers import AutoTokenizer
 
