@@ -14,6 +14,22 @@ import numpy as np
 from jaxrl_llm import models
 from jaxrl_llm.parallel import allocator
 from jaxrl_llm.startup.peak import matmul_peak, measure_matmul_peak  # noqa: F401  (re-exported)
+from jaxrl_llm.tpu import chips
+
+
+def _cpu_where_libtpu_has_no_chips() -> None:
+    """As the command line does (`tpu.chips.set_platforms`): with libtpu installed (the
+    test extra) on a machine without TPU chips, jax stays on the CPU instead of trying a
+    TPU backend and printing libtpu's errors. Benchmarks import this module before any
+    jax backend starts, so setting the platform here still takes effect."""
+    env = dict(os.environ)
+    chips.set_platforms(env)
+    if "JAX_PLATFORMS" in env and "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]  # the benchmark's subprocesses
+        jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
+
+
+_cpu_where_libtpu_has_no_chips()
 
 PRESETS = {
     # ~25M Qwen3-like: the sampler / GRPO-step benchmarks.
