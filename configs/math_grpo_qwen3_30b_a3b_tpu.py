@@ -46,13 +46,15 @@ per device:
 Expected: eval/pass@1 on held-out MATH rises over the first hundred steps,
 moe/router_agreement stays below 1 (the mismatch replay removes); not yet measured.
 
-Target topology `v5p:2x4x4` (the slice above). Compiled for it by XLA:TPU with the model
-cut to 2 and 4 layers (docs/tpu.md), the update needs 11.95 and 16.89 GiB per chip at
-its peak, 2.17 GiB more a layer (XLA:TPU unrolls those short layer loops, each layer's
-gathered (token, expert) rows in buffers of their own): ~126 GiB at 48 layers if the
-full-depth loop is unrolled too, more than a chip's 95 GiB; the full-depth compile
-settles it. Predicted step (roofline): 9.6 s, 7.4 of them the sampler's decoding. The
-step compiled for those chips on any CPU machine with libtpu, nothing run:
+Target topology `v5p:2x4x4` (the slice above). Compiled for it by XLA:TPU (docs/tpu.md):
+the sampler fits (10.19 GiB per chip at its full 48 layers); the update, with the model
+cut to 2, 4 and 8 layers, needs 11.95, 16.89 and 28.71 GiB per chip at its peak, 2.2-2.6
+GiB more a layer (XLA:TPU unrolls the layer loop, each layer's gathered (token, expert)
+rows in buffers of their own): ~147 GiB at 48 layers if the slope holds, more than a
+chip's 95 GiB, so on this layout the update is not expected to fit; the full-depth
+compile (more memory than a 24 GB machine has free) settles it. Predicted step
+(roofline): 9.6 s, 7.4 of them the sampler's decoding. The step compiled for those chips
+on any CPU machine with libtpu, nothing run:
 
     python -m jaxrl_llm.train --config=configs/math_grpo_qwen3_30b_a3b_tpu.py --compile_for=v5p:2x4x4
 """
