@@ -5,7 +5,8 @@
 
 Rerunning the same command resumes from the workdir's latest checkpoint. With
 `--compile_for=v6e:2x4` (no --workdir) it compiles the step for that TPU topology and
-reports whether it fits and how fast it could be (`jaxrl_llm.tpu.compile_for`). This module is
+reports whether it fits and how fast it could be (`jaxrl_llm.tpu.compile_for`;
+`--compile_workers_for` adds rollout workers' chips). This module is
 the command line only: `train(config, workdir)` (`trainer.loop`) is the same run
 in-process, and `Run` (`trainer.run`) the run itself, its step and its jitted programs.
 """
@@ -43,10 +44,13 @@ def main(argv):
 
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         absl_logging.set_verbosity(absl_logging.WARNING)
+    if flags.FLAGS.compile_workers_for and not flags.FLAGS.compile_for:
+        sys.exit("--compile_workers_for needs --compile_for=TOPOLOGY (the trainer's chips)")
     if flags.FLAGS.compile_for:  # compile for a TPU topology, run nothing
         from jaxrl_llm.tpu import compile_for
 
-        sys.exit(compile_for.run(flags.FLAGS.config, flags.FLAGS.compile_for))
+        workers = flags.FLAGS.compile_workers_for
+        sys.exit(compile_for.run(flags.FLAGS.config, flags.FLAGS.compile_for, workers))
     distributed.initialize()
     if jax.default_backend() == "cpu" and jax.process_index() == 0:
         if note := allocator.hint():
@@ -64,6 +68,12 @@ if __name__ == "__main__":
         None,
         "compile the step for a TPU topology (v6e:2x4, v5p:4x4x4, v5e:16x16*2 for 2 slices) "
         "and report its memory and roofline per chip; runs nothing, needs no --workdir",
+    )
+    flags.DEFINE_string(
+        "compile_workers_for",
+        None,
+        "with --compile_for and rollout.workers=N: one rollout worker's TPU topology, which "
+        "the engine's programs are compiled for (the trainer's topology keeps the rest)",
     )
     config_command(
         main,

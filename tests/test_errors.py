@@ -227,3 +227,16 @@ def test_dotted_overrides_add_keys_to_free_form_sections():
     errors.apply_free_form(c, taken)
     assert rest == others
     assert c.agent.options.tries == 2 and c.teacher.paths.math == "/models/math"
+
+
+def test_workers_topology_for_a_config_without_workers_is_one_line(tmp_path):
+    """--compile_workers_for reaches the compile-only run: a config with no rollout
+    workers is told so in one line, before any chip is described."""
+    config = os.path.join(REPO, "configs", "quickstart.py")
+    args = ["jaxrl_llm.train", f"--config={config}", "--compile_for=v5e:2x2"]
+    proc = run_cli([*args, "--compile_workers_for=v6e:1x1"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert one_line(proc) == (
+        "error: --compile_workers_for=v6e:1x1: the config has no rollout workers "
+        "(rollout.workers=0); set rollout.workers=N (docs/workers.md)"
+    )

@@ -2,6 +2,7 @@
 out by hand, the exit status of a step that does not fit, topology names, and the
 platform kept on the CPU where libtpu is installed on a machine without a TPU."""
 
+import dataclasses
 import os
 
 import pytest
@@ -34,7 +35,7 @@ def test_a_program_too_big_for_the_chip_exits_2(monkeypatch, capsys):
     )
     assert fits.too_big() is None  # 2 + 13 = 15 GiB of 16
     assert big.too_big().name == "update"  # 2 + 15 = 17 GiB
-    monkeypatch.setattr(compile_for, "compile_config", lambda raw, topology: big)
+    monkeypatch.setattr(compile_for, "compile_config", lambda raw, topology, workers: big)
     assert compile_for.run(None, "v5e:2x2") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["does not fit: update needs 17.00 GiB per chip, a v5e chip has 16 GiB"]
@@ -51,8 +52,35 @@ def test_the_step_counts_every_phase_compiled_or_not():
     assert report.mfu == pytest.approx(0.2)  # 4 chips x 197 TFLOP/s for 5 s, a fifth used
 
 
+def test_workers_sampling_beside_the_update_take_the_longer_side():
+    """Two rollout workers on one v6e chip each, max_staleness 1: two steps sampled at
+    once beside the trainer's reference + update; MFU over every chip's peak."""
+    v5e, v6e = chips.parse_topology("v5e:2x2"), chips.parse_topology("v6e:1x1")
+    phases = {"sample": 3.0, "reference": 0.5, "update": 1.5}
+    report = compile_for.Report(v5e, {}, [], [], 1e15, phases, v6e, 2, in_flight=2)
+    assert report.step_s == 2.0  # max(3.0 / 2, 0.5 + 1.5)
+    assert report.peak_flops == 4 * 197e12 + 2 * 918e12
+    assert report.mfu == pytest.approx(1e15 / 2.0 / (4 * 197e12 + 2 * 918e12))
+    taking_turns = compile_for.Report(v5e, {}, [], [], 1e15, phases, v6e, 2, in_flight=0)
+    assert taking_turns.step_s == 5.0  # max_staleness 0: sample, then reference, update
+    # A program is held against its own chip's HBM: 20 GiB fits a v6e, not a v5e.
+    GiB = chips.GiB
+    sampler = compile_for.Program("sampler", 0, 0, 0, 20 * GiB, 1, 1, 1, 1, 1, 1, (), v6e.chip)
+    assert compile_for.Report(v5e, {}, [sampler], [], 1.0, {}).too_big() is None
+    on_v5e = dataclasses.replace(sampler, chip=None)
+    assert compile_for.Report(v5e, {}, [on_v5e], [], 1.0, {}).too_big() is on_v5e
+
+
+def test_workers_topology_without_workers_is_one_line():
+    from jaxrl_llm.config import base_config
+    from jaxrl_llm.config.derived import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--compile_workers_for=v6e:2x4: .*rollout.workers=0"):
+        compile_for.compile_config(base_config(), "v5e:2x2", workers="v6e:2x4")
+
+
 def test_a_program_the_compiler_refuses_exits_2(monkeypatch, capsys):
-    def refuse(raw, topology):
+    def refuse(raw, topology, workers):
         raise compile_for.DoesNotFit("update", "RESOURCE_EXHAUSTED: Ran out of memory on HBM")
 
     monkeypatch.setattr(compile_for, "compile_config", refuse)

@@ -75,6 +75,30 @@ def test_static_sampler_compiles_for_v5e(tmp_path):
     assert 0 < sampler.peak < chips.CHIPS["v5e"].hbm_bytes, sampler
 
 
+def test_disaggregated_step_compiles_the_engine_for_the_workers_chips(tmp_path):
+    """rollout.workers=2: the engine's programs for one worker's v6e chip (its own world,
+    `workers.serve.worker_config`'s mesh), reference and update for the trainer's 4 v5e
+    chips; the step is the longer side (the workers sample 2 steps at once)."""
+    c = small(tiny_config(model_dir(tmp_path)))
+    c.rollout.mode, c.rollout.max_staleness = "split", 1
+    c.rollout.workers, c.rollout.worker_addresses = 2, "w0:7070,w1:7070"
+    out = io.StringIO()
+    report = compile_for.compile_config(c, "v5e:2x2", out=out, workers="v6e:1x1")
+    by_name = {p.name: p for p in report.programs}
+    assert list(by_name) == ["sampler", "reference", "update"], list(by_name)
+    assert by_name["sampler"].chip is chips.CHIPS["v6e"]
+    assert by_name["update"].chip is None and by_name["reference"].chip is None
+    assert report.chip_of(by_name["update"]) is chips.CHIPS["v5e"]
+    assert (report.workers.num_chips, report.worker_count, report.in_flight) == (1, 2, 2)
+    phases = report.phase_s
+    trainer = phases["reference"] + phases["update"]
+    assert report.step_s == max(phases["sample"] / 2, trainer)
+    assert report.peak_flops == 4 * 197e12 + 2 * 918e12
+    text = out.getvalue()
+    assert "rollout workers: 2, each v6e:1x1" in text and "per rollout worker chip (v6e:" in text
+    assert "weight sync to the workers" in text
+
+
 def test_tiny_moe_update_compiles_with_gmm_over_the_expert_axis(tmp_path):
     moe = dict(
         architecture="Qwen3MoeForCausalLM",

@@ -14,6 +14,12 @@ lowered and compiled by XLA:TPU; per chip it reports the compiler's memory analy
 time from the model's FLOPs and HBM traffic (`roofline`). Exit status 2 with one line
 when a program does not fit.
 
+With `rollout.workers` = N > 0 the rollout runs in N worker worlds of their own
+(docs/workers.md); `--compile_workers_for=v6e:2x4` names one worker's topology, and the
+engine's programs are compiled for it on the worker's mesh (`mesh.rollout`), the
+reference and the update for the trainer's topology: a disaggregated step from one CPU
+process.
+
 XLA's cost analysis counts a loop body once (the layer scan, the micro-batch scan, the
 decode loop), so its FLOPs and bytes are those of one iteration: printed as the
 compiler's, while the roofline uses the model's FLOPs (`trainer.perf.step_flops`, the
@@ -35,9 +41,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import models, parallel
+from jaxrl_llm.config.derived import ConfigError
 from jaxrl_llm.parallel import target
 from jaxrl_llm.tpu import roofline
-from jaxrl_llm.tpu.chips import GiB, Topology, parse_topology, topology_devices
+from jaxrl_llm.tpu.chips import (
+    Chip,
+    GiB,
+    Topology,
+    TopologyError,
+    parse_topology,
+    topology_devices,
+)
 from jaxrl_llm.tpu.model_shapes import model_config
 
 
@@ -57,6 +71,7 @@ class Program:
     seconds: float  # roofline time on the chip
     compile_s: float
     kernels: tuple[str, ...] = ()  # the Mosaic (Pallas) kernels in the program
+    chip: Chip | None = None  # the chip it was compiled for (None: the trainer's)
 
     @property
     def peak(self) -> int:
@@ -67,7 +82,7 @@ class Program:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """A config's step compiled for a topology."""
+    """A config's step compiled for a topology (and its rollout workers' topology)."""
 
     topology: Topology
     mesh: dict
@@ -75,34 +90,70 @@ class Report:
     not_compiled: list[str]  # what the step runs that was not compiled, and why
     step_flops: float  # model FLOPs of the whole step, all chips
     phase_s: dict  # {phase: roofline seconds} of every phase the step runs, compiled or not
+    workers: Topology | None = None  # one rollout worker's topology (rollout.workers > 0)
+    worker_count: int = 0
+    # Steps the workers sample at once while the trainer updates: min(workers,
+    # max_staleness + 1); 0: the rollout and the update take turns.
+    in_flight: int = 0
 
     @property
     def step_s(self) -> float:
         """The step's roofline: sampler, reference, update, from the model's arithmetic,
         so a report of some of the programs (`only`) still predicts the whole step and
-        its MFU."""
+        its MFU. Rollout workers sample later steps while the trainer updates
+        (`max_staleness` >= 1), each worker a whole step, `in_flight` steps at once: the
+        step is the longer of the two sides."""
+        if self.in_flight:
+            trainer = sum(v for k, v in self.phase_s.items() if k != "sample")
+            return max(self.phase_s.get("sample", 0.0) / self.in_flight, trainer)
         return sum(self.phase_s.values())
 
     @property
+    def peak_flops(self) -> float:
+        """bf16 FLOP/s of every chip the step runs on, the workers' included."""
+        chips = self.topology.chip.bf16_flops * self.topology.num_chips
+        if self.workers is not None:
+            chips += self.workers.chip.bf16_flops * self.workers.num_chips * self.worker_count
+        return chips
+
+    @property
     def mfu(self) -> float:
-        chip = self.topology.chip
-        return (
-            self.step_flops / max(self.step_s, 1e-12) / (chip.bf16_flops * self.topology.num_chips)
-        )
+        return self.step_flops / max(self.step_s, 1e-12) / self.peak_flops
 
     def too_big(self) -> Program | None:
-        """The first program whose peak exceeds the chip's HBM (None: all fit)."""
-        hbm = self.topology.chip.hbm_bytes
-        return next((p for p in self.programs if p.peak > hbm), None)
+        """The first program whose peak exceeds its chip's HBM (None: all fit)."""
+        return next((p for p in self.programs if p.peak > self.chip_of(p).hbm_bytes), None)
+
+    def chip_of(self, program: Program) -> Chip:
+        return program.chip or self.topology.chip
 
 
-def compile_config(raw, topology: str, out=sys.stdout, only=None) -> Report:
+@dataclasses.dataclass(frozen=True)
+class _Rollout:
+    """Where the rollout engine's programs run: the trainer's mesh (or its split-mode
+    rollout mesh) on its topology, or one rollout worker's world."""
+
+    config: object  # the config the engine is built from (a worker's: `worker_config`)
+    mesh: object
+    devices: list
+    topology: Topology
+    workers: int = 0  # rollout.workers; 0: in the trainer's world
+
+
+def compile_config(raw, topology: str, out=sys.stdout, only=None, workers=None) -> Report:
     """Compiles run config `raw`'s step for `topology` ('v6e:2x4'); prints and returns
     the report. only: the names of the programs to compile (default all); the others are
-    lowered only, for the shapes of what they produce."""
+    lowered only, for the shapes of what they produce. workers: one rollout worker's
+    topology (with `rollout.workers` > 0), where the engine's programs are compiled."""
     from jaxrl_llm.config import checks, tuning
 
     topo = parse_topology(topology)
+    n = raw.rollout.get("workers", 0)
+    if workers is not None and not n:
+        raise ConfigError(
+            f"--compile_workers_for={workers}: the config has no rollout workers "
+            f"(rollout.workers=0); set rollout.workers=N (docs/workers.md)"
+        )
     devices = topology_devices(topo)
     with target.compiling_for(devices):  # the checks that read no data, no model
         shape = checks.check_mesh(raw, len(devices))
@@ -113,9 +164,10 @@ def compile_config(raw, topology: str, out=sys.stdout, only=None) -> Report:
     c, _ = tuning.resolve(raw, cfg, "tpu", batch_shards=shape[0] * shape[1] * shape[2])
     train_devices, rollout_devices = config_lib.split_devices(c, devices)
     mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh), train_devices)
-    rollout_mesh = mesh
+    rollout = _Rollout(c, mesh, devices, topo)
     if rollout_devices:
         rollout_mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh.rollout), rollout_devices)
+        rollout = _Rollout(c, rollout_mesh, devices, topo)
     print(
         f"{topo}: mesh {dict(mesh.shape)}; {cfg.architecture}, "
         f"{cfg.num_params() / 1e9:.2f}B parameters, {c.model.dtype}; the step compiled "
@@ -123,15 +175,44 @@ def compile_config(raw, topology: str, out=sys.stdout, only=None) -> Report:
         file=out,
         flush=True,
     )
-    with target.compiling_for(devices):
-        build = functools.partial(_compile, out=out, only=only)
-        report = _compile_step(c, cfg, mesh, rollout_mesh, topo, build)
+    if workers is not None:
+        try:
+            worker_topo = parse_topology(workers)
+        except TopologyError as err:  # its message names the trainer's flag
+            text = str(err).replace("--compile_for", "--compile_workers_for")
+            raise TopologyError(text) from None
+        rollout = _worker_rollout(raw, cfg, worker_topo, n)
+        print(
+            f"rollout workers: {n}, each {rollout.topology}: mesh "
+            f"{dict(rollout.mesh.shape)}; the engine's programs compiled for it",
+            file=out,
+            flush=True,
+        )
+    build = functools.partial(_compile, out=out, only=only)
+    report = _compile_step(c, cfg, mesh, rollout, topo, devices, build)
     print_report(report, out)
     return report
 
 
-def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
-    """Sampler, reference, update: compiled in the order the step runs them."""
+def _worker_rollout(raw, cfg, topo: Topology, n: int) -> _Rollout:
+    """One rollout worker's world on `topo`, its mesh and config as `workers.serve` makes
+    them (`worker_config`: the rollout mesh's shape over the worker's chips)."""
+    from jaxrl_llm.config import checks, tuning
+    from jaxrl_llm.workers.serve import worker_config
+
+    devices = topology_devices(topo)
+    wraw = worker_config(raw)
+    with target.compiling_for(devices):
+        shape = checks.check_mesh(wraw, len(devices))
+        checks.check_rollout(wraw, shape, 1)
+    wc, _ = tuning.resolve(wraw, cfg, "tpu", batch_shards=shape[0] * shape[1] * shape[2])
+    mesh = parallel.make_mesh(config_lib.mesh_axes(wc.mesh), devices)
+    return _Rollout(wc, mesh, devices, topo, workers=n)
+
+
+def _compile_step(c, cfg, mesh, rollout: _Rollout, topo, devices, build) -> Report:
+    """Sampler, reference, update: compiled in the order the step runs them, the
+    engine's programs for `rollout`'s chips, the reference and update for `devices`."""
     from jaxrl_llm import rl, sampling
     from jaxrl_llm.rollout.sources import make_sampler
     from jaxrl_llm.startup.compilation import shaped
@@ -152,28 +233,32 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
         stop_ids=(0,),
     )
     params = abstract_params(cfg, mesh, c.model.dtype)
-    engine = make_sampler(c, cfg, rollout_mesh, pad_id=0)  # rollout.engine's
-    rows = parallel.batch_sharding(rollout_mesh, 2)
+    rc, rmesh = rollout.config, rollout.mesh
+    engine = make_sampler(rc, cfg, rmesh, pad_id=0)  # rollout.engine's
+    rows = parallel.batch_sharding(rmesh, 2)
     ids = jax.ShapeDtypeStruct((B, width), jnp.int32, sharding=rows)
     mask = jax.ShapeDtypeStruct((B, width), jnp.bool_, sharding=rows)
-    sample_params = (
-        params if rollout_mesh is mesh else abstract_params(cfg, rollout_mesh, c.model.dtype)
-    )
+    sample_params = params if rmesh is mesh else abstract_params(cfg, rmesh, c.model.dtype)
     # The first is "sampler", whose output the reference and the update read.
-    built = [build(*p) for p in engine.device_programs(sample_params, ids, mask, spec)]
+    with target.compiling_for(rollout.devices):
+        programs = engine.device_programs(sample_params, ids, mask, spec)
+        built = [build(*p) for p in programs]
+    engine_programs = {b.name for b in built}
     sample_out = shaped(built[0].out_info, NamedSharding(mesh, P(parallel.BATCH_AXES)))
     ref = None
-    reference = make_reference(c, algo, cfg, spec, mesh)
-    if reference is not None:
-        built.append(build("reference", reference, (params, sample_out), {}))
-        ref = sample_out.logprobs
-    opt = rl.optimizer_from_config(c.optim, c.train.num_steps)
-    update = make_update(c, algo, cfg, opt, spec)
-    state = abstract_state(params, opt, mesh)
-    rewards = jax.ShapeDtypeStruct((B * G,), jnp.float32, sharding=parallel.batch_sharding(mesh, 1))
-    rollouts = rl.RolloutBatch.from_sample(sample_out, rewards, ref)
-    program, args = update.program(state, rollouts)
-    built.append(build("update", program, args, {}))
+    with target.compiling_for(devices):
+        reference = make_reference(c, algo, cfg, spec, mesh)
+        if reference is not None:
+            built.append(build("reference", reference, (params, sample_out), {}))
+            ref = sample_out.logprobs
+        opt = rl.optimizer_from_config(c.optim, c.train.num_steps)
+        update = make_update(c, algo, cfg, opt, spec)
+        state = abstract_state(params, opt, mesh)
+        batch = parallel.batch_sharding(mesh, 1)
+        rewards = jax.ShapeDtypeStruct((B * G,), jnp.float32, sharding=batch)
+        rollouts = rl.RolloutBatch.from_sample(sample_out, rewards, ref)
+        program, args = update.program(state, rollouts)
+        built.append(build("update", program, args, {}))
     flops = perf.step_flops(
         cfg,
         rows=B * G,
@@ -185,34 +270,59 @@ def _compile_step(c, cfg, mesh, rollout_mesh, topo, build) -> Report:
         update_shared_forwards=update.shared_prompt_passes,
         reference_shares_prompts=G > 1,
     )
-    m = dict(mesh.shape)
-    costs = roofline.phase_costs(
-        cfg,
-        flops,
-        rows=B * G,
-        prompt_len=width,
-        new_tokens=r.max_new_tokens,
-        chips=topo.num_chips,
-        weight_shards=m.get("tensor", 1) * m.get("expert", 1),
-        row_shards=parallel.batch_size_multiple(mesh),
-        itemsize=jnp.dtype(c.model.dtype).itemsize,
-        micro_batches=c.optim.micro_batches * c.optim.mini_batches,
-        update_forwards=update.forward_passes,
-        reference=reference is not None,
-    )
+
+    def costs_on(mesh, chips: int) -> dict:
+        m = dict(mesh.shape)
+        return roofline.phase_costs(
+            cfg,
+            flops,
+            rows=B * G,
+            prompt_len=width,
+            new_tokens=r.max_new_tokens,
+            chips=chips,
+            weight_shards=m.get("tensor", 1) * m.get("expert", 1),
+            row_shards=parallel.batch_size_multiple(mesh),
+            itemsize=jnp.dtype(c.model.dtype).itemsize,
+            micro_batches=c.optim.micro_batches * c.optim.mini_batches,
+            update_forwards=update.forward_passes,
+            reference=reference is not None,
+        )
+
+    costs = costs_on(mesh, topo.num_chips)
+    phase_s = roofline.predicted_seconds(costs, topo.chip)
+    if rollout.workers:  # a step sampled whole by one worker, on its chips
+        costs["sample"] = costs_on(rmesh, rollout.topology.num_chips)["sample"]
+        phase_s["sample"] = roofline.predicted_seconds(costs, rollout.topology.chip)["sample"]
     phase = {"sampler": "sample", "reference": "reference", "update": "update"}
     # The paged engine's chunks, one call each: a decode chunk's share of the sampler's
     # roofline; a prefill chunk's is left in the sampler's (0 here).
-    T, chunk = r.max_new_tokens, c.rollout.paged.chunk_steps
+    T, chunk = r.max_new_tokens, rc.rollout.paged.chunk_steps
     share = {"paged decode": chunk / T, "paged prefill": 0.0}
     programs = []
     for b in (b for b in built if b.compiled is not None):
         cost = costs[phase.get(b.name, "sample")]
         if b.name in share:
             cost = roofline.Cost(cost.flops * share[b.name], cost.hbm_bytes * share[b.name])
-        programs.append(_measure(b, cost, topo))
-    phase_s = roofline.predicted_seconds(costs, topo.chip)
-    return Report(topo, m, programs, skipped, sum(flops.values()), phase_s)
+        on = rollout.topology if b.name in engine_programs else topo
+        programs.append(_measure(b, cost, on, on is not topo))
+    if rollout.workers:
+        skipped = [*skipped, "the weight sync to the workers (host path: docs/workers.md)"]
+    elif c.rollout.workers:
+        skipped = [
+            *skipped,
+            f"the rollout workers' engine (rollout.workers={c.rollout.workers}): its programs "
+            f"were compiled for the trainer's chips instead; --compile_workers_for=TOPOLOGY "
+            f"compiles them for a worker's",
+        ]
+    in_flight = 0
+    if rollout.workers and r.max_staleness >= 1:
+        in_flight = min(rollout.workers, r.max_staleness + 1)
+    workers = rollout.topology if rollout.workers else None
+    flops_all = sum(flops.values())
+    m = dict(mesh.shape)
+    return Report(
+        topo, m, programs, skipped, flops_all, phase_s, workers, rollout.workers, in_flight
+    )
 
 
 class DoesNotFit(Exception):
@@ -257,7 +367,7 @@ def _compile(name, program, args, kwargs, out, only=None) -> _Built:
     return _Built(name, compiled, lowered.out_info, seconds)
 
 
-def _measure(built: _Built, cost: roofline.Cost, topo: Topology) -> Program:
+def _measure(built: _Built, cost: roofline.Cost, topo: Topology, own_chip=False) -> Program:
     mem = built.compiled.memory_analysis()
     analysis = built.compiled.cost_analysis() or {}
     if isinstance(analysis, list):  # older jax: one dict per program
@@ -275,6 +385,7 @@ def _measure(built: _Built, cost: roofline.Cost, topo: Topology) -> Program:
         seconds=roofline.roofline_s(cost.flops, cost.hbm_bytes, topo.chip),
         compile_s=built.seconds,
         kernels=mosaic_kernels(built.compiled.as_text()),
+        chip=topo.chip if own_chip else None,
     )
 
 
@@ -349,33 +460,44 @@ def _not_compiled(c, algo) -> list[str]:
 
 def print_report(report: Report, out=sys.stdout) -> None:
     """The per-chip table: memory against HBM, the compiler's and the model's cost, the
-    roofline time; then the step's predicted time and MFU."""
-    chip = report.topology.chip
-    hbm = chip.hbm_bytes / GiB
-    print(
-        f"per chip ({chip.name}: {hbm:.0f} GiB HBM, {chip.bf16_flops / 1e12:.0f} TFLOP/s "
-        f"bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s):",
-        file=out,
-    )
+    roofline time; then the step's predicted time and MFU. Programs compiled for the
+    rollout workers' chips get a table of their own."""
     head = (
         f"  {'program':<13} {'args GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} "
         f"{'XLA GFLOP':>10} {'XLA GB':>8} {'model TFLOP':>12} {'model GB':>9} "
         f"{'roofline s':>11}"
     )
-    print(head, file=out)
-    for p in report.programs:
+    trainer = [p for p in report.programs if p.chip is None]
+    workers = [p for p in report.programs if p.chip is not None]
+    for where, group in (("per chip", trainer), ("per rollout worker chip", workers)):
+        if not group and where != "per chip":
+            continue
+        chip = report.chip_of(group[0]) if group else report.topology.chip
+        hbm = chip.hbm_bytes / GiB
         print(
-            f"  {p.name:<13} {p.arguments / GiB:>9.2f} {p.temporaries / GiB:>9.2f} "
-            f"{p.peak / GiB:>9.2f} {p.peak / chip.hbm_bytes:>7.0%} "
-            f"{p.compiler_flops / 1e9:>10.1f} {p.compiler_bytes / 1e9:>8.2f} "
-            f"{p.model_flops / 1e12:>12.2f} {p.model_bytes / 1e9:>9.1f} "
-            f"{p.seconds:>11.3f}",
+            f"{where} ({chip.name}: {hbm:.0f} GiB HBM, {chip.bf16_flops / 1e12:.0f} TFLOP/s "
+            f"bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s):",
             file=out,
         )
+        print(head, file=out)
+        for p in group:
+            print(
+                f"  {p.name:<13} {p.arguments / GiB:>9.2f} {p.temporaries / GiB:>9.2f} "
+                f"{p.peak / GiB:>9.2f} {p.peak / chip.hbm_bytes:>7.0%} "
+                f"{p.compiler_flops / 1e9:>10.1f} {p.compiler_bytes / 1e9:>8.2f} "
+                f"{p.model_flops / 1e12:>12.2f} {p.model_bytes / 1e9:>9.1f} "
+                f"{p.seconds:>11.3f}",
+                file=out,
+            )
     for p in report.programs:
         if p.kernels:
             print(f"  {p.name} kernels: {', '.join(p.kernels)}", file=out)
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in report.phase_s.items())
+    if report.in_flight:
+        phases += (
+            f"; the workers sample {report.in_flight} steps at once beside the update, "
+            f"the step the longer side"
+        )
     print(
         f"step: {report.step_s:.2f} s predicted (roofline: {phases}), MFU {report.mfu:.1%}; "
         f"XLA's FLOPs and bytes count each loop body once",
@@ -386,18 +508,18 @@ def print_report(report: Report, out=sys.stdout) -> None:
     out.flush()
 
 
-def run(raw, topology: str) -> int:
+def run(raw, topology: str, workers: str | None = None) -> int:
     """The command line's compile-only run: 0 when every program fits, 2 (and one line
-    naming the first that does not) otherwise."""
+    naming the first that does not) otherwise. workers: one rollout worker's topology."""
     try:
-        report = compile_config(raw, topology)
+        report = compile_config(raw, topology, workers=workers)
     except DoesNotFit as err:  # the compiler's own line says how much it needed
         print(f"does not fit: {err.program}: {err.reason}", file=sys.stderr, flush=True)
         return 2
     big = report.too_big()
     if big is None:
         return 0
-    chip = report.topology.chip
+    chip = report.chip_of(big)
     print(
         f"does not fit: {big.name} needs {big.peak / GiB:.2f} GiB per chip, a {chip.name} "
         f"chip has {chip.hbm_bytes / GiB:.0f} GiB",
