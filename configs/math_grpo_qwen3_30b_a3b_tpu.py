@@ -52,7 +52,9 @@ cut to 2, 4 and 8 layers, needs 11.95, 16.89 and 28.71 GiB per chip at its peak,
 GiB more a layer (XLA:TPU unrolls the layer loop, each layer's gathered (token, expert)
 rows in buffers of their own): ~147 GiB at 48 layers if the slope holds, more than a
 chip's 95 GiB, so on this layout the update is not expected to fit; the full-depth
-compile (more memory than a 24 GB machine has free) settles it. Predicted step
+compile (more memory than a 24 GB machine has free) settles it. With
+`--config.mesh.expert=4` (fsdp 8) the gathered rows halve: 1.27 GiB a layer from 4 to 8
+layers, ~80 GiB at 48 by the same extrapolation, the layout expected to fit. Predicted step
 (roofline): 9.6 s, 7.4 of them the sampler's decoding. The step compiled for those chips
 on any CPU machine with libtpu, nothing run:
 

@@ -470,7 +470,7 @@ def print_report(report: Report, out=sys.stdout) -> None:
     trainer = [p for p in report.programs if p.chip is None]
     workers = [p for p in report.programs if p.chip is not None]
     for where, group in (("per chip", trainer), ("per rollout worker chip", workers)):
-        if not group and where != "per chip":
+        if not group and (where != "per chip" or workers):  # an empty table is left out
             continue
         chip = report.chip_of(group[0]) if group else report.topology.chip
         hbm = chip.hbm_bytes / GiB
