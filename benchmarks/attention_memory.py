@@ -3,7 +3,7 @@
     python benchmarks/attention_memory.py                         # 1k 4k 16k 32k, xla + blockwise
     python benchmarks/attention_memory.py --lengths=1024,4096 --paths=blockwise
     python benchmarks/attention_memory.py --model=qwen3-1.7b --prompt=1024 --lengths=16384
-    python benchmarks/attention_memory.py --chip=v5e --lengths=4096,16384 --paths=blockwise,splash
+    python benchmarks/attention_memory.py --chip=v5e --lengths=4096,16384 --paths=blockwise,pallas
 
 Compiles (never runs) the trainer's update program (`rl.make_update_fn`) for Qwen2.5-0.5B
 (or --model) shapes in bfloat16 with remat full, GRPO beta = 0.04, one row of 256 prompt + T
@@ -16,7 +16,8 @@ in: T = 32768 - 256.
 
 --chip=v5e (v6e, v5p; libtpu, the test extra) compiles the same program with XLA:TPU for
 one chip of that kind (docs/tpu.md) instead of XLA:CPU for this machine's CPU, so the two
-compilers' figures for one program can be set side by side; `splash` is a path there.
+compilers' figures for one program can be set side by side; `pallas` (the splash
+kernel) is a path there.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lora_memory import QWEN2P5_0P5B, abstract_batch, abstract_state  # noqa: E4
 
 from jaxrl_llm import models, rl, sampling  # noqa: E402
 from jaxrl_llm.rl import update as U  # noqa: E402
+from jaxrl_llm.tpu.report import peak_bytes  # noqa: E402
 
 GiB = 2**30
 PROMPT = 256
@@ -74,13 +76,7 @@ def compiled_memory(cfg, new: int, prompt: int = PROMPT, device=None) -> tuple[i
     state = abstract_state(cfg, opt, jnp.dtype(jnp.bfloat16), sharding)
     batch = abstract_batch(2, prompt, new, 2, sharding)
     mem = update.lower(state, batch).compile().memory_analysis()
-    peak = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes
-    )
-    return mem.temp_size_in_bytes, peak
+    return mem.temp_size_in_bytes, peak_bytes(mem)
 
 
 def tpu_chip(kind: str):
