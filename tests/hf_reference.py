@@ -222,10 +222,15 @@ def hf_logits(model, ids, mask, positions=None) -> np.ndarray:
     """Reference logits; positions default to real tokens before each token (as generate)."""
     if positions is None:
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    # Gemma 4 with KV sharing and no per-layer inputs: transformers 5.24's shortcut past
+    # the shared layers (`_maybe_slice_kv_shared_inputs`) indexes the absent per-layer
+    # inputs; asking for the hidden states skips the shortcut, the logits are the same
+    hidden = bool(getattr(model.config, "num_kv_shared_layers", 0))
     with torch.no_grad():
         out = model(
             input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
             attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
             position_ids=torch.tensor(np.asarray(positions), dtype=torch.long),
+            output_hidden_states=hidden,
         )
     return out.logits.float().numpy()

@@ -33,6 +33,7 @@ def tiny(tmp_path_factory):
 
 
 def hf_greedy(model, prompts, max_new):
+    """transformers' greedy tokens after left-padded prompts (no end token)."""
     P = max(map(len, prompts))
     ids = torch.zeros((len(prompts), P), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -46,8 +47,11 @@ def hf_greedy(model, prompts, max_new):
             max_new_tokens=max_new,
             do_sample=False,
             pad_token_id=0,
+            # Gemma 4 with KV sharing: see `hf_reference.hf_logits`
+            output_hidden_states=bool(getattr(model.config, "num_kv_shared_layers", 0)),
+            return_dict_in_generate=True,
         )
-    return out[:, P:].numpy()
+    return out.sequences[:, P:].numpy()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])

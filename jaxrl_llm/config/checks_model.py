@@ -61,7 +61,7 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
 
 def check_model(config) -> str | None:
     """-> the local model directory (None for a hub name, fetched when the run starts)."""
-    from jaxrl_llm.models.config import ATTENTION_IMPLEMENTATIONS, MOE_IMPLS, REMAT_POLICIES
+    from jaxrl_llm.models.config_checks import ATTENTION_IMPLEMENTATIONS, MOE_IMPLS, REMAT_POLICIES
 
     m = config.model
     path = resolve_model_path(m.path, download=False)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxrl_llm.models.attention_kernels import cudnn, pallas
-from jaxrl_llm.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+from jaxrl_llm.models.config_checks import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 from jaxrl_llm.parallel import target
 
 DEFAULT_BLOCK = 512  # query and key block of `blockwise`

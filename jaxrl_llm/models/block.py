@@ -39,7 +39,7 @@ from jaxrl_llm.models.layer_math import (
     rope_frequencies,
 )
 from jaxrl_llm.models.moe import moe_mlp
-from jaxrl_llm.models.segments import MOE_WEIGHTS, WIDE_ATTENTION
+from jaxrl_llm.models.segments import DENSE_MLP, DOUBLE_MLP, MOE_WEIGHTS, WIDE_ATTENTION
 
 
 def normal_param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
@@ -56,9 +56,10 @@ def const_param(value: float, shape, axes, dtype) -> nnx.Param:
 
 class Block(nnx.Module):
     """All decoder layers' parameters, stacked on a leading `layers` axis: over every
-    layer, except in an MoE model with dense-MLP layers (`cfg.dense_layers`), where the
-    MLP's parameters are stacked over the layers of their kind (`segments.mlp_kind`) and the layer
-    loop scans each run of alike layers (`segment_params`).
+    layer, or over the layers of their kind (`segments.stacked_over`: an MoE model's
+    dense-MLP layers, a hybrid model's two attention kinds, Gemma 4's own-sized full
+    layers and KV-shared layers), and the layer loop scans each run of alike layers
+    (`segment_params`).
 
     `__call__` computes ONE layer and must be given one layer's slice of the parameters
     (the scan in `layers.Transformer` does that by merging a sliced state).
@@ -79,19 +80,21 @@ class Block(nnx.Module):
         if cfg.split_attention:
             self._add_wide(cfg, normal, dtype)
         Hq = 2 * H if cfg.attn_output_gate else H  # each head's query, then its gate
+        Lkv = cfg.cache_layers("softmax")  # keys / values: not in KV-shared layers
         self.q = normal((L, D, N, Hq), ("layers", "embed", "q_heads", "head_dim"))
-        self.k = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
-        self.v = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.k = normal((Lkv, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v = normal((Lkv, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
         self.o = normal((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
         if cfg.qkv_bias:
             self.q_bias = const_param(0.0, (L, N, H), ("layers", "q_heads", "head_dim"), dtype)
-            self.k_bias = const_param(0.0, (L, K, H), ("layers", "kv_heads", "head_dim"), dtype)
-            self.v_bias = const_param(0.0, (L, K, H), ("layers", "kv_heads", "head_dim"), dtype)
+            kv_axes = ("layers", "kv_heads", "head_dim")
+            self.k_bias = const_param(0.0, (Lkv, K, H), kv_axes, dtype)
+            self.v_bias = const_param(0.0, (Lkv, K, H), kv_axes, dtype)
         if cfg.o_bias:
             self.o_bias = const_param(0.0, (L, D), ("layers", "norm"), dtype)
         if cfg.qk_norm:
             self.q_norm = const_param(one, (L, H), ("layers", "head_dim"), dtype)
-            self.k_norm = const_param(one, (L, H), ("layers", "head_dim"), dtype)
+            self.k_norm = const_param(one, (Lkv, H), ("layers", "head_dim"), dtype)
         if cfg.attention_sinks:  # GPT-OSS: a logit per query head in the softmax
             self.sinks = normal((L, N), ("layers", "q_heads"))
         L = cfg.num_layers
@@ -108,11 +111,13 @@ class Block(nnx.Module):
         self.mlp_norm = const_param(one, (L, D), ("layers", "norm"), dtype)
         if cfg.num_sparse_layers:
             self._add_experts(cfg, normal, dtype)
-        if cfg.num_sparse_layers < L:  # the dense MLP, in the layers that have it
-            Ld = L - cfg.num_sparse_layers
-            self.gate = normal((Ld, D, F), ("layers", "embed", "mlp"))
-            self.up = normal((Ld, D, F), ("layers", "embed", "mlp"))
-            self.down = normal((Ld, F, D), ("layers", "mlp", "embed"))
+        for kind, names, width in ((False, DENSE_MLP, F), ("double", DOUBLE_MLP.values(), 2 * F)):
+            Ld = cfg.mlp_kinds.count(kind)
+            if Ld:  # the dense MLP (Gemma 4's double-wide one), in the layers that have it
+                gate, up, down = names
+                setattr(self, gate, normal((Ld, D, width), ("layers", "embed", "mlp")))
+                setattr(self, up, normal((Ld, D, width), ("layers", "embed", "mlp")))
+                setattr(self, down, normal((Ld, width, D), ("layers", "mlp", "embed")))
         if cfg.lora is not None:
             self._add_adapters(cfg.lora, rngs, dtype)
         self.cfg = cfg
@@ -137,14 +142,14 @@ class Block(nnx.Module):
         (`segments.WIDE_ATTENTION`), stacked over those layers: wq [Lg, D, N, Hg], wk
         [Lg, D, Kg, Hg], wv (none with `k_eq_v`), wo [Lg, N, Hg, D], their q / k norms."""
         L, D, N = cfg.attention_kinds.count("wide"), cfg.hidden_size, cfg.num_heads
-        K, H = cfg.full_kv_heads, cfg.full_head_dim
+        K, H, Lkv = cfg.full_kv_heads, cfg.full_head_dim, cfg.cache_layers("wide")
         self.wq = normal((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
-        self.wk = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wk = normal((Lkv, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
         if not cfg.k_eq_v:
-            self.wv = normal((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+            self.wv = normal((Lkv, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
         self.wo = normal((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
         self.wq_norm = const_param(1.0, (L, H), ("layers", "head_dim"), dtype)
-        self.wk_norm = const_param(1.0, (L, H), ("layers", "head_dim"), dtype)
+        self.wk_norm = const_param(1.0, (Lkv, H), ("layers", "head_dim"), dtype)
 
     def _add_experts(self, cfg: ModelConfig, normal, dtype) -> None:
         """Of the Lm MoE layers: router [Lm, D, E], the experts' SwiGLU weights
@@ -180,15 +185,17 @@ class Block(nnx.Module):
     def _mlp(self, h, dropout, routes, sparse, residual):
         """The MLP of one layer: (y [B,T,D], the router's own top-k [B,T,k] or None).
         routes [B,T,k]: the experts to replay (MoE only; None: the router's choice).
-        sparse: this layer's MLP is the mixture of experts. residual: the stream h is
-        the norm of (Gemma 4's router and experts read it)."""
+        sparse: this layer's MLP kind (`ModelConfig.mlp_kinds`: True the mixture of
+        experts, "double" the double-wide dense one). residual: the stream h is the norm
+        of (Gemma 4's router and experts read it)."""
         cfg = self.cfg
-        if sparse:
+        if sparse is True:
             weights = {n: getattr(self, p)[...] for n, p in MOE_WEIGHTS.items() if hasattr(self, p)}
             return moe_mlp(cfg, h, weights, routes, residual)
-        gate, up = self._proj("gate", h, dropout), self._proj("up", h, dropout)
-        act = jax.nn.gelu(gate, approximate=True) if cfg.gemma else jax.nn.silu(gate)
-        return self._proj("down", act * up, dropout), None
+        gate, up, down = DOUBLE_MLP.values() if sparse == "double" else DENSE_MLP
+        g, u = self._proj(gate, h, dropout), self._proj(up, h, dropout)
+        act = jax.nn.gelu(g, approximate=True) if cfg.gemma else jax.nn.silu(g)
+        return self._proj(down, act * u, dropout), None
 
     def _add_adapters(self, lora, rngs: nnx.Rngs, dtype) -> None:
         """`<target>_lora_a` [L, *in, r] and `<target>_lora_b` [L, r, *out] per target.
@@ -239,6 +246,7 @@ class Block(nnx.Module):
         linear=False,
         wide=False,
         per_layer=None,
+        share=None,
     ):
         """One layer: (x [B,T,D], the cache as updated by this layer, the MoE router's own
         top-k [B,T,k] int32 or None for a dense layer).
@@ -253,13 +261,17 @@ class Block(nnx.Module):
         replay in an MoE layer (None: its own top-k). sparse: the layer's MLP is the
         mixture of experts (None: `cfg.moe`). linear: a Gated DeltaNet layer (`_linear`).
         wide: Gemma 4's full layer with its own head size (the `w` parameters, `_add_wide`).
-        per_layer [B,T,P]: Gemma 4's per-layer input of this layer, or None.
+        per_layer [B,T,P]: Gemma 4's per-layer input of this layer, or None. share: the
+        layer's part in Gemma 4's KV sharing (`ModelConfig.kv_sharing`): "store" leaves
+        its keys/values in `cache.shared` for the layers that reuse them, "reuse" projects
+        none and attends over those (its `layer` is then the storing layer's cache row).
         """
         cfg = self.cfg
         if linear:
             a, cache = self._linear(x, mask, cache, layer)
         else:
-            a, cache = self._attention(x, positions, mask, cache, layer, dropout, kind, wide)
+            args = (x, positions, mask, cache, layer, dropout, kind, wide)
+            a, cache = self._attention(*args, share[0] if share else None)
         x = x + a
         h = norm(cfg, x, self.mlp_norm[...])
         y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse, x)
@@ -280,36 +292,37 @@ class Block(nnx.Module):
         w = {n: getattr(self, n)[...] for n in LINEAR_WEIGHTS}
         return cache.deltanet(self.cfg, layer, w, h, mask)
 
-    def _attention(self, x, positions, mask, cache, layer, dropout, kind, wide=False):
+    def _attention(self, x, positions, mask, cache, layer, dropout, kind, wide=False, share=None):
         """The attention token mixer: (its output [B,T,D], the updated cache). wide: the
-        layer's parameters are the own-sized full layers' (`_add_wide`)."""
+        layer's parameters are the own-sized full layers' (`_add_wide`). share: "store"
+        or "reuse" in KV sharing (`__call__`), else None."""
         cfg = self.cfg
         names = {n: WIDE_ATTENTION[n] if wide else n for n in WIDE_ATTENTION}
         mask = layer_mask(cfg, mask, kind)
         h = norm(cfg, x, self.attn_norm[...])
-        q, k = self._proj(names["q"], h, dropout), self._proj(names["k"], h, dropout)
-        # keys as values (Gemma 4's `attention_k_eq_v`): k's projection, before its norm
-        v = k if wide and cfg.k_eq_v else self._proj(names["v"], h, dropout)
+        q = self._proj(names["q"], h, dropout)
         gate = None
         if cfg.attn_output_gate:  # Qwen3.5: each head's query, then its output gate
             q, gate = jnp.split(q, 2, axis=-1)
         if cfg.qkv_bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            q = q + self.q_bias[...]
         if cfg.qk_norm:
             q = norm(cfg, q, getattr(self, names["q_norm"])[...])
-            k = norm(cfg, k, getattr(self, names["k_norm"])[...])
-        if cfg.gemma4:  # values RMS-normed, without a weight
-            v = gemma_rms_norm(v, None, cfg.rms_norm_eps)
-        inv_freq = self._rope(kind, wide)
-        scale = rope_attention_factor(cfg)
-        q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
+        inv_freq, scale = self._rope(kind, wide), rope_attention_factor(cfg)
+        q = apply_rope(q, positions, inv_freq, scale)
+        k = v = None  # a KV-shared layer's: its storing layer's, from the cache
+        if share != "reuse":
+            k, v = self._keys_values(h, positions, names, dropout, wide, inv_freq, scale)
         sinks = self.sinks[...] if cfg.attention_sinks else None
         # attention scales scores by head_dim^-1/2; Gemma 3 by query_pre_attn_scalar^-1/2,
         # Gemma 4 not at all
         scalar, head_dim = 1.0 if cfg.gemma4 else cfg.query_pre_attn_scalar, q.shape[-1]
         if scalar and scalar != head_dim:
             q = q * jnp.asarray((head_dim / scalar) ** 0.5, q.dtype)
+        stored = cache.keep(k, v) if share == "store" else None
         a, cache = cache.attend(cfg, layer, q, k, v, mask, sinks)
+        if share == "store":
+            cache = cache.replace(shared=stored)
         if gate is not None:
             a = a * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(a.dtype)
         a = self._proj(names["o"], a, dropout)
@@ -318,6 +331,20 @@ class Block(nnx.Module):
         if cfg.gemma:
             a = norm(cfg, a, self.post_attn_norm[...])
         return a, cache
+
+    def _keys_values(self, h, positions, names, dropout, wide, inv_freq, scale):
+        """The layer's keys (normed, rotated) and values [B,T,K,H] from h [B,T,D]."""
+        cfg = self.cfg
+        k = self._proj(names["k"], h, dropout)
+        # keys as values (Gemma 4's `attention_k_eq_v`): k's projection, before its norm
+        v = k if wide and cfg.k_eq_v else self._proj(names["v"], h, dropout)
+        if cfg.qkv_bias:
+            k, v = k + self.k_bias[...], v + self.v_bias[...]
+        if cfg.qk_norm:
+            k = norm(cfg, k, getattr(self, names["k_norm"])[...])
+        if cfg.gemma4:  # values RMS-normed, without a weight
+            v = gemma_rms_norm(v, None, cfg.rms_norm_eps)
+        return apply_rope(k, positions, inv_freq, scale), v
 
     def _rope(self, kind, wide: bool):
         """The layer's RoPE inverse frequencies: its kind's (`layer_kinds`), or with

@@ -11,7 +11,10 @@ Gated DeltaNet layer `cache.deltanet`) and has one path; the layer loop in
 
 Each is a pytree carried through the layer loop. Its `rows` are per-layer values the loop
 slices for each layer ([L, ...] in) and stacks from each layer (out): a prefix's keys and
-values in, the layer's own out. "unrolled": a Python loop over each layer's own
+values in, the layer's own out. Gemma 4's KV-shared layers (`ModelConfig.kv_sharing`)
+attend with k = v = None: the caches that store keys read the storing layer's row (the
+loop passes its row as `layer`), the teacher-forced ones the `shared` keys/values the
+storing layer `keep`s, which the loop hands on. "unrolled": a Python loop over each layer's own
 parameter slices (`transformer.layer_params`, sliced once before a decode loop);
 "scan_unrolled": the scan traced once per layer (`cfg.scan_layers=False`).
 """
@@ -42,6 +45,7 @@ class NoCache:
     """A full sequence attending to itself (training, the reference forward)."""
 
     rows: Any = None
+    shared: Any = None
 
     def loop(self, cfg, layers) -> str:
         return _scan(cfg) if layers is None else "unrolled"
@@ -50,8 +54,14 @@ class NoCache:
         """Nothing is stored per attention kind (`DenseCache.swap`)."""
         return self
 
+    def keep(self, k, v):
+        """What a KV-shared layer attends over in this layer's place: its k, v."""
+        return k, v
+
     def attend(self, cfg, layer, q, k, v, mask, sinks):
-        """q [B,T,N,H] over this layer's k, v [B,T,K,H] -> ([B,T,N,H], self)."""
+        """q [B,T,N,H] over this layer's k, v [B,T,K,H] (None: a KV-shared layer's,
+        `shared`) -> ([B,T,N,H], self)."""
+        k, v = self.shared if k is None else (k, v)
         a = context_attention(q, k, v, mask, cfg.attention, cfg.attention_block, sinks=sinks)
         return a, self
 
@@ -68,6 +78,7 @@ class PrefixCache:
     [L,B,T,K,H] (after RoPE, for a later suffix) coming out. Differentiable."""
 
     rows: Any = None
+    shared: Any = None
 
     def loop(self, cfg, layers) -> str:
         return _scan(cfg) if layers is None else "unrolled"
@@ -76,13 +87,22 @@ class PrefixCache:
         """The rows are sliced per attention kind by the layer loop (`DenseCache.swap`)."""
         return self
 
-    def attend(self, cfg, layer, q, k, v, mask, sinks):
-        """q [B,T,N,H] over the prefix's keys/values, then this layer's own k, v."""
+    def keep(self, k, v):
+        """What a KV-shared layer attends over in this layer's place: the prefix's keys /
+        values, then this layer's own."""
         pk, pv = self.rows
-        ck = jnp.concatenate([pk.astype(k.dtype), k], axis=1)
-        cv = jnp.concatenate([pv.astype(v.dtype), v], axis=1)
+        return (
+            jnp.concatenate([pk.astype(k.dtype), k], axis=1),
+            jnp.concatenate([pv.astype(v.dtype), v], axis=1),
+        )
+
+    def attend(self, cfg, layer, q, k, v, mask, sinks):
+        """q [B,T,N,H] over the prefix's keys/values, then this layer's own k, v (None: a
+        KV-shared layer's, `shared`; its rows are then its storing layer's)."""
+        ck, cv = self.keep(k, v) if k is not None else self.shared
         a = context_attention(q, ck, cv, mask, cfg.attention, cfg.attention_block, sinks=sinks)
-        return a, self.replace(rows=(k, v))
+        own = (k, v) if k is not None else (ck[:, -q.shape[1] :], cv[:, -q.shape[1] :])
+        return a, self.replace(rows=own)
 
 
 def _write(c, new, start):
@@ -115,9 +135,14 @@ class DenseCache:
     state: LinearState | None = None
     rows: Any = None
     wide: tuple | None = None
+    shared: Any = None
 
     def loop(self, cfg, layers) -> str:
         return "scan"
+
+    def keep(self, k, v):
+        """Nothing: a KV-shared layer reads its storing layer's cache row."""
+        return None
 
     def swap(self):
         """The cache with its two attention kinds' keys/values exchanged: the layer loop
@@ -128,10 +153,12 @@ class DenseCache:
         return self.replace(k=self.wide[0], v=self.wide[1], wide=(self.k, self.v))
 
     def attend(self, cfg, layer, q, k, v, mask, sinks):
-        """Writes k, v [B,T,K,H] (as [B,K,H,T] / [B,K,T,H]) at [layer], then q [B,T,N,H]
-        over the layer's S slots."""
-        ck = _write(self.k, k.transpose(0, 2, 3, 1)[None], (layer, 0, 0, 0, self.index))
-        cv = _write(self.v, v.transpose(0, 2, 1, 3)[None], (layer, 0, 0, self.index, 0))
+        """Writes k, v [B,T,K,H] (as [B,K,H,T] / [B,K,T,H]) at [layer] (None: a KV-shared
+        layer, which writes nothing), then q [B,T,N,H] over the layer's S slots."""
+        ck, cv = self.k, self.v
+        if k is not None:
+            ck = _write(ck, k.transpose(0, 2, 3, 1)[None], (layer, 0, 0, 0, self.index))
+            cv = _write(cv, v.transpose(0, 2, 1, 3)[None], (layer, 0, 0, self.index, 0))
         kt, vt = (jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in (ck, cv))
         return cached(cfg, q, kt, vt, mask, sinks), self.replace(k=ck, v=cv)
 
@@ -168,12 +195,20 @@ class PerLayerCache:
     v: tuple
     index: jax.Array
     rows: Any = None
+    shared: Any = None
 
     def loop(self, cfg, layers) -> str:
         return "unrolled"
 
+    def keep(self, k, v):
+        """Nothing: a KV-shared layer reads its storing layer's arrays."""
+        return None
+
     def attend(self, cfg, layer: int, q, k, v, mask, sinks):
-        """Writes k, v into layer `layer`'s arrays at slot index.., then attends."""
+        """Writes k, v into layer `layer`'s arrays at slot index.., then attends (k None:
+        a KV-shared layer reads them)."""
+        if k is None:
+            return cached(cfg, q, self.k[layer], self.v[layer], mask, sinks), self
         kt = _write(self.k[layer], k.transpose(0, 2, 3, 1), (0, 0, 0, self.index))
         vt = _write(self.v[layer], v.transpose(0, 2, 1, 3), (0, 0, self.index, 0))
         a = cached(cfg, q, kt, vt, mask, sinks)
@@ -200,9 +235,14 @@ class PagedCache:
     # and which of the call's tokens are real, real [B, T] (a masked one leaves it alone).
     state: LinearState | None = None
     real: jax.Array | None = None
+    shared: Any = None
 
     def loop(self, cfg, layers) -> str:
         return "scan" if layers is None else "unrolled"
+
+    def keep(self, k, v):
+        """Nothing: a KV-shared layer reads its storing layer's pages."""
+        return None
 
     def swap(self):
         """The pools of the two attention kinds exchanged (`DenseCache.swap`); the page
@@ -212,7 +252,9 @@ class PagedCache:
         return self.replace(pool=self.wide, wide=self.pool)
 
     def attend(self, cfg, layer, q, k, v, mask, sinks):
-        pool = write_layer(self.pool, layer, k, v, self.where)
+        """Writes k, v [B,T,K,H] to the layer's pages (None: a KV-shared layer, which
+        writes nothing), then q over each row's pages."""
+        pool = self.pool if k is None else write_layer(self.pool, layer, k, v, self.where)
         impl, block = cfg.attention, cfg.attention_block
         a = paged_attention(q, pool, layer, self.where, mask, impl, block, sinks)
         return a, self.replace(pool=pool)

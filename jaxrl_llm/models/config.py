@@ -1,6 +1,6 @@
 """ModelConfig: the decoder's hyperparameters, one frozen dataclass for every supported
-architecture, with the checks that keep its fields consistent and the counts derived
-from them (parameters, layer segments, rotary dimensions).
+architecture, checked when built (`config_checks`), and the counts derived from them
+(parameters, layer segments, KV sharing, rotary dimensions).
 
 One config class covers every supported architecture; the differences between them are a
 handful of flags (qkv bias, q/k RMSNorm, tied embeddings, RoPE scaling) and, for Gemma 3,
@@ -21,33 +21,17 @@ import dataclasses
 import os
 from typing import Any, NamedTuple
 
+from jaxrl_llm.models.config_checks import check
 from jaxrl_llm.models.hf_config import (
     GEMMA3,
     GEMMA4,
-    GPT_OSS,
-    HYBRID_ARCHITECTURES,
-    MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
-    UnsupportedModelError,
     fields_from_hf,
     hf_dict,
     load_config_json,
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# YaRN, checked against transformers for GPT-OSS (its RoPE) only; `proportional` (the
-# first rotated pairs of the whole head's, `layer_math.rope_frequencies`) for Gemma 4's
-EXTRA_ROPE_TYPES = {GPT_OSS: ("yarn",), GEMMA4: ("proportional",)}
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections LoRA can adapt
-# HF's names (Gemma 3's and Qwen3.5's `layer_types`)
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
-# models.moe: Qwen3-MoE's, DeepSeek-V3's (GLM-4.5), GPT-OSS's (softmax over the top-k logits),
-# Gemma 4's (a normed, scaled input; renormalised weights times a scale per expert)
-ROUTERS = ("softmax", "sigmoid", "topk_softmax", "gemma4")
-MOE_IMPLS = ("auto", "gmm", "ragged", "blocked", "dense")  # models/moe.py, moe_kernels.py
-# model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +70,8 @@ class Segment(NamedTuple):
     """A run of consecutive alike layers [start, stop): its MLP kind (`sparse`) and the
     index of `start` among the layers of that kind (`first`); its attention kind
     (`linear`: Gated DeltaNet; `wide`: Gemma 4's full attention with its own head size)
-    and the index of `start` among those (`first_attn`)."""
+    and the index of `start` among those (`first_attn`); its MLP stack (`mlp`, with
+    Gemma 4's double-wide one) and part in KV sharing (`share`)."""
 
     start: int
     stop: int
@@ -95,6 +80,8 @@ class Segment(NamedTuple):
     linear: bool = False
     first_attn: int = 0
     wide: bool = False
+    mlp: bool | str = False  # `ModelConfig.mlp_kinds`: True, False or "double"
+    share: tuple[str, str] | None = None  # `ModelConfig.kv_sharing`
 
     @property
     def attn(self) -> str:
@@ -213,6 +200,12 @@ class ModelConfig:
     # (`layers.Transformer.per_layer_inputs`). 0: none.
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # Gemma 4's KV sharing (transformers' `num_kv_shared_layers`): the last
+    # `kv_shared_layers` layers project no keys/values of their own and attend over those
+    # of the last earlier layer of their type (`kv_sharing`), so they keep no KV cache.
+    # `double_wide_mlp`: those layers' dense MLP is twice `intermediate_size` wide.
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
     # Runtime knobs (not part of the HF config).
     remat: str = "none"  # activation checkpointing per layer: see REMAT_POLICIES
     # Attention implementation (`attention.IMPLEMENTATIONS`; auto = by backend) and the
@@ -243,174 +236,7 @@ class ModelConfig:
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {self.architecture!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
-            )
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r}; expected one of {REMAT_POLICIES}")
-        self._check_attention()
-        scaling = dict(self.rope_scaling or ())
-        types = SUPPORTED_ROPE_TYPES + EXTRA_ROPE_TYPES.get(self.architecture, ())
-        if scaling.get("rope_type", "default") not in types:
-            raise UnsupportedModelError(
-                f"rope type {scaling['rope_type']!r} is not supported; supported: "
-                f"{', '.join(types)}"
-            )
-        cap = self.final_logit_softcapping
-        if cap is not None and not cap > 0:
-            raise ValueError(f"final_logit_softcapping={cap}: must be > 0 (or None)")
-        self._check_layer_types()
-        self._check_moe()
-        self._check_split_attention()
-        self._check_per_layer_inputs()
-
-    def _check_per_layer_inputs(self) -> None:
-        P, Vp = self.per_layer_input_size, self.per_layer_vocab_size
-        if P and not self.gemma4:
-            raise ValueError("per_layer_input_size: only Gemma 4 has per-layer input embeddings")
-        if P < 0 or (P and Vp < 1):
-            raise ValueError(
-                f"per_layer_input_size={P}, per_layer_vocab_size={Vp}: both >= 1 (or size 0)"
-            )
-
-    def _check_split_attention(self) -> None:
-        if not self.split_attention and not (self.global_kv_heads or self.k_eq_v):
-            return
-        if not self.gemma4 or not self.split_attention:
-            raise ValueError(
-                "global_head_dim / global_kv_heads / k_eq_v: only Gemma 4, with global_head_dim"
-            )
-        if self.global_head_dim < 2 or self.global_head_dim % 2:
-            raise ValueError(f"global_head_dim={self.global_head_dim}: a positive even size")
-        if self.num_heads % self.full_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of the full layers' "
-                f"KV heads ({self.full_kv_heads})"
-            )
-        if self.lora is not None:
-            raise UnsupportedModelError(
-                "model.lora: adapters on Gemma 4 with full layers of their own head size "
-                "(global_head_dim) are not supported"
-            )
-
-    def _check_moe(self) -> None:
-        if self.moe_impl not in MOE_IMPLS:
-            raise ValueError(f"moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
-        if (self.architecture in MOE_ARCHITECTURES) != self.moe and not self.gemma4:
-            raise ValueError(f"num_experts={self.num_experts} does not fit {self.architecture}")
-        rot = self.head_dim * self.partial_rotary_factor
-        if not 0 < self.partial_rotary_factor <= 1 or int(rot) % 2:
-            raise ValueError(
-                f"partial_rotary_factor={self.partial_rotary_factor}: head_dim times it must "
-                "be a positive even number of dimensions"
-            )
-        if not self.moe:
-            if self.expert_bias or self.swiglu_limit:
-                raise ValueError("expert_bias / swiglu_limit: only a mixture-of-experts model")
-            return
-        if self.router not in ROUTERS:
-            raise ValueError(f"router={self.router!r}; expected one of {ROUTERS}")
-        if (self.router == "gemma4") != self.gemma4:
-            raise ValueError(
-                f'router={self.router!r}: Gemma 4\'s experts take its router "gemma4", and '
-                "only Gemma 4 has it"
-            )
-        extra = self.dense_layers, self.n_shared_experts, self.expert_bias, self.swiglu_limit
-        if self.gemma4 and any(extra):
-            raise ValueError(
-                f"dense_layers / n_shared_experts / expert_bias / swiglu_limit = {extra}: "
-                "Gemma 4 has experts in every layer, beside its dense MLP, without these"
-            )
-        if sorted(set(self.dense_layers)) != list(self.dense_layers) or not all(
-            0 <= i < self.num_layers for i in self.dense_layers
-        ):
-            raise ValueError(
-                f"dense_layers={list(self.dense_layers)}: expected sorted distinct layer "
-                f"indices below num_layers={self.num_layers}"
-            )
-        E, G = self.num_experts, self.n_group
-        if self.router == "sigmoid" and (
-            E % G
-            or E // G < 2
-            or not 1 <= self.topk_group <= G
-            or self.num_experts_per_tok > self.topk_group * (E // G)
-        ):
-            raise ValueError(
-                f"n_group={G}, topk_group={self.topk_group}: the {E} experts must split "
-                "into n_group groups of >= 2, topk_group in [1, n_group], and the chosen "
-                f"groups must hold num_experts_per_tok={self.num_experts_per_tok} experts"
-            )
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok}: must be in "
-                f"[1, num_experts={self.num_experts}]"
-            )
-        if self.moe_intermediate_size < 1:
-            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size}: must be >= 1")
-        if self.lora is not None and set(self.lora.targets) & {"gate", "up", "down"}:
-            raise ValueError(
-                f"lora targets={self.lora.targets!r}: a mixture-of-experts model adapts only "
-                "its attention projections (set model.lora.targets to some of q, k, v, o)"
-            )
-
-    def _check_attention(self) -> None:
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(
-                f"model.attention={self.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}"
-            )
-        if self.attention_block < 1:
-            raise ValueError(f"model.attention_block={self.attention_block}: must be >= 1")
-        if self.prefill_chunk < 0:
-            raise ValueError(f"rollout.prefill_chunk={self.prefill_chunk}: must be >= 0")
-        if self.attention_sinks and self.attention in ("cudnn", "pallas"):
-            raise UnsupportedModelError(
-                f"model.attention={self.attention!r}: that kernel has no attention sinks "
-                "(this model has them); use 'auto', 'blockwise' or 'xla'"
-            )
-        if self.attention == "pallas" and self.windowed:
-            raise UnsupportedModelError(
-                "model.attention='pallas' cannot do sliding-window layers (this model has "
-                "them); use 'auto', 'blockwise' or 'xla'"
-            )
-
-    def _check_layer_types(self) -> None:
-        types = self.layer_types
-        if types is None:
-            return
-        if len(types) != self.num_layers or set(types) - set(LAYER_TYPES):
-            raise ValueError(
-                f"layer_types={list(types)}: expected {self.num_layers} of {LAYER_TYPES}"
-            )
-        if "sliding_attention" in types and not (self.sliding_window or 0) > 0:
-            raise ValueError(f"sliding_window={self.sliding_window}: sliding layers need >= 1")
-        if ("linear_attention" in types) != (self.architecture in HYBRID_ARCHITECTURES):
-            raise ValueError(f"layer_types={list(types)} does not fit {self.architecture}")
-        if self.hybrid:
-            self._check_linear()
-
-    def _check_linear(self) -> None:
-        nk, nv = self.linear_num_key_heads, self.linear_num_value_heads
-        if min(nk, nv, self.linear_key_head_dim, self.linear_value_head_dim) < 1 or nv % nk:
-            raise ValueError(
-                f"linear_num_key_heads={nk}, linear_num_value_heads={nv}: both >= 1, the "
-                "value heads a multiple of the key heads, head dims >= 1"
-            )
-        if self.linear_conv_kernel < 1 or self.linear_chunk < 1:
-            raise ValueError(
-                f"linear_conv_kernel={self.linear_conv_kernel}, model.linear_chunk="
-                f"{self.linear_chunk}: both must be >= 1"
-            )
-        if self.lora is not None:
-            raise UnsupportedModelError(
-                "model.lora: adapters on a hybrid (Gated DeltaNet) model are not supported"
-            )
+        check(self)  # one error naming the key of fields that do not fit together
 
     @property
     def model_type(self) -> str:
@@ -503,25 +329,71 @@ class ModelConfig:
     @property
     def kv_per_token(self) -> int:
         """Elements of keys and values a token keeps in a KV cache, over the layers of
-        softmax attention (each kind with its own heads and head size)."""
-        kinds = self.attention_kinds
-        n = kinds.count("softmax") * self.num_kv_heads * self.head_dim
-        return 2 * (n + kinds.count("wide") * self.full_kv_heads * self.full_head_dim)
+        softmax attention (each kind with its own heads and head size) that are not
+        KV-shared."""
+        n = self.cache_layers("softmax") * self.num_kv_heads * self.head_dim
+        return 2 * (n + self.cache_layers("wide") * self.full_kv_heads * self.full_head_dim)
+
+    @property
+    def kv_sharing(self) -> tuple[tuple[str, str] | None, ...]:
+        """Per layer (`kv_shared_layers`): ("reuse", type) for a layer that attends over
+        the keys/values of the last earlier layer of its type ("sliding_attention" or
+        "full_attention"), ("store", type) for that earlier layer, else None (as
+        transformers' `kv_sharing_modes`)."""
+        n, L = self.kv_shared_layers, self.num_layers
+        if not n:
+            return (None,) * L
+        types = self.layer_types or ("full_attention",) * L
+        out: list = [None] * (L - n) + [("reuse", t) for t in types[L - n :]]
+        for i in range(L - n, L):
+            out[self.kv_source(i)] = ("store", types[i])
+        return tuple(out)
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys/values layer i attends over: i itself, or for a shared
+        layer the last layer of its type before the shared ones."""
+        first = self.num_layers - self.kv_shared_layers
+        if i < first:
+            return i
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        return max(j for j in range(first) if types[j] == types[i])
+
+    @property
+    def mlp_kinds(self) -> tuple[bool | str, ...]:
+        """Per layer, the stack its MLP parameters belong to: True (the experts), False
+        (the dense MLP) or "double" (Gemma 4's double-wide MLP of a KV-shared layer)."""
+        double = self.double_wide_mlp
+        return tuple(
+            "double" if double and share and share[0] == "reuse" else sparse
+            for sparse, share in zip(self.sparse_layers, self.kv_sharing, strict=True)
+        )
+
+    def cache_layers(self, kind: str = "softmax") -> int:
+        """Layers of attention kind `kind` that keep keys/values in a KV cache or page
+        pool (all of that kind but the KV-shared ones)."""
+        return sum(
+            k == kind and not (s and s[0] == "reuse")
+            for k, s in zip(self.attention_kinds, self.kv_sharing, strict=True)
+        )
 
     def layer_segments(self) -> tuple[Segment, ...]:
-        """The runs of consecutive layers with the same MLP kind and attention kind
-        (`Segment`). One run for a model whose layers are all alike. The layer loop scans
-        each run over its parameters, which the layers of one kind share in a stack of
-        their own."""
+        """The runs of consecutive layers with the same MLP kind, attention kind and part
+        in KV sharing (`Segment`; a storing layer is a run of its own). One run for a model
+        whose layers are all alike. The layer loop scans each run over its parameters,
+        which the layers of one kind share in a stack of their own."""
         runs, seen = [], {}
-        for i, kind in enumerate(zip(self.sparse_layers, self.attention_kinds, strict=True)):
-            if runs and (runs[-1].sparse, runs[-1].attn) == kind:
-                runs[-1] = runs[-1]._replace(stop=i + 1)
+        kinds = zip(self.mlp_kinds, self.attention_kinds, self.kv_sharing, strict=True)
+        for i, kind in enumerate(kinds):
+            last = runs[-1] if runs else None
+            store = kind[2] is not None and kind[2][0] == "store"
+            if last and (last.mlp, last.attn, last.share) == kind and not store:
+                runs[-1] = last._replace(stop=i + 1)
             else:
                 first = seen.get(("mlp", kind[0]), 0)
                 first_attn = seen.get(("attn", kind[1]), 0)
                 linear, wide = kind[1] == "linear", kind[1] == "wide"
-                runs.append(Segment(i, i + 1, kind[0], first, linear, first_attn, wide))
+                sparse = kind[0] is True
+                runs.append(Segment(i, i + 1, sparse, first, linear, first_attn, wide, *kind[::2]))
             seen[("mlp", kind[0])] = seen.get(("mlp", kind[0]), 0) + 1
             seen[("attn", kind[1])] = seen.get(("attn", kind[1]), 0) + 1
         return tuple(runs)
@@ -557,10 +429,15 @@ class ModelConfig:
         layer = (4 if self.gemma else 2) * d + (1 if self.gemma4 else 0)
         sparse = self.num_sparse_layers
         n = self.num_layers * layer + kinds.count("softmax") * self._attention_params(h)
+        n -= (kinds.count("softmax") - self.cache_layers()) * self._own_kv_params(h)
         if self.split_attention:
-            wide = self._attention_params(self.full_head_dim, self.full_kv_heads, self.k_eq_v)
-            n += kinds.count("wide") * wide
-        n += (self.num_layers - sparse) * 3 * d * f + d
+            H, K = self.full_head_dim, self.full_kv_heads
+            n += kinds.count("wide") * self._attention_params(H, K, self.k_eq_v)
+            n -= (kinds.count("wide") - self.cache_layers("wide")) * self._own_kv_params(
+                H, K, self.k_eq_v
+            )
+        # the dense MLP's layers (Gemma 4's double-wide ones twice over) and final norm
+        n += (self.num_layers - sparse + self.mlp_kinds.count("double")) * 3 * d * f + d
         if n_linear:
             nv, dv = self.linear_num_value_heads, self.linear_value_head_dim
             conv = self.linear_conv_dim
@@ -584,6 +461,12 @@ class ModelConfig:
         elif not self.tie_word_embeddings:
             n += self.vocab_size * d  # the output projection is a matmul, count it
         return n
+
+    def _own_kv_params(self, h: int, kv: int | None = None, k_eq_v: bool = False) -> int:
+        """Of `_attention_params`, those of keys and values (a KV-shared layer has none)."""
+        kv = kv or self.num_kv_heads
+        n = self.hidden_size * h * (kv if k_eq_v else 2 * kv)
+        return n + (2 * kv * h if self.qkv_bias else 0) + (h if self.qk_norm else 0)
 
     def _attention_params(self, h: int, kv: int | None = None, k_eq_v: bool = False) -> int:
         """One attention layer's parameters with heads of h and kv KV heads (default

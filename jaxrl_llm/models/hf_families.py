@@ -191,14 +191,17 @@ GEMMA4_GLOBAL_HEAD_DIM = 512  # full-attention layers' head size when the config
 
 
 def refuse_gemma4_options(d: dict, refuse) -> None:
-    """What the Gemma 4 text decoder here lacks: KV sharing across layers, per-layer
-    overrides other than the full layers' head size and KV heads, bidirectional
-    attention, biases; an MoE block without experts."""
+    """What the Gemma 4 text decoder here lacks: every layer KV-shared, a double-wide MLP
+    beside the MoE block, per-layer overrides other than the full layers' head size and
+    KV heads, bidirectional attention, biases; an MoE block without experts."""
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         refuse(f"hidden_activation={act!r} (only gelu_pytorch_tanh)")
-    if d.get("num_kv_shared_layers"):
-        refuse(f"num_kv_shared_layers={d['num_kv_shared_layers']}")
+    shared = int(d.get("num_kv_shared_layers") or 0)
+    if shared and not 0 < shared < int(d.get("num_hidden_layers") or 0):
+        refuse(f"num_kv_shared_layers={shared} (between 1 and num_hidden_layers - 1)")
+    if d.get("use_double_wide_mlp") and d.get("enable_moe_block"):
+        refuse("use_double_wide_mlp with enable_moe_block")
     if d.get("enable_moe_block"):
         for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             if int(d.get(key) or 0) < 1:
@@ -258,7 +261,7 @@ def gemma4_fields(d: dict, source: str) -> dict:
     the weight itself, the final logits soft-capped; the full layers' own head size, KV
     heads and keys-as-values (`_gemma4_full_layers`); per-layer input embeddings; the MoE
     block (`enable_moe_block`: experts with the "gemma4" router beside the dense MLP in
-    every layer)."""
+    every layer); KV sharing (`num_kv_shared_layers`, with `use_double_wide_mlp`)."""
     d = {k: v for k, v in GEMMA4_DEFAULTS.items() if d.get(k) is None} | d
     full = set(_gemma4_types(d))
     types = [
@@ -285,6 +288,8 @@ def gemma4_fields(d: dict, source: str) -> dict:
             "final_logit_softcapping": None if cap is None else float(cap),
             "per_layer_input_size": per_layer,
             "per_layer_vocab_size": per_layer_vocab,
+            "kv_shared_layers": int(d.get("num_kv_shared_layers") or 0),
+            "double_wide_mlp": bool(d.get("use_double_wide_mlp")),
         }
         | moe
     )
@@ -319,6 +324,8 @@ def gemma_dict(cfg: ModelConfig, gemma4: bool) -> dict:
         "num_experts": cfg.num_experts or None,
         "top_k_experts": cfg.num_experts_per_tok or None,
         "moe_intermediate_size": cfg.moe_intermediate_size or None,
+        "num_kv_shared_layers": cfg.kv_shared_layers,
+        "use_double_wide_mlp": cfg.double_wide_mlp,
     }
 
 

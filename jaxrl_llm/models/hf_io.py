@@ -34,7 +34,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf_config import GPT_OSS
 from jaxrl_llm.models.params import param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
-from jaxrl_llm.models.segments import WIDE_ATTENTION, attn_kind, mlp_kind
+from jaxrl_llm.models.segments import DOUBLE_MLP, WIDE_ATTENTION, stacked_over
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -222,16 +222,11 @@ def mappings(cfg: ModelConfig) -> dict[tuple[str, ...], Mapping]:
         }
         for name, ours in WIDE_ATTENTION.items():
             table[("layers", ours)] = (table[("layers", name)][0], wide[name])
-    specs, kinds = param_specs(cfg), cfg.sparse_layers
+    for name, ours in DOUBLE_MLP.items():  # Gemma 4's KV-shared layers' wider MLP
+        table[("layers", ours)] = table[("layers", name)]
     out = {}
-    for path in specs:
-        kind = mlp_kind(path[-1]) if path[0] == "layers" else None
-        ids = None
-        if kind is not None and cfg.moe and cfg.dense_layers:
-            ids = tuple(i for i, sparse in enumerate(kinds) if sparse == kind)
-        attn = attn_kind(cfg, path[-1]) if path[0] == "layers" else None
-        if attn is not None:  # stacked over the layers of one attention kind
-            ids = tuple(i for i, a in enumerate(cfg.attention_kinds) if a == attn)
+    for path in param_specs(cfg):
+        ids = stacked_over(cfg, path[-1]) if path[0] == "layers" else None
         out[path] = dataclasses.replace(table[path][1], name=table[path][0], layer_ids=ids)
     return out
 
@@ -318,16 +313,25 @@ def _hf_shape(m: Mapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
-    """RoPE buffers, a tied lm_head, and GLM-4.5's multi-token-prediction layers (stored
-    as layers num_layers.. after the decoder's; the decoder does not use them)."""
+    """RoPE buffers, a tied lm_head, GLM-4.5's multi-token-prediction layers (stored
+    as layers num_layers.. after the decoder's; the decoder does not use them), and the
+    key / value projections and norms a checkpoint may hold for Gemma 4's KV-shared
+    layers (transformers ignores them too)."""
     if name.endswith("rotary_emb.inv_freq") or (
         cfg.tie_word_embeddings and name == "lm_head.weight"
     ):
         return True
     for prefix in ("model.layers.", "blk."):  # HF's and GGUF's layer names
-        if cfg.mtp_layers and name.startswith(prefix):
-            return int(name[len(prefix) :].split(".")[0]) >= cfg.num_layers
+        if (cfg.mtp_layers or cfg.kv_shared_layers) and name.startswith(prefix):
+            layer, _, rest = name[len(prefix) :].partition(".")
+            if cfg.mtp_layers:
+                return int(layer) >= cfg.num_layers
+            own_kv = rest.split(".")[:2] in [["self_attn", n] for n in _SHARED_KV]
+            return own_kv and int(layer) >= cfg.num_layers - cfg.kv_shared_layers
     return False
+
+
+_SHARED_KV = ("k_proj", "v_proj", "k_norm", "v_norm")  # of a KV-shared layer: unused
 
 
 def _validate(cfg: ModelConfig, ckpt, maps, path: str, config_name: str) -> None:

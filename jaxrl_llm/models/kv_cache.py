@@ -53,12 +53,11 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     then read its cache buffer in place instead of a copy of its slice of an [L, ...] array.
     """
     n_linear = sum(cfg.linear_layers)
-    k, v = _zeros(
-        cfg.attention_kinds.count("softmax"), batch, cfg.num_kv_heads, cfg.head_dim, max_len, dtype
-    )
+    # the layers that keep keys/values (`cache_layers`: not Gemma 4's KV-shared ones)
+    k, v = _zeros(cfg.cache_layers(), batch, cfg.num_kv_heads, cfg.head_dim, max_len, dtype)
     wide = None
     if cfg.split_attention:
-        Lg = cfg.attention_kinds.count("wide")
+        Lg = cfg.cache_layers("wide")
         wide = _zeros(Lg, batch, cfg.full_kv_heads, cfg.full_head_dim, max_len, dtype)
     elif not cfg.scan_layers and not cfg.hybrid:  # two kinds' caches stay stacked
         k, v = tuple(k), tuple(v)

@@ -94,24 +94,31 @@ class Transformer(nnx.Module):
         if loop == "unrolled" and layers is None:
             layers = {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}
 
-        def layer(carry, xs, sparse, linear, wide):
+        def layer(carry, xs, sparse, linear, wide, share, shared=None):
             (x, c), (params, i, row, kind, route, extra, rows) = carry, xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, params)
-            c = c.replace(rows=rows)
+            c = c.replace(rows=rows, shared=shared)
             x, c, chosen = block(
-                x, positions, mask, c, row, key, kind, route, sparse, linear, wide, extra
+                x, positions, mask, c, row, key, kind, route, sparse, linear, wide, extra, share
             )
-            return (x, c.replace(rows=None)), (chosen, c.rows)
+            stored = c.shared if share and share[0] == "store" else None
+            return (x, c.replace(rows=None, shared=None)), (chosen, c.rows, stored)
 
-        carry, ys = (x, cache.replace(rows=None)), []
+        carry, ys = (x, cache.replace(rows=None, shared=None)), []
         # [L, ...] each, or None
         per_layer = (layer_kinds(cfg), routes, self.per_layer_inputs(tokens, x))
+        stored = {}  # KV sharing: a layer type's storing layer's keep, for its reusers
         for segment in cfg.layer_segments():
+            share = segment.share
             body = functools.partial(
-                layer, sparse=segment.sparse, linear=segment.linear, wide=segment.wide
+                layer, sparse=segment.mlp, linear=segment.linear, wide=segment.wide, share=share
             )
             start, stop, row = segment.start, segment.stop, self._first_row(segment)
+            n, reuse = stop - start, share is not None and share[0] == "reuse"
+            shared = stored.get(share[1]) if reuse else None
+            # each layer's cache row: a KV-shared layer's is its storing layer's
+            rows_of = [self._row_of(cfg.kv_source(start))] * n if reuse else range(row, row + n)
             rows = self._kind_rows(cache.rows, segment)  # [n, ...] in the run's cache rows
             if segment.wide:  # the cache's full-layer storage in front (`swap`)
                 carry = (carry[0], carry[1].swap())
@@ -119,21 +126,24 @@ class Transformer(nnx.Module):
                 outs = []
                 for i in range(start, stop):
                     at = jax.tree.map(lambda a, i=i: a[i], per_layer)
-                    at = (*at, jax.tree.map(lambda a, j=i - start: a[j], rows))
-                    step = functools.partial(_one_layer, body, i, row + i - start)
+                    at = (*at, jax.tree.map(lambda a, j=i - start: a[j], rows), shared)
+                    step = functools.partial(_one_layer, body, i, rows_of[i - start])
                     if recompute:  # the backward slices layer i out of `stacked` again
                         reslice = functools.partial(_reslice, cfg, i)
                         step = recompute_in_backward(step, (stacked, reslice))
                     carry, out = step(carry, layer_slice(cfg, layers, i), at)
                     outs.append(out)
-                ys.append(jax.tree.map(lambda *a: jnp.stack(a), *outs))
+                out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
             else:
                 own = (segment_params(cfg, stacked, segment), jnp.arange(start, stop))
-                xs = (*own, jnp.arange(row, row + stop - start))
+                xs = (*own, jnp.asarray(rows_of, jnp.int32))
                 xs = (*xs, *layer_rows(per_layer, start, stop), rows)
-                unroll = stop - start if loop == "scan_unrolled" else 1
+                unroll = n if loop == "scan_unrolled" else 1
+                body = functools.partial(body, shared=shared)
                 carry, out = jax.lax.scan(_remat(body, cfg.remat), carry, xs, unroll=unroll)
-                ys.append(out)
+            if share is not None and share[0] == "store":  # a run of one layer
+                stored[share[1]] = jax.tree.map(lambda a: a[0], out[2])
+            ys.append(out[:2])
             if segment.wide:
                 carry = (carry[0], carry[1].swap())
         (x, cache), (chosen, rows) = carry, tuple(zip(*ys, strict=True))
@@ -168,6 +178,13 @@ class Transformer(nnx.Module):
         index among its kind's."""
         split = self.cfg.hybrid or self.cfg.split_attention
         return segment.first_attn if split else segment.start
+
+    def _row_of(self, i: int) -> int:
+        """Layer i's cache row (`_first_row`)."""
+        cfg = self.cfg
+        if not (cfg.hybrid or cfg.split_attention):
+            return i
+        return cfg.attention_kinds[:i].count(cfg.attention_kinds[i])
 
     def _no_routes(self, x, n: int | None = None) -> jax.Array:
         """The routes of dense-MLP layers in an MoE model: -1 [B,T,k] (or [n,B,T,k])."""
@@ -221,8 +238,9 @@ def _join(rows: tuple):
 
 
 def _one_layer(body, i: int, row: int, carry, params, at):
-    """Layer i of the Python loop (cache row `row`): `body` with its static indices."""
-    return body(carry, (params, i, row, *at))
+    """Layer i of the Python loop (cache row `row`): `body` with its static indices; the
+    last of `at` is what a KV-shared layer attends over (`caches`), or None."""
+    return body(carry, (params, i, row, *at[:-1]), shared=at[-1])
 
 
 def recompute_in_backward(fn, source):

@@ -1,6 +1,7 @@
-"""Layers of two MLP kinds (an MoE model's experts, or a dense MLP: `cfg.dense_layers`)
-and of two attention kinds (a hybrid model's Gated DeltaNet or full attention, Qwen3.5;
-Gemma 4's sliding layers and its full layers with a head size of their own):
+"""Layers of several MLP kinds (an MoE model's experts, or a dense MLP: `cfg.dense_layers`;
+Gemma 4's double-wide MLP), of two attention kinds (a hybrid model's Gated DeltaNet or
+full attention, Qwen3.5; Gemma 4's sliding layers and its full layers with a head size of
+their own), and Gemma 4's KV-shared layers, which have no keys/values of their own:
 which Block parameters are stacked over which layers, and the rows a run of alike layers
 reads (`ModelConfig.layer_segments`: one scan per run) or one layer reads (unrolled).
 
@@ -9,6 +10,8 @@ reads (`ModelConfig.layer_segments`: one scan per run) or one layer reads (unrol
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,21 +41,15 @@ MOE_WEIGHTS = {
     "expert_post_norm": "expert_post_norm",
 }
 DENSE_MLP = ("gate", "up", "down")
+# Gemma 4's double-wide MLP of its KV-shared layers (`ModelConfig.double_wide_mlp`).
+DOUBLE_MLP = {n: n + "_x2" for n in DENSE_MLP}
 # A hybrid model's full-attention parameters, stacked over its full-attention layers (in
 # Gemma 4 with full layers of their own head size, `split_attention`: over its sliding
 # layers, and the full layers' own under the names of WIDE_ATTENTION).
 FULL_ATTENTION = tuple("q k v o q_bias k_bias v_bias o_bias q_norm k_norm sinks".split())
 WIDE_ATTENTION = {n: "w" + n for n in ("q", "k", "v", "o", "q_norm", "k_norm")}
-
-
-def mlp_kind(name: str) -> bool | None:
-    """Whether the Block parameter `name` is stacked over the MoE layers (True), over the
-    dense-MLP layers (False, with their LoRA adapters), or over every layer (None)."""
-    if name in MOE_WEIGHTS.values():
-        return True
-    if name.split("_lora_")[0] in DENSE_MLP:
-        return False
-    return None
+# The parameters a KV-shared layer lacks (`ModelConfig.kv_sharing`): its keys and values.
+OWN_KV = ("k", "v", "k_bias", "v_bias", "k_norm", "wk", "wv", "wk_norm")
 
 
 def attn_kind(cfg: ModelConfig, name: str) -> str | None:
@@ -70,49 +67,56 @@ def attn_kind(cfg: ModelConfig, name: str) -> str | None:
     return None
 
 
-def _kind_of(cfg: ModelConfig, name: str) -> tuple[str, bool | str] | None:
-    """("mlp" | "attn", kind) of a parameter stacked over one kind of layers, else None."""
-    kind = mlp_kind(name)
-    if kind is not None:
-        return "mlp", kind
-    kind = attn_kind(cfg, name)
-    return None if kind is None else ("attn", kind)
+@functools.lru_cache(maxsize=4096)
+def stacked_over(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The layers whose rows the Block parameter `name` stacks, in layer order; None for
+    every layer. An MLP's parameters are stacked over the layers of their MLP kind
+    (`ModelConfig.mlp_kinds`: experts, dense, double-wide; LoRA adapters with the weight
+    they adapt), attention parameters over the layers of their attention kind
+    (`attn_kind`), keys' and values' (`OWN_KV`) over the layers that are not KV-shared."""
+    base = name.split("_lora_")[0]
+    mlp = True if name in MOE_WEIGHTS.values() else False if base in DENSE_MLP else None
+    mlp = "double" if base in DOUBLE_MLP.values() else mlp
+    L = range(cfg.num_layers)
+    if mlp is not None:
+        layers = [i for i in L if cfg.mlp_kinds[i] == mlp]
+    else:
+        kind = attn_kind(cfg, name)
+        layers = [i for i in L if kind is None or cfg.attention_kinds[i] == kind]
+        if name in OWN_KV:
+            layers = [i for i in layers if cfg.kv_source(i) == i]
+    return None if len(layers) == cfg.num_layers else tuple(layers)
 
 
 def segment_params(cfg: ModelConfig, stacked: dict, segment) -> dict:
-    """The stacked parameters of one `cfg.layer_segments()` run: every layer's slice
-    [start:stop], each kind's own rows from the run's index among that kind's layers
-    (`first` for the MLP's, `first_attn` for the attention's), and for the other kind's
-    parameters a placeholder of zeros [stop - start] (never read by these layers; a scan
-    needs every leaf to have their number of rows)."""
+    """The stacked parameters of one `cfg.layer_segments()` run: each parameter's rows of
+    the run's layers (`stacked_over`), and for a parameter these layers do not have a
+    placeholder of zeros [stop - start] (never read by them; a scan needs every leaf to
+    have their number of rows)."""
     n, out = segment.stop - segment.start, {}
-    mine = {"mlp": (segment.sparse, segment.first), "attn": (segment.attn, segment.first_attn)}
     for name, a in stacked.items():
-        group = _kind_of(cfg, name)
-        start = segment.start if group is None else mine[group[0]][1]
-        if group is not None and group[1] != mine[group[0]][0]:
+        layers = stacked_over(cfg, name)
+        if layers is not None and segment.start not in layers:
             out[name] = jnp.zeros((n,), a.dtype)
-        else:
-            out[name] = a if (start, n) == (0, a.shape[0]) else a[start : start + n]
+            continue
+        start = segment.start if layers is None else layers.index(segment.start)
+        out[name] = a if (start, n) == (0, a.shape[0]) else a[start : start + n]
     return out
 
 
 def layer_slice(cfg: ModelConfig, per_index: dict, i: int) -> dict:
     """Layer i's parameters out of {name: each row of that stack} (`transformer.
-    layer_params`): a kind's parameters at the layer's row among its kind, a zero scalar
-    placeholder for the other kind's."""
-    kinds = {"mlp": cfg.sparse_layers, "attn": cfg.attention_kinds}
+    layer_params`): each parameter's row of layer i, a zero scalar placeholder for a
+    parameter layer i does not have."""
     out = {}
     for name, rows in per_index.items():
-        group = _kind_of(cfg, name)
-        if group is None:
+        layers = stacked_over(cfg, name)
+        if layers is None:
             out[name] = rows[i]
-            continue
-        of = kinds[group[0]]
-        if of[i] != group[1]:
-            out[name] = jnp.zeros((), rows[0].dtype)
+        elif i in layers:
+            out[name] = rows[layers.index(i)]
         else:
-            out[name] = rows[sum(1 for j in range(i) if of[j] == of[i])]
+            out[name] = jnp.zeros((), rows[0].dtype)
     return out
 
 

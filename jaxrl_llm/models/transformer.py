@@ -34,10 +34,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.errors import UnsupportedModelError
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.attention import Mask, causal_mask
 from jaxrl_llm.models.caches import PagedCache, PrefixCache, layer_cache
-from jaxrl_llm.models.config import ModelConfig, UnsupportedModelError
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.kv_cache import KVCache
 from jaxrl_llm.models.layer_math import softcap
 from jaxrl_llm.models.layers import Transformer

@@ -75,14 +75,14 @@ def init_pages(
     cfg, pages: int, page_size: int, dtype=jnp.float32, pallas: bool = False, state_rows: int = 0
 ) -> Pages:
     """A zero pool; a hybrid model's with `state_rows` zero DeltaNet state rows."""
-    kinds = cfg.attention_kinds
-    L, K, H = kinds.count("softmax"), cfg.num_kv_heads, cfg.head_dim
+    L, K, H = cfg.cache_layers(), cfg.num_kv_heads, cfg.head_dim  # layers keeping keys
     shape = (K, L, pages, page_size, H) if pallas else (L, pages, page_size, K, H)
     wide = None
     if cfg.split_attention:
         if pallas:
             raise ValueError("the Pallas page pool holds one head size; this model has two")
-        wide_shape = (kinds.count("wide"), pages, page_size, cfg.full_kv_heads, cfg.full_head_dim)
+        Kg, Hg = cfg.full_kv_heads, cfg.full_head_dim
+        wide_shape = (cfg.cache_layers("wide"), pages, page_size, Kg, Hg)
         wide = (jnp.zeros(wide_shape, dtype), jnp.zeros(wide_shape, dtype))
     state = None
     if cfg.hybrid:

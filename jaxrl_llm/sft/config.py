@@ -183,7 +183,7 @@ def _filled(config, prefix: str = "", into=None) -> ml_collections.ConfigDict:
 
 def _check_model(config) -> str | None:
     """-> the local model directory (None for a new model or a hub name)."""
-    from jaxrl_llm.models.config import REMAT_POLICIES
+    from jaxrl_llm.models.config_checks import REMAT_POLICIES
 
     m = config.model
     if m.path:

@@ -48,7 +48,8 @@ def layer_matmul_params(model_cfg) -> int:
     goes through (not the E - k idle ones) and the shared experts, in the sparse layers;
     the dense-MLP layers of an MoE model (`dense_layers`) count their dense MLP; Gemma 4's
     per-layer inputs, their projection from the embedding and each layer's gate and
-    projection. So MoE FLOPs and MFU count the work done."""
+    projection; its KV-shared layers without keys and values, their MLP double-wide
+    where it is. So MoE FLOPs and MFU count the work done."""
     c = model_cfg
     D = c.hidden_size
     q_heads = c.num_heads * (2 if getattr(c, "attn_output_gate", False) else 1)
@@ -61,10 +62,16 @@ def layer_matmul_params(model_cfg) -> int:
     mixers = (c.num_layers - n_linear - wide) * attn(c.head_dim, c.num_kv_heads)
     if wide:
         mixers += wide * attn(c.full_head_dim, c.full_kv_heads, 1 if c.k_eq_v else 2)
+    if getattr(c, "kv_shared_layers", 0):  # Gemma 4's KV-shared layers: no k, v of their own
+        shared = c.num_layers - wide - c.cache_layers()
+        mixers -= shared * D * c.head_dim * 2 * c.num_kv_heads
+        kv_proj = (1 if c.k_eq_v else 2) * c.full_kv_heads
+        mixers -= (wide - c.cache_layers("wide")) * D * c.full_head_dim * kv_proj
     if n_linear:  # Gated DeltaNet: in_proj_qkv / z / a / b and out_proj
         value = c.linear_num_value_heads * c.linear_value_head_dim
         mixers += n_linear * D * (c.linear_conv_dim + 2 * value + 2 * c.linear_num_value_heads)
     dense_mlp = 3 * D * c.intermediate_size
+    mixers += dense_mlp * list(getattr(c, "mlp_kinds", ())).count("double")  # twice as wide
     P = getattr(c, "per_layer_input_size", 0)  # Gemma 4: the model's projection, each layer's
     mixers += 3 * D * P * c.num_layers
     if getattr(c, "moe", False):
