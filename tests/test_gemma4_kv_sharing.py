@@ -2,22 +2,19 @@
 last layers attend over the keys/values of the last earlier layer of their type, have no
 key/value projections and keep no KV cache; their MLP is double-wide
 (`use_double_wide_mlp`). Logits, sharding, greedy tokens, export, parameter counts and the
-shared-prompt path against transformers run in `test_gemma4.py` (its "shared_*" kinds);
-here: the layout, the cache paths, gradients, the paged engine, refusals, a GRPO run."""
-
-import functools
+shared-prompt path against transformers, and the paged engine, run in `test_gemma4.py`
+(its "shared*" kinds); here: the layout, the cache paths, gradients, skipped tensors,
+refusals, a GRPO run."""
 
 import jax
 import numpy as np
 import pytest
-import transformers
-from hf_reference import hf_logits, hf_model, padded_batch
+from hf_reference import hf_model, padded_batch
 from test_gemma4 import KINDS
-from test_moe import max_diff
-from tiny_run import teacher_forced_logprobs, tiny_gemma4_config
+from test_gemma4_moe import grpo_two_steps
+from tiny_run import tiny_gemma4_config
 
-from jaxrl_llm import models, sampling
-from jaxrl_llm.rl import batch as rl_batch
+from jaxrl_llm import models
 
 
 @pytest.fixture(scope="module", params=["shared_same", "shared_wide"])
@@ -101,49 +98,12 @@ def test_refused_options_name_the_key():
         cfg.replace(lora=models.LoraConfig(rank=2))
 
 
-def test_paged_engine_and_trainer_logprobs_equal_static_sampler():
-    """The paged engine (4 slots for 12 rows, preemptions, past the window) gives the
-    static sampler's greedy tokens with pages for the non-shared layers only (4 layers,
-    the last 2 shared); sampled rows' behaviour log-probs equal the teacher-forced ones
-    and the trainer's within 1e-5. With full layers of their own head size:
-    tests/test_gemma4.py's "wide" case, which shares as well."""
-    from test_paged_engine import paged_greedy_equals_static
-
-    cfg = tiny_gemma4_config(max_position_embeddings=512, kv_shared_layers=2, double_wide_mlp=True)
-    params = models.init_params(cfg, seed=1)
-    engine, ids, mask = paged_greedy_equals_static(cfg, params)
-    spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=12, temperature=0.8)
-    kw = dict(num_generations=2, micro_batches=1, temperature=0.8, chunk_size=128)
-    trainer = jax.jit(functools.partial(rl_batch.batch_logprobs, cfg, **kw))
-    for sampler in (engine(), sampling.Sampler(cfg)):
-        out = sampler.sample(params, ids, mask, spec, step=1)
-        m = np.asarray(out.mask)
-        tf = teacher_forced_logprobs(cfg, params, out, 0.8)
-        assert np.abs(np.asarray(out.logprobs) - tf)[m].max() <= 1e-5
-        logp = trainer(params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-        assert np.abs(np.asarray(logp) - np.asarray(out.logprobs))[m].max() <= 1e-5
-
-
 def test_grpo_two_steps(tmp_path):
     """A tiny KV-sharing Gemma 4 (4 layers, the last 2 shared) built from fields and saved
-    by `save_hf` (transformers reads it as the same model) through the trainer, beta > 0."""
-    from tiny_run import TOKENIZER, tiny_config
-
-    from jaxrl_llm import train
-
+    by `save_hf` (transformers reads it as the same model) through the trainer, beta > 0.
+    The paged engine on KV-sharing models: `test_gemma4.py`'s paged cases."""
     fields = dict(kv_shared_layers=2, double_wide_mlp=True)
-    cfg = tiny_gemma4_config(vocab_size=33, tie_word_embeddings=True, **fields)
-    params = models.init_params(cfg, seed=0)
-    models.save_hf(cfg, params, tmp_path / "m", tokenizer_dir=TOKENIZER)
-    model = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "m").eval()
-    ids, mask = padded_batch(seed=4, length=12)
-    ids = ids % 33
-    assert (
-        max_diff(models.logits(cfg, params, ids, mask), hf_logits(model, ids, mask), mask) <= 2e-5
-    )
-    last = train.train(tiny_config(str(tmp_path / "m"), beta=0.04), str(tmp_path / "run"))
-    assert np.isfinite(last["loss/total"]) and last["optim/nonfinite"] == 0.0
-    assert np.isfinite(last["loss/kl"])
+    grpo_two_steps(tiny_gemma4_config(vocab_size=33, tie_word_embeddings=True, **fields), tmp_path)
 
 
 def test_unused_key_projections_in_a_checkpoint_are_skipped(shared, tmp_path):
