@@ -67,21 +67,20 @@ class LoraConfig:
 
 
 class Segment(NamedTuple):
-    """A run of consecutive alike layers [start, stop): its MLP kind (`sparse`) and the
-    index of `start` among the layers of that kind (`first`); its attention kind
-    (`linear`: Gated DeltaNet; `wide`: Gemma 4's full attention with its own head size)
-    and the index of `start` among those (`first_attn`); its MLP stack (`mlp`, with
-    Gemma 4's double-wide one) and part in KV sharing (`share`)."""
+    """A run of consecutive alike layers [start, stop): its MLP stack (`mlp`:
+    `ModelConfig.mlp_kinds`, True the experts, False the dense MLP, "double" Gemma 4's
+    double-wide one); its attention kind (`linear`: Gated DeltaNet; `wide`: Gemma 4's
+    full attention with its own head size) and the index of `start` among the layers of
+    that kind (`first_attn`); its part in KV sharing (`share`: `ModelConfig.kv_sharing`).
+    Which rows of each stacked parameter the run reads: `segments.stacked_over`."""
 
     start: int
     stop: int
-    sparse: bool
-    first: int
+    mlp: bool | str = False
     linear: bool = False
     first_attn: int = 0
     wide: bool = False
-    mlp: bool | str = False  # `ModelConfig.mlp_kinds`: True, False or "double"
-    share: tuple[str, str] | None = None  # `ModelConfig.kv_sharing`
+    share: tuple[str, str] | None = None
 
     @property
     def attn(self) -> str:
@@ -389,13 +388,10 @@ class ModelConfig:
             if last and (last.mlp, last.attn, last.share) == kind and not store:
                 runs[-1] = last._replace(stop=i + 1)
             else:
-                first = seen.get(("mlp", kind[0]), 0)
-                first_attn = seen.get(("attn", kind[1]), 0)
+                first_attn = seen.get(kind[1], 0)
                 linear, wide = kind[1] == "linear", kind[1] == "wide"
-                sparse = kind[0] is True
-                runs.append(Segment(i, i + 1, sparse, first, linear, first_attn, wide, *kind[::2]))
-            seen[("mlp", kind[0])] = seen.get(("mlp", kind[0]), 0) + 1
-            seen[("attn", kind[1])] = seen.get(("attn", kind[1]), 0) + 1
+                runs.append(Segment(i, i + 1, kind[0], linear, first_attn, wide, kind[2]))
+            seen[kind[1]] = seen.get(kind[1], 0) + 1
         return tuple(runs)
 
     @property
