@@ -160,7 +160,15 @@ ARCHS["qwen3_5_moe"] = (
         "shared_expert_intermediate_size": 48,
     },
 )
-ZERO_CENTERED_NORMS = ("gemma3", "qwen3_5", "qwen3_5_moe")  # RMSNorm scales by 1 + weight
+# Qwen3-Next: Qwen3.5-MoE's decoder with its DeltaNet projections fused (in_proj_qkvz,
+# in_proj_ba); layer 1 dense (mlp_only_layers), the top-k weights not renormalised
+ARCHS["qwen3_next"] = (
+    transformers.Qwen3NextConfig,
+    transformers.Qwen3NextForCausalLM,
+    ARCHS["qwen3_5_moe"][2] | {"mlp_only_layers": [1], "norm_topk_prob": False},
+)
+# RMSNorm scales by 1 + weight
+ZERO_CENTERED_NORMS = ("gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def hf_config(arch: str, **overrides):

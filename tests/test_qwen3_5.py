@@ -1,6 +1,7 @@
-"""Qwen3.5 (hybrid Gated DeltaNet + gated full attention; dense and MoE) against Hugging
-Face, and the two forms of the delta-rule recurrence against a numpy loop."""
+"""Qwen3.5 (hybrid Gated DeltaNet + gated full attention; dense and MoE) and Qwen3-Next
+against Hugging Face, and the two forms of the delta-rule recurrence against a numpy loop."""
 
+import hf_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,15 +21,18 @@ ATOL, RTOL = 1e-4, 1e-5
 
 
 def load(name, tmp_path_factory):
-    model = hf_model(name, seed=3)
+    # seed 3's Qwen3-Next draw amplifies float32 rounding to 2-6e-4 against float64 in
+    # both implementations (seed 0: ~1.6e-5 in both, as the Qwen3.5 draws)
+    model = hf_model(name, seed=0 if name == "qwen3_next" else 3)
     d = tmp_path_factory.mktemp(name)
     model.save_pretrained(d)
     return (model, d, *models.load_hf(d, linear_chunk=4))
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def qwen3_5(request, tmp_path_factory):
-    """(torch model, directory, cfg, params) of a tiny random Qwen3.5 (dense or MoE)."""
+    """(torch model, directory, cfg, params) of a tiny random Qwen3.5 (dense or MoE) or
+    Qwen3-Next (the MoE one with fused DeltaNet projections and a dense layer)."""
     return load(request.param, tmp_path_factory)
 
 
@@ -49,7 +53,8 @@ def test_logits_equal_transformers(qwen3_5):
     chunk), and one chunk longer than the sequence."""
     model, _, cfg, params = qwen3_5
     assert cfg.hybrid and cfg.linear_layers == (True, True, True, False)
-    assert len(cfg.layer_segments()) == 2 and params["layers"]["q"].shape[0] == 1
+    runs = 4 if cfg.dense_layers else 2  # Qwen3-Next's dense layer 1: a run of its own
+    assert len(cfg.layer_segments()) == runs and params["layers"]["q"].shape[0] == 1
     with jax.enable_x64(True):
         p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
         exact = {
@@ -93,6 +98,26 @@ def test_export_reloads_in_transformers(qwen3_5, tmp_path):
     models.save_hf(cfg.replace(hf_config=""), params, tmp_path / "fields")
     again = type(model).from_pretrained(tmp_path / "fields").eval()
     close(hf_logits(again, ids, mask), hf_logits(model, ids, mask), mask)
+
+
+def test_qwen3_next_dense_layers_and_refusals():
+    """Qwen3-Next's dense layers come from `mlp_only_layers` and `decoder_sparse_step` as
+    in Qwen3-MoE; a Qwen3-Next without experts is refused naming the key; Qwen3.5-MoE's
+    config.json cannot say dense layers or unnormalised top-k, so writing one refuses."""
+    d = hf_reference.hf_config("qwen3_next", num_hidden_layers=4).to_dict()
+    d["architectures"] = ["Qwen3NextForCausalLM"]
+    cfg = models.ModelConfig.from_hf_dict(d | {"decoder_sparse_step": 2, "mlp_only_layers": [1]})
+    assert cfg.dense_layers == (0, 1, 2) and not cfg.norm_topk_prob and cfg.moe
+    assert models.ModelConfig.from_hf_dict(cfg.replace(hf_config="").to_hf_dict()) == cfg
+    for change, message in [
+        ({"num_experts": 0}, r"num_experts=0 is not supported \(Qwen3NextForCausalLM\)"),
+        ({"decoder_sparse_step": 0}, r"decoder_sparse_step=0 \(must be >= 1\)"),
+    ]:
+        with pytest.raises(models.UnsupportedModelError, match=message):
+            models.ModelConfig.from_hf_dict(d | change)
+    moe = cfg.replace(architecture="Qwen3_5MoeForCausalLM", hf_config="")
+    with pytest.raises(ValueError, match=r"dense_layers=\[0, 1, 2\].*Qwen3NextForCausalLM can"):
+        moe.to_hf_dict()
 
 
 def test_flops_count_the_active_matmuls_and_the_recurrence(qwen3_5):
@@ -247,7 +272,8 @@ def test_step_and_chunked_forms_agree_in_the_model(dense):
 
 # ------------------------------------------------------------------ in the trainer
 def test_grpo_two_steps_with_routing_replay(tmp_path):
-    """A tiny Qwen3.5-MoE built from fields (saved by `save_hf`) through the trainer: the
+    """A tiny Qwen3-Next (Qwen3.5-MoE's decoder, here with a dense first layer, saved by
+    `save_hf` with its fused DeltaNet projections and read back) through the trainer: the
     static sampler carries the DeltaNet state, each row reads its own prompt in the
     reference and the update (beta > 0), and the update replays the sampler's routes."""
     from tiny_run import TOKENIZER, tiny_config
@@ -255,14 +281,17 @@ def test_grpo_two_steps_with_routing_replay(tmp_path):
     from jaxrl_llm import train
 
     cfg = tiny_hybrid(
-        architecture="Qwen3_5MoeForCausalLM",
+        architecture="Qwen3NextForCausalLM",
+        layer_types=("linear_attention", "linear_attention", "full_attention"),
+        num_layers=3,
+        dense_layers=(0,),
         vocab_size=33,
         tie_word_embeddings=True,
         max_position_embeddings=256,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=16,
-        norm_topk_prob=True,
+        norm_topk_prob=False,
         n_shared_experts=1,
         shared_expert_size=24,
         shared_expert_gate=True,

@@ -1,6 +1,6 @@
 """The translation between a Hugging Face `config.json` and `ModelConfig`'s fields, per
 architecture (Llama 3, Mistral, Qwen2, Qwen3, Gemma 3, Gemma 4 text, Qwen3-MoE, GLM-4.5,
-GPT-OSS, Qwen3.5).
+GPT-OSS, Qwen3.5, Qwen3-Next).
 
 Reading (`fields_from_hf`) maps each architecture's HF keys onto the one set of
 `ModelConfig` fields and refuses, with one line naming the option, anything the decoder
@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 GEMMA3 = "Gemma3ForCausalLM"
@@ -55,8 +56,10 @@ GLM4_MOE = "Glm4MoeForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
 QWEN3_5 = "Qwen3_5ForCausalLM"
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
-MOE_ARCHITECTURES = (QWEN3_MOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE)
-HYBRID_ARCHITECTURES = (QWEN3_5, QWEN3_5_MOE)  # Gated DeltaNet and full-attention layers
+QWEN3_NEXT = "Qwen3NextForCausalLM"
+MOE_ARCHITECTURES = (QWEN3_MOE, GLM4_MOE, GPT_OSS, QWEN3_5_MOE, QWEN3_NEXT)
+# Gated DeltaNet and full-attention layers
+HYBRID_ARCHITECTURES = (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT)
 
 
 def load_config_json(path: str | os.PathLike) -> tuple[dict, str]:

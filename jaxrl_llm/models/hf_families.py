@@ -1,5 +1,6 @@
 """The per-family parts of the Hugging Face `config.json` translation (`hf_config`):
-for each family past the plain decoder (Qwen3-MoE, GLM-4.5, Gemma 3 and 4, GPT-OSS, Qwen3.5)
+for each family past the plain decoder (Qwen3-MoE, GLM-4.5, Gemma 3 and 4, GPT-OSS, Qwen3.5
+and Qwen3-Next)
 the options its decoder refuses (`refuse_*_options`, each given `hf_config`'s one-line
 `refuse`), the `ModelConfig` fields its keys map to (`*_fields`) and the HF keys a config
 gives back (`*_dict`); and the RoPE reading they share with `hf_config` (`rope`).
@@ -422,8 +423,10 @@ def refuse_qwen3_5_options(d: dict, refuse) -> None:
     rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         refuse(f"rope_type={rope.get('rope_type', rope.get('type'))!r} (only default)")
-    if d.get("model_type") == "qwen3_5_moe_text" and num_experts(d) < 1:
+    if d.get("model_type") in ("qwen3_5_moe_text", "qwen3_next") and num_experts(d) < 1:
         refuse("num_experts=0")
+    if int(d.get("decoder_sparse_step", 1)) < 1:
+        refuse(f"decoder_sparse_step={d['decoder_sparse_step']} (must be >= 1)")
     types = set(d.get("layer_types") or ())
     if types - {"linear_attention", "full_attention"}:
         refuse(f"layer_types={sorted(types)} (only linear_attention, full_attention)")
@@ -433,7 +436,9 @@ def qwen3_5_fields(d: dict) -> dict:
     """Qwen3.5 / Qwen3.5-MoE text: Gated DeltaNet layers (`layer_types`, else every
     `full_attention_interval`-th layer full attention), gated full attention with q/k
     norms and partial rotary (`rope_parameters.partial_rotary_factor`, default 0.25),
-    (1 + w) RMSNorms. MoE: every layer, renormalised top-k, one gated shared expert."""
+    (1 + w) RMSNorms. MoE: every layer, renormalised top-k, one gated shared expert.
+    Qwen3-Next (`qwen3_next`, the same decoder) has Qwen3-MoE's dense layers
+    (`mlp_only_layers`, `decoder_sparse_step`) and `norm_topk_prob`."""
     n = int(d["num_hidden_layers"])
     types = d.get("layer_types")
     if not types:
@@ -454,13 +459,15 @@ def qwen3_5_fields(d: dict) -> dict:
         "linear_value_head_dim": int(d.get("linear_value_head_dim", 128)),
         "linear_conv_kernel": int(d.get("linear_conv_kernel_dim", 4)),
     }
-    if d.get("model_type") == "qwen3_5_moe_text" or num_experts(d):
+    if d.get("model_type") == "qwen3_next":
+        fields |= moe_fields(d) | {"norm_topk_prob": bool(d.get("norm_topk_prob", True))}
+    if d.get("model_type") in ("qwen3_5_moe_text", "qwen3_next") or num_experts(d):
         shared = int(d.get("shared_expert_intermediate_size", 0) or 0)
         fields |= {
             "num_experts": num_experts(d),
             "num_experts_per_tok": int(d["num_experts_per_tok"]),
             "moe_intermediate_size": int(d["moe_intermediate_size"]),
-            "norm_topk_prob": True,
+            "norm_topk_prob": fields.get("norm_topk_prob", True),
             "n_shared_experts": 1 if shared else 0,
             "shared_expert_size": shared,
             "shared_expert_gate": bool(shared),
@@ -489,4 +496,16 @@ def qwen3_5_dict(cfg: ModelConfig) -> dict:
             "moe_intermediate_size": cfg.moe_intermediate_size,
             "shared_expert_intermediate_size": cfg.shared_intermediate_size,
         }
+    if cfg.model_type == "qwen3_next":
+        d |= {
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(cfg.dense_layers),
+        }
+    elif cfg.moe and (cfg.dense_layers or not cfg.norm_topk_prob):
+        raise ValueError(
+            f"{cfg.architecture} has experts in every layer, their top-k renormalised; "
+            f"cannot express dense_layers={list(cfg.dense_layers)}, "
+            f"norm_topk_prob={cfg.norm_topk_prob} (Qwen3NextForCausalLM can)"
+        )
     return d

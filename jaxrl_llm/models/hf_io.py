@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.models import partitioning
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.hf_config import GPT_OSS
+from jaxrl_llm.models.hf_config import GPT_OSS, QWEN3_NEXT
 from jaxrl_llm.models.params import param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
 from jaxrl_llm.models.segments import DOUBLE_MLP, WIDE_ATTENTION, stacked_over
@@ -78,29 +78,40 @@ class Mapping:
     part: tuple[int, int] = (0, 1)
     part_axis: int = -1
     interleaved: bool = True
+    # or (entries, whole): the parameter is these entries, in this order, of the HF
+    # tensor's `whole` along `part_axis` (Qwen3-Next interleaves its DeltaNet's q, k, v
+    # and z per key-head group in `in_proj_qkvz`, of uneven widths); () : not used
+    picks: tuple[tuple[int, ...], int] | tuple[()] = ()
+
+    @property
+    def split(self) -> bool:
+        """The parameter is a part of its HF tensor."""
+        return self.part[1] > 1 or bool(self.picks)
 
     def _part_index(self, ndim: int, width: int) -> tuple:
         """The index of this parameter's part (`width` entries along `part_axis`) in the
         HF tensor of `ndim` dimensions."""
         offset, count = self.part
-        if self.interleaved:
+        if self.picks:
+            where = np.asarray(self.picks[0])
+        elif self.interleaved:
             where = slice(offset, None, count)
         else:
             where = slice(offset * width, (offset + 1) * width)
         return (slice(None),) * (self.part_axis % ndim) + (where,)
 
     def ours(self, w: np.ndarray) -> np.ndarray:
-        """The HF array (this parameter's part of it) in our layout; a view."""
-        count = self.part[1]
-        if count == 1:
+        """The HF array (this parameter's part of it) in our layout; a view, but for
+        `picks` (a copy of that part)."""
+        if not self.split:
             return self.to_ours(w)
-        return self.to_ours(w[self._part_index(w.ndim, w.shape[self.part_axis] // count)])
+        width = w.shape[self.part_axis] // self.part[1]
+        return self.to_ours(w[self._part_index(w.ndim, width)])
 
     def into_hf(self, x: np.ndarray, tensors: dict, name: str, dtype) -> None:
         """Writes our array x as (its part of) the HF tensor `name` in `tensors`."""
         y = self.to_hf(x).astype(dtype or x.dtype)
-        count = self.part[1]
-        if count == 1:
+        if not self.split:
             tensors[name] = np.ascontiguousarray(y)
             return
         if name not in tensors:
@@ -110,7 +121,10 @@ class Mapping:
     def whole_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The HF tensor's shape from its part's."""
         shape = list(shape)
-        shape[self.part_axis] *= self.part[1]
+        if self.picks:
+            shape[self.part_axis] = self.picks[1]
+        else:
+            shape[self.part_axis] *= self.part[1]
         return tuple(shape)
 
     @property
@@ -290,11 +304,16 @@ def _qwen3_5_table(cfg: ModelConfig, layer: str, same: Mapping, transpose: Mappi
     out = Mapping("", lambda w: w.T.reshape(Hv, Dv, D), lambda w: w.reshape(Hv * Dv, D).T)
     conv = Mapping("", lambda w: w[:, 0, :].T, lambda w: w.T[:, None, :])  # [C,1,K] <-> [K,C]
     mlp = layer + "mlp."
-    return {
-        ("layers", "lin_qkv"): (lin + "in_proj_qkv.weight", transpose),
-        ("layers", "lin_z"): (lin + "in_proj_z.weight", z),
-        ("layers", "lin_b"): (lin + "in_proj_b.weight", transpose),
-        ("layers", "lin_a"): (lin + "in_proj_a.weight", transpose),
+    if cfg.architecture == QWEN3_NEXT:
+        projections = _qwen3_next_projections(cfg, lin, z, transpose)
+    else:
+        projections = {
+            ("layers", "lin_qkv"): (lin + "in_proj_qkv.weight", transpose),
+            ("layers", "lin_z"): (lin + "in_proj_z.weight", z),
+            ("layers", "lin_b"): (lin + "in_proj_b.weight", transpose),
+            ("layers", "lin_a"): (lin + "in_proj_a.weight", transpose),
+        }
+    return projections | {
         ("layers", "lin_conv"): (lin + "conv1d.weight", conv),
         ("layers", "lin_dt_bias"): (lin + "dt_bias", same),
         ("layers", "lin_a_log"): (lin + "A_log", same),
@@ -304,6 +323,33 @@ def _qwen3_5_table(cfg: ModelConfig, layer: str, same: Mapping, transpose: Mappi
         ("layers", "shared_up"): (mlp + "shared_expert.up_proj.weight", transpose),
         ("layers", "shared_down"): (mlp + "shared_expert.down_proj.weight", transpose),
         ("layers", "shared_expert_gate"): (mlp + "shared_expert_gate.weight", transpose),
+    }
+
+
+def _qwen3_next_projections(cfg: ModelConfig, lin: str, z: Mapping, transpose: Mapping) -> dict:
+    """Qwen3-Next's DeltaNet input projections: `in_proj_qkvz` holds, per key head g,
+    its query and key, then the values and output gates of the value heads it serves
+    (each a block of rows of the [out, in] weight); `in_proj_ba` per key head its value
+    heads' beta, then their decay inputs. Ours are Qwen3.5's: all queries, all keys,
+    all values (`lin_qkv`), the gates (`lin_z`), beta (`lin_b`) and decay (`lin_a`)."""
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    r = cfg.linear_num_value_heads // nk  # value heads per key head
+    rv = r * cfg.linear_value_head_dim
+    group = 2 * dk + 2 * rv  # rows of in_proj_qkvz per key head
+
+    def rows(start, width, every):  # that block of every key head's rows, g = 0..nk-1
+        return tuple(g * every + start + j for g in range(nk) for j in range(width))
+
+    def picks(m, entries, whole):
+        return dataclasses.replace(m, picks=(entries, whole), part_axis=0)
+
+    q, k, v = rows(0, dk, group), rows(dk, dk, group), rows(2 * dk, rv, group)
+    qkvz, ba = lin + "in_proj_qkvz.weight", lin + "in_proj_ba.weight"
+    return {
+        ("layers", "lin_qkv"): (qkvz, picks(transpose, q + k + v, nk * group)),
+        ("layers", "lin_z"): (qkvz, picks(z, rows(2 * dk + rv, rv, group), nk * group)),
+        ("layers", "lin_b"): (ba, picks(transpose, rows(0, r, 2 * r), 2 * r * nk)),
+        ("layers", "lin_a"): (ba, picks(transpose, rows(r, r, 2 * r), 2 * r * nk)),
     }
 
 
