@@ -11,6 +11,7 @@ from test_sampler import PROMPTS, hf_greedy
 from tiny_run import teacher_forced_logprobs
 
 from jaxrl_llm import models, parallel, sampling
+from jaxrl_llm.models import deltanet_kernel
 from jaxrl_llm.models import gated_deltanet as gdn
 
 # float32 logits of these random models (|logit| up to ~5): ours and transformers' each
@@ -244,6 +245,51 @@ def test_chunked_and_recurrent_forms_equal_a_numpy_loop(chunk):
     o, S = gdn.recurrent_delta_rule(*args)
     np.testing.assert_allclose(o, ref_o, atol=2e-5)
     np.testing.assert_allclose(S, ref_S, atol=2e-5)
+    o, S = deltanet_kernel.chunked_delta_rule(*args, chunk)  # the TPU kernel, interpreted
+    np.testing.assert_allclose(o, ref_o, atol=2e-5)
+    np.testing.assert_allclose(S, ref_S, atol=2e-5)
+
+
+def test_kernel_gradients_and_model_equal_the_xla_form(dense):
+    """The Pallas kernel's gradients (the XLA form's backward, recomputed) equal the XLA
+    form's; `model.linear_impl='pallas'` gives the model's logits within rounding."""
+    args = random_inputs(1)
+
+    def loss(fn):
+        def f(*a):
+            o, S = fn(*a, 4)
+            return (o * o).sum() + S.sum()
+
+        return jax.grad(f, argnums=tuple(range(6)))(*args)
+
+    kernel, xla = loss(deltanet_kernel.chunked_delta_rule), loss(gdn.chunked_delta_rule)
+    for a, b in zip(kernel, xla, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    _, _, cfg, params = dense
+    ids, mask = padded_batch(seed=5, length=12)
+    xla = models.logits(cfg.replace(linear_impl="xla"), params, ids, mask)
+    kernel = models.logits(cfg.replace(linear_impl="pallas"), params, ids, mask)
+    close(kernel, xla, mask)
+
+
+def test_linear_keys_reach_the_model_and_are_checked(dense):
+    """`model.linear_chunk` / `model.linear_impl` are run-config keys: they reach the
+    `ModelConfig` the trainer builds, and a bad value is refused naming the key."""
+    from tiny_run import tiny_config
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import checks_model
+
+    c = tiny_config(str(dense[1]))
+    c.model.linear_chunk, c.model.linear_impl = 16, "pallas"
+    cfg = models.ModelConfig.from_hf_dir(dense[1], **config_lib.model_runtime(c))
+    assert (cfg.linear_chunk, cfg.linear_impl) == (16, "pallas")
+    checks_model.check_model(c)
+    for key, bad in (("linear_impl", "triton"), ("linear_chunk", 0)):
+        c.model[key] = bad
+        with pytest.raises(config_lib.ConfigError, match=rf"model\.{key}={bad!r}"):
+            checks_model.check_model(c)
+        c.model[key] = 16 if key == "linear_chunk" else "auto"
 
 
 def test_masked_tokens_leave_the_state_alone():

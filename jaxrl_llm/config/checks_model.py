@@ -61,7 +61,12 @@ def check_mesh(config, num_devices: int) -> tuple[int, ...]:
 
 def check_model(config) -> str | None:
     """-> the local model directory (None for a hub name, fetched when the run starts)."""
-    from jaxrl_llm.models.config_checks import ATTENTION_IMPLEMENTATIONS, MOE_IMPLS, REMAT_POLICIES
+    from jaxrl_llm.models.config_checks import (
+        ATTENTION_IMPLEMENTATIONS,
+        LINEAR_IMPLS,
+        MOE_IMPLS,
+        REMAT_POLICIES,
+    )
 
     m = config.model
     path = resolve_model_path(m.path, download=False)
@@ -72,6 +77,14 @@ def check_model(config) -> str | None:
     require(m.dtype in DTYPES, f"model.dtype={m.dtype!r}: expected one of {DTYPES}")
     require(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r}: expected one of {REMAT_POLICIES}")
     require(m.moe_impl in MOE_IMPLS, f"model.moe_impl={m.moe_impl!r}: expected one of {MOE_IMPLS}")
+    require(
+        m.linear_impl in LINEAR_IMPLS,
+        f"model.linear_impl={m.linear_impl!r}: expected one of {LINEAR_IMPLS}",
+    )
+    require(
+        isinstance(m.linear_chunk, int) and m.linear_chunk >= 1,
+        f"model.linear_chunk={m.linear_chunk!r}: must be an int >= 1",
+    )
     require(
         m.attention in ATTENTION_IMPLEMENTATIONS,
         f"model.attention={m.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}",

@@ -105,6 +105,11 @@ def model_defaults() -> ml_collections.ConfigDict:
     # gmm: the TPU Pallas grouped-matmul kernel (interpret mode elsewhere: tests only).
     # auto: gmm on TPU (ragged when XLA partitions the program), ragged on GPU, blocked on CPU.
     m.moe_impl = "auto"
+    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next; docs/models.md): the chunked form's
+    # tokens per chunk, and how it runs: xla, or pallas (the TPU kernel; interpret mode
+    # elsewhere: tests only). auto: pallas on one TPU chip, else xla.
+    m.linear_chunk = 64
+    m.linear_impl = "auto"
     m.lora = lora_defaults()
     return m
 

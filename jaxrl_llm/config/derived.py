@@ -28,6 +28,23 @@ def mesh_axes(mesh_config) -> dict:
     return {a: mesh_config[a] for a in MESH_AXES if a in mesh_config}
 
 
+def model_runtime(config) -> dict:
+    """The `ModelConfig` runtime fields a run config sets: how the model is computed,
+    not what it computes (remat, layer scan, attention, experts' and DeltaNet's
+    implementations, chunk sizes)."""
+    m = config.model
+    return dict(
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+        attention=m.attention,
+        attention_block=m.attention_block,
+        moe_impl=m.moe_impl,
+        linear_impl=m.linear_impl,
+        linear_chunk=m.linear_chunk,
+        prefill_chunk=config.rollout.prefill_chunk,
+    )
+
+
 def split_devices(config, devices) -> tuple[list, list]:
     """(training devices, rollout devices): all and none unless rollout.mode='split',
     which gives the last `mesh.rollout_devices` devices to the rollout mesh."""

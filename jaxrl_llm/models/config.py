@@ -232,6 +232,10 @@ class ModelConfig:
     # Gated DeltaNet: tokens per chunk of the chunked (parallel) form of the recurrence
     # (training, reference, prefill); memory O(T * chunk), a scan over T / chunk chunks.
     linear_chunk: int = 64
+    # How the chunked form runs: "xla", "pallas" (the TPU kernel, `deltanet_kernel`;
+    # interpret mode elsewhere) or "auto" (pallas on one TPU chip, else xla). See
+    # `LINEAR_IMPLS`.
+    linear_impl: str = "auto"
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):

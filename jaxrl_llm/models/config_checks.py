@@ -23,6 +23,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # Gemma 4's (a normed, scaled input; renormalised weights times a scale per expert)
 ROUTERS = ("softmax", "sigmoid", "topk_softmax", "gemma4")
 MOE_IMPLS = ("auto", "gmm", "ragged", "blocked", "dense")  # models/moe.py, moe_kernels.py
+LINEAR_IMPLS = ("auto", "xla", "pallas")  # models/gated_deltanet.py, deltanet_kernel.py
 # model.attention (`attention.IMPLEMENTATIONS`; kept here so the config needs no jax)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "pallas")
 
@@ -221,6 +222,8 @@ def _linear(cfg) -> None:
             f"linear_num_key_heads={nk}, linear_num_value_heads={nv}: both >= 1, the "
             "value heads a multiple of the key heads, head dims >= 1"
         )
+    if cfg.linear_impl not in LINEAR_IMPLS:
+        raise ValueError(f"model.linear_impl={cfg.linear_impl!r}: expected one of {LINEAR_IMPLS}")
     if cfg.linear_conv_kernel < 1 or cfg.linear_chunk < 1:
         raise ValueError(
             f"linear_conv_kernel={cfg.linear_conv_kernel}, model.linear_chunk="

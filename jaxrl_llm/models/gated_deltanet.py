@@ -20,6 +20,8 @@ Two computations of the same recurrence:
   in T; autodiff's backward stores the same per-chunk states, so it needs no custom VJP.
 - `recurrent_delta_rule` (decode): the token-by-token update above.
 Both run in float32; their difference is rounding only (measured in docs/models.md).
+`model.linear_impl` runs the chunked form as one Pallas TPU kernel instead
+(`deltanet_kernel`; `use_kernel`: on one TPU chip by default).
 
 Padding and holes: a masked token (attention_mask 0) does not touch the state. Its
 g and beta are set to 0 (the update is then the identity), and the convolution runs over
@@ -38,8 +40,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxrl_llm.models import deltanet_kernel
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layer_math import dense
+from jaxrl_llm.parallel import target
 
 _HI = jax.lax.Precision.HIGHEST
 # Block parameter -> (shape after `layers`, logical axes); stacked over the DeltaNet layers.
@@ -188,6 +192,15 @@ def recurrent_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, 1), state
 
 
+def use_kernel(cfg: ModelConfig) -> bool:
+    """`model.linear_impl`: the Pallas kernel for "pallas", and for "auto" when the
+    program is compiled for one TPU chip (the kernel is one custom call, which XLA's
+    partitioner does not split over a mesh)."""
+    if cfg.linear_impl == "auto":
+        return target.backend() == "tpu" and target.device_count() == 1
+    return cfg.linear_impl == "pallas"
+
+
 def gated_deltanet(cfg: ModelConfig, w: dict, x, mask, state: LinearState | None, step=False):
     """One DeltaNet layer: normed x [B,T,D], mask [B,T] (real tokens), w its weights
     (`LINEAR_WEIGHTS`), state a `LinearState` of [B, ...] (None: zeros) -> (y [B,T,D],
@@ -211,7 +224,8 @@ def gated_deltanet(cfg: ModelConfig, w: dict, x, mask, state: LinearState | None
     if step:
         o, ssm = recurrent_delta_rule(q, k, v, g, beta, state.ssm)
     else:
-        o, ssm = chunked_delta_rule(q, k, v, g, beta, state.ssm, cfg.linear_chunk)
+        chunked = deltanet_kernel.chunked_delta_rule if use_kernel(cfg) else chunked_delta_rule
+        o, ssm = chunked(q, k, v, g, beta, state.ssm, cfg.linear_chunk)
     o = o.astype(x.dtype).astype(f32)  # HF rounds to the model dtype first
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     z = dense(x, w["lin_z"]).astype(f32)

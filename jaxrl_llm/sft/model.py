@@ -60,13 +60,7 @@ def init_model(config, tokenizer, mesh):
     """-> (ModelConfig, params on the mesh): loaded from model.path, or new and random
     (seed `train.seed`). Raises ConfigError when the sequences do not fit its context."""
     m = config.model
-    runtime = dict(
-        remat=m.remat,
-        scan_layers=bool(m.scan_layers),
-        attention=m.attention,
-        attention_block=m.attention_block,
-        prefill_chunk=config.rollout.prefill_chunk,
-    )
+    runtime = config_lib.model_runtime(config) | {"scan_layers": bool(m.scan_layers)}
     if m.path:
         path = config_lib.resolve_model_path(m.path)
         check_lengths(config, models.builtin.model_config(path))

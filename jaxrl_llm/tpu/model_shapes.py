@@ -6,7 +6,7 @@ cfg = model_config(run_config)      # models.ModelConfig with the config's runti
 from __future__ import annotations
 
 from jaxrl_llm import models
-from jaxrl_llm.config.derived import ConfigError
+from jaxrl_llm.config.derived import ConfigError, model_runtime
 
 # config.json shapes of the hub models the shipped TPU configs name (so a compile-only
 # run needs no download), and SmolLM2-135M's (the weight-sync benchmark's); any other
@@ -104,15 +104,7 @@ HUB_CONFIGS = {
 def model_config(c) -> models.ModelConfig:
     """The config's model shapes, with its runtime settings: from HUB_CONFIGS for the
     hub names there, else the local directory or built-in name (never a download)."""
-    m = c.model
-    runtime = dict(
-        remat=m.remat,
-        scan_layers=m.scan_layers,
-        attention=m.attention,
-        attention_block=m.attention_block,
-        moe_impl=m.moe_impl,
-        prefill_chunk=c.rollout.prefill_chunk,
-    )
+    m, runtime = c.model, model_runtime(c)
     if m.path in HUB_CONFIGS:
         return models.ModelConfig.from_hf_dict(HUB_CONFIGS[m.path], m.path, **runtime)
     path = models.builtin.resolve(m.path, download=False)

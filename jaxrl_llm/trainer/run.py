@@ -135,17 +135,8 @@ class Run:
         rows = data.check_rows(c.data, self.tokenizer)
         if rows.bad and jax.process_index() == 0:
             print(rows.summary(), file=sys.stderr, flush=True)
-        m = c.model
-        runtime = dict(
-            remat=m.remat,
-            scan_layers=m.scan_layers,
-            attention=m.attention,
-            attention_block=m.attention_block,
-            moe_impl=m.moe_impl,
-            prefill_chunk=c.rollout.prefill_chunk,
-        )
         self.model_cfg, params = models.builtin.load_model(
-            self.model_path, self.mesh, c.model.dtype, **runtime
+            self.model_path, self.mesh, c.model.dtype, **config_lib.model_runtime(c)
         )
         # LoRA: the policy is the base model + adapters; the base (and the reference, with
         # the adapters off) is `base_cfg` over the same arrays.

@@ -68,6 +68,8 @@ NOT_MEANINGFUL = frozenset(
         "model.remat",  # recompute vs store activations: same math
         "model.scan_layers",  # scanned vs unrolled layers: same math
         "model.moe_impl",  # how the experts' matmuls run: same math
+        "model.linear_impl",  # how the DeltaNet's chunked form runs: same math
+        "model.linear_chunk",  # its chunk size: same function
         "model.attention",  # attention implementation: same math
         "model.attention_block",
         "data.data_dir",  # where TFDS files live
