@@ -134,6 +134,74 @@ def test_a_worker_drops_a_trainer_whose_host_vanished(tmp_path):
     assert run.returncode == 0 and run.stdout.split() == ["open"], run.stderr[-3000:]
 
 
+class _FakeWorker:
+    """`serve.Worker`'s requests answered without an engine: each step submitted comes
+    back from the next `run` as one row of `width` tokens (answers of 4 * width bytes),
+    after `delay_s`."""
+
+    def __init__(self, width: int, delay_s: float = 0.0):
+        self.width, self.delay_s, self.steps, self.dropped = width, delay_s, [], threading.Event()
+
+    def reset(self):
+        self.steps, _ = [], self.dropped.set()
+
+    def handle(self, kind, fields, arrays):
+        import time
+
+        if kind == "submit":
+            self.steps.append(fields["step"])
+        if kind != "run":
+            return {}, {}
+        time.sleep(self.delay_s)
+        steps, self.steps = self.steps, []
+        out, row = {}, lambda dtype: np.zeros((1, self.width), dtype)  # noqa: E731
+        for step in steps:
+            for name, value in dict(
+                tokens=row(np.int32),
+                mask=row(bool),
+                loss_mask=row(bool),
+                logprobs=row(np.float32),
+                lengths=np.ones(1, np.int32),
+                finish=np.zeros(1, np.int32),
+                prompt_tokens=np.zeros((1, 2), np.int32),
+                prompt_mask=np.ones((1, 2), bool),
+                policy_version=np.zeros(1, np.int32),
+                token_versions=row(np.int32),
+            ).items():
+                out[f"{step}/{name}"] = value
+        return dict(steps=steps, in_flight=False, detail="fake"), out
+
+
+def test_every_answer_is_read_as_it_comes(monkeypatch):
+    """Two workers asked for a chunk: the first answers after 4 s, the second at once with
+    an answer larger than the socket buffers. Read one after the other, the second's send
+    would wait on a full window past its TCP_USER_TIMEOUT (3 s here: Linux counts that
+    against it) and the worker would drop the trainer; read at once, both answer and no
+    worker is lost."""
+    from jaxrl_llm import sampling
+    from jaxrl_llm.workers import serve
+    from jaxrl_llm.workers.remote import RemoteStream, Workers
+
+    monkeypatch.setattr(serve, "KEEPALIVE", (1, 1, 2))  # 3 s of unacknowledged data
+    slow, fast = _FakeWorker(16, delay_s=4.0), _FakeWorker(4 << 20)  # 16 MiB per row
+    addresses = []
+    for worker in (slow, fast):
+        listener = wire.listen("127.0.0.1", 0)
+        threading.Thread(target=serve.serve, args=(worker, listener, TOKEN), daemon=True).start()
+        addresses.append(f"127.0.0.1:{listener.getsockname()[1]}")
+    spec = sampling.RolloutSpec(num_generations=1, max_new_tokens=4)
+    params = {"w": np.zeros(2, np.float32)}
+    stream = RemoteStream(Workers(tuple(addresses), TOKEN), params, 0, spec)
+    try:
+        for step in (0, 1):  # step 0 to the slow worker, step 1 to the fast one
+            stream.submit(step, np.zeros((1, 2), np.int32), np.ones((1, 2), bool), step)
+        assert sorted(stream.run_chunk()) == [0, 1]
+        assert stream.output(1)[0].tokens.shape == (1, 4 << 20)
+        assert stream.stats["workers_lost"] == 0 and not fast.dropped.is_set()
+    finally:
+        stream.close()
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [

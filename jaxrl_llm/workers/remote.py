@@ -26,6 +26,7 @@ is assigned to now. When no worker is left, `WorkerError`. A worker's own error 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -295,15 +296,12 @@ class RemoteStream:
             except OSError as err:
                 self._lost(link, err)
         answers = []
-        for link in sent:
-            if not link.alive:
+        sent = [k for k in sent if k.alive]
+        for link, got in zip(sent, _read_answers([k.sock for k in sent]), strict=True):
+            if isinstance(got, Exception):
+                self._lost(link, got)
                 continue
-            try:
-                _, got_fields, got_arrays = wire.recv(link.sock)
-            except (wire.Closed, OSError) as err:
-                self._lost(link, err)
-                continue
-            answers.append((link, (got_fields, got_arrays)))
+            answers.append((link, got[1:]))
         # Every answer is read before a lost worker's steps go out: a submit now would
         # read another request's answer.
         while self.orphans:
@@ -326,6 +324,25 @@ class RemoteStream:
         self.stats["requeued"] += len(link.steps)
         self.orphans += sorted(link.steps)
         link.steps = set()
+
+
+def _read_answers(socks: list) -> list:
+    """One answer frame read from each of `socks`, or the error that cut it short, read
+    from all at once (a thread each). An answer left unread while another worker's is
+    awaited fills the socket buffers; the worker's send then waits on a full window, which
+    Linux counts against the worker's TCP_USER_TIMEOUT (`serve.KEEPALIVE`), and the
+    worker would drop a trainer that is alive."""
+
+    def read(sock):
+        try:
+            return wire.recv(sock)
+        except (wire.Closed, OSError) as err:
+            return err
+
+    if len(socks) <= 1:
+        return [read(s) for s in socks]
+    with concurrent.futures.ThreadPoolExecutor(len(socks)) as pool:
+        return list(pool.map(read, socks))
 
 
 def _output(arrays: dict, step: int, num_generations: int) -> tuple:

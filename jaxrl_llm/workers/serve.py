@@ -56,8 +56,11 @@ HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is droppe
 # the idle connection, and TCP_USER_TIMEOUT bounds how long sent bytes may go
 # unacknowledged: the connection breaks after idle + interval * probes seconds without a
 # word from the trainer's host (Linux; other systems keep their defaults). A trainer that
-# is alive answers the probes and acknowledges from its kernel, however long it sends or
-# reads nothing. (seconds idle before the first probe, between probes, probes)
+# is alive answers the probes and acknowledges from its kernel, however long it sends
+# nothing; an answer it leaves unread until it fills the socket buffers counts as silence
+# too (Linux counts a full receive window against TCP_USER_TIMEOUT), so the trainer reads
+# every worker's answer as it comes (`remote._read_answers`). (seconds idle before the
+# first probe, between probes, probes)
 KEEPALIVE = (20, 5, 4)  # 40 s: within the 60 s a restarted trainer waits for a worker
 
 
