@@ -92,7 +92,9 @@ from jaxrl_llm.workers import serve, wire
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # this network namespace's
 serve.KEEPALIVE = (1, 1, 2)  # silent for 1 s, then 2 probes 1 s apart
 dropped = threading.Event()
-echo = lambda kind, fields, arrays: ({{"kind": kind}}, {{}})
+import numpy as np
+big = {{"x": np.zeros(16 << 20, np.int32)}}  # 64 MiB: more than the socket buffers hold
+echo = lambda kind, fields, arrays: ({{"kind": kind}}, big if kind == "run" else {{}})
 worker = types.SimpleNamespace(reset=dropped.set, handle=echo)
 listener = wire.listen("127.0.0.1", 0)
 threading.Thread(target=serve.serve, args=(worker, listener, {token!r}), daemon=True).start()
@@ -101,6 +103,8 @@ first = wire.connect(address, {token!r})
 wire.send(first, "open")
 assert wire.recv(first)[1] == {{"kind": "open"}}
 dropped.clear()
+if {sending}:  # the worker is sending it an answer when it goes
+    wire.send(first, "run")
 # The first trainer's host goes: its socket stays open, nothing reaches it, nothing comes.
 subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
 assert dropped.wait(60), "the worker still holds the vanished trainer's connection"
@@ -111,12 +115,14 @@ print(wire.recv(second)[1]["kind"])
 """
 
 
-def test_a_worker_drops_a_trainer_whose_host_vanished(tmp_path):
+@pytest.mark.parametrize("sending", [False, True], ids=["waiting", "sending"])
+def test_a_worker_drops_a_trainer_whose_host_vanished(tmp_path, sending):
     """A trainer's host vanishes (its network gone: no FIN, no RST reaches the worker,
     here the loopback of a network namespace of its own taken down) while the worker
-    waits for its next request: the keep-alive probes go unanswered, the worker drops
-    that connection and its session, and a new trainer is served. Needs `unshare -n`
-    (root)."""
+    waits for its next request (the keep-alive probes go unanswered) or while it sends
+    an answer larger than the socket buffers (the user timeout bounds the unacknowledged
+    bytes): the worker drops that connection and its session, and a new trainer is
+    served. Needs `unshare -n` (root)."""
     import os
     import shutil
     import subprocess
@@ -125,7 +131,7 @@ def test_a_worker_drops_a_trainer_whose_host_vanished(tmp_path):
     if not shutil.which("unshare") or subprocess.run(["unshare", "-n", "true"]).returncode:
         pytest.skip("needs unshare -n (root) for a network of its own")
     script = tmp_path / "vanished.py"
-    script.write_text(VANISHED_TRAINER.format(token=TOKEN))
+    script.write_text(VANISHED_TRAINER.format(token=TOKEN, sending=sending))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = os.environ | {"PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(
