@@ -262,6 +262,21 @@ def test_kernel_gradients_and_model_equal_the_xla_form(dense):
     close(kernel, xla, mask)
 
 
+def test_auto_takes_the_kernel_on_one_tpu_chip_when_its_blocks_tile(dense, monkeypatch):
+    from jaxrl_llm.parallel import target
+
+    auto = dense[2].replace(linear_impl="auto")
+    assert not gdn.use_kernel(auto)  # CPU
+    monkeypatch.setattr(target, "backend", lambda: "tpu")
+    monkeypatch.setattr(target, "device_count", lambda: 1)
+    assert not gdn.use_kernel(auto)  # heads of 8: not on Mosaic's 128-lane tiles
+    wide = auto.replace(linear_key_head_dim=128, linear_value_head_dim=128, linear_chunk=64)
+    assert gdn.use_kernel(wide) and not gdn.use_kernel(wide.replace(linear_chunk=20))
+    assert not gdn.use_kernel(wide.replace(linear_impl="xla"))
+    monkeypatch.setattr(target, "device_count", lambda: 4)  # a mesh: XLA partitions
+    assert not gdn.use_kernel(wide) and gdn.use_kernel(wide.replace(linear_impl="pallas"))
+
+
 def test_linear_keys_reach_the_model_and_are_checked(dense):
     """`model.linear_chunk` / `model.linear_impl` are run-config keys: they reach the
     `ModelConfig` the trainer builds, and a bad value is refused naming the key."""

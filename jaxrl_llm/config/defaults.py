@@ -107,7 +107,8 @@ def model_defaults() -> ml_collections.ConfigDict:
     m.moe_impl = "auto"
     # Gated DeltaNet layers (Qwen3.5, Qwen3-Next; docs/models.md): the chunked form's
     # tokens per chunk, and how it runs: xla, or pallas (the TPU kernel; interpret mode
-    # elsewhere: tests only). auto: pallas on one TPU chip, else xla.
+    # elsewhere: tests only). auto: pallas on one TPU chip (head sizes multiples of 128,
+    # the chunk of 8), else xla.
     m.linear_chunk = 64
     m.linear_impl = "auto"
     m.lora = lora_defaults()

@@ -195,9 +195,12 @@ def recurrent_delta_rule(q, k, v, g, beta, state):
 def use_kernel(cfg: ModelConfig) -> bool:
     """`model.linear_impl`: the Pallas kernel for "pallas", and for "auto" when the
     program is compiled for one TPU chip (the kernel is one custom call, which XLA's
-    partitioner does not split over a mesh)."""
+    partitioner does not split over a mesh) and its blocks fit Mosaic's tiling (head
+    sizes multiples of 128, the chunk a multiple of 8)."""
     if cfg.linear_impl == "auto":
-        return target.backend() == "tpu" and target.device_count() == 1
+        tiled = cfg.linear_key_head_dim % 128 == cfg.linear_value_head_dim % 128 == 0
+        one_chip = target.backend() == "tpu" and target.device_count() == 1
+        return one_chip and tiled and cfg.linear_chunk % 8 == 0
     return cfg.linear_impl == "pallas"
 
 
