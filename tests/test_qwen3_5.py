@@ -11,7 +11,6 @@ from test_sampler import PROMPTS, hf_greedy
 from tiny_run import teacher_forced_logprobs
 
 from jaxrl_llm import models, parallel, sampling
-from jaxrl_llm.models import deltanet_kernel
 from jaxrl_llm.models import gated_deltanet as gdn
 
 # float32 logits of these random models (|logit| up to ~5): ours and transformers' each
@@ -235,7 +234,7 @@ def test_chunked_and_recurrent_forms_equal_a_numpy_loop(chunk):
     o, S = gdn.recurrent_delta_rule(*args)
     np.testing.assert_allclose(o, ref_o, atol=2e-5)
     np.testing.assert_allclose(S, ref_S, atol=2e-5)
-    o, S = deltanet_kernel.chunked_delta_rule(*args, chunk)  # the TPU kernel, interpreted
+    o, S = gdn.kernel_delta_rule(*args, chunk)  # the TPU kernel, interpreted
     np.testing.assert_allclose(o, ref_o, atol=2e-5)
     np.testing.assert_allclose(S, ref_S, atol=2e-5)
 
@@ -252,7 +251,7 @@ def test_kernel_gradients_and_model_equal_the_xla_form(dense):
 
         return jax.grad(f, argnums=tuple(range(6)))(*args)
 
-    kernel, xla = loss(deltanet_kernel.chunked_delta_rule), loss(gdn.chunked_delta_rule)
+    kernel, xla = loss(gdn.kernel_delta_rule), loss(gdn.chunked_delta_rule)
     for a, b in zip(kernel, xla, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
     _, _, cfg, params = dense

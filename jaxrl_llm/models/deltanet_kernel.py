@@ -18,9 +18,9 @@ g (given, from XLA) and D_ij = exp(G_i - G_j) for j <= i (0 above the diagonal):
 
 the same arithmetic as the XLA form but for the inverse: the triangular solve, which
 Mosaic does not have, is ceil(log2 C) products of [C, C] matrices on the MXU. The
-backward is the XLA form's (`jax.custom_vjp`: the forward recomputed in XLA and
-differentiated), so the kernel serves the sampler's prefill and the reference / old
-log-prob forwards, and the update's forward.
+backward is the XLA form's (`with_backward`, a `jax.custom_vjp`: the forward recomputed
+in XLA and differentiated), so the kernel serves the sampler's prefill and the
+reference / old log-prob forwards, and the update's forward.
 
 Off TPU the kernel runs in Pallas' TPU interpret mode (the tests, on CPU).
 """
@@ -131,8 +131,7 @@ def _launch(q, k, v, G, beta, state, H: int, C: int):
     )(q, k, v, G[..., None, :], beta[..., None, :], state)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def chunked_delta_rule(q, k, v, g, beta, state, chunk: int):
+def forward(q, k, v, g, beta, state, chunk: int):
     """`gated_deltanet.chunked_delta_rule`'s contract (q, k [B,T,H,Dk], v [B,T,H,Dv],
     g, beta [B,T,H], state [B,H,Dk,Dv], float32 -> (o [B,T,H,Dv], final state)), its
     forward in the kernel. q, k, v and o stay in their [B, T, H * D] layout (a reshape;
@@ -159,15 +158,21 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int):
     return o[:, :T].reshape(B, T, H, Dv), state.reshape(B, H, Dk, Dv)
 
 
-def _forward(q, k, v, g, beta, state, chunk):
-    return chunked_delta_rule(q, k, v, g, beta, state, chunk), (q, k, v, g, beta, state)
+def with_backward(reference):
+    """`forward` (no autodiff rule of its own) with `reference`'s backward (a function
+    of the same contract, recomputed and differentiated in `jax.custom_vjp`'s backward):
+    `gated_deltanet` passes its XLA form."""
 
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+    def rule(q, k, v, g, beta, state, chunk: int):
+        return forward(q, k, v, g, beta, state, chunk)
 
-def _backward(chunk, saved, grads):
-    from jaxrl_llm.models import gated_deltanet  # which dispatches here
+    def fwd(q, k, v, g, beta, state, chunk):
+        return forward(q, k, v, g, beta, state, chunk), (q, k, v, g, beta, state)
 
-    _, vjp = jax.vjp(lambda *a: gated_deltanet.chunked_delta_rule(*a, chunk), *saved)
-    return vjp(grads)
+    def bwd(chunk, saved, grads):
+        _, vjp = jax.vjp(lambda *a: reference(*a, chunk), *saved)
+        return vjp(grads)
 
-
-chunked_delta_rule.defvjp(_forward, _backward)
+    rule.defvjp(fwd, bwd)
+    return rule

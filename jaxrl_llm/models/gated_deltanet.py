@@ -21,7 +21,7 @@ Two computations of the same recurrence:
 - `recurrent_delta_rule` (decode): the token-by-token update above.
 Both run in float32; their difference is rounding only (measured in docs/models.md).
 `model.linear_impl` runs the chunked form as one Pallas TPU kernel instead
-(`deltanet_kernel`; `use_kernel`: on one TPU chip by default).
+(`deltanet_kernel`, `kernel_delta_rule`; `use_kernel`: on one TPU chip by default).
 
 Padding and holes: a masked token (attention_mask 0) does not touch the state. Its
 g and beta are set to 0 (the update is then the identity), and the convolution runs over
@@ -192,6 +192,10 @@ def recurrent_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, 1), state
 
 
+# the chunked form in the Pallas kernel, differentiated as the XLA form
+kernel_delta_rule = deltanet_kernel.with_backward(chunked_delta_rule)
+
+
 def use_kernel(cfg: ModelConfig) -> bool:
     """`model.linear_impl`: the Pallas kernel for "pallas", and for "auto" when the
     program is compiled for one TPU chip (the kernel is one custom call, which XLA's
@@ -227,7 +231,7 @@ def gated_deltanet(cfg: ModelConfig, w: dict, x, mask, state: LinearState | None
     if step:
         o, ssm = recurrent_delta_rule(q, k, v, g, beta, state.ssm)
     else:
-        chunked = deltanet_kernel.chunked_delta_rule if use_kernel(cfg) else chunked_delta_rule
+        chunked = kernel_delta_rule if use_kernel(cfg) else chunked_delta_rule
         o, ssm = chunked(q, k, v, g, beta, state.ssm, cfg.linear_chunk)
     o = o.astype(x.dtype).astype(f32)  # HF rounds to the model dtype first
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
