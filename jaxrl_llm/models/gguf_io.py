@@ -43,7 +43,7 @@ import os
 
 import numpy as np
 
-from jaxrl_llm.models import gguf_file, hf_io
+from jaxrl_llm.models import gguf_file, hf_io, hf_mappings
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf_config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from jaxrl_llm.models.hf_io import CheckpointError
@@ -79,7 +79,7 @@ GEMMA3_DEFAULTS = {
 # Architectures llama.cpp runs with rotary pairs in adjacent rows ("NORM" RoPE): their
 # converter permutes HF's Q and K rows, so the loader permutes them back.
 _PERMUTED_QK = ("llama",)
-# HF tensor-name pieces -> llama.cpp's, applied in order to `hf_io.mappings` names
+# HF tensor-name pieces -> llama.cpp's, applied in order to `hf_mappings.mappings` names
 # (Gemma's own norms first: its post_attention_layernorm is not Llama's pre-MLP norm).
 _GEMMA_NAMES = (
     ("post_attention_layernorm.", "post_attention_norm."),
@@ -395,7 +395,7 @@ def load_gguf(path, mesh=None, dtype="float32", rules=None, **runtime):
     glm = cfg.architecture == "Glm4MoeForCausalLM"
     maps = {
         p: dataclasses.replace(m, name=gguf_name(m.name, cfg.gemma, glm))
-        for p, m in hf_io.mappings(cfg).items()
+        for p, m in hf_mappings.mappings(cfg).items()
     }
     shifted = frozenset(  # Gemma's norms, every layer's
         m.name.format(i=i)
