@@ -459,15 +459,16 @@ def qwen3_5_fields(d: dict) -> dict:
         "linear_value_head_dim": int(d.get("linear_value_head_dim", 128)),
         "linear_conv_kernel": int(d.get("linear_conv_kernel_dim", 4)),
     }
-    if d.get("model_type") == "qwen3_next":
-        fields |= moe_fields(d) | {"norm_topk_prob": bool(d.get("norm_topk_prob", True))}
-    if d.get("model_type") in ("qwen3_5_moe_text", "qwen3_next") or num_experts(d):
+    qwen3_next = d.get("model_type") == "qwen3_next"
+    if d.get("model_type") == "qwen3_5_moe_text" or qwen3_next or num_experts(d):
         shared = int(d.get("shared_expert_intermediate_size", 0) or 0)
+        if qwen3_next:  # Qwen3-MoE's dense layers
+            fields["dense_layers"] = moe_fields(d)["dense_layers"]
         fields |= {
             "num_experts": num_experts(d),
             "num_experts_per_tok": int(d["num_experts_per_tok"]),
             "moe_intermediate_size": int(d["moe_intermediate_size"]),
-            "norm_topk_prob": fields.get("norm_topk_prob", True),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", True)) if qwen3_next else True,
             "n_shared_experts": 1 if shared else 0,
             "shared_expert_size": shared,
             "shared_expert_gate": bool(shared),
