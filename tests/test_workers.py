@@ -137,7 +137,9 @@ def test_a_worker_drops_a_trainer_whose_host_vanished(tmp_path, sending):
     run = subprocess.run(
         ["unshare", "-n", sys.executable, str(script)], env=env, capture_output=True, text=True
     )
-    assert run.returncode == 0 and run.stdout.split() == ["open"], run.stderr[-3000:]
+    said = run.stdout.splitlines()  # the worker's lines, then the second trainer's answer
+    assert run.returncode == 0 and said[-1] == "open", run.stderr[-3000:]
+    assert said[1].endswith("gone: 0 steps sampled") and said[0].endswith("connected"), said
 
 
 class _FakeWorker:
@@ -242,6 +244,15 @@ def test_every_answer_is_read_as_it_comes(monkeypatch):
                 "rollout.worker_start_s": -1.0,
             },
             "rollout.worker_start_s=-1.0: must be a number of seconds > 0",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
+                "rollout.worker_retry_s": -1.0,
+            },
+            "rollout.worker_retry_s=-1.0: must be a number of seconds >= 0",
         ),
         (
             {
@@ -690,7 +701,8 @@ def _logged(workdir) -> list:
 @pytest.fixture(scope="module")
 def uninterrupted(workers, tmp_path_factory):
     """RESTART_CONFIG's 4 steps run through on the two static workers, the second listed
-    first (so it samples each step) -> the workdir: what a run with both workers draws."""
+    first (steps go round the workers: it samples steps 1 and 3) -> the workdir: what a
+    run with both workers draws."""
     import subprocess
 
     where = tmp_path_factory.mktemp("uninterrupted")
@@ -714,7 +726,7 @@ def test_a_trainer_killed_and_restarted_resumes_on_the_same_workers(
     is sampled by the parameters the previous update made, which the checkpoint holds,
     with keys from (train.seed, step) alone; with a bound above 0 the uninterrupted run
     samples the step after the checkpoint with older parameters than the resumed run.
-    (The uninterrupted run's steps are drawn by the other worker process.)"""
+    (Steps go round the two workers; the uninterrupted run's start with the other one.)"""
     import subprocess
 
     assert all(p.poll() is None for p, _ in workers.static), "a static worker died earlier"
@@ -879,28 +891,34 @@ def get_config():
     c.rollout.partial, c.rollout.partial_chunk = True, 2
     c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
     c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
+    c.rollout.worker_retry_s = 0.0  # a lost worker is tried again before each step
     return c
 """
 
 
-def test_a_worker_killed_inside_a_training_run_loses_no_row(workers, tmp_path):
+def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_joins(
+    workers, tmp_path
+):
     """kill -9 of one of the two workers of a split run once its first step is trained
-    (the victim is listed first, so it samples each step while it lives; max_staleness 0:
-    the last step is queued after the sync that finds it gone at the latest): the run
-    finishes on the other; every step trains the data's next batch, each row once
-    (samples.jsonl against the data order), and every reward is its own completion's (no
-    lost generation trained as a zero reward)."""
+    (the victim is listed first, so it samples step 1; max_staleness 0: a step is queued
+    after the sync that finds it gone at the latest): the run goes on on the other; a
+    worker then started at the victim's address (the trainer held meanwhile, so that
+    steps remain) is taken back (`rollout.worker_retry_s=0`: tried before each step) and
+    samples a step. Every step trains the data's next batch, each row once (samples.jsonl
+    against the data order), and every reward is its own completion's (no lost generation
+    trained as a zero reward)."""
     import json
     import os
     import re
     import signal
     import subprocess
     import sys
+    import threading
     import time
 
     from jaxrl_llm import data
 
-    steps = 3
+    steps = 4
     tests = os.path.dirname(os.path.abspath(__file__))
     [(victim, address)] = _start_workers(workers.path, ["static"])
     file = tmp_path / "run.py"
@@ -914,20 +932,43 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row(workers, tmp_path):
     env = _worker_env(workers.path) | {"JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
     trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    restarted = []
     try:
         metrics = workdir / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().count("\n")):
             assert trainer.poll() is None, trainer.communicate()[1][-3000:]
             time.sleep(0.2)
         os.kill(victim.pid, signal.SIGKILL)  # its connection breaks mid-run
+        os.kill(trainer.pid, signal.SIGSTOP)  # steps 3 and 4 are still to be given out
+        try:
+            port = int(address.rpartition(":")[2])
+            restarted = _start_workers(workers.path, ["static"], port=port)
+        finally:
+            os.kill(trainer.pid, signal.SIGCONT)
         _, err = trainer.communicate(timeout=600)
         assert trainer.returncode == 0, err[-3000:]
+        [(back, _)] = restarted
+        said = []  # its lines, until the one it says once the trainer closed it
+
+        def read():
+            for line in back.stdout:
+                said.append(line)
+                if "gone" in line:
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(60)
     finally:
-        _stop([victim, trainer])
+        _stop([victim, trainer] + [p for p, _ in restarted])
+    [gone] = [line for line in said if "gone" in line]
+    assert int(re.search(r"gone: (\d+) steps sampled", gone)[1]) >= 1, said
     with open(metrics) as f:
         logged = [r for r in map(json.loads, f) if "rollout/workers_lost" in r]
     assert [r["step"] for r in logged] == list(range(1, steps + 1))
-    assert logged[-1]["rollout/workers_lost"] == 1 and logged[-1]["rollout/workers"] == 1
+    last = logged[-1]
+    assert last["rollout/workers_lost"] == 1 and last["rollout/workers_joined"] == 1
+    assert last["rollout/workers"] == 2
     with open(workdir / "samples.jsonl") as f:
         rows = [json.loads(line) for line in f]
     spec = importlib.util.spec_from_file_location("kill_run_config", file)
@@ -946,15 +987,15 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row(workers, tmp_path):
         assert r["reward"] == float(digit), r
 
 
-def _joined_takes_step_3(stream, prompts, want, got: dict, first: str, joined: str):
+def _joined_takes_the_next_step(stream, prompts, want, got: dict, first: str, joined: str):
     """Steps 2 and 3 submitted after steps 0 and 1 (`got`) came back from `first`: the
-    worker that joined at `joined` takes step 3, and all four are as the local stream
-    draws them."""
+    worker that joined at `joined` takes step 2 (never given one), `first` step 3, and
+    all four are as the local stream draws them."""
     for step in (2, 3):
         stream.submit(step, *prompts[step], step)
     assert [(k.address, sorted(k.steps)) for k in stream.links] == [
-        (first, [2]),
-        (joined, [3]),
+        (first, [3]),
+        (joined, [2]),
     ]
     got |= _drain(stream)
     assert sorted(got) == [0, 1, 2, 3]
@@ -987,7 +1028,7 @@ def test_a_worker_listed_mid_stream_joins_and_one_unlisted_leaves(workers, tmp_p
         joined = _start_workers(workers.path, ["static"])
         [(_, address)] = joined
         listed.write_text(f"{first}\n{address}\n")
-        _joined_takes_step_3(stream, prompts, want, got, first, address)
+        _joined_takes_the_next_step(stream, prompts, want, got, first, address)
         listed.write_text(address + "\n")  # the first leaves
         stream.submit(4, *prompts[0], 0)
         assert [sorted(k.steps) for k in stream.links] == [[], [4]]
@@ -999,13 +1040,11 @@ def test_a_worker_listed_mid_stream_joins_and_one_unlisted_leaves(workers, tmp_p
         _stop([p for p, _ in joined])
 
 
-def test_a_stream_opens_without_a_given_worker_that_joins_when_it_answers(
-    workers, monkeypatch, caplog
-):
+def test_a_stream_opens_without_a_given_worker_that_joins_when_it_answers(workers, caplog):
     """Two addresses given, nothing listening at the first: the stream waits
     connect_timeout_s (`rollout.worker_start_s`), opens on the other with one warning
-    naming the missing one, and tries it again as a lost worker (every RETRY_S, here
-    before each step): a worker started at that address joins, gets the weights and
+    naming the missing one, and tries it again as a lost worker (every `retry_s`, here
+    0: before each step): a worker started at that address joins, gets the weights and
     takes a step. Every step as the local stream draws it. None answering: one error."""
     import dataclasses
     import logging
@@ -1015,7 +1054,9 @@ def test_a_stream_opens_without_a_given_worker_that_joins_when_it_answers(
     remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0)
     port = _free_port()
     missing, first = f"127.0.0.1:{port}", workers.static[0][1]
-    remote = dataclasses.replace(remote, addresses=(missing, first), connect_timeout_s=1.0)
+    remote = dataclasses.replace(
+        remote, addresses=(missing, first), connect_timeout_s=1.0, retry_s=0.0
+    )
     alone = f"none of the rollout workers answered within 1 s: {missing} \\(.*refused\\)$"
     with pytest.raises(wire.WorkerError, match=alone):
         remote_lib.RemoteStream(dataclasses.replace(remote, addresses=(missing,)), params, 0, spec)
@@ -1030,8 +1071,7 @@ def test_a_stream_opens_without_a_given_worker_that_joins_when_it_answers(
             stream.submit(step, *prompts[step], step)
         got = _drain(stream)
         joined = _start_workers(workers.path, ["static"], port=port)
-        monkeypatch.setattr(remote_lib, "RETRY_S", 0.0)
-        _joined_takes_step_3(stream, prompts, want, got, first, missing)
+        _joined_takes_the_next_step(stream, prompts, want, got, first, missing)
         assert stream.stats["workers_lost"] == 0
     finally:
         stream.close()

@@ -92,7 +92,7 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 
 def check_workers(config) -> None:
     """rollout.workers and rollout.worker_addresses: N addresses host:port (or @file),
-    rollout.worker_timeout_s and worker_start_s, split mode, single-turn
+    rollout.worker_timeout_s, worker_start_s and worker_retry_s, split mode, single-turn
     rollouts of plain weights (docs/workers.md says what is not built)."""
     r = config.rollout
     n = r.get("workers", 0)
@@ -112,6 +112,11 @@ def check_workers(config) -> None:
             isinstance(seconds, int | float) and seconds > 0,
             f"rollout.{key}={seconds!r}: must be a number of seconds > 0",
         )
+    retry = r.get("worker_retry_s", 30.0)
+    require(
+        isinstance(retry, int | float) and retry >= 0,
+        f"rollout.worker_retry_s={retry!r}: must be a number of seconds >= 0",
+    )
     given = str(r.worker_addresses)
     if given.startswith("@"):  # a file of addresses, read again between steps
         require(

@@ -195,9 +195,13 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # Longer than a worker's slowest answer: its first `run` compiles the engine's programs.
     r.worker_timeout_s = 600.0
     # At start (and on resume) the trainer waits this long for its workers to answer, then
-    # starts with those that did (none: an error); the others are tried again every 30 s
-    # and join when they answer, as workers lost in the run do.
+    # starts with those that did (none: an error); the others are tried again every
+    # worker_retry_s and join when they answer, as workers lost in the run do.
     r.worker_start_s = 60.0
+    # A worker lost in the run, or listed and not answering, is tried again this long after
+    # (before a step is given out): restarted at its address, it joins and takes steps. One
+    # that is still gone costs a refused connection, or up to 5 s when its host is gone.
+    r.worker_retry_s = 30.0
     # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
     # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand

@@ -86,6 +86,7 @@ NOT_MEANINGFUL = frozenset(
         "rollout.worker_addresses",  # the others do (the trainer's key and weights), so
         "rollout.worker_timeout_s",  # a restart may find its workers elsewhere, or
         "rollout.worker_start_s",  # fewer or more of them
+        "rollout.worker_retry_s",
         "env.step_timeout_s",  # limits of the environment's workers: how long, how
         "env.trajectory_timeout_s",  # many and how much memory; raising one is the fix
         "env.workers",  # for a run stopped by timeouts or memory errors

@@ -61,10 +61,12 @@ class Workers:
     # those listed), then opens with those that answered (`_first_connections`).
     addresses_file: str | None = None
     min_workers: int = 1
+    # A lost worker, or a listed one that did not answer, is tried again this long after
+    # (`rollout.worker_retry_s`), before a step is given out.
+    retry_s: float = 30.0
 
 
 JOIN_TIMEOUT_S = 5.0  # the connection to a joining worker (the rollout waits for it)
-RETRY_S = 30.0  # a listed worker that did not answer is tried again after this
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,6 +76,7 @@ class _Link:
     address: str
     sock: object
     steps: set = dataclasses.field(default_factory=set)
+    last: int = -1  # when it was last given a step (`RemoteStream.given`); -1: never
     in_flight: bool = False
     alive: bool = True
     leaving: bool = False  # no longer listed: takes no new steps, closed once it holds none
@@ -91,6 +94,7 @@ class RemoteStream:
         self.queued: dict = {}  # step -> (prompt_ids, prompt_mask, key): not returned yet
         self.finished: dict = {}  # step -> (output, token_versions)
         self.orphans: list = []  # steps of lost workers, not given to another yet
+        self.given = 0  # steps given out (each link's `last` counts from it)
         self.stats = {
             "decode_chunks": 0,
             "swaps": 0,
@@ -168,7 +172,7 @@ class RemoteStream:
         starting: refused, its name not in DNS yet), until all given answer (from a file:
         `min_workers` of those it lists), for up to connect_timeout_s. Then the run starts
         with those that answered, if any, and one warning names the others: they are tried
-        again every RETRY_S as workers lost in the run are (`_refresh`), so one that comes
+        again every `retry_s` as workers lost in the run are (`_refresh`), so one that comes
         up joins. None answered: `WorkerError`."""
         w = self.workers
         deadline = time.monotonic() + w.connect_timeout_s
@@ -205,7 +209,7 @@ class RemoteStream:
                 len(got),
                 len(listed),
                 w.min_workers,
-                RETRY_S,
+                w.retry_s,
             )
             now = time.monotonic()
             self.tried.update((a, now) for a in missing)  # as if lost now: `_refresh`
@@ -235,15 +239,15 @@ class RemoteStream:
         """Workers newly listed in the file join (connected, opened, given the weights the
         others hold); workers no longer listed leave (no new steps; closed once their
         steps are back). A listed (or given) worker that does not answer, or was lost, is
-        tried again after RETRY_S: restarted at its address, it joins anew."""
-        path, seen = self.workers.addresses_file, None
+        tried again after `retry_s`: restarted at its address, it joins anew."""
+        path, seen, retry_s = self.workers.addresses_file, None, self.workers.retry_s
         try:
             st = os.stat(path) if path else None
             seen = st and (st.st_mtime_ns, st.st_size)
         except FileNotFoundError:
             pass
         now = time.monotonic()
-        retry = any(now - t > RETRY_S for t in self.tried.values())
+        retry = any(now - t >= retry_s for t in self.tried.values())
         if seen == self.file_seen and not retry:
             return
         self.file_seen = seen
@@ -252,7 +256,7 @@ class RemoteStream:
             link.leaving = link.address not in listed
         here = {k.address for k in self.alive}
         for a in listed:
-            if a in here or now - self.tried.get(a, -RETRY_S - 1) <= RETRY_S:
+            if a in here or (a in self.tried and now - self.tried[a] < retry_s):
                 continue
             try:
                 link = _Link(a, self._connect(a, JOIN_TIMEOUT_S))
@@ -274,13 +278,16 @@ class RemoteStream:
         self.host = host  # for a worker that joins before the next sync
 
     def _assign(self, step: int) -> None:
-        """Gives `step` to the alive worker holding fewest steps (another if it dies)."""
+        """Gives `step` to the alive worker holding fewest steps, of those the one given a
+        step least recently (a worker that joins takes the next step; one step at a time
+        goes round the workers); another if it dies."""
         alive = [k for k in self.alive if not k.leaving] or self.alive
         if not alive:
             lost = ", ".join(k.address for k in self.links)
             raise wire.WorkerError(f"every rollout worker is gone ({lost})")
-        link = min(alive, key=lambda k: len(k.steps))
+        link = min(alive, key=lambda k: (len(k.steps), k.last))
         link.steps.add(step)  # before sending: a death while sending requeues it
+        link.last, self.given = self.given, self.given + 1
         ids, mask, key = self.queued[step]
         fields = {"step": int(step), "key": key}
         self._exchange([link], "submit", fields, {"prompt_ids": ids, "prompt_mask": mask})
@@ -378,6 +385,7 @@ def rollout_workers(c, pad_id: int):
         dtype=c.model.dtype,
         timeout_s=float(c.rollout.get("worker_timeout_s", 600.0)),
         connect_timeout_s=float(c.rollout.get("worker_start_s", 60.0)),
+        retry_s=float(c.rollout.get("worker_retry_s", 30.0)),
         addresses_file=listed,
         min_workers=c.rollout.workers,
     )

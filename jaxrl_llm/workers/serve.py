@@ -153,9 +153,10 @@ def worker_config(config):
 
 
 def serve(worker: Worker, listener: socket.socket, token: str) -> None:
-    """Answers trainer connections one after another, forever."""
+    """Answers trainer connections one after another, forever; one line each when a
+    trainer connects and when it goes (with the steps sampled for it)."""
     while True:
-        conn, _ = listener.accept()
+        conn, peer = listener.accept()
         with conn:
             conn.settimeout(HELLO_TIMEOUT_S)
             try:
@@ -166,9 +167,13 @@ def serve(worker: Worker, listener: socket.socket, token: str) -> None:
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keep_alive(conn)
+            peer = "{}:{}".format(*peer[:2])
+            print(f"trainer {peer} connected", flush=True)
+            sampled = [0]
             try:
-                _answer(worker, conn)
+                _answer(worker, conn, sampled)
             finally:
+                print(f"trainer {peer} gone: {sampled[0]} steps sampled", flush=True)
                 worker.reset()  # the session goes with its trainer (a paged one's cache too)
 
 
@@ -187,11 +192,12 @@ def _keep_alive(conn: socket.socket) -> None:
             conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def _answer(worker: Worker, conn: socket.socket) -> None:
+def _answer(worker: Worker, conn: socket.socket, sampled: list) -> None:
     """Answers one trainer's requests until it closes or its connection breaks: a trainer
     killed while a request runs (say a chunk it asked for) is found gone when the answer
     is sent, one whose host vanished when the keep-alive probes go unanswered, and the
-    worker waits for the next trainer as after a close."""
+    worker waits for the next trainer as after a close. `sampled[0]` counts the steps
+    returned."""
     while True:
         try:
             kind, fields, arrays = wire.recv(conn)
@@ -202,6 +208,7 @@ def _answer(worker: Worker, conn: socket.socket) -> None:
         else:
             try:
                 reply, answer = worker.handle(kind, fields, arrays), "ok"
+                sampled[0] += len(reply[0].get("steps", ())) if kind == "run" else 0
             except Exception as err:  # noqa: BLE001  (answered: the trainer raises it)
                 reply, answer = ({"message": f"{type(err).__name__}: {err}"}, {}), "error"
         try:
