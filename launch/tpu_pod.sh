@@ -17,9 +17,10 @@
 # Options: --dry-run prints every command and runs none; --help. Arguments after `--` are
 # passed to the trainer verbatim, after EXTRA_ARGS.
 #
-# Rollout workers: WORKER_TPUS="rl-w0 rl-w1" names single-host TPU VMs (each made and set
+# Rollout workers: WORKER_TPUS="rl-w0 rl-w1" names TPU VMs or slices (each made and set
 # up with this script: TPU_NAME=rl-w0 ACCELERATOR_TYPE=v5p-8 ... create, then setup), one
-# `python -m jaxrl_llm.workers.serve` each on WORKER_PORT. `run` starts them first, then
+# worker each: `python -m jaxrl_llm.workers.serve` on every host of it, one JAX world
+# (JAXRL_DISTRIBUTED=1), its host 0 listening on WORKER_PORT. `run` starts them first, then
 # the trainer (on one host: TPU_NAME a single-host slice), in split mode, with the workers'
 # internal IPs, which the trainer's host asks the TPU API for at start (`gcloud compute
 # tpus tpu-vm describe`, as the VMs' service account). The shared secret is the newest
@@ -84,11 +85,11 @@ on_all_workers() {
   gcloud_tpu ssh "$TPU_NAME" --worker=all "--command=$1"
 }
 
-# on_rollout_workers SCRIPT: runs a shell script on each rollout worker's TPU VM.
+# on_rollout_workers SCRIPT: runs a shell script on every host of each rollout worker.
 on_rollout_workers() {
   local name
   for name in $WORKER_TPUS; do
-    gcloud_tpu ssh "$name" --worker=0 "--command=$1"
+    gcloud_tpu ssh "$name" --worker=all "--command=$1"
   done
 }
 
@@ -166,7 +167,7 @@ cmd_run() {
       lookup+="\$(gcloud compute tpus tpu-vm describe $name $flags \
 --format='value(networkEndpoints[0].ipAddress)'):$WORKER_PORT "
     done
-    on_rollout_workers "$(start_script "$token" "$(shquote "$PYTHON" -m jaxrl_llm.workers.serve \
+    on_rollout_workers "$(start_script "JAXRL_DISTRIBUTED=1 $token" "$(shquote "$PYTHON" -m jaxrl_llm.workers.serve \
       "--config=$CONFIG" --host=0.0.0.0 "--port=$WORKER_PORT" ${extra[@]+"${extra[@]}"})")"
     # The workers' addresses, from the TPU API on the trainer's host.
     env="export $token; addresses=\"$lookup\"; addresses=\"\${addresses% }\"; $env"

@@ -222,13 +222,14 @@ def test_tpu_pod_run_check_stop_on_a_worker(fake_bin, tmp_path):
 
 
 def test_tpu_pod_run_with_rollout_workers(fake_bin, tmp_path):
-    """WORKER_TPUS: `run` starts a worker on each worker VM, then the trainer on the
+    """WORKER_TPUS: `run` starts a worker on each worker slice's hosts, then the trainer on the
     slice; executed in fake homes (a fake gcloud answering the secret and the VMs' IPs)
     the worker gets the token from Secret Manager and the trainer the workers' IPs."""
     env = {**TPU_ENV, "WORKER_TPUS": "rl-w0 rl-w1"}
     stdout = dry_run(fake_bin, "tpu_pod.sh", "run", env, *TAIL_ARGV)
     w0, w1, trainer = commands(stdout)
-    assert w0[4:7] == ["ssh", "rl-w0", "--worker=0"] and w1[4:7] == ["ssh", "rl-w1", "--worker=0"]
+    assert w0[4:7] == ["ssh", "rl-w0", "--worker=all"]  # every host of a worker's slice
+    assert w1[4:7] == ["ssh", "rl-w1", "--worker=all"]
     assert trainer[4:7] == ["ssh", "rl-pod", "--worker=all"]
     gcloud = (
         "#!/bin/sh\n"
@@ -260,7 +261,7 @@ def test_tpu_pod_run_with_rollout_workers(fake_bin, tmp_path):
     config = "--config=configs/math_grpo_llama3_8b_tpu.py"
     assert got["worker"] == [
         "token-1",
-        "",
+        "1",  # its hosts one JAX world
         "-m",
         "jaxrl_llm.workers.serve",
         config,
@@ -462,8 +463,9 @@ def test_slurm_dry_run_with_workers_is_one_heterogeneous_job(fake_bin, tmp_path)
     assert "--nodes=2" in workers and "--ntasks-per-node=1" in workers
     assert f"--chdir={REPO}" in trainer
 
-    calls = tmp_path / "srun_calls"
-    (tmp_path / "srun").write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" >> {calls}\necho >> {calls}\n')
+    calls = tmp_path / "srun_calls"  # a file per call: the worker's and trainer's race
+    calls.mkdir()
+    (tmp_path / "srun").write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > {calls}/$$\n')
     (tmp_path / "scontrol").write_text(
         '#!/bin/sh\n[ "$3" = "gpu-[7-8]" ] && printf "gpu-7\\ngpu-8\\n"\n'
     )
@@ -472,7 +474,7 @@ def test_slurm_dry_run_with_workers_is_one_heterogeneous_job(fake_bin, tmp_path)
     run_env = {"PATH": f"{tmp_path}:{fake_bin[0]}", "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu-[7-8]"}
     done = subprocess.run(["bash", "-c", script + "\nwait\n"], env=run_env, capture_output=True)
     assert done.returncode == 0, done.stderr
-    argvs = sorted(c.split("\0")[:-1] for c in calls.read_text().split("\n") if c)
+    argvs = sorted(c.read_text().split("\0")[:-1] for c in calls.iterdir())
     logdir = "/shared/runs/gsm8k_grpo_qwen2p5_0p5b/logs"
     config = "--config=configs/gsm8k_grpo_qwen2p5_0p5b.py"
     assert argvs == [

@@ -468,6 +468,78 @@ def test_remote_stream_draws_what_the_local_stream_draws(workers):
         stream.close()
 
 
+def _start_world(path: str, processes: int = 2) -> list:
+    """One worker of `processes` processes (2 devices each: one JAX world through
+    jax.distributed, gloo between them) serving the tiny model's config ->
+    [(process 0, its address), (process 1, None), ...] once process 0 listens."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
+    command += ["--config=" + os.path.join(tests, "tiny_run.py")]
+    env = _worker_env(path) | {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "JAXRL_DISTRIBUTED": "1",
+        "JAXRL_COORDINATOR": f"127.0.0.1:{_free_port()}",
+        "JAXRL_NUM_PROCESSES": str(processes),
+    }
+    procs = [
+        subprocess.Popen(
+            command,
+            env=env | {"JAXRL_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    try:
+        line = procs[0].stdout.readline()
+        assert line.startswith("worker listening on "), line
+    except BaseException:
+        _stop(procs)
+        raise
+    return [(procs[0], line.split()[-1])] + [(p, None) for p in procs[1:]]
+
+
+def test_a_worker_of_two_processes_draws_what_the_local_stream_draws(workers):
+    """A worker that is a JAX world of two processes (2 devices each, the mesh fsdp 4 over
+    both): process 0 takes the trainer's requests and shares each with process 1, each
+    process gives the engine its half of a step's prompts, and the rows gathered from
+    both come back as the local `StaticStream` of one process draws them, greedy, with
+    partial rollouts of 2 tokens (log-probs within 1e-5); a swap while a step runs is
+    taken between its chunks (each token's version)."""
+    import dataclasses
+
+    from jaxrl_llm.sampling.engine import open_session
+
+    world = _start_world(workers.path)
+    try:
+        remote, spec, params, prompts, want = _greedy_steps(workers, chunk=2)
+        remote = dataclasses.replace(remote, addresses=(world[0][1],))
+        stream = open_session(remote, "stream", params, 0, spec, chunk=2)
+        try:
+            for step, (ids, mask) in prompts.items():
+                stream.submit(step, ids, mask, step)
+            got = _drain(stream)
+            assert sorted(got) == sorted(want)
+            for step in got:
+                _same(got[step], want[step])
+            stream.submit(9, *prompts[0], 0)
+            assert stream.run_chunk() == []  # its first 2 tokens, by version 0
+            stream.swap(params, 1)
+            ((out, versions),) = _drain(stream).values()
+            np.testing.assert_array_equal(versions, [0, 0, 1, 1, 1, 1])
+            np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
+        finally:
+            stream.close()
+    finally:
+        _stop([p for p, _ in world])
+
+
 def test_a_paged_worker_draws_what_the_local_paged_stream_draws(workers):
     """rollout.engine=paged in the worker's config: its `PagedStream` (the steps' rows
     sharing the slots) returns each step over the wire as the local `PagedStream` draws

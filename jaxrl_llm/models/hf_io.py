@@ -25,7 +25,6 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.models import partitioning
@@ -33,6 +32,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.hf_mappings import Mapping, mappings
 from jaxrl_llm.models.params import param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import INDEX_FILE, Checkpoint, write_file
+from jaxrl_llm.parallel.mesh import to_host
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -179,12 +179,6 @@ def _shard_reader(ckpt, m: Mapping, shape, dtype):
     return read
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def save_hf(
     cfg: ModelConfig,
     params,
@@ -229,7 +223,7 @@ def save_hf(
         tensors = {}
         for name, p, i, _ in shard:
             leaf = params[p[0]] if len(p) == 1 else params[p[0]][p[1]]
-            maps[p].into_hf(_to_host(leaf[i] if i else leaf), tensors, name, dtype)
+            maps[p].into_hf(to_host(leaf[i] if i else leaf), tensors, name, dtype)
             weight_map[name] = fn
         if write:
             write_file(os.path.join(out_dir, fn), tensors)

@@ -179,6 +179,17 @@ def local_rows(tree, mesh: Mesh | None):
     return jax.tree.map(get, tree)
 
 
+def to_host(x) -> np.ndarray:
+    """The whole value of `x` as a numpy array on this host: an array spanning processes is
+    gathered from all of them (a collective: every process calls it, in the same order),
+    anything else fetched."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def host_max(value: int) -> int:
     """The maximum of an int over all processes (the value itself with one process)."""
     if jax.process_count() == 1:

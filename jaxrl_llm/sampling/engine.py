@@ -386,7 +386,7 @@ class StaticStream:
             f"partial tokens {first}-{min(first + self.chunk, T)}"
         )
         if self.newer is not None:  # first > 0: a swap while nothing runs is at once
-            if bool(jax.device_get(state.done).all()):
+            if bool(mesh_lib.to_host(state.done).all()):
                 return self._finish()  # every row has stopped: nothing left to draw
             state = sampler.refresh(self.newer[0], state)
             self.params, self.newer = self.newer[0], None

@@ -22,6 +22,11 @@ is checked as a synchronous run's on this process's devices with that mesh
   in_flight, detail, stats.
 - `close`: ends the connection.
 
+A worker may be several processes, one JAX world (`JAXRL_DISTRIBUTED=1` on each, as a
+multi-host run): process 0 listens and answers, and shares each request with the others,
+which run it too (`follow`); each process gives the engine its part of a step's prompts
+(docs/workers.md#a-worker-of-several-hosts).
+
 One trainer connection at a time, authorized by the shared secret in `JAXRL_WORKER_TOKEN`
 (`wire.authorize`); a new connection starts a new session, and the session ends with its
 connection, however that ends (closed, broken when an answer is sent, or its host silent
@@ -34,7 +39,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import math
 import os
+import select
 import socket
 import sys
 
@@ -44,6 +52,7 @@ import numpy as np
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.errors import UserError
+from jaxrl_llm.parallel import distributed
 from jaxrl_llm.rollout.sources import make_sampler
 from jaxrl_llm.sampling.engine import open_session
 from jaxrl_llm.tpu import model_shapes
@@ -62,6 +71,9 @@ HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is droppe
 # every worker's answer as it comes (`remote._read_answers`). (seconds idle before the
 # first probe, between probes, probes)
 KEEPALIVE = (20, 5, 4)  # 40 s: within the 60 s a restarted trainer waits for a worker
+# A worker of several processes: while process 0 waits (for a trainer, or its next
+# request) it tells the others so this often, so that none waits in a collective for long.
+IDLE_S = 5.0
 
 
 class Worker:
@@ -96,7 +108,7 @@ class Worker:
         if self.session is None:
             raise wire.WorkerError(f"{kind!r} before the first weights")
         if kind == "submit":
-            ids, mask = arrays["prompt_ids"], arrays["prompt_mask"]
+            ids, mask = _own_rows(arrays["prompt_ids"]), _own_rows(arrays["prompt_mask"])
             self.session.submit(fields["step"], ids, mask, fields["key"])
             return {}, {}
         if kind == "run":
@@ -123,11 +135,11 @@ class Worker:
         steps = s.run_chunk() if s.busy else []
         arrays = {}
         for step in steps:
-            out, token_versions = jax.device_get(s.output(step))
+            out, token_versions = s.output(step)
             for f in dataclasses.fields(out):
                 value = getattr(out, f.name)
                 if value is not None and f.name != "num_generations":
-                    arrays[f"{step}/{f.name}"] = np.asarray(value)
+                    arrays[f"{step}/{f.name}"] = parallel.to_host(value)
             arrays[f"{step}/token_versions"] = np.asarray(token_versions, np.int32)
         stats = {k: v for k, v in s.stats.items() if isinstance(v, int | float)}
         fields = dict(
@@ -139,6 +151,18 @@ class Worker:
             stats=stats,
         )
         return fields, arrays
+
+
+def _own_rows(x: np.ndarray) -> np.ndarray:
+    """This process's slice of a step's prompts: with several processes each gives the
+    engine its own rows, process i the i-th of equal contiguous parts (as each host of a
+    run reads its slice of the batch, `data.iterator`), and the engine's rows are the
+    whole batch in order."""
+    n, i = jax.process_count(), jax.process_index()
+    if len(x) % n:
+        raise wire.WorkerError(f"{len(x)} prompts do not split over this worker's {n} processes")
+    part = len(x) // n
+    return x[i * part : (i + 1) * part]
 
 
 def worker_config(config):
@@ -154,8 +178,10 @@ def worker_config(config):
 
 def serve(worker: Worker, listener: socket.socket, token: str) -> None:
     """Answers trainer connections one after another, forever; one line each when a
-    trainer connects and when it goes (with the steps sampled for it)."""
+    trainer connects and when it goes (with the steps sampled for it). In a worker of
+    several processes this is process 0's loop; the others `follow` it."""
     while True:
+        _wait_readable(listener)
         conn, peer = listener.accept()
         with conn:
             conn.settimeout(HELLO_TIMEOUT_S)
@@ -174,6 +200,7 @@ def serve(worker: Worker, listener: socket.socket, token: str) -> None:
                 _answer(worker, conn, sampled)
             finally:
                 print(f"trainer {peer} gone: {sampled[0]} steps sampled", flush=True)
+                _share(("reset", {}, {}))
                 worker.reset()  # the session goes with its trainer (a paged one's cache too)
 
 
@@ -200,12 +227,14 @@ def _answer(worker: Worker, conn: socket.socket, sampled: list) -> None:
     returned."""
     while True:
         try:
+            _wait_readable(conn)
             kind, fields, arrays = wire.recv(conn)
         except (wire.WorkerError, ValueError, OSError):  # closed, broken, or not a frame
             return  # the trainer went away: wait for the next one
         if kind == "close":
             reply, answer = ({}, {}), "ok"
         else:
+            _share((kind, fields, arrays))  # the worker's other processes run it too
             try:
                 reply, answer = worker.handle(kind, fields, arrays), "ok"
                 sampled[0] += len(reply[0].get("steps", ())) if kind == "run" else 0
@@ -219,6 +248,66 @@ def _answer(worker: Worker, conn: socket.socket, sampled: list) -> None:
             return
 
 
+def follow(worker: Worker) -> None:
+    """Processes 1.. of a worker of several processes, forever: each request process 0
+    shares (`_share`) handled as process 0 handles it, since the engine's programs span
+    every process's devices and each process runs each of them; process 0 answers."""
+    while True:
+        kind, fields, arrays = _share(None)
+        if kind == "reset":
+            worker.reset()
+        elif kind != "idle":
+            try:
+                worker.handle(kind, fields, arrays)
+            except Exception:  # noqa: BLE001, S110  (process 0 answers it: the same error)
+                pass
+
+
+def _wait_readable(sock: socket.socket) -> None:
+    """Returns once `sock` has something to read (a trainer connecting, a request); in a
+    worker of several processes the others are told 'idle' every IDLE_S meanwhile."""
+    if jax.process_count() > 1:
+        while not select.select([sock], [], [], IDLE_S)[0]:
+            _share(("idle", {}, {}))
+
+
+def _share(request):
+    """Process 0's request (kind, fields, {name: array}) -> the same request on every
+    process of this worker (itself with one process; pass None on the others). Through
+    JAX's `multihost_utils.broadcast_one_to_all` inside the worker's own JAX world: the
+    header's JSON, then each array's bytes as uint8 (a broadcast is a sum with zeros: bytes
+    arrive bit for bit, a float's -0.0 too). The header is padded to a power of two so
+    that the broadcast compiles for few sizes."""
+    if jax.process_count() == 1:
+        return request
+    from jax.experimental import multihost_utils
+
+    source, header, table = jax.process_index() == 0, b"", []
+    if source:
+        kind, fields, arrays = request
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        table = [[k, list(a.shape), a.dtype.name] for k, a in arrays.items()]
+        header = json.dumps({"kind": kind, "fields": fields, "arrays": table}).encode()
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(header))))
+    padded = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
+    padded[: len(header)] = np.frombuffer(header, np.uint8)
+    head = json.loads(multihost_utils.broadcast_one_to_all(padded)[:size].tobytes())
+    table = head["arrays"]
+    if source:
+        data = [arrays[k].reshape(-1).view(np.uint8) for k, _, _ in table]
+    else:
+        data = [
+            np.zeros(math.prod(shape) * wire.DTYPES[dtype].itemsize, np.uint8)
+            for _, shape, dtype in table
+        ]
+    data = multihost_utils.broadcast_one_to_all(data) if data else []
+    arrays = {
+        k: np.asarray(b).view(wire.DTYPES[dtype]).reshape(shape)
+        for (k, shape, dtype), b in zip(table, data, strict=True)
+    }
+    return head["kind"], head["fields"], arrays
+
+
 def main(argv) -> None:
     from absl import flags
 
@@ -228,8 +317,11 @@ def main(argv) -> None:
         raise UserError(
             wire.TOKEN_ENV, "not set", "export the shared secret the trainer's workers use"
         )
+    distributed.initialize()  # a worker of several processes (JAXRL_DISTRIBUTED=1)
     config = flags.FLAGS.config
     worker = Worker(config)
+    if jax.process_index() > 0:
+        follow(worker)  # process 0 listens and answers; the others run what it runs
     listener = wire.listen(flags.FLAGS.host, flags.FLAGS.port)
     host, port = listener.getsockname()[:2]
     print(f"worker listening on {host}:{port}", flush=True)
