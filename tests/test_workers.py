@@ -269,8 +269,9 @@ def test_every_answer_is_read_as_it_comes(monkeypatch):
                 "rollout.workers": 1,
                 "rollout.worker_addresses": "a:1",
                 "model.lora.rank": 4,
+                "model.lora.sampler": "unmerged",
             },
-            "model.lora.rank=4: rollout.workers does not serve it yet",
+            "model.lora.sampler='unmerged': rollout workers sample merged weights",
         ),
     ],
 )
@@ -583,6 +584,7 @@ def get_config():
     c.mesh.fsdp, c.mesh.tensor = -1, 2
     c.mesh.rollout_devices = {rollout_devices}
     c.rollout.workers, c.rollout.worker_addresses = {n}, {addresses!r}
+    c.model.lora.rank = {lora}
     return c
 """
 
@@ -594,11 +596,13 @@ def _samples(workdir) -> list:
         return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in map(json.loads, f)]
 
 
-def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_path):
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_path, lora):
     """rollout.workers=2: a trainer process of 4 devices (fsdp 2 x tensor 2) whose rollouts
     come from the two worker processes (fsdp 4 each) samples, scores and trains exactly as
     the split run whose rollout mesh is 4 devices of its own process (max_staleness 0, so
-    each step's version is fixed): the same samples and rewards, the same parameters."""
+    each step's version is fixed): the same samples and rewards, the same parameters.
+    With LoRA (rank 4) the workers get the merged weights, as the rollout mesh does."""
     import os
     import subprocess
     import sys
@@ -613,9 +617,9 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_pat
         file.write_text(RUN_CONFIG.format(tests=tests, model_dir=workers.path, **kw))
         return file
 
-    local = write("local", rollout_devices=4, n=0, addresses="")
+    local = write("local", rollout_devices=4, n=0, addresses="", lora=lora)
     addresses = ",".join(a for _, a in workers.static)
-    remote = write("remote", rollout_devices=0, n=2, addresses=addresses)
+    remote = write("remote", rollout_devices=0, n=2, addresses=addresses, lora=lora)
     flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
     env = os.environ | {
         "XLA_FLAGS": flags,

@@ -93,7 +93,7 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 def check_workers(config) -> None:
     """rollout.workers and rollout.worker_addresses: N addresses host:port (or @file),
     rollout.worker_timeout_s, worker_start_s and worker_retry_s, split mode, single-turn
-    rollouts of plain weights (docs/workers.md says what is not built)."""
+    rollouts, LoRA merged (docs/workers.md says what is not built)."""
     r = config.rollout
     n = r.get("workers", 0)
     require(
@@ -136,10 +136,15 @@ def check_workers(config) -> None:
                 bool(host) and port.isdigit() and 0 < int(port) < 65536,
                 f"rollout.worker_addresses: {a!r} is not host:port",
             )
+    lora = config.model.lora
+    require(
+        not lora.get("rank") or lora.get("sampler") != "unmerged",
+        "model.lora.sampler='unmerged': rollout workers sample merged weights (base + "
+        "adapters, sent whole at each sync); set it to 'merged' or 'auto'",
+    )
     others = {
         "env.name": config.get("env", {}).get("name"),
         "agent.entry": config.get("agent", {}).get("entry"),
-        "model.lora.rank": config.model.lora.get("rank"),
     }
     for key, value in others.items():
         require(not value, f"{key}={value!r}: rollout.workers does not serve it yet; unset it")

@@ -24,13 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm.models import hf_io, partitioning
+from jaxrl_llm.models import partitioning
 from jaxrl_llm.models._nnx import nnx
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layer_math import contracted
 from jaxrl_llm.models.layers import Transformer
 from jaxrl_llm.models.params import param_shardings, param_specs, unflatten
 from jaxrl_llm.models.safetensors_io import write_file
+from jaxrl_llm.parallel.mesh import to_host
 
 SUFFIXES = ("_lora_a", "_lora_b")
 # "auto" sampler: merge from this many rollout rows per step. A merge costs about one pass
@@ -130,17 +131,13 @@ def peft_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
     lora_A.weight` [r, in] and `lora_B.weight` [out, r] (torch Linear layout)."""
     out = {}
     for name in cfg.lora.targets:
-        a, b = (_host(adapters["layers"][name + s]) for s in SUFFIXES)
+        a, b = (to_host(adapters["layers"][name + s]) for s in SUFFIXES)
         r = cfg.lora.rank
         for i in range(cfg.num_layers):
             prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[name]}"
             out[prefix + ".lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
             out[prefix + ".lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
     return out
-
-
-def _host(x) -> np.ndarray:
-    return hf_io._to_host(x) if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def peft_config(cfg: ModelConfig, base_model: str) -> dict:

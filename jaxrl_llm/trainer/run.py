@@ -166,9 +166,10 @@ class Run:
         self.spec = config_lib.rollout_spec(c, self.tokenizer)
         self.merge = None  # LoRA, merged sampling: base + adapters -> plain weights
         sampler_cfg = self.model_cfg
-        if self.model_cfg.lora is not None:
+        if self.model_cfg.lora is not None:  # rollout workers take merged weights
             rows = c.rollout.batch_size * c.rollout.num_generations
-            if models.lora.sampler_mode(c.model.lora.sampler, self.model_cfg, rows) == "merged":
+            mode = models.lora.sampler_mode(c.model.lora.sampler, self.model_cfg, rows)
+            if mode == "merged" or c.rollout.workers:
                 self.merge = models.lora.make_merge_fn(self.model_cfg, self.mesh)
                 sampler_cfg = self.base_cfg
         pad = data.prompts.pad_id(self.tokenizer)
