@@ -443,6 +443,18 @@ def _same(got, want):
     np.testing.assert_array_equal(versions, versions_w)
 
 
+def _every_step_as_local(stream, prompts, want) -> dict:
+    """Every step of `prompts` submitted to `stream` comes back once, as the local stream
+    drew it (`want`) -> {step: (output, token_versions)}."""
+    for step, (ids, mask) in prompts.items():
+        stream.submit(step, ids, mask, step)
+    got = _drain(stream)
+    assert sorted(got) == sorted(want)
+    for step in got:
+        _same(got[step], want[step])
+    return got
+
+
 def test_remote_stream_draws_what_the_local_stream_draws(workers):
     """Steps spread over two worker processes come back, greedy, token for token as a local
     `StaticStream` draws them (log-probs within 1e-5); a swap reaches every worker."""
@@ -523,12 +535,7 @@ def test_a_worker_of_two_processes_draws_what_the_local_stream_draws(workers):
         remote = dataclasses.replace(remote, addresses=(world[0][1],))
         stream = open_session(remote, "stream", params, 0, spec, chunk=2)
         try:
-            for step, (ids, mask) in prompts.items():
-                stream.submit(step, ids, mask, step)
-            got = _drain(stream)
-            assert sorted(got) == sorted(want)
-            for step in got:
-                _same(got[step], want[step])
+            _every_step_as_local(stream, prompts, want)
             stream.submit(9, *prompts[0], 0)
             assert stream.run_chunk() == []  # its first 2 tokens, by version 0
             stream.swap(params, 1)
@@ -550,13 +557,8 @@ def test_a_paged_worker_draws_what_the_local_paged_stream_draws(workers):
     remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0, engine="paged")
     stream = open_session(remote, "stream", params, 0, spec)
     try:
-        for step, (ids, mask) in prompts.items():
-            stream.submit(step, ids, mask, step)
-        got = _drain(stream)
-        assert sorted(got) == sorted(want)
-        for step in got:
-            assert got[step][1].shape == (8, 6)  # [N, T]: the paged stream's versions
-            _same(got[step], want[step])
+        got = _every_step_as_local(stream, prompts, want)
+        assert all(v.shape == (8, 6) for _, v in got.values())  # [N, T]: per token
     finally:
         stream.close()
 

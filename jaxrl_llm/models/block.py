@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.models._nnx import nnx
-from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.config import ModelConfig, Segment
 from jaxrl_llm.models.gated_deltanet import LINEAR_WEIGHTS, linear_shapes
 from jaxrl_llm.models.layer_math import (
     adapter_dropout,
@@ -241,40 +241,27 @@ class Block(nnx.Module):
         layer=None,
         dropout=None,
         kind=None,
+        *,
         routes=None,
-        sparse=None,
-        linear=False,
-        wide=False,
         per_layer=None,
-        share=None,
+        segment=None,
     ):
-        """One layer: (x [B,T,D], the cache as updated by this layer, the MoE router's own
-        top-k [B,T,k] int32 or None for a dense layer).
-
-        x [B,T,D], positions [B,T], mask an `attention.Mask` over the keys the cache
-        holds. cache: what the layer attends to (`caches`: a sequence alone, after a
-        prefix, a KV cache, the page pool); it writes this layer's keys/values (or, in a
-        Gated DeltaNet layer, its recurrent state) and attends. layer: this layer's row in
-        the cache (among the layers of its attention kind in a hybrid model). dropout:
-        this layer's key for LoRA dropout (`adapter_dropout`), None in inference. kind:
-        this layer's slice of `layer_kinds(cfg)`, or None. routes [B,T,k]: experts to
-        replay in an MoE layer (None: its own top-k). sparse: the layer's MLP is the
-        mixture of experts (None: `cfg.moe`). linear: a Gated DeltaNet layer (`_linear`).
-        wide: Gemma 4's full layer with its own head size (the `w` parameters, `_add_wide`).
-        per_layer [B,T,P]: Gemma 4's per-layer input of this layer, or None. share: the
-        layer's part in Gemma 4's KV sharing (`ModelConfig.kv_sharing`): "store" leaves
-        its keys/values in `cache.shared` for the layers that reuse them, "reuse" projects
-        none and attends over those (its `layer` is then the storing layer's cache row).
-        """
-        cfg = self.cfg
-        if linear:
+        """One layer: (x [B,T,D], the cache as it left it, the MoE router's own top-k
+        [B,T,k] or None). positions [B,T]; mask over the keys the cache holds. cache
+        (`caches`): takes this layer's keys/values (DeltaNet: its state) and gives what it
+        attends over. layer: its cache row (a KV-reusing layer: the storing layer's).
+        dropout: its LoRA dropout key or None; kind: its `layer_kinds(cfg)` slice or None;
+        routes [B,T,k]: experts to replay; per_layer [B,T,P]: Gemma 4's per-layer input.
+        segment (`ModelConfig.layer_segments`; None: a plain layer): its MLP, DeltaNet
+        or attention (`wide`: Gemma 4's own head size), KV sharing (`share`)."""
+        cfg, seg = self.cfg, segment or Segment(0, 1, self.cfg.moe)
+        if seg.linear:
             a, cache = self._linear(x, mask, cache, layer)
         else:
-            args = (x, positions, mask, cache, layer, dropout, kind, wide)
-            a, cache = self._attention(*args, share[0] if share else None)
+            args = (x, positions, mask, cache, layer, dropout, kind, seg.wide)
+            a, cache = self._attention(*args, seg.share[0] if seg.share else None)
         x = x + a
-        h = norm(cfg, x, self.mlp_norm[...])
-        y, chosen = self._mlp(h, dropout, routes, cfg.moe if sparse is None else sparse, x)
+        y, chosen = self._mlp(norm(cfg, x, self.mlp_norm[...]), dropout, routes, seg.mlp, x)
         if cfg.gemma:
             y = norm(cfg, y, self.post_mlp_norm[...])
         x = x + y

@@ -94,15 +94,15 @@ class Transformer(nnx.Module):
         if loop == "unrolled" and layers is None:
             layers = {n: [a[j] for j in range(a.shape[0])] for n, a in stacked.items()}
 
-        def layer(carry, xs, sparse, linear, wide, share, shared=None):
+        def layer(carry, xs, segment, shared=None):
             (x, c), (params, i, row, kind, route, extra, rows) = carry, xs
             key = None if dropout is None else jax.random.fold_in(dropout, i)
             block = nnx.merge(graphdef, params)
             c = c.replace(rows=rows, shared=shared)
-            x, c, chosen = block(
-                x, positions, mask, c, row, key, kind, route, sparse, linear, wide, extra, share
-            )
-            stored = c.shared if share and share[0] == "store" else None
+            args = (x, positions, mask, c, row, key, kind)
+            x, c, chosen = block(*args, routes=route, per_layer=extra, segment=segment)
+            store = segment.share and segment.share[0] == "store"
+            stored = c.shared if store else None
             return (x, c.replace(rows=None, shared=None)), (chosen, c.rows, stored)
 
         carry, ys = (x, cache.replace(rows=None, shared=None)), []
@@ -111,9 +111,7 @@ class Transformer(nnx.Module):
         stored = {}  # KV sharing: a layer type's storing layer's keep, for its reusers
         for segment in cfg.layer_segments():
             share = segment.share
-            body = functools.partial(
-                layer, sparse=segment.mlp, linear=segment.linear, wide=segment.wide, share=share
-            )
+            body = functools.partial(layer, segment=segment)
             start, stop, row = segment.start, segment.stop, self._first_row(segment)
             n, reuse = stop - start, share is not None and share[0] == "reuse"
             shared = stored.get(share[1]) if reuse else None
