@@ -73,6 +73,58 @@ def test_wrong_token_is_refused_with_one_line():
     assert got == {"refused": True}
 
 
+def _self_signed(where, name: str) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 (its subjectAltName) and its key, by the
+    openssl command line -> (cert path, key path)."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("openssl"):
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = str(where / f"{name}.pem"), str(where / f"{name}.key")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+         f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_tls_serves_trainers_that_check_its_certificate(tmp_path):
+    """A worker serving over TLS (`serve(..., tls=wire.server_context(cert, key))`): a
+    trainer with its certificate as CA (`rollout.worker_tls_ca`) is served, encrypted; a
+    plain trainer gets one line saying the worker speaks TLS; a trainer expecting another
+    certificate refuses the worker before sending the token; a TLS trainer reaching a
+    plain worker gets one line. Each refused connection leaves the worker serving."""
+    import types
+
+    from jaxrl_llm.workers import serve
+
+    cert, key = _self_signed(tmp_path, "worker")
+    other, _ = _self_signed(tmp_path, "other")
+    echo = lambda kind, fields, arrays: ({"kind": kind}, {})  # noqa: E731
+    worker = types.SimpleNamespace(reset=lambda: None, handle=echo)
+    addresses = []
+    for tls in (wire.server_context(cert, key), None):
+        listener = wire.listen("127.0.0.1", 0)
+        args = (worker, listener, TOKEN, tls)
+        threading.Thread(target=serve.serve, args=args, daemon=True).start()
+        addresses.append(f"127.0.0.1:{listener.getsockname()[1]}")
+    secure, plain = addresses
+    with pytest.raises(wire.WorkerError, match=f"worker {secure} refused .*speaks TLS"):
+        wire.connect(secure, TOKEN, timeout_s=10)
+    with pytest.raises(wire.WorkerError, match=f"worker {secure}: TLS handshake failed"):
+        wire.connect(secure, TOKEN, timeout_s=10, tls=wire.client_context(other))
+    with pytest.raises(wire.WorkerError, match=f"worker {plain}: TLS handshake failed"):
+        wire.connect(plain, TOKEN, timeout_s=10, tls=wire.client_context(cert))
+    sock = wire.connect(secure, TOKEN, timeout_s=10, tls=wire.client_context(cert))
+    with sock:
+        assert sock.version() in ("TLSv1.2", "TLSv1.3")
+        wire.send(sock, "open", {}, {"x": np.arange(3, dtype=np.int32)})
+        assert wire.recv(sock)[1] == {"kind": "open"}
+
+
 def test_frames_refuse_unknown_dtypes_and_oversized_hellos():
     """No pickled objects on the wire, and nothing big before the token is checked."""
     a, b = wire.socket.socketpair()
@@ -259,6 +311,15 @@ def test_every_answer_is_read_as_it_comes(monkeypatch):
                 "rollout.mode": "split",
                 "rollout.workers": 1,
                 "rollout.worker_addresses": "a:1",
+                "rollout.worker_tls_ca": "/no/such/ca.pem",
+            },
+            "rollout.worker_tls_ca='/no/such/ca.pem': no such file",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
                 "mesh.rollout_devices": 4,
             },
             "mesh.rollout_devices=4: with rollout.workers the workers sample",
@@ -305,16 +366,16 @@ def _worker_env(path: str) -> dict:
     }
 
 
-def _start_workers(path: str, engines, port: int = 0) -> list:
+def _start_workers(path: str, engines, port: int = 0, flags=()) -> list:
     """Worker processes (4 devices each) serving the tiny model's config, one per engine
-    (at `port`, 0: any free one) -> [(process, address)], once each listens. The caller
-    kills them (`_stop`)."""
+    (at `port`, 0: any free one; more command-line `flags`) -> [(process, address)], once
+    each listens. The caller kills them (`_stop`)."""
     import os
     import subprocess
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", f"--port={port}"]
+    command = [sys.executable, "-m", "jaxrl_llm.workers.serve", f"--port={port}", *flags]
     command += ["--config=" + os.path.join(tests, "tiny_run.py")]
     procs = [
         subprocess.Popen(
@@ -329,7 +390,7 @@ def _start_workers(path: str, engines, port: int = 0) -> list:
     try:
         for p in procs:
             line = p.stdout.readline()
-            assert line.startswith("worker listening on "), line
+            assert line.startswith("worker listening "), line
             started.append((p, line.split()[-1]))
     except BaseException:
         _stop(procs)
@@ -479,6 +540,30 @@ def test_remote_stream_draws_what_the_local_stream_draws(workers):
         np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
     finally:
         stream.close()
+
+
+def test_a_tls_worker_draws_for_a_trainer_with_its_ca(workers, tmp_path):
+    """A worker started with --tls_cert / --tls_key serves a `RemoteStream` whose
+    `Workers.tls_ca` (`rollout.worker_tls_ca`) is its certificate: every step comes back
+    as the local stream draws it."""
+    import dataclasses
+
+    from jaxrl_llm.workers.remote import RemoteStream
+
+    cert, key = _self_signed(tmp_path, "worker")
+    flags = [f"--tls_cert={cert}", f"--tls_key={key}"]
+    [(proc, address)] = _start_workers(workers.path, ["static"], flags=flags)
+    try:
+        remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0)
+        remote = dataclasses.replace(remote, addresses=(address,), tls_ca=cert)
+        stream = RemoteStream(remote, params, 0, spec)
+        try:
+            assert stream.links[0].sock.version() in ("TLSv1.2", "TLSv1.3")
+            _every_step_as_local(stream, prompts, want)
+        finally:
+            stream.close()
+    finally:
+        _stop([proc])
 
 
 def _start_world(path: str, processes: int = 2) -> list:

@@ -9,6 +9,8 @@ is also the check of any other global batch (the SFT trainer's).
 
 from __future__ import annotations
 
+import os
+
 from jaxrl_llm.config.derived import mesh_axes, require
 from jaxrl_llm.parallel import target
 
@@ -92,8 +94,8 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 
 def check_workers(config) -> None:
     """rollout.workers and rollout.worker_addresses: N addresses host:port (or @file),
-    rollout.worker_timeout_s, worker_start_s and worker_retry_s, split mode, single-turn
-    rollouts, LoRA merged (docs/workers.md says what is not built)."""
+    rollout.worker_timeout_s, worker_start_s, worker_retry_s and worker_tls_ca, split
+    mode, single-turn rollouts, LoRA merged (docs/workers.md says what is not built)."""
     r = config.rollout
     n = r.get("workers", 0)
     require(
@@ -116,6 +118,12 @@ def check_workers(config) -> None:
     require(
         isinstance(retry, int | float) and retry >= 0,
         f"rollout.worker_retry_s={retry!r}: must be a number of seconds >= 0",
+    )
+    ca = r.get("worker_tls_ca", "")
+    require(
+        not ca or os.path.isfile(ca),
+        f"rollout.worker_tls_ca={ca!r}: no such file (the PEM file the workers' "
+        f"certificates chain to)",
     )
     given = str(r.worker_addresses)
     if given.startswith("@"):  # a file of addresses, read again between steps

@@ -202,6 +202,10 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # (before a step is given out): restarted at its address, it joins and takes steps. One
     # that is still gone costs a refused connection, or up to 5 s when its host is gone.
     r.worker_retry_s = 30.0
+    # TLS to the workers: the PEM file (a CA, or the workers' own self-signed certificate)
+    # their certificates must chain to; the workers serve with --tls_cert and --tls_key.
+    # "": plain TCP (the token and the weights in clear: a private network only).
+    r.worker_tls_ca = ""
     # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
     # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand

@@ -87,6 +87,7 @@ NOT_MEANINGFUL = frozenset(
         "rollout.worker_timeout_s",  # a restart may find its workers elsewhere, or
         "rollout.worker_start_s",  # fewer or more of them
         "rollout.worker_retry_s",
+        "rollout.worker_tls_ca",
         "env.step_timeout_s",  # limits of the environment's workers: how long, how
         "env.trajectory_timeout_s",  # many and how much memory; raising one is the fix
         "env.workers",  # for a run stopped by timeouts or memory errors

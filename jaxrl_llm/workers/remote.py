@@ -64,6 +64,9 @@ class Workers:
     # A lost worker, or a listed one that did not answer, is tried again this long after
     # (`rollout.worker_retry_s`), before a step is given out.
     retry_s: float = 30.0
+    # TLS (`rollout.worker_tls_ca`): the PEM file the workers' certificates must chain to;
+    # None: plain TCP.
+    tls_ca: str | None = None
 
 
 JOIN_TIMEOUT_S = 5.0  # the connection to a joining worker (the rollout waits for it)
@@ -89,6 +92,7 @@ class RemoteStream:
         w = workers
         self.spec, self.dtype, self.version, self.detail = spec, w.dtype, version, "remote"
         self.workers = w
+        self.tls = wire.client_context(w.tls_ca) if w.tls_ca else None
         self.file_seen, self.tried = None, {}  # the file's (mtime, size); address -> when
         self.links = [_Link(a, sock) for a, sock in self._first_connections()]
         self.queued: dict = {}  # step -> (prompt_ids, prompt_mask, key): not returned yet
@@ -162,7 +166,7 @@ class RemoteStream:
         `hello_s`, default the same) whose reads and writes give up after
         `Workers.timeout_s` of silence (socket.timeout, an OSError: the worker is then
         lost)."""
-        sock = wire.connect(address, self.workers.token, timeout_s, hello_s)
+        sock = wire.connect(address, self.workers.token, timeout_s, hello_s, self.tls)
         sock.settimeout(self.workers.timeout_s)
         return sock
 
@@ -386,6 +390,7 @@ def rollout_workers(c, pad_id: int):
         timeout_s=float(c.rollout.get("worker_timeout_s", 600.0)),
         connect_timeout_s=float(c.rollout.get("worker_start_s", 60.0)),
         retry_s=float(c.rollout.get("worker_retry_s", 30.0)),
+        tls_ca=c.rollout.get("worker_tls_ca") or None,
         addresses_file=listed,
         min_workers=c.rollout.workers,
     )

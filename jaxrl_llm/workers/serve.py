@@ -176,15 +176,18 @@ def worker_config(config):
     return c
 
 
-def serve(worker: Worker, listener: socket.socket, token: str) -> None:
+def serve(worker: Worker, listener: socket.socket, token: str, tls=None) -> None:
     """Answers trainer connections one after another, forever; one line each when a
-    trainer connects and when it goes (with the steps sampled for it). In a worker of
-    several processes this is process 0's loop; the others `follow` it."""
+    trainer connects and when it goes (with the steps sampled for it). tls: a
+    `wire.server_context`, every connection then encrypted. In a worker of several
+    processes this is process 0's loop; the others `follow` it."""
     while True:
         _wait_readable(listener)
         conn, peer = listener.accept()
+        conn.settimeout(HELLO_TIMEOUT_S)  # the TLS handshake and the hello
+        if tls is not None and (conn := wire.accept_tls(conn, tls)) is None:
+            continue
         with conn:
-            conn.settimeout(HELLO_TIMEOUT_S)
             try:
                 if not wire.authorize(conn, token):
                     continue
@@ -266,7 +269,7 @@ def follow(worker: Worker) -> None:
 def _wait_readable(sock: socket.socket) -> None:
     """Returns once `sock` has something to read (a trainer connecting, a request); in a
     worker of several processes the others are told 'idle' every IDLE_S meanwhile."""
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and not getattr(sock, "pending", lambda: 0)():  # TLS-buffered
         while not select.select([sock], [], [], IDLE_S)[0]:
             _share(("idle", {}, {}))
 
@@ -317,6 +320,10 @@ def main(argv) -> None:
         raise UserError(
             wire.TOKEN_ENV, "not set", "export the shared secret the trainer's workers use"
         )
+    cert, key = flags.FLAGS.tls_cert, flags.FLAGS.tls_key
+    if bool(cert) != bool(key):
+        raise UserError("--tls_cert / --tls_key", "give both (PEM files) or neither")
+    tls = wire.server_context(cert, key) if cert else None  # checked before the model loads
     distributed.initialize()  # a worker of several processes (JAXRL_DISTRIBUTED=1)
     config = flags.FLAGS.config
     worker = Worker(config)
@@ -324,8 +331,8 @@ def main(argv) -> None:
         follow(worker)  # process 0 listens and answers; the others run what it runs
     listener = wire.listen(flags.FLAGS.host, flags.FLAGS.port)
     host, port = listener.getsockname()[:2]
-    print(f"worker listening on {host}:{port}", flush=True)
-    serve(worker, listener, token)
+    print(f"worker listening{' with TLS' if tls else ''} on {host}:{port}", flush=True)
+    serve(worker, listener, token, tls)
 
 
 if __name__ == "__main__":
@@ -335,6 +342,8 @@ if __name__ == "__main__":
 
     flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0: every one)")
     flags.DEFINE_integer("port", 0, "port to listen on (0: a free one, printed)")
+    flags.DEFINE_string("tls_cert", "", "PEM certificate chain: serve over TLS (with --tls_key)")
+    flags.DEFINE_string("tls_key", "", "PEM private key of --tls_cert")
     sys.exit(
         config_command(
             main,

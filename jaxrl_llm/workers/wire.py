@@ -18,8 +18,11 @@ its rollouts. The first frame of a connection must be `hello` carrying the share
 (`hmac.compare_digest` against the worker's); a frame before it may not exceed
 `HELLO_BYTES` nor carry arrays. A wrong or missing token gets one `error` frame ("wrong
 token") and the connection is closed; the client raises `WorkerError` with that line.
-The token travels in clear: on an untrusted network put the port behind a private network
-or a tunnel (docs/workers.md).
+With TLS (`server_context` on the worker, `client_context` on the trainer) every byte,
+the token and the weights included, is encrypted and the trainer checks the worker's
+certificate against its CA file before it sends the token; without it they travel in
+clear (a private network then, or a tunnel: docs/workers.md). A plain trainer reaching a
+TLS worker gets one `error` frame saying so.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import hmac
 import json
 import math
 import socket
+import ssl
 import struct
 
 import ml_dtypes
@@ -120,13 +124,28 @@ def _read_into(sock: socket.socket, view: memoryview) -> None:
 
 
 def connect(
-    address: str, token: str, timeout_s: float | None = None, hello_s: float | None = None
+    address: str,
+    token: str,
+    timeout_s: float | None = None,
+    hello_s: float | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> socket.socket:
     """A connection to `host:port` (made within `timeout_s`) that presented `token` and was
-    accepted (answered within `hello_s`, default `timeout_s`)."""
+    accepted (answered within `hello_s`, default `timeout_s`); with `tls` (a
+    `client_context`) encrypted, the worker's certificate checked first (for `host`)."""
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        except ssl.SSLError as err:  # not a TLS worker, or not the certificate expected
+            sock.close()
+            raise WorkerError(
+                f"worker {address}: TLS handshake failed ({err.reason or err}); is it started "
+                f"with --tls_cert and --tls_key, and is its certificate from "
+                f"rollout.worker_tls_ca for {host}?"
+            ) from None
     sock.settimeout(timeout_s if hello_s is None else hello_s)
     try:
         send(sock, "hello", {"token": token})
@@ -139,6 +158,38 @@ def connect(
         raise WorkerError(f"worker {address} refused the connection: {err}") from None
     sock.settimeout(None)
     return sock
+
+
+def server_context(cert: str, key: str) -> ssl.SSLContext:
+    """A worker's TLS (1.2 or later): its certificate chain and private key (PEM files)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    return context
+
+
+def client_context(ca: str) -> ssl.SSLContext:
+    """A trainer's TLS: the workers' certificates must chain to `ca` (a PEM file: a CA,
+    or a worker's own self-signed certificate) and name the host dialled (a DNS name or
+    an IP address in its subjectAltName)."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def accept_tls(conn: socket.socket, tls: ssl.SSLContext) -> socket.socket | None:
+    """The server side of TLS on an accepted connection (within its timeout) -> the
+    encrypted socket, or None (the connection closed): a client that sent a plain frame
+    gets one plain `error` frame saying this worker speaks TLS."""
+    try:
+        if conn.recv(len(MAGIC), socket.MSG_PEEK) == MAGIC:
+            send(conn, "error", {"message": "this worker speaks TLS: set rollout.worker_tls_ca"})
+            conn.close()
+            return None
+        return tls.wrap_socket(conn, server_side=True)
+    except OSError:  # ssl.SSLError too: not TLS, a certificate refused, a timeout
+        conn.close()
+        return None
 
 
 def authorize(sock: socket.socket, token: str) -> bool:
