@@ -198,11 +198,10 @@ def serve(worker: Worker, listener: socket.socket, token: str, tls=None) -> None
             _keep_alive(conn)
             peer = "{}:{}".format(*peer[:2])
             print(f"trainer {peer} connected", flush=True)
-            sampled = [0]
             try:
-                _answer(worker, conn, sampled)
+                sampled = _answer(worker, conn)
+                print(f"trainer {peer} gone: {sampled} steps sampled", flush=True)
             finally:
-                print(f"trainer {peer} gone: {sampled[0]} steps sampled", flush=True)
                 _share(("reset", {}, {}))
                 worker.reset()  # the session goes with its trainer (a paged one's cache too)
 
@@ -222,33 +221,33 @@ def _keep_alive(conn: socket.socket) -> None:
             conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def _answer(worker: Worker, conn: socket.socket, sampled: list) -> None:
+def _answer(worker: Worker, conn: socket.socket) -> int:
     """Answers one trainer's requests until it closes or its connection breaks: a trainer
     killed while a request runs (say a chunk it asked for) is found gone when the answer
     is sent, one whose host vanished when the keep-alive probes go unanswered, and the
-    worker waits for the next trainer as after a close. `sampled[0]` counts the steps
-    returned."""
+    worker waits for the next trainer as after a close. -> the steps it returned."""
+    sampled = 0
     while True:
         try:
             _wait_readable(conn)
             kind, fields, arrays = wire.recv(conn)
         except (wire.WorkerError, ValueError, OSError):  # closed, broken, or not a frame
-            return  # the trainer went away: wait for the next one
+            return sampled  # the trainer went away: wait for the next one
         if kind == "close":
             reply, answer = ({}, {}), "ok"
         else:
             _share((kind, fields, arrays))  # the worker's other processes run it too
             try:
                 reply, answer = worker.handle(kind, fields, arrays), "ok"
-                sampled[0] += len(reply[0].get("steps", ())) if kind == "run" else 0
+                sampled += len(reply[0].get("steps", ())) if kind == "run" else 0
             except Exception as err:  # noqa: BLE001  (answered: the trainer raises it)
                 reply, answer = ({"message": f"{type(err).__name__}: {err}"}, {}), "error"
         try:
             wire.send(conn, answer, *reply)
         except OSError:
-            return  # the trainer died while it waited for this answer
+            return sampled  # the trainer died while it waited for this answer
         if kind == "close":
-            return
+            return sampled
 
 
 def follow(worker: Worker) -> None:
