@@ -16,7 +16,7 @@
 #
 # Rollout workers: WORKERS=N adds a second replicated job of N worker pods (one
 # single-host slice of WORKER_TPU_TOPOLOGY each, launch/gke_jobset_workers.yaml) started
-# before the trainer, which then runs on one host (TPU_TOPOLOGY a single-host slice), in
+# before the trainer, which then runs on TPU_TOPOLOGY's hosts (one or several), in
 # split mode, with the workers' JobSet DNS names as rollout.worker_addresses. The shared
 # secret is the key `token` of the Kubernetes Secret WORKER_TOKEN_SECRET, made once:
 #   kubectl create secret generic jaxrl-worker-token --from-literal=token=$(openssl rand -hex 16)
@@ -86,13 +86,13 @@ resolve() {
   local chips
   chips=$(topology_chips TPU_TOPOLOGY)
   if ((WORKERS > 0)); then
-    ((chips == CHIPS_PER_HOST)) \
-      || die "TPU_TOPOLOGY=$TPU_TOPOLOGY ($chips chips) with WORKERS=$WORKERS: the trainer must be one host (weight sync from several is not built); use a single-host slice of CHIPS_PER_HOST=$CHIPS_PER_HOST chips"
+    ((chips % CHIPS_PER_HOST == 0)) \
+      || die "TPU_TOPOLOGY=$TPU_TOPOLOGY ($chips chips) is not a slice of whole hosts of CHIPS_PER_HOST=$CHIPS_PER_HOST"
+    NUM_HOSTS=$((chips / CHIPS_PER_HOST))
     chips=$(topology_chips WORKER_TPU_TOPOLOGY)
     ((chips == CHIPS_PER_HOST)) \
       || die "WORKER_TPU_TOPOLOGY=$WORKER_TPU_TOPOLOGY ($chips chips): a worker is one host of CHIPS_PER_HOST=$CHIPS_PER_HOST chips"
     [[ "$WORKER_PORT" =~ ^[1-9][0-9]*$ ]] || die "WORKER_PORT='$WORKER_PORT' is not a port number"
-    NUM_HOSTS=1
   else
     ((chips % CHIPS_PER_HOST == 0 && chips > CHIPS_PER_HOST)) \
       || die "TPU_TOPOLOGY=$TPU_TOPOLOGY ($chips chips) is not a multi-host slice of CHIPS_PER_HOST=$CHIPS_PER_HOST"

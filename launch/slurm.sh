@@ -14,8 +14,7 @@
 # none; --help. Arguments after `--` are passed to the trainer verbatim, after EXTRA_ARGS.
 #
 # Rollout workers (WORKERS > 0): one heterogeneous job of two components, the trainer
-# (component 0: NODES=1 node; a trainer of several processes cannot sync weights yet)
-# and WORKERS worker nodes (component 1), one `python -m jaxrl_llm.workers.serve` per
+# (component 0: NODES nodes, one process each, as without workers) and WORKERS worker nodes (component 1), one `python -m jaxrl_llm.workers.serve` per
 # node on WORKER_PORT. The batch script finds the workers' hosts in SLURM's
 # SLURM_JOB_NODELIST_HET_GROUP_1 (scontrol show hostnames) and gives them to the trainer
 # as rollout.worker_addresses, in split mode (docs/workers.md). The shared secret is
@@ -99,7 +98,7 @@ submit() {
   flags+=(${more[@]+"${more[@]}"})
   run mkdir -p "$LOGDIR"
   if ((WORKERS > 0)); then
-    submit_with_workers "${extra[@]+"${extra[@]}"}"
+    submit_with_workers "$device_ids" "${extra[@]+"${extra[@]}"}"
     return
   fi
   run sbatch "${flags[@]}" "--wrap=$(shquote "${step[@]}")"
@@ -107,8 +106,8 @@ submit() {
 
 # submit_with_workers EXTRA...: the heterogeneous job of a trainer and WORKERS workers.
 submit_with_workers() {
-  ((NODES == 1)) \
-    || die "NODES=$NODES with WORKERS=$WORKERS: weight sync from a trainer of several processes is not built; use NODES=1"
+  local device_ids=$1
+  shift
   require JAXRL_WORKER_TOKEN "the workers' shared secret, e.g. export JAXRL_WORKER_TOKEN=\$(openssl rand -hex 16)"
   [[ "$WORKER_PORT" =~ ^[1-9][0-9]*$ ]] || die "WORKER_PORT='$WORKER_PORT' is not a port number"
   local gpus=${WORKER_GPUS:-$GPUS_PER_NODE} common=() more worker train script flag
@@ -121,11 +120,11 @@ submit_with_workers() {
   worker=$(shquote srun --het-group=1 "--output=$LOGDIR/%j-worker%t.log" \
     "$PYTHON" -m jaxrl_llm.workers.serve "--config=$CONFIG" --host=0.0.0.0 "--port=$WORKER_PORT" "$@")
   train=$(shquote srun --het-group=0 --kill-on-bad-exit=1 "--output=$LOGDIR/%j-node%t.log" \
-    "$PYTHON" -m jaxrl_llm.train "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
+    env JAXRL_DISTRIBUTED=1 "JAX_LOCAL_DEVICE_IDS=$device_ids" "$PYTHON" -m jaxrl_llm.train "--config=$CONFIG" "--workdir=$WORKDIR" "$@" \
     --config.rollout.mode=split "--config.rollout.workers=$WORKERS")
   script="#!/bin/bash"
   for flag in "--job-name=$RUN_NAME" "--signal=TERM@$SIGTERM_BEFORE_END_S" "--chdir=$REPO" \
-    "--output=$LOGDIR/%j-sbatch.log" --nodes=1 --ntasks-per-node=1 "--gres=gpu:$GPUS_PER_NODE" \
+    "--output=$LOGDIR/%j-sbatch.log" "--nodes=$NODES" --ntasks-per-node=1 "--gres=gpu:$GPUS_PER_NODE" \
     --exclusive --mem=0 ${common[@]+"${common[@]}"} hetjob "--nodes=$WORKERS" \
     --ntasks-per-node=1 "--gres=gpu:$gpus" --exclusive --mem=0 ${common[@]+"${common[@]}"}; do
     script+=$'\n'"#SBATCH $flag"

@@ -21,7 +21,7 @@
 # up with this script: TPU_NAME=rl-w0 ACCELERATOR_TYPE=v5p-8 ... create, then setup), one
 # worker each: `python -m jaxrl_llm.workers.serve` on every host of it, one JAX world
 # (JAXRL_DISTRIBUTED=1), its host 0 listening on WORKER_PORT. `run` starts them first, then
-# the trainer (on one host: TPU_NAME a single-host slice), in split mode, with the workers'
+# the trainer (on every host of TPU_NAME), in split mode, with the workers'
 # internal IPs, which the trainer's host asks the TPU API for at start (`gcloud compute
 # tpus tpu-vm describe`, as the VMs' service account). The shared secret is the newest
 # version of the Secret Manager secret WORKER_TOKEN_SECRET, read on each VM (never on a

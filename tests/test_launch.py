@@ -344,8 +344,8 @@ def test_gke_host_count_follows_the_topology(fake_bin):
 
 def test_gke_dry_run_with_workers_renders_two_replicated_jobs(fake_bin):
     """WORKERS=2: a replicated job of two worker pods (single-host slices) listed, and so
-    started, before the trainer's one-host slice; the trainer in split mode with the
-    workers' JobSet DNS names; the JobSet done when the trainer is."""
+    started, before the trainer's slice (one host, or several); the trainer in split mode
+    with the workers' JobSet DNS names; the JobSet done when the trainer is."""
     yaml = pytest.importorskip("yaml")
     env = {**GKE_ENV, "WORKERS": "2", "TPU_TOPOLOGY": "2x2x1"}
     spec = yaml.safe_load(dry_run(fake_bin, "gke.sh", "render", env, *TAIL_ARGV))["spec"]
@@ -381,8 +381,10 @@ def test_gke_dry_run_with_workers_renders_two_replicated_jobs(fake_bin):
     ]
     token = {"secretKeyRef": secret | {"optional": True}}
     assert {"name": "JAXRL_WORKER_TOKEN", "valueFrom": token} in container["env"]
-    multi_host = launch(fake_bin, "gke.sh", "--dry-run", "render", env={**GKE_ENV, "WORKERS": "2"})
-    assert multi_host.returncode == 2 and "the trainer must be one host" in multi_host.stderr
+    # A trainer of several hosts (the default topology's): process 0 draws for all
+    many = {**GKE_ENV, "WORKERS": "2"}
+    spec = yaml.safe_load(dry_run(fake_bin, "gke.sh", "render", many))["spec"]
+    assert spec["replicatedJobs"][1]["template"]["spec"]["parallelism"] > 1
 
 
 def test_gke_check_and_delete(fake_bin):
@@ -482,6 +484,9 @@ def test_slurm_dry_run_with_workers_is_one_heterogeneous_job(fake_bin, tmp_path)
             "--het-group=0",
             "--kill-on-bad-exit=1",
             f"--output={logdir}/%j-node%t.log",
+            "env",
+            "JAXRL_DISTRIBUTED=1",
+            "JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7",
             "python",
             "-m",
             "jaxrl_llm.train",
@@ -508,11 +513,12 @@ def test_slurm_dry_run_with_workers_is_one_heterogeneous_job(fake_bin, tmp_path)
     ]
 
 
-def test_slurm_workers_need_one_trainer_node_and_a_token(fake_bin):
+def test_slurm_workers_take_a_trainer_of_several_nodes_and_need_a_token(fake_bin):
     env = {**SLURM_ENV, "WORKERS": "2", "JAXRL_WORKER_TOKEN": "secret"}
-    proc = launch(fake_bin, "slurm.sh", "--dry-run", "submit", env=env)
-    assert proc.returncode == 2 and "NODES=4 with WORKERS=2" in proc.stderr
-    env = {**env, "NODES": "1", "JAXRL_WORKER_TOKEN": ""}
+    script = dry_run(fake_bin, "slurm.sh", "submit", env).split("EOF\n")[0]
+    flags = [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert "--nodes=4" in flags[: flags.index("hetjob")]
+    env = {**env, "JAXRL_WORKER_TOKEN": ""}
     proc = launch(fake_bin, "slurm.sh", "--dry-run", "submit", env=env)
     assert proc.returncode == 2 and "JAXRL_WORKER_TOKEN is not set" in proc.stderr
 

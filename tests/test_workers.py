@@ -683,19 +683,25 @@ def _samples(workdir) -> list:
         return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in map(json.loads, f)]
 
 
-@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
-def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_path, lora):
-    """rollout.workers=2: a trainer process of 4 devices (fsdp 2 x tensor 2) whose rollouts
-    come from the two worker processes (fsdp 4 each) samples, scores and trains exactly as
-    the split run whose rollout mesh is 4 devices of its own process (max_staleness 0, so
-    each step's version is fixed): the same samples and rewards, the same parameters.
-    With LoRA (rank 4) the workers get the merged weights, as the rollout mesh does."""
+@pytest.mark.parametrize("lora,processes", [(0, 2), (4, 1)], ids=["two_hosts", "lora"])
+def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_path, lora, processes):
+    """rollout.workers=2: a trainer of 4 devices (fsdp 2 x tensor 2) whose rollouts come
+    from the two worker processes (fsdp 4 each) samples, scores and trains as the split
+    run whose rollout mesh is 4 devices of its own process (max_staleness 0, so each step's
+    version is fixed): the same samples and rewards, the same parameters. "two_hosts": the
+    trainer is two processes of 2 devices each (one JAX world, gloo), process 0 drawing
+    every process's rows (`rollout.shared`); the update's sums then cross processes, so
+    the parameters agree to float32 rounding. "lora": one process, LoRA rank 4, the
+    workers getting the merged weights as the rollout mesh does."""
     import os
     import subprocess
     import sys
 
+    from test_multihost import free_port
+
     from jaxrl_llm import train
     from jaxrl_llm.trainer import checkpoint
+    from jaxrl_llm.trainer.metrics import read_metrics
 
     tests = os.path.dirname(os.path.abspath(__file__))
 
@@ -707,32 +713,54 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_pat
     local = write("local", rollout_devices=4, n=0, addresses="", lora=lora)
     addresses = ",".join(a for _, a in workers.static)
     remote = write("remote", rollout_devices=0, n=2, addresses=addresses, lora=lora)
-    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    devices = f"device_count={4 // processes}"
     env = os.environ | {
-        "XLA_FLAGS": flags,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace("device_count=8", devices),
         "JAXRL_WORKER_TOKEN": TOKEN,
         "PYTHONPATH": os.path.dirname(tests),
         "JAX_PLATFORMS": "cpu",
     }
+    if processes > 1:
+        env |= {
+            "JAXRL_DISTRIBUTED": "1",
+            "JAXRL_COORDINATOR": f"127.0.0.1:{free_port()}",
+            "JAXRL_NUM_PROCESSES": str(processes),
+        }
     cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={remote}"]
-    run = subprocess.run(
-        cmd + [f"--workdir={tmp_path / 'remote'}"], env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    runs = [
+        subprocess.Popen(
+            cmd + [f"--workdir={tmp_path / 'remote'}"],
+            env=env | {"JAXRL_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    try:
+        for run in runs:
+            output = run.communicate(timeout=600)[0]
+            assert run.returncode == 0, output[-3000:]
+    finally:
+        _stop(runs)  # the other process, if one failed
     spec = importlib.util.spec_from_file_location("local_config", local)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     train.train(module.get_config(), str(tmp_path / "local"))
     got, want = _samples(tmp_path / "remote"), _samples(tmp_path / "local")
     assert {r[0] for r in got} == {1, 2} and got == want
+    ma, mb = (read_metrics(tmp_path / w / "metrics.jsonl") for w in ("local", "remote"))
+    for key in ("reward/mean", "rollout/length_mean"):  # every process's rows
+        np.testing.assert_allclose([m[key] for m in mb], [m[key] for m in ma], atol=1e-6)
 
     def final(workdir):
         with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:
             return ck.restore(ck.latest_step())[0]["params"]
 
     a, b = final(tmp_path / "remote"), final(tmp_path / "local")
+    atol = 1e-6 if processes > 1 else 0.0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
 
 
 RESTART_CONFIG = """

@@ -14,6 +14,7 @@ window, so all processes skip the same rows and stay in step.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -157,6 +158,14 @@ class PromptIterator:
             examples=[p[0] for _, p in window],
             rows=[row for row, _ in window],
         )
+
+    def whole(self) -> PromptIterator:
+        """An iterator of whole global batches (every process's rows, in their order) from
+        this position on, this one left where it is: what one process reads on behalf of
+        all (a trainer of several processes fed by rollout workers, `rollout.shared`)."""
+        whole = copy.copy(self)
+        whole.process_index, whole.process_count = 0, 1
+        return whole
 
     def metrics(self) -> dict[str, float]:
         """`data/skipped_rows`: bad rows skipped since the run began (resumes included)."""

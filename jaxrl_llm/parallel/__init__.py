@@ -20,6 +20,7 @@ __all__ = [
     "mesh_shape",
     "shard_batch",
     "shard_local_batch",
+    "share",
     "to_host",
     "to_mesh",
 ]

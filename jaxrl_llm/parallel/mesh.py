@@ -21,6 +21,8 @@ shardings, XLA inserts the collectives. So the axis types are chosen here, on pu
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -188,6 +190,40 @@ def to_host(x) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
+
+
+def share(request):
+    """Process 0's request (kind, fields, {name: array}) -> the same request on every
+    process (itself with one process; the others pass None). Through JAX's
+    `multihost_utils.broadcast_one_to_all`: the header's JSON, then each array's bytes as
+    uint8 (a broadcast is a sum with zeros: bytes arrive bit for bit, a float's -0.0 too).
+    A collective: every process calls it, in the same order. The header is padded to a
+    power of two so that the broadcast compiles for few sizes."""
+    if jax.process_count() == 1:
+        return request
+    from jax.experimental import multihost_utils
+
+    source, header, table = jax.process_index() == 0, b"", []
+    if source:
+        kind, fields, arrays = request
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        table = [[k, list(a.shape), a.dtype.name] for k, a in arrays.items()]
+        header = json.dumps({"kind": kind, "fields": fields, "arrays": table}).encode()
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(header))))
+    padded = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
+    padded[: len(header)] = np.frombuffer(header, np.uint8)
+    head = json.loads(multihost_utils.broadcast_one_to_all(padded)[:size].tobytes())
+    table = head["arrays"]
+    if source:
+        data = [arrays[k].reshape(-1).view(np.uint8) for k, _, _ in table]
+    else:  # bfloat16 and the other ml_dtypes names resolve once jax has imported them
+        data = [np.zeros(math.prod(s) * np.dtype(d).itemsize, np.uint8) for _, s, d in table]
+    data = multihost_utils.broadcast_one_to_all(data) if data else []
+    arrays = {
+        k: np.asarray(b).view(np.dtype(dtype)).reshape(shape)
+        for (k, shape, dtype), b in zip(table, data, strict=True)
+    }
+    return head["kind"], head["fields"], arrays
 
 
 def host_max(value: int) -> int:

@@ -5,14 +5,18 @@ sampling around the rest.
     source = make_source(config, sampling, algo, env_rollout)   # -> a `sources` object
 
 The sources themselves are `sources`' (sync, overlap, DAPO's refill), `thread`'s
-(split, and overlap on an engine that does not dispatch ahead) and `played`'s
-(environments); the choice sits above them so that none imports the others. Adding a mode
-is an entry in `SOURCES` (or a case in `make_source`); docs/step.md says how.
+(split, and overlap on an engine that does not dispatch ahead), `shared`'s (split with
+rollout workers on a trainer of several processes) and `played`'s (environments); the
+choice sits above them so that none imports the others. Adding a mode is an entry in
+`SOURCES` (or a case in `make_source`); docs/step.md says how.
 """
 
 from __future__ import annotations
 
+import jax
+
 from jaxrl_llm.rollout.played import Played
+from jaxrl_llm.rollout.shared import Shared
 from jaxrl_llm.rollout.sources import Refilled, Sampled, SampledAhead, Sampling
 from jaxrl_llm.rollout.thread import Threaded
 
@@ -38,6 +42,8 @@ def make_source(config, s: Sampling, algo, env_rollout=None):
     if config.rollout.mode == "overlap" and not s.sampler.dispatches_ahead:
         return Threaded(s, config, max_staleness=1, copy=True)  # one session across steps
     if config.rollout.mode == "split" and s.workers is not None:  # rollout.workers
+        if jax.process_count() > 1:  # process 0 draws for all (`shared`)
+            return Shared(s, config)
         # The parameters stay on the training mesh, which the update donates: the thread
         # sends a copy.
         return Threaded(s, config, copy=True)

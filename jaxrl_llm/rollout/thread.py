@@ -31,7 +31,8 @@ that started it); with it at once (the rows in flight draw on with them).
   `token_versions` [N, T] gives the version that drew each token (-1 past the row's end).
 
 - Rollout workers (`rollout.workers`, `workers.remote.RemoteStream`): the same stream
-  over worker processes, each step sampled whole by one of them (docs/workers.md).
+  over worker processes, each step sampled whole by one of them (docs/workers.md); on a
+  trainer of several processes, process 0's thread only (`shared`).
 
 A row's `policy_version` is the version that started it, the step's version the oldest
 of its rows.
@@ -312,6 +313,20 @@ class Threaded:
         self.player, self.max_staleness, self.copy = player, max_staleness, copy
 
     def next(self, step: int, params, clock) -> Rollout:
+        item = self.take(step, params, clock)
+        out = jax.device_put(item.out, self.s.row_sharding)  # rollout -> training mesh
+        return Rollout(
+            out=out,
+            batch=item.batch,
+            version=item.version,
+            position=item.position,
+            scored=item.scored,
+            metrics=self.metrics(step, item, item.scored.lengths, clock),
+        )
+
+    def take(self, step: int, params, clock) -> Item:
+        """Publishes `params` as version `step` (the first call starts the thread with
+        them) and waits for step's rollout."""
         if self.copy:
             params = jax.tree.map(jnp.copy, params)
         if self.handoff is None:
@@ -329,22 +344,17 @@ class Threaded:
         item = self.handoff.take(step)  # waits while the thread is behind
         clock.mark("learner_wait")
         clock.seconds |= {"sample": item.sample_s, "score": item.score_s}
-        out = jax.device_put(item.out, self.s.row_sharding)  # rollout -> training mesh
+        return item
+
+    def metrics(self, step: int, item: Item, lengths, clock) -> dict:
+        """The step's host metrics from the thread: waits, staleness, rollout workers."""
         metrics = {
             "perf/rollout_wait_s": item.wait_s,
             "perf/learner_wait_s": clock.seconds["learner_wait"],
         }
-        metrics |= token_staleness(step, item)
+        metrics |= token_staleness(step, item, lengths)
         stats = self.thread.stats  # rollout workers: those lost so far, their steps redrawn
-        metrics |= {f"rollout/{k}": stats[k] for k in WORKER_COUNTERS if k in stats}
-        return Rollout(
-            out=out,
-            batch=item.batch,
-            version=item.version,
-            position=item.position,
-            scored=item.scored,
-            metrics=metrics,
-        )
+        return metrics | {f"rollout/{k}": stats[k] for k in WORKER_COUNTERS if k in stats}
 
     def close(self) -> None:
         if self.handoff is not None:
@@ -353,11 +363,11 @@ class Threaded:
             self.player.close()
 
 
-def token_staleness(step: int, item: Item) -> dict:
+def token_staleness(step: int, item: Item, lengths) -> dict:
     """The mean staleness over completion tokens (sampled ones, in multi-turn), and the
     fraction of rows with tokens of a newer version than the one that started them
-    (partial rollouts)."""
-    lengths, v = np.asarray(item.scored.lengths), item.token_versions
+    (partial rollouts); `lengths`: the rows' completion lengths."""
+    lengths, v = np.asarray(lengths), item.token_versions
     rows = [v[:n] for n in lengths] if v.ndim == 1 else [r[r >= 0] for r in v]
     per_token = [step - r for r in rows]
     tokens = np.concatenate(per_token) if per_token else np.zeros(0)

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import math
 import os
 import select
 import socket
@@ -202,7 +200,7 @@ def serve(worker: Worker, listener: socket.socket, token: str, tls=None) -> None
                 sampled = _answer(worker, conn)
                 print(f"trainer {peer} gone: {sampled} steps sampled", flush=True)
             finally:
-                _share(("reset", {}, {}))
+                parallel.share(("reset", {}, {}))
                 worker.reset()  # the session goes with its trainer (a paged one's cache too)
 
 
@@ -236,7 +234,7 @@ def _answer(worker: Worker, conn: socket.socket) -> int:
         if kind == "close":
             reply, answer = ({}, {}), "ok"
         else:
-            _share((kind, fields, arrays))  # the worker's other processes run it too
+            parallel.share((kind, fields, arrays))  # the worker's other processes run it too
             try:
                 reply, answer = worker.handle(kind, fields, arrays), "ok"
                 sampled += len(reply[0].get("steps", ())) if kind == "run" else 0
@@ -252,10 +250,10 @@ def _answer(worker: Worker, conn: socket.socket) -> int:
 
 def follow(worker: Worker) -> None:
     """Processes 1.. of a worker of several processes, forever: each request process 0
-    shares (`_share`) handled as process 0 handles it, since the engine's programs span
+    shares (`parallel.share`) handled as process 0 handles it, since the engine's programs span
     every process's devices and each process runs each of them; process 0 answers."""
     while True:
-        kind, fields, arrays = _share(None)
+        kind, fields, arrays = parallel.share(None)
         if kind == "reset":
             worker.reset()
         elif kind != "idle":
@@ -270,44 +268,7 @@ def _wait_readable(sock: socket.socket) -> None:
     worker of several processes the others are told 'idle' every IDLE_S meanwhile."""
     if jax.process_count() > 1 and not getattr(sock, "pending", lambda: 0)():  # TLS-buffered
         while not select.select([sock], [], [], IDLE_S)[0]:
-            _share(("idle", {}, {}))
-
-
-def _share(request):
-    """Process 0's request (kind, fields, {name: array}) -> the same request on every
-    process of this worker (itself with one process; pass None on the others). Through
-    JAX's `multihost_utils.broadcast_one_to_all` inside the worker's own JAX world: the
-    header's JSON, then each array's bytes as uint8 (a broadcast is a sum with zeros: bytes
-    arrive bit for bit, a float's -0.0 too). The header is padded to a power of two so
-    that the broadcast compiles for few sizes."""
-    if jax.process_count() == 1:
-        return request
-    from jax.experimental import multihost_utils
-
-    source, header, table = jax.process_index() == 0, b"", []
-    if source:
-        kind, fields, arrays = request
-        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-        table = [[k, list(a.shape), a.dtype.name] for k, a in arrays.items()]
-        header = json.dumps({"kind": kind, "fields": fields, "arrays": table}).encode()
-    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(header))))
-    padded = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
-    padded[: len(header)] = np.frombuffer(header, np.uint8)
-    head = json.loads(multihost_utils.broadcast_one_to_all(padded)[:size].tobytes())
-    table = head["arrays"]
-    if source:
-        data = [arrays[k].reshape(-1).view(np.uint8) for k, _, _ in table]
-    else:
-        data = [
-            np.zeros(math.prod(shape) * wire.DTYPES[dtype].itemsize, np.uint8)
-            for _, shape, dtype in table
-        ]
-    data = multihost_utils.broadcast_one_to_all(data) if data else []
-    arrays = {
-        k: np.asarray(b).view(wire.DTYPES[dtype]).reshape(shape)
-        for (k, shape, dtype), b in zip(table, data, strict=True)
-    }
-    return head["kind"], head["fields"], arrays
+            parallel.share(("idle", {}, {}))
 
 
 def main(argv) -> None:

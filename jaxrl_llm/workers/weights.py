@@ -14,8 +14,9 @@ its own mesh with `models.param_shardings(cfg, mesh)`, so trainer and worker mes
 not match. The bytes are the cast's bytes: `place(host_copy(p))` equals
 `p.astype(bfloat16)` bit for bit. One host copy serves every worker of a sync.
 
-Single trainer process only: a parameter that is not fully addressable here (a
-multi-host trainer) is refused; gathering it first is not built.
+A trainer of several processes: a parameter spanning them is gathered from all of them
+(`parallel.to_host`), so there `host_copy` is a collective that every process calls, in
+the same order; its `Host` result is then sent as it is (`rollout.shared`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_llm import models
+from jaxrl_llm import models, parallel
 from jaxrl_llm.workers import wire
 
 SEP = "/"  # between the keys of a parameter's tree path on the wire
@@ -41,19 +42,23 @@ def flatten(params, prefix: tuple = ()) -> dict:
     return out
 
 
-def host_copy(params, dtype: str | None = "bfloat16") -> dict:
+class Host(dict):
+    """A host copy ({'layers/q': numpy array}): what `host_copy` returns, and given to it
+    again, returned as it is."""
+
+
+def host_copy(params, dtype: str | None = "bfloat16") -> Host:
     """{'layers/q': numpy array} of `params` cast to `dtype` on their devices (None: as
-    they are), fetched to this host."""
+    they are), fetched to this host; a parameter spanning processes is gathered from all
+    of them (then a collective)."""
+    if isinstance(params, Host):
+        return params
     flat = flatten(params)
-    for path, x in flat.items():
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            raise ValueError(
-                f"parameter {SEP.join(path)} spans processes; weight sync from a "
-                f"multi-host trainer is not built (the trainer must be one process)"
-            )
     cast = flat if dtype is None else {p: jnp.asarray(x).astype(dtype) for p, x in flat.items()}
-    fetched = jax.device_get(cast)  # one wait for every transfer
-    return {SEP.join(map(str, p)): np.asarray(x) for p, x in fetched.items()}
+    spans = [p for p, x in cast.items() if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    got = jax.device_get({p: x for p, x in cast.items() if p not in spans})  # one wait for all
+    got |= {p: parallel.to_host(cast[p]) for p in spans}
+    return Host({SEP.join(map(str, p)): np.asarray(got[p]) for p in cast})
 
 
 def send(sock, host: dict, version: int) -> None:
