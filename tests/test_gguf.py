@@ -1,6 +1,7 @@
 """GGUF checkpoints against transformers' own GGUF loader: dequantization, logits, sharding,
 the tokenizer, errors, the built-in SmolLM2 model and its trainer config."""
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -42,6 +43,15 @@ needs_gemma3 = pytest.mark.skipif(
 
 def max_diff(a, b, mask):
     return float(np.abs(np.asarray(a) - np.asarray(b))[np.asarray(mask, bool)].max())
+
+
+@pytest.fixture
+def one_gguf_parse(monkeypatch):
+    """transformers parses a GGUF file with gguf-py's `GGUFReader` for the tokenizer, again
+    for the config and again for the tensors; of a 262k-token vocabulary each parse takes
+    most of a minute (two numpy views per string). In a test that asks for this, one
+    reader per path (read-only, memory-mapped) serves them all."""
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
 
 
 def transformers_gguf(path):
@@ -455,7 +465,7 @@ def smollm2_path():
 
 
 @needs_smollm2
-def test_smollm2_logits_match_transformers(smollm2_path):
+def test_smollm2_logits_match_transformers(smollm2_path, one_gguf_parse):
     """The shipped Q4_1 / Q8_0 file: our load against transformers', a short chat prompt."""
     tokenizer = models.load_gguf_tokenizer(smollm2_path)
     messages = [{"role": "user", "content": "What is 45 + 38? Answer with just the number."}]
@@ -523,7 +533,7 @@ def test_smollm2_config_runs_two_steps(tmp_path):
 
 
 @needs_gemma3
-def test_gemma3_270m_logits_and_tokenizer_match_transformers():
+def test_gemma3_270m_logits_and_tokenizer_match_transformers(one_gguf_parse):
     """The real Q4_K_M file (F32, Q8_0, Q5_0, Q4_K, Q6_K tensors; 262k vocabulary): our
     load against transformers' own GGUF loader on three short few-shot prompts, left
     padded (one batch), and our tokenizer against transformers' on the same text."""
