@@ -1,5 +1,5 @@
 """Multi-host training: 2 processes x 4 CPU devices (gloo collectives, localhost) end with
-the same parameters as 1 process x 8 devices, including across a resume."""
+the same LoRA adapters as 1 process x 8 devices, including across a resume."""
 
 import os
 import socket
@@ -79,17 +79,23 @@ def model_dir(tmp_path_factory):
 
 
 def test_two_processes_equal_one_and_resume(model_dir, tmp_path):
+    """LoRA (rank 4) across hosts: 2 processes x 4 devices train the same adapters as
+    1 x 8, across a resume of the two. (Full parameters across hosts: the two-process
+    trainer of `test_workers.py`, whose update is this one's.)"""
     assert jax.device_count() == 8
+    c = signal_config(model_dir)
+    c.model.lora.rank = 4
     single = tmp_path / "single"
-    train.train(signal_config(model_dir), str(single))  # 1 process x 8 devices, 2 steps
+    train.train(c, str(single))  # 1 process x 8 devices, 2 steps
 
-    multi = tmp_path / "multi"
-    run_two_processes(model_dir, str(multi), num_steps=1)
+    multi, lora = tmp_path / "multi", ["--config.model.lora.rank=4"]
+    run_two_processes(model_dir, str(multi), num_steps=1, extra_args=lora)
     with checkpoint.Checkpointer(str(multi / "checkpoints"), read_only=True) as ck:
         assert ck.all_steps() == [1]
-    run_two_processes(model_dir, str(multi), num_steps=2)  # resumes at step 1
+    run_two_processes(model_dir, str(multi), num_steps=2, extra_args=lora)  # resumes at 1
 
     a, b = final_params(single, 2), final_params(multi, 2)
+    assert set(a["layers"]) == set(b["layers"]) and all("_lora_" in k for k in a["layers"])
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
     # Only process 0 wrote metrics, one record per step, equal to the single-process run.
@@ -97,17 +103,3 @@ def test_two_processes_equal_one_and_resume(model_dir, tmp_path):
     assert [m["step"] for m in mb] == [1, 2]
     for key in ("reward/mean", "loss/total", "rollout/length_mean"):
         np.testing.assert_allclose([m[key] for m in mb], [m[key] for m in ma], atol=1e-5)
-
-
-def test_lora_two_processes_equal_one(model_dir, tmp_path):
-    """LoRA across hosts: 2 processes x 4 devices train the same adapters as 1 x 8."""
-    c = signal_config(model_dir)
-    c.model.lora.rank = 4
-    single = tmp_path / "single"
-    train.train(c, str(single))
-    multi = tmp_path / "multi"
-    run_two_processes(model_dir, str(multi), num_steps=2, extra_args=["--config.model.lora.rank=4"])
-    a, b = final_params(single, 2), final_params(multi, 2)
-    assert set(a["layers"]) == set(b["layers"]) and all("_lora_" in k for k in a["layers"])
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
