@@ -352,6 +352,25 @@ def test_worker_config_checks(tmp_path, changes, message):
         validate(c)
 
 
+def test_a_trainer_of_several_processes_with_workers_samples_on_them(tmp_path):
+    """Split mode with rollout workers takes a trainer of several processes; its own
+    engine (evaluation's) stays static, and the paged one's refusal says where it goes."""
+    from tiny_run import make_model_dir, tiny_config
+
+    from jaxrl_llm.config import ConfigError, validate
+
+    c = tiny_config(make_model_dir(str(tmp_path / "model")))
+    c.rollout.mode, c.mesh.fsdp, c.mesh.rollout_devices = "split", -1, 4
+    with pytest.raises(ConfigError, match="with a rollout mesh runs on one host; use 'overlap'"):
+        validate(c, process_count=2)
+    c.rollout.workers, c.rollout.worker_addresses = 2, "a:1,b:1"
+    c.mesh.rollout_devices = 0  # the workers sample
+    validate(c, process_count=2)
+    c.rollout.engine = "paged"
+    with pytest.raises(ConfigError, match="the workers take --config.rollout.engine=paged"):
+        validate(c, process_count=2)
+
+
 # ------------------------------------------------------------------ worker processes
 def _worker_env(path: str) -> dict:
     import os

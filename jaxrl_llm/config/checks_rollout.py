@@ -84,7 +84,11 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     check_engine(config, process_count)
     check_workers(config)
     if r.mode == "split" and not r.workers:
-        require(process_count == 1, "rollout.mode='split' runs on one host; use 'overlap'")
+        require(
+            process_count == 1,
+            "rollout.mode='split' with a rollout mesh runs on one host; use 'overlap', or "
+            "rollout workers (rollout.workers, docs/workers.md#a-trainer-of-several-hosts)",
+        )
         from jaxrl_llm import parallel
 
         m = config.mesh
@@ -196,4 +200,14 @@ def check_engine(config, process_count: int) -> None:
         f"rollout.paged.prefill_chunk={p.prefill_chunk}: must be a multiple of "
         f"rollout.paged.page_size={p.page_size}",
     )
-    require(process_count == 1, "rollout.engine='paged' runs on one process; use 'static'")
+    workers = r.get("workers", 0)
+    require(
+        process_count == 1,
+        "rollout.engine='paged' runs on one process; use 'static'"
+        + (
+            f" (with rollout.workers={workers} the trainer's engine serves its evaluation "
+            "only: the workers take --config.rollout.engine=paged on their own command line)"
+            if workers
+            else ""
+        ),
+    )
