@@ -68,9 +68,9 @@ class Shared:
             request = ("rollout", fields, arrays)
         _, fields, arrays = parallel.share(request)
         clock.seconds |= fields["seconds"]
+        # the whole values, the same on every process -> global arrays, rows sharded
         out = SampleOutput(
-            **{f: self._global(a) for f, a in arrays.items()},
-            num_generations=self.s.spec.num_generations,
+            **parallel.shard_batch(arrays, self.s.mesh), num_generations=self.s.spec.num_generations
         )
         batch = next(self.s.data)  # this process's prompts, for its scoring
         return Rollout(
@@ -80,12 +80,6 @@ class Shared:
             position=self.s.data.state(),
             metrics=fields["metrics"],
         )
-
-    def _global(self, x: np.ndarray) -> jax.Array:
-        """A global array on the training mesh, rows sharded, from its whole value (which
-        every process holds)."""
-        sharding = parallel.batch_sharding(self.s.mesh, x.ndim)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def close(self) -> None:
         if self.inner is not None:
