@@ -418,7 +418,7 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
     read of the newest parameters for version 1 and swaps it in; a token's version is its
     rollout's or a newer one, up to the step's, never decreasing along a row, and step 1
     holds both."""
-    from jaxrl_llm.rollout.thread import Handoff, RolloutThread
+    from jaxrl_llm.rollout.thread import Handoff, PlayerStream
 
     c = tiny_config(make_model_dir(str(tmp_path / "model")))
     c.rewards, c.rollout.engine = {}, "paged"
@@ -431,18 +431,18 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
     if mode == "split":
         c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 4
         c.rollout.partial, c.rollout.paged.chunk_steps = True, 2  # a reply spans 2 chunks
-    take, taken, produce, newest, playing = (
+    take, taken, run_chunk, newest, playing = (
         Handoff.take,
         [],
-        RolloutThread._produce,
+        PlayerStream.run_chunk,
         Handoff.newest,
         [],
     )
 
-    def tracked_produce(self, step, params, version, wait_s):
-        assert isinstance(self.s.sampler, sampling.PagedSampler)
-        playing[:] = [step, version, 0]
-        return produce(self, step, params, version, wait_s)
+    def tracked_run_chunk(self):  # plays the oldest queued step
+        assert isinstance(self.player.sampler, sampling.PagedSampler)
+        playing[:] = [self.queued[0], self.version, 0]
+        return run_chunk(self)
 
     def held_newest(self):  # step 1's first read waits for the learner's version 1
         step, version, reads = playing
@@ -465,7 +465,7 @@ def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path,
         return item
 
     monkeypatch.setattr(Handoff, "take", checked_take)
-    monkeypatch.setattr(RolloutThread, "_produce", tracked_produce)
+    monkeypatch.setattr(PlayerStream, "run_chunk", tracked_run_chunk)
     monkeypatch.setattr(Handoff, "newest", held_newest)
     train.train(c, str(tmp_path / "run"))
     rows = [r for r in metrics.read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]

@@ -41,15 +41,15 @@ Data position: `consumed` is the data iterator's position after the last batch t
 took, what a checkpoint stores; batches sampled but not taken are drawn again on resume.
 An exception in the thread reaches the learner at its next `take`.
 
-Multi-turn (`player`: an `EnvRollout`) has its own loop: before it draws step s's prompts
-it waits until the newest published parameters have version v >= s - max_staleness and
-plays step s's trajectories to the end with them; with `rollout.partial`, before each turn
-after the first it switches to the newest published parameters (the KV cache recomputed by
-them, `envs.play`; on the paged engine between decode chunks, and so the gateway's
-`sampling.serve`). `token_versions` is then [N, T]: the version that drew each
-completion token, -1 on observation tokens. 'overlap' with environments is this thread
-with a bound of 1 on the training mesh: step s + 1's trajectories are played while step
-s's reference and update run.
+Multi-turn (`player`: an `EnvRollout` or `AgentRollout`) goes through the same body, its
+steps a 'stream' session of their own (`PlayerStream`): each run_chunk plays the oldest
+queued step to the end with the newest parameters within the bound; with
+`rollout.partial`, before each turn after the first the player switches to the newest
+published parameters (the KV cache recomputed by them, `envs.play`; on the paged engine
+between decode chunks, and so the gateway's `sampling.serve`). `token_versions` is then
+[N, T]: the version that drew each completion token, -1 on observation tokens. 'overlap'
+with environments is this thread with a bound of 1 on the training mesh: step s + 1's
+trajectories are played while step s's reference and update run.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ WORKER_COUNTERS = ("workers", "workers_joined", "workers_lost", "workers_timed_o
 class RolloutThread:
     """Samples and scores steps start, start + 1, ... with `s` (a `sources.Sampling` on
     the rollout mesh), within the staleness bound of `config.rollout` (or
-    `max_staleness`), on a 'stream' session of its engine (`sampling.open_session`); with
-    a `player` (an `EnvRollout`) it plays multi-turn trajectories instead. It runs on the
+    `max_staleness`), on a 'stream' session of its engine (`sampling.open_session`) or,
+    with a `player`, of the player's multi-turn steps (`PlayerStream`). It runs on the
     `Handoff` it is given, from which the learner takes its steps."""
 
     def __init__(
@@ -184,7 +184,21 @@ class RolloutThread:
         self.partial_chunk = r.partial_chunk if r.partial else 0
         self.stats: dict = {}  # the stream session's counters, after each chunk
         self.handoff = handoff
-        handoff.start(s, self._play if player is not None else self._stream, start)
+        handoff.start(s, self._stream, start)
+
+    def _open(self, params, version: int, pending: dict):
+        """The stream session (the engine's, the rollout workers', or the player's) and
+        how a finished step is scored: `score(step, out, batch)`."""
+        s = self.s
+        if self.player is not None:
+            newest = self.handoff.newest if self.partial_chunk else None
+            session = PlayerStream(
+                self.player, params, version, lambda step: pending[step][0], newest
+            )
+            return session, session.scored
+        engine = s.sampler if s.workers is None else s.workers  # rollout.workers
+        session = open_session(engine, "stream", params, version, s.spec, chunk=self.partial_chunk)
+        return session, lambda step, out, batch: s.scorer(out, batch)
 
     def _stream(self, start: int) -> None:
         """Queues steps start, start + 1, ... on one stream session as the bound allows
@@ -200,10 +214,7 @@ class RolloutThread:
                 return
             params, version = got
             if session is None:
-                engine = s.sampler if s.workers is None else s.workers  # rollout.workers
-                session = open_session(
-                    engine, "stream", params, version, s.spec, chunk=self.partial_chunk
-                )
+                session, score = self._open(params, version, pending)
             if version != session.version and (self.partial or not session.in_flight):
                 session.swap(params, version)
             # Queue the steps the bound allows (without partial, none on parameters older
@@ -225,7 +236,7 @@ class RolloutThread:
                 for done in finished:
                     batch, position, queued, waited = pending.pop(done)
                     since = max(queued, handed)
-                    self._hand_over(session, done, batch, position, since, waited)
+                    self._hand_over(session, score, done, batch, position, since, waited)
                     handed = time.perf_counter()
                 self.stats = dict(session.stats)
                 continue
@@ -233,11 +244,11 @@ class RolloutThread:
             self.handoff.wait(lambda v, was=version: v != was)  # idle: newer parameters
             idle += time.perf_counter() - began
 
-    def _hand_over(self, session, step: int, batch, position, start, wait_s) -> None:
+    def _hand_over(self, session, score, step: int, batch, position, start, wait_s) -> None:
         out, token_versions = session.output(step)
         jax.block_until_ready(out.tokens)
         sampled = time.perf_counter()
-        scored = self.s.scorer(out, batch)
+        scored = score(step, out, batch)
         self.handoff.put(
             Item(
                 step=step,
@@ -253,40 +264,50 @@ class RolloutThread:
             )
         )
 
-    def _play(self, start: int) -> None:
-        """Plays steps start, start + 1, ... in order, each with the newest parameters
-        once they are within the bound."""
-        for step in range(start, self.num_steps):
-            waited = time.perf_counter()
-            got = self.handoff.wait(lambda v, s=step: v >= s - self.max_staleness)
-            if got is None:
-                return
-            self._produce(step, *got, time.perf_counter() - waited)
 
-    def _produce(self, step: int, params, version: int, wait_s: float) -> None:
-        batch = next(self.s.data)
-        position = self.s.data.state()
-        start = time.perf_counter()
-        with self.s.compile_log.program("sampler", "multi-turn", runs=True):
-            refresh = self.handoff.newest if self.partial_chunk else None
-            out, scored, columns = self.player(
-                params, batch, step, version=version, refresh=refresh
-            )
-        jax.block_until_ready(out.tokens)
-        sampled = time.perf_counter()
-        item = Item(
-            step=step,
-            batch=batch,
-            out=out,
-            scored=scored,
-            version=version,
-            position=position,
-            wait_s=wait_s,
-            sample_s=sampled - start,
-            score_s=time.perf_counter() - sampled,
-            token_versions=columns,
+class PlayerStream:
+    """A player's multi-turn steps (an `EnvRollout`, or the agents' `AgentRollout`) as a
+    'stream' session (`sampling.engine.StepStream`), so the rollout thread has one body
+    for single- and multi-turn steps. `run_chunk` plays the oldest queued step to the end
+    with the parameters the session has then: a swap falls between steps, so each step
+    starts on the newest parameters within the bound; with `rollout.partial` the player
+    also takes the newest published ones before each turn after the first (`newest`:
+    `envs.play`'s refresh). A player reads the rows' examples, not only their ids, so the
+    session reads each queued step's data batch from the thread (`batches`); its scores
+    are the player's own (`scored`)."""
+
+    detail, in_flight = "multi-turn", False  # no step is ever left half played
+
+    def __init__(self, player, params, version: int, batches, newest=None):
+        self.player, self.params, self.version = player, params, version
+        self.batches, self.newest = batches, newest
+        self.queued, self.done, self.stats = [], {}, {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queued)
+
+    def submit(self, step: int, prompt_ids, prompt_mask, key: int) -> None:
+        del prompt_ids, prompt_mask, key  # the player reads the batch; its keys are the step's
+        self.queued.append(step)
+
+    def swap(self, params, version: int) -> None:
+        self.params, self.version = params, version
+
+    def run_chunk(self) -> list:
+        step = self.queued.pop(0)
+        self.done[step] = self.player(
+            self.params, self.batches(step), step, version=self.version, refresh=self.newest
         )
-        self.handoff.put(item)
+        return [step]
+
+    def output(self, step: int) -> tuple:
+        out, _, token_versions = self.done[step]
+        return out, token_versions
+
+    def scored(self, step: int, out, batch):
+        del out, batch
+        return self.done.pop(step)[1]
 
 
 class Threaded:
