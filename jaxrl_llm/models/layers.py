@@ -38,6 +38,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layer_math import dense, layer_kinds, norm
 from jaxrl_llm.models.partitioning import shard_sequence
 from jaxrl_llm.models.segments import layer_rows, layer_slice, segment_params
+from jaxrl_llm.parallel import target
 
 
 class Transformer(nnx.Module):
@@ -307,6 +308,12 @@ def _zero_after(g):
 
 
 def _remat(fn, policy: str):
+    """The layer scan's body under `jax.checkpoint`. JAX's advice for a scan body is
+    prevent_cse=False: the loop keeps XLA from merging the backward's recompute with the
+    forward. XLA:TPU unrolls the layer loop, and there the merge happens: the update
+    then holds every layer's saved values at once (each MoE layer's gathered (token,
+    expert) rows in buffers of its own, docs/tpu.md). So for TPU chips the recompute is
+    kept apart (prevent_cse=True)."""
     if policy == "none":
         return fn
     policies = {
@@ -314,4 +321,5 @@ def _remat(fn, policy: str):
         "dots": jax.checkpoint_policies.checkpoint_dots,
         "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     }
-    return jax.checkpoint(fn, policy=policies[policy], prevent_cse=False)
+    tpu = target.backend() == "tpu"
+    return jax.checkpoint(fn, policy=policies[policy], prevent_cse=tpu)
