@@ -48,13 +48,11 @@ moe/router_agreement stays below 1 (the mismatch replay removes); not yet measur
 
 Target topology `v5p:2x4x4` (the slice above). Compiled for it by XLA:TPU (docs/tpu.md):
 the sampler fits (10.19 GiB per chip at its full 48 layers); the update, with the model
-cut to 2, 4 and 8 layers, needs 11.95, 16.89 and 28.71 GiB per chip at its peak, 2.2-2.6
-GiB more a layer (XLA:TPU unrolls the layer loop, each layer's gathered (token, expert)
-rows in buffers of their own): ~147 GiB at 48 layers if the slope holds, more than a
-chip's 95 GiB, so on this layout the update is not expected to fit; the full-depth
-compile (more memory than a 24 GB machine has free) settles it. With
-`--config.mesh.expert=4` (fsdp 8) the gathered rows halve: 1.27 GiB a layer from 4 to 8
-layers, ~80 GiB at 48 by the same extrapolation, the layout expected to fit. Predicted step
+cut to 4 and 8 layers, needs 15.23 and 16.78 GiB per chip at its peak (temporaries 11.96
+and 12.28 GiB: 0.08 GiB more a layer), so ~32 GiB at 48 layers (16.84 GiB of arguments,
+exact from the state's shardings, + ~15.5 of temporaries), a third of a chip's 95 GiB.
+The full depth is not compiled here: XLA:TPU unrolls the layer loop and its compiler
+memory grows ~0.8 GB a layer (9.8 GB at 8 layers), ~40 GB at 48. Predicted step
 (roofline): 9.6 s, 7.4 of them the sampler's decoding. The step compiled for those chips
 on any CPU machine with libtpu, nothing run:
 

@@ -206,6 +206,30 @@ def test_runtime_knobs_same_values_and_gradients(saved, runtime):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_the_layer_scan_keeps_its_recompute_apart_when_compiled_for_tpu():
+    """The layer scan's checkpoint takes prevent_cse=True when the program is compiled
+    for TPU chips (XLA:TPU unrolls the loop, and merging each layer's recompute with its
+    forward kept every layer's saved values: docs/tpu.md), False elsewhere (JAX's advice
+    for a scan body)."""
+    from jaxrl_llm.parallel import target
+
+    cfg = tiny_model_config(remat="full", attention="xla")
+    params = models.init_params(cfg, seed=0)
+    ids, mask = np.ones((1, 4), np.int32), np.ones((1, 4), bool)
+
+    def flags():
+        loss = lambda p: jnp.mean(models.forward(cfg, p, ids, mask) ** 2)  # noqa: E731
+        text = str(jax.make_jaxpr(jax.grad(loss))(params))
+        return {f for f in (True, False) if f"prevent_cse={f}" in text}
+
+    class Chip:  # all `target` reads of a device
+        platform = "tpu"
+
+    assert flags() == {False}
+    with target.compiling_for([Chip()]):
+        assert flags() == {True}
+
+
 @pytest.mark.parametrize("runtime", [dict(), dict(remat="full"), dict(scan_layers=False)], ids=str)
 def test_forward_after_prefix_equals_the_full_forward(runtime):
     """A prompt run alone, then its completion after the prompt's keys/values == the full
