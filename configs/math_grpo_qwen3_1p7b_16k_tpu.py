@@ -26,7 +26,8 @@ was written).
 
 Compiled for v5p:2x2x4 by XLA:TPU (docs/tpu.md), the update fits: 39.55 GiB per chip at
 its peak (1.41 GiB arguments, 38.14 GiB temporaries) of the chip's 95 GiB; the
-reference 5.97 GiB. Predicted step (roofline): 133 s, 121 of them the sampler's decoding.
+reference 5.97 GiB, the sampler 35.54 GiB. Predicted step (roofline): 133 s, 121 of them
+the sampler's decoding.
 
 Target topology `v5p:2x2x4` (the slice above). Its step compiled for those chips on any CPU
 machine with libtpu, nothing run (docs/tpu.md has the figures):
