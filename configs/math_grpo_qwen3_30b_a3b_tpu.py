@@ -47,8 +47,8 @@ Expected: eval/pass@1 on held-out MATH rises over the first hundred steps,
 moe/router_agreement stays below 1 (the mismatch replay removes); not yet measured.
 
 Target topology `v5p:2x4x4` (the slice above). Compiled for it by XLA:TPU (docs/tpu.md):
-the sampler fits (10.19 GiB per chip at its full 48 layers); the update, with the model
-cut to 4 and 8 layers, needs 15.23 and 16.78 GiB per chip at its peak (temporaries 11.96
+the sampler and the reference fit (10.19 and 7.28 GiB per chip at 48 layers); the
+update, with the model cut to 4 and 8 layers, needs 15.23 and 16.78 GiB per chip at its peak (temporaries 11.96
 and 12.28 GiB: 0.08 GiB more a layer), so ~32 GiB at 48 layers (16.84 GiB of arguments,
 exact from the state's shardings, + ~15.5 of temporaries), a third of a chip's 95 GiB.
 The full depth is not compiled here: XLA:TPU unrolls the layer loop and its compiler
