@@ -21,6 +21,9 @@ temporaries) of the chip's 95 GiB; the reference 5.51 GiB, the sampler 6.34 GiB 
 step compiled for those chips on any CPU machine with libtpu, nothing run:
 
     python -m jaxrl_llm.train --config=configs/math_grpo_llama3_8b_tpu.py --compile_for=v5p:2x4x4
+
+It fits a v6e-32 (`--compile_for=v6e:4x8`) as it is: the update 21.99 GiB per chip of 32,
+predicted step 19.3 s.
 """
 
 from jaxrl_llm.config import base_config

@@ -33,6 +33,10 @@ Target topology `v5p:2x2x4` (the slice above). Its step compiled for those chips
 machine with libtpu, nothing run (docs/tpu.md has the figures):
 
     python -m jaxrl_llm.train --config=configs/math_grpo_qwen3_1p7b_16k_tpu.py --compile_for=v5p:2x2x4
+
+On 32 chips, one row per chip is `--config.optim.micro_batches=8`: as shipped (16 rows a
+micro-batch) the rows do not split over 32 chips and each chip runs all 16 (a v6e-32
+compile asks 413 GiB of temporaries; start-up warns).
 """
 
 from jaxrl_llm.config import base_config

@@ -97,6 +97,25 @@ def test_explicit_settings_are_never_overridden(backend):
     )
 
 
+def test_a_micro_batch_that_does_not_split_over_the_devices_is_named():
+    """The 16k config's 256 rows in 16 micro-batches split over 16 chips; over 32 chips
+    each micro-batch's 16 rows would be replicated (every chip runs all of them): the line
+    says so and names the micro-batch count that splits."""
+    c = _config(batch=32, generations=8)
+    c.optim.micro_batches, c.train.logprob_chunk = 16, 256
+    c.model.scan_layers, c.rollout.bucket_steps = True, 2
+    model = tiny_model_config(**W1)
+    assert tuning.resolve(c, model, "tpu", batch_shards=16)[1] == ""
+    _, line = tuning.resolve(c, model, "tpu", batch_shards=32)
+    assert line == (
+        "warning: optim.micro_batches=16 leaves 16 rows per micro-batch, which do not split "
+        "over the 32 devices of the batch axes (mesh data x fsdp x expert): each device runs "
+        "all 16 rows of every micro-batch; optim.micro_batches=8 gives 1 row(s) per device"
+    )
+    c.optim.micro_batches = None  # picked: the picks split, so no warning joins the line
+    assert "warning" not in tuning.resolve(c, model, "cpu", batch_shards=32)[1]
+
+
 def test_micro_batches_always_divide_the_rows():
     for batch in (1, 2, 3, 6, 16, 24):
         for generations in (1, 4, 7, 16):

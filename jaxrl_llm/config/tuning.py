@@ -119,13 +119,41 @@ def resolve(
     batch_shards: the devices the batch is split over (mesh data x fsdp x expert)."""
     resolved = copy.deepcopy(config)
     unset = [k for k in KEYS if _get(config, k) is None]
-    if not unset:
-        return resolved, ""
-    chosen = picks(config, model_cfg, backend, batch_shards)
-    said = []
-    for key in unset:
-        value, why = chosen[key]
-        section, name = key.split(".")
-        resolved[section][name] = value
-        said.append(f"{name}={value}" + (f" ({why})" if why else ""))
-    return resolved, f"{backend} defaults: " + ", ".join(said)
+    line = ""
+    if unset:
+        chosen = picks(config, model_cfg, backend, batch_shards)
+        said = []
+        for key in unset:
+            value, why = chosen[key]
+            section, name = key.split(".")
+            resolved[section][name] = value
+            said.append(f"{name}={value}" + (f" ({why})" if why else ""))
+        line = f"{backend} defaults: " + ", ".join(said)
+    warning = unsplit_rows(resolved, batch_shards)
+    return resolved, "; ".join(x for x in (line, warning) if x)
+
+
+def unsplit_rows(config, batch_shards: int) -> str:
+    """A warning when a micro-batch's rows do not divide over the `batch_shards` devices
+    of the batch axes (they are then replicated: every device runs every row of each
+    micro-batch, its activations and time multiplied), naming the micro-batch count that
+    gives one row or more per device; "" when they divide."""
+    r, o = config.rollout, config.optim
+    per_step = r.batch_size * r.num_generations // max(o.mini_batches, 1)
+    rows = per_step // max(o.micro_batches or 1, 1)
+    if batch_shards <= 1 or rows % batch_shards == 0:
+        return ""
+    fits = [
+        k for k in range(1, per_step + 1) if per_step % k == 0 and per_step // k % batch_shards == 0
+    ]
+    fix = (
+        f"optim.micro_batches={fits[-1]} gives {per_step // fits[-1] // batch_shards} row(s) "
+        "per device"
+        if fits
+        else "the rows of an optimizer step do not divide over them either"
+    )
+    return (
+        f"warning: optim.micro_batches={o.micro_batches} leaves {rows} rows per micro-batch, "
+        f"which do not split over the {batch_shards} devices of the batch axes (mesh data x "
+        f"fsdp x expert): each device runs all {rows} rows of every micro-batch; {fix}"
+    )

@@ -90,7 +90,7 @@ def compile_config(raw, topology: str, out=sys.stdout, only=None, workers=None) 
         checks.check_algo(raw)
         checks.check_optim(raw)
     cfg = model_config(raw)
-    c, _ = tuning.resolve(raw, cfg, "tpu", batch_shards=shape[0] * shape[1] * shape[2])
+    c, line = tuning.resolve(raw, cfg, "tpu", batch_shards=shape[0] * shape[1] * shape[2])
     train_devices, rollout_devices = config_lib.split_devices(c, devices)
     mesh = parallel.make_mesh(config_lib.mesh_axes(c.mesh), train_devices)
     rollout = _Rollout(c, mesh, devices, topo)
@@ -104,6 +104,8 @@ def compile_config(raw, topology: str, out=sys.stdout, only=None, workers=None) 
         file=out,
         flush=True,
     )
+    if line:
+        print(f"  {line}", file=out, flush=True)
     if workers is not None:
         try:
             worker_topo = parse_topology(workers)
