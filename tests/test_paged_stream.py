@@ -56,7 +56,8 @@ def test_greedy_across_steps_equals_the_static_sampler(tiny, paged):
     done, mixed = [], False
     while session.busy:
         done += session.run_chunk()
-        mixed |= {session.pool.owner[s].req for s in session.pool.order} == {0, 1}
+        pool = session.turns.pool
+        mixed |= {pool.owner[s].row[0] for s in pool.order} == {0, 1}
     assert done == [0, 1] and mixed
     # Prompts admitted together were prefilled in one program (batched prefill).
     assert any(k[0] == "prefill" and k[1][0] > 1 for k in paged.traces), paged.traces

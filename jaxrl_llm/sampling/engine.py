@@ -57,8 +57,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm.parallel import mesh as mesh_lib
-from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput, fit_routes
+from jaxrl_llm.sampling.decode import FINISH_STOP, SampleOutput, fit_routes
 from jaxrl_llm.sampling.paged import PagedSampler
+from jaxrl_llm.sampling.paged_schedule import rows_output
 from jaxrl_llm.sampling.paged_turns import TurnSession
 from jaxrl_llm.sampling.sampler import Sampler, append_end
 from jaxrl_llm.sampling.serve import PagedRequests, StaticRequests
@@ -304,31 +305,13 @@ class PagedTurns:
         log-probs, appended ones with loss mask 0) in total_tokens columns, a row whose
         final turn ran out of budget FINISH_LENGTH, and its routes (MoE) prompt then
         completion."""
-        e, ids, mask, session = self.engine, self.ids, self.mask, self.session
-        G, T, n = self.spec.num_generations, self.total, len(final_turn)
-        tokens = np.full((n, T), e.pad_id, np.int32)
-        real, sampled = np.zeros((n, T), bool), np.zeros((n, T), bool)
-        logprobs = np.zeros((n, T), np.float32)
-        lengths = np.zeros(n, np.int32)
-        finish = np.full(n, FINISH_STOP, np.int32)
-        for i, row in session.trajs.items():
-            L = lengths[i] = len(row.tokens)
-            tokens[i, :L], real[i, :L], sampled[i, :L] = row.tokens, True, row.sampled
-            logprobs[i, :L] = row.logprobs
-            if final_turn[i] and not row.stopped:
-                finish[i] = FINISH_LENGTH
-        out = SampleOutput(
-            tokens=tokens,
-            mask=real,
-            loss_mask=sampled,
-            logprobs=logprobs,
-            lengths=lengths,
-            finish=finish,
-            prompt_tokens=np.repeat(ids, G, axis=0),
-            prompt_mask=np.repeat(mask, G, axis=0),
-            policy_version=np.full(n, self.first_version, np.int32),
-            num_generations=G,
-            routes=session.trajectory_routes(ids, mask, n),
+        e, session = self.engine, self.session
+        out, _ = rows_output(
+            session.pool, self.ids, self.mask, session.trajs, self.total, session.prompt_routes
+        )
+        out = out.replace(
+            finish=np.where(np.asarray(final_turn, bool), out.finish, FINISH_STOP),
+            policy_version=np.full_like(out.policy_version, self.first_version),
         )
         e.stats = session.stats
         return jax.tree.map(lambda x: jax.device_put(x, e.row_sharding), out)

@@ -44,11 +44,12 @@ temperature) of the drawn token.
 Results come back in request order as a `SampleOutput` (tokens, masks, log-probs, lengths,
 finish reasons, prompts at their bucket width, policy version), rows on the mesh like the
 static sampler's. A row whose prompt has no real token (a dummy row that makes the batch
-divide the mesh) draws nothing (length 0). `sample` and `stream` are single-turn; the
-multi-turn rows of environment rollouts are `paged_turns.TurnSession`'s (a row parks
-between turns, keeping its pages; `envs.play`); all on one process. The host
-scheduling is `paged_schedule.Session`, over a `paged_pool.Pool` record of pages and
-slots changed by plain functions; `stream` keeps one session across training steps
+divide the mesh) draws nothing (length 0). `sample` and `stream` are single-turn
+(`paged_schedule.Session`: the requests' rows on a `paged_turns.TurnSession` whose rows
+end at their first turn); the multi-turn rows of environment rollouts are a
+`TurnSession`'s own (a row parks between turns, keeping its pages; `envs.play`); all on
+one process. The session's `paged_pool.Pool` is a record of pages and slots changed by
+plain functions; `stream` keeps one session across training steps
 (the overlap / split rollout source). The device programs this class jits (the pool,
 `forward_paged`, `decode_chunk`, `prefill_chunk`) are `paged_programs`'s. The
 engine's small state (slots, page pool) is replicated over the mesh; the parameters are
@@ -294,7 +295,8 @@ class PagedSampler:
             spec,
             slots=slots,
             pages=pages,
-            seed_step=self.put(np.array([seed, step], np.uint32)),
+            seed=seed,
+            step=step,
             prompt_rows=min(prompts or rows, slots + 1),
         )
 

@@ -10,10 +10,10 @@ numbered as the logits rows: a prompt's state after its prefill sits in its logi
 row, whose state outlives its slot while it is parked, holds a row of its own
 (`holder_rows`, `state_free`); a row that is recomputed starts from zero.
 
-Which rows fill the slots and what they keep is the schedulers':
-`paged_schedule.Session` (single-turn requests, streamed across training steps) and
-`paged_turns.TurnSession` (multi-turn rows that park on their environments), each
-holding one pool. A slot's holder (the scheduler's row record) has `table` (the pages
+Which rows fill the slots and what they keep is the scheduler's: `paged_turns.TurnSession`
+(multi-turn rows that park on their environments; `paged_schedule.Session` queues
+single-turn requests on one, streamed across training steps), holding one pool. A
+slot's holder (the scheduler's row record) has `table` (the pages
 its page table holds: a prompt's shared ones, then its own) and `mine` (its own pages).
 The engine is reached through its public programs (`PagedSampler.put`, `prefill`,
 `decode_slots`, `weights`, `pool`).
@@ -350,39 +350,30 @@ def seat(
     *,
     start: int,
     length: int,
-    last: int,
     n: int,
     budget: int,
     row: int,
     prompt: int,
-    drawn=(),
-    logprobs=(),
-    routes=None,
     state=None,
     state_from=None,
 ):
     """`holder` takes free slot s: its page table `holder.table`, cache slots [start,
-    length) valid, n tokens drawn so far (`drawn`, with their log-probs and routes, back
-    in the slot's arrays: a recomputed row of a request), `last` fed first (pad: its first
-    draw is from logits row `prompt`), row index `row` (its keys), `budget` its draw limit.
-    A hybrid model's row decodes in state row `state` (None: `state_row(pool, s)`),
-    starting from state row `state_from` (None: that one, which its prefill wrote)."""
-    h = pool.host
+    length) valid, n tokens drawn before (the next one's key index), its first draw from
+    logits row `prompt`, row index `row` (its keys), `budget` its draw limit. A hybrid
+    model's row decodes in state row `state` (None: `state_row(pool, s)`), starting from
+    state row `state_from` (None: that one, which its prefill wrote)."""
+    h, pad = pool.host, pool.engine.pad_id
     if "state" in h:
         h["state"][s] = state_row(pool, s) if state is None else state
         h["state_from"][s] = h["state"][s] if state_from is None else state_from
     h["table"][s] = 0
     h["table"][s, : len(holder.table)] = holder.table
     h["start"][s], h["length"][s], h["cap"][s] = start, length, len(holder.table) * pool.PS
-    h["last"][s], h["fresh"][s], h["live"][s], h["stopped"][s] = last, not drawn, True, False
+    h["last"][s], h["fresh"][s], h["live"][s], h["stopped"][s] = pad, True, True, False
     h["n"][s], h["budget"][s], h["row"][s], h["prompt"][s] = n, budget, row, prompt
-    h["tokens"][s], h["logprobs"][s] = pool.engine.pad_id, 0
-    h["tokens"][s, : len(drawn)] = drawn
-    h["logprobs"][s, : len(drawn)] = logprobs
+    h["tokens"][s], h["logprobs"][s] = pad, 0
     if "routes" in h:
         h["routes"][s] = -1
-        if len(drawn):
-            h["routes"][s, : len(drawn)] = routes
     pool.owner[s] = holder
     pool.order.append(s)
 

@@ -15,7 +15,7 @@ prompt's rows start from its prefill's row; `NO_STATE`: start from zero, or writ
 nowhere).
 
 These are pure functions of device arrays (shapes in their docstrings), kept apart from the
-host side (`paged.PagedSampler`: programs, sizes, results; `paged_schedule.Session`: slots
+host side (`paged.PagedSampler`: programs, sizes, results; `paged_turns.TurnSession`: slots
 and pages between chunks) so the math reads on its own and a benchmark or test can run it
 without an engine. `row_bucket` and `table_width` pick the few program shapes the host
 compiles.

@@ -25,19 +25,19 @@ sampler's `append` gives it. `end` returns a row's pages.
 Pages run short: before any decoding row is preempted, rows that hold pages outside a
 slot (parked on their environment, or waiting for a slot) are evicted, the most recently
 parked first; a new trajectory waits for free pages rather than evict. An evicted or
-preempted row comes back by recompute: its prompt and its completion so far (sampled and
-observation tokens) prefilled into its own pages, or, while its prompt's pages are still
-there, its completion only, appended on them again: an evicted row keeps its reference on
-its prompt's pages (a prompt is a few pages; the G rows of a prompt are often evicted
-together, and the prompt would then be recomputed by each), so they go back to the pool
-only when its rows end or a swap drops them; a row that drew nothing yet goes back to its
-prompt's shared pages.
+preempted row comes back by recompute: its prompt and completion so far (sampled and
+observation tokens) prefilled into its own pages, or its completion only, appended on its
+prompt's pages while they are there (an evicted row keeps its reference on them: the G
+rows of a prompt are often evicted together, and each would recompute it); a row that
+drew nothing yet goes back to its prompt's shared pages.
 
 Row r draws its t-th sampled token of the whole trajectory with
-fold_in(fold_in(fold_in(key(seed), step), r), t), whatever slot, chunk, neighbours or
-evictions it had, so greedy decoding draws the static sampler's tokens.
+fold_in(fold_in(fold_in(key(seed), step), k), t), k its key row (r, or key_base + r for
+`submit(..., key_base=)`), whatever slot, chunk, neighbours or evictions it had, so
+greedy decoding draws the static sampler's tokens. The single-turn engine
+(`paged_schedule.Session`) is this session with each row ended at its first turn.
 
-MoE routes (`routes`, laid out as the static turn loop's `SampleOutput.routes`): each
+MoE routes (`routes`; `paged_schedule.rows_output` lays them out as the static loop): each
 token's experts from the forward that first fed it: a prompt's from its first shared
 prefill, a sampled token's from the decode step that feeds it, the pending token and an
 observation's ids from the prefill that appends them (or, for a row evicted before they
@@ -66,15 +66,15 @@ import functools
 import numpy as np
 
 from jaxrl_llm.sampling import paged_pool as pp
-from jaxrl_llm.sampling.paged_schedule import static_routes
 
 
 @dataclasses.dataclass
 class _Traj:
     """A row's trajectory on the host: its completion so far and the pages it holds."""
 
-    row: int
+    row: object  # its name (an int, or (name, r) for `submit(..., name=name)`)
     b: object  # its prompt (an index of `submit`'s batch, or ("row", r) for `add`)
+    key: int  # its keys' row index
     prompt: np.ndarray  # the prompt's real ids
     tokens: list = dataclasses.field(default_factory=list)  # completion: sampled and appended
     sampled: list = dataclasses.field(default_factory=list)
@@ -129,12 +129,15 @@ class TurnSession:
         slots: int,
         pages: int,
         prompts: int,
+        holders: int | None = None,
     ):
         seed_step = engine.put(np.array([seed, step], np.uint32))
         # A hybrid model's state rows for rows that hold pages, in a slot or parked: the
-        # slots' and one per row of the prompts given (more wait for one or evict, as
-        # they would for pages).
-        holders = max(1, prompts * spec.num_generations) if engine.cfg.hybrid else 0
+        # slots' and `holders` more (default one per row of the prompts given); more rows
+        # wait for one or evict, as they would for pages.
+        if holders is None:
+            holders = prompts * spec.num_generations
+        holders = max(1, holders) if engine.cfg.hybrid else 0
         # Logits rows [0, prompts): prompts; then the scratch row; then one per slot: the
         # first-draw logits of a row resumed or recomputed into that slot.
         self.pool = pp.Pool(
@@ -158,16 +161,27 @@ class TurnSession:
     version = property(lambda self: self.pool.version, doc="The parameters' version.")
 
     # ------------------------------------------------------------------------ rows
-    def submit(self, ids: np.ndarray, mask: np.ndarray, turn_tokens: int, live) -> None:
+    def submit(
+        self, ids: np.ndarray, mask: np.ndarray, turn_tokens, live=None, *, name=None, key_base=0
+    ) -> list:
         """Queues the G rows of every prompt of ids / mask [B, width] (bucketed) whose
-        live[r] is true (B * G flags); each draws at most turn_tokens in its first turn."""
+        live[r] is true (B * G flags; None: all) -> their names: r, or (name, r) to tell
+        the batch's rows from other batches'. Row r draws with key row key_base + r, at
+        most turn_tokens (an int, or [B * G] per row) in its first turn."""
         B, width = ids.shape
         G = self.pool.spec.num_generations
         pp.fit(self.pool, width)
+        budgets = np.broadcast_to(np.asarray(turn_tokens), (B * G,))
+        named = (lambda i: i) if name is None else (lambda i: (name, i))
+        rows = []
         for r in range(B * G):
             b = r // G
-            if live[r] and mask[b].any():
-                self._queue(_Traj(row=r, b=b, prompt=ids[b][mask[b]], budget=int(turn_tokens)))
+            if (live is None or live[r]) and mask[b].any():
+                prompt, budget = ids[b][mask[b]], int(budgets[r])
+                t = _Traj(row=named(r), b=named(b), key=key_base + r, prompt=prompt, budget=budget)
+                self._queue(t)
+                rows.append(t.row)
+        return rows
 
     def add(self, r: int, ids, turn_tokens: int) -> None:
         """Queues row r (an id not used before in the session) with its own prompt `ids`
@@ -176,7 +190,8 @@ class TurnSession:
         pages and first-draw logits row are its own (shared with no other row)."""
         prompt = np.asarray(ids, np.int32)
         pp.fit(self.pool, len(prompt))
-        self._queue(_Traj(row=int(r), b=("row", int(r)), prompt=prompt, budget=int(turn_tokens)))
+        t = _Traj(row=int(r), b=("row", int(r)), key=int(r), prompt=prompt, budget=int(turn_tokens))
+        self._queue(t)
 
     def _queue(self, t: _Traj) -> None:
         cfg = self.pool.engine.cfg
@@ -210,9 +225,10 @@ class TurnSession:
             i += 1
         waiting.insert(i, t)
 
-    def end(self, r: int) -> None:
-        """Row r's trajectory is over: its pages go back to the pool."""
-        t = self.trajs[r]
+    def end(self, r: int, forget: bool = False) -> None:
+        """Row r's trajectory is over: its pages go back to the pool (forget: and the
+        session forgets it; `result` first)."""
+        t = self.trajs.pop(r) if forget else self.trajs[r]
         self._unpage(t)
         pp.unshare(self.pool, t.shared)
         t.shared = None
@@ -233,17 +249,6 @@ class TurnSession:
         for t in self.trajs.values():
             t.shared = None
         pp.reweigh(self.pool, params, version)
-
-    def trajectory_routes(self, ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray | None:
-        """The routes of `submit`'s n rows over prompts ids / mask [B, width] ->
-        [n, width + T, L, k] int16 as the static turn loop lays them out (prompt, then
-        completion; -1 at padding, at each row's last drawn token and past its end); None
-        for a dense model."""
-        cfg = self.pool.engine.cfg
-        if not cfg.moe:
-            return None
-        rows = {i: t.routes for i, t in self.trajs.items() if i < n}
-        return static_routes(cfg, ids, mask, n, self.pool.T, self.prompt_routes, rows)
 
     # ------------------------------------------------------------------------ routes
     def _record(self, t: _Traj, first: int, routes: np.ndarray) -> None:
@@ -324,10 +329,9 @@ class TurnSession:
                 t,
                 start=t.start,
                 length=t.length,
-                last=pool.engine.pad_id,
                 n=t.n,
                 budget=t.budget,
-                row=t.row,
+                row=t.key,
                 prompt=prompt_row,
                 state=t.state,
                 # a first turn starts from its prompt's state (a prompt's logits row is
