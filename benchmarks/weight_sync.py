@@ -1,14 +1,21 @@
 """Weight sync over the host path (`jaxrl_llm.workers.weights`): trainer -> a worker process.
 
     python benchmarks/weight_sync.py [--models=smollm2-135m,qwen2.5-0.5b] [--repeats=5]
+        [--lora_rank=16]
 
 Random float32 parameters of each model's shapes (no download) on this process's devices;
 a receiver in a second process (its own JAX world) that accepts the token, places each
 sync on its own mesh with the engine's shardings (`weights.place`) and acknowledges. One
 sync is timed from the cast on the trainer's devices (float32 -> bfloat16) to the
 acknowledgement: cast, fetch to host, TCP over loopback, placement. GB/s counts the
-bfloat16 bytes sent. On a GPU or TPU host the same command measures the device-to-host
+bytes sent. On a GPU or TPU host the same command measures the device-to-host
 and host-to-device legs too.
+
+--lora_rank > 0 adds a row per model for a LoRA run's sync (model.dtype bfloat16: a
+bfloat16 base, float32 adapters of that rank on all seven projections): the base sent
+once (not timed), then each sync the adapters alone, which the receiver merges into its
+base on its mesh (`weights.Merger`) before it acknowledges; "placement" is then the
+placement and the merge.
 """
 
 from __future__ import annotations
@@ -50,9 +57,11 @@ def random_params(cfg) -> dict:
 
 
 def receive(port: int, name: str) -> None:
-    """The worker side: place every sync, acknowledge with its placement time."""
+    """The worker side: place every sync (LoRA: keep the base, merge each sync's adapters
+    into it), acknowledge with its placement time."""
     cfg = model_cfg(name)
     mesh = parallel.make_mesh()  # every device of this process on fsdp
+    merger = weights.Merger(cfg, mesh)
     listener = wire.listen("127.0.0.1", port)
     print(listener.getsockname()[1], flush=True)
     conn, _ = listener.accept()
@@ -63,13 +72,32 @@ def receive(port: int, name: str) -> None:
         if kind == "close":
             return
         t = time.perf_counter()
-        params = weights.place(arrays, cfg, mesh)
+        if fields.get("part") == "base":
+            merger.set_base(arrays)
+            params = merger.base
+        elif fields.get("part") == "adapters":
+            params = merger.merge(arrays, fields["lora"], fields["dtype"])
+        else:
+            params = weights.place(arrays, cfg, mesh)
         jax.block_until_ready(params)
-        wire.send(conn, "ok", {"version": fields["version"], "place_s": time.perf_counter() - t})
+        wire.send(
+            conn, "ok", {"version": fields.get("version"), "place_s": time.perf_counter() - t}
+        )
         del params, arrays
 
 
-def bench(name: str, repeats: int) -> dict:
+def lora_params(cfg, rank: int) -> tuple[dict, dict]:
+    """A LoRA run's parameters (bfloat16 base, float32 adapters with B random) and the
+    settings a sync carries."""
+    lcfg = cfg.replace(lora=models.LoraConfig(rank=rank, alpha=2.0 * rank))
+    base = jax.tree.map(lambda x: x.astype("bfloat16"), random_params(cfg))
+    adapters = models.lora.init_adapters(lcfg)
+    adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # B nonzero: a merge that counts
+    settings = {"rank": rank, "alpha": 2.0 * rank, "targets": list(lcfg.lora.targets)}
+    return models.lora.combine(base, adapters), settings
+
+
+def bench(name: str, repeats: int, lora_rank: int = 0) -> dict:
     token = secrets.token_urlsafe(24)
     child = subprocess.Popen(
         [sys.executable, __file__, "--receive", name],
@@ -79,17 +107,28 @@ def bench(name: str, repeats: int) -> dict:
     )
     try:
         port = int(child.stdout.readline())
-        params = jax.block_until_ready(random_params(model_cfg(name)))
+        fields, base = {}, None
+        if lora_rank:
+            params, settings = lora_params(model_cfg(name), lora_rank)
+            fields = {"part": "adapters", "lora": settings, "dtype": "bfloat16"}
+        else:
+            params = random_params(model_cfg(name))
+        params = jax.block_until_ready(params)
         times, places = [], []
         with wire.connect(f"127.0.0.1:{port}", token) as sock:
             for v in range(repeats + 1):  # the first compiles the casts: not counted
                 t = time.perf_counter()
-                host = weights.host_copy(params)
-                weights.send(sock, host, v)
-                _, fields, _ = wire.recv(sock)
+                host = weights.host_copy(params, base=base)
+                if host.base is not None and base is None:  # LoRA: the base, once
+                    base = host.base
+                    wire.send(sock, "weights", {"part": "base"}, base)
+                    wire.recv(sock)
+                    t = time.perf_counter()
+                wire.send(sock, "weights", {"version": v} | fields, host)
+                _, fields_back, _ = wire.recv(sock)
                 if v:
                     times.append(time.perf_counter() - t)
-                    places.append(fields["place_s"])
+                    places.append(fields_back["place_s"])
                 size = weights.nbytes(host)
                 del host
             wire.send(sock, "close")
@@ -98,7 +137,7 @@ def bench(name: str, repeats: int) -> dict:
         child.kill()
     t = np.array(times)
     return dict(
-        model=name,
+        model=name + (f", LoRA r{lora_rank} (adapters)" if lora_rank else ""),
         params=sum(x.size for x in jax.tree.leaves(params)),
         gb=size / 1e9,
         median_s=float(np.median(t)),
@@ -113,14 +152,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--lora_rank", type=int, default=16, help="0: no LoRA rows")
     parser.add_argument("--receive", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.receive:
         return receive(0, args.receive)
-    print("| model | params | bf16 GB | s per sync (median, min-max) | GB/s | placement s |")
+    print("| model | params | GB sent | s per sync (median, min-max) | GB/s | placement s |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name in args.models.split(","):
-        r = bench(name, args.repeats)
+    ranks = (0, args.lora_rank) if args.lora_rank else (0,)
+    for name, rank in [(name, rank) for name in args.models.split(",") for rank in ranks]:
+        r = bench(name, args.repeats, rank)
         print(
             f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['gb']:.3f} | "
             f"{r['median_s']:.2f} ({r['min_s']:.2f}-{r['max_s']:.2f}) | {r['gbps']:.2f} | "

@@ -449,11 +449,11 @@ def workers(tmp_path_factory):
         _stop([p for p, _ in started])
 
 
-def _local_reference(config, path, spec, prompts, chunk):
+def _local_reference(config, path, spec, prompts, chunk, params=None):
     """Each step's (output, token_versions) from a local stream of the config's engine on
     a mesh of the workers' shape (fsdp 4; in bfloat16 another shape moves log-probs by
     ~1e-4: other reduction orders), with the parameters cast to bfloat16 (what the wire
-    carries); and the float32 parameters, sharded fsdp 4 x tensor 2."""
+    carries); and the float32 parameters, sharded fsdp 4 x tensor 2 (`params` if given)."""
     from jaxrl_llm import config as config_lib
     from jaxrl_llm.rollout.sources import make_sampler
     from jaxrl_llm.sampling.engine import open_session
@@ -462,7 +462,8 @@ def _local_reference(config, path, spec, prompts, chunk):
     config = config_lib.prepare(config).config  # the speed settings a run (and a worker) picks
     cfg = model_shapes.model_config(config)
     trainer = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
-    _, params = models.builtin.load_model(path, trainer, "float32")
+    if params is None:
+        _, params = models.builtin.load_model(path, trainer, "float32")
     mesh = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, jax.devices()[:4])
     bf16 = jax.device_put(
         jax.tree.map(lambda x: x.astype("bfloat16"), params), models.param_shardings(cfg, mesh)
@@ -663,6 +664,58 @@ def test_a_paged_worker_draws_what_the_local_paged_stream_draws(workers):
     try:
         got = _every_step_as_local(stream, prompts, want)
         assert all(v.shape == (8, 6) for _, v in got.values())  # [N, T]: per token
+    finally:
+        stream.close()
+
+
+def test_lora_syncs_send_the_adapters_and_each_worker_merges_them(workers):
+    """LoRA parameters (base + rank-4 adapters, B random): the first sync gives each worker
+    the base once, then the adapters, which it merges on its own devices; the steps come
+    back as a local stream draws them from the trainer's merged weights (which differ from
+    the base's). A swap to adapters with B = 0 sends the adapters alone and draws what the
+    base alone draws."""
+    import dataclasses
+
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.sampling.engine import open_session
+
+    remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0)
+    trainer = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    cfg = models.builtin.load_model(workers.path)[0]
+    cfg = cfg.replace(lora=models.LoraConfig(rank=4, alpha=8.0))
+    adapters = lora.init_adapters(cfg, seed=3, mesh=trainer)
+    keys = iter(jax.random.split(jax.random.key(4), len(adapters["layers"])))
+
+    def b(scale):
+        return {
+            "layers": {
+                k: jax.device_put(scale * jax.random.normal(next(keys), v.shape), v.sharding)
+                if k.endswith("_lora_b")
+                else v
+                for k, v in adapters["layers"].items()
+            }
+        }
+
+    tuned = lora.combine(params, b(0.05))
+    config = workers.config.copy_and_resolve_references()
+    merged = lora.make_merge_fn(cfg, trainer)(tuned)
+    _, want_tuned = _local_reference(config, workers.path, spec, prompts, 0, params=merged)
+    assert any((want_tuned[s][0].tokens != want[s][0].tokens).any() for s in want)
+    settings = {"rank": 4, "alpha": 8.0, "targets": list(cfg.lora.targets)}
+    stream = open_session(dataclasses.replace(remote, lora=settings), "stream", tuned, 0, spec)
+    try:
+        assert [k.has_base for k in stream.links] == [True, True]
+        sent, base = stream.host, stream.host.base
+        assert all(lora.is_adapter(k.split("/")[-1]) for k in sent) and len(sent) == 14
+        assert not any(lora.is_adapter(k.split("/")[-1]) for k in base)
+        assert weights.nbytes(sent) == sum(x.nbytes for x in jax.tree.leaves(adapters))
+        _every_step_as_local(stream, prompts, want_tuned)
+        stream.swap(lora.combine(params, b(0.0)), 1)
+        assert stream.host.base is base  # copied once
+        stream.submit(9, *prompts[0], 0)
+        ((out, versions),) = _drain(stream).values()
+        assert (versions == 1).all()
+        np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
     finally:
         stream.close()
 

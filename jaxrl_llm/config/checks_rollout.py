@@ -151,8 +151,8 @@ def check_workers(config) -> None:
     lora = config.model.lora
     require(
         not lora.get("rank") or lora.get("sampler") != "unmerged",
-        "model.lora.sampler='unmerged': rollout workers sample merged weights (base + "
-        "adapters, sent whole at each sync); set it to 'merged' or 'auto'",
+        "model.lora.sampler='unmerged': rollout workers sample merged weights (each "
+        "merges the base and the adapters a sync sends); set it to 'merged' or 'auto'",
     )
     others = {
         "env.name": config.get("env", {}).get("name"),

@@ -45,13 +45,15 @@ class Shared:
 
     def __init__(self, s: Sampling, config):
         self.s, self.config, self.inner = s, config, None
+        self.base = None  # LoRA: the frozen base's host copy, gathered once
 
     def next(self, step: int, params, clock) -> Rollout:
         with jax.transfer_guard("allow"):  # explicit transfer points, both collectives
             return self._next(step, params, clock)
 
     def _next(self, step: int, params, clock) -> Rollout:
-        host = weights.host_copy(params, self.s.workers.dtype)
+        host = weights.host_copy(params, self.s.workers.dtype, self.base)
+        self.base = host.base
         request = None
         if jax.process_index() == 0:
             if self.inner is None:  # started here: the data position is the restored one

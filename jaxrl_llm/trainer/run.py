@@ -166,7 +166,7 @@ class Run:
         self.spec = config_lib.rollout_spec(c, self.tokenizer)
         self.merge = None  # LoRA, merged sampling: base + adapters -> plain weights
         sampler_cfg = self.model_cfg
-        if self.model_cfg.lora is not None:  # rollout workers take merged weights
+        if self.model_cfg.lora is not None:  # rollout workers merge their own
             rows = c.rollout.batch_size * c.rollout.num_generations
             mode = models.lora.sampler_mode(c.model.lora.sampler, self.model_cfg, rows)
             if mode == "merged" or c.rollout.workers:
@@ -276,7 +276,7 @@ class Run:
         clock = perf.PhaseClock()
         with self.transfer_guard():
             self._release_each_phase()
-            ro = self.source.next(step, self.sampler_params(), clock)
+            ro = self.source.next(step, self.sampler_params(rollout=True), clock)
             ref = self.reference(ro.out, step)  # dispatched, no wait
             teacher = self.teacher(ro)  # dispatched, no wait
             scored = ro.scored or self.sampling.score(ro.out, ro.batch, clock)  # host
@@ -368,13 +368,15 @@ class Run:
         self.source.close()
         self.pool.close()
 
-    def sampler_params(self):
+    def sampler_params(self, rollout: bool = False):
         """The policy's params as the sampler reads them, where it runs: with LoRA, base +
         adapters merged into a transient weight set (one merge per call) or left unmerged
         (`self.merge` is None; the sampler's model then applies them); in split mode moved
-        to the rollout mesh (device to device)."""
+        to the rollout mesh (device to device). The rollout's on rollout workers: base and
+        adapters as they are (each worker merges them, `workers.weights`)."""
         params = self.state.policy_params()
-        params = params if self.merge is None else self.merge(params)
+        if self.merge is not None and not (rollout and self.sampling.workers is not None):
+            params = self.merge(params)
         if self.sampling.rollout_mesh is self.mesh:
             return params
         return parallel.to_mesh(params, self.sampling.rollout_mesh)

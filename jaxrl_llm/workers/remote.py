@@ -12,7 +12,9 @@ its own JAX world (`workers.serve`), so the rollout thread is written once for b
 
 A step is sampled whole by one worker, with the key the trainer gives, so it draws what a
 local session draws with the same parameters (bfloat16 on the wire: the local session's
-parameters cast to bfloat16).
+parameters cast to bfloat16). LoRA parameters (base + adapters): each sync sends the
+adapters alone, the frozen base once per worker connection, and the worker merges them
+(`weights.Merger`; `Workers.lora` names rank, alpha and targets).
 
 Losing a worker: a connection that breaks (the process killed, the host gone), or that
 stays silent for `Workers.timeout_s` (`rollout.worker_timeout_s`: the process stopped,
@@ -67,6 +69,9 @@ class Workers:
     # TLS (`rollout.worker_tls_ca`): the PEM file the workers' certificates must chain to;
     # None: plain TCP.
     tls_ca: str | None = None
+    # LoRA (`model.lora`): {rank, alpha, targets} of the adapters the workers merge into
+    # the base; None: the parameters sent are the plain model's.
+    lora: dict | None = None
 
 
 JOIN_TIMEOUT_S = 5.0  # the connection to a joining worker (the rollout waits for it)
@@ -83,6 +88,7 @@ class _Link:
     in_flight: bool = False
     alive: bool = True
     leaving: bool = False  # no longer listed: takes no new steps, closed once it holds none
+    has_base: bool = False  # LoRA: holds the base weights (sent once per connection)
 
 
 class RemoteStream:
@@ -99,6 +105,7 @@ class RemoteStream:
         self.finished: dict = {}  # step -> (output, token_versions)
         self.orphans: list = []  # steps of lost workers, not given to another yet
         self.given = 0  # steps given out (each link's `last` counts from it)
+        self.host = None  # the last sync's host copy, for a worker that joins
         self.stats = {
             "decode_chunks": 0,
             "swaps": 0,
@@ -270,16 +277,30 @@ class RemoteStream:
             self.tried.pop(a, None)
             self.links.append(link)
             self._exchange([link], "open", self.opened)
-            self._exchange([link], "weights", {"version": int(self.version)}, self.host)
+            self._send_weights([link], self.host, self.version)
             if link.alive:
                 self.stats["workers_joined"] += 1
         self.stats["workers"] = len(self.alive)
 
     def _push(self, params, version: int) -> None:
-        host = weights.host_copy(params, self.dtype)  # one copy for every worker
-        self._exchange(self.alive, "weights", {"version": int(version)}, host)
+        base = self.host.base if self.host is not None else None  # LoRA: copied once
+        host = weights.host_copy(params, self.dtype, base)  # one copy for every worker
+        self._send_weights(self.alive, host, version)
         self.version = version
         self.host = host  # for a worker that joins before the next sync
+
+    def _send_weights(self, links, host, version: int) -> None:
+        """`host` (a `weights.Host`) to each of `links`; LoRA: the base first to those
+        that lack it, then the adapters."""
+        fields = {"version": int(version)}
+        if host.base is not None:
+            if self.workers.lora is None:
+                raise UserError("rollout.workers", "LoRA parameters, but Workers.lora is None")
+            need = [k for k in links if k.alive and not k.has_base]
+            for link, _ in self._exchange(need, "weights", {"part": "base"}, host.base):
+                link.has_base = True
+            fields |= {"part": "adapters", "lora": self.workers.lora, "dtype": host.dtype}
+        self._exchange([k for k in links if k.alive], "weights", fields, host)
 
     def _assign(self, step: int) -> None:
         """Gives `step` to the alive worker holding fewest steps, of those the one given a
@@ -391,9 +412,18 @@ def rollout_workers(c, pad_id: int):
         connect_timeout_s=float(c.rollout.get("worker_start_s", 60.0)),
         retry_s=float(c.rollout.get("worker_retry_s", 30.0)),
         tls_ca=c.rollout.get("worker_tls_ca") or None,
+        lora=_lora_settings(c),
         addresses_file=listed,
         min_workers=c.rollout.workers,
     )
+
+
+def _lora_settings(c) -> dict | None:
+    """model.lora's rank, alpha and targets (what a worker's merge needs), or None."""
+    lo = c.model.lora
+    if not lo.rank:
+        return None
+    return {"rank": int(lo.rank), "alpha": float(lo.alpha), "targets": list(lo.targets)}
 
 
 SESSIONS[Workers] = {"stream": RemoteStream}  # open_session(workers, "stream", ...)

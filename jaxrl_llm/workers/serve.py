@@ -15,7 +15,9 @@ is checked as a synchronous run's on this process's devices with that mesh
 - `open` (spec, chunk, pad_id, seed): builds the engine (once per pad id); a new
   session opens with the next weights.
 - `weights` (version; every parameter as an array, `weights`): placed on the mesh, the
-  session's `swap` (or its opening).
+  session's `swap` (or its opening). LoRA: part 'base' (the frozen base, once per
+  connection: kept), then part 'adapters' each sync (lora, dtype): merged into the base
+  on this worker's devices (`weights.Merger`), then as above.
 - `submit` (step, key; prompt_ids, prompt_mask): the session's `submit`.
 - `run`: one `run_chunk` when busy -> the steps finished, each `SampleOutput` field and
   the token_versions as arrays `<step>/<field>`, and the session's version, busy,
@@ -83,10 +85,12 @@ class Worker:
         self.cfg = model_shapes.model_config(config)  # shapes only: the weights come later
         self.mesh = parallel.make_mesh(config_lib.mesh_axes(config.mesh), devices)
         self.engines: dict = {}  # pad id -> engine
+        self.merger = weights.Merger(self.cfg, self.mesh)  # LoRA: base + adapters
         self.reset()
 
     def reset(self) -> None:
         self.engine, self.spec, self.chunk, self.session = None, None, 0, None
+        self.merger.base = None  # LoRA: each trainer sends its base again
 
     def handle(self, kind: str, fields: dict, arrays: dict) -> tuple[dict, dict]:
         """One request -> the reply's (fields, arrays)."""
@@ -95,7 +99,14 @@ class Worker:
         if self.engine is None:
             raise wire.WorkerError(f"{kind!r} before 'open'")
         if kind == "weights":
-            params = weights.place(arrays, self.cfg, self.mesh)
+            part = fields.get("part")
+            if part == "base":
+                self.merger.set_base(arrays)
+                return {}, {}
+            if part == "adapters":
+                params = self.merger.merge(arrays, fields["lora"], fields["dtype"])
+            else:
+                params = weights.place(arrays, self.cfg, self.mesh)
             if self.session is None:
                 self.session = open_session(
                     self.engine, "stream", params, fields["version"], self.spec, chunk=self.chunk

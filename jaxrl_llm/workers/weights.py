@@ -17,6 +17,13 @@ not match. The bytes are the cast's bytes: `place(host_copy(p))` equals
 A trainer of several processes: a parameter spanning them is gathered from all of them
 (`parallel.to_host`), so there `host_copy` is a collective that every process calls, in
 the same order; its `Host` result is then sent as it is (`rollout.shared`).
+
+LoRA (parameters with adapters, `models.lora`): the base weights are frozen, so a sync
+carries the adapters alone, in their own dtype, and the base crosses once per worker
+connection (`Host.base`, copied once and kept by the caller for the next sync). The
+worker merges them on its devices as the trainer's merge does (`Merger`: W + (alpha/r)
+A B in float32, rounded to W's dtype, then cast to the wire dtype), so it samples what
+the merged weights sent whole would give, for the adapters' bytes alone.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import models, parallel
+from jaxrl_llm.models import lora
 from jaxrl_llm.workers import wire
 
 SEP = "/"  # between the keys of a parameter's tree path on the wire
@@ -44,15 +52,31 @@ def flatten(params, prefix: tuple = ()) -> dict:
 
 class Host(dict):
     """A host copy ({'layers/q': numpy array}): what `host_copy` returns, and given to it
-    again, returned as it is."""
+    again, returned as it is. With LoRA it holds the adapters; `base` is the frozen
+    base's copy and `dtype` what the worker casts the merged weights to."""
+
+    base: Host | None = None
+    dtype: str | None = None
 
 
-def host_copy(params, dtype: str | None = "bfloat16") -> Host:
+def host_copy(params, dtype: str | None = "bfloat16", base: Host | None = None) -> Host:
     """{'layers/q': numpy array} of `params` cast to `dtype` on their devices (None: as
     they are), fetched to this host; a parameter spanning processes is gathered from all
-    of them (then a collective)."""
+    of them (then a collective). Parameters with LoRA adapters: the adapters alone, as
+    they are, with the base's copy (`base`, the one an earlier sync made, else made now)
+    and `dtype` for the worker's merge (module docstring)."""
     if isinstance(params, Host):
         return params
+    if any(lora.is_adapter(k) for k in params.get("layers", {})):
+        adapters, frozen = lora.split(params)
+        host = _copy(adapters, None)
+        host.base = base if base is not None else _copy(frozen, None)
+        host.dtype = dtype
+        return host
+    return _copy(params, dtype)
+
+
+def _copy(params, dtype: str | None) -> Host:
     flat = flatten(params)
     cast = flat if dtype is None else {p: jnp.asarray(x).astype(dtype) for p, x in flat.items()}
     spans = [p for p, x in cast.items() if isinstance(x, jax.Array) and not x.is_fully_addressable]
@@ -66,11 +90,16 @@ def send(sock, host: dict, version: int) -> None:
     wire.send(sock, "weights", {"version": int(version)}, host)
 
 
-def place(arrays: dict, cfg, mesh) -> dict:
+def place(arrays: dict, cfg, mesh, adapters: bool = False) -> dict:
     """The received {path: array} as the model's parameter tree on `mesh`, each with its
     sharding from the rule table; a missing, extra or misshapen parameter is an error
-    naming it (the worker's model is not the trainer's)."""
-    specs = {SEP.join(map(str, p)): (p, s) for p, s in models.param_specs(cfg).items()}
+    naming it (the worker's model is not the trainer's). adapters: the LoRA adapters of
+    `cfg` alone."""
+    specs = {
+        SEP.join(map(str, p)): (p, s)
+        for p, s in models.param_specs(cfg).items()
+        if not adapters or lora.is_adapter(p[-1])
+    }
     missing, extra = sorted(specs.keys() - arrays.keys()), sorted(arrays.keys() - specs.keys())
     if missing or extra:
         raise wire.WorkerError(
@@ -86,6 +115,40 @@ def place(arrays: dict, cfg, mesh) -> dict:
             )
         placed[path] = jax.device_put(x, shardings[path])
     return models.params.unflatten(placed)
+
+
+class Merger:
+    """A worker's LoRA weights: the base placed once (`set_base`), then each sync's
+    adapters merged into it on the worker's devices (`merge`) -> the plain model's
+    parameters, cast to the wire dtype, in the engine's shardings."""
+
+    def __init__(self, cfg, mesh):
+        self.cfg, self.mesh, self.base, self.programs = cfg, mesh, None, {}
+
+    def set_base(self, arrays: dict) -> None:
+        self.base = place(arrays, self.cfg, self.mesh)
+
+    def merge(self, arrays: dict, settings: dict, dtype: str | None) -> dict:
+        """`arrays`: the adapters of `settings` (rank, alpha, targets)."""
+        if self.base is None:
+            raise wire.WorkerError("LoRA adapters before the base weights")
+        settings = models.LoraConfig(
+            rank=int(settings["rank"]),
+            alpha=float(settings["alpha"]),
+            targets=tuple(settings["targets"]),
+        )
+        cfg = self.cfg.replace(lora=settings)
+        adapters = place(arrays, cfg, self.mesh, adapters=True)
+        key = (cfg.lora, dtype)
+        if key not in self.programs:
+
+            def merged(p):
+                out = lora.merge(cfg, p)
+                return out if dtype is None else jax.tree.map(lambda x: x.astype(dtype), out)
+
+            shardings = models.param_shardings(self.cfg, self.mesh)
+            self.programs[key] = jax.jit(merged, out_shardings=shardings)
+        return self.programs[key](lora.combine(self.base, adapters))
 
 
 def nbytes(host: dict) -> int:
