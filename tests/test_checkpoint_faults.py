@@ -266,6 +266,27 @@ def test_ctrl_c_saves_the_step_and_exits_cleanly(model_dir, tmp_path):
     assert saved == [logged[-1]] and logged == list(range(1, logged[-1] + 1))  # nothing lost
 
 
+def test_a_ctrl_c_whose_handler_runs_inside_the_first_ones_aborts(monkeypatch):
+    """Python may run a signal handler again before its first call returns: a second
+    Ctrl-C handled while the first one's note is being written (after the user saw it)
+    aborts, since the flag is set before the note goes out."""
+    import types
+
+    flag = checkpoint.PreemptionFlag()
+    notes = []
+
+    def write(fd, data):
+        notes.append(data)
+        if len(notes) == 1:
+            flag._handle(signal.SIGINT, None)  # the second press, inside the first's write
+        return len(data)
+
+    monkeypatch.setattr(checkpoint, "os", types.SimpleNamespace(write=write))
+    with pytest.raises(KeyboardInterrupt, match="second Ctrl-C"):
+        flag._handle(signal.SIGINT, None)
+    assert flag.requested and flag.reason == "SIGINT" and len(notes) == 1
+
+
 def test_second_ctrl_c_aborts_with_one_line(model_dir, tmp_path):
     workdir = str(tmp_path / "run")
     proc = _train(model_dir, workdir, slow_stop=True)

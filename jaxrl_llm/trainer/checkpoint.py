@@ -379,15 +379,17 @@ class PreemptionFlag:
         self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt("second Ctrl-C")
+        # Set before the note: a Ctrl-C pressed once the note is out finds the flag set,
+        # even when it runs this handler again before the first call has returned.
+        self.reason = self.reason or signal.Signals(signum).name
+        self._event.set()
         if signum == signal.SIGINT:
-            if self.requested:
-                raise KeyboardInterrupt("second Ctrl-C")
             # os.write: print() or logging could re-enter a stderr write the signal cut.
             os.write(2, _CTRL_C_NOTE.encode())
         else:
             logging.warning("SIGTERM received: saving a checkpoint and stopping after this step")
-        self.reason = self.reason or signal.Signals(signum).name
-        self._event.set()
 
 
 def install_sigterm_handler() -> PreemptionFlag:
