@@ -291,7 +291,7 @@ def test_second_ctrl_c_aborts_with_one_line(model_dir, tmp_path):
     workdir = str(tmp_path / "run")
     proc = _train(model_dir, workdir, slow_stop=True)
     err = _interrupt_after(proc, workdir, steps=1, presses=2)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("error: interrupted; ")
     assert "Traceback" not in err, err[-3000:]
 
