@@ -93,8 +93,7 @@ def lora_params(cfg, rank: int) -> tuple[dict, dict]:
     base = jax.tree.map(lambda x: x.astype("bfloat16"), random_params(cfg))
     adapters = models.lora.init_adapters(lcfg)
     adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # B nonzero: a merge that counts
-    settings = {"rank": rank, "alpha": 2.0 * rank, "targets": list(lcfg.lora.targets)}
-    return models.lora.combine(base, adapters), settings
+    return models.lora.combine(base, adapters), weights.lora_settings(lcfg.lora)
 
 
 def bench(name: str, repeats: int, lora_rank: int = 0) -> dict:

@@ -701,8 +701,7 @@ def test_lora_syncs_send_the_adapters_and_each_worker_merges_them(workers):
     merged = lora.make_merge_fn(cfg, trainer)(tuned)
     _, want_tuned = _local_reference(config, workers.path, spec, prompts, 0, params=merged)
     assert any((want_tuned[s][0].tokens != want[s][0].tokens).any() for s in want)
-    settings = {"rank": 4, "alpha": 8.0, "targets": list(cfg.lora.targets)}
-    stream = open_session(dataclasses.replace(remote, lora=settings), "stream", tuned, 0, spec)
+    stream = open_session(dataclasses.replace(remote, lora=cfg.lora), "stream", tuned, 0, spec)
     try:
         assert [k.has_base for k in stream.links] == [True, True]
         sent, base = stream.host, stream.host.base

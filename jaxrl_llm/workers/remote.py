@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from jaxrl_llm import config as config_lib
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.sampling.decode import SampleOutput
 from jaxrl_llm.sampling.engine import SESSIONS
@@ -69,9 +70,9 @@ class Workers:
     # TLS (`rollout.worker_tls_ca`): the PEM file the workers' certificates must chain to;
     # None: plain TCP.
     tls_ca: str | None = None
-    # LoRA (`model.lora`): {rank, alpha, targets} of the adapters the workers merge into
-    # the base; None: the parameters sent are the plain model's.
-    lora: dict | None = None
+    # LoRA (`model.lora`): the adapters the workers merge into the base (a
+    # `models.LoraConfig`); None: the parameters sent are the plain model's.
+    lora: object = None
 
 
 JOIN_TIMEOUT_S = 5.0  # the connection to a joining worker (the rollout waits for it)
@@ -299,7 +300,8 @@ class RemoteStream:
             need = [k for k in links if k.alive and not k.has_base]
             for link, _ in self._exchange(need, "weights", {"part": "base"}, host.base):
                 link.has_base = True
-            fields |= {"part": "adapters", "lora": self.workers.lora, "dtype": host.dtype}
+            lora = weights.lora_settings(self.workers.lora)
+            fields |= {"part": "adapters", "lora": lora, "dtype": host.dtype}
         self._exchange([k for k in links if k.alive], "weights", fields, host)
 
     def _assign(self, step: int) -> None:
@@ -412,18 +414,10 @@ def rollout_workers(c, pad_id: int):
         connect_timeout_s=float(c.rollout.get("worker_start_s", 60.0)),
         retry_s=float(c.rollout.get("worker_retry_s", 30.0)),
         tls_ca=c.rollout.get("worker_tls_ca") or None,
-        lora=_lora_settings(c),
+        lora=config_lib.lora_config(c),
         addresses_file=listed,
         min_workers=c.rollout.workers,
     )
-
-
-def _lora_settings(c) -> dict | None:
-    """model.lora's rank, alpha and targets (what a worker's merge needs), or None."""
-    lo = c.model.lora
-    if not lo.rank:
-        return None
-    return {"rank": int(lo.rank), "alpha": float(lo.alpha), "targets": list(lo.targets)}
 
 
 SESSIONS[Workers] = {"stream": RemoteStream}  # open_session(workers, "stream", ...)

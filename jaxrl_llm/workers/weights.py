@@ -117,6 +117,11 @@ def place(arrays: dict, cfg, mesh, adapters: bool = False) -> dict:
     return models.params.unflatten(placed)
 
 
+def lora_settings(cfg: models.LoraConfig) -> dict:
+    """What a sync's adapters frame says of them (JSON), for `Merger.merge`."""
+    return {"rank": int(cfg.rank), "alpha": float(cfg.alpha), "targets": list(cfg.targets)}
+
+
 class Merger:
     """A worker's LoRA weights: the base placed once (`set_base`), then each sync's
     adapters merged into it on the worker's devices (`merge`) -> the plain model's
@@ -129,7 +134,7 @@ class Merger:
         self.base = place(arrays, self.cfg, self.mesh)
 
     def merge(self, arrays: dict, settings: dict, dtype: str | None) -> dict:
-        """`arrays`: the adapters of `settings` (rank, alpha, targets)."""
+        """`arrays`: the adapters of `settings` (`lora_settings`)."""
         if self.base is None:
             raise wire.WorkerError("LoRA adapters before the base weights")
         settings = models.LoraConfig(
