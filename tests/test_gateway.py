@@ -935,6 +935,47 @@ def test_unshared_prompts_are_counted_and_warned_once(tiny, tok, tmp_path, caplo
     assert "must start with the same messages for the prompt to be shared" in lines[0]
 
 
+def _completion(text: str) -> dict:
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    return {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+
+
+def test_waiting_for_the_model_does_not_count_against_the_timeout(tmp_path):
+    """With agent.timeout_s = 1 and every request held 2 s before its answer (a slow or
+    compiling trainer), a two-request agent still ends with its reward; an agent that
+    blocks after its answer still times out, about 1 s after that answer."""
+    from jaxrl_llm.gateway.server import Server
+
+    server = Server(f"{AGENTS}:two_turns")
+    try:
+        (future,) = server.run_episodes([{"question": "1+2="}], 1.0).values()
+        for _ in range(2):
+            _, _, reply = server.requests.get(timeout=60)
+            time.sleep(2.0)
+            assert not future.done()
+            reply(200, _completion("3"))
+        assert future.result(timeout=30) == (1.0, "", "done")
+    finally:
+        server.close()
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    server = Server(f"{AGENTS}:misbehave", {"claims": str(claims)})  # episode 0 sleeps
+    try:
+        (future,) = server.run_episodes([{"question": "1+2="}], 1.0).values()
+        _, _, reply = server.requests.get(timeout=60)
+        time.sleep(2.0)
+        assert not future.done()
+        reply(200, _completion("3"))
+        answered = time.monotonic()
+        result = future.result(timeout=30)
+        assert result[0] is None and result[2] == "timeout"
+        assert time.monotonic() - answered < 10
+    finally:
+        server.close()
+    assert not [line for line in _below(os.getpid()) if "gateway.launcher" in line]
+
+
 def test_closing_with_a_request_in_flight_raises_nothing():
     """A run that stops while an agent waits on a request closes the gateway without an
     error of its own (which would hide the run's): the request is answered 503, the

@@ -278,7 +278,7 @@ def agent_defaults() -> ml_collections.ConfigDict:
     # them): the width the reference and the update see; a request that would pass it is
     # refused and its episode scores 0. rollout.max_new_tokens caps one response.
     a.max_total_tokens = 256
-    a.timeout_s = 120.0  # one episode, its requests included; past it the episode scores 0
+    a.timeout_s = 120.0  # one episode's own time (not its waits for the model); past it: 0
     # How long the batcher waits for more requests once one is pending, at least (a quarter
     # of the last sampler call's time when longer); every running episode having one ends
     # the wait at once.

@@ -21,8 +21,9 @@ The agents run in processes of their own (`launcher`): one per episode, so a cra
 an exit, a hang or a fork costs that episode only. An episode ends when its process
 posts its result (`POST /e/<id>/result`), when the process ends without one (an error,
 `agent_exits`), or when it passes `timeout_s`: the watchdog then kills the process and
-everything below it (a timeout). The time until the server's first answer (the first
-compile of the sampler) does not count against `timeout_s`.
+everything below it (a timeout). `timeout_s` bounds the agent's own time: the time an
+episode's requests wait for the model (the queue, the sampler's compiles, the other
+episodes' tokens) does not count, so a slow or loaded trainer never times an agent out.
 """
 
 from __future__ import annotations
@@ -52,6 +53,25 @@ class _Episode:
     timeout_s: float
     lock: asyncio.Lock
     pid: int | None = None
+    waited: float = 0.0  # seconds its answered requests waited for the model
+    pending: int = 0  # its requests not answered yet
+    pending_since: float = 0.0  # when the oldest of them came
+
+    def elapsed(self, now: float) -> float:
+        """The agent's own seconds since the episode started: the wall time less the
+        time its requests waited for the model."""
+        waiting = now - self.pending_since if self.pending else 0.0
+        return now - self.started - self.waited - waiting
+
+    def asked(self) -> None:
+        if not self.pending:
+            self.pending_since = time.monotonic()
+        self.pending += 1
+
+    def answered(self) -> None:
+        self.pending -= 1
+        if not self.pending:
+            self.waited += time.monotonic() - self.pending_since
 
 
 class Requests:
@@ -107,7 +127,6 @@ class Server:
         self._waiting: set = set()  # futures of requests not answered yet
         self._outbox: collections.deque = collections.deque()  # replies for the loop
         self._flushing = False  # a `_flush` is scheduled on the loop
-        self._warm = [None, None]  # when the first request came, when it was answered
         self._launcher: Launcher | None = None
         app = web.Application(client_max_size=max_request_bytes)
         app.router.add_post("/e/{episode}/v1/chat/completions", self._completions)
@@ -196,6 +215,13 @@ class Server:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return _error(web, 400, "the body must be an object with a 'messages' list")
         episode = request.match_info["episode"]
+        ep.asked()
+        try:
+            return await self._complete(web, ep, episode, body)
+        finally:
+            ep.answered()
+
+    async def _complete(self, web, ep: _Episode, episode: str, body: dict):
         async with ep.lock:  # one request of an episode at a time, in order
             if episode not in self.live:
                 self.counts["dropped"] += 1
@@ -209,8 +235,6 @@ class Server:
                     self._flushing = True
                     self.loop.call_soon_threadsafe(self._flush)
 
-            if self._warm[0] is None:
-                self._warm[0] = time.monotonic()
             self.requests.put((episode, body, reply))
             status, payload = await done
         return web.json_response(payload, status=status)
@@ -224,8 +248,6 @@ class Server:
             self._answer(*self._outbox.popleft())
 
     def _answer(self, done, value) -> None:
-        if self._warm[1] is None:
-            self._warm[1] = time.monotonic()
         self._waiting.discard(done)
         if not done.done():
             done.set_result(value)
@@ -299,21 +321,13 @@ class Server:
 
         self.loop.call_soon_threadsafe(exited)
 
-    def _elapsed(self, started: float, now: float) -> float:
-        """Seconds since `started`, less the part of the wait for the first answer."""
-        first, answered = self._warm
-        if first is None:
-            return now - started
-        overlap = min(now, answered or now) - max(started, first)
-        return now - started - max(overlap, 0.0)
-
     async def _watch(self) -> None:
         """Ends each episode past its timeout and kills its process tree."""
         while True:
             await asyncio.sleep(WATCHDOG_S)
             now = time.monotonic()
             for episode, ep in list(self.live.items()):
-                if self._elapsed(ep.started, now) > ep.timeout_s:
+                if ep.elapsed(now) > ep.timeout_s:
                     self._end(
                         episode,
                         (None, f"the agent passed agent.timeout_s={ep.timeout_s:g}", "timeout"),
