@@ -584,6 +584,7 @@ def _replies(tok, ids, loss) -> list[str]:
     return [tok.decode(r, skip_special_tokens=True) for r in runs]
 
 
+@pytest.mark.slow
 def test_a_verifiers_env_trains_through_the_gateway(tmp_path):
     """Two GRPO steps (rollout.mode='overlap') whose rollouts are the verifiers env's
     episodes, evaluated at step 0 and at the end (eval/*, beside the rollout thread);

@@ -233,7 +233,7 @@ def test_refused_options_name_the_key(gemma4):
         models.ModelConfig.from_hf_dict(multimodal)
 
 
-@pytest.mark.parametrize("kind", ["wide", "shared"])
+@pytest.mark.parametrize("kind", ["wide", pytest.param("shared", marks=pytest.mark.slow)])
 def test_paged_engine_and_trainer_logprobs_equal_static_sampler(kind):
     """The paged engine (4 slots for 12 rows, preemptions, past the window) gives the
     static sampler's greedy tokens; sampled rows' behaviour log-probs equal the

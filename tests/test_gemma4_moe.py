@@ -190,6 +190,7 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
     assert gaps[2, "rollout"].max() <= 5e-6, gaps[2, "rollout"].max()
 
 
+@pytest.mark.slow
 def test_grpo_two_steps_with_routing_replay(tmp_path):
     """A tiny Gemma 4 MoE (2 layers, sliding then full) built from fields, saved by
     `save_hf` (transformers reads it as the same model), through the trainer: beta > 0,

@@ -525,6 +525,7 @@ def _two_steps(config_name: str, tmp_path) -> None:
 
 
 @needs_smollm2
+@pytest.mark.slow  # .ci/run trains this config on the plain install
 def test_smollm2_config_runs_two_steps(tmp_path):
     _two_steps("smollm2_arithmetic_cpu.py", tmp_path)
 
@@ -569,6 +570,7 @@ def test_gemma3_270m_logits_and_tokenizer_match_transformers(one_gguf_parse):
 
 
 @needs_gemma3
+@pytest.mark.slow
 def test_gemma3_config_runs_two_steps(tmp_path):
     _two_steps("gemma3_arithmetic_cpu.py", tmp_path)
 

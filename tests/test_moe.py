@@ -343,7 +343,7 @@ def moe_update_batch(cfg, params, spec):
     return rl.RolloutBatch.from_sample(out, rewards.astype(np.float32))
 
 
-@pytest.mark.parametrize("impl", ["auto", "gmm"])
+@pytest.mark.parametrize("impl", ["auto", pytest.param("gmm", marks=pytest.mark.slow)])
 def test_expert_parallel_update_equals_one_device(impl):
     """One GRPO update (experts replayed) on 8 devices, one expert per device on the
     `expert` axis (which also splits the batch), equals one device. `gmm`: the Pallas

@@ -91,6 +91,7 @@ def test_notebook_is_stored_clean():
     assert "NUM_STEPS = 300" in _parameters_cell(nb).source  # as configs/quickstart.py
 
 
+@pytest.mark.slow
 def test_notebook_runs_shortened(tmp_path):
     nb = _read()
     cell = _parameters_cell(nb)

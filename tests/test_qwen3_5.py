@@ -387,6 +387,7 @@ def tiny_hybrid(**overrides):
     return tiny_model_config(**(fields | overrides))
 
 
+@pytest.mark.slow
 def test_training_memory_grows_linearly():
     """XLA's compiled memory of the forward + backward (remat full, blockwise attention in
     the full layers, chunks of 64 in the DeltaNet layers) at 4,096 and 16,384 tokens: 4x

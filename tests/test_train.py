@@ -22,7 +22,17 @@ def model_dir(tmp_path_factory):
     return make_model_dir(str(tmp_path_factory.mktemp("tiny_model")))
 
 
-@pytest.mark.parametrize("name", ["dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dr_grpo",
+        "dapo",
+        pytest.param("gspo", marks=pytest.mark.slow),
+        pytest.param("rloo", marks=pytest.mark.slow),
+        pytest.param("reinforce_pp", marks=pytest.mark.slow),
+        "ppo",
+    ],
+)
 def test_every_algorithm_runs_two_steps(model_dir, tmp_path, name):
     """Each preset but GRPO (`tiny_config`'s, which the rest of this file runs)."""
     c = tiny_config(model_dir, name=name)
@@ -72,7 +82,7 @@ def test_gemma3_grpo_two_steps(tmp_path):
     assert np.isfinite(last["loss/kl"])  # the reference model ran
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
+@pytest.mark.parametrize("name", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_bfloat16_model_trains_and_resumes(model_dir, tmp_path, name):
     """model.dtype=bfloat16 (the GPU / TPU configs): bf16 parameters with a float32 master
     copy and moments in the optimizer state (`rl.MasterWeights`), finite steps, and a

@@ -59,6 +59,30 @@ def test_weights_round_trip_to_another_mesh_bitwise():
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), b.view(np.uint16))
 
 
+def test_lora_copies_and_merges_leave_the_base_alone():
+    """With LoRA adapters, the rollout thread's copy of what the update donates
+    (`thread.owned`) copies the adapters and shares the frozen base; a plain tree is
+    copied whole. A worker's `Merger` refuses adapters before it has the base."""
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.rollout import thread
+
+    cfg = tiny_model_config().replace(lora=models.LoraConfig(rank=2, alpha=4.0))
+    base = models.init_params(tiny_model_config(), seed=1)
+    params = lora.combine(base, lora.init_adapters(cfg, seed=2))
+    copy = thread.owned(params)
+    assert jax.tree.structure(copy) == jax.tree.structure(params)
+    for path, leaf in weights.flatten(copy).items():
+        original = weights.flatten(params)[path]
+        assert (leaf is original) != lora.is_adapter(path[-1]), path
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(original))
+    plain = zip(jax.tree.leaves(thread.owned(base)), jax.tree.leaves(base), strict=True)
+    assert not any(a is b for a, b in plain)
+    host = weights.host_copy(params)
+    merger = weights.Merger(cfg, None)
+    with pytest.raises(wire.WorkerError, match="LoRA adapters before the base weights"):
+        merger.merge(dict(host), weights.lora_settings(cfg.lora), host.dtype)
+
+
 def test_wrong_token_is_refused_with_one_line():
     cfg = tiny_model_config()
     listener = wire.listen("127.0.0.1", 0)

@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm.models import lora
 from jaxrl_llm.rollout.sources import Rollout, Sampling
 from jaxrl_llm.sampling.engine import open_session
 
@@ -310,6 +311,16 @@ class PlayerStream:
         return self.done.pop(step)[1]
 
 
+def owned(params):
+    """A copy of what the update donates: the whole tree, or of parameters with LoRA
+    adapters (sent unmerged to rollout workers) the adapters alone, the frozen base
+    (never donated, `rl.state`) shared as it is."""
+    if any(lora.is_adapter(k) for k in params.get("layers", {})):
+        adapters, base = lora.split(params)
+        return lora.combine(base, jax.tree.map(jnp.copy, adapters))
+    return jax.tree.map(jnp.copy, params)
+
+
 class Threaded:
     """rollout.mode='split' as a rollout source: the thread starts at the first step with
     the parameters given (already on the rollout mesh: `Run.sampler_params`); each later
@@ -319,7 +330,7 @@ class Threaded:
     With a `player` (multi-turn), or an engine that does not dispatch ahead (the paged
     one), it also serves 'overlap' (`max_staleness=1`, one mesh): the thread then gets a
     copy of the parameters (`copy=True`), since the update donates the ones the step
-    holds while the thread still samples with them."""
+    holds while the thread still samples with them (`owned`)."""
 
     def __init__(
         self,
@@ -349,7 +360,7 @@ class Threaded:
         """Publishes `params` as version `step` (the first call starts the thread with
         them) and waits for step's rollout."""
         if self.copy:
-            params = jax.tree.map(jnp.copy, params)
+            params = owned(params)
         if self.handoff is None:
             self.handoff = Handoff(params, step, self.s.data.state())
             self.thread = RolloutThread(
