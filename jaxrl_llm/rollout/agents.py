@@ -102,44 +102,34 @@ class AgentRollout:
         return self._rollout(order, episodes, results, over, batch, play, play.version)
 
     def evaluate(self, params, batches, *, pass_k: int, temperature: float, step: int = 0):
-        """`eval/*` over held-out batches: each example's episode played once greedily
-        (temperature 0) through the gateway, as in training -> its mean reward
-        (`eval/reward_mean`), the fraction above 0.5 (`eval/pass@1`, `evaluation.is_correct`),
-        failed episodes, requests and length per episode; with pass_k > 1, pass_k episodes
-        per example at `temperature` (`eval/pass@k`). Runs on a server of its own, so an
-        evaluation beside the rollout thread's episodes (overlap, split) keeps them apart."""
+        """`eval/*` over held-out batches (`evaluation.run`): each example's episode played
+        through the gateway as in training, once greedily (`eval/pass@1`: its reward above
+        0.5, `evaluation.is_correct`; the mean reward, failed episodes, requests and length
+        per episode), and with pass_k > 1 pass_k times at `temperature` (`eval/pass@k`).
+        Runs on a server of its own, so an evaluation beside the rollout thread's episodes
+        (overlap, split) keeps them apart."""
         if self.eval_server is None:
             self.eval_server = self.new_server()
-        greedy, sampled = evaluation.specs(self.turn_spec, pass_k, temperature)
-        sampled = sampled and sampled.replace(num_generations=1)
-        rewards, failed, turns, lengths, correct_k = [], [], [], [], []
-        for i, batch in enumerate(batches):
-            play = Play(self.eval_server, greedy, key=0, step=step, version=step)
-            order, episodes, results, over = self._play(params, list(batch.examples), play)
-            r, ends, _ = self._rewards(order, results, over)
-            rewards.append(r)
-            failed += [end != "done" for end in ends]
-            turns += [episodes[e].turns for e in order]
-            lengths += [sum(episodes[e].loss) for e in order]
-            if sampled is not None:
-                key = evaluation.EVAL_KEY_OFFSET + (step * len(batches) + i) % 2**14 * 1024
-                play = Play(self.eval_server, sampled, key=key, step=step, version=step)
-                examples = [ex for ex in batch.examples for _ in range(pass_k)]
-                order, _, results, over = self._play(params, examples, play)
-                hit = evaluation.is_correct(self._rewards(order, results, over)[0])
-                correct_k.append(hit.reshape(-1, pass_k).any(axis=1))
-        rewards = np.concatenate(rewards)
-        out = {
-            "eval/reward_mean": float(rewards.mean()),
-            "eval/pass@1": float(evaluation.is_correct(rewards).mean()),
-            "eval/num_prompts": float(len(rewards)),
-            "eval/failed_frac": float(np.mean(failed)),
-            "eval/turns_mean": float(np.mean(turns)),
-            "eval/length_mean": float(np.mean(lengths)),
-        }
-        if correct_k:
-            out[f"eval/pass@{pass_k}"] = float(np.concatenate(correct_k).mean())
-        return out
+
+        def play(batch, spec, key):  # an episode per row: G copies of each example
+            examples = [ex for ex in batch.examples for _ in range(spec.num_generations)]
+            if key >= evaluation.EVAL_KEY_OFFSET:  # an episode's draws take key + its index
+                key = evaluation.EVAL_KEY_OFFSET + (key - evaluation.EVAL_KEY_OFFSET) % 2**14 * 1024
+            spec = spec.replace(num_generations=1)
+            game = Play(self.eval_server, spec, key=key, step=step, version=step)
+            order, episodes, results, over = self._play(params, examples, game)
+            rewards, ends, _ = self._rewards(order, results, over)
+            rows = {
+                "reward_mean": rewards,
+                "failed_frac": [end != "done" for end in ends],
+                "turns_mean": [episodes[e].turns for e in order],
+                "length_mean": [sum(episodes[e].loss) for e in order],
+            }
+            return rewards, rows
+
+        return evaluation.run(
+            play, batches, self.turn_spec, pass_k=pass_k, temperature=temperature, step=step
+        )
 
     def _play(self, params, examples: list, play: Play, refresh=None):
         """The agent's episodes of `examples`, to the end, on `play.server`, sampled with

@@ -1,5 +1,8 @@
-"""Held-out evaluation, for RL and SFT alike: greedy pass@1, sampled pass@k, completion
-length, per-verifier rewards.
+"""Held-out evaluation, for RL and SFT alike, and for every player: one loop (`run`) of
+greedy pass@1, sampled pass@k and per-row means over the held-out batches, around a
+`play(batch, spec, key) -> (scores, means)` of the player's own: the sampler and the
+verifiers here (`evaluate`), whole trajectories (`EnvRollout.evaluate`), agent episodes
+(`AgentRollout.evaluate`).
 
     metrics = evaluate(sampler, params, batches, scorer, correct_label="gsm8k", pass_k=8,
                        temperature=1.0, step=step)
@@ -58,25 +61,36 @@ def held_out_batches(config, tokenizer, batch_size: int) -> list:
     return fixed_batches(it, config.eval.num_prompts)
 
 
-def _scores(details, label: str) -> np.ndarray:
-    return np.asarray(details.per_verifier[label], np.float64)
-
-
-def _score(sampler, params, batch, scorer, spec, step):
-    """Samples `spec` for one batch -> (ScoreDetails, lengths, finish)."""
-    out = sampler.sample(params, batch.prompt_ids, batch.prompt_mask, spec, step)
-    texts, lengths, finish = scorer.decode(out)
-    examples = [ex for ex in batch.examples for _ in range(spec.num_generations)]
-    _, details = scorer.pool.score(scorer.specs, texts, examples, num_tokens=lengths.tolist())
-    return details, lengths, finish
-
-
 def specs(spec, pass_k: int, temperature: float):
     """(greedy, sampled) rollout specs of an evaluation: one greedy sample per prompt, and
     pass_k samples at `temperature` (None when pass_k == 1)."""
     greedy = spec.replace(num_generations=1, temperature=0.0)
     sampled = spec.replace(num_generations=pass_k, temperature=temperature)
     return greedy, sampled if pass_k > 1 else None
+
+
+def run(play, batches, spec, *, pass_k: int, temperature: float, step: int) -> dict[str, float]:
+    """`eval/*` over the held-out batches. play(batch, spec, key) -> (scores, values): a
+    score per drawn row (a prompt's rows in a run), what decides correctness
+    (`is_correct`), and {name: a value per row}. Batch i is drawn greedily (key i): its
+    rows give `eval/pass@1` and each `eval/<name>` (the mean over every batch's rows);
+    then, with pass_k > 1, pass_k rows per prompt at `temperature` (key EVAL_KEY_OFFSET +
+    step * len(batches) + i) give `eval/pass@k`: prompts with a correct row among k."""
+    greedy, sampled = specs(spec, pass_k, temperature)
+    correct1, correct_k, values = [], [], {}
+    for i, batch in enumerate(batches):
+        scores, rows = play(batch, greedy, i)
+        correct1.append(is_correct(scores))
+        for name, v in rows.items():
+            values.setdefault(name, []).append(np.asarray(v, np.float64))
+        if sampled is not None:
+            scores, _ = play(batch, sampled, EVAL_KEY_OFFSET + step * len(batches) + i)
+            correct_k.append(is_correct(scores).reshape(-1, pass_k).any(axis=1))
+    correct1 = np.concatenate(correct1)
+    out = {"eval/pass@1": float(correct1.mean()), "eval/num_prompts": float(len(correct1))}
+    if correct_k:
+        out[f"eval/pass@{pass_k}"] = float(np.concatenate(correct_k).mean())
+    return out | {f"eval/{name}": float(np.concatenate(v).mean()) for name, v in values.items()}
 
 
 def evaluate(
@@ -90,32 +104,19 @@ def evaluate(
     temperature: float,
     step: int = 0,
 ) -> dict[str, float]:
-    """Metrics `eval/*` over the fixed evaluation batches.
+    """`eval/*` of single-turn samples (`run`): pass@1, pass@k, `length_mean`,
+    `truncated_frac` and each verifier's mean (`reward/<label>`).
 
     sampler: a `sampling.Sampler`; scorer: a `scoring.Scorer` (its spec gives the budget
     and stop ids; greedy and sampled draws replace G and the temperature)."""
-    greedy, sampled = specs(scorer.spec, pass_k, temperature)
-    correct1, correct_k, lengths, truncated, per_label = [], [], [], [], {}
-    for i, batch in enumerate(batches):
-        details, n, finish = _score(sampler, params, batch, scorer, greedy, step=i)
-        correct1.append(is_correct(_scores(details, correct_label)))
-        lengths.append(n)
-        truncated.append(finish == sampling.FINISH_LENGTH)
-        for label in details.per_verifier:
-            per_label.setdefault(label, []).append(_scores(details, label))
-        if pass_k > 1:
-            key = EVAL_KEY_OFFSET + step * len(batches) + i
-            details, _, _ = _score(sampler, params, batch, scorer, sampled, step=key)
-            hit = is_correct(_scores(details, correct_label))
-            correct_k.append(hit.reshape(-1, pass_k).any(axis=1))
-    metrics = {
-        "eval/pass@1": float(np.concatenate(correct1).mean()),
-        "eval/length_mean": float(np.concatenate(lengths).mean()),
-        "eval/truncated_frac": float(np.concatenate(truncated).mean()),
-        "eval/num_prompts": float(sum(len(c) for c in correct1)),
-    }
-    if correct_k:
-        metrics[f"eval/pass@{pass_k}"] = float(np.concatenate(correct_k).mean())
-    for label, values in per_label.items():
-        metrics[f"eval/reward/{label}"] = float(np.concatenate(values).mean())
-    return metrics
+
+    def play(batch, spec, key):
+        out = sampler.sample(params, batch.prompt_ids, batch.prompt_mask, spec, key)
+        texts, lengths, finish = scorer.decode(out)
+        examples = [ex for ex in batch.examples for _ in range(spec.num_generations)]
+        _, details = scorer.pool.score(scorer.specs, texts, examples, num_tokens=lengths.tolist())
+        rows = {"length_mean": lengths, "truncated_frac": finish == sampling.FINISH_LENGTH}
+        rows |= {f"reward/{k}": v for k, v in details.per_verifier.items()}
+        return details.per_verifier[correct_label], rows
+
+    return run(play, batches, scorer.spec, pass_k=pass_k, temperature=temperature, step=step)

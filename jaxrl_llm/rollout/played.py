@@ -107,35 +107,26 @@ class EnvRollout:
         return out, trajs, turns, prompt_ids, tokens, lengths
 
     def evaluate(self, params, batches, *, pass_k: int, temperature: float, step: int = 0):
-        """`eval/*` over held-out batches, trajectories played to the end: pass@1 (greedy),
-        the greedy trajectories' mean reward, pass@k (pass_k samples at `temperature`),
-        turns, tool calls and length means. The turn limit is the schedule's value at `step`."""
-        greedy, sampled = evaluation.specs(self.spec, pass_k, temperature)
-        settings = self.settings(step)
-        correct1, correct_k, metrics, rewards = [], [], [], []
-        discount = self.config.env.turn_reward_discount
-        for i, batch in enumerate(batches):
-            _, trajs, turns, _, _, lengths = self._play(params, batch, greedy, settings, i)
-            correct1.append(evaluation.is_correct([t.reward(0.0) for t in trajs]))
-            rewards += [t.reward(discount) for t in trajs]  # the training reward
-            metrics.append(self.metrics(trajs, turns, lengths))
-            if sampled is not None:
-                key = evaluation.EVAL_KEY_OFFSET + step * len(batches) + i
-                _, trajs, *_ = self._play(params, batch, sampled, settings, key)
-                hit = evaluation.is_correct([t.reward(0.0) for t in trajs])
-                correct_k.append(hit.reshape(-1, pass_k).any(axis=1))
-        out = {
-            "eval/pass@1": float(np.concatenate(correct1).mean()),
-            "eval/reward_mean": float(np.mean(rewards)),
-            "eval/num_prompts": float(sum(len(c) for c in correct1)),
-        }
-        if correct_k:
-            out[f"eval/pass@{pass_k}"] = float(np.concatenate(correct_k).mean())
-        weights = np.array([len(c) for c in correct1], np.float64)
-        for name in ("env/turns_mean", "env/tool_calls", "env/tool_errors", "rollout/length_mean"):
-            values = np.array([m[name] for m in metrics])
-            out["eval/" + name.split("/")[1]] = float((values * weights).sum() / weights.sum())
-        return out
+        """`eval/*` over held-out batches (`evaluation.run`), trajectories played to the
+        end: pass@1 (greedy), pass@k, and the greedy trajectories' mean reward (the
+        training one, discounted), turns, tool calls and length. The turn limit is the
+        schedule's value at `step`."""
+        settings, discount = self.settings(step), self.config.env.turn_reward_discount
+
+        def play(batch, spec, key):
+            _, trajs, turns, _, _, lengths = self._play(params, batch, spec, settings, key)
+            rows = {
+                "reward_mean": [t.reward(discount) for t in trajs],
+                "turns_mean": turns.model_turns,
+                "tool_calls": [t.info.get("tool_calls", 0.0) for t in trajs],
+                "tool_errors": [t.info.get("tool_errors", 0.0) for t in trajs],
+                "length_mean": lengths,
+            }
+            return [t.reward(0.0) for t in trajs], rows
+
+        return evaluation.run(
+            play, batches, self.spec, pass_k=pass_k, temperature=temperature, step=step
+        )
 
     def __call__(
         self,
