@@ -20,34 +20,37 @@ from jaxrl_llm.rollout.shared import Shared
 from jaxrl_llm.rollout.sources import Refilled, Sampled, SampledAhead, Sampling
 from jaxrl_llm.rollout.thread import Threaded
 
-# rollout.mode -> its rollout source (`sources`); each takes (Sampling, config).
-SOURCES = {"sync": Sampled, "overlap": SampledAhead, "split": Threaded}
+# rollout.mode -> its rollout source where the rollout thread does not serve it (`sources`)
+SOURCES = {"sync": Sampled, "overlap": SampledAhead}
 
 
 def make_source(config, s: Sampling, algo, env_rollout=None):
-    """The run's rollout source: the environments' or the agents' (env.name /
-    agent.entry, an `EnvRollout` / `AgentRollout`: played in the step in 'sync', by the
-    rollout thread in 'split', and in 'overlap' by the thread on the training mesh one
-    version behind; on either engine), else the one of rollout.mode, with DAPO's dynamic
-    sampling around it; 'overlap' on an engine whose `sample` runs on the host to the end
-    (`dispatches_ahead` False: the paged one) is the rollout thread one version behind
-    instead, its stream session kept across steps."""
-    if env_rollout is not None:
-        mode = config.rollout.mode
-        if mode == "sync":
-            return Played(s, env_rollout)
-        if mode == "split":
-            return Threaded(s, config, player=env_rollout)
-        return Threaded(s, config, player=env_rollout, max_staleness=1, copy=True)
-    if config.rollout.mode == "overlap" and not s.sampler.dispatches_ahead:
-        return Threaded(s, config, max_staleness=1, copy=True)  # one session across steps
-    if config.rollout.mode == "split" and s.workers is not None:  # rollout.workers
-        if jax.process_count() > 1:  # process 0 draws for all (`shared`)
-            return Shared(s, config)
-        # The parameters stay on the training mesh, which the update donates: the thread
-        # sends a copy.
-        return Threaded(s, config, copy=True)
-    source = SOURCES[config.rollout.mode](s, config)
+    """The run's rollout source. Environments or agents (env.name / agent.entry, an
+    `EnvRollout` / `AgentRollout`) in 'sync' play in the step (`Played`). The rollout
+    thread serves 'split', and 'overlap' where the step cannot sample ahead itself (a
+    player, or an engine whose `sample` runs on the host to the end, `dispatches_ahead`
+    False: the paged one): there it runs one version behind on the training mesh, on a
+    copy of the parameters the update donates (as it does for rollout workers, which
+    read the training mesh's). A trainer of several processes with rollout workers
+    draws on process 0 for all (`Shared`). The rest is `SOURCES`' by mode, with DAPO's
+    dynamic sampling around it."""
+    mode = config.rollout.mode
+    if mode == "sync" and env_rollout is not None:
+        return Played(s, env_rollout)
+    if mode == "split" and s.workers is not None and jax.process_count() > 1:
+        return Shared(s, config)
+    if mode == "split" or (
+        mode == "overlap" and (env_rollout is not None or not s.sampler.dispatches_ahead)
+    ):
+        overlap = mode == "overlap"
+        return Threaded(
+            s,
+            config,
+            player=env_rollout,
+            max_staleness=1 if overlap else None,
+            copy=overlap or s.workers is not None,
+        )
+    source = SOURCES[mode](s, config)
     if algo.dynamic_sampling:
         source = Refilled(source, s, algo.max_resample_rounds)
     return source
