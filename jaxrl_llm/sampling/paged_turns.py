@@ -275,8 +275,7 @@ class TurnSession:
         """Evicts the most recently parked row that holds pages outside a slot (not
         `keep`); when none does, drops the prompt reference an evicted row kept (not
         `keep`'s) -> whether there was one."""
-        for r in reversed(list(self.holders)):
-            t = self.holders[r]
+        for t in reversed(self.holders.values()):  # no copy: it returns after a change
             if t is not keep:
                 self._unpage(t)
                 self.pool.stats["evicted"] += 1
