@@ -61,3 +61,18 @@ def _release_compiled_programs():
 def pytest_unconfigure(config):
     if _OWN_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ[_SESSION_CACHE], ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier (`@pytest.mark.slow`: tests that re-check a path a cheaper test also
+    runs) is left out of a run, unless `-m` picks tests (`-m slow`: the tier alone) or the
+    test is named on the command line (`tests/test_x.py::test_y`)."""
+    if config.option.markexpr:
+        return
+    named = {arg.split("[")[0] for arg in config.args if "::" in arg}
+    slow = [
+        i for i in items if i.get_closest_marker("slow") and i.nodeid.split("[")[0] not in named
+    ]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [i for i in items if i not in slow]

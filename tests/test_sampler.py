@@ -245,7 +245,7 @@ def test_cache_lengths():
     assert config_lib.base_config().rollout.cache_segments == sampling.CACHE_SEGMENTS
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_cache_segments_same_samples(tiny, scan_layers):
     """Decoding in segments over a growing cache gives the samples of one loop over the
     full cache: greedy as HF generate, sampled tokens and log-probs as one segment (also

@@ -348,7 +348,9 @@ def test_shared_prompt_logprobs_need_whole_groups(params, host_batch):
         )
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+@pytest.mark.parametrize(
+    "sharded", [pytest.param(False, marks=pytest.mark.slow), True], ids=["one_device", "mesh"]
+)
 def test_shared_prompt_update_equals_every_row_reading_its_prompt(params, host_batch, sharded):
     """share_prompts: each prompt's forward + backward runs once, before the 4 micro-batches
     (each holds one row of every group), its keys/values' cotangents summed over them ==

@@ -778,7 +778,11 @@ def _samples(workdir) -> list:
         return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in map(json.loads, f)]
 
 
-@pytest.mark.parametrize("lora,processes", [(0, 2), (4, 1)], ids=["two_hosts", "lora"])
+@pytest.mark.parametrize(
+    "lora,processes",
+    [(0, 2), (4, 1), pytest.param(4, 2, marks=pytest.mark.slow)],
+    ids=["two_hosts", "lora", "lora_two_hosts"],
+)
 def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_path, lora, processes):
     """rollout.workers=2: a trainer of 4 devices (fsdp 2 x tensor 2) whose rollouts come
     from the two worker processes (fsdp 4 each) samples, scores and trains as the split
@@ -787,7 +791,8 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_pat
     trainer is two processes of 2 devices each (one JAX world, gloo), process 0 drawing
     every process's rows (`rollout.shared`); the update's sums then cross processes, so
     the parameters agree to float32 rounding. "lora": one process, LoRA rank 4, the
-    workers getting the merged weights as the rollout mesh does."""
+    workers getting the base once and the adapters each step, merged as the trainer's
+    merge does for the rollout mesh; "lora_two_hosts": both."""
     import os
     import subprocess
     import sys
