@@ -231,3 +231,48 @@ def test_plot_writes_a_png_of_the_curves(tmp_path, capsys):
         ValueError, match=r"none of \['loss/x'\] found; keys: \['eval/pass@1', 'reward/mean'\]"
     ):
         plot_metrics(path, out, keys=["loss/x"])
+
+
+def test_the_evaluation_loop_is_a_plain_loop_over_rows():
+    """`evaluation.run` with a play of known rows: batch i is drawn greedily with key i,
+    then pass_k rows per prompt with key EVAL_KEY_OFFSET + step * batches + i; pass@1,
+    pass@k and each value's mean over every greedy row are what a plain loop gives."""
+    from jaxrl_llm import sampling
+    from jaxrl_llm.rollout import evaluation
+
+    rng = np.random.default_rng(0)
+    sizes, pass_k, step = (3, 5), 4, 7
+    calls, drawn = [], {}
+
+    def play(batch, spec, key):
+        calls.append((batch, spec.num_generations, spec.temperature, key))
+        rows = batch * spec.num_generations
+        drawn[key] = (rng.random(rows), rng.integers(1, 9, rows))
+        return drawn[key][0], {"length_mean": drawn[key][1]}
+
+    spec = sampling.RolloutSpec(num_generations=8, max_new_tokens=4, temperature=0.7)
+    got = evaluation.run(play, sizes, spec, pass_k=pass_k, temperature=1.0, step=step)
+    offset = evaluation.EVAL_KEY_OFFSET
+    assert calls == [
+        (3, 1, 0.0, 0),
+        (3, pass_k, 1.0, offset + step * 2 + 0),
+        (5, 1, 0.0, 1),
+        (5, pass_k, 1.0, offset + step * 2 + 1),
+    ]
+    greedy = [drawn[0], drawn[1]]
+    scores = [s for g in greedy for s in g[0]]
+    lengths = [n for g in greedy for n in g[1]]
+    hits = []
+    for key in (offset + step * 2, offset + step * 2 + 1):
+        for prompt in range(len(drawn[key][0]) // pass_k):
+            hits.append(
+                any(s > 0.5 for s in drawn[key][0][prompt * pass_k : (prompt + 1) * pass_k])
+            )
+    assert got == pytest.approx(
+        {
+            "eval/pass@1": sum(s > 0.5 for s in scores) / 8,
+            "eval/num_prompts": 8.0,
+            f"eval/pass@{pass_k}": sum(hits) / 8,
+            "eval/length_mean": sum(lengths) / 8,
+        }
+    )
