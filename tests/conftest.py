@@ -70,9 +70,10 @@ def pytest_collection_modifyitems(config, items):
     if config.option.markexpr:
         return
     named = {arg.split("[")[0] for arg in config.args if "::" in arg}
-    slow = [
-        i for i in items if i.get_closest_marker("slow") and i.nodeid.split("[")[0] not in named
-    ]
+    keep, slow = [], []
+    for item in items:
+        left_out = item.get_closest_marker("slow") and item.nodeid.split("[")[0] not in named
+        (slow if left_out else keep).append(item)
     if slow:
         config.hook.pytest_deselected(items=slow)
-        items[:] = [i for i in items if i not in slow]
+        items[:] = keep

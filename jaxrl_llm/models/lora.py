@@ -53,6 +53,11 @@ def is_adapter(name: str) -> bool:
     return name.endswith(SUFFIXES)
 
 
+def has_adapters(params: dict) -> bool:
+    """Whether a parameter tree holds LoRA adapters (base + adapters, unmerged)."""
+    return any(is_adapter(k) for k in params.get("layers", {}))
+
+
 def split(params: dict) -> tuple[dict, dict]:
     """params (base + adapters) -> (adapters, base): the same arrays, two trees."""
     layers = params["layers"]

@@ -1,6 +1,6 @@
 """Held-out evaluation, for RL and SFT alike, and for every player: one loop (`run`) of
 greedy pass@1, sampled pass@k and per-row means over the held-out batches, around a
-`play(batch, spec, key) -> (scores, means)` of the player's own: the sampler and the
+`play(batch, spec, key) -> (scores, per-row values)` of the player's own: the sampler and the
 verifiers here (`evaluate`), whole trajectories (`EnvRollout.evaluate`), agent episodes
 (`AgentRollout.evaluate`).
 

@@ -315,7 +315,7 @@ def owned(params):
     """A copy of what the update donates: the whole tree, or of parameters with LoRA
     adapters (sent unmerged to rollout workers) the adapters alone, the frozen base
     (never donated, `rl.state`) shared as it is."""
-    if any(lora.is_adapter(k) for k in params.get("layers", {})):
+    if lora.has_adapters(params):
         adapters, base = lora.split(params)
         return lora.combine(base, jax.tree.map(jnp.copy, adapters))
     return jax.tree.map(jnp.copy, params)

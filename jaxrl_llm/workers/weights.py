@@ -67,7 +67,7 @@ def host_copy(params, dtype: str | None = "bfloat16", base: Host | None = None) 
     and `dtype` for the worker's merge (module docstring)."""
     if isinstance(params, Host):
         return params
-    if any(lora.is_adapter(k) for k in params.get("layers", {})):
+    if lora.has_adapters(params):
         adapters, frozen = lora.split(params)
         host = _copy(adapters, None)
         host.base = base if base is not None else _copy(frozen, None)
