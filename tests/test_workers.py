@@ -692,6 +692,144 @@ def test_a_paged_worker_draws_what_the_local_paged_stream_draws(workers):
         stream.close()
 
 
+# Trajectories that end after 1, 2 and 3 actions and on max_turns, observations of
+# different lengths (the paged multi-turn tests' environment).
+SLEEPY_EXAMPLES = [
+    {"question": "1+2=", "turns": 1},
+    {"question": "12*3+45=", "turns": 2},
+    {"question": "7=", "turns": 6},
+    {"question": "(8-9)/3=", "turns": 3, "obs_chars": [1, 3, 2]},
+]
+
+
+def _turns_setup(workers, engine: str):
+    """-> play(engine, params, refresh=None) -> (out, turns, trajectory ends), the
+    float32 parameters, and the local engine of `engine` on a mesh of the workers' shape
+    with the parameters it samples (cast to bfloat16, what the wire carries)."""
+    import os
+
+    from tiny_run import TOKENIZER
+
+    from jaxrl_llm import config as config_lib
+    from jaxrl_llm import envs, sampling
+    from jaxrl_llm.models import builtin
+    from jaxrl_llm.rollout.sources import make_sampler
+    from jaxrl_llm.tpu import model_shapes
+
+    config = workers.config.copy_and_resolve_references()
+    config.rollout.engine = engine
+    config = config_lib.prepare(config).config
+    cfg = model_shapes.model_config(config)
+    trainer = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    _, params = models.builtin.load_model(workers.path, trainer, "float32")
+    mesh = parallel.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, jax.devices()[:4])
+    bf16 = jax.device_put(
+        jax.tree.map(lambda x: x.astype("bfloat16"), params), models.param_shardings(cfg, mesh)
+    )
+    tok = builtin.load_tokenizer(TOKENIZER)
+    renderer = envs.Renderer(tok, use_chat=False)
+    settings = envs.TurnSettings(
+        max_turns=4, turn_tokens=6, max_total_tokens=40, stop_ids=(20, 29, 14)
+    )
+    spec = sampling.RolloutSpec(2, settings.turn_tokens, 0.0)
+    sleepy = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs_for_tests.py")
+
+    def play(engine, params, refresh=None):
+        with envs.EnvPool(sleepy + ":Sleepy", {"delay_s": 0.0}, workers=1) as pool:
+            trajs, observations = pool.reset(SLEEPY_EXAMPLES)
+            ids, mask = sampling.pad_prompts([renderer.prompt(o) for o in observations], 0)
+            trajs, _ = envs.replicate(trajs, observations, 2)
+            out, turns = envs.play(
+                engine, params, ids, mask, spec, settings, pool, trajs, renderer, tok,
+                step=1, version=0, mesh=mesh, refresh=refresh,
+            )  # fmt: skip
+        return jax.device_get(out), turns, [t.end for t in trajs]
+
+    return play, params, make_sampler(config, cfg, mesh, 0), bf16
+
+
+def _same_play(got, want) -> None:
+    (out, turns, ends), (out_w, turns_w, ends_w) = got, want
+    for name in ("tokens", "mask", "loss_mask", "lengths", "finish", "policy_version"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(out_w, name), err_msg=name)
+    np.testing.assert_allclose(out.logprobs, out_w.logprobs, atol=1e-5, rtol=0)
+    assert turns.spans == turns_w.spans and ends == ends_w
+    np.testing.assert_array_equal(turns.versions, turns_w.versions)
+
+
+@pytest.mark.parametrize("engine", ["static", "paged"])
+def test_multi_turn_rows_on_a_worker_equal_the_local_turn_loop(workers, engine):
+    """`envs.play` on a `workers.turns.Fleet` (the environments here, each step's rows a
+    session on one worker): greedy, every row's tokens, masks, finish, log-probs (1e-5),
+    turn spans, token versions and trajectory ends equal the local turn loop's on the
+    worker's engine (static, paged) over the same bfloat16 parameters; a second step goes
+    to the next worker with the weights it already holds."""
+    from jaxrl_llm.workers.remote import Workers
+    from jaxrl_llm.workers.turns import Fleet
+
+    play, params, local, bf16 = _turns_setup(workers, engine)
+    want = play(local, bf16)
+    assert want[1].model_turns.max() > 1  # turns went to and fro
+    started = workers.static if engine == "static" else [workers.paged]
+    fleet = Fleet(Workers(tuple(a for _, a in started), TOKEN), {"kind": "turns"})
+    try:
+        _same_play(play(fleet, params), want)
+        assert fleet.version == 0 and fleet.stats["workers"] == len(started)
+        _same_play(play(fleet, params), want)
+        assert [k.last for k in fleet.links] == ([0, 1] if engine == "static" else [1])
+        assert not any(k.steps for k in fleet.links)
+    finally:
+        fleet.close()
+
+
+def test_a_worker_lost_mid_turns_costs_a_replay_of_the_step(workers):
+    """The connection to the worker holding a step's rows breaks while they are between
+    turns: `envs.play` raises `RowsLost` (nothing returned, so nothing trained), the fleet
+    counts the worker lost and the step requeued, and the step played again goes to the
+    other worker and equals the local turn loop. `PlayerStream` plays a step again on
+    `RowsLost` until it is played."""
+    import socket
+
+    from jaxrl_llm.rollout.thread import PlayerStream
+    from jaxrl_llm.sampling.engine import RowsLost
+    from jaxrl_llm.workers.remote import Workers
+    from jaxrl_llm.workers.turns import Fleet
+
+    play, params, local, bf16 = _turns_setup(workers, "static")
+    want = play(local, bf16)
+    fleet = Fleet(Workers(tuple(a for _, a in workers.static), TOKEN), {"kind": "turns"})
+    broken = []
+
+    def refresh():  # before the second decode: the rows are the worker's now
+        if not broken:
+            link = next(k for k in fleet.links if k.steps)
+            link.sock.shutdown(socket.SHUT_RDWR)
+            broken.append(link)
+        return params, 0
+
+    try:
+        with pytest.raises(RowsLost, match="lost step 1's rows"):
+            play(fleet, params, refresh)
+        assert fleet.stats["workers_lost"] == 1 and fleet.stats["requeued"] == 1
+        assert [k.alive for k in fleet.links].count(True) == 1 and not broken[0].alive
+        _same_play(play(fleet, params), want)
+    finally:
+        fleet.close()
+
+    tries = []
+
+    def player(params, batch, step, version, refresh):
+        tries.append(step)
+        if len(tries) == 1:
+            raise RowsLost("worker w lost step 4's rows")
+        return "out", "scored", "versions"
+
+    stream = PlayerStream(player, None, 3, lambda step: None)
+    stream.submit(4, None, None, 4)
+    assert stream.run_chunk() == [4] and tries == [4, 4]
+    assert stream.output(4) == ("out", "versions")
+
+
 def test_lora_syncs_send_the_adapters_and_each_worker_merges_them(workers):
     """LoRA parameters (base + rank-4 adapters, B random): the first sync gives each worker
     the base once, then the adapters, which it merges on its own devices; the steps come
@@ -767,6 +905,11 @@ def get_config():
     c.mesh.rollout_devices = {rollout_devices}
     c.rollout.workers, c.rollout.worker_addresses = {n}, {addresses!r}
     c.model.lora.rank = {lora}
+    if {env}:  # multi-turn: the environments here, the turns on the workers
+        c.rewards = {{}}
+        c.env.name = {tests!r} + "/envs_for_tests.py:Sleepy"
+        c.env.options = {{"turns": 2, "delay_s": 0.0}}
+        c.env.max_turns, c.env.max_total_tokens, c.env.workers = 2, 16, 1
     return c
 """
 
@@ -779,11 +922,13 @@ def _samples(workdir) -> list:
 
 
 @pytest.mark.parametrize(
-    "lora,processes",
-    [(0, 2), (4, 1), pytest.param(4, 2, marks=pytest.mark.slow)],
-    ids=["two_hosts", "lora", "lora_two_hosts"],
+    "lora,processes,multi_turn",
+    [(0, 2, False), (4, 1, False), pytest.param(4, 2, False, marks=pytest.mark.slow), (0, 1, True)],
+    ids=["two_hosts", "lora", "lora_two_hosts", "environments"],
 )
-def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_path, lora, processes):
+def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(
+    workers, tmp_path, lora, processes, multi_turn
+):
     """rollout.workers=2: a trainer of 4 devices (fsdp 2 x tensor 2) whose rollouts come
     from the two worker processes (fsdp 4 each) samples, scores and trains as the split
     run whose rollout mesh is 4 devices of its own process (max_staleness 0, so each step's
@@ -792,7 +937,9 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_pat
     every process's rows (`rollout.shared`); the update's sums then cross processes, so
     the parameters agree to float32 rounding. "lora": one process, LoRA rank 4, the
     workers getting the base once and the adapters each step, merged as the trainer's
-    merge does for the rollout mesh; "lora_two_hosts": both."""
+    merge does for the rollout mesh; "lora_two_hosts": both. "environments": multi-turn
+    (env.name), the trainer's environments stepping each step's turns played on a worker
+    (`workers.turns`)."""
     import os
     import subprocess
     import sys
@@ -810,9 +957,9 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_pat
         file.write_text(RUN_CONFIG.format(tests=tests, model_dir=workers.path, **kw))
         return file
 
-    local = write("local", rollout_devices=4, n=0, addresses="", lora=lora)
+    local = write("local", rollout_devices=4, n=0, addresses="", lora=lora, env=multi_turn)
     addresses = ",".join(a for _, a in workers.static)
-    remote = write("remote", rollout_devices=0, n=2, addresses=addresses, lora=lora)
+    remote = write("remote", rollout_devices=0, n=2, addresses=addresses, lora=lora, env=multi_turn)
     devices = f"device_count={4 // processes}"
     env = os.environ | {
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace("device_count=8", devices),
@@ -852,6 +999,10 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(workers, tmp_pat
     ma, mb = (read_metrics(tmp_path / w / "metrics.jsonl") for w in ("local", "remote"))
     for key in ("reward/mean", "rollout/length_mean"):  # every process's rows
         np.testing.assert_allclose([m[key] for m in mb], [m[key] for m in ma], atol=1e-6)
+    assert [m["rollout/workers"] for m in mb] == [2, 2]  # drawn by the workers
+    if multi_turn:
+        assert [m["rollout/workers_lost"] for m in mb] == [0, 0]
+        assert all(m["env/turns_mean"] > 1 for m in mb)
 
     def final(workdir):
         with checkpoint.Checkpointer(str(workdir / "checkpoints"), read_only=True) as ck:

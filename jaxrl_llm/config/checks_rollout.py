@@ -99,7 +99,7 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 def check_workers(config) -> None:
     """rollout.workers and rollout.worker_addresses: N addresses host:port (or @file),
     rollout.worker_timeout_s, worker_start_s, worker_retry_s and worker_tls_ca, split
-    mode, single-turn rollouts, LoRA merged (docs/workers.md says what is not built)."""
+    mode, no agents (the gateway), LoRA merged (docs/workers.md says what is not built)."""
     r = config.rollout
     n = r.get("workers", 0)
     require(
@@ -154,12 +154,8 @@ def check_workers(config) -> None:
         "model.lora.sampler='unmerged': rollout workers sample merged weights (each "
         "merges the base and the adapters a sync sends); set it to 'merged' or 'auto'",
     )
-    others = {
-        "env.name": config.get("env", {}).get("name"),
-        "agent.entry": config.get("agent", {}).get("entry"),
-    }
-    for key, value in others.items():
-        require(not value, f"{key}={value!r}: rollout.workers does not serve it yet; unset it")
+    entry = config.get("agent", {}).get("entry")
+    require(not entry, f"agent.entry={entry!r}: rollout.workers does not serve it yet; unset it")
 
 
 def check_engine(config, process_count: int) -> None:

@@ -32,9 +32,13 @@ from jaxrl_llm.rollout.sources import Rollout, Sampling
 
 
 class EnvRollout:
-    """Environments, renderer and turn settings of a run (`config.env`)."""
+    """Environments, renderer and turn settings of a run (`config.env`). Training plays on
+    `engine` (default `sampler`; rollout workers: their `workers.turns.Fleet`, whose
+    `stats` the thread logs), evaluation on `sampler`."""
 
-    def __init__(self, config, tokenizer, sampler, spec: sampling.RolloutSpec, mesh=None):
+    def __init__(
+        self, config, tokenizer, sampler, spec: sampling.RolloutSpec, mesh=None, engine=None
+    ):
         e, d = config.env, config.data
         self.config, self.tokenizer, self.sampler, self.spec, self.mesh = (
             config,
@@ -43,6 +47,8 @@ class EnvRollout:
             spec,
             mesh,
         )
+        self.engine = sampler if engine is None else engine
+        self.stats = {} if engine is None else engine.stats
         self.pool = EnvPool(
             e.name,
             dict(e.options),
@@ -65,6 +71,8 @@ class EnvRollout:
 
     def close(self) -> None:
         self.pool.close()
+        if self.engine is not self.sampler:  # rollout workers: their connections
+            self.engine.close()
 
     def settings(self, step: int) -> TurnSettings:
         e, r = self.config.env, self.config.rollout
@@ -77,18 +85,27 @@ class EnvRollout:
         )
 
     def _play(
-        self, params, batch, spec, settings: TurnSettings, step: int, version=None, refresh=None
+        self,
+        params,
+        batch,
+        spec,
+        settings: TurnSettings,
+        step: int,
+        version=None,
+        refresh=None,
+        engine=None,
     ):
         """This process's prompts of `batch`, spec.num_generations trajectories each,
-        played to the end -> (out, trajectories, turns, prompt ids, tokens, lengths).
-        version: the parameters' (default: step); refresh: `envs.play`'s."""
+        played to the end on `engine` (default the sampler) -> (out, trajectories, turns,
+        prompt ids, tokens, lengths). version: the parameters' (default: step); refresh:
+        `envs.play`'s."""
         bound = self.renderer.max_chars(self.config.data.max_prompt_len)
         trajs, observations = self.pool.reset(batch.examples, bound)
         prompt_ids = [self._prompt(batch, i, obs, trajs[i]) for i, obs in enumerate(observations)]
         ids, mask = prompts_lib.collate(prompt_ids, self.sampler.pad_id, 1, 0)
         trajs, _ = replicate(trajs, observations, spec.num_generations)
         out, turns = play(
-            self.sampler,
+            engine or self.sampler,
             params,
             ids,
             mask,
@@ -144,7 +161,7 @@ class EnvRollout:
         G = self.spec.num_generations
         settings = settings or self.settings(step)
         out, trajs, turns, prompt_ids, tokens, lengths = self._play(
-            params, batch, self.spec, settings, step, version, refresh
+            params, batch, self.spec, settings, step, version, refresh, self.engine
         )
         # Model turns as the environment read them; observations with the template's markers.
         texts = [

@@ -55,6 +55,7 @@ trajectories are played while step s's reference and update run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 
@@ -64,7 +65,7 @@ import numpy as np
 
 from jaxrl_llm.models import lora
 from jaxrl_llm.rollout.sources import Rollout, Sampling
-from jaxrl_llm.sampling.engine import open_session
+from jaxrl_llm.sampling.engine import RowsLost, open_session
 
 
 @dataclasses.dataclass
@@ -157,7 +158,7 @@ class Handoff:
             self._cond.notify_all()
 
 
-# `RemoteStream.stats` logged each step: connected now, joined, lost, timed out, redrawn.
+# `Fleet.stats` (rollout workers) logged each step: connected now, joined, lost, timed out, redrawn.
 WORKER_COUNTERS = ("workers", "workers_joined", "workers_lost", "workers_timed_out", "requeued")
 
 
@@ -275,14 +276,16 @@ class PlayerStream:
     also takes the newest published ones before each turn after the first (`newest`:
     `envs.play`'s refresh). A player reads the rows' examples, not only their ids, so the
     session reads each queued step's data batch from the thread (`batches`); its scores
-    are the player's own (`scored`)."""
+    are the player's own (`scored`). A rollout worker lost with a step's rows
+    (`sampling.engine.RowsLost`) costs a replay of the step on the workers left."""
 
     detail, in_flight = "multi-turn", False  # no step is ever left half played
 
     def __init__(self, player, params, version: int, batches, newest=None):
         self.player, self.params, self.version = player, params, version
         self.batches, self.newest = batches, newest
-        self.queued, self.done, self.stats = [], {}, {}
+        self.queued, self.done = [], {}
+        self.stats = getattr(player, "stats", {})  # rollout workers: `Fleet.stats`
 
     @property
     def busy(self) -> bool:
@@ -297,10 +300,14 @@ class PlayerStream:
 
     def run_chunk(self) -> list:
         step = self.queued.pop(0)
-        self.done[step] = self.player(
-            self.params, self.batches(step), step, version=self.version, refresh=self.newest
-        )
-        return [step]
+        while True:
+            try:
+                self.done[step] = self.player(
+                    self.params, self.batches(step), step, version=self.version, refresh=self.newest
+                )
+                return [step]
+            except RowsLost as err:  # a rollout worker died with the rows: all again, elsewhere
+                logging.warning("%s: step %d played again on the workers left", err, step)
 
     def output(self, step: int) -> tuple:
         out, _, token_versions = self.done[step]

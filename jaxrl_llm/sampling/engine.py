@@ -65,6 +65,11 @@ from jaxrl_llm.sampling.sampler import Sampler, append_end
 from jaxrl_llm.sampling.serve import PagedRequests, StaticRequests
 
 
+class RowsLost(RuntimeError):
+    """An engine lost a session's rows (a rollout worker died with them): the caller plays
+    them again (`rollout.thread.PlayerStream`)."""
+
+
 class TurnRows(Protocol):
     """A batch of multi-turn rows on an engine (the module docstring). `result(r)` has
     the row's completion so far: `tokens` (sampled and appended ids), `versions` (the

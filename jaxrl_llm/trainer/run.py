@@ -41,6 +41,7 @@ from jaxrl_llm.rollout.sources import Sampling, bucket, make_sampler, staleness
 from jaxrl_llm.startup import compilation, peak
 from jaxrl_llm.trainer import judges, perf, teachers
 from jaxrl_llm.workers.remote import rollout_workers
+from jaxrl_llm.workers.turns import Fleet
 
 
 @dataclasses.dataclass
@@ -219,11 +220,13 @@ class Run:
             compile_log=self.compile_log,
             rounds=rounds,
             guard=self.transfer_guard,
-            workers=rollout_workers(c, pad),
+            workers=(workers := rollout_workers(c, pad)),
         )
         self.env_rollout = None
-        if c.env.name:  # multi-turn: the environments give the reward
-            self.env_rollout = EnvRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
+        if c.env.name:  # multi-turn: the environments give the reward (on the workers' turns)
+            turns = workers and Fleet(workers, {"kind": "turns"})
+            args = (c, self.tokenizer, sampler, self.spec, rollout_mesh)
+            self.env_rollout = EnvRollout(*args, engine=turns)
         elif c.agent.entry:  # agents through the gateway: their return value is the reward
             self.env_rollout = AgentRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
         self.source = make_source(c, self.sampling, self.algo, self.env_rollout)

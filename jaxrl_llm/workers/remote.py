@@ -16,9 +16,9 @@ parameters cast to bfloat16). LoRA parameters (base + adapters): each sync sends
 adapters alone, the frozen base once per worker connection, and the worker merges them
 (`weights.Merger`; `Workers.lora` names rank, alpha and targets).
 
-Losing a worker: a connection that breaks (the process killed, the host gone), or that
-stays silent for `Workers.timeout_s` (`rollout.worker_timeout_s`: the process stopped,
-the host hung) while a request is sent or answered, takes the worker out of the set; the
+The connections, the weights the workers hold and who joins or leaves are a `fleet.Fleet`
+of the stream's own. Losing a worker (`Fleet.lost`: its connection broke, or it was
+silent for `Workers.timeout_s` while it owed an answer) takes it out of the set; the
 steps it held and had not returned are submitted again, whole, to the others
 (`stats['requeued']`), which hold the newest weights, so their rows are drawn once more
 from the start, and by the newest version. A step is returned once: only by the worker it
@@ -28,11 +28,8 @@ is assigned to now. When no worker is left, `WorkerError`. A worker's own error 
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import logging
 import os
-import time
 
 import numpy as np
 
@@ -40,106 +37,49 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.sampling.decode import SampleOutput
 from jaxrl_llm.sampling.engine import SESSIONS
-from jaxrl_llm.workers import weights, wire
+from jaxrl_llm.workers import wire
+from jaxrl_llm.workers.fleet import Fleet, Workers
 
-
-@dataclasses.dataclass(frozen=True)
-class Workers:
-    """Rollout workers as an engine for `sampling.open_session` ('stream' only): their
-    host:port addresses, the shared token, the pad id and seed their engines sample with
-    (a worker refuses another seed), and the dtype the weights cross the wire in
-    (`weights.host_copy`; None: each parameter's own)."""
-
-    addresses: tuple
-    token: str = dataclasses.field(repr=False)
-    pad_id: int = 0
-    seed: int = 0
-    dtype: str | None = "bfloat16"
-    connect_timeout_s: float = 60.0
-    timeout_s: float = 600.0  # silence while an answer is owed -> the worker is dropped
-    # A file of addresses instead (`rollout.worker_addresses=@path`), read again before
-    # each step is given out: an address added joins, one removed leaves once its steps
-    # are back. `addresses` is then ignored. The opening waits up to connect_timeout_s
-    # (`rollout.worker_start_s`) for every address given (from a file: `min_workers` of
-    # those listed), then opens with those that answered (`_first_connections`).
-    addresses_file: str | None = None
-    min_workers: int = 1
-    # A lost worker, or a listed one that did not answer, is tried again this long after
-    # (`rollout.worker_retry_s`), before a step is given out.
-    retry_s: float = 30.0
-    # TLS (`rollout.worker_tls_ca`): the PEM file the workers' certificates must chain to;
-    # None: plain TCP.
-    tls_ca: str | None = None
-    # LoRA (`model.lora`): the adapters the workers merge into the base (a
-    # `models.LoraConfig`); None: the parameters sent are the plain model's.
-    lora: object = None
-
-
-JOIN_TIMEOUT_S = 5.0  # the connection to a joining worker (the rollout waits for it)
-
-
-@dataclasses.dataclass(eq=False)
-class _Link:
-    """One worker's connection and the steps it holds."""
-
-    address: str
-    sock: object
-    steps: set = dataclasses.field(default_factory=set)
-    last: int = -1  # when it was last given a step (`RemoteStream.given`); -1: never
-    in_flight: bool = False
-    alive: bool = True
-    leaving: bool = False  # no longer listed: takes no new steps, closed once it holds none
-    has_base: bool = False  # LoRA: holds the base weights (sent once per connection)
+__all__ = ["RemoteStream", "Workers", "rollout_workers"]
 
 
 class RemoteStream:
     """`StepStream` over `workers` (a `Workers`); args as `StaticStream`'s."""
 
     def __init__(self, workers: Workers, params, version: int, spec, *, chunk: int = 0):
-        w = workers
-        self.spec, self.dtype, self.version, self.detail = spec, w.dtype, version, "remote"
-        self.workers = w
-        self.tls = wire.client_context(w.tls_ca) if w.tls_ca else None
-        self.file_seen, self.tried = None, {}  # the file's (mtime, size); address -> when
-        self.links = [_Link(a, sock) for a, sock in self._first_connections()]
+        self.spec, self.detail = spec, "remote"
+        opened = dict(kind="stream", spec=dataclasses.asdict(spec), chunk=chunk)
+        self.fleet = Fleet(workers, opened, reassign=self._assign)
         self.queued: dict = {}  # step -> (prompt_ids, prompt_mask, key): not returned yet
         self.finished: dict = {}  # step -> (output, token_versions)
-        self.orphans: list = []  # steps of lost workers, not given to another yet
-        self.given = 0  # steps given out (each link's `last` counts from it)
-        self.host = None  # the last sync's host copy, for a worker that joins
-        self.stats = {
-            "decode_chunks": 0,
-            "swaps": 0,
-            "requeued": 0,
-            "workers_lost": 0,
-            "workers_timed_out": 0,
-            "workers_joined": 0,
-            "workers": len(self.links),
-        }
-        self.opened = dict(spec=dataclasses.asdict(spec), chunk=chunk, pad_id=w.pad_id, seed=w.seed)
-        self._exchange(self.links, "open", self.opened)
-        self._push(params, version)
+        self.stats = self.fleet.stats  # the workers' counters, and the stream's
+        self.stats.update(decode_chunks=0, swaps=0)
+        self.fleet.connect()
+        self.fleet.push(params, version)
 
     busy = property(lambda self: bool(self.queued))
-    in_flight = property(lambda self: any(k.in_flight for k in self.alive))
-    alive = property(lambda self: [k for k in self.links if k.alive])
+    in_flight = property(lambda self: any(k.in_flight for k in self.fleet.alive))
+    version = property(lambda self: self.fleet.version)
+    links = property(lambda self: self.fleet.links)
+    host = property(lambda self: self.fleet.host, doc="The last sync's host copy.")
 
     def submit(self, step: int, prompt_ids, prompt_mask, key: int) -> None:
-        self._refresh()  # between steps: who joined, who left, who is back
+        self.fleet.refresh()  # between steps: who joined, who left, who is back
         self.queued[step] = (np.asarray(prompt_ids), np.asarray(prompt_mask), int(key))
         self._assign(step)
 
     def swap(self, params, version: int) -> None:
         """Every worker samples on with `params` (as its own session's swap)."""
-        self._push(params, version)
+        self.fleet.push(params, version)
         self.stats["swaps"] += 1
 
     def run_chunk(self) -> list:
         """One chunk on every worker holding steps (sent to all, then answered) -> the
         steps returned, each once."""
+        fleet = self.fleet
         self.stats["decode_chunks"] += 1
         done = []
-        for link, (fields, arrays) in self._exchange([k for k in self.alive if k.steps], "run"):
+        for link, (fields, arrays) in fleet.exchange([k for k in fleet.alive if k.steps], "run"):
             link.in_flight, self.detail = fields["in_flight"], fields["detail"]
             for step in fields["steps"]:
                 if step in link.steps:  # else it was taken from this worker: not twice
@@ -147,236 +87,24 @@ class RemoteStream:
                     self.queued.pop(step)
                     self.finished[step] = _output(arrays, step, self.spec.num_generations)
                     done.append(step)
-        for link in self.alive:
+        for link in fleet.alive:
             if link.leaving and not link.steps:
-                self._close(link)
+                fleet.close_link(link)
         return done
 
     def output(self, step: int) -> tuple:
         return self.finished.pop(step)
 
     def close(self) -> None:
-        for link in self.alive:
-            self._close(link)
-
-    def _close(self, link: _Link) -> None:
-        try:
-            wire.send(link.sock, "close")
-        except OSError:
-            pass
-        link.sock.close()
-        link.alive = False
-        self.stats["workers"] = len(self.alive)
-
-    # ------------------------------------------------------------------ the workers
-    def _connect(self, address: str, timeout_s: float, hello_s: float | None = None):
-        """An authorized connection (within `timeout_s`; its hello answered within
-        `hello_s`, default the same) whose reads and writes give up after
-        `Workers.timeout_s` of silence (socket.timeout, an OSError: the worker is then
-        lost)."""
-        sock = wire.connect(address, self.workers.token, timeout_s, hello_s, self.tls)
-        sock.settimeout(self.workers.timeout_s)
-        return sock
-
-    def _first_connections(self) -> list:
-        """[(address, socket)] of the workers to open with. Every address listed (given, or
-        in the file) is tried, again every 0.5 s while it cannot be reached (a worker still
-        starting: refused, its name not in DNS yet), until all given answer (from a file:
-        `min_workers` of those it lists), for up to connect_timeout_s. Then the run starts
-        with those that answered, if any, and one warning names the others: they are tried
-        again every `retry_s` as workers lost in the run are (`_refresh`), so one that comes
-        up joins. None answered: `WorkerError`."""
-        w = self.workers
-        deadline = time.monotonic() + w.connect_timeout_s
-        got, errors = {}, {}
-        while True:
-            listed = self._listed()
-            for a in listed:
-                if a not in got:
-                    try:  # a host that drops the SYN costs JOIN_TIMEOUT_S; a worker that
-                        # accepted waits for its answer (still finishing an old trainer's
-                        # chunk) up to the deadline
-                        hello_s = max(1.0, deadline - time.monotonic())
-                        got[a] = self._connect(a, JOIN_TIMEOUT_S, hello_s)
-                    except OSError as err:
-                        errors[a] = err
-            want = w.min_workers if w.addresses_file else len(listed)
-            if len(got) >= want or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        where = f" listed in {w.addresses_file}" if w.addresses_file else ""
-        if not got:
-            raise wire.WorkerError(
-                f"none of the rollout workers{where} answered within "
-                f"{w.connect_timeout_s:.0f} s: "
-                + (", ".join(f"{a} ({errors.get(a)})" for a in listed) or "none listed")
-            )
-        missing = [a for a in listed if a not in got]
-        if missing:
-            logging.warning(
-                "rollout workers %s did not answer within %.0f s: starting on %d of %d "
-                "(rollout.workers=%d), trying them again every %.0f s",
-                ", ".join(missing),
-                w.connect_timeout_s,
-                len(got),
-                len(listed),
-                w.min_workers,
-                w.retry_s,
-            )
-            now = time.monotonic()
-            self.tried.update((a, now) for a in missing)  # as if lost now: `_refresh`
-        return list(got.items())
-
-    def _listed(self) -> list:
-        """The addresses in the file (host:port, separated by commas or white space), or
-        the ones given."""
-        path = self.workers.addresses_file
-        if not path:
-            return list(self.workers.addresses)
-        try:
-            with open(path) as f:
-                text = f.read()
-        except FileNotFoundError:
-            return []
-        except OSError as err:
-            raise UserError("rollout.worker_addresses", f"cannot read {path}: {err}") from None
-        listed = [a for a in text.replace(",", " ").split() if a]
-        for a in listed:
-            host, _, port = a.rpartition(":")
-            if not host or not port.isdigit():
-                raise UserError("rollout.worker_addresses", f"{path}: {a!r} is not host:port")
-        return listed
-
-    def _refresh(self) -> None:
-        """Workers newly listed in the file join (connected, opened, given the weights the
-        others hold); workers no longer listed leave (no new steps; closed once their
-        steps are back). A listed (or given) worker that does not answer, or was lost, is
-        tried again after `retry_s`: restarted at its address, it joins anew."""
-        path, seen, retry_s = self.workers.addresses_file, None, self.workers.retry_s
-        try:
-            st = os.stat(path) if path else None
-            seen = st and (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            pass
-        now = time.monotonic()
-        retry = any(now - t >= retry_s for t in self.tried.values())
-        if seen == self.file_seen and not retry:
-            return
-        self.file_seen = seen
-        listed = self._listed()
-        for link in self.alive:
-            link.leaving = link.address not in listed
-        here = {k.address for k in self.alive}
-        for a in listed:
-            if a in here or (a in self.tried and now - self.tried[a] < retry_s):
-                continue
-            try:
-                link = _Link(a, self._connect(a, JOIN_TIMEOUT_S))
-            except OSError:
-                self.tried[a] = now
-                continue
-            self.tried.pop(a, None)
-            self.links.append(link)
-            self._exchange([link], "open", self.opened)
-            self._send_weights([link], self.host, self.version)
-            if link.alive:
-                self.stats["workers_joined"] += 1
-        self.stats["workers"] = len(self.alive)
-
-    def _push(self, params, version: int) -> None:
-        base = self.host.base if self.host is not None else None  # LoRA: copied once
-        host = weights.host_copy(params, self.dtype, base)  # one copy for every worker
-        self._send_weights(self.alive, host, version)
-        self.version = version
-        self.host = host  # for a worker that joins before the next sync
-
-    def _send_weights(self, links, host, version: int) -> None:
-        """`host` (a `weights.Host`) to each of `links`; LoRA: the base first to those
-        that lack it, then the adapters."""
-        fields = {"version": int(version)}
-        if host.base is not None:
-            if self.workers.lora is None:
-                raise UserError("rollout.workers", "LoRA parameters, but Workers.lora is None")
-            need = [k for k in links if k.alive and not k.has_base]
-            for link, _ in self._exchange(need, "weights", {"part": "base"}, host.base):
-                link.has_base = True
-            lora = weights.lora_settings(self.workers.lora)
-            fields |= {"part": "adapters", "lora": lora, "dtype": host.dtype}
-        self._exchange([k for k in links if k.alive], "weights", fields, host)
+        self.fleet.close()
 
     def _assign(self, step: int) -> None:
-        """Gives `step` to the alive worker holding fewest steps, of those the one given a
-        step least recently (a worker that joins takes the next step; one step at a time
-        goes round the workers); another if it dies."""
-        alive = [k for k in self.alive if not k.leaving] or self.alive
-        if not alive:
-            lost = ", ".join(k.address for k in self.links)
-            raise wire.WorkerError(f"every rollout worker is gone ({lost})")
-        link = min(alive, key=lambda k: (len(k.steps), k.last))
+        """Gives `step` to the worker `Fleet.pick` names; another if it dies."""
+        link = self.fleet.pick()
         link.steps.add(step)  # before sending: a death while sending requeues it
-        link.last, self.given = self.given, self.given + 1
         ids, mask, key = self.queued[step]
         fields = {"step": int(step), "key": key}
-        self._exchange([link], "submit", fields, {"prompt_ids": ids, "prompt_mask": mask})
-
-    def _exchange(self, links, kind: str, fields=None, arrays=None) -> list:
-        """The request sent to each of `links`, then each answer read -> [(link, (fields,
-        arrays))] of the workers that answered; a broken connection is a lost worker."""
-        sent = []
-        for link in links:
-            try:
-                wire.send(link.sock, kind, fields, arrays)
-                sent.append(link)
-            except OSError as err:
-                self._lost(link, err)
-        answers = []
-        sent = [k for k in sent if k.alive]
-        for link, got in zip(sent, _read_answers([k.sock for k in sent]), strict=True):
-            if isinstance(got, Exception):
-                self._lost(link, got)
-                continue
-            answers.append((link, got[1:]))
-        # Every answer is read before a lost worker's steps go out: a submit now would
-        # read another request's answer.
-        while self.orphans:
-            self._assign(self.orphans.pop(0))
-        return answers
-
-    def _lost(self, link: _Link, err: Exception | None = None) -> None:
-        """`link`'s worker is gone (its connection broke, or it was silent for `timeout_s`
-        while it owed an answer: a frame cut short cannot be resumed, so a silent worker is
-        dropped as a dead one): its steps go to the others (once the exchange in progress
-        has its answers)."""
-        if not link.alive:
-            return
-        link.alive = False
-        link.sock.close()
-        self.stats["workers_lost"] += 1
-        self.stats["workers_timed_out"] += isinstance(err, TimeoutError)
-        self.stats["workers"] = len(self.alive)
-        self.tried[link.address] = time.monotonic()  # listed in a file: tried again later
-        self.stats["requeued"] += len(link.steps)
-        self.orphans += sorted(link.steps)
-        link.steps = set()
-
-
-def _read_answers(socks: list) -> list:
-    """One answer frame read from each of `socks`, or the error that cut it short, read
-    from all at once (a thread each). An answer left unread while another worker's is
-    awaited fills the socket buffers; the worker's send then waits on a full window, which
-    Linux counts against the worker's TCP_USER_TIMEOUT (`serve.KEEPALIVE`), and the
-    worker would drop a trainer that is alive."""
-
-    def read(sock):
-        try:
-            return wire.recv(sock)
-        except (wire.Closed, OSError) as err:
-            return err
-
-    if len(socks) <= 1:
-        return [read(s) for s in socks]
-    with concurrent.futures.ThreadPoolExecutor(len(socks)) as pool:
-        return list(pool.map(read, socks))
+        self.fleet.exchange([link], "submit", fields, {"prompt_ids": ids, "prompt_mask": mask})
 
 
 def _output(arrays: dict, step: int, num_generations: int) -> tuple:

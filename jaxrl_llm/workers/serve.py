@@ -1,5 +1,6 @@
 """A rollout worker: its own JAX world (process, devices, mesh) serving a stream session
-(`sampling.engine.StepStream`) to a trainer over TCP.
+(`sampling.engine.StepStream`) or multi-turn rows (`TurnRows`, `workers.turns`) to a
+trainer over TCP.
 
     JAXRL_WORKER_TOKEN=<secret> python -m jaxrl_llm.workers.serve \
         --config=configs/quickstart.py --port=7070 [--host=0.0.0.0] [--config.KEY=VALUE ...]
@@ -12,8 +13,10 @@ is checked as a synchronous run's on this process's devices with that mesh
 (`worker_config`), so its rollout batch must split over it. Requests, one frame each
 (`wire`), answered in order:
 
-- `open` (spec, chunk, pad_id, seed): builds the engine (once per pad id); a new
-  session opens with the next weights.
+- `open` (kind, spec, chunk, pad_id, seed): builds the engine (once per pad id); kind
+  'stream' (default): a new session opens with the next weights; kind 'turns': the
+  `turns`, `turn_run` and `turn_output` requests (`workers.turns.handle`) play a step's
+  rows on a turns session of the weights held (a swap reaches it).
 - `weights` (version; every parameter as an array, `weights`): placed on the mesh, the
   session's `swap` (or its opening). LoRA: part 'base' (the frozen base, once per
   connection: kept), then part 'adapters' each sync (lora, dtype): merged into the base
@@ -56,7 +59,7 @@ from jaxrl_llm.parallel import distributed
 from jaxrl_llm.rollout.sources import make_sampler
 from jaxrl_llm.sampling.engine import open_session
 from jaxrl_llm.tpu import model_shapes
-from jaxrl_llm.workers import weights, wire
+from jaxrl_llm.workers import turns, weights, wire
 
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is dropped
 # A trainer whose host vanished (no FIN, no RST reaches the worker) would hold the worker
@@ -68,7 +71,7 @@ HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is droppe
 # is alive answers the probes and acknowledges from its kernel, however long it sends
 # nothing; an answer it leaves unread until it fills the socket buffers counts as silence
 # too (Linux counts a full receive window against TCP_USER_TIMEOUT), so the trainer reads
-# every worker's answer as it comes (`remote._read_answers`). (seconds idle before the
+# every worker's answer as it comes (`fleet._read_answers`). (seconds idle before the
 # first probe, between probes, probes)
 KEEPALIVE = (20, 5, 4)  # 40 s: within the 60 s a restarted trainer waits for a worker
 # A worker of several processes: while process 0 waits (for a trainer, or its next
@@ -90,6 +93,7 @@ class Worker:
 
     def reset(self) -> None:
         self.engine, self.spec, self.chunk, self.session = None, None, 0, None
+        self.kind, self.params, self.version, self.turns = "stream", None, None, None
         self.merger.base = None  # LoRA: each trainer sends its base again
 
     def handle(self, kind: str, fields: dict, arrays: dict) -> tuple[dict, dict]:
@@ -107,15 +111,26 @@ class Worker:
                 params = self.merger.merge(arrays, fields["lora"], fields["dtype"])
             else:
                 params = weights.place(arrays, self.cfg, self.mesh)
-            if self.session is None:
+            self.params, self.version = params, fields["version"]
+            if self.kind == "turns":
+                if self.turns is not None:  # partial rollouts: the rows draw on with them
+                    self.turns.swap(params, self.version)
+            elif self.session is None:
                 self.session = open_session(
-                    self.engine, "stream", params, fields["version"], self.spec, chunk=self.chunk
+                    self.engine, "stream", params, self.version, self.spec, chunk=self.chunk
                 )
             else:
-                self.session.swap(params, fields["version"])
+                self.session.swap(params, self.version)
             return {"version": fields["version"]}, {}
-        if self.session is None:
+        if self.params is None:
             raise wire.WorkerError(f"{kind!r} before the first weights")
+        if kind in turns.REQUESTS:
+            if self.kind != "turns":
+                raise wire.WorkerError(f"{kind!r} on a {self.kind!r} connection")
+            self.turns, answer = turns.handle(self, kind, fields, arrays)
+            return answer
+        if self.kind != "stream":
+            raise wire.WorkerError(f"{kind!r} on a {self.kind!r} connection")
         if kind == "submit":
             ids, mask = _own_rows(arrays["prompt_ids"]), _own_rows(arrays["prompt_mask"])
             self.session.submit(fields["step"], ids, mask, fields["key"])
@@ -134,9 +149,11 @@ class Worker:
         pad = int(fields["pad_id"])
         if pad not in self.engines:
             self.engines[pad] = make_sampler(self.config, self.cfg, self.mesh, pad)
-        self.engine, self.session = self.engines[pad], None
-        self.spec = sampling.RolloutSpec(**fields["spec"])
-        self.chunk = int(fields["chunk"])
+        self.engine, self.session, self.turns = self.engines[pad], None, None
+        self.kind = fields.get("kind", "stream")
+        if self.kind == "stream":
+            self.spec = sampling.RolloutSpec(**fields["spec"])
+            self.chunk = int(fields["chunk"])
         return {"devices": len(self.mesh.devices.flat), "engine": type(self.engine).__name__}
 
     def _run(self) -> tuple[dict, dict]:
@@ -248,7 +265,7 @@ def _answer(worker: Worker, conn: socket.socket) -> int:
             parallel.share((kind, fields, arrays))  # the worker's other processes run it too
             try:
                 reply, answer = worker.handle(kind, fields, arrays), "ok"
-                sampled += len(reply[0].get("steps", ())) if kind == "run" else 0
+                sampled += len(reply[0].get("steps", ()))  # 'run', 'turn_output
             except Exception as err:  # noqa: BLE001  (answered: the trainer raises it)
                 reply, answer = ({"message": f"{type(err).__name__}: {err}"}, {}), "error"
         try:
