@@ -36,7 +36,8 @@ machine with libtpu, nothing run (docs/tpu.md has the figures):
 
 On 32 chips, one row per chip is `--config.optim.micro_batches=8`: as shipped (16 rows a
 micro-batch) the rows do not split over 32 chips and each chip runs all 16 (a v6e-32
-compile asks 413 GiB of temporaries; start-up warns).
+compile asks 413 GiB of temporaries; start-up warns). With it a v6e-32 (`v6e:4x8`) fits:
+the update's peak is 30.36 of a chip's 32 GiB.
 """
 
 from jaxrl_llm.config import base_config

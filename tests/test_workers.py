@@ -3,6 +3,7 @@ stream seam, a worker killed mid-step."""
 
 import importlib.util
 import threading
+import time
 import types
 
 import jax
@@ -757,26 +758,25 @@ def _same_play(got, want) -> None:
     np.testing.assert_array_equal(turns.versions, turns_w.versions)
 
 
-@pytest.mark.parametrize("engine", ["static", "paged"])
-def test_multi_turn_rows_on_a_worker_equal_the_local_turn_loop(workers, engine):
+def test_multi_turn_rows_on_a_worker_equal_the_local_turn_loop(workers):
     """`envs.play` on a `workers.turns.Fleet` (the environments here, each step's rows a
     session on one worker): greedy, every row's tokens, masks, finish, log-probs (1e-5),
     turn spans, token versions and trajectory ends equal the local turn loop's on the
-    worker's engine (static, paged) over the same bfloat16 parameters; a second step goes
-    to the next worker with the weights it already holds."""
+    worker's engine (paged here; the static engine in the next test) over the same
+    bfloat16 parameters; a second step plays on the weights the worker already holds."""
     from jaxrl_llm.workers.remote import Workers
     from jaxrl_llm.workers.turns import Fleet
 
-    play, params, local, bf16 = _turns_setup(workers, engine)
+    play, params, local, bf16 = _turns_setup(workers, "paged")
     want = play(local, bf16)
     assert want[1].model_turns.max() > 1  # turns went to and fro
-    started = workers.static if engine == "static" else [workers.paged]
-    fleet = Fleet(Workers(tuple(a for _, a in started), TOKEN), {"kind": "turns"})
+    fleet = Fleet(Workers((workers.paged[1],), TOKEN), {"kind": "turns"})
     try:
         _same_play(play(fleet, params), want)
-        assert fleet.version == 0 and fleet.stats["workers"] == len(started)
+        assert fleet.version == 0 and fleet.stats["workers"] == 1
+        host = fleet.host
         _same_play(play(fleet, params), want)
-        assert [k.last for k in fleet.links] == ([0, 1] if engine == "static" else [1])
+        assert fleet.host is host and [k.last for k in fleet.links] == [1]  # not sent again
         assert not any(k.steps for k in fleet.links)
     finally:
         fleet.close()
@@ -786,8 +786,9 @@ def test_a_worker_lost_mid_turns_costs_a_replay_of_the_step(workers):
     """The connection to the worker holding a step's rows breaks while they are between
     turns: `envs.play` raises `RowsLost` (nothing returned, so nothing trained), the fleet
     counts the worker lost and the step requeued, and the step played again goes to the
-    other worker and equals the local turn loop. `PlayerStream` plays a step again on
-    `RowsLost` until it is played."""
+    other worker and equals the local turn loop (static engine: greedy tokens, log-probs
+    1e-5, spans, versions, ends). `PlayerStream` plays a step again on `RowsLost` until
+    it is played."""
     import socket
 
     from jaxrl_llm.rollout.thread import PlayerStream
@@ -828,6 +829,114 @@ def test_a_worker_lost_mid_turns_costs_a_replay_of_the_step(workers):
     stream.submit(4, None, None, 4)
     assert stream.run_chunk() == [4] and tries == [4, 4]
     assert stream.output(4) == ("out", "versions")
+
+
+def _agents(workers, engine: str, fleet=None):
+    """An `AgentRollout` of the two-turn test agent (tests/agents_for_tests.py) on the
+    local engine of `engine` (a mesh of the workers' shape, bfloat16 parameters), or with
+    `fleet` training on the workers -> (it, its parameters: bfloat16 or float32)."""
+    import os
+
+    from tiny_run import TOKENIZER, tiny_config
+
+    from jaxrl_llm import sampling
+    from jaxrl_llm.models import builtin
+    from jaxrl_llm.rollout.agents import AgentRollout
+
+    _, params, local, bf16 = _turns_setup(workers, engine)
+    c = tiny_config("unused")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    c.agent.entry = os.path.join(tests, "agents_for_tests.py") + ":two_turns"
+    c.agent.max_total_tokens, c.agent.batch_wait_s = 40, 1.0
+    c.rollout.batch_size, c.data.max_prompt_len = 4, 16
+    spec = sampling.RolloutSpec(2, 5, 0.0, stop_ids=(18, 22, 23, 25))
+    tok = builtin.load_tokenizer(TOKENIZER)
+    return AgentRollout(c, tok, local, spec, engine=fleet), (bf16 if fleet is None else params)
+
+
+AGENT_EXAMPLES = [
+    {"question": "1+2="},
+    {"question": "12*3=", "rewrite": True},
+    {"question": "7-4=", "n": 2},
+    {"question": "5*5="},
+]
+
+
+def _same_agents(got, want) -> None:
+    (out, scored, versions), (out_w, scored_w, versions_w) = got, want
+    for name in ("tokens", "mask", "loss_mask", "lengths", "prompt_tokens", "policy_version"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(out, name)), np.asarray(getattr(out_w, name)), err_msg=name
+        )
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(out_w.logprobs), atol=1e-5)
+    np.testing.assert_array_equal(versions, versions_w)
+    assert scored.rewards.tolist() == scored_w.rewards.tolist()
+    assert scored.completions == scored_w.completions
+
+
+@pytest.mark.slow  # the static engine's case is the next test's replay
+def test_agents_on_a_paged_worker_equal_the_local_requests(workers):
+    """agent.entry with rollout workers: the gateway and the agents here, the requests
+    sampled by a worker's requests session (`workers.turns.RemoteRequests`): greedy, the
+    rows, log-probs (1e-5), token versions, rewards and completions equal those of the
+    agents on the worker's engine here (paged: each episode a row that keeps its cache),
+    with a request extending its episode, a rewrite and an n = 2 request among them."""
+    engine = "paged"
+    from jaxrl_llm.workers.remote import Workers
+    from jaxrl_llm.workers.turns import Fleet
+
+    batch = types.SimpleNamespace(examples=AGENT_EXAMPLES)
+    local, bf16 = _agents(workers, engine)
+    try:
+        want = local(bf16, batch, 3)
+    finally:
+        local.close()
+    started = workers.static if engine == "static" else [workers.paged]
+    fleet = Fleet(Workers(tuple(a for _, a in started), TOKEN), {"kind": "turns"})
+    agents, params = _agents(workers, engine, fleet)
+    try:
+        _same_agents(agents(params, batch, 3), want)
+        assert agents.stats is fleet.stats and fleet.stats["workers_lost"] == 0
+    finally:
+        agents.close()
+    assert not any(k.alive for k in fleet.links)  # closed with the agents
+
+
+def test_a_worker_lost_with_the_agents_requests_ends_their_episodes(workers):
+    """Agents on static workers: a step's rows equal the local requests' (greedy: rows,
+    log-probs 1e-5, versions, rewards, completions; an episode's request extending its
+    row, a rewrite, an n = 2 request). Then the connection to the worker the next step's
+    requests go to breaks: the step raises `RowsLost`, its episodes end (their agents'
+    processes killed, `Server.abandon`), and the step played again goes to the other
+    worker and equals the local requests."""
+    import socket
+
+    from jaxrl_llm.sampling.engine import RowsLost
+    from jaxrl_llm.workers.remote import Workers
+    from jaxrl_llm.workers.turns import Fleet
+
+    batch = types.SimpleNamespace(examples=AGENT_EXAMPLES)
+    local, bf16 = _agents(workers, "static")
+    try:
+        want = local(bf16, batch, 3)
+    finally:
+        local.close()
+    fleet = Fleet(Workers(tuple(a for _, a in workers.static), TOKEN), {"kind": "turns"})
+    agents, params = _agents(workers, "static", fleet)
+    try:
+        _same_agents(agents(params, batch, 3), want)  # on the first worker
+        nxt = min(fleet.alive, key=lambda k: (len(k.steps), k.last))
+        nxt.sock.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(RowsLost):
+            agents(params, batch, 3)
+        deadline = time.monotonic() + 10
+        while agents.server.live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not agents.server.live  # the given-up episodes ended
+        assert fleet.stats["workers_lost"] == 1
+        _same_agents(agents(params, batch, 3), want)  # played again: the other worker
+    finally:
+        agents.close()
 
 
 def test_lora_syncs_send_the_adapters_and_each_worker_merges_them(workers):

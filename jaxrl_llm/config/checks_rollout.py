@@ -83,6 +83,12 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     )
     check_engine(config, process_count)
     check_workers(config)
+    if r.workers and config.get("env", {}).get("name"):
+        require(
+            process_count == 1,
+            "env.name with rollout.workers: the environments' turns go to the workers from "
+            "a trainer of one process; run the trainer on one host",
+        )
     if r.mode == "split" and not r.workers:
         require(
             process_count == 1,
@@ -99,7 +105,7 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
 def check_workers(config) -> None:
     """rollout.workers and rollout.worker_addresses: N addresses host:port (or @file),
     rollout.worker_timeout_s, worker_start_s, worker_retry_s and worker_tls_ca, split
-    mode, no agents (the gateway), LoRA merged (docs/workers.md says what is not built)."""
+    mode, LoRA merged (docs/workers.md says what is not built)."""
     r = config.rollout
     n = r.get("workers", 0)
     require(
@@ -154,8 +160,6 @@ def check_workers(config) -> None:
         "model.lora.sampler='unmerged': rollout workers sample merged weights (each "
         "merges the base and the adapters a sync sends); set it to 'merged' or 'auto'",
     )
-    entry = config.get("agent", {}).get("entry")
-    require(not entry, f"agent.entry={entry!r}: rollout.workers does not serve it yet; unset it")
 
 
 def check_engine(config, process_count: int) -> None:

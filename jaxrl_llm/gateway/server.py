@@ -272,6 +272,20 @@ class Server:
         if ep is not None:
             ep.future.set_result(result)
 
+    def abandon(self, episodes, why: str) -> None:
+        """Ends those of `episodes` still in progress as errors (`why`) and kills their
+        agents' processes: a play given up, to be played again with new episodes."""
+
+        def end():
+            for episode in episodes:
+                ep = self.live.get(episode)
+                if ep is not None:
+                    self._end(episode, (None, why, "error"))
+                    if ep.pid is not None:
+                        Launcher.kill(ep.pid)
+
+        self.loop.call_soon_threadsafe(end)
+
     def run_episodes(self, examples: list, timeout_s: float) -> dict:
         """Starts the agent on each example, each in a process of its own -> {episode
         id: a concurrent future of (reward | None, error text, "done" | "error" |

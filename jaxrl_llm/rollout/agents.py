@@ -62,11 +62,17 @@ from jaxrl_llm.verifiers import ScoreDetails
 
 
 class AgentRollout:
-    """The gateway, the agent and the batching of a run (`config.agent`)."""
+    """The gateway, the agent and the batching of a run (`config.agent`). Training samples
+    on `engine` (default `sampler`; rollout workers: their `workers.turns.Fleet`, whose
+    `stats` the thread logs), evaluation on `sampler`."""
 
-    def __init__(self, config, tokenizer, sampler, spec: sampling.RolloutSpec, mesh=None):
+    def __init__(
+        self, config, tokenizer, sampler, spec: sampling.RolloutSpec, mesh=None, engine=None
+    ):
         a, d = config.agent, config.data
         self.config, self.tokenizer, self.sampler, self.mesh = config, tokenizer, sampler, mesh
+        self.engine = sampler if engine is None else engine
+        self.stats = {} if engine is None else engine.stats
         self.spec = spec
         self.turn_spec = dataclasses.replace(spec, num_generations=1)
         has_chat = bool(getattr(tokenizer, "chat_template", None))
@@ -89,6 +95,8 @@ class AgentRollout:
             if server is not None:
                 server.close()
         self.server = self.eval_server = None
+        if self.engine is not self.sampler:  # rollout workers: their connections
+            self.engine.close()
 
     def __call__(self, params, batch, step: int, *, version: int | None = None, refresh=None):
         """The agent run on each example of `batch`, G times, to the end -> (out on the
@@ -98,7 +106,7 @@ class AgentRollout:
         G, version = self.spec.num_generations, step if version is None else version
         examples = [ex for ex in batch.examples for _ in range(G)]
         play = Play(self.server, self.turn_spec, key=step * 1024, step=step, version=version)
-        order, episodes, results, over = self._play(params, examples, play, refresh)
+        order, episodes, results, over = self._play(params, examples, play, refresh, self.engine)
         return self._rollout(order, episodes, results, over, batch, play, play.version)
 
     def evaluate(self, params, batches, *, pass_k: int, temperature: float, step: int = 0):
@@ -131,29 +139,35 @@ class AgentRollout:
             play, batches, self.turn_spec, pass_k=pass_k, temperature=temperature, step=step
         )
 
-    def _play(self, params, examples: list, play: Play, refresh=None):
+    def _play(self, params, examples: list, play: Play, refresh=None, on=None):
         """The agent's episodes of `examples`, to the end, on `play.server`, sampled with
-        `play.spec` -> (episode ids, their records, (reward, error, end) each, the ids
-        refused for passing a limit). `play` collects the counters."""
+        `play.spec` on engine `on` (default the sampler) -> (episode ids, their records,
+        (reward, error, end) each, the ids refused for passing a limit). `play` collects
+        the counters. A rollout worker lost with the requests (`engine.RowsLost`) ends the
+        episodes (`Server.abandon`): the step is played again."""
         futures = play.server.run_episodes(examples, self.timeout_s)
         order = list(futures)
         episodes = {e: Episode(self.renderer, self.spec.stop_ids) for e in order}
         over = set()  # episodes refused for passing a limit
         started = time.perf_counter()
-        session = engine.open_session(
-            self.sampler,
-            "requests",
-            params,
-            play.version,
-            play.spec,
-            key=play.key,
-            width=self.rows,
-            episodes=len(order),
-            prompt_tokens=self.prompt_width,
-            total_tokens=self.width,
-            mesh=self.mesh,
-        )
-        self._serve(session, futures, episodes, over, play, refresh)
+        try:
+            session = engine.open_session(
+                on or self.sampler,
+                "requests",
+                params,
+                play.version,
+                play.spec,
+                key=play.key,
+                width=self.rows,
+                episodes=len(order),
+                prompt_tokens=self.prompt_width,
+                total_tokens=self.width,
+                mesh=self.mesh,
+            )
+            self._serve(session, futures, episodes, over, play, refresh)
+        except engine.RowsLost:
+            play.server.abandon(order, "its rollout worker was lost: the step is played again")
+            raise
         for k, v in session.stats.items():
             if k in play.stats:
                 play.stats[k] = max(play.stats[k], v) if k == "batch_max" else play.stats[k] + v
@@ -195,7 +209,12 @@ class AgentRollout:
                     session.swap(newest, newest_version)
                     play.version = int(newest_version)
             started = time.perf_counter()
-            answered = session.run_chunk()
+            try:
+                answered = session.run_chunk()
+            except engine.RowsLost:  # their answers will not come (`_play` ends the episodes)
+                for _, reply, _ in asked.values():
+                    reply(503, completions.error("the rollout worker serving it was lost"))
+                raise
             chunk_s = time.perf_counter() - started
             for episode in answered:
                 body, reply, ask = asked.pop(episode)
@@ -228,7 +247,10 @@ class AgentRollout:
         (an error) here."""
         asks = []
         for episode, body, reply in pending:
-            ep = episodes[episode]
+            ep = episodes.get(episode)
+            if ep is None:  # an episode of a play given up (`Server.abandon`)
+                reply(404, completions.error(f"episode {episode} has ended"))
+                continue
             rewrites = ep.retokenized
             try:
                 ask = completions.parse_request(body, ep, play, self.spec.max_new_tokens)

@@ -223,12 +223,12 @@ class Run:
             workers=(workers := rollout_workers(c, pad)),
         )
         self.env_rollout = None
-        if c.env.name:  # multi-turn: the environments give the reward (on the workers' turns)
-            turns = workers and Fleet(workers, {"kind": "turns"})
-            args = (c, self.tokenizer, sampler, self.spec, rollout_mesh)
+        turns = workers and Fleet(workers, {"kind": "turns"})  # multi-turn on the workers
+        args = (c, self.tokenizer, sampler, self.spec, rollout_mesh)
+        if c.env.name:  # multi-turn: the environments give the reward
             self.env_rollout = EnvRollout(*args, engine=turns)
         elif c.agent.entry:  # agents through the gateway: their return value is the reward
-            self.env_rollout = AgentRollout(c, self.tokenizer, sampler, self.spec, rollout_mesh)
+            self.env_rollout = AgentRollout(*args, engine=turns)
         self.source = make_source(c, self.sampling, self.algo, self.env_rollout)
         e = c.eval
         self.eval_batches = []
