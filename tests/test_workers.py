@@ -379,7 +379,8 @@ def test_worker_config_checks(tmp_path, changes, message):
 
 def test_a_trainer_of_several_processes_with_workers_samples_on_them(tmp_path):
     """Split mode with rollout workers takes a trainer of several processes; its own
-    engine (evaluation's) stays static, and the paged one's refusal says where it goes."""
+    engine (evaluation's) stays static, and the paged one's refusal says where it goes.
+    Environments with workers take a trainer of one process."""
     from tiny_run import make_model_dir, tiny_config
 
     from jaxrl_llm.config import ConfigError, validate
@@ -393,6 +394,11 @@ def test_a_trainer_of_several_processes_with_workers_samples_on_them(tmp_path):
     validate(c, process_count=2)
     c.rollout.engine = "paged"
     with pytest.raises(ConfigError, match="the workers take --config.rollout.engine=paged"):
+        validate(c, process_count=2)
+    c.rollout.engine, c.rewards = "static", {}
+    c.env.name, c.env.workers, c.env.max_total_tokens = "calculator", 1, 64  # one process
+    validate(c, process_count=1)
+    with pytest.raises(ConfigError, match="env.name with rollout.workers: .* a trainer of one"):
         validate(c, process_count=2)
 
 
