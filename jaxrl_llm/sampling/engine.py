@@ -126,7 +126,10 @@ def open_session(engine, kind: str, *args, **kwargs):
 
 
 @dataclasses.dataclass
-class _StaticRow:
+class TurnRow:
+    """A row's completion so far, as `TurnRows.result` gives it (the static and remote
+    sessions' record; the paged session's own record has these fields too)."""
+
     tokens: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
     turn_from: int = 0
@@ -149,7 +152,7 @@ class StaticTurns:
         state = sampler.start(params, prompt_ids, prompt_mask, spec, step, version=version)
         self.state = sampler.stop(state, [not x for x in live])  # reset failed: no turn
         n = len(live)
-        self.rows = [_StaticRow() for _ in range(n)]
+        self.rows = [TurnRow() for _ in range(n)]
         self.drawing = {r for r in range(n) if live[r]}  # rows the next decode draws for
         self.parked: set = set()  # turn ended: not resumed or ended yet
         self.appended: dict = {}  # row -> observation ids for the next append
@@ -168,7 +171,7 @@ class StaticTurns:
     def end(self, r: int) -> None:
         self.parked.discard(r)
 
-    def result(self, r: int) -> _StaticRow:
+    def result(self, r: int) -> TurnRow:
         return self.rows[r]
 
     def swap(self, params, version: int) -> None:

@@ -41,18 +41,11 @@ import numpy as np
 
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.sampling.decode import SampleOutput
-from jaxrl_llm.sampling.engine import SESSIONS, RowsLost, open_session
+from jaxrl_llm.sampling.engine import SESSIONS, RowsLost, TurnRow, open_session
 from jaxrl_llm.workers import wire
 from jaxrl_llm.workers.fleet import Fleet
 
 REQUESTS = ("turns", "turn_run", "turn_output", "requests", "req_run")  # `handle`
-
-
-@dataclasses.dataclass
-class _Row:
-    tokens: list = dataclasses.field(default_factory=list)
-    versions: list = dataclasses.field(default_factory=list)
-    turn_from: int = 0
 
 
 class RemoteTurns:
@@ -65,7 +58,7 @@ class RemoteTurns:
         del mesh
         self.fleet, self.spec, self.version = fleet, spec, version
         self.step = 0 if step is None else int(step)
-        self.rows = [_Row() for _ in live]
+        self.rows = [TurnRow() for _ in live]
         self.ops: list = []  # [row, turn_tokens] resumes, [row, -1] ends, for the next chunk
         self.resumed: dict = {}  # row -> its observation ids
         self.dropped: list = []
@@ -95,7 +88,7 @@ class RemoteTurns:
     def end(self, r: int) -> None:
         self.ops.append([int(r), -1])
 
-    def result(self, r: int) -> _Row:
+    def result(self, r: int) -> TurnRow:
         return self.rows[r]
 
     def swap(self, params, version: int) -> None:
