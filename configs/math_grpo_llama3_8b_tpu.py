@@ -14,7 +14,7 @@ answer equivalence (math-verify). Expected: eval/pass@1 on held-out MATH rises o
 first hundred steps; not yet measured (no pod was available when this was written).
 
 Target topology `v5p:2x4x4` (the slice above). Compiled for it by XLA:TPU (docs/tpu.md),
-the update fits: 31.16 GiB per chip at its peak (3.28 GiB arguments, 27.89 GiB
+the update fits: 27.32 GiB per chip at its peak (3.28 GiB arguments, 24.04 GiB
 temporaries) of the chip's 95 GiB; the reference 5.51 GiB, the sampler 6.34 GiB (0.47 +
 5.87, its KV cache included). Predicted step (roofline):
 13.9 s, 10.4 of them the sampler's decoding (every weight read once per token). The

@@ -71,7 +71,7 @@ class AgentRollout:
     ):
         a, d = config.agent, config.data
         self.config, self.tokenizer, self.sampler, self.mesh = config, tokenizer, sampler, mesh
-        self.engine = sampler if engine is None else engine
+        self.remote = engine  # None: training on `sampler` too
         self.stats = {} if engine is None else engine.stats
         self.spec = spec
         self.turn_spec = dataclasses.replace(spec, num_generations=1)
@@ -95,8 +95,8 @@ class AgentRollout:
             if server is not None:
                 server.close()
         self.server = self.eval_server = None
-        if self.engine is not self.sampler:  # rollout workers: their connections
-            self.engine.close()
+        if self.remote is not None:  # rollout workers: their connections
+            self.remote.close()
 
     def __call__(self, params, batch, step: int, *, version: int | None = None, refresh=None):
         """The agent run on each example of `batch`, G times, to the end -> (out on the
@@ -106,7 +106,7 @@ class AgentRollout:
         G, version = self.spec.num_generations, step if version is None else version
         examples = [ex for ex in batch.examples for _ in range(G)]
         play = Play(self.server, self.turn_spec, key=step * 1024, step=step, version=version)
-        order, episodes, results, over = self._play(params, examples, play, refresh, self.engine)
+        order, episodes, results, over = self._play(params, examples, play, refresh, self.remote)
         return self._rollout(order, episodes, results, over, batch, play, play.version)
 
     def evaluate(self, params, batches, *, pass_k: int, temperature: float, step: int = 0):

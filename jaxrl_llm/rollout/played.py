@@ -47,7 +47,7 @@ class EnvRollout:
             spec,
             mesh,
         )
-        self.engine = sampler if engine is None else engine
+        self.remote = engine  # None: training on `sampler` too
         self.stats = {} if engine is None else engine.stats
         self.pool = EnvPool(
             e.name,
@@ -71,8 +71,8 @@ class EnvRollout:
 
     def close(self) -> None:
         self.pool.close()
-        if self.engine is not self.sampler:  # rollout workers: their connections
-            self.engine.close()
+        if self.remote is not None:  # rollout workers: their connections
+            self.remote.close()
 
     def settings(self, step: int) -> TurnSettings:
         e, r = self.config.env, self.config.rollout
@@ -161,7 +161,7 @@ class EnvRollout:
         G = self.spec.num_generations
         settings = settings or self.settings(step)
         out, trajs, turns, prompt_ids, tokens, lengths = self._play(
-            params, batch, self.spec, settings, step, version, refresh, self.engine
+            params, batch, self.spec, settings, step, version, refresh, self.remote
         )
         # Model turns as the environment read them; observations with the template's markers.
         texts = [
