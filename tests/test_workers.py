@@ -1,5 +1,5 @@
 """Rollout workers in their own processes: the wire, weight sync, a worker serving the
-stream seam, a worker killed mid-step."""
+stream seam, environments' turns and agents' requests, a worker killed mid-step."""
 
 import importlib.util
 import threading
