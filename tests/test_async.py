@@ -96,7 +96,7 @@ def data_order(config, steps: int) -> list[str]:
     return [next(it).prompts[0] for _ in range(steps)]
 
 
-@pytest.mark.parametrize("mode", ["overlap", "split"])
+@pytest.mark.parametrize("mode", [pytest.param("overlap", marks=pytest.mark.slow), "split"])
 def test_sigterm_and_resume_consume_every_batch_once(model_dir, tmp_path, monkeypatch, mode):
     """SIGTERM during step 2 of an overlap / split run: the save happens while later
     rollouts are in flight; the resumed run samples their prompts again, so the prompts
@@ -231,7 +231,9 @@ def _first_prompts(workdir) -> dict[int, str]:
         return {r["step"]: r["prompt"] for r in map(json.loads, f)}
 
 
-@pytest.mark.parametrize("engine, steps", [("static", 12), ("paged", 6)])
+@pytest.mark.parametrize(
+    "engine, steps", [("static", 12), pytest.param("paged", 6, marks=pytest.mark.slow)]
+)
 def test_kill_9_and_resume_consume_every_batch_once(model_dir, tmp_path, engine, steps):
     """A split run killed with SIGKILL after its third step resumes from its last
     checkpoint: the prompts of every step, and the steps logged, are those of a
@@ -289,6 +291,7 @@ def _load_config(path):
     return module.get_config()
 
 
+@pytest.mark.slow
 def test_partial_rollouts_switch_to_newer_parameters(model_dir, tmp_path, monkeypatch, capfd):
     """rollout.partial with a slow sampler (each decode call of 1 token sleeps): newer
     parameters arrive while a generation is in flight, it goes on with them, and the

@@ -38,7 +38,9 @@ def host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+@pytest.mark.parametrize(
+    "implementation", [pytest.param("xla", marks=pytest.mark.slow), "blockwise"]
+)
 def test_context_parallel_equals_one_device(implementation):
     """Both attention paths: the full score matrix and the blockwise loops (the FLOPs
     XLA reports count a loop's body once, so there the unrolled log-prob chunks and the

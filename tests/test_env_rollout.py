@@ -299,6 +299,7 @@ def test_env_evaluation_plays_greedy_trajectories(tmp_path, tok):
     assert got["eval/turns_mean"] == 1.0 and got["eval/pass@2"] >= 0.0
 
 
+@pytest.mark.slow
 def test_calculator_demo_learns_to_call_its_tool(tmp_path):
     """configs/calculator_tiny.py shortened to 20 steps: held-out greedy trajectories
     call the calculator more often and answer right more often than the shipped model

@@ -407,7 +407,7 @@ def test_an_openai_client_agent_trains_through_the_gateway(tmp_path):
         assert r["rollout/staleness_max"] <= 1
 
 
-@pytest.mark.parametrize("mode", ["sync", "split"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("split", marks=pytest.mark.slow)])
 def test_an_agent_trains_through_the_gateway_on_the_paged_engine(mode, tmp_path, monkeypatch):
     """Two GRPO steps with rollout.engine='paged' in 'sync' and 'split' ('overlap', the
     rollout thread one version behind on the training mesh, is the other trainer runs of

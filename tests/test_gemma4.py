@@ -38,7 +38,15 @@ SHARED |= {"use_double_wide_mlp": True}
 KINDS = {"same": {}, "wide": WIDE, "shared_same": SHARED, "shared_wide": SHARED | WIDE}
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
+@pytest.fixture(
+    scope="module",
+    params=[
+        "same",
+        pytest.param("wide", marks=pytest.mark.slow),
+        pytest.param("shared_same", marks=pytest.mark.slow),
+        "shared_wide",
+    ],
+)
 def gemma4(tmp_path_factory, request):
     """(torch model, directory, cfg, params) of a tiny random Gemma4ForCausalLM (random
     norms and layer scalars), saved over several files: every layer of one head size

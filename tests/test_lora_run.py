@@ -146,6 +146,7 @@ def test_lora_run_loads_once_checkpoints_adapters_resumes_and_exports(
     )
 
 
+@pytest.mark.slow
 def test_lora_ppo_in_bfloat16_trains(model_dir, tmp_path):
     """PPO (a full critic copied from the base, LoRA with dropout on the policy) in
     bfloat16, the sampler applying the adapters unmerged (the GRPO run above merges)."""

@@ -297,7 +297,7 @@ def test_replayed_gates_differentiate_the_router(norm_topk_prob):
 
 
 # ------------------------------------------------------------------------------ learning
-@pytest.mark.parametrize("replay", ["none", "rollout"])
+@pytest.mark.parametrize("replay", ["none", pytest.param("rollout", marks=pytest.mark.slow)])
 def test_grpo_learns_target_token(replay):
     """test_learning's task (reward 1 iff the first token is the target) on a tiny MoE,
     the reference and the update routing by themselves or replaying the sampler's

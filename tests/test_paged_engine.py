@@ -87,7 +87,9 @@ def test_greedy_equals_the_static_sampler(tiny):
             assert paged.stats["peak_pages"] <= pages - 1
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+@pytest.mark.parametrize(
+    "sharded", [pytest.param(False, marks=pytest.mark.slow), True], ids=["one_device", "mesh"]
+)
 def test_logprobs_equal_teacher_forced(tiny, sharded):
     """Sampled rows (temperature 0.8, top-k 20, 6 slots for 12 rows, per-row budgets):
     the behaviour log-probs equal the trainer's teacher-forced ones within 1e-5, on one

@@ -151,6 +151,7 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup, smal
         )
 
 
+@pytest.mark.slow
 def test_moe_routes_equal_the_static_turn_loops(setup):
     """A tiny Qwen3-MoE at temperature 0, 4 slots for 6 rows over a pool of 17 pages
     (parked rows evicted, come back by recompute): `envs.play`'s routes [N, P + T, L, k]
@@ -243,7 +244,7 @@ def test_trainer_plays_environments_on_the_paged_engine(tmp_path):
     checks_rewards.check_env(c, c.algo)
 
 
-@pytest.mark.parametrize("mode", ["overlap", "split"])
+@pytest.mark.parametrize("mode", ["overlap", pytest.param("split", marks=pytest.mark.slow)])
 def test_the_rollout_thread_plays_environments_on_the_paged_engine(mode, tmp_path, monkeypatch):
     """rollout.engine='paged' with env.name in 'overlap' (the training mesh) and 'split' (4 rollout
     devices, partial rollouts): the rollout thread plays each step's trajectories on the

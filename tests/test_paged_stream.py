@@ -69,6 +69,7 @@ def test_greedy_across_steps_equals_the_static_sampler(tiny, paged):
         same_rows(out, ref, slice(None))
 
 
+@pytest.mark.slow
 def test_moe_routes_across_steps_equal_the_static_samplers():
     """An MoE model with a dense-MLP layer (GLM-style), two steps' prompts in one session
     (batched prefills of prompts of 1 and 2 chunks): each step's `output` routes equal

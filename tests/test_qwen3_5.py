@@ -172,6 +172,15 @@ def test_greedy_equals_hf_generate(qwen3_5):
     np.testing.assert_array_equal(np.asarray(out.tokens), hf_greedy(model, PROMPTS, 10))
 
 
+@pytest.mark.parametrize(
+    "qwen3_5",
+    [
+        "qwen3_5",
+        pytest.param("qwen3_5_moe", marks=pytest.mark.slow),
+        pytest.param("qwen3_next", marks=pytest.mark.slow),
+    ],
+    indirect=True,
+)
 def test_sampled_logprobs_equal_teacher_forced(qwen3_5):
     """3 samples per prompt (the prompt's cache and DeltaNet state copied to its rows),
     rows that stop early (an eos token): the behaviour log-probs equal one teacher-forced
@@ -336,6 +345,7 @@ def test_step_and_chunked_forms_agree_in_the_model(dense):
 
 
 # ------------------------------------------------------------------ in the trainer
+@pytest.mark.slow
 def test_grpo_two_steps_with_routing_replay(tmp_path):
     """A tiny Qwen3-Next (Qwen3.5-MoE's decoder, here with a dense first layer, saved by
     `save_hf` with its fused DeltaNet projections and read back) through the trainer: the

@@ -72,6 +72,7 @@ def test_greedy_equals_the_static_sampler(qwen3_5):
     assert paged.stats["state_bytes_per_row"] == state_bytes(cfg) > 0
 
 
+@pytest.mark.slow
 def test_logprobs_equal_teacher_forced(qwen3_5):
     """Sampled rows (temperature 0.7, 2 per prompt: each starts from its prompt's state,
     prefilled once; the greedy test's engine, with preemptions): the behaviour log-probs

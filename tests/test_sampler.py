@@ -504,9 +504,23 @@ APPENDED = [
 ]
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def _start_append_cases():
+    """Greedy / sampled x one device / mesh x scanned / unrolled layers: two crossing
+    cases in the default tier, the other six in the slow one."""
+    for temperature, t_id in ((0.0, "greedy"), (0.8, "sampled")):
+        for sharded, s_id in ((False, "one_device"), (True, "mesh")):
+            for scan, l_id in ((True, "scanned"), (False, "unrolled")):
+                kept = (t_id, s_id, l_id) in {
+                    ("greedy", "mesh", "unrolled"),
+                    ("sampled", "one_device", "scanned"),
+                }
+                marks = () if kept else pytest.mark.slow
+                yield pytest.param(
+                    scan, sharded, temperature, marks=marks, id=f"{t_id}-{s_id}-{l_id}"
+                )
+
+
+@pytest.mark.parametrize("scan_layers, sharded, temperature", list(_start_append_cases()))
 def test_start_append_decode_equals_the_longer_prompt(tiny, scan_layers, sharded, temperature):
     """Tokens appended to each row's cache (ragged, one row none) then decoded == the
     prompt + those tokens prefilled and decoded: same tokens, log-probs to 1e-5; the
@@ -541,7 +555,9 @@ def test_start_append_decode_equals_the_longer_prompt(tiny, scan_layers, sharded
         assert (np.asarray(ref.finish) == sampling.FINISH_STOP).any()
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+@pytest.mark.parametrize(
+    "sharded", [pytest.param(False, marks=pytest.mark.slow), True], ids=["one_device", "mesh"]
+)
 def test_decode_twice_equals_one_decode(tiny, sharded):
     """decode(a) then decode(b) on the returned state == decode(a + b): the draws, the
     stops and the log-probs continue where the first call left them."""

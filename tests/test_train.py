@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize(
     "name",
     [
-        "dr_grpo",
+        pytest.param("dr_grpo", marks=pytest.mark.slow),
         "dapo",
         pytest.param("gspo", marks=pytest.mark.slow),
         pytest.param("rloo", marks=pytest.mark.slow),

@@ -449,7 +449,9 @@ def test_permutation_key_derives_from_the_seed(params, host_batch):
 
 
 # -------------------------------------------------------------------- micro-batch, guard
-@pytest.mark.parametrize("preset", ["grpo", "dr_grpo"])  # seq-mean-token-mean / -sum-norm
+@pytest.mark.parametrize(
+    "preset", ["grpo", pytest.param("dr_grpo", marks=pytest.mark.slow)]
+)  # seq-mean-token-mean / -sum-norm
 def test_micro_batches_equal_one_big_batch(params, host_batch, preset):
     batch = on_device(host_batch)
     big, _ = update_fn(preset, micro=1, skip=True)(fresh_state(params), batch)

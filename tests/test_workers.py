@@ -1038,7 +1038,12 @@ def _samples(workdir) -> list:
 
 @pytest.mark.parametrize(
     "lora,processes,multi_turn",
-    [(0, 2, False), (4, 1, False), pytest.param(4, 2, False, marks=pytest.mark.slow), (0, 1, True)],
+    [
+        (0, 2, False),
+        pytest.param(4, 1, False, marks=pytest.mark.slow),
+        pytest.param(4, 2, False, marks=pytest.mark.slow),
+        (0, 1, True),
+    ],
     ids=["two_hosts", "lora", "lora_two_hosts", "environments"],
 )
 def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(
@@ -1302,6 +1307,7 @@ def test_a_trainer_killed_and_restarted_resumes_on_the_same_workers(
     _ran_the_same(cut, uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_run_starts_and_resumes_without_one_of_its_workers(workers, uninterrupted, tmp_path):
     """The restart above, each time with one of the two workers missing: the run starts
     with nothing at the first address (the trainer waits rollout.worker_start_s for both,

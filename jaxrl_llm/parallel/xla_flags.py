@@ -6,8 +6,8 @@
 own kernel through LLVM, and LLVM's optimisation passes over those kernels are most of a
 cold start's compile time. At level 1 they compile faster while the steps take as long:
 the matrix products, where the time goes, run in YNNPACK's prebuilt kernels, which the
-level does not touch (measured: benchmarks/RESULTS.md, "Start-up"). The test suite
-compiles at the same level.
+level does not touch (measured: benchmarks/RESULTS.md, "Start-up"). The test suite,
+whose models are tiny, compiles at -O0 (tests/conftest.py).
 
 XLA reads `XLA_FLAGS` once, when jax creates its first backend, so the flag goes into the
 environment before that, and only where it cannot reach an accelerator's compiler (where
