@@ -241,13 +241,14 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
     """Near-tied router: without replay the trainer's log-probs (each prompt read once
     per group, or per row) differ from the sampler's on some tokens; replaying the
     recorded experts makes them equal on every token. Vocabulary 16: log-probs near -3,
-    whose float32 spacing (2.4e-7) leaves the 1e-6 bound room for rounding."""
+    whose float32 spacing (2.4e-7) leaves the 2e-6 bound room for rounding (measured up
+    to 1.2e-6: five spacings, from the two programs' different summation orders)."""
     cfg = tiny_moe(vocab_size=16)
     params = tie_sensitive(cfg, models.init_params(cfg, seed=1))
     gaps = replay_gaps(cfg, params, groups=(2, 1))
     for groups in (2, 1):
         assert np.sum(gaps[groups, "none"] > 1e-2) >= 5, (groups, gaps[groups, "none"])
-        assert gaps[groups, "rollout"].max() <= 1e-6, (groups, gaps[groups, "rollout"].max())
+        assert gaps[groups, "rollout"].max() <= 2e-6, (groups, gaps[groups, "rollout"].max())
 
 
 def plain_replayed_moe(cfg, h, weights, routes):

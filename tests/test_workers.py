@@ -997,13 +997,22 @@ def test_lora_syncs_send_the_adapters_and_each_worker_merges_them(workers):
 
 
 def test_a_worker_refuses_another_seed(workers):
+    """The refusal is one `WorkerError` line, and the refused trainer's connection is
+    closed with it: the worker serves the next trainer at once (a connection left open
+    would hold the worker until the trainer's socket is collected)."""
     from jaxrl_llm import sampling
     from jaxrl_llm.workers.remote import RemoteStream, Workers
 
     params = models.builtin.load_model(workers.path)[1]
     spec = sampling.RolloutSpec(num_generations=2, max_new_tokens=6)
+    address = workers.static[0][1]
     with pytest.raises(wire.WorkerError, match="train.seed: the trainer samples with 12345"):
-        RemoteStream(Workers((workers.static[0][1],), TOKEN, seed=12345), params, 0, spec)
+        RemoteStream(Workers((address,), TOKEN, seed=12345), params, 0, spec)
+    stream = RemoteStream(Workers((address,), TOKEN, connect_timeout_s=5.0), params, 0, spec)
+    try:
+        assert stream.stats["workers"] == 1
+    finally:
+        stream.close()
 
 
 RUN_CONFIG = """

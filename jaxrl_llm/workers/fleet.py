@@ -104,10 +104,17 @@ class Fleet:
     alive = property(lambda self: [k for k in self.links if k.alive])
 
     def connect(self) -> None:
-        """Opens the first connections (`_first_connections`)."""
+        """Opens the first connections (`_first_connections`). A worker that refuses the
+        session (another seed, say) raises its `WorkerError` here, every connection closed
+        first: a worker serves one trainer at a time, and one left open would keep it
+        from the next trainer until the socket is collected."""
         self.links = [_Link(a, sock) for a, sock in self._first_connections()]
         self.stats["workers"] = len(self.links)
-        self.exchange(self.links, "open", self.opened)
+        try:
+            self.exchange(self.links, "open", self.opened)
+        except BaseException:
+            self.close()
+            raise
 
     def pick(self) -> _Link:
         """The alive worker holding least, of those the one given work least recently (a

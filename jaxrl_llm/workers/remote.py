@@ -55,7 +55,11 @@ class RemoteStream:
         self.stats = self.fleet.stats  # the workers' counters, and the stream's
         self.stats.update(decode_chunks=0, swaps=0)
         self.fleet.connect()
-        self.fleet.push(params, version)
+        try:
+            self.fleet.push(params, version)
+        except BaseException:  # the connections closed, as `Fleet.connect`'s on a refusal
+            self.fleet.close()
+            raise
 
     busy = property(lambda self: bool(self.queued))
     in_flight = property(lambda self: any(k.in_flight for k in self.fleet.alive))
