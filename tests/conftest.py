@@ -8,9 +8,10 @@ import tempfile
 import pytest
 
 # LLVM code generation at -O0: the tests' models are tiny, so compiling their programs
-# costs far more than running them; XLA:CPU's compile at -O0 takes about a third less time
-# than at the command line's -O1 (`parallel.xla_flags`), which takes a third less than the
-# default. Tests that start the command line with XLA_FLAGS of their own get its -O1.
+# costs far more than running them (most of a test's time is XLA's backend compile).
+# Against the command line's -O1 (`parallel.xla_flags`), -O0 took two compile-heavy tests
+# a sixth less time in all. Tests that start the command line with XLA_FLAGS of their own
+# get its -O1.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
