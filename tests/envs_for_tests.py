@@ -71,11 +71,13 @@ class OddLength(envs.Env):
 
 class Sleepy(envs.Env):
     """Scripted's turns after a `delay_s` sleep per step, with observations of
-        `obs_chars[k]` characters at turn k (the row's `turns` and `obs_chars` fields, if it has
-    them): the paged multi-turn tests' and benchmark's environment."""
+    `obs_chars[k]` characters at turn k (the row's `turns` and `obs_chars` fields, if it has
+    them): the paged multi-turn tests' and benchmark's environment. `mark`: a file each
+    step creates first (a test waits for it: a turn has ended)."""
 
-    def __init__(self, turns: int = 3, delay_s: float = 0.2, obs_chars=(2, 9, 4, 14, 6)):
+    def __init__(self, turns: int = 3, delay_s: float = 0.2, obs_chars=(2, 9, 4, 14, 6), mark=None):
         self.turns, self.delay_s, self.obs_chars, self.k = turns, delay_s, obs_chars, 0
+        self.mark = mark
 
     def reset(self, example):
         self.turns = example.get("turns", self.turns)
@@ -83,6 +85,8 @@ class Sleepy(envs.Env):
         return example.get("question")
 
     def step(self, action):
+        if self.mark:
+            open(self.mark, "a").close()
         time.sleep(self.delay_s)
         self.k += 1
         if self.k >= self.turns:

@@ -10,6 +10,7 @@ from tiny_run import TOKENIZER, make_model_dir, tiny_config, tiny_model_config
 
 from jaxrl_llm import envs, models, rl, sampling
 from jaxrl_llm.models import builtin
+from jaxrl_llm.sampling.engine import open_session
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SLEEPY = os.path.join(TESTS, "envs_for_tests.py") + ":Sleepy"
@@ -128,7 +129,9 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup, smal
     tokens equal the trainer's teacher-forced ones (1e-5), observation tokens have loss
     mask 0 and log-prob 0; and the first two prompts' rows draw the same trajectories
     when played without the others, a slot each (a row's keys follow its index and its
-    token count, not its slot, chunk or neighbours)."""
+    token count, not its slot, chunk or neighbours), and the last two's rows as a part
+    of the batch (`first_row`) draw their first turns as in it; a static session refuses
+    a part at this temperature."""
     cfg, params, _, _ = setup
     out, turns, _, spec = play(setup, small_engine, EXAMPLES[1:], 2, 0.8)
     teacher = np.asarray(rl.make_logprob_fn(cfg, spec, chunk_size=16)(params, out))
@@ -149,6 +152,23 @@ def test_sampled_logprobs_are_teacher_forced_and_keys_follow_the_row(setup, smal
         np.testing.assert_array_equal(
             np.asarray(getattr(alone, name)), np.asarray(getattr(out, name))[:4], err_msg=name
         )
+    # The last two prompts as a part of the batch from row 4 (rollout workers sharing a
+    # step, `workers.turns`): their rows' first turns as in the whole batch.
+    cfg, own, tok, pool = setup
+    _, observations = pool.reset(EXAMPLES[3:])
+    renderer = envs.Renderer(tok, use_chat=False)
+    ids, mask = sampling.pad_prompts([renderer.prompt(o) for o in observations], 0)
+    part = (own, ids, mask, spec, SETTINGS, [True] * 4, 1, 3, None)
+    session = open_session(small_engine, "turns", *part, first_row=4)
+    first = {}
+    while session.busy:
+        first |= {r: session.result(r).tokens for r in session.run_chunk()}
+    for r in range(4):
+        _, _, end = turns.spans[4 + r][0]
+        assert first[r] == np.asarray(out.tokens)[4 + r, :end].tolist(), r
+    static = sampling.Sampler(cfg, seed=5)
+    with pytest.raises(ValueError, match="static engine: its rows draw batch-wide"):
+        open_session(static, "turns", *part, first_row=4)
 
 
 @pytest.mark.slow

@@ -710,7 +710,7 @@ SLEEPY_EXAMPLES = [
 
 
 def _turns_setup(workers, engine: str):
-    """-> play(engine, params, refresh=None) -> (out, turns, trajectory ends), the
+    """-> play(engine, params, refresh=None, examples) -> (out, turns, trajectory ends), the
     float32 parameters, and the local engine of `engine` on a mesh of the workers' shape
     with the parameters it samples (cast to bfloat16, what the wire carries)."""
     import os
@@ -741,9 +741,9 @@ def _turns_setup(workers, engine: str):
     spec = sampling.RolloutSpec(2, settings.turn_tokens, 0.0)
     sleepy = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs_for_tests.py")
 
-    def play(engine, params, refresh=None):
+    def play(engine, params, refresh=None, examples=SLEEPY_EXAMPLES):
         with envs.EnvPool(sleepy + ":Sleepy", {"delay_s": 0.0}, workers=1) as pool:
-            trajs, observations = pool.reset(SLEEPY_EXAMPLES)
+            trajs, observations = pool.reset(examples)
             ids, mask = sampling.pad_prompts([renderer.prompt(o) for o in observations], 0)
             trajs, _ = envs.replicate(trajs, observations, 2)
             out, turns = envs.play(
@@ -789,12 +789,13 @@ def test_multi_turn_rows_on_a_worker_equal_the_local_turn_loop(workers):
 
 
 def test_a_worker_lost_mid_turns_costs_a_replay_of_the_step(workers):
-    """The connection to the worker holding a step's rows breaks while they are between
-    turns: `envs.play` raises `RowsLost` (nothing returned, so nothing trained), the fleet
-    counts the worker lost and the step requeued, and the step played again goes to the
-    other worker and equals the local turn loop (static engine: greedy tokens, log-probs
-    1e-5, spans, versions, ends). `PlayerStream` plays a step again on `RowsLost` until
-    it is played."""
+    """A greedy step's 8 prompts split over both workers (fsdp 4 each: 4 a part) play as
+    the local turn loop (static engine: greedy tokens, log-probs 1e-5, spans, versions,
+    ends). The connection to the worker holding a step's 4 prompts breaks while they are
+    between turns: `envs.play` raises `RowsLost`
+    (nothing returned, so nothing trained), the fleet counts the worker lost and the step
+    requeued, and the step played again goes to the other worker and equals the local
+    turn loop. `PlayerStream` plays a step again on `RowsLost` until it is played."""
     import socket
 
     from jaxrl_llm.rollout.thread import PlayerStream
@@ -806,6 +807,7 @@ def test_a_worker_lost_mid_turns_costs_a_replay_of_the_step(workers):
     want = play(local, bf16)
     fleet = Fleet(Workers(tuple(a for _, a in workers.static), TOKEN), {"kind": "turns"})
     broken = []
+    eight = SLEEPY_EXAMPLES[::-1] + SLEEPY_EXAMPLES  # two parts of the workers' fsdp 4
 
     def refresh():  # before the second decode: the rows are the worker's now
         if not broken:
@@ -815,6 +817,11 @@ def test_a_worker_lost_mid_turns_costs_a_replay_of_the_step(workers):
         return params, 0
 
     try:
+        # Greedy: 8 prompts split over both workers, played as the local loop; 4 (the
+        # workers' prompt multiple) stay whole on one.
+        _same_play(play(fleet, params, examples=eight), play(local, bf16, examples=eight))
+        assert sorted(k.last for k in fleet.links) == [0, 1]
+        assert not any(k.steps for k in fleet.links)
         with pytest.raises(RowsLost, match="lost step 1's rows"):
             play(fleet, params, refresh)
         assert fleet.stats["workers_lost"] == 1 and fleet.stats["requeued"] == 1
@@ -1464,12 +1471,20 @@ def get_config():
     c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
     c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
     c.rollout.worker_retry_s = 0.0  # a lost worker is tried again before each step
+    if {env}:  # multi-turn: the environments here, each step's turns on a worker
+        c.rewards = {{}}
+        c.env.name = {tests!r} + "/envs_for_tests.py:Sleepy"
+        c.env.options = {{"turns": 2, "delay_s": 0.5, "mark": {mark!r}}}
+        c.env.max_turns, c.env.max_total_tokens, c.env.workers = 2, 16, 2
     return c
 """
 
 
+@pytest.mark.parametrize(
+    "multi_turn", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["", "environments"]
+)
 def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_joins(
-    workers, tmp_path
+    workers, tmp_path, multi_turn
 ):
     """kill -9 of one of the two workers of a split run once its first step is trained
     (the victim is listed first, so it samples step 1; max_staleness 0: a step is queued
@@ -1478,7 +1493,10 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
     steps remain) is taken back (`rollout.worker_retry_s=0`: tried before each step) and
     samples a step. Every step trains the data's next batch, each row once (samples.jsonl
     against the data order), and every reward is its own completion's (no lost generation
-    trained as a zero reward)."""
+    trained as a zero reward). "environments": multi-turn steps (the environments here,
+    each step's turns on a worker), the victim killed while it holds step 1's rows
+    between their turns: the step is played again on the other worker, and every
+    trajectory is played to its end (no error, reward > 0)."""
     import json
     import os
     import re
@@ -1488,7 +1506,7 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
     import threading
     import time
 
-    from jaxrl_llm import data
+    from jaxrl_llm import data, envs
 
     steps = 4
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -1497,7 +1515,12 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
     addresses = f"{address},{workers.static[0][1]}"  # the victim first: it takes step 1
     file.write_text(
         KILL_RUN_CONFIG.format(
-            tests=tests, model_dir=workers.path, steps=steps, addresses=addresses
+            tests=tests,
+            model_dir=workers.path,
+            steps=steps,
+            addresses=addresses,
+            env=multi_turn,
+            mark=str(tmp_path / "turn_ended"),
         )
     )
     workdir = tmp_path / "run"
@@ -1507,9 +1530,16 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
     restarted = []
     try:
         metrics = workdir / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n")):
+
+        def ready():  # multi-turn: step 1's first turn ended, its rows wait on the
+            # victim for their next turn; single-turn: step 1 trained
+            if multi_turn:
+                return (tmp_path / "turn_ended").exists()
+            return metrics.exists() and metrics.read_text().count("\n")
+
+        while not ready():
             assert trainer.poll() is None, trainer.communicate()[1][-3000:]
-            time.sleep(0.2)
+            time.sleep(0.05)
         os.kill(victim.pid, signal.SIGKILL)  # its connection breaks mid-run
         os.kill(trainer.pid, signal.SIGSTOP)  # steps 3 and 4 are still to be given out
         try:
@@ -1541,6 +1571,8 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
     last = logged[-1]
     assert last["rollout/workers_lost"] == 1 and last["rollout/workers_joined"] == 1
     assert last["rollout/workers"] == 2
+    if multi_turn:  # step 1 played again on the other worker
+        assert logged[0]["rollout/requeued"] == 1, logged[0]
     with open(workdir / "samples.jsonl") as f:
         rows = [json.loads(line) for line in f]
     spec = importlib.util.spec_from_file_location("kill_run_config", file)
@@ -1550,13 +1582,22 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
     G = config.rollout.num_generations
     tokenizer = models.builtin.load_tokenizer(workers.path)
     order = data.make_iterator(config.data, tokenizer, config.rollout.batch_size)
+    renderer = envs.Renderer(tokenizer, bool(getattr(tokenizer, "chat_template", None)))
     for step in range(1, steps + 1):
-        want = [p for p in next(order).prompts for _ in range(G)]
+        batch = next(order)
+        want = batch.prompts
+        if multi_turn:  # the reset's observation (Sleepy's: the question), rendered
+            want = [tokenizer.decode(renderer.prompt(e["question"])) for e in batch.examples]
+        want = [p for p in want for _ in range(G)]
         assert [r["prompt"] for r in rows if r["step"] == step] == want, step
     assert len(rows) == steps * config.rollout.batch_size * G
-    for r in rows:  # the format reward: 1 when the completion starts with a digit
-        digit = re.fullmatch("[0-9].*", r["completion"], re.DOTALL) is not None
-        assert r["reward"] == float(digit), r
+    for r in rows:
+        if multi_turn:  # Sleepy's: 0.5 at the first turn, 1 when done at the second
+            assert r["reward"] > 0 and all(t["role"] != "error" for t in r["turns"]), r
+            assert sum(t["role"] == "model" for t in r["turns"]) == 2, r
+        else:  # the format reward: 1 when the completion starts with a digit
+            digit = re.fullmatch("[0-9].*", r["completion"], re.DOTALL) is not None
+            assert r["reward"] == float(digit), r
 
 
 def _joined_takes_the_next_step(stream, prompts, want, got: dict, first: str, joined: str):

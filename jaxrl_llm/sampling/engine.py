@@ -141,11 +141,30 @@ class StaticTurns:
     others draw nothing). turns (`envs.TurnSettings`): turn_tokens, a turn's budget;
     stop_ids, ids that end a turn; max_total_tokens, a row's completion (sampled and
     appended tokens). step: the random key's (None: 0); version: the parameters'; mesh:
-    the rows' (the paged engine's are its own)."""
+    the rows' (the paged engine's are its own). first_row: the rows' place in a larger
+    batch decoded in parts (rollout workers sharing a step, `workers.turns`); the paged
+    engine's rows draw with their own keys from it, the static engine's draw batch-wide
+    (`Sampler.row_keys`), so a part of a batch is greedy only."""
 
     def __init__(
-        self, sampler, params, prompt_ids, prompt_mask, spec, turns, live, step, version, mesh
+        self,
+        sampler,
+        params,
+        prompt_ids,
+        prompt_mask,
+        spec,
+        turns,
+        live,
+        step,
+        version,
+        mesh,
+        first_row=0,
     ):
+        if first_row and spec.temperature > 0:
+            raise ValueError(
+                f"rows from {first_row} of a batch on the static engine: its rows draw "
+                "batch-wide, so a part of a batch draws other tokens unless greedy"
+            )
         self.sampler, self.params, self.version, self.mesh = sampler, params, version, mesh
         self.turn_tokens, self.stop_ids = turns.turn_tokens, tuple(turns.stop_ids)
         self.total = turns.max_total_tokens
@@ -271,7 +290,18 @@ class PagedTurns:
     session's."""
 
     def __init__(
-        self, engine, params, prompt_ids, prompt_mask, spec, turns, live, step, version, mesh
+        self,
+        engine,
+        params,
+        prompt_ids,
+        prompt_mask,
+        spec,
+        turns,
+        live,
+        step,
+        version,
+        mesh,
+        first_row=0,
     ):
         ids, mask = engine.bucketed(prompt_ids, prompt_mask)
         G, n, T = spec.num_generations, len(live), turns.max_total_tokens
@@ -289,7 +319,7 @@ class PagedTurns:
             pages=engine.pages or engine.auto_pages(n, ids.shape[1] + T),
             prompts=ids.shape[0],
         )
-        self.session.submit(ids, mask, turns.turn_tokens, live)
+        self.session.submit(ids, mask, turns.turn_tokens, live, key_base=first_row)
         self.first_version, self.total, self.dropped = version, T, []
 
     def __getattr__(self, name):

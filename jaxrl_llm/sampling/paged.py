@@ -118,6 +118,10 @@ class PagedSampler:
     # The host schedules between decode chunks until a rollout is done: one sampled
     # ahead needs a thread to run beside the step (`rollout.thread`).
     dispatches_ahead = False
+    # Each row draws with its own key (the module docstring): a batch's rows split over
+    # sessions (`engine.PagedTurns`' first_row) draw what they draw together.
+    row_keys = True
+    prompt_multiple = 1  # prompts take slots one at a time
 
     def __init__(
         self,

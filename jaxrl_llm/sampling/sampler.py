@@ -94,6 +94,14 @@ class Sampler:
     # `sample` returns once its one program is dispatched: a rollout sampled ahead
     # (rollout.mode='overlap', `rollout.sources.SampledAhead`) runs while the host goes on.
     dispatches_ahead = True
+    # A batch's rows draw together (one key a token for the batch): a part of a batch
+    # decoded alone draws other tokens unless greedy (`engine.StaticTurns`' first_row).
+    row_keys = False
+
+    @property
+    def prompt_multiple(self) -> int:
+        """What a prompt batch's size must be a multiple of (the mesh's data x fsdp)."""
+        return mesh_lib.batch_size_multiple(self.mesh)
 
     def __init__(
         self,

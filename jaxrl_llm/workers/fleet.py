@@ -6,6 +6,7 @@ rows: `remote.RemoteStream` (single-turn steps) and `turns.RemoteTurns` (multi-t
     fleet.connect()                        # every worker given (or listed) that answers
     fleet.push(params, version)            # one host copy, sent to every worker (`weights`)
     answers = fleet.exchange(links, kind, fields, arrays)   # one request each, in parallel
+    answers = fleet.exchange_each([(link, fields, arrays), ...], kind)   # each its own
     fleet.refresh()                        # between steps: who joined, who left, who is back
 
 Losing a worker: a connection that breaks (the process killed, the host gone), or that
@@ -75,6 +76,9 @@ class _Link:
     alive: bool = True
     leaving: bool = False  # no longer listed: takes no new work, closed once it holds none
     has_base: bool = False  # LoRA: holds the base weights (sent once per connection)
+    # Its engine (`_opened`): each row draws with its own key; prompts per batch divide by
+    row_keys: bool = False
+    prompt_multiple: int = 1
 
 
 class Fleet:
@@ -111,7 +115,7 @@ class Fleet:
         self.links = [_Link(a, sock) for a, sock in self._first_connections()]
         self.stats["workers"] = len(self.links)
         try:
-            self.exchange(self.links, "open", self.opened)
+            self._opened(self.exchange(self.links, "open", self.opened))
         except BaseException:
             self.close()
             raise
@@ -119,13 +123,19 @@ class Fleet:
     def pick(self) -> _Link:
         """The alive worker holding least, of those the one given work least recently (a
         worker that joins takes the next; one item at a time goes round the workers)."""
+        return self.spread(1)[0]
+
+    def spread(self, n: int) -> list:
+        """Up to `n` alive workers (at least one), in `pick`'s order: what one item's parts
+        go to (`turns.RemoteTurns`)."""
         alive = [k for k in self.alive if not k.leaving] or self.alive
         if not alive:
             lost = ", ".join(k.address for k in self.links)
             raise wire.WorkerError(f"every rollout worker is gone ({lost})")
-        link = min(alive, key=lambda k: (len(k.steps), k.last))
-        link.last, self.given = self.given, self.given + 1
-        return link
+        links = sorted(alive, key=lambda k: (len(k.steps), k.last))[: max(1, n)]
+        for link in links:
+            link.last, self.given = self.given, self.given + 1
+        return links
 
     def push(self, params, version: int) -> None:
         """`params` to every worker, as version `version`."""
@@ -150,8 +160,12 @@ class Fleet:
     def exchange(self, links, kind: str, fields=None, arrays=None) -> list:
         """The request sent to each of `links`, then each answer read -> [(link, (fields,
         arrays))] of the workers that answered; a broken connection is a lost worker."""
+        return self.exchange_each([(link, fields, arrays) for link in links], kind)
+
+    def exchange_each(self, requests, kind: str) -> list:
+        """`exchange` with each worker's own request: [(link, fields, arrays)]."""
         sent = []
-        for link in links:
+        for link, fields, arrays in requests:
             try:
                 wire.send(link.sock, kind, fields, arrays)
                 sent.append(link)
@@ -219,12 +233,18 @@ class Fleet:
                 continue
             self.tried.pop(a, None)
             self.links.append(link)
-            self.exchange([link], "open", self.opened)
+            self._opened(self.exchange([link], "open", self.opened))
             if self.host is not None:
                 self._send_weights([link], self.host, self.version)
             if link.alive:
                 self.stats["workers_joined"] += 1
         self.stats["workers"] = len(self.alive)
+
+    def _opened(self, answers) -> None:
+        """What the workers' 'open' answers say of their engines."""
+        for link, (fields, _) in answers:
+            link.row_keys = bool(fields.get("row_keys"))
+            link.prompt_multiple = int(fields.get("prompt_multiple", 1))
 
     # ------------------------------------------------------------------ connections
     def _connect(self, address: str, timeout_s: float, hello_s: float | None = None):

@@ -154,7 +154,13 @@ class Worker:
         if self.kind == "stream":
             self.spec = sampling.RolloutSpec(**fields["spec"])
             self.chunk = int(fields["chunk"])
-        return {"devices": len(self.mesh.devices.flat), "engine": type(self.engine).__name__}
+        engine = self.engine
+        return dict(
+            devices=len(self.mesh.devices.flat),
+            engine=type(engine).__name__,
+            row_keys=bool(engine.row_keys),
+            prompt_multiple=int(engine.prompt_multiple),
+        )
 
     def _run(self) -> tuple[dict, dict]:
         s = self.session

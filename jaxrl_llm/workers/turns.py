@@ -9,16 +9,21 @@ gateway's requests (`sampling.serve`) the same way for agents; `handle`, the wor
     ... as any TurnRows: run_chunk, result, resume, end, swap, refused, output
 
 The environments stay on the trainer (they are the trainer's processes, `envs.EnvPool`);
-a step's rows are one worker's session (`Fleet.pick`: steps go round the workers),
-opened with the parameters of the step's version (pushed first when the workers hold
-another) and run by the worker's engine exactly as the local session of that engine would
-run them: greedy, the same tokens. The trainer's resumes and ends go with its next
-`run_chunk` (one request a chunk: `turn_run`), whose answer brings the rows whose turn
-ended (each row's completion so far, its versions, where its turn began) and the rows the
-session refused. A swap (partial rollouts) pushes the parameters to every worker; the
-worker holding the rows swaps them into its session.
+a step's prompts are split over the workers (`Fleet.spread`, up to one part a prompt),
+each part a session there with its place in the batch (`first_row`), opened with the
+parameters of the step's version (pushed first when the workers hold another) and run by
+the worker's engine as the local session of that engine would run those rows: the paged
+engine's rows draw with their own keys, so split they draw the same tokens; the static
+engine's draw batch-wide (`Sampler.row_keys`), so a step sampled at temperature > 0 on
+static workers stays whole on one worker (steps go round the workers). The trainer's
+resumes and ends go with its next `run_chunk`, which asks every worker with rows to
+decode at once (one request each: `turn_run`), whose answers bring the rows whose turn
+ended (each row's completion so far, its versions, where its turn began) and the rows
+the session refused; each part's rows go on to their next turn without waiting for the
+other parts'. `output` joins the parts' rows in order. A swap (partial rollouts) pushes
+the parameters to every worker; each swaps them into its rows' session.
 
-A worker lost while it holds the rows (`Fleet.lost`) takes their turns with it: the
+A worker lost while it holds rows (`Fleet.lost`) takes their turns with it: the
 session raises `sampling.engine.RowsLost`, and the caller plays the step again from its
 environments' resets on the workers left (`rollout.thread.PlayerStream`), so no row is
 trained twice or as a failure. A worker of several processes does not serve turns yet.
@@ -33,7 +38,9 @@ ids, log-probs, versions, whether it stopped) come back with it. A lost worker r
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import types
 
 import jax
@@ -48,9 +55,23 @@ from jaxrl_llm.workers.fleet import Fleet
 REQUESTS = ("turns", "turn_run", "turn_output", "requests", "req_run")  # `handle`
 
 
+@dataclasses.dataclass(eq=False)
+class _Part:
+    """One worker's share of a step's rows: rows first .. first + n of the batch, with the
+    resumes ([row, turn_tokens]) and ends ([row, -1]) for its next chunk, rows local."""
+
+    link: object
+    first: int
+    n: int
+    ops: list = dataclasses.field(default_factory=list)
+    resumed: dict = dataclasses.field(default_factory=dict)  # row -> its observation ids
+    busy: bool = True
+    decode_chunks: int = 0
+
+
 class RemoteTurns:
-    """`TurnRows` on one of `fleet`'s workers (the module docstring); args as
-    `StaticTurns`' (mesh unused: the rows are the worker's)."""
+    """`TurnRows` on `fleet`'s workers, the step's prompts split over them (the module
+    docstring); args as `StaticTurns`' (mesh unused: the rows are the workers')."""
 
     def __init__(
         self, fleet: Fleet, params, prompt_ids, prompt_mask, spec, turns, live, step, version, mesh
@@ -59,40 +80,51 @@ class RemoteTurns:
         self.fleet, self.spec, self.version = fleet, spec, version
         self.step = 0 if step is None else int(step)
         self.rows = [TurnRow() for _ in live]
-        self.ops: list = []  # [row, turn_tokens] resumes, [row, -1] ends, for the next chunk
-        self.resumed: dict = {}  # row -> its observation ids
         self.dropped: list = []
-        self.stats, self.worker_busy = {"decode_chunks": 0}, True
-        self.link = _hold(fleet, params, version, self.step)
-        fields = dict(
-            spec=dataclasses.asdict(spec),
-            turns=dict(
-                turn_tokens=int(turns.turn_tokens),
-                max_total_tokens=int(turns.max_total_tokens),
-                stop_ids=[int(x) for x in turns.stop_ids],
-            ),
-            live=[bool(x) for x in live],
-            step=step if step is None else int(step),
-        )
+        self.stats = {"decode_chunks": 0}
         ids, mask = np.asarray(prompt_ids, np.int32), np.asarray(prompt_mask, bool)
-        self._ask("turns", fields, {"prompt_ids": ids, "prompt_mask": mask})
+        B, G = ids.shape[0], spec.num_generations
+        links = _hold(fleet, params, version, self.step, B, spec.temperature == 0)
+        m = max(k.prompt_multiple for k in links) if len(links) > 1 else 1
+        cuts = [m * (B // m * i // len(links)) for i in range(len(links))] + [B]
+        spans = list(itertools.pairwise(cuts))
+        self.parts = [_Part(k, a * G, (b - a) * G) for k, (a, b) in zip(links, spans, strict=True)]
+        self.firsts = [p.first for p in self.parts]
+        settings = dict(
+            turn_tokens=int(turns.turn_tokens),
+            max_total_tokens=int(turns.max_total_tokens),
+            stop_ids=[int(x) for x in turns.stop_ids],
+        )
+        opened = []
+        for p, (a, b) in zip(self.parts, spans, strict=True):
+            fields = dict(
+                spec=dataclasses.asdict(spec),
+                turns=settings,
+                live=[bool(x) for x in live[p.first : p.first + p.n]],
+                step=step if step is None else int(step),
+                first_row=p.first,
+            )
+            opened.append((p, fields, {"prompt_ids": ids[a:b], "prompt_mask": mask[a:b]}))
+        self._ask("turns", opened)
 
     @property
     def busy(self) -> bool:
-        return self.worker_busy or bool(self.ops)
+        return any(p.busy or p.ops for p in self.parts)
 
     def resume(self, r: int, ids, turn_tokens: int) -> None:
-        self.ops.append([int(r), int(turn_tokens)])
-        self.resumed[str(r)] = np.asarray(ids, np.int32)
+        p, r = self._part(r)
+        p.ops.append([r, int(turn_tokens)])
+        p.resumed[str(r)] = np.asarray(ids, np.int32)
 
     def end(self, r: int) -> None:
-        self.ops.append([int(r), -1])
+        p, r = self._part(r)
+        p.ops.append([r, -1])
 
     def result(self, r: int) -> TurnRow:
         return self.rows[r]
 
     def swap(self, params, version: int) -> None:
-        self.fleet.push(params, version)  # the worker swaps them into the rows' session
+        self.fleet.push(params, version)  # each worker swaps them into its rows' session
         self.version = version
 
     def refused(self) -> list:
@@ -100,29 +132,69 @@ class RemoteTurns:
         return out
 
     def run_chunk(self) -> list:
-        """The resumes and ends since the last chunk, then one chunk on the worker -> the
-        rows whose turn ended."""
-        ops, arrays = self.ops, self.resumed
-        self.ops, self.resumed = [], {}
-        fields, got = self._ask("turn_run", {"ops": ops}, arrays)
-        self.worker_busy, self.version = fields["busy"], fields["version"]
-        self.stats = {"decode_chunks": fields["decode_chunks"]}
-        self.dropped += fields["refused"]
-        for r, turn_from in zip(fields["ended"], fields["turn_from"], strict=True):
-            row = self.rows[r]
-            row.tokens = got[f"{r}/tokens"].tolist()
-            row.versions = got[f"{r}/versions"].tolist()
-            row.turn_from = turn_from
-        return fields["ended"]
+        """Each worker with rows to decode or resumes and ends since its last chunk gets
+        them and runs one chunk, all at once -> the rows whose turn ended."""
+        asked = [(p, {"ops": p.ops}, p.resumed) for p in self.parts if p.busy or p.ops]
+        for p, _, _ in asked:
+            p.ops, p.resumed = [], {}
+        ended = []
+        for p, (fields, got) in self._ask("turn_run", asked):
+            p.busy, p.decode_chunks = fields["busy"], fields["decode_chunks"]
+            self.version = fields["version"]
+            self.dropped += [p.first + r for r in fields["refused"]]
+            for r, turn_from in zip(fields["ended"], fields["turn_from"], strict=True):
+                row = self.rows[p.first + r]
+                row.tokens = got[f"{r}/tokens"].tolist()
+                row.versions = got[f"{r}/versions"].tolist()
+                row.turn_from = turn_from
+                ended.append(p.first + r)
+        self.stats = {"decode_chunks": sum(p.decode_chunks for p in self.parts)}
+        return ended
 
     def output(self, final_turn) -> SampleOutput:
         final = [bool(x) for x in np.asarray(final_turn)]
-        _, arrays = self._ask("turn_output", {"final_turn": final, "step": self.step})
-        self.link.steps.discard(self.step)
-        return SampleOutput(**arrays, num_generations=self.spec.num_generations)
+        asked = [
+            (p, {"final_turn": final[p.first : p.first + p.n], "step": self.step}, None)
+            for p in self.parts
+        ]
+        outs = [arrays for _, (_, arrays) in self._ask("turn_output", asked)]
+        for p in self.parts:
+            p.link.steps.discard(self.step)
+        out = _joined(outs, self.fleet.workers.pad_id)
+        return SampleOutput(**out, num_generations=self.spec.num_generations)
 
-    def _ask(self, kind: str, fields: dict, arrays: dict | None = None) -> tuple:
-        return _ask(self.fleet, self.link, kind, fields, arrays, f"step {self.step}'s rows")
+    def _part(self, r: int) -> tuple:
+        """Row r's part and its row there."""
+        p = self.parts[bisect.bisect_right(self.firsts, int(r)) - 1]
+        return p, int(r) - p.first
+
+    def _ask(self, kind: str, asked: list) -> list:
+        """[(part, fields, arrays)] -> [(part, answer)]; a worker lost: `RowsLost`, the
+        step's tag off every worker (the lost one's went to the fleet's requeued count)."""
+        try:
+            answers = _ask(self.fleet, [(p.link, f, a) for p, f, a in asked], kind)
+        except RowsLost as err:
+            for p in self.parts:
+                p.link.steps.discard(self.step)
+            raise RowsLost(f"{err} step {self.step}'s rows") from None
+        return [(p, got) for (p, _, _), got in zip(asked, answers, strict=True)]
+
+
+def _joined(outs: list, pad_id: int) -> dict:
+    """The parts' outputs (field -> host array) as one, rows in order: each part's prompt
+    columns left-padded to the widest part's bucket (masked: pad ids, no route)."""
+    P = max(o["prompt_tokens"].shape[1] for o in outs)
+    fill = {"prompt_tokens": pad_id, "prompt_mask": False, "routes": -1}
+
+    def widen(o, name):
+        x, cols = o[name], P - o["prompt_tokens"].shape[1]
+        if name not in fill or not cols:
+            return x
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (cols, 0)  # routes: [N, P + T, ...], the prompt's columns first
+        return np.pad(x, pad, constant_values=fill[name])
+
+    return {name: np.concatenate([widen(o, name) for o in outs]) for name in outs[0]}
 
 
 class RemoteRequests:
@@ -133,7 +205,7 @@ class RemoteRequests:
     def __init__(self, fleet: Fleet, params, version: int, spec, *, mesh=None, **settings):
         del mesh
         self.fleet, self.version, self.key = fleet, version, int(settings["key"])
-        self.link = _hold(fleet, params, version, None)
+        self.link = _hold(fleet, params, version, None)[0]
         self.ops: list = []  # ["ask", episode, max_tokens, n, rewrite] / ["forget", episode]
         self.ids: dict = {}  # episode -> the context ids it asked with
         self.answers: dict = {}  # episode -> its choices
@@ -187,31 +259,41 @@ class RemoteRequests:
         return [episode for episode, _ in fields["answered"]]
 
     def _ask(self, kind: str, fields: dict, arrays: dict | None = None) -> tuple:
-        return _ask(self.fleet, self.link, kind, fields, arrays, "the agents' requests")
+        try:
+            return _ask(self.fleet, [(self.link, fields, arrays)], kind)[0]
+        except RowsLost as err:
+            raise RowsLost(f"{err} the agents' requests") from None
 
 
-def _hold(fleet: Fleet, params, version: int, tag) -> object:
-    """The worker a session's rows go to (`Fleet.pick`), `tag` (None: nothing) on its link
-    while they are there; the fleet connected first, refreshed (who joined, left or is
-    back) and holding `version`."""
+def _hold(fleet: Fleet, params, version: int, tag, prompts: int = 1, greedy: bool = True):
+    """The workers a session's rows go to (`Fleet.spread`): `prompts` split over up to
+    one worker per `prompt_multiple` of them where the split draws what one worker would
+    (greedy, or engines whose rows draw with their own keys), else one; `tag` (None:
+    nothing) on their links while they hold the rows. The fleet is connected first,
+    refreshed (who joined, left or is back) and holding `version`."""
     if not fleet.links:
         fleet.connect()
     fleet.refresh()
     if fleet.host is None or fleet.version != version:
         fleet.push(params, version)
-    link = fleet.pick()
-    if tag is not None:
+    m = max((k.prompt_multiple for k in fleet.alive), default=1)
+    parts = prompts // m if prompts % m == 0 else 1
+    if not greedy and not all(k.row_keys for k in fleet.alive):
+        parts = 1
+    links = fleet.spread(parts)
+    for link in links if tag is not None else ():
         link.steps.add(tag)
-    return link
+    return links
 
 
-def _ask(fleet: Fleet, link, kind: str, fields: dict, arrays, what: str) -> tuple:
-    """One request to `link`'s worker -> its answer's (fields, arrays); `RowsLost` when
-    the worker is lost (`what` it held with it)."""
-    answers = fleet.exchange([link], kind, fields, arrays)
-    if not answers:
-        raise RowsLost(f"rollout worker {link.address} lost {what}")
-    return answers[0][1]
+def _ask(fleet: Fleet, asked: list, kind: str) -> list:
+    """Each worker's request ([(link, fields, arrays)]) -> their answers' (fields,
+    arrays), in order; `RowsLost` when a worker is lost."""
+    answers = fleet.exchange_each(asked, kind)
+    if len(answers) < len(asked):
+        lost = ", ".join(k.address for k, _, _ in asked if not k.alive)
+        raise RowsLost(f"rollout worker {lost} lost")
+    return [got for _, got in answers]
 
 
 def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
@@ -236,6 +318,7 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
             fields["step"],
             worker.version,
             worker.mesh,
+            first_row=fields["first_row"],
         )
         return session, ({}, {})
     if kind == "requests":
