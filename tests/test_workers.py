@@ -660,10 +660,14 @@ def test_a_worker_of_two_processes_draws_what_the_local_stream_draws(workers):
     process gives the engine its half of a step's prompts, and the rows gathered from
     both come back as the local `StaticStream` of one process draws them, greedy, with
     partial rollouts of 2 tokens (log-probs within 1e-5); a swap while a step runs is
-    taken between its chunks (each token's version)."""
+    taken between its chunks (each token's version). Then multi-turn rows
+    (`workers.turns`), each process holding its half of the step's rows: greedy, as the
+    local turn loop plays them."""
     import dataclasses
 
     from jaxrl_llm.sampling.engine import open_session
+    from jaxrl_llm.workers.remote import Workers
+    from jaxrl_llm.workers.turns import Fleet
 
     world = _start_world(workers.path)
     try:
@@ -680,6 +684,14 @@ def test_a_worker_of_two_processes_draws_what_the_local_stream_draws(workers):
             np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
         finally:
             stream.close()
+        # Multi-turn rows: each process holds its half of a step's rows, process 0
+        # answers for both; greedy, as the local turn loop plays them.
+        play, params, local, bf16 = _turns_setup(workers, "static")
+        fleet = Fleet(Workers((world[0][1],), TOKEN), {"kind": "turns"})
+        try:
+            _same_play(play(fleet, params), play(local, bf16))
+        finally:
+            fleet.close()
     finally:
         _stop([p for p, _ in world])
 

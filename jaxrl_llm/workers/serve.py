@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import select
 import socket
@@ -95,6 +96,7 @@ class Worker:
         self.engine, self.spec, self.chunk, self.session = None, None, 0, None
         self.kind, self.params, self.version, self.turns = "stream", None, None, None
         self.merger.base = None  # LoRA: each trainer sends its base again
+        self.own = (0, 0)  # a turns session: this process's first row of the part, rows
 
     def handle(self, kind: str, fields: dict, arrays: dict) -> tuple[dict, dict]:
         """One request -> the reply's (fields, arrays)."""
@@ -132,7 +134,7 @@ class Worker:
         if self.kind != "stream":
             raise wire.WorkerError(f"{kind!r} on a {self.kind!r} connection")
         if kind == "submit":
-            ids, mask = _own_rows(arrays["prompt_ids"]), _own_rows(arrays["prompt_mask"])
+            ids, mask = turns.own_rows(arrays["prompt_ids"]), turns.own_rows(arrays["prompt_mask"])
             self.session.submit(fields["step"], ids, mask, fields["key"])
             return {}, {}
         if kind == "run":
@@ -159,7 +161,8 @@ class Worker:
             devices=len(self.mesh.devices.flat),
             engine=type(engine).__name__,
             row_keys=bool(engine.row_keys),
-            prompt_multiple=int(engine.prompt_multiple),
+            # a batch splits over the engine's mesh, and over the processes (`own_rows`)
+            prompt_multiple=math.lcm(int(engine.prompt_multiple), jax.process_count()),
         )
 
     def _run(self) -> tuple[dict, dict]:
@@ -183,18 +186,6 @@ class Worker:
             stats=stats,
         )
         return fields, arrays
-
-
-def _own_rows(x: np.ndarray) -> np.ndarray:
-    """This process's slice of a step's prompts: with several processes each gives the
-    engine its own rows, process i the i-th of equal contiguous parts (as each host of a
-    run reads its slice of the batch, `data.iterator`), and the engine's rows are the
-    whole batch in order."""
-    n, i = jax.process_count(), jax.process_index()
-    if len(x) % n:
-        raise wire.WorkerError(f"{len(x)} prompts do not split over this worker's {n} processes")
-    part = len(x) // n
-    return x[i * part : (i + 1) * part]
 
 
 def worker_config(config):

@@ -26,7 +26,9 @@ the parameters to every worker; each swaps them into its rows' session.
 A worker lost while it holds rows (`Fleet.lost`) takes their turns with it: the
 session raises `sampling.engine.RowsLost`, and the caller plays the step again from its
 environments' resets on the workers left (`rollout.thread.PlayerStream`), so no row is
-trained twice or as a failure. A worker of several processes does not serve turns yet.
+trained twice or as a failure. On a worker of several processes each process holds its
+own rows of the part, and process 0 answers for all (`handle`); agents' requests are not
+served there yet.
 
 `RemoteRequests` is the agents' counterpart: the gateway's episodes ask requests
 (`ask`, `forget`) that go with the next `run_chunk` (`req_run`) to the worker's requests
@@ -298,30 +300,35 @@ def _ask(fleet: Fleet, asked: list, kind: str) -> list:
 
 def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
     """A `REQUESTS` request on `worker` (a `serve.Worker` opened with kind 'turns', its
-    weights given) -> (its turns session now, the answer's (fields, arrays))."""
+    weights given) -> (its turns session now, the answer's (fields, arrays)). A worker of
+    several processes: every process runs each request; each holds its own rows of the
+    part (`own_rows`: process i the i-th of equal contiguous shares), and process 0
+    answers for all (`_every_process`)."""
     session = worker.turns
     if kind == "turns":
-        if jax.process_count() > 1:
-            raise wire.WorkerError(
-                "multi-turn rows on a worker of several processes are not served yet; "
-                "start the worker as one process"
-            )
+        live = own_rows(np.asarray(fields["live"], bool))
         session = open_session(
             worker.engine,
             "turns",
             worker.params,
-            arrays["prompt_ids"],
-            arrays["prompt_mask"],
+            own_rows(arrays["prompt_ids"]),
+            own_rows(arrays["prompt_mask"]),
             sampling.RolloutSpec(**fields["spec"]),
             types.SimpleNamespace(**fields["turns"]),
-            fields["live"],
+            live.tolist(),
             fields["step"],
             worker.version,
             worker.mesh,
             first_row=fields["first_row"],
         )
+        worker.own = (jax.process_index() * len(live), len(live))  # first row, rows
         return session, ({}, {})
     if kind == "requests":
+        if jax.process_count() > 1:
+            raise wire.WorkerError(
+                "agents' requests on a worker of several processes are not served yet; "
+                "start the worker as one process"
+            )
         settings = {k: fields[k] for k in ("key", "width", "episodes")}
         settings |= {k: fields[k] for k in ("prompt_tokens", "total_tokens")}
         spec = sampling.RolloutSpec(**fields["spec"])
@@ -340,33 +347,94 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
     if kind == "req_run":
         return session, _requests_run(session, fields, arrays)
     if kind == "turn_output":
-        out = session.output(np.asarray(fields["final_turn"], bool))
+        out = session.output(own_rows(np.asarray(fields["final_turn"], bool)))
         got = {
             f.name: parallel.to_host(getattr(out, f.name))
             for f in dataclasses.fields(out)
             if f.name != "num_generations" and getattr(out, f.name) is not None
         }
         return None, ({"steps": [fields["step"]]}, got)
-    for r, turn_tokens in fields["ops"]:  # in the trainer's order
+    first, n = worker.own
+    for r, turn_tokens in fields["ops"]:  # in the trainer's order; this process's rows
+        if not first <= r < first + n:
+            continue
         if turn_tokens < 0:
-            session.end(r)
+            session.end(r - first)
         else:
-            session.resume(r, arrays[str(r)].tolist(), turn_tokens)
-    ended = session.run_chunk() if session.busy else []
+            session.resume(r - first, arrays[str(r)].tolist(), turn_tokens)
+    # The static engine's programs are collective: every process decodes, or none.
+    ended = session.run_chunk() if _everywhere(session.busy) else []
+    refused = session.refused()
+    rows = {r: session.result(r) for r in ended}
+    if jax.process_count() > 1:
+        ended, rows, refused = _every_process(ended, rows, refused, n)
     got = {}
     for r in ended:
-        row = session.result(r)
-        got[f"{r}/tokens"] = np.asarray(row.tokens, np.int32)
-        got[f"{r}/versions"] = np.asarray(row.versions, np.int32)
+        got[f"{r}/tokens"] = np.asarray(rows[r].tokens, np.int32)
+        got[f"{r}/versions"] = np.asarray(rows[r].versions, np.int32)
     answer = dict(
         ended=[int(r) for r in ended],
-        turn_from=[int(session.result(r).turn_from) for r in ended],
-        refused=[int(r) for r in session.refused()],
-        busy=bool(session.busy),
+        turn_from=[int(rows[r].turn_from) for r in ended],
+        refused=[int(r) for r in refused],
+        busy=_everywhere(session.busy),
         version=int(session.version),
         decode_chunks=int(session.stats["decode_chunks"]),
     )
     return session, (answer, got)
+
+
+def own_rows(x: np.ndarray) -> np.ndarray:
+    """This process's slice of a batch's rows (prompts, or their G rows each): with
+    several processes each gives the engine its own, process i the i-th of equal
+    contiguous parts (as each host of a run reads its slice of the batch,
+    `data.iterator`), and the engine's rows are the whole batch in order."""
+    n, i = jax.process_count(), jax.process_index()
+    if len(x) % n:
+        raise wire.WorkerError(f"{len(x)} rows do not split over this worker's {n} processes")
+    part = len(x) // n
+    return x[i * part : (i + 1) * part]
+
+
+def _everywhere(flag: bool) -> bool:
+    """Whether `flag` holds on every process (a collective with several)."""
+    return not parallel.host_max(int(not flag))
+
+
+def _every_process(ended: list, rows: dict, refused: list, n: int) -> tuple:
+    """Each process's ended rows (in its order, with their `TurnRow`) and refused rows,
+    local to its `n` -> every process's, in process order, rows of the part: one gather
+    of fixed-shape arrays (completions padded to a multiple of 64 columns)."""
+    from jax.experimental import multihost_utils
+
+    longest = max((len(rows[r].tokens) for r in ended), default=0)
+    width = max(64, -(-parallel.host_max(longest) // 64) * 64)
+    mine = dict(
+        order=np.full(n, -1, np.int32),
+        tokens=np.zeros((n, width), np.int32),
+        versions=np.full((n, width), -1, np.int32),
+        lengths=np.zeros(n, np.int32),
+        turn_from=np.zeros(n, np.int32),
+        refused=np.zeros(n, bool),
+    )
+    for k, r in enumerate(ended):
+        row, L = rows[r], len(rows[r].tokens)
+        mine["order"][r], mine["lengths"][r], mine["turn_from"][r] = k, L, row.turn_from
+        mine["tokens"][r, :L], mine["versions"][r, :L] = row.tokens, row.versions
+    mine["refused"][refused] = True
+    every = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(mine).items()}
+    ended, rows, refused = [], {}, []
+    for p in range(every["order"].shape[0]):
+        order = every["order"][p]
+        for r in sorted(np.nonzero(order >= 0)[0], key=lambda r: order[r]):
+            L, g = every["lengths"][p, r], p * n + int(r)
+            rows[g] = TurnRow(
+                tokens=every["tokens"][p, r, :L].tolist(),
+                versions=every["versions"][p, r, :L].tolist(),
+                turn_from=int(every["turn_from"][p, r]),
+            )
+            ended.append(g)
+        refused += [p * n + int(r) for r in np.nonzero(every["refused"][p])[0]]
+    return ended, rows, refused
 
 
 def _requests_run(session, fields: dict, arrays: dict) -> tuple:
