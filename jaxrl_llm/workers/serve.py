@@ -96,7 +96,7 @@ class Worker:
         self.engine, self.spec, self.chunk, self.session = None, None, 0, None
         self.kind, self.params, self.version, self.turns = "stream", None, None, None
         self.merger.base = None  # LoRA: each trainer sends its base again
-        self.own = (0, 0)  # a turns session: this process's first row of the part, rows
+        self.own, self.known = (0, 0), {}  # a turns session's (`turns.handle`)
 
     def handle(self, kind: str, fields: dict, arrays: dict) -> tuple[dict, dict]:
         """One request -> the reply's (fields, arrays)."""

@@ -18,8 +18,9 @@ engine's draw batch-wide (`Sampler.row_keys`), so a step sampled at temperature 
 static workers stays whole on one worker (steps go round the workers). The trainer's
 resumes and ends go with its next `run_chunk`, which asks every worker with rows to
 decode at once (one request each: `turn_run`), whose answers bring the rows whose turn
-ended (each row's completion so far, its versions, where its turn began) and the rows
-the session refused; each part's rows go on to their next turn without waiting for the
+ended (each row's tokens since the trainer last had it, the observations it sent left
+out, so a trajectory crosses the wire once; their versions; where its turn began) and
+the rows the session refused; each part's rows go on to their next turn without waiting for the
 other parts'. `output` joins the parts' rows in order. A swap (partial rollouts) pushes
 the parameters to every worker; each swaps them into its rows' session.
 
@@ -114,9 +115,13 @@ class RemoteTurns:
         return any(p.busy or p.ops for p in self.parts)
 
     def resume(self, r: int, ids, turn_tokens: int) -> None:
+        ids = np.asarray(ids, np.int32)
+        row = self.rows[r]  # the observation is the row's, as the worker appends it
+        row.tokens += ids.tolist()
+        row.versions += [-1] * len(ids)
         p, r = self._part(r)
         p.ops.append([r, int(turn_tokens)])
-        p.resumed[str(r)] = np.asarray(ids, np.int32)
+        p.resumed[str(r)] = ids
 
     def end(self, r: int) -> None:
         p, r = self._part(r)
@@ -144,11 +149,17 @@ class RemoteTurns:
             p.busy, p.decode_chunks = fields["busy"], fields["decode_chunks"]
             self.version = fields["version"]
             self.dropped += [p.first + r for r in fields["refused"]]
-            for r, turn_from in zip(fields["ended"], fields["turn_from"], strict=True):
+            answered = zip(fields["ended"], fields["turn_from"], fields["lengths"], strict=True)
+            for r, turn_from, length in answered:  # each row's completion since the last
                 row = self.rows[p.first + r]
-                row.tokens = got[f"{r}/tokens"].tolist()
-                row.versions = got[f"{r}/versions"].tolist()
+                row.tokens += got[f"{r}/tokens"].tolist()
+                row.versions += got[f"{r}/versions"].tolist()
                 row.turn_from = turn_from
+                if len(row.tokens) != length:
+                    raise RuntimeError(
+                        f"row {p.first + r}: {len(row.tokens)} tokens here, {length} on "
+                        f"rollout worker {p.link.address}"
+                    )
                 ended.append(p.first + r)
         self.stats = {"decode_chunks": sum(p.decode_chunks for p in self.parts)}
         return ended
@@ -322,6 +333,7 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
             first_row=fields["first_row"],
         )
         worker.own = (jax.process_index() * len(live), len(live))  # first row, rows
+        worker.known = {}  # row -> the length of its completion the trainer holds
         return session, ({}, {})
     if kind == "requests":
         if jax.process_count() > 1:
@@ -354,20 +366,28 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
             if f.name != "num_generations" and getattr(out, f.name) is not None
         }
         return None, ({"steps": [fields["step"]]}, got)
-    first, n = worker.own
+    (first, n), known = worker.own, worker.known
     for r, turn_tokens in fields["ops"]:  # in the trainer's order; this process's rows
         if not first <= r < first + n:
             continue
+        r -= first
         if turn_tokens < 0:
-            session.end(r - first)
+            session.end(r)
         else:
-            session.resume(r - first, arrays[str(r)].tolist(), turn_tokens)
+            ids = arrays[str(r + first)].tolist()
+            session.resume(r, ids, turn_tokens)
+            known[r] = known.get(r, 0) + len(ids)  # the trainer appends them itself
     # The static engine's programs are collective: every process decodes, or none.
     ended = session.run_chunk() if _everywhere(session.busy) else []
     refused = session.refused()
-    rows = {r: session.result(r) for r in ended}
+    rows = {}
+    for r in ended:  # each row's completion from what the trainer holds of it on
+        row, k = session.result(r), known.get(r, 0)
+        rows[r] = TurnRow(row.tokens[k:], row.versions[k:], row.turn_from)
+        known[r] = len(row.tokens)
+    totals = {r: known[r] for r in ended}
     if jax.process_count() > 1:
-        ended, rows, refused = _every_process(ended, rows, refused, n)
+        ended, rows, refused, totals = _every_process(ended, rows, refused, totals, n)
     got = {}
     for r in ended:
         got[f"{r}/tokens"] = np.asarray(rows[r].tokens, np.int32)
@@ -375,6 +395,7 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
     answer = dict(
         ended=[int(r) for r in ended],
         turn_from=[int(rows[r].turn_from) for r in ended],
+        lengths=[int(totals[r]) for r in ended],
         refused=[int(r) for r in refused],
         busy=_everywhere(session.busy),
         version=int(session.version),
@@ -400,10 +421,10 @@ def _everywhere(flag: bool) -> bool:
     return not parallel.host_max(int(not flag))
 
 
-def _every_process(ended: list, rows: dict, refused: list, n: int) -> tuple:
-    """Each process's ended rows (in its order, with their `TurnRow`) and refused rows,
-    local to its `n` -> every process's, in process order, rows of the part: one gather
-    of fixed-shape arrays (completions padded to a multiple of 64 columns)."""
+def _every_process(ended: list, rows: dict, refused: list, totals: dict, n: int) -> tuple:
+    """Each process's ended rows (in its order, with their `TurnRow` and total length)
+    and refused rows, local to its `n` -> every process's, in process order, rows of the
+    part: one gather of fixed-shape arrays (tokens padded to a multiple of 64 columns)."""
     from jax.experimental import multihost_utils
 
     longest = max((len(rows[r].tokens) for r in ended), default=0)
@@ -413,16 +434,18 @@ def _every_process(ended: list, rows: dict, refused: list, n: int) -> tuple:
         tokens=np.zeros((n, width), np.int32),
         versions=np.full((n, width), -1, np.int32),
         lengths=np.zeros(n, np.int32),
+        totals=np.zeros(n, np.int32),
         turn_from=np.zeros(n, np.int32),
         refused=np.zeros(n, bool),
     )
     for k, r in enumerate(ended):
         row, L = rows[r], len(rows[r].tokens)
         mine["order"][r], mine["lengths"][r], mine["turn_from"][r] = k, L, row.turn_from
+        mine["totals"][r] = totals[r]
         mine["tokens"][r, :L], mine["versions"][r, :L] = row.tokens, row.versions
     mine["refused"][refused] = True
     every = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(mine).items()}
-    ended, rows, refused = [], {}, []
+    ended, rows, refused, totals = [], {}, [], {}
     for p in range(every["order"].shape[0]):
         order = every["order"][p]
         for r in sorted(np.nonzero(order >= 0)[0], key=lambda r: order[r]):
@@ -432,9 +455,10 @@ def _every_process(ended: list, rows: dict, refused: list, n: int) -> tuple:
                 versions=every["versions"][p, r, :L].tolist(),
                 turn_from=int(every["turn_from"][p, r]),
             )
+            totals[g] = int(every["totals"][p, r])
             ended.append(g)
         refused += [p * n + int(r) for r in np.nonzero(every["refused"][p])[0]]
-    return ended, rows, refused
+    return ended, rows, refused, totals
 
 
 def _requests_run(session, fields: dict, arrays: dict) -> tuple:
