@@ -136,7 +136,7 @@ class TurnRow:
 
 
 class StaticTurns:
-    """`TurnRows` on the static `Sampler` (the module docstring): the rows of prompts
+    """`TurnRows` on the static `Sampler` (the module docstring): the rows of prompts ids / mask
     [B, W] (left-padded host arrays), spec.num_generations each (live[r]: row r plays; the
     others draw nothing). turns (`envs.TurnSettings`): turn_tokens, a turn's budget;
     stop_ids, ids that end a turn; max_total_tokens, a row's completion (sampled and
@@ -147,18 +147,7 @@ class StaticTurns:
     (`Sampler.row_keys`), so a part of a batch is greedy only."""
 
     def __init__(
-        self,
-        sampler,
-        params,
-        prompt_ids,
-        prompt_mask,
-        spec,
-        turns,
-        live,
-        step,
-        version,
-        mesh,
-        first_row=0,
+        self, sampler, params, ids, mask, spec, turns, live, step, version, mesh, first_row=0
     ):
         if first_row and spec.temperature > 0:
             raise ValueError(
@@ -168,7 +157,7 @@ class StaticTurns:
         self.sampler, self.params, self.version, self.mesh = sampler, params, version, mesh
         self.turn_tokens, self.stop_ids = turns.turn_tokens, tuple(turns.stop_ids)
         self.total = turns.max_total_tokens
-        state = sampler.start(params, prompt_ids, prompt_mask, spec, step, version=version)
+        state = sampler.start(params, ids, mask, spec, step, version=version)
         self.state = sampler.stop(state, [not x for x in live])  # reset failed: no turn
         n = len(live)
         self.rows = [TurnRow() for _ in range(n)]
@@ -290,20 +279,9 @@ class PagedTurns:
     session's."""
 
     def __init__(
-        self,
-        engine,
-        params,
-        prompt_ids,
-        prompt_mask,
-        spec,
-        turns,
-        live,
-        step,
-        version,
-        mesh,
-        first_row=0,
+        self, engine, params, ids, mask, spec, turns, live, step, version, mesh, first_row=0
     ):
-        ids, mask = engine.bucketed(prompt_ids, prompt_mask)
+        ids, mask = engine.bucketed(ids, mask)
         G, n, T = spec.num_generations, len(live), turns.max_total_tokens
         if ids.shape[0] * G != n:
             raise ValueError(f"{n} trajectories for {ids.shape[0]} prompts x G={G}")
