@@ -6,5 +6,6 @@
   session per trainer connection.
 - `fleet`: `Fleet`, the trainer's connections to N workers and the weights they hold.
 - `remote`: `RemoteStream`, the `sampling.engine.StepStream` over a fleet.
-- `turns`: `RemoteTurns`, the `sampling.engine.TurnRows` over a fleet (environments).
+- `turns`: `RemoteTurns`, the `sampling.engine.TurnRows` over a fleet (environments),
+  and `RemoteRequests` (agents); `serve_turns`, the worker's side of both.
 """

@@ -15,7 +15,7 @@ is checked as a synchronous run's on this process's devices with that mesh
 
 - `open` (kind, spec, chunk, pad_id, seed): builds the engine (once per pad id); kind
   'stream' (default): a new session opens with the next weights; kind 'turns': the
-  `turns`, `turn_run` and `turn_output` requests (`workers.turns.handle`) play a step's
+  `turns`, `turn_run` and `turn_output` requests (`workers.serve_turns.handle`) play a step's
   rows on a turns session of the weights held (a swap reaches it).
 - `weights` (version; every parameter as an array, `weights`): placed on the mesh, the
   session's `swap` (or its opening). LoRA: part 'base' (the frozen base, once per
@@ -60,7 +60,7 @@ from jaxrl_llm.parallel import distributed
 from jaxrl_llm.rollout.sources import make_sampler
 from jaxrl_llm.sampling.engine import open_session
 from jaxrl_llm.tpu import model_shapes
-from jaxrl_llm.workers import turns, weights, wire
+from jaxrl_llm.workers import serve_turns, weights, wire
 
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is dropped
 # A trainer whose host vanished (no FIN, no RST reaches the worker) would hold the worker
@@ -96,7 +96,7 @@ class Worker:
         self.engine, self.spec, self.chunk, self.session = None, None, 0, None
         self.kind, self.params, self.version, self.turns = "stream", None, None, None
         self.merger.base = None  # LoRA: each trainer sends its base again
-        self.own, self.known = (0, 0), {}  # a turns session's (`turns.handle`)
+        self.own, self.known = (0, 0), {}  # a turns session's (`serve_turns.handle`)
 
     def handle(self, kind: str, fields: dict, arrays: dict) -> tuple[dict, dict]:
         """One request -> the reply's (fields, arrays)."""
@@ -126,15 +126,16 @@ class Worker:
             return {"version": fields["version"]}, {}
         if self.params is None:
             raise wire.WorkerError(f"{kind!r} before the first weights")
-        if kind in turns.REQUESTS:
+        if kind in serve_turns.REQUESTS:
             if self.kind != "turns":
                 raise wire.WorkerError(f"{kind!r} on a {self.kind!r} connection")
-            self.turns, answer = turns.handle(self, kind, fields, arrays)
+            self.turns, answer = serve_turns.handle(self, kind, fields, arrays)
             return answer
         if self.kind != "stream":
             raise wire.WorkerError(f"{kind!r} on a {self.kind!r} connection")
         if kind == "submit":
-            ids, mask = turns.own_rows(arrays["prompt_ids"]), turns.own_rows(arrays["prompt_mask"])
+            own = serve_turns.own_rows
+            ids, mask = own(arrays["prompt_ids"]), own(arrays["prompt_mask"])
             self.session.submit(fields["step"], ids, mask, fields["key"])
             return {}, {}
         if kind == "run":

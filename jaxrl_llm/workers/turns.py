@@ -1,7 +1,8 @@
 """Multi-turn rows on rollout workers: `RemoteTurns`, the turn seam
 (`sampling.engine.TurnRows`) over a `fleet.Fleet`, so the environment turn loop
 (`envs.play`) is written once for local and remote engines; `RemoteRequests`, the
-gateway's requests (`sampling.serve`) the same way for agents; `handle`, the worker's side.
+gateway's requests (`sampling.serve`) the same way for agents. The worker's side is
+`serve_turns`.
 
     fleet = Fleet(workers, {"kind": "turns"})          # the run's, kept across steps
     session = open_session(fleet, "turns", params, prompt_ids, prompt_mask, spec, settings,
@@ -9,27 +10,28 @@ gateway's requests (`sampling.serve`) the same way for agents; `handle`, the wor
     ... as any TurnRows: run_chunk, result, resume, end, swap, refused, output
 
 The environments stay on the trainer (they are the trainer's processes, `envs.EnvPool`);
-a step's prompts are split over the workers (`Fleet.spread`, up to one part a prompt),
-each part a session there with its place in the batch (`first_row`), opened with the
-parameters of the step's version (pushed first when the workers hold another) and run by
-the worker's engine as the local session of that engine would run those rows: the paged
-engine's rows draw with their own keys, so split they draw the same tokens; the static
-engine's draw batch-wide (`Sampler.row_keys`), so a step sampled at temperature > 0 on
-static workers stays whole on one worker (steps go round the workers). The trainer's
-resumes and ends go with its next `run_chunk`, which asks every worker with rows to
-decode at once (one request each: `turn_run`), whose answers bring the rows whose turn
-ended (each row's tokens since the trainer last had it, the observations it sent left
-out, so a trajectory crosses the wire once; their versions; where its turn began) and
-the rows the session refused; each part's rows go on to their next turn without waiting for the
-other parts'. `output` joins the parts' rows in order. A swap (partial rollouts) pushes
-the parameters to every worker; each swaps them into its rows' session.
+a step's prompts are split over the workers (`Fleet.spread`; each part a multiple of
+every worker's `prompt_multiple`), each part a session there with its place in the batch
+(`first_row`), opened with the parameters of the step's version (pushed first when the
+workers hold another) and run by the worker's engine as the local session of that engine
+would run those rows: the paged engine's rows draw with their own keys, so split they
+draw the same tokens; the static engine's draw batch-wide (`Sampler.row_keys`), so a
+step sampled at temperature > 0 on static workers stays whole on one worker (steps go
+round the workers). The trainer's resumes and ends go with its next `run_chunk`, which
+asks every worker with rows to decode at once (one request each: `turn_run`), whose
+answers bring the rows whose turn ended (each row's tokens since the trainer last had
+it, the observations it sent left out, so a trajectory crosses the wire once; their
+versions; where its turn began) and the rows the session refused; each part's rows go
+on to their next turn without waiting for the other parts'. `output` joins the parts'
+rows in order. A swap (partial rollouts) pushes the parameters to every worker; each
+swaps them into its rows' session.
 
 A worker lost while it holds rows (`Fleet.lost`) takes their turns with it: the
 session raises `sampling.engine.RowsLost`, and the caller plays the step again from its
 environments' resets on the workers left (`rollout.thread.PlayerStream`), so no row is
 trained twice or as a failure. On a worker of several processes each process holds its
-own rows of the part, and process 0 answers for all (`handle`); agents' requests are not
-served there yet.
+own rows of the part, and process 0 answers for all (`serve_turns`); agents' requests
+are not served there yet.
 
 `RemoteRequests` is the agents' counterpart: the gateway's episodes ask requests
 (`ask`, `forget`) that go with the next `run_chunk` (`req_run`) to the worker's requests
@@ -44,18 +46,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import types
 
-import jax
 import numpy as np
 
-from jaxrl_llm import parallel, sampling
 from jaxrl_llm.sampling.decode import SampleOutput
-from jaxrl_llm.sampling.engine import SESSIONS, RowsLost, TurnRow, open_session
-from jaxrl_llm.workers import wire
+from jaxrl_llm.sampling.engine import SESSIONS, RowsLost, TurnRow
 from jaxrl_llm.workers.fleet import Fleet
-
-REQUESTS = ("turns", "turn_run", "turn_output", "requests", "req_run")  # `handle`
 
 
 @dataclasses.dataclass(eq=False)
@@ -307,179 +303,6 @@ def _ask(fleet: Fleet, asked: list, kind: str) -> list:
         lost = ", ".join(k.address for k, _, _ in asked if not k.alive)
         raise RowsLost(f"rollout worker {lost} lost")
     return [got for _, got in answers]
-
-
-def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
-    """A `REQUESTS` request on `worker` (a `serve.Worker` opened with kind 'turns', its
-    weights given) -> (its turns session now, the answer's (fields, arrays)). A worker of
-    several processes: every process runs each request; each holds its own rows of the
-    part (`own_rows`: process i the i-th of equal contiguous shares), and process 0
-    answers for all (`_every_process`)."""
-    session = worker.turns
-    if kind == "turns":
-        live = own_rows(np.asarray(fields["live"], bool))
-        session = open_session(
-            worker.engine,
-            "turns",
-            worker.params,
-            own_rows(arrays["prompt_ids"]),
-            own_rows(arrays["prompt_mask"]),
-            sampling.RolloutSpec(**fields["spec"]),
-            types.SimpleNamespace(**fields["turns"]),
-            live.tolist(),
-            fields["step"],
-            worker.version,
-            worker.mesh,
-            first_row=fields["first_row"],
-        )
-        worker.own = (jax.process_index() * len(live), len(live))  # first row, rows
-        worker.known = {}  # row -> the length of its completion the trainer holds
-        return session, ({}, {})
-    if kind == "requests":
-        if jax.process_count() > 1:
-            raise wire.WorkerError(
-                "agents' requests on a worker of several processes are not served yet; "
-                "start the worker as one process"
-            )
-        settings = {k: fields[k] for k in ("key", "width", "episodes")}
-        settings |= {k: fields[k] for k in ("prompt_tokens", "total_tokens")}
-        spec = sampling.RolloutSpec(**fields["spec"])
-        session = open_session(
-            worker.engine,
-            "requests",
-            worker.params,
-            worker.version,
-            spec,
-            mesh=worker.mesh,
-            **settings,
-        )
-        return session, ({}, {})
-    if session is None:
-        raise wire.WorkerError(f"{kind!r} before 'turns' or 'requests'")
-    if kind == "req_run":
-        return session, _requests_run(session, fields, arrays)
-    if kind == "turn_output":
-        out = session.output(own_rows(np.asarray(fields["final_turn"], bool)))
-        got = {
-            f.name: parallel.to_host(getattr(out, f.name))
-            for f in dataclasses.fields(out)
-            if f.name != "num_generations" and getattr(out, f.name) is not None
-        }
-        return None, ({"steps": [fields["step"]]}, got)
-    (first, n), known = worker.own, worker.known
-    for r, turn_tokens in fields["ops"]:  # in the trainer's order; this process's rows
-        if not first <= r < first + n:
-            continue
-        r -= first
-        if turn_tokens < 0:
-            session.end(r)
-        else:
-            ids = arrays[str(r + first)].tolist()
-            session.resume(r, ids, turn_tokens)
-            known[r] = known.get(r, 0) + len(ids)  # the trainer appends them itself
-    # The static engine's programs are collective: every process decodes, or none.
-    ended = session.run_chunk() if _everywhere(session.busy) else []
-    refused = session.refused()
-    rows = {}
-    for r in ended:  # each row's completion from what the trainer holds of it on
-        row, k = session.result(r), known.get(r, 0)
-        rows[r] = TurnRow(row.tokens[k:], row.versions[k:], row.turn_from)
-        known[r] = len(row.tokens)
-    totals = {r: known[r] for r in ended}
-    if jax.process_count() > 1:
-        ended, rows, refused, totals = _every_process(ended, rows, refused, totals, n)
-    got = {}
-    for r in ended:
-        got[f"{r}/tokens"] = np.asarray(rows[r].tokens, np.int32)
-        got[f"{r}/versions"] = np.asarray(rows[r].versions, np.int32)
-    answer = dict(
-        ended=[int(r) for r in ended],
-        turn_from=[int(rows[r].turn_from) for r in ended],
-        lengths=[int(totals[r]) for r in ended],
-        refused=[int(r) for r in refused],
-        busy=_everywhere(session.busy),
-        version=int(session.version),
-        decode_chunks=int(session.stats["decode_chunks"]),
-    )
-    return session, (answer, got)
-
-
-def own_rows(x: np.ndarray) -> np.ndarray:
-    """This process's slice of a batch's rows (prompts, or their G rows each): with
-    several processes each gives the engine its own, process i the i-th of equal
-    contiguous parts (as each host of a run reads its slice of the batch,
-    `data.iterator`), and the engine's rows are the whole batch in order."""
-    n, i = jax.process_count(), jax.process_index()
-    if len(x) % n:
-        raise wire.WorkerError(f"{len(x)} rows do not split over this worker's {n} processes")
-    part = len(x) // n
-    return x[i * part : (i + 1) * part]
-
-
-def _everywhere(flag: bool) -> bool:
-    """Whether `flag` holds on every process (a collective with several)."""
-    return not parallel.host_max(int(not flag))
-
-
-def _every_process(ended: list, rows: dict, refused: list, totals: dict, n: int) -> tuple:
-    """Each process's ended rows (in its order, with their `TurnRow` and total length)
-    and refused rows, local to its `n` -> every process's, in process order, rows of the
-    part: one gather of fixed-shape arrays (tokens padded to a multiple of 64 columns)."""
-    from jax.experimental import multihost_utils
-
-    longest = max((len(rows[r].tokens) for r in ended), default=0)
-    width = max(64, -(-parallel.host_max(longest) // 64) * 64)
-    mine = dict(
-        order=np.full(n, -1, np.int32),
-        tokens=np.zeros((n, width), np.int32),
-        versions=np.full((n, width), -1, np.int32),
-        lengths=np.zeros(n, np.int32),
-        totals=np.zeros(n, np.int32),
-        turn_from=np.zeros(n, np.int32),
-        refused=np.zeros(n, bool),
-    )
-    for k, r in enumerate(ended):
-        row, L = rows[r], len(rows[r].tokens)
-        mine["order"][r], mine["lengths"][r], mine["turn_from"][r] = k, L, row.turn_from
-        mine["totals"][r] = totals[r]
-        mine["tokens"][r, :L], mine["versions"][r, :L] = row.tokens, row.versions
-    mine["refused"][refused] = True
-    every = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(mine).items()}
-    ended, rows, refused, totals = [], {}, [], {}
-    for p in range(every["order"].shape[0]):
-        order = every["order"][p]
-        for r in sorted(np.nonzero(order >= 0)[0], key=lambda r: order[r]):
-            L, g = every["lengths"][p, r], p * n + int(r)
-            rows[g] = TurnRow(
-                tokens=every["tokens"][p, r, :L].tolist(),
-                versions=every["versions"][p, r, :L].tolist(),
-                turn_from=int(every["turn_from"][p, r]),
-            )
-            totals[g] = int(every["totals"][p, r])
-            ended.append(g)
-        refused += [p * n + int(r) for r in np.nonzero(every["refused"][p])[0]]
-    return ended, rows, refused, totals
-
-
-def _requests_run(session, fields: dict, arrays: dict) -> tuple:
-    """`req_run` on a requests session -> the answer's (fields, arrays)."""
-    for op in fields["ops"]:  # in the trainer's order
-        if op[0] == "forget":
-            session.forget(op[1])
-        else:
-            _, episode, max_tokens, n, rewrite = op
-            session.ask(episode, arrays[str(episode)].tolist(), max_tokens, n, rewrite)
-    answered, got = [], {}
-    for episode in session.run_chunk() if session.busy else []:
-        choices = session.answer(episode)
-        for k, (ids, logprobs, versions, _) in enumerate(choices):
-            got[f"{episode}/{k}/ids"] = np.asarray(ids, np.int32)
-            got[f"{episode}/{k}/logprobs"] = np.asarray(logprobs, np.float32)
-            got[f"{episode}/{k}/versions"] = np.asarray(versions, np.int32)
-        answered.append([episode, [bool(c[3]) for c in choices]])
-    stats = {k: int(v) for k, v in session.stats.items()}
-    answer = dict(answered=answered, busy=bool(session.busy), version=int(session.version))
-    return answer | {"stats": stats}, got
 
 
 # open_session(fleet, "turns" | "requests", ...)
