@@ -46,6 +46,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 
@@ -84,7 +85,7 @@ class RemoteTurns:
         ids, mask = np.asarray(prompt_ids, np.int32), np.asarray(prompt_mask, bool)
         B, G = ids.shape[0], spec.num_generations
         links = _hold(fleet, params, version, self.step, B, spec.temperature == 0)
-        m = max(k.prompt_multiple for k in links) if len(links) > 1 else 1
+        m = math.lcm(*(k.prompt_multiple for k in links)) if len(links) > 1 else 1
         cuts = [m * (B // m * i // len(links)) for i in range(len(links))] + [B]
         spans = list(itertools.pairwise(cuts))
         self.parts = [_Part(k, a * G, (b - a) * G) for k, (a, b) in zip(links, spans, strict=True)]
@@ -285,7 +286,7 @@ def _hold(fleet: Fleet, params, version: int, tag, prompts: int = 1, greedy: boo
     fleet.refresh()
     if fleet.host is None or fleet.version != version:
         fleet.push(params, version)
-    m = max((k.prompt_multiple for k in fleet.alive), default=1)
+    m = math.lcm(*(k.prompt_multiple for k in fleet.alive))  # each part divides on each
     parts = prompts // m if prompts % m == 0 else 1
     if not greedy and not all(k.row_keys for k in fleet.alive):
         parts = 1
