@@ -1,7 +1,7 @@
 """Weight sync over the host path (`jaxrl_llm.workers.weights`): trainer -> a worker process.
 
     python benchmarks/weight_sync.py [--models=smollm2-135m,qwen2.5-0.5b] [--repeats=5]
-        [--lora_rank=16]
+        [--lora_rank=16] [--worker_processes=2]
 
 Random float32 parameters of each model's shapes (no download) on this process's devices;
 a receiver in a second process (its own JAX world) that accepts the token, places each
@@ -16,6 +16,11 @@ bfloat16 base, float32 adapters of that rank on all seven projections): the base
 once (not timed), then each sync the adapters alone, which the receiver merges into its
 base on its mesh (`weights.Merger`) before it acknowledges; "placement" is then the
 placement and the merge.
+
+--worker_processes=N: the receiver is a worker of N processes, one JAX world (2 CPU
+devices each, gloo between them, as `workers.serve` with JAXRL_DISTRIBUTED=1): process 0
+reads each sync and shares it with the others (`parallel.share`, a broadcast), and every
+process places it on the world's mesh; "placement" is then the share and the placement.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +37,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import models, parallel
+from jaxrl_llm.parallel import distributed
 from jaxrl_llm.tpu import model_shapes
 from jaxrl_llm.workers import weights, wire
 
@@ -58,20 +65,25 @@ def random_params(cfg) -> dict:
 
 def receive(port: int, name: str) -> None:
     """The worker side: place every sync (LoRA: keep the base, merge each sync's adapters
-    into it), acknowledge with its placement time."""
+    into it), acknowledge with its placement time. Several processes (JAXRL_DISTRIBUTED):
+    process 0 reads and answers, sharing each sync with the others."""
+    distributed.initialize()
     cfg = model_cfg(name)
-    mesh = parallel.make_mesh()  # every device of this process on fsdp
+    mesh = parallel.make_mesh()  # every device of the world on fsdp
     merger = weights.Merger(cfg, mesh)
-    listener = wire.listen("127.0.0.1", port)
-    print(listener.getsockname()[1], flush=True)
-    conn, _ = listener.accept()
-    if not wire.authorize(conn, os.environ[TOKEN_ENV]):
-        sys.exit("refused")
+    first = jax.process_index() == 0
+    if first:
+        listener = wire.listen("127.0.0.1", port)
+        print(listener.getsockname()[1], flush=True)
+        conn, _ = listener.accept()
+        if not wire.authorize(conn, os.environ[TOKEN_ENV]):
+            sys.exit("refused")
     while True:
-        kind, fields, arrays = wire.recv(conn)
+        got = wire.recv(conn) if first else None
+        t = time.perf_counter()
+        kind, fields, arrays = parallel.share(got)
         if kind == "close":
             return
-        t = time.perf_counter()
         if fields.get("part") == "base":
             merger.set_base(arrays)
             params = merger.base
@@ -80,9 +92,9 @@ def receive(port: int, name: str) -> None:
         else:
             params = weights.place(arrays, cfg, mesh)
         jax.block_until_ready(params)
-        wire.send(
-            conn, "ok", {"version": fields.get("version"), "place_s": time.perf_counter() - t}
-        )
+        if first:
+            place_s = time.perf_counter() - t
+            wire.send(conn, "ok", {"version": fields.get("version"), "place_s": place_s})
         del params, arrays
 
 
@@ -96,14 +108,30 @@ def lora_params(cfg, rank: int) -> tuple[dict, dict]:
     return models.lora.combine(base, adapters), weights.lora_settings(lcfg.lora)
 
 
-def bench(name: str, repeats: int, lora_rank: int = 0) -> dict:
+def bench(name: str, repeats: int, lora_rank: int = 0, processes: int = 1) -> dict:
     token = secrets.token_urlsafe(24)
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--receive", name],
-        stdout=subprocess.PIPE,
-        env=os.environ | {TOKEN_ENV: token},
-        text=True,
-    )
+    env = os.environ | {TOKEN_ENV: token}
+    if processes > 1:  # one JAX world of `processes` processes, 2 CPU devices each
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+        env |= {
+            "JAXRL_DISTRIBUTED": "1",
+            "JAXRL_COORDINATOR": coordinator,
+            "JAXRL_NUM_PROCESSES": str(processes),
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_PLATFORMS": "cpu",
+        }
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--receive", name],
+            stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+            env=env | {"JAXRL_PROCESS_ID": str(i)},
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    child = children[0]
     try:
         port = int(child.stdout.readline())
         fields, base = {}, None
@@ -131,9 +159,11 @@ def bench(name: str, repeats: int, lora_rank: int = 0) -> dict:
                 size = weights.nbytes(host)
                 del host
             wire.send(sock, "close")
-        child.wait(timeout=60)
+        for c in children:
+            c.wait(timeout=60)
     finally:
-        child.kill()
+        for c in children:
+            c.kill()
     t = np.array(times)
     return dict(
         model=name + (f", LoRA r{lora_rank} (adapters)" if lora_rank else ""),
@@ -152,6 +182,7 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-0.5b")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lora_rank", type=int, default=16, help="0: no LoRA rows")
+    parser.add_argument("--worker_processes", type=int, default=1, help="the receiver's")
     parser.add_argument("--receive", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.receive:
@@ -160,7 +191,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     ranks = (0, args.lora_rank) if args.lora_rank else (0,)
     for name, rank in [(name, rank) for name in args.models.split(",") for rank in ranks]:
-        r = bench(name, args.repeats, rank)
+        r = bench(name, args.repeats, rank, args.worker_processes)
         print(
             f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['gb']:.3f} | "
             f"{r['median_s']:.2f} ({r['min_s']:.2f}-{r['max_s']:.2f}) | {r['gbps']:.2f} | "
