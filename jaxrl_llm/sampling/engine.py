@@ -136,9 +136,9 @@ class TurnRow:
 
 
 class StaticTurns:
-    """`TurnRows` on the static `Sampler` (the module docstring): the rows of prompts ids / mask
-    [B, W] (left-padded host arrays), spec.num_generations each (live[r]: row r plays; the
-    others draw nothing). turns (`envs.TurnSettings`): turn_tokens, a turn's budget;
+    """`TurnRows` on the static `Sampler` (the module docstring): the rows of prompts
+    ids / mask [B, W] (left-padded host arrays), spec.num_generations each (live[r]: row r
+    plays; the others draw nothing). turns (`envs.TurnSettings`): turn_tokens, a turn's budget;
     stop_ids, ids that end a turn; max_total_tokens, a row's completion (sampled and
     appended tokens). step: the random key's (None: 0); version: the parameters'; mesh:
     the rows' (the paged engine's are its own). first_row: the rows' place in a larger

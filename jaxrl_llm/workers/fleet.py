@@ -76,7 +76,8 @@ class _Link:
     alive: bool = True
     leaving: bool = False  # no longer listed: takes no new work, closed once it holds none
     has_base: bool = False  # LoRA: holds the base weights (sent once per connection)
-    # Its engine (`_opened`): each row draws with its own key; prompts per batch divide by
+    # What its 'open' answer says of its engine (`_opened`): whether each row draws with
+    # its own key, and what a batch's prompts must be a multiple of.
     row_keys: bool = False
     prompt_multiple: int = 1
 

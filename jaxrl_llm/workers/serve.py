@@ -13,10 +13,11 @@ is checked as a synchronous run's on this process's devices with that mesh
 (`worker_config`), so its rollout batch must split over it. Requests, one frame each
 (`wire`), answered in order:
 
-- `open` (kind, spec, chunk, pad_id, seed): builds the engine (once per pad id); kind
-  'stream' (default): a new session opens with the next weights; kind 'turns': the
-  `turns`, `turn_run` and `turn_output` requests (`workers.serve_turns.handle`) play a step's
-  rows on a turns session of the weights held (a swap reaches it).
+- `open` (kind, spec, chunk, pad_id, seed): builds the engine (once per pad id) and
+  answers what it is (row_keys, prompt_multiple); kind 'stream' (default): a new session
+  opens with the next weights; kind 'turns': the `turns`, `turn_run` and `turn_output`
+  requests (`serve_turns.handle`) play a part of a step's rows on a turns session of the
+  weights held (a swap reaches it).
 - `weights` (version; every parameter as an array, `weights`): placed on the mesh, the
   session's `swap` (or its opening). LoRA: part 'base' (the frozen base, once per
   connection: kept), then part 'adapters' each sync (lora, dtype): merged into the base
