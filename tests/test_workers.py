@@ -617,17 +617,18 @@ def test_a_tls_worker_draws_for_a_trainer_with_its_ca(workers, tmp_path):
         _stop([proc])
 
 
-def _start_world(path: str, processes: int = 2) -> list:
+def _start_world(path: str, processes: int = 2, flags=()) -> list:
     """One worker of `processes` processes (2 devices each: one JAX world through
-    jax.distributed, gloo between them) serving the tiny model's config ->
-    [(process 0, its address), (process 1, None), ...] once process 0 listens."""
+    jax.distributed, gloo between them) serving the tiny model's config (more
+    command-line `flags`) -> [(process 0, its address), (process 1, None), ...] once
+    process 0 listens."""
     import os
     import subprocess
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
     command = [sys.executable, "-m", "jaxrl_llm.workers.serve", "--port=0"]
-    command += ["--config=" + os.path.join(tests, "tiny_run.py")]
+    command += ["--config=" + os.path.join(tests, "tiny_run.py"), *flags]
     env = _worker_env(path) | {
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         "JAX_PLATFORMS": "cpu",
@@ -692,6 +693,50 @@ def test_a_worker_of_two_processes_draws_what_the_local_stream_draws(workers):
             _same_play(play(fleet, params), play(local, bf16))
         finally:
             fleet.close()
+    finally:
+        _stop([p for p, _ in world])
+
+
+def test_a_paged_worker_of_two_processes_serves_streams_turns_and_agents(workers):
+    """rollout.engine=paged on a worker of two processes (2 devices each, fsdp 4 over
+    both): each process runs the whole batch (the engine's host state replicated, the
+    same schedule on each) and process 0 answers. Greedy, token for token as the local
+    paged engine: a stream's steps (token versions per token), a step's multi-turn rows,
+    and agents' requests (rows, log-probs 1e-5, versions, rewards, completions)."""
+    import dataclasses
+
+    from jaxrl_llm.sampling.engine import open_session
+    from jaxrl_llm.workers.remote import Workers
+    from jaxrl_llm.workers.turns import Fleet
+
+    world = _start_world(workers.path, flags=["--config.rollout.engine=paged"])
+    address = world[0][1]
+    try:
+        remote, spec, params, prompts, want = _greedy_steps(workers, chunk=0, engine="paged")
+        stream = open_session(dataclasses.replace(remote, addresses=(address,)), "stream",
+                              params, 0, spec)  # fmt: skip
+        try:
+            _every_step_as_local(stream, prompts, want)
+        finally:
+            stream.close()
+        play, params, local, bf16 = _turns_setup(workers, "paged")
+        fleet = Fleet(Workers((address,), TOKEN), {"kind": "turns"})
+        try:
+            _same_play(play(fleet, params), play(local, bf16))
+        finally:
+            fleet.close()
+        batch = types.SimpleNamespace(examples=AGENT_EXAMPLES)
+        local, bf16 = _agents(workers, "paged")
+        try:
+            want = local(bf16, batch, 3)
+        finally:
+            local.close()
+        fleet = Fleet(Workers((address,), TOKEN), {"kind": "turns"})
+        agents, params = _agents(workers, "paged", fleet)
+        try:
+            _same_agents(agents(params, batch, 3), want)
+        finally:
+            agents.close()
     finally:
         _stop([p for p, _ in world])
 

@@ -203,11 +203,12 @@ def check_engine(config, process_count: int) -> None:
     workers = r.get("workers", 0)
     require(
         process_count == 1,
-        "rollout.engine='paged' runs on one process; use 'static'"
+        "rollout.engine='paged' on a trainer of several processes (each reads its own "
+        "prompts); use 'static'"
         + (
             f" (with rollout.workers={workers} the trainer's engine serves its evaluation "
             "only: the workers take --config.rollout.engine=paged on their own command line)"
             if workers
-            else ""
+            else ", or rollout workers with the paged engine (docs/workers.md)"
         ),
     )

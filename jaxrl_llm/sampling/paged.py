@@ -122,6 +122,10 @@ class PagedSampler:
     # sessions (`engine.PagedTurns`' first_row) draw what they draw together.
     row_keys = True
     prompt_multiple = 1  # prompts take slots one at a time
+    # Its host state and inputs are replicated: in a worker of several processes each
+    # process runs the whole batch, its scheduling the same on each (the same requests in
+    # the same order), and the device programs span every process's devices.
+    splits_processes = False
 
     def __init__(
         self,
@@ -236,8 +240,6 @@ class PagedSampler:
     ) -> SampleOutput:
         """G completions of each prompt (prompt-major rows, as `Sampler.sample`).
         budgets: optional per-row max_new_tokens [B * G] (each <= spec.max_new_tokens)."""
-        if jax.process_count() > 1:
-            raise ValueError("the paged engine runs on one process (rollout.engine='static')")
         ids, mask = self.bucketed(prompt_ids, prompt_mask)
         limit = self.cfg.max_position_embeddings
         if ids.shape[1] + spec.max_new_tokens > limit:

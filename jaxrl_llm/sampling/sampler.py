@@ -97,6 +97,9 @@ class Sampler:
     # A batch's rows draw together (one key a token for the batch): a part of a batch
     # decoded alone draws other tokens unless greedy (`engine.StaticTurns`' first_row).
     row_keys = False
+    # Its programs take a batch's rows from every process, each giving its own share
+    # (`parallel.shard_local_batch`): a worker of several processes splits a batch.
+    splits_processes = True
 
     @property
     def prompt_multiple(self) -> int:

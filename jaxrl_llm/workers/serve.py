@@ -30,8 +30,9 @@ is checked as a synchronous run's on this process's devices with that mesh
 
 A worker may be several processes, one JAX world (`JAXRL_DISTRIBUTED=1` on each, as a
 multi-host run): process 0 listens and answers, and shares each request with the others,
-which run it too (`follow`); each process gives the engine its part of a step's prompts
-(docs/workers.md#a-worker-of-several-hosts).
+which run it too (`follow`). The static engine takes each process's part of a step's
+prompts; the paged engine's host state is replicated, each process running the whole
+batch (`serve_turns.own_rows`; docs/workers.md#a-worker-of-several-hosts).
 
 One trainer connection at a time, authorized by the shared secret in `JAXRL_WORKER_TOKEN`
 (`wire.authorize`); a new connection starts a new session, and the session ends with its
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import os
 import select
@@ -86,7 +88,9 @@ class Worker:
 
     def __init__(self, raw_config, devices=None):
         # Checked as a run's config is, with the speed settings the trainer picks too.
-        self.config = config = config_lib.prepare(worker_config(raw_config), devices).config
+        # Every process gets every request (`follow`): checked as one process's config.
+        prepared = config_lib.prepare(worker_config(raw_config), devices, process_count=1)
+        self.config = config = prepared.config
         self.cfg = model_shapes.model_config(config)  # shapes only: the weights come later
         self.mesh = parallel.make_mesh(config_lib.mesh_axes(config.mesh), devices)
         self.engines: dict = {}  # pad id -> engine
@@ -135,7 +139,7 @@ class Worker:
         if self.kind != "stream":
             raise wire.WorkerError(f"{kind!r} on a {self.kind!r} connection")
         if kind == "submit":
-            own = serve_turns.own_rows
+            own = functools.partial(serve_turns.own_rows, self.engine)
             ids, mask = own(arrays["prompt_ids"]), own(arrays["prompt_mask"])
             self.session.submit(fields["step"], ids, mask, fields["key"])
             return {}, {}
@@ -164,7 +168,7 @@ class Worker:
             engine=type(engine).__name__,
             row_keys=bool(engine.row_keys),
             # a batch splits over the engine's mesh, and over the processes (`own_rows`)
-            prompt_multiple=math.lcm(int(engine.prompt_multiple), jax.process_count()),
+            prompt_multiple=math.lcm(int(engine.prompt_multiple), serve_turns.processes(engine)),
         )
 
     def _run(self) -> tuple[dict, dict]:
@@ -286,8 +290,8 @@ def follow(worker: Worker) -> None:
         elif kind != "idle":
             try:
                 worker.handle(kind, fields, arrays)
-            except Exception:  # noqa: BLE001, S110  (process 0 answers it: the same error)
-                pass
+            except Exception as err:  # noqa: BLE001  (process 0 answers it: the same error)
+                print(f"process {jax.process_index()}: {kind}: {err!r}", file=sys.stderr)
 
 
 def _wait_readable(sock: socket.socket) -> None:

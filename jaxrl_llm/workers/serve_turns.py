@@ -1,15 +1,18 @@
 """The worker's side of multi-turn rows and agents' requests (`turns`: the trainer's):
 `handle` runs a `REQUESTS` request on the worker's turns or requests session.
 
-A worker of several processes runs every request on each process (`serve.follow`); each
-holds its own share of a part's rows (`own_rows`), decodes only when every process's
-rows are ready (the static engine's programs are collective), and process 0 answers for
-all (`_every_process`: one gather of fixed-shape arrays).
+A worker of several processes runs every request on each process (`serve.follow`). With
+the static engine each process holds its own share of a part's rows (`own_rows`),
+decodes only when every process's rows are ready (its programs are collective), and
+process 0 answers for all (`_every_process`: one gather of fixed-shape arrays). The
+paged engine's host state is replicated: each process holds every row and runs the same
+schedule, and process 0 answers from its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 
 import jax
@@ -25,18 +28,18 @@ REQUESTS = ("turns", "turn_run", "turn_output", "requests", "req_run")  # `handl
 def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
     """A `REQUESTS` request on `worker` (a `serve.Worker` opened with kind 'turns', its
     weights given) -> (its turns session now, the answer's (fields, arrays)). A worker of
-    several processes: every process runs each request; each holds its own rows of the
-    part (`own_rows`: process i the i-th of equal contiguous shares), and process 0
-    answers for all (`_every_process`)."""
-    session = worker.turns
+    several processes: every process runs each request, holding the rows `own_rows`
+    gives it, and process 0 answers for all (`_every_process` where they split)."""
+    session, engine = worker.turns, worker.engine
+    own = functools.partial(own_rows, engine)
     if kind == "turns":
-        live = own_rows(np.asarray(fields["live"], bool))
+        live = own(np.asarray(fields["live"], bool))
         session = open_session(
-            worker.engine,
+            engine,
             "turns",
             worker.params,
-            own_rows(arrays["prompt_ids"]),
-            own_rows(arrays["prompt_mask"]),
+            own(arrays["prompt_ids"]),
+            own(arrays["prompt_mask"]),
             sampling.RolloutSpec(**fields["spec"]),
             types.SimpleNamespace(**fields["turns"]),
             live.tolist(),
@@ -45,14 +48,16 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
             worker.mesh,
             first_row=fields["first_row"],
         )
-        worker.own = (jax.process_index() * len(live), len(live))  # first row, rows
+        first = jax.process_index() * len(live) if engine.splits_processes else 0
+        worker.own = (first, len(live))  # its first row, rows
         worker.known = {}  # row -> the length of its completion the trainer holds
         return session, ({}, {})
     if kind == "requests":
-        if jax.process_count() > 1:
+        if processes(engine) > 1:
             raise wire.WorkerError(
-                "agents' requests on a worker of several processes are not served yet; "
-                "start the worker as one process"
+                "agents' requests on a worker of several processes take the paged engine "
+                "(the static one splits a batch's rows over the processes); start the "
+                "worker with --config.rollout.engine=paged, or as one process"
             )
         settings = {k: fields[k] for k in ("key", "width", "episodes")}
         settings |= {k: fields[k] for k in ("prompt_tokens", "total_tokens")}
@@ -72,7 +77,7 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
     if kind == "req_run":
         return session, _requests_run(session, fields, arrays)
     if kind == "turn_output":
-        out = session.output(own_rows(np.asarray(fields["final_turn"], bool)))
+        out = session.output(own(np.asarray(fields["final_turn"], bool)))
         got = {
             f.name: parallel.to_host(getattr(out, f.name))
             for f in dataclasses.fields(out)
@@ -91,7 +96,9 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
             session.resume(r, ids, turn_tokens)
             known[r] = known.get(r, 0) + len(ids)  # the trainer appends them itself
     # The static engine's programs are collective: every process decodes, or none.
-    ended = session.run_chunk() if _everywhere(session.busy) else []
+    split = processes(engine) > 1
+    busy = _everywhere(session.busy) if split else session.busy
+    ended = session.run_chunk() if busy else []
     refused = session.refused()
     rows = {}
     for r in ended:  # each row's completion from what the trainer holds of it on
@@ -99,7 +106,7 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
         rows[r] = TurnRow(row.tokens[k:], row.versions[k:], row.turn_from)
         known[r] = len(row.tokens)
     totals = {r: known[r] for r in ended}
-    if jax.process_count() > 1:
+    if split:
         ended, rows, refused, totals = _every_process(ended, rows, refused, totals, n)
     got = {}
     for r in ended:
@@ -110,19 +117,27 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
         turn_from=[int(rows[r].turn_from) for r in ended],
         lengths=[int(totals[r]) for r in ended],
         refused=[int(r) for r in refused],
-        busy=_everywhere(session.busy),
+        busy=_everywhere(session.busy) if split else session.busy,
         version=int(session.version),
         decode_chunks=int(session.stats["decode_chunks"]),
     )
     return session, (answer, got)
 
 
-def own_rows(x: np.ndarray) -> np.ndarray:
-    """This process's slice of a batch's rows (prompts, or their G rows each): with
-    several processes each gives the engine its own, process i the i-th of equal
-    contiguous parts (as each host of a run reads its slice of the batch,
-    `data.iterator`), and the engine's rows are the whole batch in order."""
-    n, i = jax.process_count(), jax.process_index()
+def processes(engine) -> int:
+    """How many processes a batch's rows split over for `engine`: this world's, for an
+    engine whose programs take each process's own rows (`splits_processes`), else 1."""
+    return jax.process_count() if engine.splits_processes else 1
+
+
+def own_rows(engine, x: np.ndarray) -> np.ndarray:
+    """This process's slice of a batch's rows (prompts, or their G rows each) for
+    `engine`: with several processes and the static engine each gives it its own, process
+    i the i-th of equal contiguous parts (as each host of a run reads its slice of the
+    batch, `data.iterator`), and the engine's rows are the whole batch in order; the
+    paged engine takes the whole batch on every process."""
+    n = processes(engine)
+    i = jax.process_index() if n > 1 else 0
     if len(x) % n:
         raise wire.WorkerError(f"{len(x)} rows do not split over this worker's {n} processes")
     part = len(x) // n
