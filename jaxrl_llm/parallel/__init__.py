@@ -18,6 +18,7 @@ __all__ = [
     "local_rows",
     "make_mesh",
     "mesh_shape",
+    "put",
     "shard_batch",
     "shard_local_batch",
     "share",

@@ -126,6 +126,23 @@ def to_mesh(tree, mesh: Mesh):
     return jax.device_put(tree, jax.tree.map(target, tree))
 
 
+def put(tree, sharding):
+    """Host arrays -> arrays of `sharding` (one sharding, or a tree of them), each process
+    placing only its own devices' shards of the value every process holds the same: what
+    `jax.device_put` does, without its check that the value is the same everywhere (with
+    several processes a gather of the whole array from each, an array at a time)."""
+
+    def one(x, s):
+        if s is None or s.is_fully_addressable:
+            return jax.device_put(x, s)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+    if not isinstance(sharding, jax.sharding.Sharding | None):
+        return jax.tree.map(one, tree, sharding)
+    return jax.tree.map(lambda x: one(x, sharding), tree)
+
+
 def batch_size_multiple(mesh: Mesh | None) -> int:
     """The global batch must be a multiple of this."""
     return 1 if mesh is None else int(np.prod([mesh.shape[a] for a in BATCH_AXES]))

@@ -330,7 +330,7 @@ class PagedTurns:
             policy_version=np.full_like(out.policy_version, self.first_version),
         )
         e.stats = session.stats
-        return jax.tree.map(lambda x: jax.device_put(x, e.row_sharding), out)
+        return mesh_lib.put(out, e.row_sharding)
 
 
 class StaticStream:

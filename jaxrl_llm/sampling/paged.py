@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import models
 from jaxrl_llm.models import gated_deltanet
+from jaxrl_llm.parallel import mesh as mesh_lib
 from jaxrl_llm.parallel import target
 from jaxrl_llm.sampling.decode import SampleOutput
 from jaxrl_llm.sampling.paged_programs import (
@@ -437,4 +438,4 @@ class PagedSampler:
         """Host arrays -> device, replicated over the mesh (the engine's state is small
         next to the parameters; the pages stay where the programs put them)."""
         where = None if self.mesh is None else NamedSharding(self.mesh, P())
-        return jax.tree.map(lambda x: jax.device_put(x, where), tree)
+        return mesh_lib.put(tree, where)

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
+from jaxrl_llm.parallel import mesh as mesh_lib
 from jaxrl_llm.sampling.decode import FINISH_LENGTH, FINISH_STOP, SampleOutput
 from jaxrl_llm.sampling.paged_turns import TurnSession
 
@@ -140,7 +140,7 @@ class Session:
         }
         out, tv = rows_output(turns.pool, req.ids, req.mask, req.ended, T, prompts)
         row_sharding = turns.pool.engine.row_sharding
-        return jax.tree.map(lambda x: jax.device_put(x, row_sharding), out), tv
+        return mesh_lib.put(out, row_sharding), tv
 
 
 def rows_output(pool, ids, mask, rows: dict, T: int, prompt_routes: dict):

@@ -113,7 +113,7 @@ def place(arrays: dict, cfg, mesh, adapters: bool = False) -> dict:
             raise wire.WorkerError(
                 f"weights: parameter {name} has shape {x.shape}, this worker's model {spec.shape}"
             )
-        placed[path] = jax.device_put(x, shardings[path])
+        placed[path] = parallel.put(x, shardings[path])  # each process its own shards
     return models.params.unflatten(placed)
 
 
