@@ -1223,7 +1223,7 @@ def get_config():
     c.rollout.mode, c.rollout.max_staleness = "split", 0
     c.rollout.partial, c.rollout.partial_chunk = True, 2
     c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
-    c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
+    c.rollout.workers, c.rollout.worker_addresses = {workers}, {addresses!r}
     c.rollout.worker_start_s = {start_s}
     return c
 """
@@ -1526,7 +1526,7 @@ def get_config():
     c.rollout.mode, c.rollout.max_staleness = "split", 0  # each step queued after a sync
     c.rollout.partial, c.rollout.partial_chunk = True, 2
     c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
-    c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
+    c.rollout.workers, c.rollout.worker_addresses = {workers}, {addresses!r}
     c.rollout.worker_retry_s = 0.0  # a lost worker is tried again before each step
     if {env}:  # multi-turn: the environments here, each step's turns on a worker
         c.rewards = {{}}
@@ -1575,6 +1575,7 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
             tests=tests,
             model_dir=workers.path,
             steps=steps,
+            workers=2,
             addresses=addresses,
             env=multi_turn,
             mark=str(tmp_path / "turn_ended"),
@@ -1655,6 +1656,93 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
         else:  # the format reward: 1 when the completion starts with a digit
             digit = re.fullmatch("[0-9].*", r["completion"], re.DOTALL) is not None
             assert r["reward"] == float(digit), r
+
+
+@pytest.mark.slow  # the stream's join test runs the same `Fleet.refresh`
+def test_a_worker_listed_in_the_file_mid_run_takes_the_next_step(workers, tmp_path):
+    """A split run reading its workers from a file (`rollout.worker_addresses=@FILE`)
+    that lists one worker; once step 1 is trained (the trainer held meanwhile) a new
+    worker is started and appended to the file: it joins (`rollout/workers_joined` 1,
+    `rollout/workers` 2) and samples steps (its own count, said when the trainer goes),
+    and every step trains the data's next batch, each row once."""
+    import json
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from jaxrl_llm import data
+
+    steps = 4
+    tests = os.path.dirname(os.path.abspath(__file__))
+    listed = tmp_path / "workers"
+    listed.write_text(workers.static[0][1] + "\n")
+    file = tmp_path / "run.py"
+    file.write_text(
+        KILL_RUN_CONFIG.format(
+            tests=tests,
+            model_dir=workers.path,
+            steps=steps,
+            workers=1,
+            addresses="@" + str(listed),
+            env=False,
+            mark="",
+        )
+    )
+    workdir = tmp_path / "run"
+    env = _worker_env(workers.path) | {"JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
+    trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    joined = []
+    try:
+        metrics = workdir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n")):  # step 1 trained
+            assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+            time.sleep(0.05)
+        os.kill(trainer.pid, signal.SIGSTOP)  # steps 3 and 4 are still to be given out
+        try:
+            joined = _start_workers(workers.path, ["static"])
+            with open(listed, "a") as f:
+                f.write(joined[0][1] + "\n")
+        finally:
+            os.kill(trainer.pid, signal.SIGCONT)
+        _, err = trainer.communicate(timeout=600)
+        assert trainer.returncode == 0, err[-3000:]
+        said = []
+
+        def read():
+            for line in joined[0][0].stdout:
+                said.append(line)
+                if "gone" in line:
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(60)
+    finally:
+        _stop([trainer] + [p for p, _ in joined])
+    [gone] = [line for line in said if "gone" in line]
+    assert int(re.search(r"gone: (\d+) steps sampled", gone)[1]) >= 1, said
+    with open(metrics) as f:
+        logged = [r for r in map(json.loads, f) if "rollout/workers" in r]
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))
+    assert logged[-1]["rollout/workers_joined"] == 1 and logged[-1]["rollout/workers"] == 2
+    with open(workdir / "samples.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    spec = importlib.util.spec_from_file_location("join_run_config", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    G = config.rollout.num_generations
+    tokenizer = models.builtin.load_tokenizer(workers.path)
+    order = data.make_iterator(config.data, tokenizer, config.rollout.batch_size)
+    for step in range(1, steps + 1):
+        want = [p for p in next(order).prompts for _ in range(G)]
+        assert [r["prompt"] for r in rows if r["step"] == step] == want, step
+    assert len(rows) == steps * config.rollout.batch_size * G
 
 
 def _joined_takes_the_next_step(stream, prompts, want, got: dict, first: str, joined: str):
