@@ -726,11 +726,7 @@ def test_a_paged_worker_of_two_processes_serves_streams_turns_and_agents(workers
         finally:
             fleet.close()
         batch = types.SimpleNamespace(examples=AGENT_EXAMPLES)
-        local, bf16 = _agents(workers, "paged")
-        try:
-            want = local(bf16, batch, 3)
-        finally:
-            local.close()
+        want = _local_agents(workers, "paged", batch)
         fleet = Fleet(Workers((address,), TOKEN), {"kind": "turns"})
         agents, params = _agents(workers, "paged", fleet)
         try:
@@ -764,6 +760,15 @@ SLEEPY_EXAMPLES = [
     {"question": "7=", "turns": 6},
     {"question": "(8-9)/3=", "turns": 3, "obs_chars": [1, 3, 2]},
 ]
+
+
+def _local_agents(workers, engine: str, batch):
+    """The agents' step of `batch` played on a local engine of `engine` (`_agents`)."""
+    local, bf16 = _agents(workers, engine)
+    try:
+        return local(bf16, batch, 3)
+    finally:
+        local.close()
 
 
 def _turns_setup(workers, engine: str):
@@ -956,11 +961,7 @@ def test_agents_on_a_paged_worker_equal_the_local_requests(workers):
     from jaxrl_llm.workers.turns import Fleet
 
     batch = types.SimpleNamespace(examples=AGENT_EXAMPLES)
-    local, bf16 = _agents(workers, engine)
-    try:
-        want = local(bf16, batch, 3)
-    finally:
-        local.close()
+    want = _local_agents(workers, engine, batch)
     started = workers.static if engine == "static" else [workers.paged]
     fleet = Fleet(Workers(tuple(a for _, a in started), TOKEN), {"kind": "turns"})
     agents, params = _agents(workers, engine, fleet)
@@ -986,11 +987,7 @@ def test_a_worker_lost_with_the_agents_requests_ends_their_episodes(workers):
     from jaxrl_llm.workers.turns import Fleet
 
     batch = types.SimpleNamespace(examples=AGENT_EXAMPLES)
-    local, bf16 = _agents(workers, "static")
-    try:
-        want = local(bf16, batch, 3)
-    finally:
-        local.close()
+    want = _local_agents(workers, "static", batch)
     fleet = Fleet(Workers(tuple(a for _, a in workers.static), TOKEN), {"kind": "turns"})
     agents, params = _agents(workers, "static", fleet)
     try:
@@ -1558,46 +1555,19 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
     import os
     import re
     import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
-    from jaxrl_llm import data, envs
 
     steps = 4
-    tests = os.path.dirname(os.path.abspath(__file__))
     [(victim, address)] = _start_workers(workers.path, ["static"])
     file = tmp_path / "run.py"
     addresses = f"{address},{workers.static[0][1]}"  # the victim first: it takes step 1
-    file.write_text(
-        KILL_RUN_CONFIG.format(
-            tests=tests,
-            model_dir=workers.path,
-            steps=steps,
-            workers=2,
-            addresses=addresses,
-            env=multi_turn,
-            mark=str(tmp_path / "turn_ended"),
-        )
-    )
-    workdir = tmp_path / "run"
-    env = _worker_env(workers.path) | {"JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
-    trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    mark = tmp_path / "turn_ended"
+    trainer = _start_run(file, workers.path, steps, 2, addresses, multi_turn, mark)
+    workdir, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
     restarted = []
     try:
-        metrics = workdir / "metrics.jsonl"
-
-        def ready():  # multi-turn: step 1's first turn ended, its rows wait on the
-            # victim for their next turn; single-turn: step 1 trained
-            if multi_turn:
-                return (tmp_path / "turn_ended").exists()
-            return metrics.exists() and metrics.read_text().count("\n")
-
-        while not ready():
-            assert trainer.poll() is None, trainer.communicate()[1][-3000:]
-            time.sleep(0.05)
+        # multi-turn: step 1's first turn ended, its rows wait on the victim for their
+        # next turn; single-turn: step 1 trained
+        _wait_for(trainer, mark if multi_turn else metrics)
         os.kill(victim.pid, signal.SIGKILL)  # its connection breaks mid-run
         os.kill(trainer.pid, signal.SIGSTOP)  # steps 3 and 4 are still to be given out
         try:
@@ -1607,22 +1577,9 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
             os.kill(trainer.pid, signal.SIGCONT)
         _, err = trainer.communicate(timeout=600)
         assert trainer.returncode == 0, err[-3000:]
-        [(back, _)] = restarted
-        said = []  # its lines, until the one it says once the trainer closed it
-
-        def read():
-            for line in back.stdout:
-                said.append(line)
-                if "gone" in line:
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(60)
+        assert _steps_sampled(restarted[0][0]) >= 1
     finally:
         _stop([victim, trainer] + [p for p, _ in restarted])
-    [gone] = [line for line in said if "gone" in line]
-    assert int(re.search(r"gone: (\d+) steps sampled", gone)[1]) >= 1, said
     with open(metrics) as f:
         logged = [r for r in map(json.loads, f) if "rollout/workers_lost" in r]
     assert [r["step"] for r in logged] == list(range(1, steps + 1))
@@ -1631,24 +1588,7 @@ def test_a_worker_killed_inside_a_training_run_loses_no_row_and_its_restart_join
     assert last["rollout/workers"] == 2
     if multi_turn:  # step 1 played again on the other worker
         assert logged[0]["rollout/requeued"] == 1, logged[0]
-    with open(workdir / "samples.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    spec = importlib.util.spec_from_file_location("kill_run_config", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    G = config.rollout.num_generations
-    tokenizer = models.builtin.load_tokenizer(workers.path)
-    order = data.make_iterator(config.data, tokenizer, config.rollout.batch_size)
-    renderer = envs.Renderer(tokenizer, bool(getattr(tokenizer, "chat_template", None)))
-    for step in range(1, steps + 1):
-        batch = next(order)
-        want = batch.prompts
-        if multi_turn:  # the reset's observation (Sleepy's: the question), rendered
-            want = [tokenizer.decode(renderer.prompt(e["question"])) for e in batch.examples]
-        want = [p for p in want for _ in range(G)]
-        assert [r["prompt"] for r in rows if r["step"] == step] == want, step
-    assert len(rows) == steps * config.rollout.batch_size * G
+    rows = _rows_in_data_order(file, workdir, workers.path, steps, rendered=multi_turn)
     for r in rows:
         if multi_turn:  # Sleepy's: 0.5 at the first turn, 1 when done at the second
             assert r["reward"] > 0 and all(t["role"] != "error" for t in r["turns"]), r
@@ -1667,41 +1607,17 @@ def test_a_worker_listed_in_the_file_mid_run_takes_the_next_step(workers, tmp_pa
     and every step trains the data's next batch, each row once."""
     import json
     import os
-    import re
     import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
-    from jaxrl_llm import data
 
     steps = 4
-    tests = os.path.dirname(os.path.abspath(__file__))
     listed = tmp_path / "workers"
     listed.write_text(workers.static[0][1] + "\n")
     file = tmp_path / "run.py"
-    file.write_text(
-        KILL_RUN_CONFIG.format(
-            tests=tests,
-            model_dir=workers.path,
-            steps=steps,
-            workers=1,
-            addresses="@" + str(listed),
-            env=False,
-            mark="",
-        )
-    )
-    workdir = tmp_path / "run"
-    env = _worker_env(workers.path) | {"JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
-    trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    trainer = _start_run(file, workers.path, steps, 1, "@" + str(listed))
+    workdir, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
     joined = []
     try:
-        metrics = workdir / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n")):  # step 1 trained
-            assert trainer.poll() is None, trainer.communicate()[1][-3000:]
-            time.sleep(0.05)
+        _wait_for(trainer, metrics)  # step 1 trained
         os.kill(trainer.pid, signal.SIGSTOP)  # steps 3 and 4 are still to be given out
         try:
             joined = _start_workers(workers.path, ["static"])
@@ -1711,38 +1627,98 @@ def test_a_worker_listed_in_the_file_mid_run_takes_the_next_step(workers, tmp_pa
             os.kill(trainer.pid, signal.SIGCONT)
         _, err = trainer.communicate(timeout=600)
         assert trainer.returncode == 0, err[-3000:]
-        said = []
-
-        def read():
-            for line in joined[0][0].stdout:
-                said.append(line)
-                if "gone" in line:
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(60)
+        assert _steps_sampled(joined[0][0]) >= 1
     finally:
         _stop([trainer] + [p for p, _ in joined])
-    [gone] = [line for line in said if "gone" in line]
-    assert int(re.search(r"gone: (\d+) steps sampled", gone)[1]) >= 1, said
     with open(metrics) as f:
         logged = [r for r in map(json.loads, f) if "rollout/workers" in r]
     assert [r["step"] for r in logged] == list(range(1, steps + 1))
     assert logged[-1]["rollout/workers_joined"] == 1 and logged[-1]["rollout/workers"] == 2
+    _rows_in_data_order(file, workdir, workers.path, steps)
+
+
+def _start_run(file, model_dir, steps, n, addresses, multi_turn=False, mark=""):
+    """Writes KILL_RUN_CONFIG (`n` workers at `addresses`) to `file` and starts its run,
+    workdir 'run' beside it -> the trainer process."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    file.write_text(
+        KILL_RUN_CONFIG.format(
+            tests=tests,
+            model_dir=model_dir,
+            steps=steps,
+            workers=n,
+            addresses=addresses,
+            env=multi_turn,
+            mark=str(mark),
+        )
+    )
+    workdir = file.parent / "run"
+    env = _worker_env(model_dir) | {"JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxrl_llm.train", f"--config={file}", f"--workdir={workdir}"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for(trainer, path) -> None:
+    """Until `path` exists with a line in it (a mark file: exists), the trainer running."""
+    import time
+
+    while not (path.exists() and (path.suffix != ".jsonl" or path.read_text().count("\n"))):
+        assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def _steps_sampled(worker) -> int:
+    """How many steps a worker process says it sampled for the trainer that went (its
+    stdout read until that line, for up to 60 s)."""
+    import re
+    import threading
+
+    said = []
+
+    def read():
+        for line in worker.stdout:
+            said.append(line)
+            if "gone" in line:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(60)
+    [gone] = [line for line in said if "gone" in line]
+    return int(re.search(r"gone: (\d+) steps sampled", gone)[1])
+
+
+def _rows_in_data_order(file, workdir, model_dir, steps: int, rendered=False) -> list:
+    """samples.jsonl of the run in `workdir` (config `file`): each step's rows are the
+    data order's next batch, each prompt G times (rendered: the prompt is the
+    environment's reset, Sleepy's question, rendered), and nothing else -> its rows."""
+    import json
+
+    from jaxrl_llm import data, envs
+
     with open(workdir / "samples.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    spec = importlib.util.spec_from_file_location("join_run_config", file)
+    spec = importlib.util.spec_from_file_location("run_config", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config()
     G = config.rollout.num_generations
-    tokenizer = models.builtin.load_tokenizer(workers.path)
+    tokenizer = models.builtin.load_tokenizer(model_dir)
     order = data.make_iterator(config.data, tokenizer, config.rollout.batch_size)
+    renderer = envs.Renderer(tokenizer, bool(getattr(tokenizer, "chat_template", None)))
     for step in range(1, steps + 1):
-        want = [p for p in next(order).prompts for _ in range(G)]
+        batch = next(order)
+        want = batch.prompts
+        if rendered:
+            want = [tokenizer.decode(renderer.prompt(e["question"])) for e in batch.examples]
+        want = [p for p in want for _ in range(G)]
         assert [r["prompt"] for r in rows if r["step"] == step] == want, step
     assert len(rows) == steps * config.rollout.batch_size * G
+    return rows
 
 
 def _joined_takes_the_next_step(stream, prompts, want, got: dict, first: str, joined: str):
