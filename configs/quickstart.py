@@ -10,7 +10,7 @@ fine-tuned on answers half of which repeat themselves ("6565" for 65), a habit t
 gsm8k-style check scores 0; its arithmetic is better than its reward. GRPO with that
 check as the reward removes the habit.
 Expected result (measured, 2 CPU cores, ~1 minute): held-out greedy eval/pass@1 rises
-from 0.28 (the shipped model) to ~0.49 by step 50 and 0.50-0.53 after; the curve is in
+from 0.28 (the shipped model) to ~0.49 by step 50 and 0.48-0.53 after; the curve is in
 the README.
 """
 
