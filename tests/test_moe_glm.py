@@ -150,11 +150,13 @@ def test_replay_makes_trainer_logprobs_equal_behaviour():
 
 
 def plain_replayed_glm_moe(cfg, h, weights, routes):
-    """The sigmoid-routed block with the experts given: w = sigmoid(h W_r) at them,
-    divided by their sum + 1e-20, times routed_scaling_factor (no bias, no groups: those
-    only choose), y = sum_j w_j expert_{routes_j}(h) + shared(h)."""
+    """The sigmoid-routed block with the experts given: w = sigmoid(h W_r) at them (h W_r
+    in float32, as GLM-4.5 keeps its router), divided by their sum + 1e-20, times
+    routed_scaling_factor (no bias, no groups: those only choose),
+    y = sum_j w_j expert_{routes_j}(h) + shared(h)."""
     x, ids = h.reshape(-1, h.shape[-1]), routes.reshape(-1, routes.shape[-1])
-    s = jax.nn.sigmoid(x @ weights["router"])
+    f32 = jnp.float32
+    s = jax.nn.sigmoid(x.astype(f32) @ weights["router"].astype(f32))
     w = jnp.take_along_axis(s, ids, axis=1)
     w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     y = jax.nn.silu(x @ weights["shared_gate"]) * (x @ weights["shared_up"])
@@ -168,21 +170,27 @@ def plain_replayed_glm_moe(cfg, h, weights, routes):
 
 def test_replayed_gates_differentiate_the_router():
     """Replayed experts (ones the router would not pick): output and gradients w.r.t.
-    the router, the input, the experts and the shared expert equal the plain block's;
-    the selection bias gets no gradient."""
+    the router, the input, the experts and the shared expert equal the plain block's
+    (in float64 but the float32 router, where two orders of the same sums agree to
+    ~1e-12 on any CPU); the selection bias gets no gradient."""
+    with jax.enable_x64(True):
+        _replayed_gates_differentiate_the_router()
+
+
+def _replayed_gates_differentiate_the_router():
     cfg = tiny_glm_config(moe_impl="dense")  # the expert paths are tested in test_moe.py
     D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     keys = jax.random.split(jax.random.key(4), 9)
-    h = jax.random.normal(keys[0], (2, 3, D))
+    h = jax.random.normal(keys[0], (2, 3, D), jnp.float64)
     weights = {
-        "router": jax.random.normal(keys[1], (D, E)) / 4,
-        "router_bias": jax.random.normal(keys[8], (E,)),
-        "gate": jax.random.normal(keys[2], (E, D, F)) / 4,
-        "up": jax.random.normal(keys[3], (E, D, F)) / 4,
-        "down": jax.random.normal(keys[4], (E, F, D)) / 4,
-        "shared_gate": jax.random.normal(keys[5], (D, F)) / 4,
-        "shared_up": jax.random.normal(keys[6], (D, F)) / 4,
-        "shared_down": jax.random.normal(keys[7], (F, D)) / 4,
+        "router": jax.random.normal(keys[1], (D, E), jnp.float64) / 4,
+        "router_bias": jax.random.normal(keys[8], (E,), jnp.float64),
+        "gate": jax.random.normal(keys[2], (E, D, F), jnp.float64) / 4,
+        "up": jax.random.normal(keys[3], (E, D, F), jnp.float64) / 4,
+        "down": jax.random.normal(keys[4], (E, F, D), jnp.float64) / 4,
+        "shared_gate": jax.random.normal(keys[5], (D, F), jnp.float64) / 4,
+        "shared_up": jax.random.normal(keys[6], (D, F), jnp.float64) / 4,
+        "shared_down": jax.random.normal(keys[7], (F, D), jnp.float64) / 4,
     }
     _, own = moe.moe_mlp(cfg, h, weights)
     routes = (own[..., ::-1] + 3) % E  # other experts, in another order
@@ -193,9 +201,10 @@ def test_replayed_gates_differentiate_the_router():
 
     value, grads = loss(lambda h, w: moe.moe_mlp(cfg, h, w, routes)[0])
     value_ref, grads_ref = loss(lambda h, w: plain_replayed_glm_moe(cfg, h, w, routes))
-    np.testing.assert_allclose(value, value_ref, rtol=1e-5)
+    assert value.dtype == jnp.float64
+    np.testing.assert_allclose(value, value_ref, rtol=1e-9)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
     assert float(jnp.abs(grads[1]["router"]).max()) > 1e-3
     assert float(jnp.abs(grads[1]["router_bias"]).max()) == 0.0
 

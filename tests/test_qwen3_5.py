@@ -43,9 +43,13 @@ def dense(tmp_path_factory):
     return load("qwen3_5", tmp_path_factory)
 
 
-def close(ours, ref, mask):
+def close(ours, ref, mask, slack=0.0):
+    """|ours - ref| <= ATOL + RTOL |ref| + slack at the real tokens."""
     mask = np.asarray(mask, bool)
-    np.testing.assert_allclose(np.asarray(ours)[mask], np.asarray(ref)[mask], RTOL, ATOL)
+    ours, ref = np.asarray(ours), np.asarray(ref)
+    bound = ATOL + RTOL * np.abs(ref) + slack
+    over = (np.abs(ours - ref) > bound)[mask]
+    assert not over.any(), (np.abs(ours - ref)[mask][over], bound[mask][over])
 
 
 def test_logits_equal_transformers(qwen3_5):
@@ -64,8 +68,11 @@ def test_logits_equal_transformers(qwen3_5):
         ids, mask = padded_batch(seed=length, length=length)
         ref = hf_logits(model, ids, mask)
         ours = np.asarray(models.logits(cfg, params, ids, mask))
-        close(ours, ref, mask)
-        close(models.logits(cfg.replace(linear_chunk=64), params, ids, mask), ref, mask)
+        # Within HF's own float32 error of it (against float64): a draw that amplifies
+        # rounding (Qwen3-Next's at 20 tokens: ~3e-4 in HF on some CPUs) widens both.
+        slack = np.abs(ref - exact[length])
+        close(ours, ref, mask, slack)
+        close(models.logits(cfg.replace(linear_chunk=64), params, ids, mask), ref, mask, slack)
         err = np.abs(ours - exact[length])[mask].max()
         assert err <= max(1e-5, 1.5 * np.abs(ref - exact[length])[mask].max()), err
 

@@ -1220,7 +1220,7 @@ def get_config():
     c.rollout.mode, c.rollout.max_staleness = "split", 0
     c.rollout.partial, c.rollout.partial_chunk = True, 2
     c.mesh.fsdp, c.mesh.tensor, c.mesh.rollout_devices = -1, 2, 0
-    c.rollout.workers, c.rollout.worker_addresses = {workers}, {addresses!r}
+    c.rollout.workers, c.rollout.worker_addresses = 2, {addresses!r}
     c.rollout.worker_start_s = {start_s}
     return c
 """
