@@ -309,6 +309,34 @@ def test_static_requests_prefill_a_shared_first_request_once(tiny, tok):
     assert serve._shared_prefill({0: [1], 1: [1], 2: [2]}, 4, 1)[2] == 1
 
 
+def test_a_requests_session_draws_with_its_own_seed(tiny, tok):
+    """Sampled (temperature 1), a requests session on the static sampler draws the same
+    replies on the same seed and others on another (`seed=`: each rollout worker's part
+    of a step's episodes has its own, `workers.turns.part_seed`), in its cohort's decode
+    and in a re-read n = 2 request alike."""
+    from jaxrl_llm.workers.turns import part_seed
+
+    _, cfg, params = tiny
+    sampler = sampling.Sampler(cfg, None, seed=5, cache_segments=1)
+    spec = sampling.RolloutSpec(1, 5, 1.0, stop_ids=STOPS)
+    contexts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+2=", "12*3=", "7-4=")]
+
+    def replies(seed):
+        s = engine.open_session(
+            sampler, "requests", params, 0, spec, key=3, width=4, prompt_tokens=16,
+            total_tokens=40, seed=seed,
+        )  # fmt: skip
+        for e, ids in enumerate(contexts):
+            s.ask(e, ids, 5, n=1 + (e == 2))
+        assert sorted(s.run_chunk()) == [0, 1, 2]
+        return [[choice[0] for choice in s.answer(e)] for e in range(3)]
+
+    first = replies(None)
+    assert part_seed(5, 0) == 5 and replies(5) == first
+    other = replies(part_seed(5, 1))
+    assert other[:2] != first[:2] and other[2] != first[2]  # the cohort's, the re-read's
+
+
 def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):
     """Partial rollouts on the engine (`refresh`): newer parameters (version 4) handed
     over before the third decode chunk are swapped in while replies are being drawn.

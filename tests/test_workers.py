@@ -974,26 +974,42 @@ def test_agents_on_a_paged_worker_equal_the_local_requests(workers):
 
 
 def test_a_worker_lost_with_the_agents_requests_ends_their_episodes(workers):
-    """Agents on static workers: a step's rows equal the local requests' (greedy: rows,
-    log-probs 1e-5, versions, rewards, completions; an episode's request extending its
-    row, a rewrite, an n = 2 request). Then the connection to the worker the next step's
-    requests go to breaks: the step raises `RowsLost`, its episodes end (their agents'
-    processes killed, `Server.abandon`), and the step played again goes to the other
-    worker and equals the local requests."""
+    """Agents on two static workers: a step's episodes are split between them (each
+    episode's requests to one, each worker an equal run of them, each part's session with
+    its own seed, `part_seed`), and the step's rows equal the local requests' (greedy:
+    rows, log-probs 1e-5, versions, rewards, completions; an episode's request extending
+    its row, a rewrite, an n = 2 request). Then the connection to one worker breaks: the
+    step raises `RowsLost`, its episodes end (their agents' processes killed,
+    `Server.abandon`), and the step played again on the worker left equals the local
+    requests."""
     import socket
 
     from jaxrl_llm.sampling.engine import RowsLost
     from jaxrl_llm.workers.remote import Workers
-    from jaxrl_llm.workers.turns import Fleet
+    from jaxrl_llm.workers.turns import Fleet, part_seed
 
     batch = types.SimpleNamespace(examples=AGENT_EXAMPLES)
     want = _local_agents(workers, "static", batch)
     fleet = Fleet(Workers(tuple(a for _, a in workers.static), TOKEN), {"kind": "turns"})
     agents, params = _agents(workers, "static", fleet)
+    seeds, asked, exchange_each = [], {}, fleet.exchange_each
+
+    def recorded(requests, kind):  # what each worker is asked
+        for link, fields, _ in requests:
+            if kind == "requests":
+                seeds.append(fields["seed"])
+            for op in fields["ops"] if kind == "req_run" else ():
+                asked.setdefault(op[1], set()).add(link.address)
+        return exchange_each(requests, kind)
+
+    fleet.exchange_each = recorded
     try:
-        _same_agents(agents(params, batch, 3), want)  # on the first worker
-        nxt = min(fleet.alive, key=lambda k: (len(k.steps), k.last))
-        nxt.sock.shutdown(socket.SHUT_RDWR)
+        _same_agents(agents(params, batch, 3), want)  # on both workers
+        assert sorted(seeds) == sorted([part_seed(0, 0), part_seed(0, 1)])
+        assert all(len(at) == 1 for at in asked.values())  # an episode stays on one
+        on = [a for at in asked.values() for a in at]
+        assert len(asked) == 8 and sorted(on.count(a) for _, a in workers.static) == [4, 4]
+        fleet.alive[0].sock.shutdown(socket.SHUT_RDWR)
         with pytest.raises(RowsLost):
             agents(params, batch, 3)
         deadline = time.monotonic() + 10

@@ -30,6 +30,10 @@ episode through the gateway) given its whole context.
   (`sample_rows`, with the engine's `sample`). A request is
   answered as soon as its turn ends; rows asked while others decode join between chunks.
 
+Both draw with the engine's seed, or the session's own (`seed=`: rollout workers sharing
+a step's episodes give each part its own, `workers.turns.RemoteRequests`, so the parts'
+rows, numbered alike, draw apart).
+
 `stats`: calls (sampler calls or decode chunks), batched (rows in them), batch_max,
 prefill_tokens, cached_tokens, cache_restarts, evicted, decode_chunks.
 """
@@ -53,9 +57,9 @@ COUNTERS = (
 
 def sample_rows(session, rows: list, stats: dict) -> list:
     """Each row's (drawn ids, log-probs, versions, stopped), rows being token-id lists
-    sampled by the session's `engine.sample` with its params, spec and version in calls
-    of `session.width` rows; a call's step is session.key + calls % 1024 (a fresh draw
-    per call)."""
+    sampled by the session's `engine.sample` with its params, spec, version and seed in
+    calls of `session.width` rows; a call's step is session.key + calls % 1024 (a fresh
+    draw per call)."""
     drawn, width, version = [], session.width, session.version
     for first in range(0, len(rows), width):
         chunk = rows[first : first + width]
@@ -63,7 +67,9 @@ def sample_rows(session, rows: list, stats: dict) -> list:
         chunk += [chunk[0]] * (width - real)  # fixed width: one program
         ids, mask = pad_prompts(chunk, session.engine.pad_id)
         step = session.key + stats["calls"] % 1024
-        out = session.engine.sample(session.params, ids, mask, session.spec, step, version=version)
+        out = session.engine.sample(
+            session.params, ids, mask, session.spec, step, version=version, seed=session.seed
+        )
         got = (out.tokens, out.lengths, out.logprobs, out.finish)
         tokens, lengths, logprobs, finish = map(np.asarray, mesh_lib.local_rows(got, session.mesh))
         for r in range(real):
@@ -111,11 +117,11 @@ class _Cohort:
 
 class StaticRequests:
     """Requests on the static `Sampler` (the module docstring); args as `PagedRequests`'
-    (`episodes` unused). A cohort's cache holds at most twice a record's slots,
-    2 x (prompt_tokens + total_tokens) (and the model's positions): the rows asked in
-    different rounds, the appends rounded up, leave holes in its shared slots; past
-    that bound requests are re-read, so it holds at most twice what the largest re-read
-    call of `width` rows does."""
+    (`episodes` unused). A cohort's cache holds at most twice a record's slots, 2 x
+    (prompt_tokens + total_tokens) (and the model's positions): the rows asked in
+    different rounds, the appends rounded up, leave holes in its shared slots; past that
+    bound requests are re-read, so it holds at most twice what the largest re-read call
+    of `width` rows does."""
 
     def __init__(
         self,
@@ -129,10 +135,11 @@ class StaticRequests:
         prompt_tokens: int,
         total_tokens: int,
         mesh=None,
+        seed: int | None = None,
         **_,
     ):
         self.engine, self.params, self.version, self.spec = engine, params, version, spec
-        self.key, self.width, self.mesh = key, width, mesh
+        self.key, self.width, self.mesh, self.seed = key, width, mesh, seed
         whole = 2 * (prompt_tokens + total_tokens)
         self.slots = min(engine.cfg.max_position_embeddings, whole)
         self.asked: list = []  # (episode, ids, n): re-read by `sample_rows`
@@ -195,7 +202,9 @@ class StaticRequests:
         ids, mask = pad_prompts(once, self.engine.pad_id)
         step = self.key + self.stats["calls"] % 1024
         spec = self.spec.replace(num_generations=shared)
-        state = self.engine.start(self.params, ids, mask, spec, step, version=self.version)
+        state = self.engine.start(
+            self.params, ids, mask, spec, step, version=self.version, seed=self.seed
+        )
         # The rows' spec as every later program of the cohort reads it (one program each).
         state = state.replace(spec=self.spec)
         state = self.engine.stop(state, np.arange(self.width) >= real)  # the copies draw nothing
@@ -271,7 +280,10 @@ class StaticRequests:
 
 
 class PagedRequests:
-    """Requests on the paged engine (the module docstring)."""
+    """Requests on the paged engine (the module docstring): `episodes` conversations (a
+    slot each, unless the engine sets its slots), `prompt_tokens` + `total_tokens` at
+    most each; key, the draws' step (`TurnSession`'s); width, rows per re-read call;
+    seed, the draws' (None: the engine's)."""
 
     def __init__(
         self,
@@ -286,9 +298,10 @@ class PagedRequests:
         prompt_tokens: int,
         total_tokens: int,
         mesh=None,
+        seed: int | None = None,
     ):
         self.engine, self.params, self.spec = engine, params, spec
-        self.key, self.width, self.mesh = key, width, mesh
+        self.key, self.width, self.mesh, self.seed = key, width, mesh, seed
         T = total_tokens  # a row's completion: drawn and appended tokens
         whole = prompt_tokens + T
         pages = engine.pages or engine.auto_pages(episodes, whole) + 2 * -(
@@ -299,7 +312,7 @@ class PagedRequests:
             params,
             version,
             spec.replace(num_generations=1, max_new_tokens=T),
-            seed=engine.seed,
+            seed=engine.seed if seed is None else seed,
             step=key,
             slots=engine.slots or episodes,
             pages=pages,

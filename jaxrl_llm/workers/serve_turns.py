@@ -61,6 +61,7 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
             )
         settings = {k: fields[k] for k in ("key", "width", "episodes")}
         settings |= {k: fields[k] for k in ("prompt_tokens", "total_tokens")}
+        settings["seed"] = fields.get("seed")  # a part of a step's episodes: its own
         spec = sampling.RolloutSpec(**fields["spec"])
         session = open_session(
             worker.engine,

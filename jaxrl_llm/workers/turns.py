@@ -33,12 +33,17 @@ trained twice or as a failure. On a worker of several processes each process hol
 own rows of the part, and process 0 answers for all (`serve_turns`); agents' requests
 are not served there yet.
 
-`RemoteRequests` is the agents' counterpart: the gateway's episodes ask requests
-(`ask`, `forget`) that go with the next `run_chunk` (`req_run`) to the worker's requests
-session of its engine (`StaticRequests` / `PagedRequests`), whose answers (each choice's
-ids, log-probs, versions, whether it stopped) come back with it. A lost worker raises
-`RowsLost` the same way; the agents' player then ends the step's episodes
-(`gateway.Server.abandon`) before the step is played again.
+`RemoteRequests` is the agents' counterpart, over every worker of the fleet: an episode
+goes to one worker at its first request and stays there (its row keeps its KV cache), the
+k-th new episode of E to worker k * N // E, so each holds an equal run of them (an
+example's G episodes, asked together, mostly on one). The gateway's episodes ask requests
+(`ask`, `forget`) that go with the next `run_chunk` (`req_run`, every worker with work at
+once) to each worker's requests session of its engine (`StaticRequests` /
+`PagedRequests`), whose answers (each choice's ids, log-probs, versions, whether it
+stopped) come back with it. Each worker's session numbers its rows from 0, so each part
+draws with its own seed (`part_seed`; part 0 the run's): greedy, the episodes draw what
+one worker draws. A lost worker raises `RowsLost` the same way; the agents' player then
+ends the step's episodes (`gateway.Server.abandon`) before the step is played again.
 """
 
 from __future__ import annotations
@@ -207,89 +212,137 @@ def _joined(outs: list, pad_id: int) -> dict:
     return {name: np.concatenate([widen(o, name) for o in outs]) for name in outs[0]}
 
 
+@dataclasses.dataclass(eq=False)
+class _Asker:
+    """One worker's share of the agents' episodes: the asks (["ask", episode, max_tokens,
+    n, rewrite], their context ids by episode) and forgets (["forget", episode]) for its
+    next chunk, and what its last answer said."""
+
+    link: object
+    ops: list = dataclasses.field(default_factory=list)
+    ids: dict = dataclasses.field(default_factory=dict)
+    busy: bool = False  # the worker's session has rows to decode
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
 class RemoteRequests:
     """The gateway's requests (`sampling.serve`'s session protocol: ask, run_chunk,
-    answer, forget, swap) on one of `fleet`'s workers (the module docstring); args as
-    `PagedRequests`' (mesh unused)."""
+    answer, forget, swap) on `fleet`'s workers, each episode on the one its first request
+    went to (the module docstring); args as `PagedRequests`' (mesh unused)."""
 
     def __init__(self, fleet: Fleet, params, version: int, spec, *, mesh=None, **settings):
         del mesh
-        self.fleet, self.version, self.key = fleet, version, int(settings["key"])
-        self.link = _hold(fleet, params, version, None)[0]
-        self.ops: list = []  # ["ask", episode, max_tokens, n, rewrite] / ["forget", episode]
-        self.ids: dict = {}  # episode -> the context ids it asked with
+        self.fleet, self.version = fleet, version
+        links = _hold(fleet, params, version, None)
+        n, m = len(links), math.lcm(*(k.prompt_multiple for k in links))
+        self.parts = [_Asker(k) for k in links]
+        self.episodes = int(settings["episodes"])
+        self.where: dict = {}  # episode -> its part
         self.answers: dict = {}  # episode -> its choices
         self.forgotten: set = set()  # episodes already forgotten (a forget is sent once)
-        self.stats, self.worker_busy = {"decode_chunks": 0}, False
         fields = dict(spec=dataclasses.asdict(spec), **{k: int(v) for k, v in settings.items()})
-        self._ask("requests", fields)
+        fields["episodes"] = -(-self.episodes // n)
+        fields["width"] = -(-fields["width"] // n // m) * m  # rows a worker's calls take
+        seed = int(fleet.opened["seed"])
+        opened = [
+            (p, fields | {"seed": part_seed(seed, i)}, None) for i, p in enumerate(self.parts)
+        ]
+        self._ask("requests", opened)
 
     @property
     def busy(self) -> bool:
-        """The worker has rows to decode, or a request is asked (a forget is no work)."""
-        return self.worker_busy or bool(self.ids)
+        """A worker has rows to decode, or a request is asked (a forget is no work)."""
+        return any(p.busy or p.ids for p in self.parts)
+
+    @property
+    def stats(self) -> dict:
+        """The workers' sessions' counters, summed (batch_max: the largest)."""
+        out = {"decode_chunks": 0}
+        for p in self.parts:
+            for k, v in p.stats.items():
+                out[k] = max(out.get(k, 0), v) if k == "batch_max" else out.get(k, 0) + v
+        return out
 
     def ask(self, episode, ids, max_tokens: int, n: int = 1, rewrite: bool = False) -> None:
-        self.ops.append(["ask", episode, int(max_tokens), int(n), bool(rewrite)])
-        self.ids[str(episode)] = np.asarray(ids, np.int32)
+        """To the episode's worker; a new episode's to the next part in turn, the k-th of
+        `episodes` to part k * parts // episodes, so each holds an equal run of them."""
+        part = self.where.get(episode)
+        if part is None:
+            k = len(self.where) * len(self.parts) // max(self.episodes, 1)
+            part = self.where[episode] = self.parts[min(k, len(self.parts) - 1)]
+        part.ops.append(["ask", episode, int(max_tokens), int(n), bool(rewrite)])
+        part.ids[str(episode)] = np.asarray(ids, np.int32)
 
     def forget(self, episode) -> None:
-        """The episode ended (the gateway's loop says so after every chunk: sent once)."""
+        """The episode ended (the gateway's loop says so after every chunk: sent once, to
+        its worker if it asked anything)."""
         if episode not in self.forgotten:
             self.forgotten.add(episode)
-            self.ops.append(["forget", episode])
+            if episode in self.where:
+                self.where[episode].ops.append(["forget", episode])
 
     def swap(self, params, version: int) -> None:
-        self.fleet.push(params, version)  # the worker swaps them into its session
+        self.fleet.push(params, version)  # each worker swaps them into its session
         self.version = version
 
     def answer(self, episode) -> list:
         return self.answers.pop(episode)
 
     def run_chunk(self) -> list:
-        """The asks and forgets since the last chunk, then one chunk on the worker -> the
-        episodes answered."""
-        ops, arrays = self.ops, self.ids
-        self.ops, self.ids = [], {}
-        fields, got = self._ask("req_run", {"ops": ops}, arrays)
-        self.worker_busy, self.version, self.stats = (
-            fields["busy"],
-            fields["version"],
-            fields["stats"],
-        )
-        for episode, stopped in fields["answered"]:
-            self.answers[episode] = [
-                tuple(
-                    got[f"{episode}/{k}/{name}"].tolist()
-                    for name in ("ids", "logprobs", "versions")
-                )
-                + (bool(s),)
-                for k, s in enumerate(stopped)
-            ]
-        return [episode for episode, _ in fields["answered"]]
+        """Each worker with asks, forgets or rows to decode gets them and runs one chunk,
+        all at once -> the episodes answered."""
+        asked = [(p, {"ops": p.ops}, p.ids) for p in self.parts if p.busy or p.ops]
+        for p, _, _ in asked:
+            p.ops, p.ids = [], {}
+        answered = []
+        for p, (fields, got) in self._ask("req_run", asked):
+            p.busy, p.stats, self.version = fields["busy"], fields["stats"], fields["version"]
+            for episode, stopped in fields["answered"]:
+                self.answers[episode] = [
+                    tuple(
+                        got[f"{episode}/{k}/{name}"].tolist()
+                        for name in ("ids", "logprobs", "versions")
+                    )
+                    + (bool(s),)
+                    for k, s in enumerate(stopped)
+                ]
+                answered.append(episode)
+        return answered
 
-    def _ask(self, kind: str, fields: dict, arrays: dict | None = None) -> tuple:
+    def _ask(self, kind: str, asked: list) -> list:
         try:
-            return _ask(self.fleet, [(self.link, fields, arrays)], kind)[0]
+            answers = _ask(self.fleet, [(p.link, f, a) for p, f, a in asked], kind)
         except RowsLost as err:
             raise RowsLost(f"{err} the agents' requests") from None
+        return list(zip([p for p, _, _ in asked], answers, strict=True))
 
 
-def _hold(fleet: Fleet, params, version: int, tag, prompts: int = 1, greedy: bool = True):
+def part_seed(seed: int, part: int) -> int:
+    """The seed part `part` of a step's episodes draws with (part 0: the run's seed): each
+    worker's session numbers its rows from 0 and keys a draw by (seed, key, row), so the
+    parts' seeds differ or their rows would draw alike."""
+    return (seed + part * 0x9E3779B9) % 2**32
+
+
+def _hold(fleet: Fleet, params, version: int, tag, prompts=None, greedy: bool = True):
     """The workers a session's rows go to (`Fleet.spread`): `prompts` split over up to
     one worker per `prompt_multiple` of them where the split draws what one worker would
-    (greedy, or engines whose rows draw with their own keys), else one; `tag` (None:
-    nothing) on their links while they hold the rows. The fleet is connected first,
-    refreshed (who joined, left or is back) and holding `version`."""
+    (greedy, or engines whose rows draw with their own keys), else one; None: every
+    worker (the agents' episodes, each whole on one); `tag` (None: nothing) on their
+    links while they hold the rows. The fleet is connected first, refreshed (who joined,
+    left or is back) and holding `version`."""
     if not fleet.links:
         fleet.connect()
     fleet.refresh()
     if fleet.host is None or fleet.version != version:
         fleet.push(params, version)
     m = math.lcm(*(k.prompt_multiple for k in fleet.alive))  # each part divides on each
-    parts = prompts // m if prompts % m == 0 else 1
-    if not greedy and not all(k.row_keys for k in fleet.alive):
+    if prompts is None:
+        parts = len(fleet.alive)
+    elif prompts % m or not (greedy or all(k.row_keys for k in fleet.alive)):
         parts = 1
+    else:
+        parts = prompts // m
     links = fleet.spread(parts)
     for link in links if tag is not None else ():
         link.steps.add(tag)
