@@ -30,62 +30,73 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
     weights given) -> (its turns session now, the answer's (fields, arrays)). A worker of
     several processes: every process runs each request, holding the rows `own_rows`
     gives it, and process 0 answers for all (`_every_process` where they split)."""
-    session, engine = worker.turns, worker.engine
-    own = functools.partial(own_rows, engine)
     if kind == "turns":
-        live = own(np.asarray(fields["live"], bool))
-        session = open_session(
-            engine,
-            "turns",
-            worker.params,
-            own(arrays["prompt_ids"]),
-            own(arrays["prompt_mask"]),
-            sampling.RolloutSpec(**fields["spec"]),
-            types.SimpleNamespace(**fields["turns"]),
-            live.tolist(),
-            fields["step"],
-            worker.version,
-            worker.mesh,
-            first_row=fields["first_row"],
-        )
-        first = jax.process_index() * len(live) if engine.splits_processes else 0
-        worker.own = (first, len(live))  # its first row, rows
-        worker.known = {}  # row -> the length of its completion the trainer holds
-        return session, ({}, {})
+        return _open_turns(worker, fields, arrays), ({}, {})
     if kind == "requests":
-        if processes(engine) > 1:
-            raise wire.WorkerError(
-                "agents' requests on a worker of several processes take the paged engine "
-                "(the static one splits a batch's rows over the processes); start the "
-                "worker with --config.rollout.engine=paged, or as one process"
-            )
-        settings = {k: fields[k] for k in ("key", "width", "episodes")}
-        settings |= {k: fields[k] for k in ("prompt_tokens", "total_tokens")}
-        settings["seed"] = fields.get("seed")  # a part of a step's episodes: its own
-        spec = sampling.RolloutSpec(**fields["spec"])
-        session = open_session(
-            worker.engine,
-            "requests",
-            worker.params,
-            worker.version,
-            spec,
-            mesh=worker.mesh,
-            **settings,
-        )
-        return session, ({}, {})
+        return _open_requests(worker, fields), ({}, {})
+    session = worker.turns
     if session is None:
         raise wire.WorkerError(f"{kind!r} before 'turns' or 'requests'")
     if kind == "req_run":
         return session, _requests_run(session, fields, arrays)
     if kind == "turn_output":
-        out = session.output(own(np.asarray(fields["final_turn"], bool)))
+        out = session.output(own_rows(worker.engine, np.asarray(fields["final_turn"], bool)))
         got = {
             f.name: parallel.to_host(getattr(out, f.name))
             for f in dataclasses.fields(out)
             if f.name != "num_generations" and getattr(out, f.name) is not None
         }
         return None, ({"steps": [fields["step"]]}, got)
-    (first, n), known = worker.own, worker.known
+    return session, _turns_run(worker, session, fields, arrays)
+
+
+def _open_turns(worker, fields: dict, arrays: dict):
+    """'turns': a turns session of this process's rows of a part -> the session."""
+    engine = worker.engine
+    own = functools.partial(own_rows, engine)
+    live = own(np.asarray(fields["live"], bool))
+    session = open_session(
+        engine,
+        "turns",
+        worker.params,
+        own(arrays["prompt_ids"]),
+        own(arrays["prompt_mask"]),
+        sampling.RolloutSpec(**fields["spec"]),
+        types.SimpleNamespace(**fields["turns"]),
+        live.tolist(),
+        fields["step"],
+        worker.version,
+        worker.mesh,
+        first_row=fields["first_row"],
+    )
+    first = jax.process_index() * len(live) if engine.splits_processes else 0
+    worker.own = (first, len(live))  # its first row, rows
+    worker.known = {}  # row -> the length of its completion the trainer holds
+    return session
+
+
+def _open_requests(worker, fields: dict):
+    """'requests': a requests session for agents' episodes -> the session."""
+    if processes(worker.engine) > 1:
+        raise wire.WorkerError(
+            "agents' requests on a worker of several processes take the paged engine "
+            "(the static one splits a batch's rows over the processes); start the "
+            "worker with --config.rollout.engine=paged, or as one process"
+        )
+    names = ("key", "width", "episodes", "prompt_tokens", "total_tokens")
+    settings = {k: fields[k] for k in names}
+    settings["seed"] = fields.get("seed")  # a part of a step's episodes: its own
+    spec = sampling.RolloutSpec(**fields["spec"])
+    params, version = worker.params, worker.version
+    return open_session(
+        worker.engine, "requests", params, version, spec, mesh=worker.mesh, **settings
+    )
+
+
+def _turns_run(worker, session, fields: dict, arrays: dict) -> tuple:
+    """'turn_run': the trainer's resumes and ends, then one chunk -> the answer's (fields,
+    arrays): each ended row's completion since the trainer last had it."""
+    engine, (first, n), known = worker.engine, worker.own, worker.known
     for r, turn_tokens in fields["ops"]:  # in the trainer's order; this process's rows
         if not first <= r < first + n:
             continue
@@ -122,7 +133,7 @@ def handle(worker, kind: str, fields: dict, arrays: dict) -> tuple:
         version=int(session.version),
         decode_chunks=int(session.stats["decode_chunks"]),
     )
-    return session, (answer, got)
+    return answer, got
 
 
 def processes(engine) -> int:
