@@ -21,6 +21,7 @@ import dataclasses
 import os
 from typing import Any, NamedTuple
 
+from jaxrl_llm.models import param_count
 from jaxrl_llm.models.config_checks import check
 from jaxrl_llm.models.hf_config import (
     GEMMA3,
@@ -422,74 +423,13 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def num_params(self, include_embeddings: bool = True) -> int:
-        """Parameter count, as `sum(p.size for p in params)` would give."""
-        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        kinds = self.attention_kinds
-        n_linear = sum(k == "linear" for k in kinds)
-        layer = (4 if self.gemma else 2) * d + (1 if self.gemma4 else 0)
-        sparse = self.num_sparse_layers
-        n = self.num_layers * layer + kinds.count("softmax") * self._attention_params(h)
-        n -= (kinds.count("softmax") - self.cache_layers()) * self._own_kv_params(h)
-        if self.split_attention:
-            H, K = self.full_head_dim, self.full_kv_heads
-            n += kinds.count("wide") * self._attention_params(H, K, self.k_eq_v)
-            n -= (kinds.count("wide") - self.cache_layers("wide")) * self._own_kv_params(
-                H, K, self.k_eq_v
-            )
-        # the dense MLP's layers (Gemma 4's double-wide ones twice over) and final norm
-        n += (self.num_layers - sparse + self.mlp_kinds.count("double")) * 3 * d * f + d
-        if n_linear:
-            nv, dv = self.linear_num_value_heads, self.linear_value_head_dim
-            conv = self.linear_conv_dim
-            per = d * conv + d * nv * dv + 2 * d * nv + conv * self.linear_conv_kernel
-            n += n_linear * (per + 2 * nv + dv + nv * dv * d)
-        if sparse:
-            E, fm = self.num_experts, self.moe_intermediate_size
-            per = d * E + 3 * d * fm * E + 3 * d * self.shared_intermediate_size
-            per += E if self.router in ("sigmoid", "topk_softmax") else 0  # the router's bias
-            # Gemma 4: the router's input scale, a scale per expert, three more norms
-            per += E + 4 * d if self.router == "gemma4" else 0
-            per += E * (2 * fm + d) if self.expert_bias else 0
-            per += d if self.shared_expert_gate else 0
-            n += sparse * per
-        if self.per_layer_input_size:  # the model's projection and norm, each layer's
-            P, L = self.per_layer_input_size, self.num_layers
-            n += d * L * P + P + L * (2 * d * P + d)
-            n += self.per_layer_vocab_size * L * P if include_embeddings else 0
-        if include_embeddings:
-            n += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        elif not self.tie_word_embeddings:
-            n += self.vocab_size * d  # the output projection is a matmul, count it
-        return n
-
-    def _own_kv_params(self, h: int, kv: int | None = None, k_eq_v: bool = False) -> int:
-        """Of `_attention_params`, those of keys and values (a KV-shared layer has none)."""
-        kv = kv or self.num_kv_heads
-        n = self.hidden_size * h * (kv if k_eq_v else 2 * kv)
-        return n + (2 * kv * h if self.qkv_bias else 0) + (h if self.qk_norm else 0)
-
-    def _attention_params(self, h: int, kv: int | None = None, k_eq_v: bool = False) -> int:
-        """One attention layer's parameters with heads of h and kv KV heads (default
-        `num_kv_heads`); k_eq_v: no value projection."""
-        d, kv = self.hidden_size, kv or self.num_kv_heads
-        q_heads = self.num_heads * (2 if self.attn_output_gate else 1)
-        kv_proj = kv if k_eq_v else 2 * kv
-        n = d * h * (q_heads + self.num_heads + kv_proj)
-        n += (self.num_heads + 2 * kv) * h if self.qkv_bias else 0
-        n += d if self.o_bias else 0
-        n += 2 * h if self.qk_norm else 0
-        return n + (self.num_heads if self.attention_sinks else 0)
+        """Parameter count, as `sum(p.size for p in params)` would give
+        (`param_count.num_params`)."""
+        return param_count.num_params(self, include_embeddings)
 
     def active_params(self, include_embeddings: bool = True) -> int:
-        """Parameters one token reads: `num_params` with only k of the E experts counted
-        (all of them for a dense model). What the model FLOPs of a token are made of."""
-        n = self.num_params(include_embeddings)
-        if self.moe:
-            idle = self.num_experts - self.num_experts_per_tok
-            d, f = self.hidden_size, self.moe_intermediate_size
-            per = 3 * d * f + ((2 * f + d) if self.expert_bias else 0)
-            n -= self.num_sparse_layers * idle * per
-        return n
+        """Parameters one token reads (`param_count.active_params`)."""
+        return param_count.active_params(self, include_embeddings)
 
     # ----------------------------------------------------------------- HF conversion
     @classmethod

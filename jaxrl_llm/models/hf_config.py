@@ -13,7 +13,8 @@ Reads both the transformers 4.x layout (`rope_theta` + `rope_scaling`) and the 5
 (`rope_parameters`). Kept apart from the dataclass (`models.config`), which calls these
 from `ModelConfig.from_hf_dict` / `from_hf_dir` / `to_hf_dict`: the HF names and the
 refusals are a topic of their own, and the architecture names here are what both share.
-The families past the plain decoder keep their parts in `hf_families`.
+The families past the plain decoder keep their parts in `hf_families` (Gemma in
+`hf_gemma`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from jaxrl_llm.errors import UnsupportedModelError
 from jaxrl_llm.models import hf_families as families
+from jaxrl_llm.models import hf_gemma as gemma
 
 if TYPE_CHECKING:
     from jaxrl_llm.models.config import ModelConfig
@@ -106,9 +108,9 @@ def fields_from_hf(d: dict, source: str = "config.json") -> dict:
             hf_config=json.dumps(d, sort_keys=True),
         )
         if arch == GEMMA3:
-            fields |= families.gemma3_fields(d, source)
+            fields |= gemma.gemma3_fields(d, source)
         if arch == GEMMA4:
-            fields |= families.gemma4_fields(d, source)
+            fields |= gemma.gemma4_fields(d, source)
         if arch == QWEN3_MOE:
             fields |= families.moe_fields(d)
         if arch == GLM4_MOE:
@@ -170,7 +172,7 @@ def hf_dict(cfg: ModelConfig) -> dict:
         d |= families.qwen3_5_dict(cfg)
     if cfg.gemma:
         del d["hidden_act"], d["rope_theta"], d["rope_scaling"]
-        d |= families.gemma_dict(cfg, gemma4=cfg.architecture == GEMMA4)
+        d |= gemma.gemma_dict(cfg, gemma4=cfg.architecture == GEMMA4)
     return d
 
 
@@ -204,10 +206,10 @@ def _refuse_unsupported(d: dict, arch: str, source: str) -> None:
         raise UnsupportedModelError(f"{source}: {what} is not supported ({arch})")
 
     if arch == GEMMA3:
-        families.refuse_gemma3_options(d, refuse)
+        gemma.refuse_gemma3_options(d, refuse)
         return
     if arch == GEMMA4:
-        families.refuse_gemma4_options(d, refuse)
+        gemma.refuse_gemma4_options(d, refuse)
         return
     if arch == GPT_OSS:
         families.refuse_gpt_oss_options(d, refuse)

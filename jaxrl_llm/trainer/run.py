@@ -95,6 +95,36 @@ def make_reference(c, algo, base_cfg, spec, mesh):
     )
 
 
+def make_scorer(c, tokenizer, spec, algo, mesh, rollout_mesh, compile_log) -> scoring.Scorer:
+    """The rollout's scorer: the verifier pool (its workers start loading the reward
+    functions now, while the programs build), the reward terms of `rewards`, DAPO's
+    overlong penalty, and a judge model for each judge entry, on the mesh that scores
+    (the rollout mesh in split mode, where the rollout thread scores; else the one mesh)."""
+    pool = verifiers.VerifierPool(
+        c.train.verifier_workers or None,
+        timeout_s=c.train.verifier_timeout_s,
+        memory_mb=c.train.verifier_memory_mb,
+    )
+    specs = verifiers.parse_specs(c.rewards) if c.rewards else []
+    overlong = 0  # DAPO's L_c in tokens (0: no overlong penalty)
+    if algo.overlong_penalty:
+        overlong = max(1, round(algo.overlong_buffer_frac * spec.max_new_tokens))
+    made = judges.make_judges(
+        specs,
+        rollout_mesh,
+        c.model.dtype,
+        c.train.seed,
+        prompt_budget=c.data.max_prompt_len + c.rollout.max_new_tokens,
+        compile_log=compile_log,
+    )
+    scorer = scoring.Scorer(
+        tokenizer, pool, specs, spec, overlong_buffer=overlong, mesh=mesh, judges=made
+    )
+    if scorer.pool_specs:
+        pool.prepare(scorer.pool_specs)
+    return scorer
+
+
 class Run:
     """Everything a training run holds: built from a `config.Prepared`, stepped by
     `trainer.loop`."""
@@ -175,39 +205,13 @@ class Run:
                 sampler_cfg = self.base_cfg
         pad = data.prompts.pad_id(self.tokenizer)
         sampler = make_sampler(c, sampler_cfg, rollout_mesh, pad)  # rollout.engine
-        self.pool = verifiers.VerifierPool(
-            c.train.verifier_workers or None,
-            timeout_s=c.train.verifier_timeout_s,
-            memory_mb=c.train.verifier_memory_mb,
+        scorer = make_scorer(
+            c, self.tokenizer, self.spec, self.algo, self.mesh, rollout_mesh, self.compile_log
         )
+        self.pool, self.judges = scorer.pool, scorer.judges
         self.budget = verifiers.ErrorBudget(
             c.train.max_verifier_error_rate, c.train.max_failed_steps
         )
-        specs = verifiers.parse_specs(c.rewards) if c.rewards else []
-        overlong = 0  # DAPO's L_c in tokens (0: no overlong penalty)
-        if self.algo.overlong_penalty:
-            overlong = max(1, round(self.algo.overlong_buffer_frac * self.spec.max_new_tokens))
-        # Judge entries: a model each, with its own sampler, on the mesh that scores (the
-        # rollout mesh in split mode, where the rollout thread scores; else the one mesh).
-        self.judges = judges.make_judges(
-            specs,
-            rollout_mesh,
-            c.model.dtype,
-            c.train.seed,
-            prompt_budget=c.data.max_prompt_len + c.rollout.max_new_tokens,
-            compile_log=self.compile_log,
-        )
-        scorer = scoring.Scorer(
-            self.tokenizer,
-            self.pool,
-            specs,
-            self.spec,
-            overlong_buffer=overlong,
-            mesh=self.mesh,
-            judges=self.judges,
-        )
-        if scorer.pool_specs:
-            self.pool.prepare(scorer.pool_specs)  # the workers load while the programs build
         hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
         rounds = 1 + (self.algo.max_resample_rounds if self.algo.dynamic_sampling else 0)
         self.sampling = Sampling(
@@ -235,7 +239,7 @@ class Run:
         if e.every > 0:
             self.eval_batches = evaluation.held_out_batches(c, self.tokenizer, c.rollout.batch_size)
         self.eval_specs = [s for s in evaluation.specs(self.spec, e.pass_k, e.temperature) if s]
-        self.correct_label = e.correct_reward or next((s.label for s in specs), "")
+        self.correct_label = e.correct_reward or next((s.label for s in scorer.specs), "")
 
     # ---------------------------------------------- State, update and reference programs
     def _build_programs(self, params) -> None:
