@@ -37,11 +37,11 @@ import jax
 import numpy as np
 
 from jaxrl_llm import models, parallel
+from jaxrl_llm.config import model_shapes
 from jaxrl_llm.parallel import distributed
-from jaxrl_llm.tpu import model_shapes
 from jaxrl_llm.workers import weights, wire
 
-SHAPES = {  # config.json shapes (`tpu.model_shapes.HUB_CONFIGS`)
+SHAPES = {  # config.json shapes (`config.model_shapes.HUB_CONFIGS`)
     "smollm2-135m": model_shapes.HUB_CONFIGS["HuggingFaceTB/SmolLM2-135M-Instruct"],
     "qwen2.5-0.5b": model_shapes.HUB_CONFIGS["Qwen/Qwen2.5-0.5B-Instruct"],
 }

@@ -486,9 +486,9 @@ def _local_reference(config, path, spec, prompts, chunk, params=None):
     ~1e-4: other reduction orders), with the parameters cast to bfloat16 (what the wire
     carries); and the float32 parameters, sharded fsdp 4 x tensor 2 (`params` if given)."""
     from jaxrl_llm import config as config_lib
+    from jaxrl_llm.config import model_shapes
     from jaxrl_llm.rollout.sources import make_sampler
     from jaxrl_llm.sampling.engine import open_session
-    from jaxrl_llm.tpu import model_shapes
 
     config = config_lib.prepare(config).config  # the speed settings a run (and a worker) picks
     cfg = model_shapes.model_config(config)
@@ -781,9 +781,9 @@ def _turns_setup(workers, engine: str):
 
     from jaxrl_llm import config as config_lib
     from jaxrl_llm import envs, sampling
+    from jaxrl_llm.config import model_shapes
     from jaxrl_llm.models import builtin
     from jaxrl_llm.rollout.sources import make_sampler
-    from jaxrl_llm.tpu import model_shapes
 
     config = workers.config.copy_and_resolve_references()
     config.rollout.engine = engine

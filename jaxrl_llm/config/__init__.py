@@ -1,6 +1,7 @@
 """Run configs: every knob with its default (`defaults`), the checks that stop a bad one
 before anything loads (`checks`), what the trainer derives from it (`derived`), the speed
-settings picked at start-up (`tuning`), and `prepare`, the one entry that does all of it.
+settings picked at start-up (`tuning`), a config's model shapes without a download
+(`model_shapes`), and `prepare`, the one entry that does all of it.
 
     from jaxrl_llm import config
     c = config.base_config()             # experiment files start here

@@ -8,10 +8,11 @@ and the config's shapes (the model's config.json, the largest prompt bucket, the
 completion budget), on the config's mesh over the topology's chips
 (`tpu.chips.topology_devices`), from abstract arrays (`jax.ShapeDtypeStruct` with the run's
 shardings): no weight is made, nothing is read or downloaded but the model's config.json
-(or, for the hub models the shipped configs name, their shapes in `model_shapes`). Each program is
-lowered and compiled by XLA:TPU; per chip it reports the compiler's memory analysis
-(arguments, temporaries, peak against the chip's HBM) and cost analysis, and a roofline
-time from the model's FLOPs and HBM traffic (`roofline`). Exit status 2 with one line
+(or, for the hub models the shipped configs name, their shapes in
+`config.model_shapes`). Each program is lowered and compiled by XLA:TPU; per chip it
+reports the compiler's memory analysis (arguments, temporaries, peak against the chip's
+HBM) and cost analysis, and a roofline time from the model's FLOPs and HBM traffic
+(`roofline`). Exit status 2 with one line
 when a program does not fit.
 
 With `rollout.workers` = N > 0 the rollout runs in N worker worlds of their own
@@ -42,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import models, parallel
 from jaxrl_llm.config.derived import ConfigError
+from jaxrl_llm.config.model_shapes import model_config
 from jaxrl_llm.parallel import target
 from jaxrl_llm.tpu import roofline
 from jaxrl_llm.tpu.chips import (
@@ -51,7 +53,6 @@ from jaxrl_llm.tpu.chips import (
     parse_topology,
     topology_devices,
 )
-from jaxrl_llm.tpu.model_shapes import model_config
 from jaxrl_llm.tpu.report import Program, Report, peak_bytes, print_report
 
 __all__ = ["DoesNotFit", "Program", "Report", "compile_config", "print_report", "run"]

@@ -58,11 +58,11 @@ import numpy as np
 
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import parallel, sampling
+from jaxrl_llm.config import model_shapes
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.parallel import distributed
 from jaxrl_llm.rollout.sources import make_sampler
 from jaxrl_llm.sampling.engine import open_session
-from jaxrl_llm.tpu import model_shapes
 from jaxrl_llm.workers import serve_turns, weights, wire
 
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is dropped
