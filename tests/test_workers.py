@@ -377,6 +377,28 @@ def test_worker_config_checks(tmp_path, changes, message):
         validate(c)
 
 
+def test_a_static_worker_of_several_processes_checks_that_a_step_splits_over_them():
+    """A worker's config is checked as one process's (each process gets every request);
+    with the static engine each process takes its own rows of a step, so a worker of
+    several processes refuses at start, naming the key, a batch that does not split over
+    them (`check_worker_processes`, run by `serve.Worker`); the paged engine takes it."""
+    from tiny_run import tiny_config
+
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.config.checks_rollout import check_worker_processes
+
+    c = tiny_config("unused")
+    c.rollout.batch_size = 3
+    message = r"rollout.batch_size=3 is not divisible by this rollout worker's 2 processes"
+    with pytest.raises(ConfigError, match=message):
+        check_worker_processes(c, 2)
+    check_worker_processes(c, 1)
+    c.rollout.engine = "paged"
+    check_worker_processes(c, 2)
+    c.rollout.engine, c.rollout.batch_size = "static", 4
+    check_worker_processes(c, 2)
+
+
 def test_a_trainer_of_several_processes_with_workers_samples_on_them(tmp_path):
     """Split mode with rollout workers takes a trainer of several processes; its own
     engine (evaluation's) stays static, and the paged one's refusal says where it goes.

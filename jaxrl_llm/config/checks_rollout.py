@@ -34,6 +34,20 @@ def check_batch_size(key: str, size: int, mesh_shape, process_count: int) -> Non
     )
 
 
+def check_worker_processes(config, processes: int) -> None:
+    """A rollout worker of `processes` processes (its config checked as one process's:
+    each gets every request, `workers.serve`): the static engine's programs take each
+    process's own rows of a step, so rollout.batch_size must split over them; the paged
+    engine runs the whole batch on every process."""
+    b = config.rollout.batch_size
+    require(
+        config.rollout.engine != "static" or b % processes == 0,
+        f"rollout.batch_size={b} is not divisible by this rollout worker's {processes} "
+        "processes (the static engine splits a step's prompts over them; "
+        "rollout.engine=paged runs the whole batch on each)",
+    )
+
+
 def check_rollout(config, mesh_shape, process_count: int) -> None:
     from jaxrl_llm.sampling import BUCKET_STEPS
 

@@ -59,6 +59,7 @@ import numpy as np
 from jaxrl_llm import config as config_lib
 from jaxrl_llm import parallel, sampling
 from jaxrl_llm.config import model_shapes
+from jaxrl_llm.config.checks_rollout import check_worker_processes
 from jaxrl_llm.errors import UserError
 from jaxrl_llm.parallel import distributed
 from jaxrl_llm.rollout.sources import make_sampler
@@ -91,6 +92,7 @@ class Worker:
         # Every process gets every request (`follow`): checked as one process's config.
         prepared = config_lib.prepare(worker_config(raw_config), devices, process_count=1)
         self.config = config = prepared.config
+        check_worker_processes(config, jax.process_count())
         self.cfg = model_shapes.model_config(config)  # shapes only: the weights come later
         self.mesh = parallel.make_mesh(config_lib.mesh_axes(config.mesh), devices)
         self.engines: dict = {}  # pad id -> engine
