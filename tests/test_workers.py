@@ -995,15 +995,16 @@ def test_agents_on_a_paged_worker_equal_the_local_requests(workers):
     assert not any(k.alive for k in fleet.links)  # closed with the agents
 
 
-def test_a_worker_lost_with_the_agents_requests_ends_their_episodes(workers):
+def test_agents_split_over_workers_go_on_without_a_lost_one(workers):
     """Agents on two static workers: a step's episodes are split between them (each
     episode's requests to one, each worker an equal run of them, each part's session with
     its own seed, `part_seed`), and the step's rows equal the local requests' (greedy:
     rows, log-probs 1e-5, versions, rewards, completions; an episode's request extending
-    its row, a rewrite, an n = 2 request). Then the connection to one worker breaks: the
-    step raises `RowsLost`, its episodes end (their agents' processes killed,
-    `Server.abandon`), and the step played again on the worker left equals the local
-    requests."""
+    its row, a rewrite, an n = 2 request). The next step, the connection to one worker
+    breaks after its first chunk: its episodes go on on the other (a request it had not
+    answered asked there again with its whole context), and the step's rows still equal
+    the local ones. Then the last worker's breaks: the step raises `RowsLost` and its
+    episodes end (their agents' processes killed, `Server.abandon`)."""
     import socket
 
     from jaxrl_llm.sampling.engine import RowsLost
@@ -1014,15 +1015,18 @@ def test_a_worker_lost_with_the_agents_requests_ends_their_episodes(workers):
     want = _local_agents(workers, "static", batch)
     fleet = Fleet(Workers(tuple(a for _, a in workers.static), TOKEN), {"kind": "turns"})
     agents, params = _agents(workers, "static", fleet)
-    seeds, asked, exchange_each = [], {}, fleet.exchange_each
+    seeds, asked, lose, exchange_each = [], {}, [], fleet.exchange_each
 
-    def recorded(requests, kind):  # what each worker is asked
+    def recorded(requests, kind):  # what each worker is asked; a connection broken
         for link, fields, _ in requests:
             if kind == "requests":
                 seeds.append(fields["seed"])
             for op in fields["ops"] if kind == "req_run" else ():
                 asked.setdefault(op[1], set()).add(link.address)
-        return exchange_each(requests, kind)
+        answers = exchange_each(requests, kind)
+        if kind == "req_run" and lose:  # after the step's first chunk
+            lose.pop().sock.shutdown(socket.SHUT_RDWR)
+        return answers
 
     fleet.exchange_each = recorded
     try:
@@ -1031,6 +1035,12 @@ def test_a_worker_lost_with_the_agents_requests_ends_their_episodes(workers):
         assert all(len(at) == 1 for at in asked.values())  # an episode stays on one
         on = [a for at in asked.values() for a in at]
         assert len(asked) == 8 and sorted(on.count(a) for _, a in workers.static) == [4, 4]
+        asked.clear()
+        lose.append(fleet.alive[0])
+        _same_agents(agents(params, batch, 3), want)  # one worker lost mid-step
+        assert fleet.stats["workers_lost"] == 1 and len(fleet.alive) == 1
+        moved = [e for e, at in asked.items() if len(at) == 2]
+        assert moved and all(fleet.alive[0].address in asked[e] for e in moved)
         fleet.alive[0].sock.shutdown(socket.SHUT_RDWR)
         with pytest.raises(RowsLost):
             agents(params, batch, 3)
@@ -1038,8 +1048,7 @@ def test_a_worker_lost_with_the_agents_requests_ends_their_episodes(workers):
         while agents.server.live and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not agents.server.live  # the given-up episodes ended
-        assert fleet.stats["workers_lost"] == 1
-        _same_agents(agents(params, batch, 3), want)  # played again: the other worker
+        assert fleet.stats["workers_lost"] == 2
     finally:
         agents.close()
 

@@ -42,8 +42,12 @@ once) to each worker's requests session of its engine (`StaticRequests` /
 `PagedRequests`), whose answers (each choice's ids, log-probs, versions, whether it
 stopped) come back with it. Each worker's session numbers its rows from 0, so each part
 draws with its own seed (`part_seed`; part 0 the run's): greedy, the episodes draw what
-one worker draws. A lost worker raises `RowsLost` the same way; the agents' player then
-ends the step's episodes (`gateway.Server.abandon`) before the step is played again.
+one worker draws. A worker lost mid-step hands its episodes to the workers left, in
+turn: a request it had not answered is asked there again with its whole context (the
+request carries it: a prefill, then the turn), and the episode's next requests go there
+too, so no episode ends and no agent process is killed. Only when every worker of the
+step is lost does the session raise `RowsLost`; the agents' player then ends the step's
+episodes (`gateway.Server.abandon`) and the step is played again.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import logging
 import math
 
 import numpy as np
@@ -238,6 +243,7 @@ class RemoteRequests:
         self.parts = [_Asker(k) for k in links]
         self.episodes = int(settings["episodes"])
         self.where: dict = {}  # episode -> its part
+        self.asking: dict = {}  # episode -> its request not answered yet: its ask, ids
         self.answers: dict = {}  # episode -> its choices
         self.forgotten: set = set()  # episodes already forgotten (a forget is sent once)
         fields = dict(spec=dataclasses.asdict(spec), **{k: int(v) for k, v in settings.items()})
@@ -248,6 +254,7 @@ class RemoteRequests:
             (p, fields | {"seed": part_seed(seed, i)}, None) for i, p in enumerate(self.parts)
         ]
         self._ask("requests", opened)
+        self._move()  # a worker lost already: the others take its share
 
     @property
     def busy(self) -> bool:
@@ -270,8 +277,10 @@ class RemoteRequests:
         if part is None:
             k = len(self.where) * len(self.parts) // max(self.episodes, 1)
             part = self.where[episode] = self.parts[min(k, len(self.parts) - 1)]
-        part.ops.append(["ask", episode, int(max_tokens), int(n), bool(rewrite)])
-        part.ids[str(episode)] = np.asarray(ids, np.int32)
+        ask = ["ask", episode, int(max_tokens), int(n), bool(rewrite)]
+        self.asking[episode] = (ask, np.asarray(ids, np.int32))
+        part.ops.append(ask)
+        part.ids[str(episode)] = self.asking[episode][1]
 
     def forget(self, episode) -> None:
         """The episode ended (the gateway's loop says so after every chunk: sent once, to
@@ -290,12 +299,19 @@ class RemoteRequests:
 
     def run_chunk(self) -> list:
         """Each worker with asks, forgets or rows to decode gets them and runs one chunk,
-        all at once -> the episodes answered."""
+        all at once -> the episodes answered. A worker lost (its connection broke, or it
+        stayed silent past the timeout) hands its episodes to the others (`_move`)."""
+        self._move()
         asked = [(p, {"ops": p.ops}, p.ids) for p in self.parts if p.busy or p.ops]
         for p, _, _ in asked:
             p.ops, p.ids = [], {}
+        links = [(p.link, f, a) for p, f, a in asked]
+        answers = dict(self.fleet.exchange_each(links, "req_run"))
         answered = []
-        for p, (fields, got) in self._ask("req_run", asked):
+        for p, _, _ in asked:
+            if p.link not in answers:
+                continue
+            fields, got = answers[p.link]
             p.busy, p.stats, self.version = fields["busy"], fields["stats"], fields["version"]
             for episode, stopped in fields["answered"]:
                 self.answers[episode] = [
@@ -306,15 +322,43 @@ class RemoteRequests:
                     + (bool(s),)
                     for k, s in enumerate(stopped)
                 ]
+                self.asking.pop(episode, None)
                 answered.append(episode)
+        self._move()
         return answered
 
+    def _move(self) -> None:
+        """The episodes of the parts whose worker is lost go to the parts left, in turn;
+        each request not answered is asked there again with its whole context (that
+        worker has no row of it: a prefill of the context, then its turn). No part left:
+        `RowsLost` (the step is played again, `rollout.thread.PlayerStream`)."""
+        lost = [p for p in self.parts if not p.link.alive]
+        if not lost:
+            return
+        self.parts = [p for p in self.parts if p.link.alive]
+        if not self.parts:
+            gone = ", ".join(p.link.address for p in lost)
+            raise RowsLost(f"rollout worker {gone} lost with the agents' requests")
+        moved = [e for e, p in self.where.items() if p in lost and e not in self.forgotten]
+        for i, episode in enumerate(moved):
+            part = self.where[episode] = self.parts[i % len(self.parts)]
+            if episode in self.asking:
+                ask, ids = self.asking[episode]
+                part.ops.append(ask)
+                part.ids[str(episode)] = ids
+        for p in lost:
+            p.stats = {}
+        logging.warning(
+            "rollout worker %s lost with %d agents' episodes: they go on on %s",
+            ", ".join(p.link.address for p in lost),
+            len(moved),
+            ", ".join(p.link.address for p in self.parts),
+        )
+
     def _ask(self, kind: str, asked: list) -> list:
-        try:
-            answers = _ask(self.fleet, [(p.link, f, a) for p, f, a in asked], kind)
-        except RowsLost as err:
-            raise RowsLost(f"{err} the agents' requests") from None
-        return list(zip([p for p, _, _ in asked], answers, strict=True))
+        """[(part, fields, arrays)] -> [(part, answer)] of the workers that answered."""
+        answers = dict(self.fleet.exchange_each([(p.link, f, a) for p, f, a in asked], kind))
+        return [(p, answers[p.link]) for p, _, _ in asked if p.link in answers]
 
 
 def part_seed(seed: int, part: int) -> int:
