@@ -241,6 +241,7 @@ class RemoteRequests:
         links = _hold(fleet, params, version, None)
         n, m = len(links), math.lcm(*(k.prompt_multiple for k in links))
         self.parts = [_Asker(k) for k in links]
+        self.gone: list = []  # the parts whose worker was lost (their counters still count)
         self.episodes = int(settings["episodes"])
         self.where: dict = {}  # episode -> its part
         self.asking: dict = {}  # episode -> its request not answered yet: its ask, ids
@@ -263,9 +264,10 @@ class RemoteRequests:
 
     @property
     def stats(self) -> dict:
-        """The workers' sessions' counters, summed (batch_max: the largest)."""
+        """The workers' sessions' counters, summed (batch_max: the largest), a lost
+        worker's as of its last answer."""
         out = {"decode_chunks": 0}
-        for p in self.parts:
+        for p in self.parts + self.gone:
             for k, v in p.stats.items():
                 out[k] = max(out.get(k, 0), v) if k == "batch_max" else out.get(k, 0) + v
         return out
@@ -346,8 +348,7 @@ class RemoteRequests:
                 ask, ids = self.asking[episode]
                 part.ops.append(ask)
                 part.ids[str(episode)] = ids
-        for p in lost:
-            p.stats = {}
+        self.gone += lost
         logging.warning(
             "rollout worker %s lost with %d agents' episodes: they go on on %s",
             ", ".join(p.link.address for p in lost),
