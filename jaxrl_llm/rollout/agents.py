@@ -350,25 +350,10 @@ class AgentRollout:
         prompts = [
             decode(p[m]) for p, m in zip(rows["prompt_tokens"], rows["prompt_mask"], strict=True)
         ]
-        n = len(order)
         metrics = self._metrics(play, episodes, ends, rows["lengths"])
         metrics["gateway/truncated"] = float((cut > 0).sum())  # rows cut to the width
         metrics["gateway/prompt_not_shared"] = float(unshared[::G].sum())  # groups
         self._warn_unshared(int(unshared[::G].sum()), len(order) // G, play.step)
-        failed = [i for i, end in enumerate(ends) if end != "done"]
-        details = ScoreDetails(
-            per_verifier={self.label: rewards.astype(np.float64)},
-            weights={self.label: 1.0},
-            errors={self.label: ends.count("error") + ends.count("max_total_tokens")},
-            timeouts={self.label: ends.count("timeout")},
-            messages=[f"episode {i}: {errors[i]}" for i in failed[:8]],
-            failed={self.label: len(failed)},
-            num_samples=n,
-            first_error=f"agent episode {failed[0]}: {errors[failed[0]]}" if failed else None,
-            key="agent.entry",
-            unit="episodes",
-            fix="fix the agent (its failures end their episodes with reward 0)",
-        )
         scored = scoring.Scored(
             rewards=rewards,
             metrics=metrics,
@@ -377,9 +362,27 @@ class AgentRollout:
             examples=[ex for ex in batch.examples for _ in range(G)],
             lengths=rows["lengths"].astype(np.int64),
             prompt_lengths=rows["prompt_mask"].sum(axis=1),
-            details=details,
+            details=self._details(rewards, ends, errors),
         )
         return out, scored, versions
+
+    def _details(self, rewards, ends: list, errors: list) -> ScoreDetails:
+        """The episodes' failures as a verifier's (the run's error budget reads them): an
+        error or a limit passed counts as an error, a timeout as a timeout."""
+        failed = [i for i, end in enumerate(ends) if end != "done"]
+        return ScoreDetails(
+            per_verifier={self.label: rewards.astype(np.float64)},
+            weights={self.label: 1.0},
+            errors={self.label: ends.count("error") + ends.count("max_total_tokens")},
+            timeouts={self.label: ends.count("timeout")},
+            messages=[f"episode {i}: {errors[i]}" for i in failed[:8]],
+            failed={self.label: len(failed)},
+            num_samples=len(ends),
+            first_error=f"agent episode {failed[0]}: {errors[failed[0]]}" if failed else None,
+            key="agent.entry",
+            unit="episodes",
+            fix="fix the agent (its failures end their episodes with reward 0)",
+        )
 
     def _warn_unshared(self, groups: int, of: int, step: int) -> None:
         """Once per run: the first step where the G episodes of some prompt started with
