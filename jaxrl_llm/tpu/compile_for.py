@@ -3,7 +3,7 @@
     python -m jaxrl_llm.train --config=configs/<experiment>.py --compile_for=v6e:2x4
 
 Builds the programs one RL step executes, with the trainer's own builders (the rollout
-engine's `device_programs`, `trainer.run.make_reference`, `trainer.run.make_update`)
+engine's `device_programs`, `trainer.programs.make_reference`, `trainer.programs.make_update`)
 and the config's shapes (the model's config.json, the largest prompt bucket, the full
 completion budget), on the config's mesh over the topology's chips
 (`tpu.chips.topology_devices`), from abstract arrays (`jax.ShapeDtypeStruct` with the run's
@@ -149,7 +149,7 @@ def _compile_step(c, cfg, mesh, rollout: _Rollout, topo, devices, build) -> Repo
     from jaxrl_llm.rollout.sources import make_sampler
     from jaxrl_llm.startup.compilation import shaped
     from jaxrl_llm.trainer import perf
-    from jaxrl_llm.trainer.run import make_reference, make_update
+    from jaxrl_llm.trainer.programs import make_reference, make_update
 
     algo = config_lib.algo_config(c)
     skipped = _not_compiled(c, algo)
