@@ -45,7 +45,7 @@ class _Request:
 
     ids: np.ndarray
     mask: np.ndarray
-    ended: dict  # row -> its `paged_turns._Traj`
+    ended: dict  # row -> its `paged_rows.Traj`
     left: int
 
 
@@ -144,7 +144,7 @@ class Session:
 
 
 def rows_output(pool, ids, mask, rows: dict, T: int, prompt_routes: dict):
-    """Rows {i: `paged_turns._Traj`} of the B * G over prompts ids / mask [B, width]
+    """Rows {i: `paged_rows.Traj`} of the B * G over prompts ids / mask [B, width]
     (missing: a row that drew nothing) -> (`SampleOutput` on the host, T columns,
     token_versions [B * G, T]: the version that drew each token, -1 on appended ones and
     past the end). Sampled tokens have loss mask 1, appended ones 0; finish FINISH_STOP

@@ -56,51 +56,18 @@ Partial rollouts (`swap`, between chunks): newer parameters replace the old ones
 row in a slot is preempted and every parked row evicted, the prompts' pages dropped, so
 each row comes back by recompute under the new parameters (prompt and completion so far
 prefilled) and draws on with them. Each sampled token records the version that drew it.
+
+A row's record and the prefill that seats it (first turn, append, recompute) are
+`paged_rows`'; admission, eviction, preemption and the decode chunk are here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import numpy as np
 
 from jaxrl_llm.sampling import paged_pool as pp
-
-
-@dataclasses.dataclass
-class _Traj:
-    """A row's trajectory on the host: its completion so far and the pages it holds."""
-
-    row: object  # its name (an int, or (name, r) for `submit(..., name=name)`)
-    b: object  # its prompt (an index of `submit`'s batch, or ("row", r) for `add`)
-    key: int  # its keys' row index
-    prompt: np.ndarray  # the prompt's real ids
-    tokens: list = dataclasses.field(default_factory=list)  # completion: sampled and appended
-    sampled: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
-    versions: list = dataclasses.field(default_factory=list)  # -1 on appended tokens
-    at: list = dataclasses.field(default_factory=list)  # completion index of each sampled one
-    n: int = 0  # sampled tokens so far (the next draw's key index)
-    seated: int = 0  # n when it took its slot (its slot's routes start there)
-    budget: int = 0  # n at which the current turn ends
-    turn_from: int = 0  # completion index where the current turn began
-    stopped: bool = False  # the last turn ended on a stop id
-    table: list = dataclasses.field(default_factory=list)  # pages: the prompt's, then its own
-    mine: list = dataclasses.field(default_factory=list)  # its own pages
-    shared: int | None = None  # the prompt whose pages it references
-    start: int = 0  # first valid cache slot
-    length: int = 0  # cache slots written
-    base: int = 0  # cache slot of completion token 0
-    routes: np.ndarray | None = None  # MoE: [T, L, k] int16 per completion token, -1: none
-    fed: int = 0  # completion tokens whose routes are recorded (a prefix)
-    state: int | None = None  # a hybrid model's own recurrent-state row, while it has pages
-
-    @property
-    def cached(self) -> int:
-        """Completion tokens in the cache (the pending token and an observation not yet
-        appended are not)."""
-        return self.length - self.base if self.table else 0
+from jaxrl_llm.sampling import paged_rows
+from jaxrl_llm.sampling.paged_rows import Traj
 
 
 class TurnSession:
@@ -153,7 +120,7 @@ class TurnSession:
             holder_rows=holders,
         )
         self.trajs: dict = {}
-        self.holders: dict = {}  # row -> _Traj holding pages outside a slot, parked order
+        self.holders: dict = {}  # row -> its Traj, holding pages outside a slot, parked order
         self.pool.stats.update(evicted=0, appends=0, prompt_kept=0)  # and `Pool.stats`
         self.prompt_routes: dict = {}  # MoE: prompt -> its real tokens' routes [p, L, k]
 
@@ -178,7 +145,7 @@ class TurnSession:
             b = r // G
             if (live is None or live[r]) and mask[b].any():
                 prompt, budget = ids[b][mask[b]], int(budgets[r])
-                t = _Traj(row=named(r), b=named(b), key=key_base + r, prompt=prompt, budget=budget)
+                t = Traj(row=named(r), b=named(b), key=key_base + r, prompt=prompt, budget=budget)
                 self._queue(t)
                 rows.append(t.row)
         return rows
@@ -190,10 +157,10 @@ class TurnSession:
         pages and first-draw logits row are its own (shared with no other row)."""
         prompt = np.asarray(ids, np.int32)
         pp.fit(self.pool, len(prompt))
-        t = _Traj(row=int(r), b=("row", int(r)), key=int(r), prompt=prompt, budget=int(turn_tokens))
+        t = Traj(row=int(r), b=("row", int(r)), key=int(r), prompt=prompt, budget=int(turn_tokens))
         self._queue(t)
 
-    def _queue(self, t: _Traj) -> None:
+    def _queue(self, t: Traj) -> None:
         cfg = self.pool.engine.cfg
         if cfg.moe:
             t.routes = np.full((self.pool.T, cfg.num_layers, cfg.num_experts_per_tok), -1, np.int16)
@@ -233,7 +200,7 @@ class TurnSession:
         pp.unshare(self.pool, t.shared)
         t.shared = None
 
-    def result(self, r: int) -> _Traj:
+    def result(self, r: int) -> Traj:
         return self.trajs[r]
 
     def swap(self, params, version: int) -> None:
@@ -250,18 +217,8 @@ class TurnSession:
             t.shared = None
         pp.reweigh(self.pool, params, version)
 
-    # ------------------------------------------------------------------------ routes
-    def _record(self, t: _Traj, first: int, routes: np.ndarray) -> None:
-        """Routes [m, L, k] of t's completion tokens first .. first + m - 1 (a negative
-        index: a prompt token), fed by a prefill: kept where t has none yet (a token's
-        routes are its first feed's)."""
-        end = first + len(routes)
-        if end > t.fed:
-            t.routes[t.fed : end] = routes[t.fed - first :]
-            t.fed = end
-
     # ------------------------------------------------------------------------ pages
-    def _unpage(self, t: _Traj) -> None:
+    def _unpage(self, t: Traj) -> None:
         """Returns t's own pages; its reference on its prompt's pages stays (it comes back
         on them, recomputing its completion only; `end` drops it)."""
         pp.give_back(self.pool, t.mine)
@@ -292,17 +249,6 @@ class TurnSession:
                 return True
         return False
 
-    def _cost(self, t: _Traj) -> int:
-        """Pages t takes to be seated (its prefill, before its first chunk)."""
-        pool = self.pool
-        if t.table:
-            return max(0, -(-(t.length + len(t.tokens) - t.cached) // pool.PS) - len(t.table))
-        if t.tokens and t.b in pool.prompt_pages:  # its completion on its prompt's pages
-            return -(-len(t.tokens) // pool.PS)
-        if t.tokens:
-            return pp.pages_of(pool, len(t.prompt) + len(t.tokens))
-        return 0 if t.b in pool.prompt_pages else pp.pages_of(pool, len(t.prompt))
-
     # ------------------------------------------------------------------------ slots
     def _admit(self) -> None:
         """Seats waiting rows in free slots while the pool has pages for them: a row that
@@ -311,7 +257,7 @@ class TurnSession:
         while pool.waiting and None in pool.owner:
             s = pool.owner.index(None)
             t = pool.waiting[0]
-            cost = self._cost(t)
+            cost = paged_rows.cost(self.pool, t)
             while self._short(t, cost) and (t.tokens or not pool.order) and self._evict_one(t):
                 pass
             if pool.order and self._short(t, cost):
@@ -338,13 +284,13 @@ class TurnSession:
                 state_from=prompt_row if prompt_row < pool.scratch else None,
             )
 
-    def _short(self, t: _Traj, cost: int) -> bool:
+    def _short(self, t: Traj, cost: int) -> bool:
         """The pool lacks the pages to seat t (`paged_pool.short`), or a hybrid model's
         state row for it."""
         lacks_row = self.pool.engine.cfg.hybrid and t.state is None and not self.pool.state_free
         return pp.short(self.pool, cost) > 0 or lacks_row
 
-    def _seat(self, t: _Traj, s: int) -> int | None:
+    def _seat(self, t: Traj, s: int) -> int | None:
         """Queues t's prefill for slot s -> the logits row of its next draw (None: the
         pool lacks the pages, or a hybrid model's state row)."""
         pool = self.pool
@@ -353,73 +299,10 @@ class TurnSession:
             if not pool.state_free:
                 return None
             t.state = pool.state_free.pop()
-        row = self._queue_prefill(t, s)
+        row = paged_rows.queue_prefill(self.pool, self.prompt_routes, t, s)
         if row is None and took:
             pool.state_free.append(t.state)
             t.state = None
-        return row
-
-    def _queue_prefill(self, t: _Traj, s: int) -> int | None:
-        """`_seat`'s prefill, its state row taken."""
-        pool = self.pool
-        logits = pool.scratch + 1 + s
-        if t.tokens and not t.table and t.b in pool.prompt_pages:
-            # Evicted or preempted while its prompt's pages stayed: it takes them again
-            # (referenced still, unless a swap dropped them and they were prefilled anew),
-            # and only its completion is recomputed, appended on them.
-            entry = pool.prompt_pages[t.b]
-            if t.shared is None:
-                entry[3] += 1
-            pool.stats["prompt_kept"] += 1
-            t.shared, t.table, t.mine = t.b, list(entry[0]), []
-            t.start, t.length, t.base = entry[2], entry[1], entry[1]
-        if t.table:  # parked with its pages: the pending token and the observation
-            add = t.tokens[t.cached :]
-            need = self._cost(t)
-            if need > len(pool.free):
-                return None
-            new = pp.take(pool, need)
-            t.table, t.mine = t.table + new, t.mine + new
-            seq = np.full(-(-len(add) // pool.C) * pool.C, pool.engine.pad_id, np.int32)
-            seq[: len(add)] = add
-            record = None if t.routes is None else functools.partial(self._record, t, t.cached)
-            state = None
-            if t.state is not None:  # after its own cached tokens, or its prompt's only
-                state = (t.state if t.cached else pool.prompt_pages[t.shared][4], t.state)
-            pool.prefills.append(
-                pp.Prefill(
-                    seq, 0, len(add), t.length, t.start, list(t.table), logits, record, state
-                )
-            )
-            t.length += len(add)
-            pool.stats["appends"] += 1
-            return logits
-        if t.tokens:  # evicted or preempted: prompt and completion recomputed
-            record = None
-            if t.routes is not None:  # the prompt's tokens first: completion index -p
-                record = functools.partial(self._record, t, -len(t.prompt))
-            seq = np.concatenate([t.prompt, t.tokens]).astype(np.int32)
-            got = pp.queue_prefill(pool, seq, logits, record, state_to=t.state)
-            if got is None:
-                return None
-            pages, padded, start = got
-            t.table, t.mine = list(pages), [p for p in pages if p != pp.NULL_PAGE]
-            t.start, t.length, t.base = start, padded, padded - len(t.tokens)
-            return logits
-        if t.b not in pool.prompt_pages:  # the first of its prompt's rows
-            if not pool.logit_rows:
-                return None
-            record = None
-            if t.routes is not None and t.b not in self.prompt_routes:
-                record = functools.partial(self.prompt_routes.setdefault, t.b)
-            got = pp.queue_prefill(pool, t.prompt, pool.logit_rows[-1], record)
-            if got is None:
-                return None
-            rows = sum(1 for w in pool.waiting if w.b == t.b and not w.tokens and w.shared is None)
-            pool.prompt_pages[t.b] = [*got, rows, pool.logit_rows.pop()]
-        pages, padded, start, _, row = pool.prompt_pages[t.b]
-        t.shared, t.table, t.mine = t.b, list(pages), []
-        t.start, t.length, t.base = start, padded, padded
         return row
 
     def _preempt(self, s: int, count: bool = True) -> None:
