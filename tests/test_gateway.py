@@ -386,9 +386,12 @@ def test_the_paged_engine_swaps_parameters_mid_turn(tiny, tok):
 
 def test_64_concurrent_episodes_are_batched(tiny, tok):
     """64 episodes of two requests each: the sampler sees two calls of 64 requests, not
-    one request at a time; a request's temperature is counted as ignored."""
+    one request at a time; a request's temperature is counted as ignored. The gap that
+    ends a gather is long (`wait_s`): a gather ends as soon as every running episode has
+    a request waiting, and 64 agent processes started on a loaded machine (the other
+    test worker compiling) can leave more than a second between two of them."""
     _, cfg, params = tiny
-    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:many", batch_size=32, G=2)
+    agents, _ = agent_rollout(cfg, tok, f"{AGENTS}:many", batch_size=32, G=2, wait_s=60.0)
     examples = [{"question": f"{i % 10}+{i // 10}="} for i in range(32)]
     try:
         _, scored, _ = agents(params, types.SimpleNamespace(examples=examples), 0)
