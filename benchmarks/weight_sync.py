@@ -1,7 +1,8 @@
-"""Weight sync over the host path (`jaxrl_llm.workers.weights`): trainer -> a worker process.
+"""Weight sync, trainer -> a worker process: the host path (`jaxrl_llm.workers.weights`) or
+`jax.experimental.transfer` (`--path=transfer`).
 
     python benchmarks/weight_sync.py [--models=smollm2-135m,qwen2.5-0.5b] [--repeats=5]
-        [--lora_rank=16] [--worker_processes=2]
+        [--lora_rank=16] [--worker_processes=2] [--path=transfer --lora_rank=0]
 
 Random float32 parameters of each model's shapes (no download) on this process's devices;
 a receiver in a second process (its own JAX world) that accepts the token, places each
@@ -21,6 +22,18 @@ placement and the merge.
 devices each, gloo between them, as `workers.serve` with JAXRL_DISTRIBUTED=1): process 0
 reads each sync and shares it with the others (`parallel.share`, a broadcast), and every
 process places it on the world's mesh; "placement" is then the share and the placement.
+
+--path=transfer: the accelerator path through `jax.experimental.transfer` (its
+`TransferServer` / `TransferConnection.pull`, on whichever backend jax runs) in place of
+the frame of bytes. Each receiving process pulls its own shards straight from the
+trainer's devices: process 0 sends the trainer, once, which slice of which parameter
+each device of the world holds (`Sharding.devices_indices_map`); each sync the trainer
+casts, cuts those slices on its devices and offers each process's list under a fresh
+random uuid of its own (a process pulling another's uuid would take buffers by its local
+index, and the second puller finds them fetched); each process pulls its list onto its
+devices and assembles the parameters (`jax.make_array_from_single_device_arrays`), and
+process 0 acknowledges once every process has them (a barrier). The wire carries only
+the address and the uuids. "placement" is then the pull, the assembly and the barrier.
 """
 
 from __future__ import annotations
@@ -45,7 +58,16 @@ SHAPES = {  # config.json shapes (`config.model_shapes.HUB_CONFIGS`)
     "smollm2-135m": model_shapes.HUB_CONFIGS["HuggingFaceTB/SmolLM2-135M-Instruct"],
     "qwen2.5-0.5b": model_shapes.HUB_CONFIGS["Qwen/Qwen2.5-0.5B-Instruct"],
 }
+SHAPES["tiny"] = SHAPES["smollm2-135m"] | dict(  # tests/test_weight_sync.py's
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 TOKEN_ENV = "WEIGHT_SYNC_TOKEN"
+PATH_ENV = "WEIGHT_SYNC_PATH"
 
 
 def model_cfg(name: str) -> models.ModelConfig:
@@ -63,6 +85,52 @@ def random_params(cfg) -> dict:
     return models.params.unflatten(flat)
 
 
+def slices(cfg, mesh) -> dict:
+    """{process: [(parameter, device id, index)]}: the shard of each parameter that each
+    device of `mesh` holds under the engine's shardings, in one order for both sides."""
+    out, shardings = {}, weights.flatten(models.param_shardings(cfg, mesh))
+    for path, spec in models.param_specs(cfg).items():
+        sharding = shardings[path]
+        for device, index in sharding.devices_indices_map(spec.shape).items():
+            bounds = [
+                [i.start or 0, spec.shape[a] if i.stop is None else i.stop]
+                for a, i in enumerate(index)
+            ]
+            out.setdefault(device.process_index, []).append(
+                (weights.SEP.join(map(str, path)), device.id, bounds)
+            )
+    return out
+
+
+def pull_own(cfg, mesh, server, fields) -> dict:
+    """This process's shards of every parameter, pulled under its uuid, as the model's
+    parameter tree on `mesh` (the shards of the other processes are theirs)."""
+    import jax.numpy as jnp
+
+    mine = slices(cfg, mesh)[jax.process_index()]
+    devices = {d.id: d for d in mesh.devices.flat}
+    want = [
+        jax.ShapeDtypeStruct(
+            tuple(b - a for a, b in bounds),
+            jnp.bfloat16,
+            sharding=jax.sharding.SingleDeviceSharding(devices[dev]),
+        )
+        for _, dev, bounds in mine
+    ]
+    conn = server.connect(fields["address"])
+    got = conn.pull(int(fields["uuids"][jax.process_index()]), want)
+    shards = {}
+    for (name, _, _), x in zip(mine, got, strict=True):
+        shards.setdefault(name, []).append(x)
+    placed, shardings = {}, weights.flatten(models.param_shardings(cfg, mesh))
+    for path, spec in models.param_specs(cfg).items():
+        name = weights.SEP.join(map(str, path))
+        placed[path] = jax.make_array_from_single_device_arrays(
+            spec.shape, shardings[path], shards[name]
+        )
+    return models.params.unflatten(placed)
+
+
 def receive(port: int, name: str) -> None:
     """The worker side: place every sync (LoRA: keep the base, merge each sync's adapters
     into it), acknowledge with its placement time. Several processes (JAXRL_DISTRIBUTED):
@@ -72,19 +140,36 @@ def receive(port: int, name: str) -> None:
     mesh = parallel.make_mesh()  # every device of the world on fsdp
     merger = weights.Merger(cfg, mesh)
     first = jax.process_index() == 0
+    server = None
+    if os.environ.get(PATH_ENV) == "transfer":
+        from jax.experimental import multihost_utils, transfer
+
+        client = jax.local_devices()[0].client
+        server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
     if first:
         listener = wire.listen("127.0.0.1", port)
         print(listener.getsockname()[1], flush=True)
         conn, _ = listener.accept()
         if not wire.authorize(conn, os.environ[TOKEN_ENV]):
             sys.exit("refused")
+        if server is not None:  # where each device's shards go, for the trainer to cut
+            layout = {str(p): items for p, items in slices(cfg, mesh).items()}
+            wire.send(conn, "layout", {"slices": layout})
     while True:
         got = wire.recv(conn) if first else None
         t = time.perf_counter()
         kind, fields, arrays = parallel.share(got)
         if kind == "close":
             return
-        if fields.get("part") == "base":
+        if kind == "transfer":
+            params = jax.block_until_ready(pull_own(cfg, mesh, server, fields))
+            multihost_utils.sync_global_devices("pulled")
+            if arrays:  # the first sync also carries the host path's bytes: equal, bitwise
+                same = jax.jit(lambda a, b: jax.tree.map(lambda u, w: (u == w).all(), a, b))
+                equal = same(params, weights.place(arrays, cfg, mesh))
+                if not all(bool(e) for e in jax.tree.leaves(equal)):
+                    sys.exit("the pulled weights differ from the host path's")
+        elif fields.get("part") == "base":
             merger.set_base(arrays)
             params = merger.base
         elif fields.get("part") == "adapters":
@@ -108,9 +193,28 @@ def lora_params(cfg, rank: int) -> tuple[dict, dict]:
     return models.lora.combine(base, adapters), weights.lora_settings(lcfg.lora)
 
 
-def bench(name: str, repeats: int, lora_rank: int = 0, processes: int = 1) -> dict:
+def offer(server, params, layout: dict) -> list[int]:
+    """Casts `params` to bfloat16 on the trainer's devices, cuts each receiving process's
+    slices (`layout`, from `slices`) and offers each process its list under a fresh
+    random uuid: the uuids, by process."""
+    flat = {
+        weights.SEP.join(map(str, path)): x.astype("bfloat16")
+        for path, x in weights.flatten(params).items()
+    }
+    uuids = []
+    for process in range(len(layout)):
+        cut = [
+            flat[name][tuple(slice(a, b) for a, b in bounds)]
+            for name, _, bounds in layout[str(process)]
+        ]
+        uuids.append(secrets.randbits(63))
+        server.await_pull(uuids[-1], cut)
+    return uuids
+
+
+def bench(name: str, repeats: int, lora_rank: int = 0, processes: int = 1, path: str = "host"):
     token = secrets.token_urlsafe(24)
-    env = os.environ | {TOKEN_ENV: token}
+    env = os.environ | {TOKEN_ENV: token, PATH_ENV: path}
     if processes > 1:  # one JAX world of `processes` processes, 2 CPU devices each
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -143,8 +247,25 @@ def bench(name: str, repeats: int, lora_rank: int = 0, processes: int = 1) -> di
         params = jax.block_until_ready(params)
         times, places = [], []
         with wire.connect(f"127.0.0.1:{port}", token) as sock:
+            if path == "transfer":
+                from jax.experimental import transfer
+
+                client = jax.devices()[0].client
+                server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
+                layout = wire.recv(sock)[1]["slices"]
             for v in range(repeats + 1):  # the first compiles the casts: not counted
                 t = time.perf_counter()
+                if path == "transfer":
+                    uuids = offer(server, params, layout)
+                    fields = {"version": v, "address": server.address(), "uuids": uuids}
+                    check = weights.host_copy(params) if v == 0 else None  # not timed
+                    wire.send(sock, "transfer", fields, check)
+                    _, fields_back, _ = wire.recv(sock)
+                    if v:
+                        times.append(time.perf_counter() - t)
+                        places.append(fields_back["place_s"])
+                    size = sum(2 * x.size for x in jax.tree.leaves(params))
+                    continue
                 host = weights.host_copy(params, base=base)
                 if host.base is not None and base is None:  # LoRA: the base, once
                     base = host.base
@@ -183,15 +304,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lora_rank", type=int, default=16, help="0: no LoRA rows")
     parser.add_argument("--worker_processes", type=int, default=1, help="the receiver's")
+    parser.add_argument("--path", default="host", choices=("host", "transfer"))
     parser.add_argument("--receive", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.receive:
         return receive(0, args.receive)
     print("| model | params | GB sent | s per sync (median, min-max) | GB/s | placement s |")
     print("|---|---:|---:|---:|---:|---:|")
+    if args.path == "transfer" and args.lora_rank:
+        parser.error("--path=transfer sends whole weights: give --lora_rank=0")
     ranks = (0, args.lora_rank) if args.lora_rank else (0,)
     for name, rank in [(name, rank) for name in args.models.split(",") for rank in ranks]:
-        r = bench(name, args.repeats, rank, args.worker_processes)
+        r = bench(name, args.repeats, rank, args.worker_processes, args.path)
         print(
             f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['gb']:.3f} | "
             f"{r['median_s']:.2f} ({r['min_s']:.2f}-{r['max_s']:.2f}) | {r['gbps']:.2f} | "
