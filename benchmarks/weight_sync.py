@@ -102,33 +102,45 @@ def slices(cfg, mesh) -> dict:
     return out
 
 
-def pull_own(cfg, mesh, server, fields) -> dict:
-    """This process's shards of every parameter, pulled under its uuid, as the model's
-    parameter tree on `mesh` (the shards of the other processes are theirs)."""
-    import jax.numpy as jnp
+class Puller:
+    """This process's side of the transfer path: its shards' slices, the arrays it asks
+    for and the parameters' shardings, worked out once; `pull(fields)` takes a sync's
+    shards under this process's uuid and returns the model's parameter tree on `mesh`
+    (the shards of the other processes are theirs)."""
 
-    mine = slices(cfg, mesh)[jax.process_index()]
-    devices = {d.id: d for d in mesh.devices.flat}
-    want = [
-        jax.ShapeDtypeStruct(
-            tuple(b - a for a, b in bounds),
-            jnp.bfloat16,
-            sharding=jax.sharding.SingleDeviceSharding(devices[dev]),
-        )
-        for _, dev, bounds in mine
-    ]
-    conn = server.connect(fields["address"])
-    got = conn.pull(int(fields["uuids"][jax.process_index()]), want)
-    shards = {}
-    for (name, _, _), x in zip(mine, got, strict=True):
-        shards.setdefault(name, []).append(x)
-    placed, shardings = {}, weights.flatten(models.param_shardings(cfg, mesh))
-    for path, spec in models.param_specs(cfg).items():
-        name = weights.SEP.join(map(str, path))
-        placed[path] = jax.make_array_from_single_device_arrays(
-            spec.shape, shardings[path], shards[name]
-        )
-    return models.params.unflatten(placed)
+    def __init__(self, cfg, mesh):
+        from jax.experimental import transfer
+
+        client = jax.local_devices()[0].client
+        self.server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
+        self.specs = models.param_specs(cfg)
+        self.shardings = weights.flatten(models.param_shardings(cfg, mesh))
+        self.mine = slices(cfg, mesh)[jax.process_index()]
+        devices = {d.id: d for d in mesh.devices.flat}
+        self.want = [
+            jax.ShapeDtypeStruct(
+                tuple(b - a for a, b in bounds),
+                "bfloat16",
+                sharding=jax.sharding.SingleDeviceSharding(devices[dev]),
+            )
+            for _, dev, bounds in self.mine
+        ]
+        self.conn = None  # to the trainer's server, at the first sync
+
+    def pull(self, fields) -> dict:
+        if self.conn is None:
+            self.conn = self.server.connect(fields["address"])
+        got = self.conn.pull(int(fields["uuids"][jax.process_index()]), self.want)
+        shards = {}
+        for (name, _, _), x in zip(self.mine, got, strict=True):
+            shards.setdefault(name, []).append(x)
+        placed = {
+            path: jax.make_array_from_single_device_arrays(
+                spec.shape, self.shardings[path], shards[weights.SEP.join(map(str, path))]
+            )
+            for path, spec in self.specs.items()
+        }
+        return models.params.unflatten(placed)
 
 
 def receive(port: int, name: str) -> None:
@@ -140,19 +152,14 @@ def receive(port: int, name: str) -> None:
     mesh = parallel.make_mesh()  # every device of the world on fsdp
     merger = weights.Merger(cfg, mesh)
     first = jax.process_index() == 0
-    server = None
-    if os.environ.get(PATH_ENV) == "transfer":
-        from jax.experimental import multihost_utils, transfer
-
-        client = jax.local_devices()[0].client
-        server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
+    puller = Puller(cfg, mesh) if os.environ.get(PATH_ENV) == "transfer" else None
     if first:
         listener = wire.listen("127.0.0.1", port)
         print(listener.getsockname()[1], flush=True)
         conn, _ = listener.accept()
         if not wire.authorize(conn, os.environ[TOKEN_ENV]):
             sys.exit("refused")
-        if server is not None:  # where each device's shards go, for the trainer to cut
+        if puller is not None:  # where each device's shards go, for the trainer to cut
             layout = {str(p): items for p, items in slices(cfg, mesh).items()}
             wire.send(conn, "layout", {"slices": layout})
     while True:
@@ -162,7 +169,9 @@ def receive(port: int, name: str) -> None:
         if kind == "close":
             return
         if kind == "transfer":
-            params = jax.block_until_ready(pull_own(cfg, mesh, server, fields))
+            from jax.experimental import multihost_utils
+
+            params = jax.block_until_ready(puller.pull(fields))
             multihost_utils.sync_global_devices("pulled")
             if arrays:  # the first sync also carries the host path's bytes: equal, bitwise
                 same = jax.jit(lambda a, b: jax.tree.map(lambda u, w: (u == w).all(), a, b))
@@ -253,6 +262,7 @@ def bench(name: str, repeats: int, lora_rank: int = 0, processes: int = 1, path:
                 client = jax.devices()[0].client
                 server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
                 layout = wire.recv(sock)[1]["slices"]
+                size = sum(2 * x.size for x in jax.tree.leaves(params))  # bfloat16 bytes
             for v in range(repeats + 1):  # the first compiles the casts: not counted
                 t = time.perf_counter()
                 if path == "transfer":
@@ -264,7 +274,6 @@ def bench(name: str, repeats: int, lora_rank: int = 0, processes: int = 1, path:
                     if v:
                         times.append(time.perf_counter() - t)
                         places.append(fields_back["place_s"])
-                    size = sum(2 * x.size for x in jax.tree.leaves(params))
                     continue
                 host = weights.host_copy(params, base=base)
                 if host.base is not None and base is None:  # LoRA: the base, once
@@ -309,10 +318,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.receive:
         return receive(0, args.receive)
-    print("| model | params | GB sent | s per sync (median, min-max) | GB/s | placement s |")
-    print("|---|---:|---:|---:|---:|---:|")
     if args.path == "transfer" and args.lora_rank:
         parser.error("--path=transfer sends whole weights: give --lora_rank=0")
+    print("| model | params | GB sent | s per sync (median, min-max) | GB/s | placement s |")
+    print("|---|---:|---:|---:|---:|---:|")
     ranks = (0, args.lora_rank) if args.lora_rank else (0,)
     for name, rank in [(name, rank) for name in args.models.split(",") for rank in ranks]:
         r = bench(name, args.repeats, rank, args.worker_processes, args.path)

@@ -22,6 +22,7 @@ def weight_sync(monkeypatch):
 
 
 def test_the_transfer_path_reaches_a_worker_of_two_processes_bitwise(weight_sync, monkeypatch):
+    pytest.importorskip("jax.experimental.transfer")  # not in every jax build
     r = weight_sync.bench("tiny", repeats=1, processes=2, path="transfer")
     assert r["gb"] > 0 and r["median_s"] > 0, r
 
