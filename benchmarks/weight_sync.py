@@ -23,17 +23,13 @@ devices each, gloo between them, as `workers.serve` with JAXRL_DISTRIBUTED=1): p
 reads each sync and shares it with the others (`parallel.share`, a broadcast), and every
 process places it on the world's mesh; "placement" is then the share and the placement.
 
---path=transfer: the accelerator path through `jax.experimental.transfer` (its
-`TransferServer` / `TransferConnection.pull`, on whichever backend jax runs) in place of
-the frame of bytes. Each receiving process pulls its own shards straight from the
-trainer's devices: process 0 sends the trainer, once, which slice of which parameter
-each device of the world holds (`Sharding.devices_indices_map`); each sync the trainer
-casts, cuts those slices on its devices and offers each process's list under a fresh
-random uuid of its own (a process pulling another's uuid would take buffers by its local
-index, and the second puller finds them fetched); each process pulls its list onto its
-devices and assembles the parameters (`jax.make_array_from_single_device_arrays`), and
-process 0 acknowledges once every process has them (a barrier). The wire carries only
-the address and the uuids. "placement" is then the pull, the assembly and the barrier.
+--path=transfer: the accelerator path, `rollout.worker_sync='transfer'`
+(`jaxrl_llm.workers.transfer`): each receiving process pulls its own shards straight
+from the trainer's devices through `jax.experimental.transfer` in place of the frame of
+bytes, and process 0 acknowledges once every process has them (a barrier). The wire
+carries only the address and the uuids. "placement" is then the pull, the assembly and
+the barrier. The first sync also carries the host path's bytes, and the receiver checks
+the pulled weights against them bit for bit.
 """
 
 from __future__ import annotations
@@ -52,7 +48,7 @@ import numpy as np
 from jaxrl_llm import models, parallel
 from jaxrl_llm.config import model_shapes
 from jaxrl_llm.parallel import distributed
-from jaxrl_llm.workers import weights, wire
+from jaxrl_llm.workers import transfer, weights, wire
 
 SHAPES = {  # config.json shapes (`config.model_shapes.HUB_CONFIGS`)
     "smollm2-135m": model_shapes.HUB_CONFIGS["HuggingFaceTB/SmolLM2-135M-Instruct"],
@@ -85,64 +81,6 @@ def random_params(cfg) -> dict:
     return models.params.unflatten(flat)
 
 
-def slices(cfg, mesh) -> dict:
-    """{process: [(parameter, device id, index)]}: the shard of each parameter that each
-    device of `mesh` holds under the engine's shardings, in one order for both sides."""
-    out, shardings = {}, weights.flatten(models.param_shardings(cfg, mesh))
-    for path, spec in models.param_specs(cfg).items():
-        sharding = shardings[path]
-        for device, index in sharding.devices_indices_map(spec.shape).items():
-            bounds = [
-                [i.start or 0, spec.shape[a] if i.stop is None else i.stop]
-                for a, i in enumerate(index)
-            ]
-            out.setdefault(device.process_index, []).append(
-                (weights.SEP.join(map(str, path)), device.id, bounds)
-            )
-    return out
-
-
-class Puller:
-    """This process's side of the transfer path: its shards' slices, the arrays it asks
-    for and the parameters' shardings, worked out once; `pull(fields)` takes a sync's
-    shards under this process's uuid and returns the model's parameter tree on `mesh`
-    (the shards of the other processes are theirs)."""
-
-    def __init__(self, cfg, mesh):
-        from jax.experimental import transfer
-
-        client = jax.local_devices()[0].client
-        self.server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
-        self.specs = models.param_specs(cfg)
-        self.shardings = weights.flatten(models.param_shardings(cfg, mesh))
-        self.mine = slices(cfg, mesh)[jax.process_index()]
-        devices = {d.id: d for d in mesh.devices.flat}
-        self.want = [
-            jax.ShapeDtypeStruct(
-                tuple(b - a for a, b in bounds),
-                "bfloat16",
-                sharding=jax.sharding.SingleDeviceSharding(devices[dev]),
-            )
-            for _, dev, bounds in self.mine
-        ]
-        self.conn = None  # to the trainer's server, at the first sync
-
-    def pull(self, fields) -> dict:
-        if self.conn is None:
-            self.conn = self.server.connect(fields["address"])
-        got = self.conn.pull(int(fields["uuids"][jax.process_index()]), self.want)
-        shards = {}
-        for (name, _, _), x in zip(self.mine, got, strict=True):
-            shards.setdefault(name, []).append(x)
-        placed = {
-            path: jax.make_array_from_single_device_arrays(
-                spec.shape, self.shardings[path], shards[weights.SEP.join(map(str, path))]
-            )
-            for path, spec in self.specs.items()
-        }
-        return models.params.unflatten(placed)
-
-
 def receive(port: int, name: str) -> None:
     """The worker side: place every sync (LoRA: keep the base, merge each sync's adapters
     into it), acknowledge with its placement time. Several processes (JAXRL_DISTRIBUTED):
@@ -152,7 +90,7 @@ def receive(port: int, name: str) -> None:
     mesh = parallel.make_mesh()  # every device of the world on fsdp
     merger = weights.Merger(cfg, mesh)
     first = jax.process_index() == 0
-    puller = Puller(cfg, mesh) if os.environ.get(PATH_ENV) == "transfer" else None
+    puller = transfer.Puller(cfg, mesh) if os.environ.get(PATH_ENV) == "transfer" else None
     if first:
         listener = wire.listen("127.0.0.1", port)
         print(listener.getsockname()[1], flush=True)
@@ -160,8 +98,7 @@ def receive(port: int, name: str) -> None:
         if not wire.authorize(conn, os.environ[TOKEN_ENV]):
             sys.exit("refused")
         if puller is not None:  # where each device's shards go, for the trainer to cut
-            layout = {str(p): items for p, items in slices(cfg, mesh).items()}
-            wire.send(conn, "layout", {"slices": layout})
+            wire.send(conn, "layout", {"slices": transfer.slices(cfg, mesh)})
     while True:
         got = wire.recv(conn) if first else None
         t = time.perf_counter()
@@ -202,25 +139,6 @@ def lora_params(cfg, rank: int) -> tuple[dict, dict]:
     return models.lora.combine(base, adapters), weights.lora_settings(lcfg.lora)
 
 
-def offer(server, params, layout: dict) -> list[int]:
-    """Casts `params` to bfloat16 on the trainer's devices, cuts each receiving process's
-    slices (`layout`, from `slices`) and offers each process its list under a fresh
-    random uuid: the uuids, by process."""
-    flat = {
-        weights.SEP.join(map(str, path)): x.astype("bfloat16")
-        for path, x in weights.flatten(params).items()
-    }
-    uuids = []
-    for process in range(len(layout)):
-        cut = [
-            flat[name][tuple(slice(a, b) for a, b in bounds)]
-            for name, _, bounds in layout[str(process)]
-        ]
-        uuids.append(secrets.randbits(63))
-        server.await_pull(uuids[-1], cut)
-    return uuids
-
-
 def bench(name: str, repeats: int, lora_rank: int = 0, processes: int = 1, path: str = "host"):
     token = secrets.token_urlsafe(24)
     env = os.environ | {TOKEN_ENV: token, PATH_ENV: path}
@@ -257,17 +175,13 @@ def bench(name: str, repeats: int, lora_rank: int = 0, processes: int = 1, path:
         times, places = [], []
         with wire.connect(f"127.0.0.1:{port}", token) as sock:
             if path == "transfer":
-                from jax.experimental import transfer
-
-                client = jax.devices()[0].client
-                server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
+                offer = transfer.Offer(toward="127.0.0.1")
                 layout = wire.recv(sock)[1]["slices"]
                 size = sum(2 * x.size for x in jax.tree.leaves(params))  # bfloat16 bytes
             for v in range(repeats + 1):  # the first compiles the casts: not counted
                 t = time.perf_counter()
                 if path == "transfer":
-                    uuids = offer(server, params, layout)
-                    fields = {"version": v, "address": server.address(), "uuids": uuids}
+                    fields = {"version": v} | offer.offer(offer.cast(params, "bfloat16"), layout)
                     check = weights.host_copy(params) if v == 0 else None  # not timed
                     wire.send(sock, "transfer", fields, check)
                     _, fields_back, _ = wire.recv(sock)

@@ -26,13 +26,13 @@ def test_the_transfer_path_reaches_a_worker_of_two_processes_bitwise(weight_sync
     r = weight_sync.bench("tiny", repeats=1, processes=2, path="transfer")
     assert r["gb"] > 0 and r["median_s"] > 0, r
 
-    offer = weight_sync.offer
+    cast = weight_sync.transfer.Offer.cast
 
-    def off_by_one(server, params, layout):
+    def off_by_one(params, dtype):
         import jax
 
-        return offer(server, jax.tree.map(lambda x: x + 1, params), layout)
+        return cast(jax.tree.map(lambda x: x + 1, params), dtype)
 
-    monkeypatch.setattr(weight_sync, "offer", off_by_one)
+    monkeypatch.setattr(weight_sync.transfer.Offer, "cast", staticmethod(off_by_one))
     with pytest.raises(weight_sync.wire.Closed):
         weight_sync.bench("tiny", repeats=1, processes=2, path="transfer")

@@ -359,6 +359,25 @@ def test_every_answer_is_read_as_it_comes(monkeypatch):
             },
             "model.lora.sampler='unmerged': rollout workers sample merged weights",
         ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
+                "rollout.worker_sync": "rdma",
+            },
+            "rollout.worker_sync='rdma': must be 'host' or 'transfer'",
+        ),
+        (
+            {
+                "rollout.mode": "split",
+                "rollout.workers": 1,
+                "rollout.worker_addresses": "a:1",
+                "rollout.worker_sync": "transfer",
+                "model.lora.rank": 4,
+            },
+            "rollout.worker_sync='transfer' sends whole weights: with model.lora use 'host'",
+        ),
     ],
 )
 def test_worker_config_checks(tmp_path, changes, message):
@@ -402,7 +421,7 @@ def test_a_static_worker_of_several_processes_checks_that_a_step_splits_over_the
 def test_a_trainer_of_several_processes_with_workers_samples_on_them(tmp_path):
     """Split mode with rollout workers takes a trainer of several processes; its own
     engine (evaluation's) stays static, and the paged one's refusal says where it goes.
-    Environments with workers take a trainer of one process."""
+    Environments with workers, and the transfer sync, take a trainer of one process."""
     from tiny_run import make_model_dir, tiny_config
 
     from jaxrl_llm.config import ConfigError, validate
@@ -421,6 +440,11 @@ def test_a_trainer_of_several_processes_with_workers_samples_on_them(tmp_path):
     c.env.name, c.env.workers, c.env.max_total_tokens = "calculator", 1, 64  # one process
     validate(c, process_count=1)
     with pytest.raises(ConfigError, match="env.name with rollout.workers: .* a trainer of one"):
+        validate(c, process_count=2)
+    c.env.name, c.rewards = "", {"gsm8k": 1.0}
+    c.rollout.worker_sync = "transfer"  # its server is one process's
+    validate(c, process_count=1)
+    with pytest.raises(ConfigError, match="'transfer' offers the weights from a trainer of one"):
         validate(c, process_count=2)
 
 
@@ -704,6 +728,21 @@ def test_a_worker_of_two_processes_draws_what_the_local_stream_draws(workers):
             stream.swap(params, 1)
             ((out, versions),) = _drain(stream).values()
             np.testing.assert_array_equal(versions, [0, 0, 1, 1, 1, 1])
+            np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
+        finally:
+            stream.close()
+        # rollout.worker_sync='transfer': each process pulls its own shards from this
+        # process's devices (the parameters sharded fsdp 4 x tensor 2 here), as drawn.
+        transfer = dataclasses.replace(remote, sync="transfer")
+        stream = open_session(transfer, "stream", params, 0, spec, chunk=2)
+        try:
+            assert sorted(stream.links[0].layout) == ["0", "1"]  # each process's slices
+            _every_step_as_local(stream, prompts, want)
+            stream.swap(params, 1)
+            stream.submit(9, *prompts[0], 0)
+            ((out, versions),) = _drain(stream).values()
+            assert (versions == 1).all()
+            assert {str(x.dtype) for x in stream.fleet.host.values()} == {"bfloat16"}
             np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
         finally:
             stream.close()
@@ -1137,6 +1176,7 @@ def get_config():
     c.mesh.rollout_devices = {rollout_devices}
     c.rollout.workers, c.rollout.worker_addresses = {n}, {addresses!r}
     c.model.lora.rank = {lora}
+    c.rollout.worker_sync = {sync!r}
     if {env}:  # multi-turn: the environments here, the turns on the workers
         c.rewards = {{}}
         c.env.name = {tests!r} + "/envs_for_tests.py:Sleepy"
@@ -1176,7 +1216,8 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(
     workers getting the base once and the adapters each step, merged as the trainer's
     merge does for the rollout mesh; "lora_two_hosts": both. "environments": multi-turn
     (env.name), the trainer's environments stepping each step's turns played on a worker
-    (`workers.turns`)."""
+    (`workers.turns`), the weights pulled by the workers through `jax.experimental.transfer`
+    (`rollout.worker_sync='transfer'`)."""
     import os
     import subprocess
     import sys
@@ -1194,9 +1235,11 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(
         file.write_text(RUN_CONFIG.format(tests=tests, model_dir=workers.path, **kw))
         return file
 
-    local = write("local", rollout_devices=4, n=0, addresses="", lora=lora, env=multi_turn)
+    sync = "transfer" if multi_turn else "host"
+    kw = dict(lora=lora, env=multi_turn, sync=sync)
+    local = write("local", rollout_devices=4, n=0, addresses="", **kw)
     addresses = ",".join(a for _, a in workers.static)
-    remote = write("remote", rollout_devices=0, n=2, addresses=addresses, lora=lora, env=multi_turn)
+    remote = write("remote", rollout_devices=0, n=2, addresses=addresses, **kw)
     devices = f"device_count={4 // processes}"
     env = os.environ | {
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace("device_count=8", devices),

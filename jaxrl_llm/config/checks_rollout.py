@@ -97,6 +97,8 @@ def check_rollout(config, mesh_shape, process_count: int) -> None:
     )
     check_engine(config, process_count)
     check_workers(config)
+    if r.workers:
+        check_worker_sync(config, process_count)
     if r.workers and config.get("env", {}).get("name"):
         require(
             process_count == 1,
@@ -173,6 +175,40 @@ def check_workers(config) -> None:
         not lora.get("rank") or lora.get("sampler") != "unmerged",
         "model.lora.sampler='unmerged': rollout workers sample merged weights (each "
         "merges the base and the adapters a sync sends); set it to 'merged' or 'auto'",
+    )
+
+
+def check_worker_sync(config, process_count: int) -> None:
+    """rollout.worker_sync: 'host', or 'transfer' where this jax has it, from a trainer of
+    one process, without LoRA or TLS (docs/workers.md, "The accelerator path")."""
+    r, why = config.rollout, "rollout.worker_sync='transfer'"
+    sync = r.get("worker_sync", "host")
+    require(
+        sync in ("host", "transfer"),
+        f"rollout.worker_sync={sync!r}: must be 'host' or 'transfer'",
+    )
+    if sync != "transfer":
+        return
+    import importlib.util
+
+    import jax
+
+    require(
+        importlib.util.find_spec("jax.experimental.transfer") is not None,
+        f"{why}: this jax ({jax.__version__}) has no jax.experimental.transfer; use 'host'",
+    )
+    require(
+        process_count == 1,
+        f"{why} offers the weights from a trainer of one process; a trainer of several uses 'host'",
+    )
+    require(
+        not config.model.lora.get("rank"),
+        f"{why} sends whole weights: with model.lora use 'host' (the adapters alone)",
+    )
+    require(
+        not r.get("worker_tls_ca", ""),
+        f"{why}: the transfer server sends the weights unencrypted; with "
+        "rollout.worker_tls_ca use 'host'",
     )
 
 

@@ -206,6 +206,11 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # their certificates must chain to; the workers serve with --tls_cert and --tls_key.
     # "": plain TCP (the token and the weights in clear: a private network only).
     r.worker_tls_ca = ""
+    # How the weights reach the workers: host (each sync's bytes fetched to this host and
+    # sent over the worker's link; every backend) | transfer (each worker process pulls its
+    # own shards from this trainer's devices through jax.experimental.transfer; the link
+    # carries only the uuids; not with LoRA, TLS or a trainer of several processes).
+    r.worker_sync = "host"
     # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
     # KV cache (`sampling.PagedSampler`, docs/sampling.md#paged-engine): finished rows hand

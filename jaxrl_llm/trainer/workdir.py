@@ -88,6 +88,7 @@ NOT_MEANINGFUL = frozenset(
         "rollout.worker_start_s",  # fewer or more of them
         "rollout.worker_retry_s",
         "rollout.worker_tls_ca",
+        "rollout.worker_sync",  # how the same weights reach them
         "env.step_timeout_s",  # limits of the environment's workers: how long, how
         "env.trajectory_timeout_s",  # many and how much memory; raising one is the fix
         "env.workers",  # for a run stopped by timeouts or memory errors

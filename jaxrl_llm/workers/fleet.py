@@ -4,7 +4,7 @@ rows: `remote.RemoteStream` (single-turn steps) and `turns.RemoteTurns` (multi-t
 
     fleet = Fleet(workers, {"kind": "stream", ...})  # `Workers`; the 'open' request's fields
     fleet.connect()                        # every worker given (or listed) that answers
-    fleet.push(params, version)            # one host copy, sent to every worker (`weights`)
+    fleet.push(params, version)            # one copy, to every worker (`weights`, `transfer`)
     answers = fleet.exchange(links, kind, fields, arrays)   # one request each, in parallel
     answers = fleet.exchange_each([(link, fields, arrays), ...], kind)   # each its own
     fleet.refresh()                        # between steps: who joined, who left, who is back
@@ -59,6 +59,10 @@ class Workers:
     # LoRA (`model.lora`): the adapters the workers merge into the base (a
     # `models.LoraConfig`); None: the parameters sent are the plain model's.
     lora: object = None
+    # How the weights reach the workers (`rollout.worker_sync`): 'host' (`weights`: one
+    # host copy, sent over each link) or 'transfer' (`transfer`: each worker process
+    # pulls its shards from this process's devices; the link carries the uuids).
+    sync: str = "host"
 
 
 JOIN_TIMEOUT_S = 5.0  # the connection to a joining worker (the rollout waits for it)
@@ -76,6 +80,7 @@ class _Link:
     alive: bool = True
     leaving: bool = False  # no longer listed: takes no new work, closed once it holds none
     has_base: bool = False  # LoRA: holds the base weights (sent once per connection)
+    layout: dict | None = None  # transfer sync: its devices' slices (`transfer.slices`)
     # What its 'open' answer says of its engine (`_opened`): whether each row draws with
     # its own key, and what a batch's prompts must be a multiple of.
     row_keys: bool = False
@@ -91,13 +96,16 @@ class Fleet:
     def __init__(self, workers: Workers, opened: dict, reassign=None):
         w = workers
         self.workers, self.dtype, self.reassign = w, w.dtype, reassign
-        self.opened = opened | dict(pad_id=w.pad_id, seed=w.seed)
+        self.opened = opened | dict(pad_id=w.pad_id, seed=w.seed, sync=w.sync)
+        self.offer = None  # transfer sync: the server the workers pull from (`transfer.Offer`)
         self.tls = wire.client_context(w.tls_ca) if w.tls_ca else None
         self.file_seen, self.tried = None, {}  # the file's (mtime, size); address -> when
         self.links: list = []
         self.orphans: list = []  # what lost workers held, not reassigned yet
         self.given = 0  # work given out (each link's `last` counts from it)
-        self.host, self.version = None, None  # the last sync's host copy and its version
+        # The last sync's copy (a `weights.Host`; transfer: the cast arrays on this
+        # process's devices) and its version: kept for a worker that joins.
+        self.host, self.version = None, None
         self.stats = {
             "requeued": 0,
             "workers_lost": 0,
@@ -140,10 +148,13 @@ class Fleet:
 
     def push(self, params, version: int) -> None:
         """`params` to every worker, as version `version`."""
-        base = self.host.base if self.host is not None else None  # LoRA: copied once
-        host = weights.host_copy(params, self.dtype, base)  # one copy for every worker
+        if self.workers.sync == "transfer":
+            host = self._transfer_copy(params)
+        else:
+            base = self.host.base if self.host is not None else None  # LoRA: copied once
+            host = weights.host_copy(params, self.dtype, base)  # one copy for every worker
         self._send_weights(self.alive, host, version)
-        self.host, self.version = host, version  # kept for a worker that joins
+        self.host, self.version = host, version
 
     def close(self) -> None:
         for link in self.alive:
@@ -246,6 +257,11 @@ class Fleet:
         for link, (fields, _) in answers:
             link.row_keys = bool(fields.get("row_keys"))
             link.prompt_multiple = int(fields.get("prompt_multiple", 1))
+            link.layout = fields.get("slices")
+            if self.workers.sync == "transfer" and link.layout is None:
+                raise wire.WorkerError(
+                    f"worker {link.address} does not serve rollout.worker_sync='transfer'"
+                )
 
     # ------------------------------------------------------------------ connections
     def _connect(self, address: str, timeout_s: float, hello_s: float | None = None):
@@ -326,10 +342,36 @@ class Fleet:
                 raise UserError("rollout.worker_addresses", f"{path}: {a!r} is not host:port")
         return listed
 
+    def _transfer_copy(self, params) -> dict:
+        """A transfer sync's copy: `params` cast on this process's devices, the server
+        they are offered from started at the first (on this host's address toward the
+        first worker's)."""
+        from jaxrl_llm.models import lora
+
+        if isinstance(params, weights.Host) or lora.has_adapters(params):
+            raise UserError(
+                "rollout.worker_sync",
+                "'transfer' sends whole weights from a trainer of one process: with LoRA, "
+                "or from a trainer of several processes, use 'host'",
+            )
+        if self.offer is None:
+            from jaxrl_llm.workers import transfer
+
+            self.offer = transfer.Offer(toward=self.alive[0].sock.getpeername()[0])
+        return self.offer.cast(params, self.dtype)
+
     def _send_weights(self, links, host, version: int) -> None:
-        """`host` (a `weights.Host`) to each of `links`; LoRA: the base first to those
-        that lack it, then the adapters."""
+        """`host` (a `weights.Host`; transfer: `_transfer_copy`'s) to each of `links`;
+        LoRA: the base first to those that lack it, then the adapters. A transfer sync
+        offers each link its slices; one that a lost worker left unpulled goes with the
+        server, replaced then."""
         fields = {"version": int(version)}
+        if self.workers.sync == "transfer":
+            links = [k for k in links if k.alive]
+            asked = [(k, fields | self.offer.offer(host, k.layout), None) for k in links]
+            if len(self.exchange_each(asked, "weights")) < len(links):
+                self.offer.reset()
+            return
         if host.base is not None:
             if self.workers.lora is None:
                 raise UserError("rollout.workers", "LoRA parameters, but Workers.lora is None")

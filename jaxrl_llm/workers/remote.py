@@ -146,6 +146,7 @@ def rollout_workers(c, pad_id: int):
         connect_timeout_s=float(c.rollout.get("worker_start_s", 60.0)),
         retry_s=float(c.rollout.get("worker_retry_s", 30.0)),
         tls_ca=c.rollout.get("worker_tls_ca") or None,
+        sync=c.rollout.get("worker_sync", "host"),
         lora=config_lib.lora_config(c),
         addresses_file=listed,
         min_workers=c.rollout.workers,

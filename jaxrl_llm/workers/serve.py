@@ -19,9 +19,12 @@ is checked as a synchronous run's on this process's devices with that mesh
   requests (`serve_turns.handle`) play a part of a step's rows on a turns session of the
   weights held (a swap reaches it).
 - `weights` (version; every parameter as an array, `weights`): placed on the mesh, the
-  session's `swap` (or its opening). LoRA: part 'base' (the frozen base, once per
-  connection: kept), then part 'adapters' each sync (lora, dtype): merged into the base
-  on this worker's devices (`weights.Merger`), then as above.
+  session's `swap` (or its opening). Transfer sync (`open` with sync 'transfer', answered
+  with the devices' `slices`): the frame carries the trainer's transfer address and a uuid
+  per process instead, and each process pulls its shards (`transfer.Puller`). LoRA:
+  part 'base' (the frozen base, once per connection: kept), then part 'adapters' each
+  sync (lora, dtype): merged into the base on this worker's devices (`weights.Merger`),
+  then as above.
 - `submit` (step, key; prompt_ids, prompt_mask): the session's `submit`.
 - `run`: one `run_chunk` when busy -> the steps finished, each `SampleOutput` field and
   the token_versions as arrays `<step>/<field>`, and the session's version, busy,
@@ -64,7 +67,7 @@ from jaxrl_llm.errors import UserError
 from jaxrl_llm.parallel import distributed
 from jaxrl_llm.rollout.sources import make_sampler
 from jaxrl_llm.sampling.engine import open_session
-from jaxrl_llm.workers import serve_turns, weights, wire
+from jaxrl_llm.workers import serve_turns, transfer, weights, wire
 
 HELLO_TIMEOUT_S = 10.0  # a connection that does not say hello by then is dropped
 # A trainer whose host vanished (no FIN, no RST reaches the worker) would hold the worker
@@ -97,6 +100,7 @@ class Worker:
         self.mesh = parallel.make_mesh(config_lib.mesh_axes(config.mesh), devices)
         self.engines: dict = {}  # pad id -> engine
         self.merger = weights.Merger(self.cfg, self.mesh)  # LoRA: base + adapters
+        self.puller = None  # transfer sync: `transfer.Puller`, from the first that asks
         self.reset()
 
     def reset(self) -> None:
@@ -118,6 +122,8 @@ class Worker:
                 return {}, {}
             if part == "adapters":
                 params = self.merger.merge(arrays, fields["lora"], fields["dtype"])
+            elif "uuids" in fields:
+                params = self._pull(fields)
             else:
                 params = weights.place(arrays, self.cfg, self.mesh)
             self.params, self.version = params, fields["version"]
@@ -165,13 +171,30 @@ class Worker:
             self.spec = sampling.RolloutSpec(**fields["spec"])
             self.chunk = int(fields["chunk"])
         engine = self.engine
-        return dict(
+        answer = dict(
             devices=len(self.mesh.devices.flat),
             engine=type(engine).__name__,
             row_keys=bool(engine.row_keys),
             # a batch splits over the engine's mesh, and over the processes (`own_rows`)
             prompt_multiple=math.lcm(int(engine.prompt_multiple), serve_turns.processes(engine)),
         )
+        if fields.get("sync") == "transfer":  # where each device's shards go
+            if self.puller is None:
+                self.puller = transfer.Puller(self.cfg, self.mesh)
+            answer["slices"] = transfer.slices(self.cfg, self.mesh)
+        return answer
+
+    def _pull(self, fields: dict) -> dict:
+        """A transfer sync: this process's shards pulled from the trainer's devices, then
+        a barrier, so that process 0 answers once every process holds them."""
+        if self.puller is None:
+            raise wire.WorkerError("a transfer sync on a connection not opened for one")
+        params = jax.block_until_ready(self.puller.pull(fields))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("weights pulled")
+        return params
 
     def _run(self) -> tuple[dict, dict]:
         s = self.session
