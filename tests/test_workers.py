@@ -635,8 +635,15 @@ def test_remote_stream_draws_what_the_local_stream_draws(workers):
         ((out, versions),) = _drain(stream).values()
         assert stream.version == 1 and (versions == 1).all()
         np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
+        # what the metrics log of the last sync: its seconds, the bfloat16 bytes each got
+        assert stream.stats["weight_sync_s"] > 0
+        assert stream.stats["weight_sync_gb"] == _bf16_gb(params)
     finally:
         stream.close()
+
+
+def _bf16_gb(params) -> float:
+    return round(sum(x.size * 2 for x in jax.tree.leaves(params)) / 1e9, 6)
 
 
 def test_a_tls_worker_draws_for_a_trainer_with_its_ca(workers, tmp_path):
@@ -743,6 +750,7 @@ def test_a_worker_of_two_processes_draws_what_the_local_stream_draws(workers):
             ((out, versions),) = _drain(stream).values()
             assert (versions == 1).all()
             assert {str(x.dtype) for x in stream.fleet.host.values()} == {"bfloat16"}
+            assert stream.stats["weight_sync_gb"] == _bf16_gb(params)
             np.testing.assert_array_equal(out.tokens, want[0][0].tokens)
         finally:
             stream.close()
@@ -1280,6 +1288,7 @@ def test_a_split_run_with_workers_trains_as_with_a_rollout_mesh(
     for key in ("reward/mean", "rollout/length_mean"):  # every process's rows
         np.testing.assert_allclose([m[key] for m in mb], [m[key] for m in ma], atol=1e-6)
     assert [m["rollout/workers"] for m in mb] == [2, 2]  # drawn by the workers
+    assert all(m["rollout/weight_sync_s"] > 0 for m in mb)  # the last sync's seconds
     if multi_turn:
         assert [m["rollout/workers_lost"] for m in mb] == [0, 0]
         assert all(m["env/turns_mean"] > 1 for m in mb)

@@ -158,8 +158,17 @@ class Handoff:
             self._cond.notify_all()
 
 
-# `Fleet.stats` (rollout workers) logged each step: connected now, joined, lost, timed out, redrawn.
-WORKER_COUNTERS = ("workers", "workers_joined", "workers_lost", "workers_timed_out", "requeued")
+# `Fleet.stats` (rollout workers) logged each step: connected now, joined, lost, timed out,
+# redrawn; the last weight sync's seconds and GB.
+WORKER_COUNTERS = (
+    "workers",
+    "workers_joined",
+    "workers_lost",
+    "workers_timed_out",
+    "requeued",
+    "weight_sync_s",
+    "weight_sync_gb",
+)
 
 
 class RolloutThread:

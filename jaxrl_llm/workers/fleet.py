@@ -147,7 +147,10 @@ class Fleet:
         return links
 
     def push(self, params, version: int) -> None:
-        """`params` to every worker, as version `version`."""
+        """`params` to every worker, as version `version`. `stats['weight_sync_s']`: how
+        long it took (the copy, the sends, every worker's placement and answer);
+        `stats['weight_sync_gb']`: what each worker received (LoRA: the adapters)."""
+        start = time.perf_counter()
         if self.workers.sync == "transfer":
             host = self._transfer_copy(params)
         else:
@@ -155,6 +158,8 @@ class Fleet:
             host = weights.host_copy(params, self.dtype, base)  # one copy for every worker
         self._send_weights(self.alive, host, version)
         self.host, self.version = host, version
+        self.stats["weight_sync_s"] = round(time.perf_counter() - start, 4)
+        self.stats["weight_sync_gb"] = round(sum(x.nbytes for x in host.values()) / 1e9, 6)
 
     def close(self) -> None:
         for link in self.alive:
