@@ -209,7 +209,8 @@ def rollout_defaults() -> ml_collections.ConfigDict:
     # How the weights reach the workers: host (each sync's bytes fetched to this host and
     # sent over the worker's link; every backend) | transfer (each worker process pulls its
     # own shards from this trainer's devices through jax.experimental.transfer; the link
-    # carries only the uuids; not with LoRA, TLS or a trainer of several processes).
+    # carries only the uuids; not with LoRA, TLS or a trainer of several processes; it pays
+    # into workers of several processes: into one on a CPU host, 'host' is faster).
     r.worker_sync = "host"
     # static: the dense-batch sampler (`sampling.Sampler`): every row keeps its slot and its
     # KV cache until the batch's longest row stops. paged: continuous batching over a paged
