@@ -181,7 +181,7 @@ class Worker:
         if fields.get("sync") == "transfer":  # where each device's shards go
             if self.puller is None:
                 self.puller = transfer.Puller(self.cfg, self.mesh)
-            answer["slices"] = transfer.slices(self.cfg, self.mesh)
+            answer["slices"] = self.puller.layout
         return answer
 
     def _pull(self, fields: dict) -> dict:

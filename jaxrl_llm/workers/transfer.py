@@ -103,6 +103,9 @@ class Offer:
                 f"weights do not fit the worker's model: missing {sorted(names - cast.keys())[:3]}"
                 f", extra {sorted(cast.keys() - names)[:3]}"
             )
+        devices = {  # where each parameter's slices may go (a pull takes one device's)
+            name: sorted(x.sharding.device_set, key=lambda d: d.id) for name, x in cast.items()
+        }
         uuids = []
         for process in range(len(layout)):
             items = layout[str(process)]
@@ -110,9 +113,6 @@ class Offer:
             if key not in self.cutters:  # one program per worker process's slices
                 self.cutters[key] = jax.jit(functools.partial(_cut, items))
             cut = self.cutters[key](cast)
-            devices = {
-                name: sorted(x.sharding.device_set, key=lambda d: d.id) for name, x in cast.items()
-            }
             cut = [
                 jax.device_put(x, devices[name][k % len(devices[name])])
                 for k, (x, (name, _, _)) in enumerate(zip(cut, items, strict=True))
@@ -135,14 +135,16 @@ def _cut(items: list, cast: dict) -> list:
 
 
 class Puller:
-    """A worker process's side: its slices, the parameters' shardings, and (from the first
-    pull) a transfer server and a connection to the trainer's; `pull(fields)` takes a
-    sync's shards under this process's uuid -> the parameter tree on `mesh`."""
+    """A worker process's side: the world's slices (`layout`) and its own, the parameters'
+    shardings, and (from the first pull) a transfer server and a connection to the
+    trainer's; `pull(fields)` takes a sync's shards under this process's uuid -> the
+    parameter tree on `mesh`."""
 
     def __init__(self, cfg, mesh):
         self.specs = models.param_specs(cfg)
         self.shardings = weights.flatten(models.param_shardings(cfg, mesh))
-        self.mine = slices(cfg, mesh).get(str(jax.process_index()), [])
+        self.layout = slices(cfg, mesh)  # every process's, for the 'open' answer
+        self.mine = self.layout.get(str(jax.process_index()), [])
         self.devices = {d.id: d for d in mesh.devices.flat}
         self.server, self.conn, self.address, self.wants = None, None, None, {}
 
